@@ -1,0 +1,1 @@
+//! Safe Rust arrays over MLX.

@@ -1,0 +1,3 @@
+//! End-to-end tests across crates: one test binary, one module per area.
+
+mod cli;
