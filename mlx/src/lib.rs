@@ -1,1 +1,37 @@
-//! Safe Rust arrays over MLX.
+//! Safe Rust arrays over MLX's C++ API.
+//!
+//! MLX is linked from the `libmlx` of an official MLX wheel (mlx-cpu on Linux, mlx-cuda-13
+//! on Linux with NVIDIA GPUs, mlx-metal on macOS) found at build time; see `build.rs`.
+//! The binding is a small `cxx` shim (`src/shim.cc`, private module `ffi`): every bridged
+//! call returns a `Result`, so an MLX exception becomes [`Error::Mlx`] with MLX's message.
+//!
+//! Main types: [`Array`] (a lazy MLX array; ops are methods or free functions in
+//! [`ops`]), [`Dtype`], and the fused kernels in [`fast`].
+//!
+//! ```no_run
+//! use mlx::{Array, fast};
+//! let x = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[1, 4])?;
+//! let y = fast::rms_norm(&x, None, 1e-5)?;
+//! let host: Vec<f32> = y.to_vec()?;
+//! # Ok::<(), mlx::Error>(())
+//! ```
+
+mod array;
+mod device;
+mod dtype;
+mod error;
+pub mod fast;
+mod ffi;
+pub mod io;
+pub mod ops;
+mod quantized;
+pub mod random;
+
+pub use array::{async_eval, eval, Array};
+pub use device::{
+    active_memory, cache_memory, clear_cache, default_device, gpu_available, peak_memory,
+    reset_peak_memory, set_cache_limit, set_default_device, version, Device,
+};
+pub use dtype::{Dtype, Element};
+pub use error::{Error, Result};
+pub use quantized::{dequantize, quantize, quantized_matmul, QuantSpec, Quantized};

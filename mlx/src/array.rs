@@ -1,0 +1,179 @@
+//! [`Array`]: an owned handle to one MLX array, and its host-buffer conversions.
+
+use cxx::UniquePtr;
+
+use crate::error::check;
+use crate::ffi::ffi;
+use crate::{Dtype, Element, Error, Result};
+
+/// An MLX array: a node of MLX's lazy graph. Cloning is cheap and shares the buffer;
+/// ops build new nodes and [`Array::eval`] computes them.
+pub struct Array {
+    pub(crate) raw: UniquePtr<ffi::Array>,
+}
+
+// SAFETY: an MLX array handle is a shared_ptr to its descriptor; moving it to another
+// thread is sound (atomic reference count). The type is not Sync: two threads must not
+// evaluate or read one graph at the same time through shared references.
+unsafe impl Send for Array {}
+
+impl Array {
+    pub(crate) fn wrap(
+        op: &'static str,
+        r: std::result::Result<UniquePtr<ffi::Array>, cxx::Exception>,
+    ) -> Result<Array> {
+        let raw = check(op, r)?;
+        if raw.is_null() {
+            return Err(Error::Mlx {
+                op,
+                message: "returned a null array".into(),
+            });
+        }
+        Ok(Array { raw })
+    }
+
+    pub(crate) fn inner(&self) -> &ffi::Array {
+        // `wrap` never stores a null pointer.
+        self.raw.as_ref().expect("Array holds a null handle")
+    }
+
+    /// Copies a host slice into a new array of the given shape (row-major).
+    pub fn from_slice<T: Element>(data: &[T], shape: &[i32]) -> Result<Array> {
+        Self::from_bytes(bytemuck::cast_slice(data), shape, T::DTYPE)
+    }
+
+    /// Copies raw little-endian host bytes into a new array of the given shape and dtype.
+    pub fn from_bytes(bytes: &[u8], shape: &[i32], dtype: Dtype) -> Result<Array> {
+        Self::wrap(
+            "from_bytes",
+            ffi::array_from_bytes(bytes, shape, dtype.code()),
+        )
+    }
+
+    /// A 0-d array holding `value` converted to `dtype`.
+    pub fn scalar(value: f64, dtype: Dtype) -> Result<Array> {
+        Self::wrap("scalar", ffi::array_scalar(value, dtype.code()))
+    }
+
+    /// Evaluates the array and copies its elements to the host; `T` must match the dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        let actual = self.dtype();
+        if actual != T::DTYPE {
+            return Err(Error::DtypeMismatch {
+                expected: T::DTYPE,
+                actual,
+            });
+        }
+        let bytes = self.to_bytes()?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Evaluates the array and copies its elements to the host as row-major bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        check("to_bytes", ffi::array_to_bytes(self.inner()))
+    }
+
+    /// The dimensions of the array.
+    pub fn shape(&self) -> Vec<i32> {
+        // Reading a field of the descriptor cannot throw.
+        check("shape", ffi::array_shape(self.inner())).unwrap_or_default()
+    }
+
+    /// The number of dimensions.
+    pub fn ndim(&self) -> usize {
+        self.shape().len()
+    }
+
+    /// The number of elements.
+    pub fn size(&self) -> usize {
+        self.shape().iter().map(|&d| d as usize).product()
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> Dtype {
+        check("dtype", ffi::array_dtype(self.inner()))
+            .and_then(Dtype::from_code)
+            .unwrap_or(Dtype::F32)
+    }
+
+    /// Bytes the elements take (size × element size), whether or not evaluated.
+    pub fn nbytes(&self) -> usize {
+        check("nbytes", ffi::array_nbytes(self.inner())).unwrap_or(0)
+    }
+
+    /// Address of the first element of an evaluated array. Used to check buffer donation
+    /// (an in-place update keeps the address); an unevaluated array is an error.
+    pub fn data_addr(&self) -> Result<usize> {
+        check("data_addr", ffi::array_data_addr(self.inner()))
+    }
+
+    /// Computes the array (and everything it depends on) now.
+    pub fn eval(&self) -> Result<()> {
+        crate::eval(&[self])
+    }
+
+    /// Reads a single-element array as f32 (converting its dtype).
+    pub fn item_f32(&self) -> Result<f32> {
+        let v = self.astype(Dtype::F32)?.to_vec::<f32>()?;
+        v.first().copied().ok_or(Error::InvalidArgument {
+            op: "item_f32",
+            message: "array is empty".into(),
+        })
+    }
+
+    /// Reads a single-element array as i32 (converting its dtype).
+    pub fn item_i32(&self) -> Result<i32> {
+        let v = self.astype(Dtype::I32)?.to_vec::<i32>()?;
+        v.first().copied().ok_or(Error::InvalidArgument {
+            op: "item_i32",
+            message: "array is empty".into(),
+        })
+    }
+}
+
+impl Clone for Array {
+    /// A second handle to the same array node (no copy of the data).
+    fn clone(&self) -> Self {
+        // Copying a shared_ptr cannot throw except on allocation failure, which aborts
+        // in Rust as well.
+        Array::wrap("clone", ffi::array_clone(self.inner())).expect("cloning an MLX array handle")
+    }
+}
+
+impl std::fmt::Debug for Array {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Array")
+            .field("shape", &self.shape())
+            .field("dtype", &self.dtype())
+            .finish()
+    }
+}
+
+/// Builds an MLX list of arrays (also used for an optional array: empty or one).
+pub(crate) fn list(op: &'static str, arrays: &[&Array]) -> Result<UniquePtr<ffi::ArrayList>> {
+    let mut l = check(op, ffi::list_new())?;
+    for a in arrays {
+        check(op, ffi::list_push(l.pin_mut(), a.inner()))?;
+    }
+    Ok(l)
+}
+
+/// Reads every array out of an MLX list.
+pub(crate) fn unlist(op: &'static str, l: &ffi::ArrayList) -> Result<Vec<Array>> {
+    let n = check(op, ffi::list_len(l))?;
+    (0..n)
+        .map(|i| Array::wrap(op, ffi::list_get(l, i)))
+        .collect()
+}
+
+/// Computes all the given arrays now, sharing work between their graphs.
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    let l = list("eval", arrays)?;
+    check("eval", ffi::eval(&l))
+}
+
+/// Starts computing the given arrays in the background; a later read or eval waits.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    let l = list("async_eval", arrays)?;
+    check("async_eval", ffi::async_eval(&l))
+}

@@ -1,0 +1,68 @@
+//! The default device (CPU or GPU) and MLX's memory counters.
+
+use crate::error::check;
+use crate::ffi::ffi;
+use crate::Result;
+
+/// Where MLX runs ops that do not name a stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend.
+    Cpu,
+    /// The GPU backend (Metal on macOS, CUDA on Linux with mlx-cuda).
+    Gpu,
+}
+
+/// Makes `device` the default for all later ops on this thread's streams.
+pub fn set_default_device(device: Device) -> Result<()> {
+    check(
+        "set_default_device",
+        ffi::set_default_device(device == Device::Gpu),
+    )
+}
+
+/// The current default device.
+pub fn default_device() -> Result<Device> {
+    let gpu = check("default_device", ffi::default_device_is_gpu())?;
+    Ok(if gpu { Device::Gpu } else { Device::Cpu })
+}
+
+/// Whether this libmlx has a usable GPU backend.
+pub fn gpu_available() -> Result<bool> {
+    check("gpu_available", ffi::gpu_available())
+}
+
+/// The MLX version string of the linked libmlx.
+pub fn version() -> Result<String> {
+    check("version", ffi::version())
+}
+
+/// Bytes held by live arrays.
+pub fn active_memory() -> Result<usize> {
+    check("active_memory", ffi::active_memory())
+}
+
+/// The highest active memory since start or the last [`reset_peak_memory`].
+pub fn peak_memory() -> Result<usize> {
+    check("peak_memory", ffi::peak_memory())
+}
+
+/// Restarts peak tracking from the current active memory.
+pub fn reset_peak_memory() -> Result<()> {
+    check("reset_peak_memory", ffi::reset_peak_memory())
+}
+
+/// Bytes MLX keeps in its buffer cache for reuse.
+pub fn cache_memory() -> Result<usize> {
+    check("cache_memory", ffi::cache_memory())
+}
+
+/// Caps the buffer cache; returns the previous limit.
+pub fn set_cache_limit(bytes: usize) -> Result<usize> {
+    check("set_cache_limit", ffi::set_cache_limit(bytes))
+}
+
+/// Frees the buffer cache.
+pub fn clear_cache() -> Result<()> {
+    check("clear_cache", ffi::clear_cache())
+}

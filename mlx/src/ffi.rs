@@ -1,0 +1,211 @@
+//! The cxx bridge to shim.h. Private: the safe API lives in the other modules.
+//!
+//! Every function is declared `Result` so a C++ exception thrown by MLX becomes a
+//! `cxx::Exception` carrying MLX's message, never an abort.
+
+#[cxx::bridge(namespace = "kvmlx")]
+pub(crate) mod ffi {
+    /// Element-wise unary operations.
+    #[repr(u8)]
+    enum UnaryOp {
+        Negative,
+        Abs,
+        Exp,
+        Log,
+        Sqrt,
+        Rsqrt,
+        Square,
+        Tanh,
+        Sigmoid,
+        Sin,
+        Cos,
+        LogicalNot,
+        Silu,
+        GeluTanh,
+    }
+
+    /// Element-wise binary operations (with broadcasting).
+    #[repr(u8)]
+    enum BinaryOp {
+        Add,
+        Subtract,
+        Multiply,
+        Divide,
+        Maximum,
+        Minimum,
+        Power,
+        Equal,
+        NotEqual,
+        Less,
+        LessEqual,
+        Greater,
+        GreaterEqual,
+        LogicalAnd,
+        LogicalOr,
+    }
+
+    /// Reductions along one axis.
+    #[repr(u8)]
+    enum ReduceOp {
+        Sum,
+        Mean,
+        Max,
+        Min,
+        Argmax,
+        Argmin,
+        Logsumexp,
+    }
+
+    unsafe extern "C++" {
+        include!("shim.h");
+
+        type Array;
+        type ArrayList;
+        type Loaded;
+
+        fn array_from_bytes(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
+        fn array_scalar(value: f64, dtype: u8) -> Result<UniquePtr<Array>>;
+        fn array_clone(a: &Array) -> Result<UniquePtr<Array>>;
+        fn array_to_bytes(a: &Array) -> Result<Vec<u8>>;
+        fn array_shape(a: &Array) -> Result<Vec<i32>>;
+        fn array_dtype(a: &Array) -> Result<u8>;
+        fn array_nbytes(a: &Array) -> Result<usize>;
+        fn array_data_addr(a: &Array) -> Result<usize>;
+        fn list_new() -> Result<UniquePtr<ArrayList>>;
+        fn list_push(list: Pin<&mut ArrayList>, a: &Array) -> Result<()>;
+        fn list_len(list: &ArrayList) -> Result<usize>;
+        fn list_get(list: &ArrayList, i: usize) -> Result<UniquePtr<Array>>;
+
+        fn zeros(shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
+        fn full(shape: &[i32], value: f64, dtype: u8) -> Result<UniquePtr<Array>>;
+        fn arange(start: f64, stop: f64, step: f64, dtype: u8) -> Result<UniquePtr<Array>>;
+        fn reshape(a: &Array, shape: &[i32]) -> Result<UniquePtr<Array>>;
+        fn transpose(a: &Array, axes: &[i32]) -> Result<UniquePtr<Array>>;
+        fn expand_dims(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn squeeze(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn broadcast_to(a: &Array, shape: &[i32]) -> Result<UniquePtr<Array>>;
+        fn slice(
+            a: &Array,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+        ) -> Result<UniquePtr<Array>>;
+        fn slice_update(
+            src: UniquePtr<Array>,
+            update: &Array,
+            start: &[i32],
+            stop: &[i32],
+        ) -> Result<UniquePtr<Array>>;
+        fn take(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn take_along_axis(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;
+        fn stack(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;
+        fn astype(a: &Array, dtype: u8) -> Result<UniquePtr<Array>>;
+        fn contiguous(a: &Array) -> Result<UniquePtr<Array>>;
+
+        fn unary(op: UnaryOp, a: &Array) -> Result<UniquePtr<Array>>;
+        fn binary(op: BinaryOp, a: &Array, b: &Array) -> Result<UniquePtr<Array>>;
+        fn where_(cond: &Array, a: &Array, b: &Array) -> Result<UniquePtr<Array>>;
+        fn reduce(op: ReduceOp, a: &Array, axis: i32, keepdims: bool) -> Result<UniquePtr<Array>>;
+        fn matmul(a: &Array, b: &Array) -> Result<UniquePtr<Array>>;
+        fn softmax(a: &Array, axis: i32, precise: bool) -> Result<UniquePtr<Array>>;
+        fn topk(a: &Array, k: i32, axis: i32) -> Result<UniquePtr<Array>>;
+        fn argsort(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn sort(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
+        fn cumsum(a: &Array, axis: i32, reverse: bool, inclusive: bool)
+            -> Result<UniquePtr<Array>>;
+
+        fn random_key(seed: u64) -> Result<UniquePtr<Array>>;
+        fn random_split(key: &Array) -> Result<UniquePtr<ArrayList>>;
+        fn random_categorical(logits: &Array, axis: i32, key: &Array) -> Result<UniquePtr<Array>>;
+        fn random_uniform(
+            shape: &[i32],
+            low: f32,
+            high: f32,
+            dtype: u8,
+            key: &Array,
+        ) -> Result<UniquePtr<Array>>;
+        fn random_normal(shape: &[i32], dtype: u8, key: &Array) -> Result<UniquePtr<Array>>;
+
+        fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<UniquePtr<ArrayList>>;
+        fn dequantize(
+            w: &Array,
+            scales: &Array,
+            biases: &ArrayList,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<Array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn quantized_matmul(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: &ArrayList,
+            transpose: bool,
+            group_size: i32,
+            bits: i32,
+        ) -> Result<UniquePtr<Array>>;
+
+        fn rms_norm(x: &Array, weight: &ArrayList, eps: f32) -> Result<UniquePtr<Array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn rope(
+            x: &Array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offset: i32,
+            freqs: &ArrayList,
+        ) -> Result<UniquePtr<Array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn rope_offsets(
+            x: &Array,
+            dims: i32,
+            traditional: bool,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            offsets: &Array,
+            freqs: &ArrayList,
+        ) -> Result<UniquePtr<Array>>;
+        fn sdpa(
+            q: &Array,
+            k: &Array,
+            v: &Array,
+            scale: f32,
+            mask_mode: &str,
+            mask: &ArrayList,
+        ) -> Result<UniquePtr<Array>>;
+
+        fn eval(arrays: &ArrayList) -> Result<()>;
+        fn async_eval(arrays: &ArrayList) -> Result<()>;
+
+        fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
+        fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;
+        fn save_safetensors(path: &str, contents: &Loaded) -> Result<()>;
+        fn loaded_new() -> Result<UniquePtr<Loaded>>;
+        fn loaded_push_array(l: Pin<&mut Loaded>, name: &str, a: &Array) -> Result<()>;
+        fn loaded_push_meta(l: Pin<&mut Loaded>, key: &str, value: &str) -> Result<()>;
+        fn loaded_len(l: &Loaded) -> Result<usize>;
+        fn loaded_name(l: &Loaded, i: usize) -> Result<String>;
+        fn loaded_array(l: &Loaded, i: usize) -> Result<UniquePtr<Array>>;
+        fn loaded_meta_len(l: &Loaded) -> Result<usize>;
+        fn loaded_meta_key(l: &Loaded, i: usize) -> Result<String>;
+        fn loaded_meta_kind(l: &Loaded, i: usize) -> Result<u8>;
+        fn loaded_meta_string(l: &Loaded, i: usize) -> Result<String>;
+        fn loaded_meta_list(l: &Loaded, i: usize) -> Result<Vec<String>>;
+        fn loaded_meta_array(l: &Loaded, i: usize) -> Result<UniquePtr<Array>>;
+
+        fn set_default_device(gpu: bool) -> Result<()>;
+        fn default_device_is_gpu() -> Result<bool>;
+        fn gpu_available() -> Result<bool>;
+        fn active_memory() -> Result<usize>;
+        fn peak_memory() -> Result<usize>;
+        fn reset_peak_memory() -> Result<()>;
+        fn cache_memory() -> Result<usize>;
+        fn set_cache_limit(limit: usize) -> Result<usize>;
+        fn clear_cache() -> Result<()>;
+        fn version() -> Result<String>;
+    }
+}

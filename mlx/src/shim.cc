@@ -1,0 +1,347 @@
+// Implementation of shim.h. Each function converts arguments, calls one mlx::core op and
+// wraps the result; exceptions propagate to cxx, which turns them into Rust errors.
+#include "shim.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+
+#include "kvstore-mlx/src/ffi.rs.h"
+
+namespace mx = mlx::core;
+
+namespace kvmlx {
+namespace {
+
+mx::Dtype to_dtype(uint8_t code) {
+  switch (code) {
+    case 0: return mx::bool_;
+    case 1: return mx::uint8;
+    case 2: return mx::uint16;
+    case 3: return mx::uint32;
+    case 4: return mx::uint64;
+    case 5: return mx::int8;
+    case 6: return mx::int16;
+    case 7: return mx::int32;
+    case 8: return mx::int64;
+    case 9: return mx::float16;
+    case 10: return mx::float32;
+    case 11: return mx::float64;
+    case 12: return mx::bfloat16;
+    case 13: return mx::complex64;
+  }
+  throw std::invalid_argument("unknown dtype code " + std::to_string(code));
+}
+
+uint8_t from_dtype(mx::Dtype d) { return static_cast<uint8_t>(d.val()); }
+
+mx::Shape to_shape(rust::Slice<const int32_t> s) { return mx::Shape(s.begin(), s.end()); }
+
+std::unique_ptr<Array> wrap(mx::array a) {
+  return std::unique_ptr<Array>(new Array{std::move(a)});
+}
+
+std::optional<mx::array> optional(const ArrayList& l) {
+  if (l.items.empty()) return std::nullopt;
+  if (l.items.size() > 1) throw std::invalid_argument("optional array given more than one array");
+  return l.items[0];
+}
+
+std::unique_ptr<Loaded> from_pairs(std::unordered_map<std::string, mx::array> arrays) {
+  auto out = std::make_unique<Loaded>();
+  for (auto& [name, a] : arrays) {
+    out->names.push_back(name);
+    out->arrays.push_back(a);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype) {
+  auto dt = to_dtype(dtype);
+  auto sh = to_shape(shape);
+  size_t count = 1;
+  for (auto d : sh) {
+    if (d < 0) throw std::invalid_argument("negative dimension in shape");
+    count *= static_cast<size_t>(d);
+  }
+  if (count * dt.size() != data.size()) {
+    throw std::invalid_argument("host buffer holds " + std::to_string(data.size()) +
+                                " bytes, shape and dtype need " + std::to_string(count * dt.size()));
+  }
+  // MLX may keep the pointer (no-copy) or copy and release it; a private heap copy is safe
+  // either way and frees the caller's slice immediately.
+  void* buf = std::malloc(data.size() == 0 ? 1 : data.size());
+  if (buf == nullptr) throw std::bad_alloc();
+  if (data.size() > 0) std::memcpy(buf, data.data(), data.size());
+  return wrap(mx::array(buf, std::move(sh), dt, [](void* p) { std::free(p); }));
+}
+
+std::unique_ptr<Array> array_scalar(double value, uint8_t dtype) {
+  return wrap(mx::astype(mx::array(value, mx::float64), to_dtype(dtype)));
+}
+
+std::unique_ptr<Array> array_clone(const Array& a) { return wrap(a.inner); }
+
+rust::Vec<uint8_t> array_to_bytes(const Array& a) {
+  auto c = mx::contiguous(a.inner);
+  c.eval();
+  if (!c.flags().row_contiguous) throw std::runtime_error("array is not row-contiguous after contiguous()");
+  rust::Vec<uint8_t> out;
+  out.reserve(c.nbytes());
+  auto p = c.data<uint8_t>();
+  for (size_t i = 0; i < c.nbytes(); ++i) out.push_back(p[i]);
+  return out;
+}
+
+rust::Vec<int32_t> array_shape(const Array& a) {
+  rust::Vec<int32_t> out;
+  for (auto d : a.inner.shape()) out.push_back(d);
+  return out;
+}
+
+uint8_t array_dtype(const Array& a) { return from_dtype(a.inner.dtype()); }
+size_t array_nbytes(const Array& a) { return a.inner.nbytes(); }
+
+size_t array_data_addr(const Array& a) {
+  if (!a.inner.is_available()) throw std::runtime_error("array is not evaluated");
+  return reinterpret_cast<size_t>(a.inner.data<uint8_t>());
+}
+
+std::unique_ptr<ArrayList> list_new() { return std::make_unique<ArrayList>(); }
+void list_push(ArrayList& list, const Array& a) { list.items.push_back(a.inner); }
+size_t list_len(const ArrayList& list) { return list.items.size(); }
+std::unique_ptr<Array> list_get(const ArrayList& list, size_t i) { return wrap(list.items.at(i)); }
+
+std::unique_ptr<Array> zeros(rust::Slice<const int32_t> shape, uint8_t dtype) { return wrap(mx::zeros(to_shape(shape), to_dtype(dtype))); }
+std::unique_ptr<Array> full(rust::Slice<const int32_t> shape, double value, uint8_t dtype) {
+  auto dt = to_dtype(dtype);
+  return wrap(mx::full(to_shape(shape), mx::astype(mx::array(value, mx::float64), dt), dt));
+}
+std::unique_ptr<Array> arange(double start, double stop, double step, uint8_t dtype) { return wrap(mx::arange(start, stop, step, to_dtype(dtype))); }
+std::unique_ptr<Array> reshape(const Array& a, rust::Slice<const int32_t> shape) { return wrap(mx::reshape(a.inner, to_shape(shape))); }
+std::unique_ptr<Array> transpose(const Array& a, rust::Slice<const int32_t> axes) { return wrap(mx::transpose(a.inner, std::vector<int>(axes.begin(), axes.end()))); }
+std::unique_ptr<Array> expand_dims(const Array& a, int32_t axis) { return wrap(mx::expand_dims(a.inner, axis)); }
+std::unique_ptr<Array> squeeze(const Array& a, int32_t axis) { return wrap(mx::squeeze(a.inner, axis)); }
+std::unique_ptr<Array> broadcast_to(const Array& a, rust::Slice<const int32_t> shape) { return wrap(mx::broadcast_to(a.inner, to_shape(shape))); }
+
+std::unique_ptr<Array> slice(const Array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides) {
+  return wrap(mx::slice(a.inner, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+
+std::unique_ptr<Array> slice_update(std::unique_ptr<Array> src, const Array& update, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop) {
+  // Move the handle into the op and drop ours, so the graph holds the only reference and
+  // MLX can donate the buffer (update in place) at evaluation.
+  mx::array target = std::move(src->inner);
+  src.reset();
+  return wrap(mx::slice_update(std::move(target), update.inner, to_shape(start), to_shape(stop)));
+}
+
+std::unique_ptr<Array> take(const Array& a, const Array& indices, int32_t axis) { return wrap(mx::take(a.inner, indices.inner, axis)); }
+std::unique_ptr<Array> take_along_axis(const Array& a, const Array& indices, int32_t axis) { return wrap(mx::take_along_axis(a.inner, indices.inner, axis)); }
+std::unique_ptr<Array> concatenate(const ArrayList& arrays, int32_t axis) { return wrap(mx::concatenate(arrays.items, axis)); }
+std::unique_ptr<Array> stack(const ArrayList& arrays, int32_t axis) { return wrap(mx::stack(arrays.items, axis)); }
+std::unique_ptr<Array> astype(const Array& a, uint8_t dtype) { return wrap(mx::astype(a.inner, to_dtype(dtype))); }
+std::unique_ptr<Array> contiguous(const Array& a) { return wrap(mx::contiguous(a.inner)); }
+
+std::unique_ptr<Array> unary(UnaryOp op, const Array& a) {
+  const auto& x = a.inner;
+  switch (op) {
+    case UnaryOp::Negative: return wrap(mx::negative(x));
+    case UnaryOp::Abs: return wrap(mx::abs(x));
+    case UnaryOp::Exp: return wrap(mx::exp(x));
+    case UnaryOp::Log: return wrap(mx::log(x));
+    case UnaryOp::Sqrt: return wrap(mx::sqrt(x));
+    case UnaryOp::Rsqrt: return wrap(mx::rsqrt(x));
+    case UnaryOp::Square: return wrap(mx::square(x));
+    case UnaryOp::Tanh: return wrap(mx::tanh(x));
+    case UnaryOp::Sigmoid: return wrap(mx::sigmoid(x));
+    case UnaryOp::Sin: return wrap(mx::sin(x));
+    case UnaryOp::Cos: return wrap(mx::cos(x));
+    case UnaryOp::LogicalNot: return wrap(mx::logical_not(x));
+    case UnaryOp::Silu: return wrap(mx::multiply(x, mx::sigmoid(x)));
+    case UnaryOp::GeluTanh: {
+      // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed in x's dtype.
+      auto dt = x.dtype();
+      auto c = mx::array(0.7978845608028654, dt);
+      auto inner = mx::multiply(c, mx::add(x, mx::multiply(mx::array(0.044715, dt), mx::multiply(x, mx::square(x)))));
+      return wrap(mx::multiply(mx::multiply(mx::array(0.5, dt), x), mx::add(mx::array(1.0, dt), mx::tanh(inner))));
+    }
+  }
+  throw std::invalid_argument("unknown unary op");
+}
+
+std::unique_ptr<Array> binary(BinaryOp op, const Array& a, const Array& b) {
+  const auto& x = a.inner;
+  const auto& y = b.inner;
+  switch (op) {
+    case BinaryOp::Add: return wrap(mx::add(x, y));
+    case BinaryOp::Subtract: return wrap(mx::subtract(x, y));
+    case BinaryOp::Multiply: return wrap(mx::multiply(x, y));
+    case BinaryOp::Divide: return wrap(mx::divide(x, y));
+    case BinaryOp::Maximum: return wrap(mx::maximum(x, y));
+    case BinaryOp::Minimum: return wrap(mx::minimum(x, y));
+    case BinaryOp::Power: return wrap(mx::power(x, y));
+    case BinaryOp::Equal: return wrap(mx::equal(x, y));
+    case BinaryOp::NotEqual: return wrap(mx::not_equal(x, y));
+    case BinaryOp::Less: return wrap(mx::less(x, y));
+    case BinaryOp::LessEqual: return wrap(mx::less_equal(x, y));
+    case BinaryOp::Greater: return wrap(mx::greater(x, y));
+    case BinaryOp::GreaterEqual: return wrap(mx::greater_equal(x, y));
+    case BinaryOp::LogicalAnd: return wrap(mx::logical_and(x, y));
+    case BinaryOp::LogicalOr: return wrap(mx::logical_or(x, y));
+  }
+  throw std::invalid_argument("unknown binary op");
+}
+
+std::unique_ptr<Array> where_(const Array& cond, const Array& a, const Array& b) { return wrap(mx::where(cond.inner, a.inner, b.inner)); }
+
+std::unique_ptr<Array> reduce(ReduceOp op, const Array& a, int32_t axis, bool keepdims) {
+  const auto& x = a.inner;
+  switch (op) {
+    case ReduceOp::Sum: return wrap(mx::sum(x, axis, keepdims));
+    case ReduceOp::Mean: return wrap(mx::mean(x, axis, keepdims));
+    case ReduceOp::Max: return wrap(mx::max(x, axis, keepdims));
+    case ReduceOp::Min: return wrap(mx::min(x, axis, keepdims));
+    case ReduceOp::Argmax: return wrap(mx::argmax(x, axis, keepdims));
+    case ReduceOp::Argmin: return wrap(mx::argmin(x, axis, keepdims));
+    case ReduceOp::Logsumexp: return wrap(mx::logsumexp(x, axis, keepdims));
+  }
+  throw std::invalid_argument("unknown reduction");
+}
+
+std::unique_ptr<Array> matmul(const Array& a, const Array& b) { return wrap(mx::matmul(a.inner, b.inner)); }
+std::unique_ptr<Array> softmax(const Array& a, int32_t axis, bool precise) { return wrap(mx::softmax(a.inner, axis, precise)); }
+std::unique_ptr<Array> topk(const Array& a, int32_t k, int32_t axis) { return wrap(mx::topk(a.inner, k, axis)); }
+std::unique_ptr<Array> argsort(const Array& a, int32_t axis) { return wrap(mx::argsort(a.inner, axis)); }
+std::unique_ptr<Array> sort(const Array& a, int32_t axis) { return wrap(mx::sort(a.inner, axis)); }
+std::unique_ptr<Array> cumsum(const Array& a, int32_t axis, bool reverse, bool inclusive) { return wrap(mx::cumsum(a.inner, axis, reverse, inclusive)); }
+
+std::unique_ptr<Array> random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }
+std::unique_ptr<ArrayList> random_split(const Array& key) {
+  auto [a, b] = mx::random::split(key.inner);
+  auto out = std::make_unique<ArrayList>();
+  out->items.push_back(a);
+  out->items.push_back(b);
+  return out;
+}
+std::unique_ptr<Array> random_categorical(const Array& logits, int32_t axis, const Array& key) { return wrap(mx::random::categorical(logits.inner, axis, key.inner)); }
+std::unique_ptr<Array> random_uniform(rust::Slice<const int32_t> shape, float low, float high, uint8_t dtype, const Array& key) {
+  auto dt = to_dtype(dtype);
+  return wrap(mx::random::uniform(mx::array(low, dt), mx::array(high, dt), to_shape(shape), dt, key.inner));
+}
+std::unique_ptr<Array> random_normal(rust::Slice<const int32_t> shape, uint8_t dtype, const Array& key) {
+  return wrap(mx::random::normal(to_shape(shape), to_dtype(dtype), 0.0f, 1.0f, key.inner));
+}
+
+std::unique_ptr<ArrayList> quantize(const Array& w, int32_t group_size, int32_t bits) {
+  auto parts = mx::quantize(w.inner, group_size, bits, "affine");
+  auto out = std::make_unique<ArrayList>();
+  out->items = std::move(parts);
+  return out;
+}
+std::unique_ptr<Array> dequantize(const Array& w, const Array& scales, const ArrayList& biases, int32_t group_size, int32_t bits) {
+  return wrap(mx::dequantize(w.inner, scales.inner, optional(biases), group_size, bits, "affine"));
+}
+std::unique_ptr<Array> quantized_matmul(const Array& x, const Array& w, const Array& scales, const ArrayList& biases, bool transpose, int32_t group_size, int32_t bits) {
+  return wrap(mx::quantized_matmul(x.inner, w.inner, scales.inner, optional(biases), transpose, group_size, bits, "affine"));
+}
+
+std::unique_ptr<Array> rms_norm(const Array& x, const ArrayList& weight, float eps) { return wrap(mx::fast::rms_norm(x.inner, optional(weight), eps)); }
+
+std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, float base, bool has_base, float scale, int32_t offset, const ArrayList& freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  return wrap(mx::fast::rope(x.inner, dims, traditional, b, scale, offset, optional(freqs)));
+}
+std::unique_ptr<Array> rope_offsets(const Array& x, int32_t dims, bool traditional, float base, bool has_base, float scale, const Array& offsets, const ArrayList& freqs) {
+  std::optional<float> b = has_base ? std::optional<float>(base) : std::nullopt;
+  return wrap(mx::fast::rope(x.inner, dims, traditional, b, scale, offsets.inner, optional(freqs)));
+}
+
+std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, float scale, rust::Str mask_mode, const ArrayList& mask) {
+  return wrap(mx::fast::scaled_dot_product_attention(q.inner, k.inner, v.inner, scale, std::string(mask_mode), optional(mask)));
+}
+
+void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
+void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
+
+std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
+  auto [arrays, meta] = mx::load_safetensors(std::string(path), mx::Device(mx::Device::cpu));
+  auto out = from_pairs(std::move(arrays));
+  for (auto& [k, v] : meta) {
+    out->meta_keys.push_back(k);
+    out->meta_kinds.push_back(2);
+    out->meta_strings.push_back(v);
+    out->meta_lists.emplace_back();
+    out->meta_arrays.push_back(mx::array(0));
+  }
+  return out;
+}
+
+std::unique_ptr<Loaded> load_gguf(rust::Str path) {
+  auto [arrays, meta] = mx::load_gguf(std::string(path), mx::Device(mx::Device::cpu));
+  auto out = from_pairs(std::move(arrays));
+  for (auto& [k, v] : meta) {
+    out->meta_keys.push_back(k);
+    uint8_t kind = 0;
+    std::string s;
+    std::vector<std::string> list;
+    mx::array arr = mx::array(0);
+    if (auto* p = std::get_if<mx::array>(&v)) { kind = 1; arr = *p; }
+    else if (auto* p = std::get_if<std::string>(&v)) { kind = 2; s = *p; }
+    else if (auto* p = std::get_if<std::vector<std::string>>(&v)) { kind = 3; list = *p; }
+    out->meta_kinds.push_back(kind);
+    out->meta_strings.push_back(std::move(s));
+    out->meta_lists.push_back(std::move(list));
+    out->meta_arrays.push_back(arr);
+  }
+  return out;
+}
+
+void save_safetensors(rust::Str path, const Loaded& contents) {
+  std::unordered_map<std::string, mx::array> arrays;
+  for (size_t i = 0; i < contents.names.size(); ++i) arrays.insert({contents.names[i], contents.arrays[i]});
+  std::unordered_map<std::string, std::string> meta;
+  for (size_t i = 0; i < contents.meta_keys.size(); ++i) meta.insert({contents.meta_keys[i], contents.meta_strings[i]});
+  mx::save_safetensors(std::string(path), std::move(arrays), std::move(meta));
+}
+
+std::unique_ptr<Loaded> loaded_new() { return std::make_unique<Loaded>(); }
+void loaded_push_array(Loaded& l, rust::Str name, const Array& a) {
+  l.names.emplace_back(name);
+  l.arrays.push_back(a.inner);
+}
+void loaded_push_meta(Loaded& l, rust::Str key, rust::Str value) {
+  l.meta_keys.emplace_back(key);
+  l.meta_kinds.push_back(2);
+  l.meta_strings.emplace_back(value);
+  l.meta_lists.emplace_back();
+  l.meta_arrays.push_back(mx::array(0));
+}
+size_t loaded_len(const Loaded& l) { return l.names.size(); }
+rust::String loaded_name(const Loaded& l, size_t i) { return rust::String(l.names.at(i)); }
+std::unique_ptr<Array> loaded_array(const Loaded& l, size_t i) { return wrap(l.arrays.at(i)); }
+size_t loaded_meta_len(const Loaded& l) { return l.meta_keys.size(); }
+rust::String loaded_meta_key(const Loaded& l, size_t i) { return rust::String(l.meta_keys.at(i)); }
+uint8_t loaded_meta_kind(const Loaded& l, size_t i) { return l.meta_kinds.at(i); }
+rust::String loaded_meta_string(const Loaded& l, size_t i) { return rust::String::lossy(l.meta_strings.at(i)); }
+rust::Vec<rust::String> loaded_meta_list(const Loaded& l, size_t i) {
+  rust::Vec<rust::String> out;
+  for (const auto& s : l.meta_lists.at(i)) out.push_back(rust::String::lossy(s));
+  return out;
+}
+std::unique_ptr<Array> loaded_meta_array(const Loaded& l, size_t i) { return wrap(l.meta_arrays.at(i)); }
+
+void set_default_device(bool gpu) { mx::set_default_device(mx::Device(gpu ? mx::Device::gpu : mx::Device::cpu)); }
+bool default_device_is_gpu() { return mx::default_device().type == mx::Device::gpu; }
+bool gpu_available() { return mx::is_available(mx::Device(mx::Device::gpu)); }
+size_t active_memory() { return mx::get_active_memory(); }
+size_t peak_memory() { return mx::get_peak_memory(); }
+void reset_peak_memory() { mx::reset_peak_memory(); }
+size_t cache_memory() { return mx::get_cache_memory(); }
+size_t set_cache_limit(size_t limit) { return mx::set_cache_limit(limit); }
+void clear_cache() { mx::clear_cache(); }
+rust::String version() { return rust::String(mx::version()); }
+
+}  // namespace kvmlx

@@ -1,0 +1,136 @@
+// C++ side of the cxx bridge in ffi.rs. Thin wrappers over mlx::core: every function may
+// throw, and every one is declared `Result` on the Rust side so an MLX exception becomes a
+// Rust error instead of an abort.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mlx/mlx.h"
+#include "rust/cxx.h"
+
+namespace kvmlx {
+
+enum class UnaryOp : uint8_t;
+enum class BinaryOp : uint8_t;
+enum class ReduceOp : uint8_t;
+
+// One MLX array handle (a shared node of MLX's lazy graph).
+struct Array {
+  mlx::core::array inner;
+};
+
+// An ordered list of arrays; also stands in for "optional array" (empty or one element).
+struct ArrayList {
+  std::vector<mlx::core::array> items;
+};
+
+// Tensors and metadata read from a safetensors or GGUF file.
+struct Loaded {
+  std::vector<std::string> names;
+  std::vector<mlx::core::array> arrays;
+  std::vector<std::string> meta_keys;
+  // 0 = empty, 1 = array, 2 = string, 3 = list of strings.
+  std::vector<uint8_t> meta_kinds;
+  std::vector<std::string> meta_strings;
+  std::vector<std::vector<std::string>> meta_lists;
+  std::vector<mlx::core::array> meta_arrays;
+};
+
+// Arrays and lists.
+std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
+std::unique_ptr<Array> array_scalar(double value, uint8_t dtype);
+std::unique_ptr<Array> array_clone(const Array& a);
+rust::Vec<uint8_t> array_to_bytes(const Array& a);
+rust::Vec<int32_t> array_shape(const Array& a);
+uint8_t array_dtype(const Array& a);
+size_t array_nbytes(const Array& a);
+size_t array_data_addr(const Array& a);
+std::unique_ptr<ArrayList> list_new();
+void list_push(ArrayList& list, const Array& a);
+size_t list_len(const ArrayList& list);
+std::unique_ptr<Array> list_get(const ArrayList& list, size_t i);
+
+// Construction and shape.
+std::unique_ptr<Array> zeros(rust::Slice<const int32_t> shape, uint8_t dtype);
+std::unique_ptr<Array> full(rust::Slice<const int32_t> shape, double value, uint8_t dtype);
+std::unique_ptr<Array> arange(double start, double stop, double step, uint8_t dtype);
+std::unique_ptr<Array> reshape(const Array& a, rust::Slice<const int32_t> shape);
+std::unique_ptr<Array> transpose(const Array& a, rust::Slice<const int32_t> axes);
+std::unique_ptr<Array> expand_dims(const Array& a, int32_t axis);
+std::unique_ptr<Array> squeeze(const Array& a, int32_t axis);
+std::unique_ptr<Array> broadcast_to(const Array& a, rust::Slice<const int32_t> shape);
+std::unique_ptr<Array> slice(const Array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides);
+std::unique_ptr<Array> slice_update(std::unique_ptr<Array> src, const Array& update, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop);
+std::unique_ptr<Array> take(const Array& a, const Array& indices, int32_t axis);
+std::unique_ptr<Array> take_along_axis(const Array& a, const Array& indices, int32_t axis);
+std::unique_ptr<Array> concatenate(const ArrayList& arrays, int32_t axis);
+std::unique_ptr<Array> stack(const ArrayList& arrays, int32_t axis);
+std::unique_ptr<Array> astype(const Array& a, uint8_t dtype);
+std::unique_ptr<Array> contiguous(const Array& a);
+
+// Arithmetic.
+std::unique_ptr<Array> unary(UnaryOp op, const Array& a);
+std::unique_ptr<Array> binary(BinaryOp op, const Array& a, const Array& b);
+std::unique_ptr<Array> where_(const Array& cond, const Array& a, const Array& b);
+std::unique_ptr<Array> reduce(ReduceOp op, const Array& a, int32_t axis, bool keepdims);
+std::unique_ptr<Array> matmul(const Array& a, const Array& b);
+std::unique_ptr<Array> softmax(const Array& a, int32_t axis, bool precise);
+std::unique_ptr<Array> topk(const Array& a, int32_t k, int32_t axis);
+std::unique_ptr<Array> argsort(const Array& a, int32_t axis);
+std::unique_ptr<Array> sort(const Array& a, int32_t axis);
+std::unique_ptr<Array> cumsum(const Array& a, int32_t axis, bool reverse, bool inclusive);
+
+// Random.
+std::unique_ptr<Array> random_key(uint64_t seed);
+std::unique_ptr<ArrayList> random_split(const Array& key);
+std::unique_ptr<Array> random_categorical(const Array& logits, int32_t axis, const Array& key);
+std::unique_ptr<Array> random_uniform(rust::Slice<const int32_t> shape, float low, float high, uint8_t dtype, const Array& key);
+std::unique_ptr<Array> random_normal(rust::Slice<const int32_t> shape, uint8_t dtype, const Array& key);
+
+// Quantization.
+std::unique_ptr<ArrayList> quantize(const Array& w, int32_t group_size, int32_t bits);
+std::unique_ptr<Array> dequantize(const Array& w, const Array& scales, const ArrayList& biases, int32_t group_size, int32_t bits);
+std::unique_ptr<Array> quantized_matmul(const Array& x, const Array& w, const Array& scales, const ArrayList& biases, bool transpose, int32_t group_size, int32_t bits);
+
+// Fast kernels.
+std::unique_ptr<Array> rms_norm(const Array& x, const ArrayList& weight, float eps);
+std::unique_ptr<Array> rope(const Array& x, int32_t dims, bool traditional, float base, bool has_base, float scale, int32_t offset, const ArrayList& freqs);
+std::unique_ptr<Array> rope_offsets(const Array& x, int32_t dims, bool traditional, float base, bool has_base, float scale, const Array& offsets, const ArrayList& freqs);
+std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, float scale, rust::Str mask_mode, const ArrayList& mask);
+
+// Evaluation.
+void eval(const ArrayList& arrays);
+void async_eval(const ArrayList& arrays);
+
+// Files.
+std::unique_ptr<Loaded> load_safetensors(rust::Str path);
+std::unique_ptr<Loaded> load_gguf(rust::Str path);
+void save_safetensors(rust::Str path, const Loaded& contents);
+std::unique_ptr<Loaded> loaded_new();
+void loaded_push_array(Loaded& l, rust::Str name, const Array& a);
+void loaded_push_meta(Loaded& l, rust::Str key, rust::Str value);
+size_t loaded_len(const Loaded& l);
+rust::String loaded_name(const Loaded& l, size_t i);
+std::unique_ptr<Array> loaded_array(const Loaded& l, size_t i);
+size_t loaded_meta_len(const Loaded& l);
+rust::String loaded_meta_key(const Loaded& l, size_t i);
+uint8_t loaded_meta_kind(const Loaded& l, size_t i);
+rust::String loaded_meta_string(const Loaded& l, size_t i);
+rust::Vec<rust::String> loaded_meta_list(const Loaded& l, size_t i);
+std::unique_ptr<Array> loaded_meta_array(const Loaded& l, size_t i);
+
+// Devices and memory.
+void set_default_device(bool gpu);
+bool default_device_is_gpu();
+bool gpu_available();
+size_t active_memory();
+size_t peak_memory();
+void reset_peak_memory();
+size_t cache_memory();
+size_t set_cache_limit(size_t limit);
+void clear_cache();
+rust::String version();
+
+}  // namespace kvmlx
