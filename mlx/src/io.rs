@@ -1,7 +1,8 @@
 //! Reading and writing tensor files with MLX's loaders: safetensors and GGUF.
 //!
-//! GGUF tensors in Q4_0, Q4_1 and Q8_0 come back in MLX's affine layout: for a tensor
-//! `name` the file yields `name` (packed uint32), `name.scales` and `name.biases`.
+//! GGUF tensors in Q4_0, Q4_1 and Q8_0 come back in MLX's affine layout: a tensor
+//! `blk.0.attn_q.weight` yields `blk.0.attn_q.weight` (packed uint32) plus
+//! `blk.0.attn_q.scales` and `blk.0.attn_q.biases` (the `.weight` suffix replaced).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -38,7 +39,7 @@ pub enum GgufValue {
 /// Tensors and metadata of a GGUF file.
 #[derive(Debug, Default)]
 pub struct GgufFile {
-    /// Tensors by name (quantized ones split into value, `.scales` and `.biases`).
+    /// Tensors by name (quantized ones split into packed values, `.scales` and `.biases`).
     pub tensors: BTreeMap<String, Array>,
     /// Metadata by key.
     pub metadata: BTreeMap<String, GgufValue>,

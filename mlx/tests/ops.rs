@@ -1,0 +1,754 @@
+//! MLX ops from Rust checked against naive Rust references on fresh random inputs.
+//! Each test prints its seed; set KVSTORE_TEST_SEED to replay one.
+
+use half::{bf16, f16};
+use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
+use mlx::{Array, Dtype, Error, QuantSpec};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("KVSTORE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("{test}: KVSTORE_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
+}
+
+fn arr(data: &[f32], shape: &[i32]) -> Array {
+    Array::from_slice(data, shape).unwrap()
+}
+
+fn host(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// Asserts |a - b| <= atol + rtol |b| element-wise, naming the first mismatch.
+fn assert_close(got: &[f32], want: &[f32], atol: f32, rtol: f32) {
+    assert_eq!(got.len(), want.len(), "length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= atol + rtol * w.abs(),
+            "element {i}: got {g}, want {w} (atol {atol}, rtol {rtol})"
+        );
+    }
+}
+
+fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0.0f64;
+            for p in 0..k {
+                acc += a[i * k + p] as f64 * b[p * n + j] as f64;
+            }
+            out[i * n + j] = acc as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn matmul_matches_naive() {
+    let mut r = rng("matmul_matches_naive");
+    for _ in 0..5 {
+        let (m, k, n) = (r.gen_range(1..70), r.gen_range(1..90), r.gen_range(1..60));
+        let a = randn(&mut r, m * k);
+        let b = randn(&mut r, k * n);
+        let got = host(
+            &arr(&a, &[m as i32, k as i32])
+                .matmul(&arr(&b, &[k as i32, n as i32]))
+                .unwrap(),
+        );
+        assert_close(&got, &naive_matmul(&a, &b, m, k, n), 1e-5, 1e-4);
+    }
+}
+
+/// Naive attention for q [B,Hq,Lq,D], k/v [B,Hkv,Lk,D]; `mask(b,h,i,j)` is additive.
+#[allow(clippy::too_many_arguments)]
+fn naive_sdpa(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (b, hq, hkv, lq, lk, d): (usize, usize, usize, usize, usize, usize),
+    scale: f32,
+    mask: &dyn Fn(usize, usize, usize, usize) -> f32,
+) -> Vec<f32> {
+    let mut out = vec![0.0f32; b * hq * lq * d];
+    let group = hq / hkv;
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = h / group;
+            for i in 0..lq {
+                let qrow = &q[((bi * hq + h) * lq + i) * d..][..d];
+                let scores: Vec<f64> = (0..lk)
+                    .map(|j| {
+                        let krow = &k[((bi * hkv + kh) * lk + j) * d..][..d];
+                        let dot: f64 = qrow
+                            .iter()
+                            .zip(krow)
+                            .map(|(x, y)| *x as f64 * *y as f64)
+                            .sum();
+                        dot * scale as f64 + mask(bi, h, i, j) as f64
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = exps.iter().sum();
+                for t in 0..d {
+                    let mut acc = 0.0f64;
+                    for j in 0..lk {
+                        acc += exps[j] / total * v[((bi * hkv + kh) * lk + j) * d + t] as f64;
+                    }
+                    out[((bi * hq + h) * lq + i) * d + t] = acc as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn sdpa_matches_naive_gqa_causal_mask_and_single_query() {
+    let mut r = rng("sdpa_matches_naive_gqa_causal_mask_and_single_query");
+    // (B, Hq, Hkv, Lq, Lk, D): GQA 4:1 and 3:1, one query against many keys, square causal.
+    let cases = [
+        (1, 4, 1, 7, 7, 64),
+        (2, 6, 2, 1, 300, 64),
+        (1, 3, 3, 5, 9, 128),
+        (2, 8, 2, 16, 40, 64),
+    ];
+    for dims @ (b, hq, hkv, lq, lk, d) in cases {
+        let q = randn(&mut r, b * hq * lq * d);
+        let k = randn(&mut r, b * hkv * lk * d);
+        let v = randn(&mut r, b * hkv * lk * d);
+        let (qa, ka, va) = (
+            arr(&q, &[b as i32, hq as i32, lq as i32, d as i32]),
+            arr(&k, &[b as i32, hkv as i32, lk as i32, d as i32]),
+            arr(&v, &[b as i32, hkv as i32, lk as i32, d as i32]),
+        );
+        let scale = 1.0 / (d as f32).sqrt();
+
+        let none =
+            fast::scaled_dot_product_attention(&qa, &ka, &va, scale, AttentionMask::None).unwrap();
+        assert_close(
+            &host(&none),
+            &naive_sdpa(&q, &k, &v, dims, scale, &|_, _, _, _| 0.0),
+            1e-5,
+            1e-4,
+        );
+
+        let causal =
+            fast::scaled_dot_product_attention(&qa, &ka, &va, scale, AttentionMask::Causal)
+                .unwrap();
+        let offset = lk - lq;
+        let want = naive_sdpa(&q, &k, &v, dims, scale, &|_, _, i, j| {
+            if j <= i + offset {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        });
+        assert_close(&host(&causal), &want, 1e-5, 1e-4);
+
+        // Additive float mask [B, 1, Lq, Lk], broadcast over heads.
+        let add: Vec<f32> = (0..b * lq * lk)
+            .map(|_| {
+                if r.gen_bool(0.2) {
+                    -1e9
+                } else {
+                    r.gen_range(-2.0..2.0)
+                }
+            })
+            .collect();
+        let add = {
+            let mut m = add;
+            for row in m.chunks_mut(lk) {
+                row[0] = 0.0; // every query sees at least one key
+            }
+            m
+        };
+        let mask = arr(&add, &[b as i32, 1, lq as i32, lk as i32]);
+        let got =
+            fast::scaled_dot_product_attention(&qa, &ka, &va, scale, AttentionMask::Array(&mask))
+                .unwrap();
+        let want = naive_sdpa(&q, &k, &v, dims, scale, &|bi, _, i, j| {
+            add[(bi * lq + i) * lk + j]
+        });
+        assert_close(&host(&got), &want, 1e-5, 1e-4);
+
+        // Boolean mask: true = attend.
+        let allow: Vec<bool> = (0..lq * lk)
+            .map(|x| x % lk == 0 || r.gen_bool(0.6))
+            .collect();
+        let bytes: Vec<u8> = allow.iter().map(|&a| a as u8).collect();
+        let bmask = Array::from_bytes(&bytes, &[lq as i32, lk as i32], Dtype::Bool).unwrap();
+        let got =
+            fast::scaled_dot_product_attention(&qa, &ka, &va, scale, AttentionMask::Array(&bmask))
+                .unwrap();
+        let want = naive_sdpa(&q, &k, &v, dims, scale, &|_, _, i, j| {
+            if allow[i * lk + j] {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        });
+        assert_close(&host(&got), &want, 1e-5, 1e-4);
+    }
+}
+
+/// Naive RoPE on [B, H, L, D]; positions are (offset(b) + l) * scale; `inv_freq[i]` per pair.
+fn naive_rope(
+    x: &[f32],
+    (b, h, l, d): (usize, usize, usize, usize),
+    dims: usize,
+    traditional: bool,
+    inv_freq: &[f64],
+    scale: f64,
+    offset: &dyn Fn(usize) -> i32,
+) -> Vec<f32> {
+    let mut out = x.to_vec();
+    for bi in 0..b {
+        for hi in 0..h {
+            for li in 0..l {
+                let row = ((bi * h + hi) * l + li) * d;
+                let pos = (offset(bi) as f64 + li as f64) * scale;
+                for i in 0..dims / 2 {
+                    let (a, c) = if traditional {
+                        (row + 2 * i, row + 2 * i + 1)
+                    } else {
+                        (row + i, row + i + dims / 2)
+                    };
+                    let theta = pos * inv_freq[i];
+                    let (x1, x2) = (x[a] as f64, x[c] as f64);
+                    out[a] = (x1 * theta.cos() - x2 * theta.sin()) as f32;
+                    out[c] = (x1 * theta.sin() + x2 * theta.cos()) as f32;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// MLX computes the angle pos · inv_freq in f32: its error grows with the position
+/// (≈ pos · 2⁻²³ rad, times |x| ≤ 1 and √2 for the pair), on top of a small base tolerance.
+fn angle_tolerance(max_pos: i32) -> f32 {
+    2e-4 + (max_pos as f32 + 8.0) * 1.2e-7 * 2.0
+}
+
+#[test]
+fn rope_matches_naive_both_modes_scalar_and_per_row_offsets() {
+    let mut r = rng("rope_matches_naive_both_modes_scalar_and_per_row_offsets");
+    let (b, h, l, d) = (3, 2, 5, 64);
+    let x = randn(&mut r, b * h * l * d);
+    let xa = arr(&x, &[b as i32, h as i32, l as i32, d as i32]);
+    for traditional in [false, true] {
+        for dims in [64usize, 32] {
+            let base = 10000.0f32;
+            let inv: Vec<f64> = (0..dims / 2)
+                .map(|i| (base as f64).powf(-2.0 * i as f64 / dims as f64))
+                .collect();
+            let cfg = Rope {
+                dims: dims as i32,
+                traditional,
+                base,
+                scale: 1.0,
+                freqs: None,
+            };
+            let off = r.gen_range(0..5000);
+            let got = fast::rope(&xa, &cfg, RopeOffset::Scalar(off)).unwrap();
+            let want = naive_rope(&x, (b, h, l, d), dims, traditional, &inv, 1.0, &|_| off);
+            assert_close(&host(&got), &want, angle_tolerance(off), 1e-4);
+
+            let offs: Vec<i32> = (0..b).map(|_| r.gen_range(0..3000)).collect();
+            let oa = Array::from_slice(&offs, &[b as i32]).unwrap();
+            let got = fast::rope(&xa, &cfg, RopeOffset::PerRow(&oa)).unwrap();
+            let want = naive_rope(&x, (b, h, l, d), dims, traditional, &inv, 1.0, &|bi| {
+                offs[bi]
+            });
+            assert_close(&host(&got), &want, angle_tolerance(3000), 1e-4);
+        }
+        // Explicit frequencies (as Llama 3 scaling passes them): theta = pos / freqs[i].
+        let freqs: Vec<f32> = (0..d / 2)
+            .map(|i| 10000f32.powf(2.0 * i as f32 / d as f32) * r.gen_range(1.0..4.0))
+            .collect();
+        let fa = arr(&freqs, &[(d / 2) as i32]);
+        let cfg = Rope {
+            dims: d as i32,
+            traditional,
+            base: 0.0,
+            scale: 0.5,
+            freqs: Some(&fa),
+        };
+        let got = fast::rope(&xa, &cfg, RopeOffset::Scalar(17)).unwrap();
+        let inv: Vec<f64> = freqs.iter().map(|f| 1.0 / *f as f64).collect();
+        let want = naive_rope(&x, (b, h, l, d), d, traditional, &inv, 0.5, &|_| 17);
+        assert_close(&host(&got), &want, 2e-4, 1e-4);
+    }
+}
+
+#[test]
+fn rms_norm_matches_naive() {
+    let mut r = rng("rms_norm_matches_naive");
+    let (rows, n) = (7, 576);
+    let x = randn(&mut r, rows * n);
+    let w = randn(&mut r, n);
+    let eps = 1e-5f32;
+    let got = host(
+        &fast::rms_norm(
+            &arr(&x, &[rows as i32, n as i32]),
+            Some(&arr(&w, &[n as i32])),
+            eps,
+        )
+        .unwrap(),
+    );
+    let mut want = vec![0.0; rows * n];
+    for i in 0..rows {
+        let row = &x[i * n..][..n];
+        let ms: f64 = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / n as f64;
+        let inv = 1.0 / (ms + eps as f64).sqrt();
+        for j in 0..n {
+            want[i * n + j] = (row[j] as f64 * inv * w[j] as f64) as f32;
+        }
+    }
+    assert_close(&got, &want, 1e-5, 1e-4);
+    let unweighted = host(&fast::rms_norm(&arr(&x, &[rows as i32, n as i32]), None, eps).unwrap());
+    let want_unweighted: Vec<f32> = want.iter().enumerate().map(|(i, v)| v / w[i % n]).collect();
+    assert_close(&unweighted, &want_unweighted, 1e-4, 1e-3);
+}
+
+/// Unpacks MLX's affine layout by hand: `bits`-bit values, lowest bits first in each u32.
+fn naive_dequantize(
+    packed: &[u32],
+    scales: &[f32],
+    biases: &[f32],
+    rows: usize,
+    cols: usize,
+    spec: QuantSpec,
+) -> Vec<f32> {
+    let bits = spec.bits as usize;
+    let per_word = 32 / bits;
+    let words_per_row = cols / per_word;
+    let mut out = vec![0.0f32; rows * cols];
+    for i in 0..rows {
+        for j in 0..cols {
+            let word = packed[i * words_per_row + j / per_word];
+            let q = (word >> ((j % per_word) * bits)) & ((1u32 << bits) - 1);
+            let g = i * (cols / spec.group_size as usize) + j / spec.group_size as usize;
+            out[i * cols + j] = q as f32 * scales[g] + biases[g];
+        }
+    }
+    out
+}
+
+#[test]
+fn quantize_round_trip_and_quantized_matmul_match_naive() {
+    let mut r = rng("quantize_round_trip_and_quantized_matmul_match_naive");
+    let (rows, cols) = (48, 256);
+    let w = randn(&mut r, rows * cols);
+    let wa = arr(&w, &[rows as i32, cols as i32]);
+    let x = randn(&mut r, 5 * cols);
+    let xa = arr(&x, &[5, cols as i32]);
+    for (group, bits) in [(32, 4), (64, 4), (32, 8), (64, 8)] {
+        let spec = QuantSpec::new(group, bits).unwrap();
+        let q = mlx::quantize(&wa, spec).unwrap();
+        assert_eq!(
+            q.packed.shape(),
+            vec![rows as i32, (cols * bits as usize / 32) as i32]
+        );
+        assert_eq!(q.scales.shape(), vec![rows as i32, cols as i32 / group]);
+        let packed = q.packed.to_vec::<u32>().unwrap();
+        let scales = host(&q.scales);
+        let biases = host(&q.biases);
+        let naive = naive_dequantize(&packed, &scales, &biases, rows, cols, spec);
+
+        // MLX's dequantize is exactly the documented affine map of the packed values.
+        assert_close(&host(&mlx::dequantize(&q).unwrap()), &naive, 1e-6, 1e-6);
+        // MLX anchors each group's grid at its larger-magnitude edge (bias = edge, scale
+        // stretched so the edge is exact), so the far end can lose up to one step.
+        for (i, (a, b)) in w.iter().zip(&naive).enumerate() {
+            let step = scales[i / group as usize].abs();
+            assert!(
+                (a - b).abs() <= step + 1e-5,
+                "element {i}: {a} vs {b}, step {step}, bits {bits}"
+            );
+        }
+        // x @ w.T without dequantizing equals the matmul with the dequantized matrix.
+        let got = host(&mlx::quantized_matmul(&xa, &q, true).unwrap());
+        let mut wt = vec![0.0f32; cols * rows];
+        for i in 0..rows {
+            for j in 0..cols {
+                wt[j * rows + i] = naive[i * cols + j];
+            }
+        }
+        assert_close(&got, &naive_matmul(&x, &wt, 5, cols, rows), 1e-4, 1e-3);
+    }
+    assert!(QuantSpec::new(48, 4).is_err());
+}
+
+#[test]
+fn take_take_along_axis_and_concatenate_match_naive() {
+    let mut r = rng("take_take_along_axis_and_concatenate_match_naive");
+    let (n, d) = (10, 6);
+    let x = randn(&mut r, n * d);
+    let xa = arr(&x, &[n as i32, d as i32]);
+    let idx: Vec<i32> = (0..7).map(|_| r.gen_range(0..n as i32)).collect();
+    let got = host(&xa.take(&Array::from_slice(&idx, &[7]).unwrap(), 0).unwrap());
+    let want: Vec<f32> = idx
+        .iter()
+        .flat_map(|&i| x[i as usize * d..][..d].to_vec())
+        .collect();
+    assert_eq!(got, want);
+
+    let along: Vec<u32> = (0..n * 2).map(|_| r.gen_range(0..d as u32)).collect();
+    let got = host(
+        &xa.take_along_axis(&Array::from_slice(&along, &[n as i32, 2]).unwrap(), 1)
+            .unwrap(),
+    );
+    let want: Vec<f32> = (0..n * 2)
+        .map(|p| x[(p / 2) * d + along[p] as usize])
+        .collect();
+    assert_eq!(got, want);
+
+    let y = randn(&mut r, 3 * d);
+    let ya = arr(&y, &[3, d as i32]);
+    let got = host(&mlx::ops::concatenate(&[&xa, &ya], 0).unwrap());
+    assert_eq!(got, [x.clone(), y.clone()].concat());
+    let z = randn(&mut r, n * 2);
+    let got = mlx::ops::concatenate(&[&xa, &arr(&z, &[n as i32, 2])], 1).unwrap();
+    assert_eq!(got.shape(), vec![n as i32, d as i32 + 2]);
+    let want: Vec<f32> = (0..n)
+        .flat_map(|i| [x[i * d..][..d].to_vec(), z[i * 2..][..2].to_vec()].concat())
+        .collect();
+    assert_eq!(host(&got), want);
+}
+
+#[test]
+fn slice_update_writes_the_slice_in_place_when_it_owns_the_buffer() {
+    let mut r = rng("slice_update_writes_the_slice_in_place_when_it_owns_the_buffer");
+    let base = randn(&mut r, 8 * 4);
+    let upd = randn(&mut r, 3 * 4);
+    let mut want = base.clone();
+    want[2 * 4..5 * 4].copy_from_slice(&upd);
+
+    // Sole owner: the result reuses the buffer.
+    let a = arr(&base, &[8, 4]).add_scalar(0.0).unwrap(); // an MLX-owned buffer
+    a.eval().unwrap();
+    let addr = a.data_addr().unwrap();
+    let b = a
+        .slice_update(&arr(&upd, &[3, 4]), &[2, 0], &[5, 4])
+        .unwrap();
+    b.eval().unwrap();
+    assert_eq!(host(&b), want);
+    assert_eq!(
+        b.data_addr().unwrap(),
+        addr,
+        "slice_update copied although it owned the buffer"
+    );
+
+    // A live clone forces a copy and keeps its own contents.
+    let a = arr(&base, &[8, 4]).add_scalar(0.0).unwrap();
+    a.eval().unwrap();
+    let keep = a.clone();
+    let b = a
+        .slice_update(&arr(&upd, &[3, 4]), &[2, 0], &[5, 4])
+        .unwrap();
+    b.eval().unwrap();
+    assert_eq!(host(&b), want);
+    assert_eq!(host(&keep), base);
+    assert_ne!(b.data_addr().unwrap(), keep.data_addr().unwrap());
+}
+
+#[test]
+fn dtype_round_trips_are_exact() {
+    let mut r = rng("dtype_round_trips_are_exact");
+    let f: Vec<f32> = randn(&mut r, 33);
+    assert_eq!(
+        Array::from_slice(&f, &[3, 11])
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap(),
+        f
+    );
+    let h: Vec<f16> = f.iter().map(|v| f16::from_f32(*v)).collect();
+    assert_eq!(
+        Array::from_slice(&h, &[33])
+            .unwrap()
+            .to_vec::<f16>()
+            .unwrap(),
+        h
+    );
+    let bh: Vec<bf16> = f.iter().map(|v| bf16::from_f32(*v)).collect();
+    assert_eq!(
+        Array::from_slice(&bh, &[33])
+            .unwrap()
+            .to_vec::<bf16>()
+            .unwrap(),
+        bh
+    );
+    let i: Vec<i32> = (0..33).map(|_| r.gen()).collect();
+    assert_eq!(
+        Array::from_slice(&i, &[33])
+            .unwrap()
+            .to_vec::<i32>()
+            .unwrap(),
+        i
+    );
+    let u: Vec<u32> = (0..33).map(|_| r.gen()).collect();
+    assert_eq!(
+        Array::from_slice(&u, &[33])
+            .unwrap()
+            .to_vec::<u32>()
+            .unwrap(),
+        u
+    );
+    let b: Vec<u8> = (0..33).map(|_| r.gen()).collect();
+    assert_eq!(
+        Array::from_slice(&b, &[33])
+            .unwrap()
+            .to_vec::<u8>()
+            .unwrap(),
+        b
+    );
+
+    // astype rounds like the `half` crate (round to nearest even).
+    let a = Array::from_slice(&f, &[33]).unwrap();
+    assert_eq!(a.astype(Dtype::BF16).unwrap().to_vec::<bf16>().unwrap(), bh);
+    assert_eq!(a.astype(Dtype::F16).unwrap().to_vec::<f16>().unwrap(), h);
+    let back = a
+        .astype(Dtype::BF16)
+        .unwrap()
+        .astype(Dtype::F32)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert_eq!(back, bh.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+
+    // A strided view is copied out row-major.
+    let m = Array::from_slice(&f[..30], &[5, 6])
+        .unwrap()
+        .transpose(&[1, 0])
+        .unwrap();
+    let want: Vec<f32> = (0..30).map(|p| f[(p % 5) * 6 + p / 5]).collect();
+    assert_eq!(m.to_vec::<f32>().unwrap(), want);
+}
+
+#[test]
+fn elementwise_softmax_argmax_topk_match_naive() {
+    let mut r = rng("elementwise_softmax_argmax_topk_match_naive");
+    let (rows, n) = (4, 50);
+    let x: Vec<f32> = randn(&mut r, rows * n).iter().map(|v| v * 4.0).collect();
+    let xa = arr(&x, &[rows as i32, n as i32]);
+    let naive = |f: &dyn Fn(f64) -> f64| x.iter().map(|v| f(*v as f64) as f32).collect::<Vec<_>>();
+    assert_close(&host(&xa.exp().unwrap()), &naive(&|v| v.exp()), 1e-6, 1e-5);
+    assert_close(
+        &host(&xa.abs().unwrap().log().unwrap()),
+        &naive(&|v| v.abs().ln()),
+        1e-5,
+        1e-5,
+    );
+    assert_close(
+        &host(&xa.silu().unwrap()),
+        &naive(&|v| v / (1.0 + (-v).exp())),
+        1e-6,
+        1e-5,
+    );
+    let gelu = |v: f64| {
+        0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh())
+    };
+    assert_close(&host(&xa.gelu_tanh().unwrap()), &naive(&gelu), 1e-5, 1e-5);
+    let y = randn(&mut r, rows * n);
+    let ya = arr(&y, &[rows as i32, n as i32]);
+    let prod: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a * b).collect();
+    assert_eq!(host(&xa.mul(&ya).unwrap()), prod);
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    assert_eq!(host(&xa.add(&ya).unwrap()), sum);
+
+    let sm = host(&xa.softmax(-1, true).unwrap());
+    let am: Vec<u32> = xa.argmax(-1, false).unwrap().to_vec().unwrap();
+    let tk = xa.topk(3, -1).unwrap().sort(-1).unwrap();
+    let tk = host(&tk);
+    for i in 0..rows {
+        let row = &x[i * n..][..n];
+        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let total: f64 = row.iter().map(|v| ((v - max) as f64).exp()).sum();
+        let want: Vec<f32> = row
+            .iter()
+            .map(|v| (((v - max) as f64).exp() / total) as f32)
+            .collect();
+        assert_close(&sm[i * n..][..n], &want, 1e-6, 1e-5);
+        let best = row
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.total_cmp(b.1))
+            .unwrap()
+            .0;
+        assert_eq!(am[i] as usize, best);
+        let mut sorted = row.to_vec();
+        sorted.sort_by(|a, b| a.total_cmp(b));
+        assert_eq!(&tk[i * 3..][..3], &sorted[n - 3..]);
+    }
+}
+
+#[test]
+fn categorical_sampling_is_reproducible_with_a_seeded_key() {
+    let mut r = rng("categorical_sampling_is_reproducible_with_a_seeded_key");
+    let logits = arr(&randn(&mut r, 8 * 100), &[8, 100]);
+    let seed = r.gen();
+    let draw = |seed| {
+        mlx::random::categorical(&logits, -1, &mlx::random::key(seed).unwrap())
+            .unwrap()
+            .to_vec::<u32>()
+            .unwrap()
+    };
+    assert_eq!(draw(seed), draw(seed));
+    let draws: std::collections::HashSet<Vec<u32>> =
+        (0..5u64).map(|s| draw(seed.wrapping_add(s))).collect();
+    assert!(draws.len() > 1, "different keys gave identical samples");
+    // A distribution with all mass on one index always yields it.
+    let mut peaked = vec![-1e30f32; 100];
+    peaked[37] = 0.0;
+    let p = arr(&peaked, &[1, 100]);
+    for s in 0..10 {
+        let got = mlx::random::categorical(&p, -1, &mlx::random::key(s).unwrap())
+            .unwrap()
+            .to_vec::<u32>()
+            .unwrap();
+        assert_eq!(got, vec![37]);
+    }
+}
+
+#[test]
+fn safetensors_written_by_an_independent_writer_load_exactly() {
+    let mut r = rng("safetensors_written_by_an_independent_writer_load_exactly");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    let a = randn(&mut r, 6);
+    let b: Vec<bf16> = randn(&mut r, 4)
+        .iter()
+        .map(|v| bf16::from_f32(*v))
+        .collect();
+    let a_bytes: Vec<u8> = bytemuck_bytes(&a);
+    let b_bytes: Vec<u8> = b.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let views = vec![
+        (
+            "a",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![2, 3], &a_bytes)
+                .unwrap(),
+        ),
+        (
+            "b",
+            safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![4], &b_bytes)
+                .unwrap(),
+        ),
+    ];
+    let meta =
+        std::collections::HashMap::from([("format".to_string(), "kvstore-test".to_string())]);
+    safetensors::serialize_to_file(views, &Some(meta), &path).unwrap();
+
+    let file = mlx::io::load_safetensors(&path).unwrap();
+    assert_eq!(file.tensors["a"].shape(), vec![2, 3]);
+    assert_eq!(file.tensors["a"].to_vec::<f32>().unwrap(), a);
+    assert_eq!(file.tensors["b"].to_vec::<bf16>().unwrap(), b);
+    assert_eq!(file.metadata["format"], "kvstore-test");
+
+    // And MLX's own writer round-trips through the same loader.
+    let path2 = dir.path().join("u.safetensors");
+    mlx::io::save_safetensors(&path2, &[("x", &file.tensors["a"])], &[("k", "v")]).unwrap();
+    let back = mlx::io::load_safetensors(&path2).unwrap();
+    assert_eq!(back.tensors["x"].to_vec::<f32>().unwrap(), a);
+    assert_eq!(back.metadata["k"], "v");
+}
+
+fn bytemuck_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+#[test]
+fn gguf_loads_the_default_model_with_quantized_tensors_and_metadata() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(
+        path.is_file(),
+        "{} is missing: run `bash scripts/setup.sh`",
+        path.display()
+    );
+    let file = mlx::io::load_gguf(&path).unwrap();
+    match &file.metadata["general.architecture"] {
+        mlx::io::GgufValue::String(s) => assert_eq!(s, "llama"),
+        other => panic!("general.architecture is {other:?}"),
+    }
+    match &file.metadata["tokenizer.ggml.tokens"] {
+        mlx::io::GgufValue::Strings(v) => assert_eq!(v.len(), 49152),
+        other => panic!("tokenizer.ggml.tokens is {other:?}"),
+    }
+    match &file.metadata["llama.block_count"] {
+        mlx::io::GgufValue::Array(a) => assert_eq!(a.item_i32().unwrap(), 30),
+        other => panic!("llama.block_count is {other:?}"),
+    }
+    // Q4_1 keeps its quantization: packed uint32 plus scales and biases.
+    let q = &file.tensors["blk.0.attn_q.weight"];
+    assert_eq!(q.dtype(), Dtype::U32);
+    assert_eq!(q.shape(), vec![576, 576 * 4 / 32]);
+    assert!(file.tensors.contains_key("blk.0.attn_q.scales"));
+    assert!(file.tensors.contains_key("blk.0.attn_q.biases"));
+}
+
+#[test]
+fn errors_carry_mlx_messages_instead_of_aborting() {
+    let a = arr(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let b = arr(&[1.0, 2.0, 3.0], &[3, 1]);
+    match a.matmul(&b) {
+        Err(Error::Mlx { op, message }) => {
+            assert_eq!(op, "matmul");
+            assert!(
+                message.contains("(2,2)") && message.contains("(3,1)"),
+                "{message}"
+            );
+        }
+        other => panic!("expected an MLX error, got {other:?}"),
+    }
+    assert!(matches!(
+        a.reshape(&[3, 3]),
+        Err(Error::Mlx { op: "reshape", .. })
+    ));
+    assert!(matches!(
+        Array::from_bytes(&[0u8; 7], &[2], Dtype::F32),
+        Err(Error::Mlx { .. })
+    ));
+    assert!(matches!(
+        a.to_vec::<i32>(),
+        Err(Error::DtypeMismatch {
+            expected: Dtype::I32,
+            actual: Dtype::F32
+        })
+    ));
+    assert!(
+        mlx::io::load_safetensors(std::path::Path::new("/nonexistent/file.safetensors")).is_err()
+    );
+    // A lazy graph with a bad op fails when built, not later during eval.
+    let bad = a.slice(&[0, 0], &[2, 2]).unwrap().reshape(&[5]);
+    assert!(bad.is_err());
+}
+
+#[test]
+fn memory_counters_track_live_arrays() {
+    let before = mlx::active_memory().unwrap();
+    let big = mlx::ops::full(&[1024, 1024], 1.5, Dtype::F32).unwrap();
+    big.eval().unwrap();
+    assert!(
+        mlx::active_memory().unwrap() >= big.nbytes(),
+        "active memory below one live 4 MiB array (before: {before})"
+    );
+    assert!(mlx::peak_memory().unwrap() >= 4 << 20);
+    drop(big);
+    mlx::set_cache_limit(0).unwrap();
+    mlx::clear_cache().unwrap();
+    assert_eq!(mlx::cache_memory().unwrap(), 0);
+    assert_eq!(mlx::default_device().unwrap(), mlx::Device::Cpu);
+}
