@@ -1,2 +1,75 @@
 //! Content-addressed store for published KV blocks: named, typed byte planes in a RAM
 //! tier and an SSD tier. This crate never depends on MLX.
+//!
+//! # Overview
+//!
+//! - A [`Block`] is one block of tokens across all layers: ordered [`Plane`]s (name,
+//!   [`Dtype`], shape, bytes) plus [`BlockMeta`] (namespace, key, parent, position, tokens,
+//!   creation time).
+//! - A [`NamespaceDescription`] names everything that changes the bytes of a block (weights,
+//!   tokenizer, KV dtype, block size, plane layout, ...); its [`NamespaceId`] is a blake3
+//!   hash over a canonical, versioned encoding. A [`BlockKey`] is
+//!   `blake3(parent || token ids)` with the namespace id as the root parent, so a block is
+//!   named by its whole prefix: [`chain_keys`] turns token ids into the keys to look up.
+//! - [`Store`] is the facade: a [`RamTier`] (byte-bounded LRU over any [`Payload`], so a
+//!   caller may keep device arrays there) over an [`SsdTier`] (one safetensors file per
+//!   block, checksummed, crash safe, byte-budgeted, LRU order persisted), joined by a
+//!   write-behind worker.
+//! - [`gc`] and [`inspect`] look after a store directory offline; the `kvstore` binary
+//!   wraps them.
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use store::{chain_keys, Block, BlockMeta, Dtype, NamespaceDescription, Plane, PlaneSpec,
+//!             Store, StoreConfig};
+//!
+//! let dir = tempfile::tempdir().unwrap();
+//! let store: Store<Block> = Store::open(
+//!     StoreConfig::default().root(dir.path()).ram_budget(1 << 20).ssd_budget(1 << 24),
+//! ).unwrap();
+//! let mut desc = NamespaceDescription::new("tiny", Dtype::F32, 4);
+//! desc.planes = vec![PlaneSpec::new("k", Dtype::F32, vec![4, 2])];
+//! let ns = store.register_namespace(&desc).unwrap();
+//!
+//! let tokens = [1u32, 2, 3, 4];
+//! let keys = chain_keys(ns, &tokens, 4);
+//! let meta = BlockMeta::new(ns, *ns.as_bytes(), 0, tokens.to_vec());
+//! assert_eq!(meta.key, keys[0]);
+//! let plane = Plane::new("k", Dtype::F32, vec![4, 2], vec![0u8; 32]);
+//! store.insert(Arc::new(Block { meta, planes: vec![plane] })).unwrap();
+//!
+//! assert_eq!(store.lookup(ns, &keys).blocks(), 1);
+//! let loaded = store.load_prefix(ns, &keys, &[tokens]);
+//! assert_eq!(loaded.blocks.len(), 1);
+//! store.flush().unwrap();
+//! ```
+#![deny(unsafe_code)]
+
+mod block;
+mod codec;
+mod error;
+pub mod format;
+pub mod gc;
+pub mod inspect;
+mod journal;
+mod key;
+mod mmap;
+mod namespace;
+mod ram;
+mod ssd;
+mod stats;
+mod store;
+
+pub use block::{Block, BlockMeta, Dtype, LayoutError, Payload, Plane, PlaneSpec};
+pub use codec::{BlockHeader, DecodeError};
+pub use error::{InsertError, OpenError, RegisterError, WriteError};
+pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
+pub use namespace::{KvQuantization, NamespaceDescription};
+pub use ram::RamTier;
+pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
+pub use stats::StoreStats;
+pub use store::{
+    BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier, WritePolicy,
+};

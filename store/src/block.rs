@@ -1,0 +1,350 @@
+//! The block model: ordered, typed byte planes plus metadata, and the [`Payload`] trait that
+//! lets the RAM tier hold something other than host bytes.
+
+use std::fmt;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::key::{block_key, BlockKey, NamespaceId};
+
+/// Element type of a plane; names and sizes follow safetensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Dtype {
+    /// 32-bit float.
+    F32,
+    /// 16-bit IEEE float.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// Signed 32-bit integer.
+    I32,
+    /// Unsigned 32-bit integer (packed quantized values).
+    U32,
+    /// Unsigned byte.
+    U8,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            Dtype::F32 | Dtype::I32 | Dtype::U32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::U8 => 1,
+        }
+    }
+
+    /// The safetensors name (`"F32"`, `"BF16"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F32 => "F32",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+            Dtype::I32 => "I32",
+            Dtype::U32 => "U32",
+            Dtype::U8 => "U8",
+        }
+    }
+
+    /// Parses a safetensors name; `None` for types the store does not carry.
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        Some(match name {
+            "F32" => Dtype::F32,
+            "F16" => Dtype::F16,
+            "BF16" => Dtype::BF16,
+            "I32" => Dtype::I32,
+            "U32" => Dtype::U32,
+            "U8" => Dtype::U8,
+            _ => return None,
+        })
+    }
+
+    pub(crate) fn to_safetensors(self) -> safetensors::Dtype {
+        match self {
+            Dtype::F32 => safetensors::Dtype::F32,
+            Dtype::F16 => safetensors::Dtype::F16,
+            Dtype::BF16 => safetensors::Dtype::BF16,
+            Dtype::I32 => safetensors::Dtype::I32,
+            Dtype::U32 => safetensors::Dtype::U32,
+            Dtype::U8 => safetensors::Dtype::U8,
+        }
+    }
+
+    pub(crate) fn from_safetensors(d: safetensors::Dtype) -> Option<Dtype> {
+        Some(match d {
+            safetensors::Dtype::F32 => Dtype::F32,
+            safetensors::Dtype::F16 => Dtype::F16,
+            safetensors::Dtype::BF16 => Dtype::BF16,
+            safetensors::Dtype::I32 => Dtype::I32,
+            safetensors::Dtype::U32 => Dtype::U32,
+            safetensors::Dtype::U8 => Dtype::U8,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Name, type and shape of a plane, without its bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PlaneSpec {
+    /// Plane name, unique within a block (e.g. `"layers.3.k"`).
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape, row-major.
+    pub shape: Vec<u64>,
+}
+
+impl PlaneSpec {
+    /// A spec from its parts.
+    pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<u64>) -> Self {
+        PlaneSpec {
+            name: name.into(),
+            dtype,
+            shape,
+        }
+    }
+
+    /// Bytes of a plane with this spec; `None` on overflow.
+    pub fn byte_len(&self) -> Option<u64> {
+        self.shape
+            .iter()
+            .try_fold(self.dtype.size(), |acc, &d| acc.checked_mul(d))
+    }
+}
+
+/// One named, typed plane of bytes (row-major, little-endian elements).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Plane {
+    /// Plane name, unique within a block.
+    pub name: String,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Shape, row-major.
+    pub shape: Vec<u64>,
+    /// The bytes; length is `dtype.size() * product(shape)`.
+    pub data: Bytes,
+}
+
+impl Plane {
+    /// A plane from its parts (the length is checked when the block is validated).
+    pub fn new(
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data: impl Into<Bytes>,
+    ) -> Self {
+        Plane {
+            name: name.into(),
+            dtype,
+            shape,
+            data: data.into(),
+        }
+    }
+
+    /// This plane's spec.
+    pub fn spec(&self) -> PlaneSpec {
+        PlaneSpec::new(self.name.clone(), self.dtype, self.shape.clone())
+    }
+}
+
+impl fmt::Debug for Plane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Plane")
+            .field("name", &self.name)
+            .field("dtype", &self.dtype)
+            .field("shape", &self.shape)
+            .field("bytes", &self.data.len())
+            .finish()
+    }
+}
+
+/// Identity and provenance of a block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockMeta {
+    /// Namespace the block belongs to.
+    pub namespace: NamespaceId,
+    /// `block_key(parent, tokens)`.
+    pub key: BlockKey,
+    /// Previous block's key, or the namespace id for position 0.
+    pub parent: [u8; 32],
+    /// Index of the block in its chain (0 for the first block).
+    pub position: u32,
+    /// Token ids the block covers.
+    pub tokens: Vec<u32>,
+    /// Creation time, Unix milliseconds.
+    pub created_unix_ms: u64,
+}
+
+impl BlockMeta {
+    /// Metadata with the key derived from `parent` and `tokens`, created now.
+    pub fn new(namespace: NamespaceId, parent: [u8; 32], position: u32, tokens: Vec<u32>) -> Self {
+        BlockMeta {
+            namespace,
+            key: block_key(&parent, &tokens),
+            parent,
+            position,
+            tokens,
+            created_unix_ms: now_unix_ms(),
+        }
+    }
+}
+
+/// A block: metadata plus ordered planes in host memory. The store's own payload type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// Identity and provenance.
+    pub meta: BlockMeta,
+    /// The planes, in the namespace's plane order.
+    pub planes: Vec<Plane>,
+}
+
+impl Block {
+    /// Sum of the plane lengths.
+    pub fn data_len(&self) -> u64 {
+        self.planes.iter().map(|p| p.data.len() as u64).sum()
+    }
+}
+
+/// A plane layout that differs from the namespace's.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LayoutError {
+    /// Different number of planes.
+    #[error("block has {found} planes, the namespace expects {expected}")]
+    PlaneCount {
+        /// Planes the namespace expects.
+        expected: usize,
+        /// Planes found.
+        found: usize,
+    },
+    /// A plane's name, dtype or shape differs.
+    #[error("plane {index} is {found:?}, the namespace expects {expected:?}")]
+    Plane {
+        /// Plane index.
+        index: usize,
+        /// Expected spec.
+        expected: PlaneSpec,
+        /// Found spec.
+        found: PlaneSpec,
+    },
+    /// A plane's byte length does not match its dtype and shape.
+    #[error("plane {name:?} holds {found} bytes, its dtype and shape need {expected}")]
+    ByteLength {
+        /// Plane name.
+        name: String,
+        /// Bytes its spec needs.
+        expected: u64,
+        /// Bytes present.
+        found: u64,
+    },
+}
+
+/// Checks `found` against `expected`, plane by plane.
+pub(crate) fn check_specs(expected: &[PlaneSpec], found: &[PlaneSpec]) -> Result<(), LayoutError> {
+    if expected.len() != found.len() {
+        return Err(LayoutError::PlaneCount {
+            expected: expected.len(),
+            found: found.len(),
+        });
+    }
+    for (index, (e, f)) in expected.iter().zip(found).enumerate() {
+        if e != f {
+            return Err(LayoutError::Plane {
+                index,
+                expected: e.clone(),
+                found: f.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Checks that every plane's byte length matches its dtype and shape.
+pub(crate) fn check_lengths(planes: &[Plane]) -> Result<(), LayoutError> {
+    for p in planes {
+        let expected = p.spec().byte_len().unwrap_or(u64::MAX);
+        if expected != p.data.len() as u64 {
+            return Err(LayoutError::ByteLength {
+                name: p.name.clone(),
+                expected,
+                found: p.data.len() as u64,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What the RAM tier holds. The store stays free of MLX: `cache/` implements this for blocks
+/// kept as device arrays, and [`Block`] implements it for host bytes.
+///
+/// Contract. The caller (the store) guarantees that it never mutates a payload (payloads are
+/// shared as `Arc<Self>`), calls [`to_block`](Payload::to_block) only from its write-behind
+/// worker or a flush, and passes [`from_block`](Payload::from_block) only blocks whose checksum,
+/// key, tokens and plane layout it has already verified.
+///
+/// Implementations MUST:
+/// - be immutable once built: every method returns the same answer for the payload's life;
+/// - return from [`meta`](Payload::meta) the metadata the payload was built with, and from
+///   [`plane_specs`](Payload::plane_specs) the layout [`to_block`](Payload::to_block) produces;
+/// - make [`to_block`](Payload::to_block) and [`from_block`](Payload::from_block) inverses
+///   (same metadata, same plane bytes), and fail with an error rather than produce a partial
+///   block;
+/// - report in [`byte_size`](Payload::byte_size) the memory the payload pins (the RAM budget
+///   is counted in it), and keep it constant.
+pub trait Payload: Send + Sync + 'static {
+    /// Error of the conversions.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// The block's metadata.
+    fn meta(&self) -> &BlockMeta;
+    /// Bytes this payload keeps resident (counted against the RAM budget).
+    fn byte_size(&self) -> u64;
+    /// Plane layout, in order, without touching the bytes.
+    fn plane_specs(&self) -> Vec<PlaneSpec>;
+    /// Host bytes for the SSD tier.
+    fn to_block(&self) -> Result<Block, Self::Error>;
+    /// Rebuilds a payload from verified host bytes (an SSD hit being promoted).
+    fn from_block(block: Block) -> Result<Self, Self::Error>
+    where
+        Self: Sized;
+}
+
+impl Payload for Block {
+    type Error = std::convert::Infallible;
+
+    fn meta(&self) -> &BlockMeta {
+        &self.meta
+    }
+
+    fn byte_size(&self) -> u64 {
+        self.data_len()
+    }
+
+    fn plane_specs(&self) -> Vec<PlaneSpec> {
+        self.planes.iter().map(Plane::spec).collect()
+    }
+
+    fn to_block(&self) -> Result<Block, Self::Error> {
+        Ok(self.clone())
+    }
+
+    fn from_block(block: Block) -> Result<Self, Self::Error> {
+        Ok(block)
+    }
+}
+
+/// Milliseconds since the Unix epoch (0 if the clock is before it).
+pub(crate) fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,1 @@
+//! Inspection (placeholder, filled below).

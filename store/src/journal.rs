@@ -1,0 +1,202 @@
+//! The access journal: an append-only log of (namespace, key, sequence, time) records that
+//! persists the SSD tier's LRU order. Losing it loses recency, never data: the order is then
+//! rebuilt from file modification times.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, BufWriter, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use crate::format;
+use crate::key::{BlockKey, NamespaceId};
+
+/// One access record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Record {
+    pub ns: NamespaceId,
+    pub key: BlockKey,
+    pub seq: u64,
+    pub unix_ms: u64,
+}
+
+impl Record {
+    fn encode(&self) -> [u8; format::JOURNAL_RECORD_LEN] {
+        let mut b = [0u8; format::JOURNAL_RECORD_LEN];
+        b[0..4].copy_from_slice(&format::JOURNAL_RECORD_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&format::JOURNAL_KIND_ACCESS.to_le_bytes());
+        b[8..40].copy_from_slice(self.ns.as_bytes());
+        b[40..72].copy_from_slice(self.key.as_bytes());
+        b[72..80].copy_from_slice(&self.seq.to_le_bytes());
+        b[80..88].copy_from_slice(&self.unix_ms.to_le_bytes());
+        let check = blake3::hash(&b[..88]);
+        b[88..92].copy_from_slice(&check.as_bytes()[..4]);
+        b
+    }
+
+    fn decode(b: &[u8]) -> Option<Record> {
+        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().unwrap_or([0; 4]));
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        if b.len() != format::JOURNAL_RECORD_LEN
+            || u32_at(0) != format::JOURNAL_RECORD_MAGIC
+            || u32_at(4) != format::JOURNAL_KIND_ACCESS
+            || blake3::hash(&b[..88]).as_bytes()[..4] != b[88..92]
+        {
+            return None;
+        }
+        Some(Record {
+            ns: NamespaceId(b[8..40].try_into().ok()?),
+            key: BlockKey(b[40..72].try_into().ok()?),
+            seq: u64_at(72),
+            unix_ms: u64_at(80),
+        })
+    }
+}
+
+fn header() -> [u8; format::JOURNAL_HEADER_LEN] {
+    let mut h = [0u8; format::JOURNAL_HEADER_LEN];
+    h[..8].copy_from_slice(format::JOURNAL_MAGIC);
+    h[8..12].copy_from_slice(&format::FORMAT_VERSION.to_le_bytes());
+    h
+}
+
+/// What reading a journal found.
+pub(crate) struct ReadJournal {
+    pub records: Vec<Record>,
+    /// True when the file was missing, foreign, or ended in a torn or corrupt record.
+    pub damaged: bool,
+}
+
+/// Reads every valid record up to the first invalid one.
+pub(crate) fn read(path: &Path) -> io::Result<ReadJournal> {
+    let mut bytes = Vec::new();
+    match File::open(path) {
+        Ok(mut f) => {
+            f.read_to_end(&mut bytes)?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            return Ok(ReadJournal {
+                records: Vec::new(),
+                damaged: true,
+            })
+        }
+        Err(e) => return Err(e),
+    }
+    if bytes.len() < format::JOURNAL_HEADER_LEN || bytes[..format::JOURNAL_HEADER_LEN] != header() {
+        return Ok(ReadJournal {
+            records: Vec::new(),
+            damaged: true,
+        });
+    }
+    let body = &bytes[format::JOURNAL_HEADER_LEN..];
+    let mut records = Vec::with_capacity(body.len() / format::JOURNAL_RECORD_LEN);
+    let mut damaged = body.len() % format::JOURNAL_RECORD_LEN != 0;
+    for chunk in body.chunks_exact(format::JOURNAL_RECORD_LEN) {
+        match Record::decode(chunk) {
+            Some(r) => records.push(r),
+            None => {
+                damaged = true;
+                break;
+            }
+        }
+    }
+    Ok(ReadJournal { records, damaged })
+}
+
+/// An open journal, appending.
+pub(crate) struct Journal {
+    path: PathBuf,
+    out: BufWriter<File>,
+    /// Records in the file (for deciding when to compact).
+    pub records: u64,
+}
+
+impl Journal {
+    /// Atomically replaces the journal at `path` with `records` (temp file in `tmp_dir`,
+    /// fsync, rename, fsync root) and opens it for appending.
+    pub fn rewrite(path: &Path, tmp_dir: &Path, records: &[Record]) -> io::Result<Journal> {
+        let tmp = tmp_dir.join(format!(
+            "journal.{}.{}",
+            std::process::id(),
+            format::TMP_EXT
+        ));
+        {
+            let f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(format::FILE_MODE)
+                .open(&tmp)?;
+            let mut w = BufWriter::new(f);
+            w.write_all(&header())?;
+            for r in records {
+                w.write_all(&r.encode())?;
+            }
+            w.flush()?;
+            w.get_ref().sync_all()?;
+        }
+        std::fs::rename(&tmp, path)?;
+        if let Some(parent) = path.parent() {
+            File::open(parent)?.sync_all()?;
+        }
+        let f = OpenOptions::new().append(true).open(path)?;
+        Ok(Journal {
+            path: path.to_owned(),
+            out: BufWriter::new(f),
+            records: records.len() as u64,
+        })
+    }
+
+    /// Appends one record (buffered).
+    pub fn append(&mut self, r: &Record) -> io::Result<()> {
+        self.records += 1;
+        self.out.write_all(&r.encode())
+    }
+
+    /// Writes buffered records and fsyncs.
+    pub fn sync(&mut self) -> io::Result<()> {
+        self.out.flush()?;
+        self.out.get_ref().sync_data()
+    }
+
+    /// The journal's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        // Recency only; a failure here loses access order, never blocks.
+        let _ = self.out.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torn_tail_keeps_the_valid_prefix() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("j");
+        let recs: Vec<Record> = (0..3)
+            .map(|i| Record {
+                ns: NamespaceId([i; 32]),
+                key: BlockKey([i + 1; 32]),
+                seq: i as u64,
+                unix_ms: 10 + i as u64,
+            })
+            .collect();
+        drop(Journal::rewrite(&path, dir.path(), &recs).unwrap());
+        let r = read(&path).unwrap();
+        assert_eq!(r.records, recs);
+        assert!(!r.damaged);
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes.truncate(bytes.len() - 5);
+        bytes[format::JOURNAL_HEADER_LEN + format::JOURNAL_RECORD_LEN + 10] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        let r = read(&path).unwrap();
+        assert_eq!(r.records, recs[..1]);
+        assert!(r.damaged);
+    }
+}

@@ -1,0 +1,170 @@
+//! Namespace descriptions and their reproducible ids.
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::{Dtype, PlaneSpec};
+use crate::format;
+use crate::key::NamespaceId;
+
+/// Affine KV quantization parameters (as in MLX's `quantize`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvQuantization {
+    /// Bits per element (4 or 8).
+    pub bits: u32,
+    /// Elements sharing one scale and bias.
+    pub group_size: u32,
+}
+
+/// Everything that changes the bytes of a block. Two processes that describe the same model
+/// the same way get the same [`NamespaceId`], on any machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceDescription {
+    /// Human-readable model name (e.g. `SmolLM2-135M-Instruct`).
+    pub model: String,
+    /// Fingerprint of the weights, hex (e.g. blake3 of the weight files).
+    pub weights_fingerprint: String,
+    /// Hash of the model configuration, hex.
+    pub config_hash: String,
+    /// Hash of the tokenizer (vocabulary, merges, special tokens), hex.
+    pub tokenizer_hash: String,
+    /// Element type of the stored K/V planes before quantization.
+    pub kv_dtype: Dtype,
+    /// KV quantization, if the planes hold quantized values.
+    pub kv_quantization: Option<KvQuantization>,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// One entry per layer: `"global"` or `"window(N)"` for sliding-window attention.
+    pub layers: Vec<String>,
+    /// RoPE settings in a canonical text form (e.g. `"theta=10000,scaling=none"`).
+    pub rope: String,
+    /// Store format version the blocks are written in; normally [`format::FORMAT_VERSION`].
+    pub format_version: u32,
+    /// Optional salt separating tenants or adapters that share a model.
+    pub salt: Option<String>,
+    /// The exact plane layout of every block in this namespace, in order.
+    pub planes: Vec<PlaneSpec>,
+}
+
+impl NamespaceDescription {
+    /// A description with the given model name, KV dtype and block size; every other field
+    /// empty, no quantization, no salt, and the current format version.
+    pub fn new(model: impl Into<String>, kv_dtype: Dtype, block_size: u32) -> Self {
+        NamespaceDescription {
+            model: model.into(),
+            weights_fingerprint: String::new(),
+            config_hash: String::new(),
+            tokenizer_hash: String::new(),
+            kv_dtype,
+            kv_quantization: None,
+            block_size,
+            layers: Vec::new(),
+            rope: String::new(),
+            format_version: format::FORMAT_VERSION,
+            salt: None,
+            planes: Vec::new(),
+        }
+    }
+
+    /// The canonical byte encoding hashed into the id (see docs/store-format.md): every
+    /// string and list length-prefixed with a little-endian `u64`, integers little-endian,
+    /// options as a `u8` tag, fields in declaration order after a domain tag and version.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(256);
+        put_bytes(&mut out, format::NAMESPACE_DOMAIN);
+        out.extend_from_slice(&format::NAMESPACE_ENCODING_VERSION.to_le_bytes());
+        put_str(&mut out, &self.model);
+        put_str(&mut out, &self.weights_fingerprint);
+        put_str(&mut out, &self.config_hash);
+        put_str(&mut out, &self.tokenizer_hash);
+        put_str(&mut out, self.kv_dtype.name());
+        match self.kv_quantization {
+            None => out.push(0),
+            Some(q) => {
+                out.push(1);
+                out.extend_from_slice(&q.bits.to_le_bytes());
+                out.extend_from_slice(&q.group_size.to_le_bytes());
+            }
+        }
+        out.extend_from_slice(&self.block_size.to_le_bytes());
+        out.extend_from_slice(&(self.layers.len() as u64).to_le_bytes());
+        for layer in &self.layers {
+            put_str(&mut out, layer);
+        }
+        put_str(&mut out, &self.rope);
+        out.extend_from_slice(&self.format_version.to_le_bytes());
+        match &self.salt {
+            None => out.push(0),
+            Some(s) => {
+                out.push(1);
+                put_str(&mut out, s);
+            }
+        }
+        out.extend_from_slice(&(self.planes.len() as u64).to_le_bytes());
+        for p in &self.planes {
+            put_str(&mut out, &p.name);
+            put_str(&mut out, p.dtype.name());
+            out.extend_from_slice(&(p.shape.len() as u64).to_le_bytes());
+            for d in &p.shape {
+                out.extend_from_slice(&d.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// `blake3(canonical_bytes())`.
+    pub fn id(&self) -> NamespaceId {
+        NamespaceId(*blake3::hash(&self.canonical_bytes()).as_bytes())
+    }
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u64).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    put_bytes(out, s.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_field_changes_the_id() {
+        let base = NamespaceDescription::new("m", Dtype::BF16, 16);
+        let id = base.id();
+        let variants: Vec<Box<dyn Fn(&mut NamespaceDescription)>> = vec![
+            Box::new(|d| d.model.push('x')),
+            Box::new(|d| d.weights_fingerprint.push('x')),
+            Box::new(|d| d.config_hash.push('x')),
+            Box::new(|d| d.tokenizer_hash.push('x')),
+            Box::new(|d| d.kv_dtype = Dtype::F16),
+            Box::new(|d| {
+                d.kv_quantization = Some(KvQuantization {
+                    bits: 4,
+                    group_size: 64,
+                })
+            }),
+            Box::new(|d| d.block_size = 32),
+            Box::new(|d| d.layers.push("global".into())),
+            Box::new(|d| d.rope.push('x')),
+            Box::new(|d| d.format_version += 1),
+            Box::new(|d| d.salt = Some(String::new())),
+            Box::new(|d| d.planes.push(PlaneSpec::new("k", Dtype::F32, vec![1]))),
+        ];
+        for (i, change) in variants.iter().enumerate() {
+            let mut d = base.clone();
+            change(&mut d);
+            assert_ne!(d.id(), id, "field change {i} did not change the id");
+        }
+        // Length prefixes keep field boundaries apart.
+        let mut a = base.clone();
+        a.model = "ab".into();
+        a.weights_fingerprint = "c".into();
+        let mut b = base.clone();
+        b.model = "a".into();
+        b.weights_fingerprint = "bc".into();
+        assert_ne!(a.id(), b.id());
+    }
+}

@@ -1,0 +1,1005 @@
+//! The SSD tier: one safetensors file per block under `<root>/<namespace>/<k0k1>/<key>`,
+//! a physical byte budget with LRU eviction, an access journal that persists the LRU order,
+//! quarantine for files that fail verification, and one writer per root.
+//!
+//! Write path (crash cases in docs/store-format.md): encode into `tmp/`, fsync the file,
+//! rename into place, fsync the directory. A failed fsync or rename poisons the writer.
+
+use std::collections::HashMap;
+use std::fs::{self, DirBuilder, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::UNIX_EPOCH;
+
+use lru::LruCache;
+use serde::{Deserialize, Serialize};
+
+use crate::block::{now_unix_ms, Block};
+use crate::codec::{self, DecodeError, EncodeError};
+use crate::error::{OpenError, RegisterError, WriteError};
+use crate::format;
+use crate::journal::{self, Journal, Record};
+use crate::key::{BlockKey, NamespaceId};
+use crate::mmap::read_block;
+use crate::namespace::NamespaceDescription;
+use crate::stats::{Counters, StoreStats};
+
+/// How to open an SSD tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SsdOptions {
+    /// Open without the writer lock; never modifies anything on disk.
+    pub read_only: bool,
+    /// Physical byte budget for block files. Not enforced by `open` itself: call
+    /// [`SsdTier::enforce_budget`] (the [`Store`](crate::Store) does).
+    pub budget: u64,
+}
+
+/// One block file known to the tier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SsdEntry {
+    /// Namespace.
+    pub namespace: NamespaceId,
+    /// Key.
+    pub key: BlockKey,
+    /// Physical bytes (allocated blocks) of the file.
+    pub physical_bytes: u64,
+    /// Last write or read, Unix milliseconds (from the journal, else the file's mtime).
+    pub last_access_unix_ms: u64,
+    /// Path of the file.
+    pub path: PathBuf,
+}
+
+/// What a read found.
+#[derive(Debug)]
+pub enum ReadOutcome {
+    /// The block, verified.
+    Hit(Block),
+    /// No such block.
+    Miss,
+    /// The file failed verification; it was quarantined (unless read-only) and is a miss.
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        error: DecodeError,
+    },
+}
+
+/// What a write did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteOutcome {
+    /// The block was written.
+    Written {
+        /// Physical bytes of the new file.
+        physical_bytes: u64,
+    },
+    /// A file for this key already existed; only its recency was updated.
+    AlreadyPresent,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Marker {
+    pub format: String,
+    pub version: u32,
+    #[serde(default)]
+    pub ssd_budget_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    phys: u64,
+    last_ms: u64,
+    seq: u64,
+}
+
+struct State {
+    index: LruCache<(NamespaceId, BlockKey), Entry>,
+    used: u64,
+    journal: Option<Journal>,
+    next_seq: u64,
+}
+
+/// The SSD tier. All methods take `&self`; writes are serialized internally.
+pub struct SsdTier {
+    root: PathBuf,
+    read_only: bool,
+    budget: AtomicU64,
+    _lock: Option<File>,
+    state: Mutex<State>,
+    write_lock: Mutex<()>,
+    poison: Mutex<Option<String>>,
+    counters: Arc<Counters>,
+    tmp_seq: AtomicU64,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(io::Error) -> OpenError + '_ {
+    move |source| OpenError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain data behind; keep serving.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub(crate) fn physical_bytes(meta: &fs::Metadata) -> u64 {
+    meta.blocks() * 512
+}
+
+fn mtime_ms(meta: &fs::Metadata) -> u64 {
+    meta.modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn sync_dir(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()
+}
+
+/// Creates `path` (mode 0700) if missing and fsyncs its parent; returns whether it created.
+fn ensure_dir(path: &Path) -> io::Result<bool> {
+    match DirBuilder::new().mode(format::DIR_MODE).create(path) {
+        Ok(()) => {
+            if let Some(parent) = path.parent() {
+                sync_dir(parent)?;
+            }
+            Ok(true)
+        }
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Parses a lowercase-hex directory or file stem into a 32-byte id, canonically.
+pub(crate) fn parse_canonical<T: std::str::FromStr + std::fmt::Display>(s: &str) -> Option<T> {
+    let v: T = s.parse().ok()?;
+    (v.to_string() == s).then_some(v)
+}
+
+/// Result of walking a store directory.
+#[derive(Debug, Default)]
+pub(crate) struct Scan {
+    /// Block files: namespace, key, metadata, path.
+    pub blocks: Vec<(NamespaceId, BlockKey, fs::Metadata, PathBuf)>,
+    /// Temporary files anywhere in the tree.
+    pub temps: Vec<PathBuf>,
+    /// Files that do not belong to the layout (inside namespace directories).
+    pub foreign: Vec<PathBuf>,
+    /// Entries at the root that the store does not know.
+    pub unknown_root: Vec<PathBuf>,
+    /// Namespace directories.
+    pub namespaces: Vec<(NamespaceId, PathBuf)>,
+    /// Files in quarantine.
+    pub quarantined: Vec<PathBuf>,
+}
+
+fn read_dir_sorted(path: &Path) -> io::Result<Vec<fs::DirEntry>> {
+    let mut v: Vec<_> = fs::read_dir(path)?.collect::<Result<_, _>>()?;
+    v.sort_by_key(|e| e.file_name());
+    Ok(v)
+}
+
+/// Walks the store layout under `root`.
+pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
+    let mut s = Scan::default();
+    for e in read_dir_sorted(root)? {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let path = e.path();
+        let ft = e.file_type()?;
+        match name.as_ref() {
+            format::STORE_FILE | format::LOCK_FILE | format::JOURNAL_FILE => continue,
+            format::TMP_DIR if ft.is_dir() => {
+                for t in read_dir_sorted(&path)? {
+                    s.temps.push(t.path());
+                }
+                continue;
+            }
+            format::QUARANTINE_DIR if ft.is_dir() => {
+                for q in read_dir_sorted(&path)? {
+                    s.quarantined.push(q.path());
+                }
+                continue;
+            }
+            _ => {}
+        }
+        let Some(ns) = parse_canonical::<NamespaceId>(&name).filter(|_| ft.is_dir()) else {
+            s.unknown_root.push(path);
+            continue;
+        };
+        s.namespaces.push((ns, path.clone()));
+        for shard in read_dir_sorted(&path)? {
+            let sname = shard.file_name();
+            let sname = sname.to_string_lossy().into_owned();
+            let spath = shard.path();
+            let sft = shard.file_type()?;
+            if sname == format::NAMESPACE_FILE && sft.is_file() {
+                continue;
+            }
+            let is_shard = sft.is_dir()
+                && sname.len() == 2
+                && sname
+                    .bytes()
+                    .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+            if !is_shard {
+                if sname.ends_with(&format!(".{}", format::TMP_EXT)) {
+                    s.temps.push(spath);
+                } else {
+                    s.foreign.push(spath);
+                }
+                continue;
+            }
+            for f in read_dir_sorted(&spath)? {
+                let fname = f.file_name();
+                let fname = fname.to_string_lossy().into_owned();
+                let fpath = f.path();
+                if fname.ends_with(&format!(".{}", format::TMP_EXT)) {
+                    s.temps.push(fpath);
+                    continue;
+                }
+                let key = fname
+                    .strip_suffix(&format!(".{}", format::BLOCK_EXT))
+                    .and_then(parse_canonical::<BlockKey>)
+                    .filter(|k| k.to_string()[..2] == sname);
+                let meta = f.metadata()?;
+                match key {
+                    Some(key) if meta.is_file() => s.blocks.push((ns, key, meta, fpath)),
+                    _ => s.foreign.push(fpath),
+                }
+            }
+        }
+    }
+    Ok(s)
+}
+
+/// Reads the marker file; `Ok(None)` if absent.
+pub(crate) fn read_marker(root: &Path) -> Result<Option<Marker>, OpenError> {
+    let path = root.join(format::STORE_FILE);
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(OpenError::Io { path, source: e }),
+    };
+    let marker: Marker =
+        serde_json::from_slice(&bytes).map_err(|e| OpenError::IncompatibleFormat {
+            path: path.clone(),
+            found: format!("something unreadable ({e})"),
+            expected: format::FORMAT_VERSION,
+        })?;
+    if marker.format != format::STORE_FORMAT_NAME || marker.version != format::FORMAT_VERSION {
+        return Err(OpenError::IncompatibleFormat {
+            path,
+            found: format!("format {:?} version {}", marker.format, marker.version),
+            expected: format::FORMAT_VERSION,
+        });
+    }
+    Ok(Some(marker))
+}
+
+/// Writes `bytes` to `dir/name` atomically: temp file in `tmp_dir`, fsync, rename, fsync dir.
+fn write_atomic(tmp_dir: &Path, dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+    let tmp = tmp_dir.join(format!(
+        "{name}.{}.{}.{}",
+        std::process::id(),
+        now_unix_ms(),
+        format::TMP_EXT
+    ));
+    let result = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(format::FILE_MODE)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, dir.join(name))?;
+        sync_dir(dir)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+impl SsdTier {
+    /// Opens (creating when writable) the store at `root`.
+    ///
+    /// A writer takes the exclusive lock, sweeps orphaned temporary files and compacts the
+    /// access journal; a read-only open touches nothing. Fails with a clear error when the
+    /// directory belongs to something else, has another format version, or already has a
+    /// writer.
+    pub fn open(root: impl AsRef<Path>, options: SsdOptions) -> Result<SsdTier, OpenError> {
+        Self::open_with(root.as_ref(), options, Arc::new(Counters::default()))
+    }
+
+    pub(crate) fn open_with(
+        root: &Path,
+        options: SsdOptions,
+        counters: Arc<Counters>,
+    ) -> Result<SsdTier, OpenError> {
+        let root = root.to_owned();
+        match fs::metadata(&root) {
+            Ok(m) if !m.is_dir() => return Err(OpenError::NotADirectory { path: root }),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if options.read_only {
+                    return Err(OpenError::NotFound { path: root });
+                }
+                DirBuilder::new()
+                    .recursive(true)
+                    .mode(format::DIR_MODE)
+                    .create(&root)
+                    .map_err(io_err(&root))?;
+            }
+            Err(e) => return Err(io_err(&root)(e)),
+        }
+        let marker = read_marker(&root)?;
+        if marker.is_none() {
+            let mut entries = fs::read_dir(&root).map_err(io_err(&root))?;
+            let empty = entries.next().is_none();
+            if !empty || options.read_only {
+                return Err(OpenError::NotAStore {
+                    path: root,
+                    marker: format::STORE_FILE,
+                });
+            }
+        }
+
+        let lock = if options.read_only {
+            None
+        } else {
+            Some(Self::take_lock(&root)?)
+        };
+        let tmp_dir = root.join(format::TMP_DIR);
+        if !options.read_only {
+            for dir in [&tmp_dir, &root.join(format::QUARANTINE_DIR)] {
+                ensure_dir(dir).map_err(io_err(dir))?;
+            }
+            if marker.is_none() {
+                let m = Marker {
+                    format: format::STORE_FORMAT_NAME.into(),
+                    version: format::FORMAT_VERSION,
+                    ssd_budget_bytes: Some(options.budget),
+                };
+                let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
+                write_atomic(&tmp_dir, &root, format::STORE_FILE, &bytes)
+                    .map_err(io_err(&root.join(format::STORE_FILE)))?;
+            }
+        }
+
+        let scan = scan(&root).map_err(io_err(&root))?;
+        if !options.read_only {
+            for t in &scan.temps {
+                match fs::remove_file(t) {
+                    Ok(()) => Counters::inc(&counters.orphans_swept),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io_err(t)(e)),
+                }
+            }
+        }
+
+        let journal_path = root.join(format::JOURNAL_FILE);
+        let read = journal::read(&journal_path).map_err(io_err(&journal_path))?;
+        if read.damaged && !scan.blocks.is_empty() {
+            tracing::info!(path = %journal_path.display(), "access journal missing or torn; recency of unlisted blocks comes from file times");
+        }
+        let mut last: HashMap<(NamespaceId, BlockKey), Record> = HashMap::new();
+        for r in read.records {
+            let slot = last.entry((r.ns, r.key)).or_insert(r);
+            if r.seq >= slot.seq {
+                *slot = r;
+            }
+        }
+        let mut entries: Vec<((NamespaceId, BlockKey), Entry)> = scan
+            .blocks
+            .iter()
+            .map(|(ns, key, meta, _)| {
+                let (seq, last_ms) = match last.get(&(*ns, *key)) {
+                    Some(r) => (r.seq, r.unix_ms),
+                    None => (0, mtime_ms(meta)),
+                };
+                (
+                    (*ns, *key),
+                    Entry {
+                        phys: physical_bytes(meta),
+                        last_ms,
+                        seq,
+                    },
+                )
+            })
+            .collect();
+        // Journal order first; files the journal does not know are older, by mtime.
+        entries.sort_by_key(|(k, e)| (e.seq, e.last_ms, *k));
+        let mut index = LruCache::unbounded();
+        let mut used = 0;
+        let mut records = Vec::with_capacity(entries.len());
+        for (i, (k, mut e)) in entries.into_iter().enumerate() {
+            e.seq = i as u64 + 1;
+            used += e.phys;
+            records.push(Record {
+                ns: k.0,
+                key: k.1,
+                seq: e.seq,
+                unix_ms: e.last_ms,
+            });
+            index.push(k, e);
+        }
+        let next_seq = records.len() as u64 + 1;
+        let journal = if options.read_only {
+            None
+        } else {
+            Some(
+                Journal::rewrite(&journal_path, &tmp_dir, &records)
+                    .map_err(io_err(&journal_path))?,
+            )
+        };
+        Ok(SsdTier {
+            root,
+            read_only: options.read_only,
+            budget: AtomicU64::new(options.budget),
+            _lock: lock,
+            state: Mutex::new(State {
+                index,
+                used,
+                journal,
+                next_seq,
+            }),
+            write_lock: Mutex::new(()),
+            poison: Mutex::new(None),
+            counters,
+            tmp_seq: AtomicU64::new(0),
+        })
+    }
+
+    fn take_lock(root: &Path) -> Result<File, OpenError> {
+        let path = root.join(format::LOCK_FILE);
+        let mut f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(format::FILE_MODE)
+            .open(&path)
+            .map_err(io_err(&path))?;
+        let got = fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err(&path))?;
+        if !got {
+            let mut holder = String::new();
+            let _ = f.read_to_string(&mut holder);
+            let holder = match holder.trim() {
+                "" => "holder unknown".to_owned(),
+                h => h.to_owned(),
+            };
+            return Err(OpenError::Locked { path, holder });
+        }
+        let write_pid = |f: &mut File| -> io::Result<()> {
+            f.set_len(0)?;
+            f.write_all(format!("pid {}\n", std::process::id()).as_bytes())
+        };
+        write_pid(&mut f).map_err(io_err(&path))?;
+        Ok(f)
+    }
+
+    /// The store's root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether this handle was opened read-only.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The physical byte budget.
+    pub fn budget(&self) -> u64 {
+        self.budget.load(Ordering::Relaxed)
+    }
+
+    /// Physical bytes of the block files known to the index.
+    pub fn used_bytes(&self) -> u64 {
+        lock(&self.state).used
+    }
+
+    /// Number of block files known to the index.
+    pub fn len(&self) -> usize {
+        lock(&self.state).index.len()
+    }
+
+    /// Whether the tier holds no block.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A snapshot of the SSD sizes and of the counters this tier shares.
+    pub fn stats(&self) -> StoreStats {
+        let mut s = StoreStats::from_counters(&self.counters);
+        let st = lock(&self.state);
+        s.ssd_blocks = st.index.len() as u64;
+        s.ssd_bytes = st.used;
+        s.ssd_budget = self.budget();
+        s
+    }
+
+    /// The path a block's file has (whether or not it exists).
+    pub fn block_path(&self, ns: NamespaceId, key: BlockKey) -> PathBuf {
+        block_path(&self.root, ns, key)
+    }
+
+    /// Every known block, least recently used first.
+    pub fn entries(&self) -> Vec<SsdEntry> {
+        let st = lock(&self.state);
+        st.index
+            .iter()
+            .rev()
+            .map(|((ns, key), e)| SsdEntry {
+                namespace: *ns,
+                key: *key,
+                physical_bytes: e.phys,
+                last_access_unix_ms: e.last_ms,
+                path: block_path(&self.root, *ns, *key),
+            })
+            .collect()
+    }
+
+    /// Whether a block is present, without reading it or changing its recency. A read-only
+    /// handle also looks for files written after it opened.
+    pub fn contains(&self, ns: NamespaceId, key: BlockKey) -> bool {
+        if lock(&self.state).index.contains(&(ns, key)) {
+            return true;
+        }
+        self.read_only && self.block_path(ns, key).is_file()
+    }
+
+    /// Reads and verifies a block. A file that fails verification is moved to quarantine
+    /// (writers only), counted, and reported as [`ReadOutcome::Corrupt`].
+    pub fn get(&self, ns: NamespaceId, key: BlockKey) -> ReadOutcome {
+        let path = self.block_path(ns, key);
+        let known = lock(&self.state).index.contains(&(ns, key));
+        if !known && !self.read_only {
+            Counters::inc(&self.counters.ssd_misses);
+            return ReadOutcome::Miss;
+        }
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(_) => {
+                // Deleted behind our back (GC by another handle) or never there.
+                if known {
+                    let mut st = lock(&self.state);
+                    if let Some(e) = st.index.pop(&(ns, key)) {
+                        st.used -= e.phys;
+                    }
+                }
+                Counters::inc(&self.counters.ssd_misses);
+                return ReadOutcome::Miss;
+            }
+        };
+        let read = match read_block(&file) {
+            Ok(r) => r,
+            Err(e) => {
+                // Not evidence of corruption (e.g. mmap refused): a miss, file kept.
+                tracing::warn!(path = %path.display(), error = %e, "could not map block file");
+                Counters::inc(&self.counters.ssd_misses);
+                return ReadOutcome::Miss;
+            }
+        };
+        match read.and_then(|b| {
+            if b.meta.namespace == ns && b.meta.key == key {
+                Ok(b)
+            } else {
+                Err(DecodeError::Planes(format!(
+                    "file holds block {} of namespace {}, not the one its path names",
+                    b.meta.key, b.meta.namespace
+                )))
+            }
+        }) {
+            Ok(block) => {
+                Counters::inc(&self.counters.ssd_hits);
+                self.touch(ns, key);
+                ReadOutcome::Hit(block)
+            }
+            Err(error) => {
+                Counters::inc(&self.counters.verify_failures);
+                Counters::inc(&self.counters.ssd_misses);
+                tracing::warn!(path = %path.display(), %error, "block failed verification");
+                let path = if self.read_only {
+                    path
+                } else {
+                    self.quarantine(ns, key, &path).unwrap_or(path)
+                };
+                ReadOutcome::Corrupt { path, error }
+            }
+        }
+    }
+
+    /// Moves a block file to quarantine and forgets it; returns the new path.
+    fn quarantine(&self, ns: NamespaceId, key: BlockKey, path: &Path) -> Option<PathBuf> {
+        let qdir = self.root.join(format::QUARANTINE_DIR);
+        let dest = qdir.join(format!(
+            "{ns}.{key}.{}.{}",
+            now_unix_ms(),
+            format::QUARANTINE_EXT
+        ));
+        let moved = fs::rename(path, &dest);
+        {
+            let mut st = lock(&self.state);
+            if let Some(e) = st.index.pop(&(ns, key)) {
+                st.used -= e.phys;
+            }
+        }
+        match moved {
+            Ok(()) => {
+                Counters::inc(&self.counters.quarantined);
+                Some(dest)
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "could not quarantine; deleting");
+                let _ = fs::remove_file(path);
+                None
+            }
+        }
+    }
+
+    /// Marks a block as just used (journal append; compacts the journal when it grows past
+    /// four records per block).
+    pub fn touch(&self, ns: NamespaceId, key: BlockKey) {
+        let mut st = lock(&self.state);
+        let seq = st.next_seq;
+        let now = now_unix_ms();
+        let Some(e) = st.index.get_mut(&(ns, key)) else {
+            return;
+        };
+        e.seq = seq;
+        e.last_ms = now;
+        st.next_seq += 1;
+        self.journal_append(
+            &mut st,
+            Record {
+                ns,
+                key,
+                seq,
+                unix_ms: now,
+            },
+        );
+    }
+
+    fn journal_append(&self, st: &mut State, r: Record) {
+        let Some(j) = st.journal.as_mut() else {
+            return;
+        };
+        if let Err(e) = j.append(&r) {
+            tracing::warn!(path = %j.path().display(), error = %e, "access journal append failed");
+        }
+        if j.records > 4 * st.index.len() as u64 + 1024 {
+            let records: Vec<Record> = st
+                .index
+                .iter()
+                .rev()
+                .map(|((ns, key), e)| Record {
+                    ns: *ns,
+                    key: *key,
+                    seq: e.seq,
+                    unix_ms: e.last_ms,
+                })
+                .collect();
+            let path = self.root.join(format::JOURNAL_FILE);
+            match Journal::rewrite(&path, &self.root.join(format::TMP_DIR), &records) {
+                Ok(j) => st.journal = Some(j),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "journal compaction failed")
+                }
+            }
+        }
+    }
+
+    fn check_writable(&self) -> Result<(), WriteError> {
+        if self.read_only {
+            return Err(WriteError::ReadOnly {
+                path: self.root.clone(),
+            });
+        }
+        if let Some(cause) = lock(&self.poison).clone() {
+            return Err(WriteError::Poisoned { cause });
+        }
+        Ok(())
+    }
+
+    fn poison(&self, what: &str, path: &Path, e: &io::Error) -> WriteError {
+        let cause = format!("{what} {}: {e}", path.display());
+        tracing::error!(%cause, "SSD tier writer poisoned");
+        *lock(&self.poison) = Some(cause.clone());
+        WriteError::Poisoned { cause }
+    }
+
+    /// Evicts least recently used files until `used <= limit`, sparing `keep`.
+    fn evict_until(
+        &self,
+        limit: u64,
+        keep: Option<(NamespaceId, BlockKey)>,
+    ) -> Result<u64, WriteError> {
+        let mut evicted = 0;
+        let mut st = lock(&self.state);
+        while st.used > limit {
+            let Some((k, e)) = st.index.pop_lru() else {
+                break;
+            };
+            if Some(k) == keep {
+                // Back to most recent; stop once nothing else is left to evict.
+                st.index.push(k, e);
+                if st.index.len() == 1 {
+                    break;
+                }
+                continue;
+            }
+            let path = block_path(&self.root, k.0, k.1);
+            match fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    st.index.push(k, e);
+                    st.index.demote(&k);
+                    return Err(WriteError::Io { path, source });
+                }
+            }
+            st.used -= e.phys;
+            evicted += 1;
+            Counters::inc(&self.counters.ssd_evictions);
+        }
+        Ok(evicted)
+    }
+
+    /// Evicts least recently used blocks until the physical bytes fit the budget; returns
+    /// how many were evicted.
+    pub fn enforce_budget(&self) -> Result<u64, WriteError> {
+        self.check_writable()?;
+        let _w = lock(&self.write_lock);
+        self.evict_until(self.budget(), None)
+    }
+
+    /// Changes the budget and records it in the store marker (for `kvstore inspect`).
+    pub fn set_budget(&self, budget: u64) -> Result<(), WriteError> {
+        self.check_writable()?;
+        self.budget.store(budget, Ordering::Relaxed);
+        let m = Marker {
+            format: format::STORE_FORMAT_NAME.into(),
+            version: format::FORMAT_VERSION,
+            ssd_budget_bytes: Some(budget),
+        };
+        let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
+        write_atomic(
+            &self.root.join(format::TMP_DIR),
+            &self.root,
+            format::STORE_FILE,
+            &bytes,
+        )
+        .map_err(|source| WriteError::Io {
+            path: self.root.join(format::STORE_FILE),
+            source,
+        })
+    }
+
+    /// Writes a block durably (temp file, fsync, rename, fsync directory), evicting least
+    /// recently used blocks first so the budget holds. On `Ok` the block survives a crash.
+    pub fn put(&self, block: &Block) -> Result<WriteOutcome, WriteError> {
+        self.check_writable()?;
+        let _w = lock(&self.write_lock);
+        let ns = block.meta.namespace;
+        let key = block.meta.key;
+        if lock(&self.state).index.contains(&(ns, key)) {
+            self.touch(ns, key);
+            return Ok(WriteOutcome::AlreadyPresent);
+        }
+        codec::check_encodable(block).map_err(|e| WriteError::Invalid {
+            key,
+            reason: e.to_string(),
+        })?;
+        let estimate = codec::estimate_file_len(block).div_ceil(format::ASSUMED_FS_BLOCK)
+            * format::ASSUMED_FS_BLOCK;
+        let budget = self.budget();
+        if estimate > budget {
+            return Err(WriteError::TooLarge {
+                bytes: estimate,
+                budget,
+            });
+        }
+        self.evict_until(budget - estimate, None)?;
+
+        let ns_dir = self.root.join(ns.to_string());
+        let final_path = block_path(&self.root, ns, key);
+        let shard_dir = final_path.parent().unwrap_or(&ns_dir).to_owned();
+        for dir in [&ns_dir, &shard_dir] {
+            ensure_dir(dir).map_err(|source| WriteError::Io {
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let tmp = self.root.join(format::TMP_DIR).join(format!(
+            "{key}.{}.{}.{}",
+            std::process::id(),
+            self.tmp_seq.fetch_add(1, Ordering::Relaxed),
+            format::TMP_EXT
+        ));
+        // 1. Create and fill the temp file. Failures here (ENOSPC, EIO on write) leave
+        //    nothing behind and do not poison: the temp file is removed and never renamed.
+        let written = (|| -> Result<File, EncodeError> {
+            OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(format::FILE_MODE)
+                .open(&tmp)?;
+            codec::write_file(block, &tmp)?;
+            Ok(File::open(&tmp)?)
+        })();
+        let file = match written {
+            Ok(f) => f,
+            Err(e) => {
+                let _ = fs::remove_file(&tmp);
+                return Err(match e {
+                    EncodeError::Io(source) => WriteError::Io { path: tmp, source },
+                    EncodeError::Invalid(reason) => WriteError::Invalid { key, reason },
+                });
+            }
+        };
+        // 2. fsync the data. After a failed fsync the page cache state is unknown: poison.
+        if let Err(e) = file.sync_all() {
+            let _ = fs::remove_file(&tmp);
+            return Err(self.poison("fsync of", &tmp, &e));
+        }
+        let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        drop(file);
+        // 3. rename into place, 4. fsync the directory.
+        if let Err(e) = fs::rename(&tmp, &final_path) {
+            let _ = fs::remove_file(&tmp);
+            return Err(self.poison("rename to", &final_path, &e));
+        }
+        if let Err(e) = sync_dir(&shard_dir) {
+            return Err(self.poison("fsync of directory", &shard_dir, &e));
+        }
+        let phys = fs::metadata(&final_path)
+            .map(|m| physical_bytes(&m))
+            .unwrap_or(estimate);
+        {
+            let mut st = lock(&self.state);
+            let seq = st.next_seq;
+            st.next_seq += 1;
+            let now = now_unix_ms();
+            st.index.push(
+                (ns, key),
+                Entry {
+                    phys,
+                    last_ms: now,
+                    seq,
+                },
+            );
+            st.used += phys;
+            self.journal_append(
+                &mut st,
+                Record {
+                    ns,
+                    key,
+                    seq,
+                    unix_ms: now,
+                },
+            );
+        }
+        Counters::add(&self.counters.bytes_written, file_len);
+        Counters::inc(&self.counters.blocks_written);
+        if phys > estimate {
+            self.evict_until(budget, Some((ns, key)))?;
+        }
+        Ok(WriteOutcome::Written {
+            physical_bytes: phys,
+        })
+    }
+
+    /// Deletes a block file (GC); returns whether it existed.
+    pub fn remove(&self, ns: NamespaceId, key: BlockKey) -> Result<bool, WriteError> {
+        self.check_writable()?;
+        let _w = lock(&self.write_lock);
+        let path = self.block_path(ns, key);
+        let existed = match fs::remove_file(&path) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(source) => return Err(WriteError::Io { path, source }),
+        };
+        let mut st = lock(&self.state);
+        if let Some(e) = st.index.pop(&(ns, key)) {
+            st.used -= e.phys;
+        }
+        Ok(existed)
+    }
+
+    /// Makes the access journal durable. Block files are already durable when `put` returns.
+    pub fn sync(&self) -> Result<(), WriteError> {
+        self.check_writable()?;
+        let mut st = lock(&self.state);
+        if let Some(j) = st.journal.as_mut() {
+            if let Err(source) = j.sync() {
+                return Err(WriteError::Io {
+                    path: j.path().to_owned(),
+                    source,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `<root>/<ns>/namespace.json` (atomically) unless an identical one exists.
+    pub fn write_namespace(
+        &self,
+        desc: &NamespaceDescription,
+    ) -> Result<NamespaceId, RegisterError> {
+        let id = desc.id();
+        let dir = self.root.join(id.to_string());
+        let path = dir.join(format::NAMESPACE_FILE);
+        let json = serde_json::to_vec_pretty(desc).unwrap_or_default();
+        if fs::read(&path).ok().as_deref() == Some(&json[..]) {
+            return Ok(id);
+        }
+        if self.read_only {
+            return Ok(id);
+        }
+        let res = ensure_dir(&dir).and_then(|_| {
+            write_atomic(
+                &self.root.join(format::TMP_DIR),
+                &dir,
+                format::NAMESPACE_FILE,
+                &json,
+            )
+        });
+        res.map_err(|source| RegisterError::Io { path, source })?;
+        Ok(id)
+    }
+
+    /// Every namespace description found on disk whose id matches its directory.
+    pub fn namespaces(&self) -> Vec<NamespaceDescription> {
+        read_namespaces(&self.root)
+            .into_iter()
+            .filter_map(|(_, _, d)| d.ok())
+            .collect()
+    }
+}
+
+/// `<root>/<ns hex>/<first 2 key hex>/<key hex>.safetensors`.
+pub(crate) fn block_path(root: &Path, ns: NamespaceId, key: BlockKey) -> PathBuf {
+    let k = key.to_string();
+    root.join(ns.to_string())
+        .join(&k[..2])
+        .join(format!("{k}.{}", format::BLOCK_EXT))
+}
+
+/// Reads `namespace.json` of every namespace directory: (id, path, description or why not).
+pub(crate) fn read_namespaces(
+    root: &Path,
+) -> Vec<(NamespaceId, PathBuf, Result<NamespaceDescription, String>)> {
+    let Ok(entries) = read_dir_sorted(root) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries {
+        let name = e.file_name();
+        let Some(id) = parse_canonical::<NamespaceId>(&name.to_string_lossy()) else {
+            continue;
+        };
+        let path = e.path().join(format::NAMESPACE_FILE);
+        let desc = fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| {
+                serde_json::from_slice::<NamespaceDescription>(&b).map_err(|e| e.to_string())
+            })
+            .and_then(|d| {
+                if d.id() == id {
+                    Ok(d)
+                } else {
+                    Err(format!("describes namespace {}, not {id}", d.id()))
+                }
+            });
+        out.push((id, path, desc));
+    }
+    out
+}

@@ -1,0 +1,110 @@
+//! Counters shared by the tiers, and the [`StoreStats`] snapshot.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+/// Live counters (relaxed atomics; a snapshot is not a consistent cut).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub ram_hits: AtomicU64,
+    pub ram_misses: AtomicU64,
+    pub ssd_hits: AtomicU64,
+    pub ssd_misses: AtomicU64,
+    pub ram_evictions: AtomicU64,
+    pub ssd_evictions: AtomicU64,
+    pub spills: AtomicU64,
+    pub promotions: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub blocks_written: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub verify_failures: AtomicU64,
+    pub quarantined: AtomicU64,
+    pub skipped_queue_full: AtomicU64,
+    pub orphans_swept: AtomicU64,
+}
+
+impl Counters {
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn inc(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+/// A snapshot of the store's sizes and counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreStats {
+    /// Blocks in the RAM tier.
+    pub ram_blocks: u64,
+    /// Bytes in the RAM tier (sum of `Payload::byte_size`).
+    pub ram_bytes: u64,
+    /// RAM budget in bytes.
+    pub ram_budget: u64,
+    /// Blocks in the SSD tier.
+    pub ssd_blocks: u64,
+    /// Physical bytes of the SSD tier's block files.
+    pub ssd_bytes: u64,
+    /// SSD budget in bytes (physical).
+    pub ssd_budget: u64,
+    /// Blocks served from RAM by `load_prefix`.
+    pub ram_hits: u64,
+    /// Blocks `load_prefix` did not find in RAM.
+    pub ram_misses: u64,
+    /// Blocks read and verified from SSD.
+    pub ssd_hits: u64,
+    /// Blocks found neither in RAM nor on SSD (including corrupt files).
+    pub ssd_misses: u64,
+    /// Blocks evicted from RAM.
+    pub ram_evictions: u64,
+    /// Block files deleted by the SSD budget.
+    pub ssd_evictions: u64,
+    /// RAM evictions queued for writing to SSD.
+    pub spills: u64,
+    /// SSD hits promoted into RAM.
+    pub promotions: u64,
+    /// Bytes written to block files.
+    pub bytes_written: u64,
+    /// Block files written.
+    pub blocks_written: u64,
+    /// Block writes that failed (I/O, payload conversion, budget).
+    pub write_errors: u64,
+    /// Reads whose verification failed (checksum, header, truncation).
+    pub verify_failures: u64,
+    /// Files moved to quarantine.
+    pub quarantined: u64,
+    /// Blocks not written because the write queue was full.
+    pub skipped_queue_full: u64,
+    /// Orphaned temporary files removed at open.
+    pub orphans_swept: u64,
+}
+
+impl StoreStats {
+    pub(crate) fn from_counters(c: &Counters) -> StoreStats {
+        let g = Counters::get;
+        StoreStats {
+            ram_hits: g(&c.ram_hits),
+            ram_misses: g(&c.ram_misses),
+            ssd_hits: g(&c.ssd_hits),
+            ssd_misses: g(&c.ssd_misses),
+            ram_evictions: g(&c.ram_evictions),
+            ssd_evictions: g(&c.ssd_evictions),
+            spills: g(&c.spills),
+            promotions: g(&c.promotions),
+            bytes_written: g(&c.bytes_written),
+            blocks_written: g(&c.blocks_written),
+            write_errors: g(&c.write_errors),
+            verify_failures: g(&c.verify_failures),
+            quarantined: g(&c.quarantined),
+            skipped_queue_full: g(&c.skipped_queue_full),
+            orphans_swept: g(&c.orphans_swept),
+            ..StoreStats::default()
+        }
+    }
+}

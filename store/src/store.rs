@@ -1,0 +1,708 @@
+//! The [`Store`] facade: RAM tier over SSD tier, joined by a write-behind worker.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::thread::JoinHandle;
+
+use serde::{Deserialize, Serialize};
+
+use crate::block::{check_specs, BlockMeta, LayoutError, Payload};
+use crate::codec::DecodeError;
+use crate::error::{InsertError, OpenError, RegisterError, WriteError};
+use crate::key::{block_key, BlockKey, NamespaceId};
+use crate::namespace::NamespaceDescription;
+use crate::ram::RamTier;
+use crate::ssd::{ReadOutcome, SsdOptions, SsdTier};
+use crate::stats::{Counters, StoreStats};
+
+/// When blocks reach the SSD tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum WritePolicy {
+    /// Blocks are written when the RAM tier evicts them, and on [`Store::flush`].
+    #[default]
+    WriteBack,
+    /// Blocks are queued for writing as soon as they are inserted.
+    WriteThrough,
+}
+
+/// Configuration of a [`Store`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StoreConfig {
+    /// Directory of the SSD tier; `None` keeps blocks in RAM only.
+    pub root: Option<PathBuf>,
+    /// RAM tier budget in bytes.
+    pub ram_budget: u64,
+    /// SSD tier budget in physical bytes.
+    pub ssd_budget: u64,
+    /// When blocks are written to SSD.
+    pub write_policy: WritePolicy,
+    /// Blocks the write-behind queue holds before further spills are skipped (and counted).
+    pub queue_capacity: usize,
+    /// Open the SSD tier read-only (no lock, no writes); the RAM tier still works.
+    pub read_only: bool,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            root: None,
+            ram_budget: 1 << 30,
+            ssd_budget: 16 << 30,
+            write_policy: WritePolicy::WriteBack,
+            queue_capacity: 64,
+            read_only: false,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Directory of the SSD tier. Default: none (RAM only).
+    pub fn root(mut self, root: impl AsRef<Path>) -> Self {
+        self.root = Some(root.as_ref().to_owned());
+        self
+    }
+
+    /// RAM tier budget in bytes. Default: 1 GiB.
+    pub fn ram_budget(mut self, bytes: u64) -> Self {
+        self.ram_budget = bytes;
+        self
+    }
+
+    /// SSD tier budget in physical bytes. Default: 16 GiB.
+    pub fn ssd_budget(mut self, bytes: u64) -> Self {
+        self.ssd_budget = bytes;
+        self
+    }
+
+    /// When blocks are written to SSD. Default: [`WritePolicy::WriteBack`].
+    pub fn write_policy(mut self, policy: WritePolicy) -> Self {
+        self.write_policy = policy;
+        self
+    }
+
+    /// Capacity of the write-behind queue, in blocks (at least 1). Default: 64.
+    pub fn queue_capacity(mut self, blocks: usize) -> Self {
+        self.queue_capacity = blocks;
+        self
+    }
+
+    /// Open the SSD tier read-only. Default: false.
+    pub fn read_only(mut self, read_only: bool) -> Self {
+        self.read_only = read_only;
+        self
+    }
+}
+
+/// Where a block was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Tier {
+    /// The RAM tier (or the write-behind queue).
+    Ram,
+    /// The SSD tier.
+    Ssd,
+}
+
+/// The longest run of consecutive requested keys that are present.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Blocks of the run found in RAM.
+    pub ram_blocks: usize,
+    /// Blocks of the run found only on SSD.
+    pub ssd_blocks: usize,
+    /// The tier of each block of the run, in order.
+    pub tiers: Vec<Tier>,
+}
+
+impl PrefixHit {
+    /// Length of the run.
+    pub fn blocks(&self) -> usize {
+        self.tiers.len()
+    }
+}
+
+/// Why a block failed validation on load.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum BlockProblem {
+    /// The file failed verification (checksum, header, truncation); it was quarantined.
+    #[error("corrupt file: {0}")]
+    Corrupt(DecodeError),
+    /// The block belongs to another namespace.
+    #[error("belongs to namespace {0}")]
+    Namespace(NamespaceId),
+    /// The block has another key.
+    #[error("has key {0}")]
+    Key(BlockKey),
+    /// The block's tokens are not the requested ones.
+    #[error("holds other token ids")]
+    Tokens,
+    /// The block's parent is not the previous block.
+    #[error("parent is not the previous block")]
+    Parent,
+    /// The block's position does not follow the previous block's.
+    #[error("position {found}, expected {expected}")]
+    Position {
+        /// Expected position.
+        expected: u32,
+        /// Found position.
+        found: u32,
+    },
+    /// The planes do not match the namespace's layout.
+    #[error(transparent)]
+    Layout(LayoutError),
+    /// The payload could not be rebuilt from host bytes.
+    #[error("payload conversion failed: {0}")]
+    Payload(String),
+}
+
+/// Why a load stopped before the last requested key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StopReason {
+    /// The block at `index` is in neither tier.
+    Missing {
+        /// Index into the requested keys.
+        index: usize,
+    },
+    /// The block at `index` failed validation.
+    Invalid {
+        /// Index into the requested keys.
+        index: usize,
+        /// Where it was read from.
+        tier: Tier,
+        /// What was wrong.
+        problem: BlockProblem,
+    },
+    /// Fewer token lists than keys were passed.
+    NoTokens {
+        /// Index of the first key without tokens.
+        index: usize,
+    },
+    /// The namespace is neither registered nor described on disk.
+    UnknownNamespace,
+}
+
+/// The valid prefix a load returned.
+pub struct LoadedPrefix<P> {
+    /// Validated blocks in order, each with the tier it came from.
+    pub blocks: Vec<(Arc<P>, Tier)>,
+    /// Why the load stopped early; `None` when every requested block was returned.
+    pub stopped: Option<StopReason>,
+}
+
+impl<P> std::fmt::Debug for LoadedPrefix<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedPrefix")
+            .field(
+                "blocks",
+                &self.blocks.iter().map(|(_, t)| *t).collect::<Vec<_>>(),
+            )
+            .field("stopped", &self.stopped)
+            .finish()
+    }
+}
+
+enum Job<P> {
+    Write(Arc<P>),
+    Flush(SyncSender<()>),
+}
+
+#[derive(Default)]
+struct Failures {
+    count: u64,
+    last: Option<String>,
+}
+
+struct Shared<P> {
+    config: StoreConfig,
+    ram: Mutex<RamTier<P>>,
+    ssd: Option<SsdTier>,
+    namespaces: RwLock<HashMap<NamespaceId, NamespaceDescription>>,
+    /// Blocks queued for the SSD tier and not yet written; served as RAM hits meanwhile.
+    pending: Mutex<HashMap<(NamespaceId, BlockKey), Arc<P>>>,
+    failures: Mutex<Failures>,
+    counters: Arc<Counters>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The block store: a byte-bounded RAM tier of `Arc<P>` over an optional SSD tier, with a
+/// write-behind worker between them. All methods take `&self`; share it across threads.
+pub struct Store<P: Payload> {
+    shared: Arc<Shared<P>>,
+    tx: Option<SyncSender<Job<P>>>,
+    worker: Option<JoinHandle<()>>,
+}
+
+impl<P: Payload> Store<P> {
+    /// Opens the store: the SSD tier at `config.root` (created if missing unless read-only),
+    /// enforcing its budget, loading namespace descriptions, and starting the write-behind
+    /// worker.
+    pub fn open(config: StoreConfig) -> Result<Self, OpenError> {
+        let counters = Arc::new(Counters::default());
+        let ssd = match &config.root {
+            None => None,
+            Some(root) => {
+                let ssd = SsdTier::open_with(
+                    root,
+                    SsdOptions {
+                        read_only: config.read_only,
+                        budget: config.ssd_budget,
+                    },
+                    counters.clone(),
+                )?;
+                if !config.read_only {
+                    let path = root.clone();
+                    let to_open = |e: WriteError| OpenError::Io {
+                        path: path.clone(),
+                        source: std::io::Error::other(e.to_string()),
+                    };
+                    ssd.set_budget(config.ssd_budget).map_err(to_open)?;
+                    ssd.enforce_budget().map_err(to_open)?;
+                }
+                Some(ssd)
+            }
+        };
+        let namespaces = ssd
+            .as_ref()
+            .map(|s| s.namespaces().into_iter().map(|d| (d.id(), d)).collect())
+            .unwrap_or_default();
+        let shared = Arc::new(Shared {
+            ram: Mutex::new(RamTier::new(config.ram_budget)),
+            ssd,
+            namespaces: RwLock::new(namespaces),
+            pending: Mutex::new(HashMap::new()),
+            failures: Mutex::new(Failures::default()),
+            counters,
+            config,
+        });
+        let (tx, worker) = if shared.ssd.is_some() && !shared.config.read_only {
+            let (tx, rx) = mpsc::sync_channel(shared.config.queue_capacity.max(1));
+            let s = shared.clone();
+            let worker = std::thread::Builder::new()
+                .name("kvstore-write-behind".into())
+                .spawn(move || worker_loop(s, rx))
+                .map_err(OpenError::Worker)?;
+            (Some(tx), Some(worker))
+        } else {
+            (None, None)
+        };
+        Ok(Store { shared, tx, worker })
+    }
+
+    /// The configuration the store was opened with.
+    pub fn config(&self) -> &StoreConfig {
+        &self.shared.config
+    }
+
+    /// The SSD tier, if configured.
+    pub fn ssd(&self) -> Option<&SsdTier> {
+        self.shared.ssd.as_ref()
+    }
+
+    /// Registers a namespace (writing `<root>/<ns>/namespace.json` when writable) and
+    /// returns its id. Idempotent.
+    pub fn register_namespace(
+        &self,
+        desc: &NamespaceDescription,
+    ) -> Result<NamespaceId, RegisterError> {
+        if desc.block_size == 0 {
+            return Err(RegisterError::Invalid("block_size is 0".into()));
+        }
+        if desc.planes.is_empty() {
+            return Err(RegisterError::Invalid("no planes".into()));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for p in &desc.planes {
+            if p.name.is_empty() || p.name.contains(',') || !seen.insert(&p.name) {
+                return Err(RegisterError::Invalid(format!(
+                    "plane name {:?} is empty, contains ',' or repeats",
+                    p.name
+                )));
+            }
+            if p.byte_len().is_none() {
+                return Err(RegisterError::Invalid(format!(
+                    "plane {:?} shape overflows",
+                    p.name
+                )));
+            }
+        }
+        let id = match &self.shared.ssd {
+            Some(ssd) => ssd.write_namespace(desc)?,
+            None => desc.id(),
+        };
+        self.shared
+            .namespaces
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, desc.clone());
+        Ok(id)
+    }
+
+    /// The description of a known namespace.
+    pub fn namespace(&self, id: NamespaceId) -> Option<NamespaceDescription> {
+        self.shared
+            .namespaces
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&id)
+            .cloned()
+    }
+
+    /// Inserts a published block into the RAM tier. Checks the namespace, key derivation,
+    /// token count and plane layout first. RAM evictions are queued for the SSD tier
+    /// without blocking; with [`WritePolicy::WriteThrough`] the block itself is queued too.
+    pub fn insert(&self, payload: Arc<P>) -> Result<(), InsertError> {
+        let meta = payload.meta();
+        let (ns, key) = (meta.namespace, meta.key);
+        let desc = self
+            .namespace(ns)
+            .ok_or(InsertError::UnknownNamespace(ns))?;
+        let computed = block_key(&meta.parent, &meta.tokens);
+        if computed != key {
+            return Err(InsertError::Key { key, computed });
+        }
+        if meta.tokens.len() != desc.block_size as usize {
+            return Err(InsertError::Layout {
+                key,
+                source: LayoutError::ByteLength {
+                    name: "tokens".into(),
+                    expected: desc.block_size as u64,
+                    found: meta.tokens.len() as u64,
+                },
+            });
+        }
+        check_specs(&desc.planes, &payload.plane_specs())
+            .map_err(|source| InsertError::Layout { key, source })?;
+        let evicted = lock(&self.shared.ram).insert(payload.clone());
+        if self.shared.config.write_policy == WritePolicy::WriteThrough {
+            self.enqueue(payload.clone());
+        }
+        self.spill(evicted);
+        Ok(())
+    }
+
+    fn spill(&self, evicted: Vec<Arc<P>>) {
+        for p in evicted {
+            Counters::inc(&self.shared.counters.ram_evictions);
+            let m = p.meta();
+            let on_ssd = self
+                .shared
+                .ssd
+                .as_ref()
+                .is_some_and(|s| s.contains(m.namespace, m.key));
+            if !on_ssd && self.enqueue(p) {
+                Counters::inc(&self.shared.counters.spills);
+            }
+        }
+    }
+
+    /// Queues a write without blocking; returns whether it was queued (or already pending).
+    fn enqueue(&self, p: Arc<P>) -> bool {
+        let Some(tx) = &self.tx else {
+            return false;
+        };
+        let k = (p.meta().namespace, p.meta().key);
+        {
+            let mut pending = lock(&self.shared.pending);
+            if pending.contains_key(&k) {
+                return true;
+            }
+            pending.insert(k, p.clone());
+        }
+        match tx.try_send(Job::Write(p)) {
+            Ok(()) => true,
+            Err(e) => {
+                lock(&self.shared.pending).remove(&k);
+                match e {
+                    TrySendError::Full(_) => {
+                        Counters::inc(&self.shared.counters.skipped_queue_full);
+                        tracing::warn!(key = %k.1, "write-behind queue full; block not written to SSD");
+                    }
+                    TrySendError::Disconnected(_) => {
+                        Counters::inc(&self.shared.counters.write_errors);
+                    }
+                }
+                false
+            }
+        }
+    }
+
+    /// The longest run of consecutive `keys` present (RAM, then SSD), without reading
+    /// payloads or changing recency.
+    pub fn lookup(&self, ns: NamespaceId, keys: &[BlockKey]) -> PrefixHit {
+        let mut hit = PrefixHit::default();
+        let ram = lock(&self.shared.ram);
+        let pending = lock(&self.shared.pending);
+        for &key in keys {
+            if ram.contains(ns, key) || pending.contains_key(&(ns, key)) {
+                hit.ram_blocks += 1;
+                hit.tiers.push(Tier::Ram);
+            } else if self
+                .shared
+                .ssd
+                .as_ref()
+                .is_some_and(|s| s.contains(ns, key))
+            {
+                hit.ssd_blocks += 1;
+                hit.tiers.push(Tier::Ssd);
+            } else {
+                break;
+            }
+        }
+        hit
+    }
+
+    /// Loads the longest valid prefix of `keys`: each block is validated (namespace, key,
+    /// tokens against `tokens_per_block[i]`, parent chain, position, plane layout; SSD
+    /// blocks also checksum) and the load stops at the first missing or invalid one. SSD
+    /// hits are promoted into RAM.
+    pub fn load_prefix<T: AsRef<[u32]>>(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        tokens_per_block: &[T],
+    ) -> LoadedPrefix<P> {
+        let mut out = LoadedPrefix {
+            blocks: Vec::with_capacity(keys.len()),
+            stopped: None,
+        };
+        let Some(desc) = self.namespace(ns) else {
+            out.stopped = (!keys.is_empty()).then_some(StopReason::UnknownNamespace);
+            return out;
+        };
+        let c = &self.shared.counters;
+        let mut first_position = None;
+        for (index, &key) in keys.iter().enumerate() {
+            let Some(tokens) = tokens_per_block.get(index) else {
+                out.stopped = Some(StopReason::NoTokens { index });
+                break;
+            };
+            let tokens = tokens.as_ref();
+            let prev = index.checked_sub(1).map(|i| keys[i]);
+            let check = |meta: &BlockMeta, specs: &[crate::PlaneSpec]| {
+                validate(
+                    meta,
+                    ns,
+                    key,
+                    tokens,
+                    prev,
+                    first_position.map(|p: u32| p + index as u32),
+                )
+                .and_then(|()| check_specs(&desc.planes, specs).map_err(BlockProblem::Layout))
+            };
+            let in_ram = lock(&self.shared.ram)
+                .get(ns, key)
+                .or_else(|| lock(&self.shared.pending).get(&(ns, key)).cloned());
+            if let Some(p) = in_ram {
+                if let Err(problem) = check(p.meta(), &p.plane_specs()) {
+                    lock(&self.shared.ram).remove(ns, key);
+                    out.stopped = Some(StopReason::Invalid {
+                        index,
+                        tier: Tier::Ram,
+                        problem,
+                    });
+                    break;
+                }
+                Counters::inc(&c.ram_hits);
+                first_position.get_or_insert(p.meta().position);
+                out.blocks.push((p, Tier::Ram));
+                continue;
+            }
+            Counters::inc(&c.ram_misses);
+            let Some(ssd) = &self.shared.ssd else {
+                out.stopped = Some(StopReason::Missing { index });
+                break;
+            };
+            let block = match ssd.get(ns, key) {
+                ReadOutcome::Hit(b) => b,
+                ReadOutcome::Miss => {
+                    out.stopped = Some(StopReason::Missing { index });
+                    break;
+                }
+                ReadOutcome::Corrupt { error, .. } => {
+                    out.stopped = Some(StopReason::Invalid {
+                        index,
+                        tier: Tier::Ssd,
+                        problem: BlockProblem::Corrupt(error),
+                    });
+                    break;
+                }
+            };
+            let specs: Vec<_> = block.planes.iter().map(|p| p.spec()).collect();
+            if let Err(problem) = check(&block.meta, &specs) {
+                out.stopped = Some(StopReason::Invalid {
+                    index,
+                    tier: Tier::Ssd,
+                    problem,
+                });
+                break;
+            }
+            let position = block.meta.position;
+            let p = match P::from_block(block) {
+                Ok(p) => Arc::new(p),
+                Err(e) => {
+                    out.stopped = Some(StopReason::Invalid {
+                        index,
+                        tier: Tier::Ssd,
+                        problem: BlockProblem::Payload(e.to_string()),
+                    });
+                    break;
+                }
+            };
+            first_position.get_or_insert(position);
+            let evicted = lock(&self.shared.ram).insert(p.clone());
+            Counters::inc(&c.promotions);
+            self.spill(evicted);
+            out.blocks.push((p, Tier::Ssd));
+        }
+        out
+    }
+
+    /// Returns once everything accepted so far is durable on SSD: with write-back, every
+    /// RAM block not yet on SSD is queued (this may block), then the queue is drained and
+    /// the access journal synced. Fails if any write since the previous flush failed.
+    /// Without an SSD tier (or read-only) there is nothing to persist and it returns `Ok`.
+    pub fn flush(&self) -> Result<(), WriteError> {
+        let (Some(tx), Some(ssd)) = (&self.tx, &self.shared.ssd) else {
+            return Ok(());
+        };
+        if self.shared.config.write_policy == WritePolicy::WriteBack {
+            let resident = lock(&self.shared.ram).snapshot();
+            for p in resident {
+                let k = (p.meta().namespace, p.meta().key);
+                if ssd.contains(k.0, k.1) {
+                    continue;
+                }
+                if lock(&self.shared.pending).insert(k, p.clone()).is_some() {
+                    continue;
+                }
+                if tx.send(Job::Write(p)).is_err() {
+                    return Err(WriteError::WorkerGone);
+                }
+            }
+        }
+        let (ack_tx, ack_rx) = mpsc::sync_channel(1);
+        tx.send(Job::Flush(ack_tx))
+            .map_err(|_| WriteError::WorkerGone)?;
+        ack_rx.recv().map_err(|_| WriteError::WorkerGone)?;
+        let failures = std::mem::take(&mut *lock(&self.shared.failures));
+        ssd.sync()?;
+        if failures.count > 0 {
+            return Err(WriteError::Incomplete {
+                failed: failures.count,
+                last: failures.last.unwrap_or_default(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Flushes, then stops the worker.
+    pub fn close(mut self) -> Result<(), WriteError> {
+        let r = self.flush();
+        self.shutdown();
+        r
+    }
+
+    fn shutdown(&mut self) {
+        self.tx = None;
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+
+    /// A snapshot of sizes and counters.
+    pub fn stats(&self) -> StoreStats {
+        let mut s = StoreStats::from_counters(&self.shared.counters);
+        {
+            let ram = lock(&self.shared.ram);
+            s.ram_blocks = ram.len() as u64;
+            s.ram_bytes = ram.used_bytes();
+            s.ram_budget = ram.budget();
+        }
+        if let Some(ssd) = &self.shared.ssd {
+            s.ssd_blocks = ssd.len() as u64;
+            s.ssd_bytes = ssd.used_bytes();
+            s.ssd_budget = ssd.budget();
+        }
+        s
+    }
+}
+
+impl<P: Payload> Drop for Store<P> {
+    /// Drains the queue (blocks already accepted for writing are written) and joins the
+    /// worker. RAM-only blocks are not written: call [`Store::flush`] first to keep them.
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn validate(
+    meta: &BlockMeta,
+    ns: NamespaceId,
+    key: BlockKey,
+    tokens: &[u32],
+    prev: Option<BlockKey>,
+    position: Option<u32>,
+) -> Result<(), BlockProblem> {
+    if meta.namespace != ns {
+        return Err(BlockProblem::Namespace(meta.namespace));
+    }
+    if meta.key != key {
+        return Err(BlockProblem::Key(meta.key));
+    }
+    if meta.tokens != tokens || block_key(&meta.parent, &meta.tokens) != key {
+        return Err(BlockProblem::Tokens);
+    }
+    match prev {
+        Some(prev) if meta.parent != prev.0 => return Err(BlockProblem::Parent),
+        None if meta.position == 0 && meta.parent != ns.0 => return Err(BlockProblem::Parent),
+        _ => {}
+    }
+    if let Some(expected) = position {
+        if meta.position != expected {
+            return Err(BlockProblem::Position {
+                expected,
+                found: meta.position,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
+    let Some(ssd) = &shared.ssd else {
+        return;
+    };
+    for job in rx {
+        match job {
+            Job::Write(p) => {
+                let m = p.meta();
+                let k = (m.namespace, m.key);
+                let result = p
+                    .to_block()
+                    .map_err(|e| WriteError::Payload {
+                        key: k.1,
+                        source: Box::new(e),
+                    })
+                    .and_then(|b| ssd.put(&b));
+                lock(&shared.pending).remove(&k);
+                if let Err(e) = result {
+                    Counters::inc(&shared.counters.write_errors);
+                    tracing::warn!(key = %k.1, error = %e, "write-behind failed");
+                    let mut f = lock(&shared.failures);
+                    f.count += 1;
+                    f.last = Some(e.to_string());
+                }
+            }
+            Job::Flush(ack) => {
+                let _ = ack.send(());
+            }
+        }
+    }
+}
