@@ -1,3 +1,3 @@
 //! End-to-end tests across crates: one test binary, one module per area.
 
-mod cli;
+mod linking;
