@@ -69,8 +69,13 @@ impl Array {
     }
 
     /// Evaluates the array and copies its elements to the host as row-major bytes.
+    ///
+    /// An array that is already evaluated and row-contiguous is copied without building a
+    /// graph node, so concurrent reads of one immutable array are safe.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        check("to_bytes", ffi::array_to_bytes(self.inner()))
+        let mut out = vec![0u8; self.nbytes()];
+        check("to_bytes", ffi::array_read_into(self.inner(), &mut out))?;
+        Ok(out)
     }
 
     /// The dimensions of the array.

@@ -66,7 +66,7 @@ pub(crate) mod ffi {
         fn array_from_bytes(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
         fn array_scalar(value: f64, dtype: u8) -> Result<UniquePtr<Array>>;
         fn array_clone(a: &Array) -> Result<UniquePtr<Array>>;
-        fn array_to_bytes(a: &Array) -> Result<Vec<u8>>;
+        fn array_read_into(a: &Array, out: &mut [u8]) -> Result<()>;
         fn array_shape(a: &Array) -> Result<Vec<i32>>;
         fn array_dtype(a: &Array) -> Result<u8>;
         fn array_nbytes(a: &Array) -> Result<usize>;

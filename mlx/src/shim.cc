@@ -84,15 +84,22 @@ std::unique_ptr<Array> array_scalar(double value, uint8_t dtype) {
 
 std::unique_ptr<Array> array_clone(const Array& a) { return wrap(a.inner); }
 
-rust::Vec<uint8_t> array_to_bytes(const Array& a) {
-  auto c = mx::contiguous(a.inner);
-  c.eval();
-  if (!c.flags().row_contiguous) throw std::runtime_error("array is not row-contiguous after contiguous()");
-  rust::Vec<uint8_t> out;
-  out.reserve(c.nbytes());
-  auto p = c.data<uint8_t>();
-  for (size_t i = 0; i < c.nbytes(); ++i) out.push_back(p[i]);
-  return out;
+void array_read_into(const Array& a, rust::Slice<uint8_t> out) {
+  // An evaluated row-contiguous array is read directly, without building a graph node, so
+  // several threads may read the same immutable (published) array at once.
+  const mx::array* src = &a.inner;
+  mx::array c = a.inner;
+  if (!(a.inner.is_available() && a.inner.flags().row_contiguous)) {
+    c = mx::contiguous(a.inner);
+    c.eval();
+    if (!c.flags().row_contiguous) throw std::runtime_error("array is not row-contiguous after contiguous()");
+    src = &c;
+  }
+  if (out.size() != src->nbytes()) {
+    throw std::invalid_argument("host buffer of " + std::to_string(out.size()) + " bytes for an array of " +
+                                std::to_string(src->nbytes()) + " bytes");
+  }
+  if (out.size() > 0) std::memcpy(out.data(), src->data<uint8_t>(), out.size());
 }
 
 rust::Vec<int32_t> array_shape(const Array& a) {

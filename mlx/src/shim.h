@@ -42,7 +42,7 @@ struct Loaded {
 std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
 std::unique_ptr<Array> array_scalar(double value, uint8_t dtype);
 std::unique_ptr<Array> array_clone(const Array& a);
-rust::Vec<uint8_t> array_to_bytes(const Array& a);
+void array_read_into(const Array& a, rust::Slice<uint8_t> out);
 rust::Vec<int32_t> array_shape(const Array& a);
 uint8_t array_dtype(const Array& a);
 size_t array_nbytes(const Array& a);
