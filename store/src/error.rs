@@ -138,7 +138,7 @@ pub enum InsertError {
         /// The block's key.
         key: BlockKey,
         /// The mismatch.
-        source: LayoutError,
+        source: Box<LayoutError>,
     },
     /// The block's key is not `blake3(parent || tokens)`.
     #[error("block key {key} is not derived from its parent and tokens (expected {computed})")]
@@ -148,9 +148,6 @@ pub enum InsertError {
         /// Key derived.
         computed: BlockKey,
     },
-    /// Write-through only: the block could not be queued or written.
-    #[error(transparent)]
-    Write(#[from] WriteError),
 }
 
 /// Registering a namespace failed.

@@ -1,1 +1,308 @@
-//! Garbage collection (placeholder, filled below).
+//! Garbage collection under the writer lock: removes corrupt, quarantined, orphaned,
+//! foreign and unreachable files, then blocks older than an age, then least recently used
+//! blocks until under a size. Reports what it deleted and what it failed to delete.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::block::now_unix_ms;
+use crate::error::OpenError;
+use crate::inspect::{chain_depths, check_file};
+use crate::key::{BlockKey, NamespaceId};
+use crate::ssd::{self, SsdOptions, SsdTier};
+use crate::stats::Counters;
+
+/// What to collect.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcOptions {
+    /// Delete least recently used blocks until the (namespace's, with `namespace`) block
+    /// files take at most this many physical bytes.
+    pub max_bytes: Option<u64>,
+    /// Delete blocks not accessed for this long.
+    pub older_than: Option<Duration>,
+    /// Only touch this namespace's directory.
+    pub namespace: Option<NamespaceId>,
+    /// Report without deleting.
+    pub dry_run: bool,
+}
+
+/// Why a file is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GcReason {
+    /// A block file that fails verification (checksum, header, truncation, wrong identity).
+    Corrupt,
+    /// A kvstore block of another format version, or a safetensors file that is not ours.
+    ForeignFormat,
+    /// A file in quarantine.
+    Quarantined,
+    /// A leftover temporary file.
+    Orphan,
+    /// A file in a namespace directory that is not a block file.
+    Foreign,
+    /// A block whose parent chain does not reach its namespace root (can never be hit).
+    Unreachable,
+    /// A block not accessed within `older_than`.
+    Age,
+    /// A least recently used block removed to get under `max_bytes`.
+    Size,
+}
+
+/// One file GC deleted (or would delete).
+#[derive(Debug, Clone, Serialize)]
+pub struct GcItem {
+    /// The file.
+    pub path: PathBuf,
+    /// Physical bytes.
+    pub bytes: u64,
+    /// Why.
+    pub reason: GcReason,
+    /// Detail (e.g. the verification error).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+/// A file GC failed to delete.
+#[derive(Debug, Clone, Serialize)]
+pub struct GcFailure {
+    /// The file.
+    pub path: PathBuf,
+    /// Why it was to be deleted.
+    pub reason: GcReason,
+    /// The error.
+    pub error: String,
+}
+
+/// What GC did.
+#[derive(Debug, Clone, Serialize)]
+pub struct GcReport {
+    /// Whether nothing was actually deleted.
+    pub dry_run: bool,
+    /// Deleted (or, with `dry_run`, to be deleted).
+    pub deleted: Vec<GcItem>,
+    /// Deletions that failed.
+    pub failed: Vec<GcFailure>,
+    /// Physical bytes freed (or to be freed).
+    pub freed_bytes: u64,
+    /// Blocks left.
+    pub kept_blocks: u64,
+    /// Physical bytes of the blocks left.
+    pub kept_bytes: u64,
+}
+
+struct Candidate {
+    ns: NamespaceId,
+    key: BlockKey,
+    path: PathBuf,
+    bytes: u64,
+    last_access: u64,
+    parent: [u8; 32],
+}
+
+/// Collects garbage in the store at `root`, holding the writer lock (fails with
+/// [`OpenError::Locked`] while another writer runs). Verifies every block's checksum, so it
+/// reads all block data.
+pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
+    let tier = SsdTier::open_with(
+        root,
+        SsdOptions {
+            read_only: false,
+            budget: u64::MAX,
+        },
+        Arc::new(Counters::default()),
+        false,
+    )?;
+    let scan = ssd::scan(root).map_err(|source| OpenError::Io {
+        path: root.to_owned(),
+        source,
+    })?;
+    let in_scope = |ns: NamespaceId| options.namespace.is_none_or(|n| n == ns);
+    let file_bytes = |p: &Path| {
+        std::fs::symlink_metadata(p)
+            .map(|m| ssd::physical_bytes(&m))
+            .unwrap_or(0)
+    };
+    let mut plan: Vec<(GcItem, Option<(NamespaceId, BlockKey)>)> = Vec::new();
+    let mut add = |path: PathBuf, reason, detail, id| {
+        let bytes = file_bytes(&path);
+        plan.push((
+            GcItem {
+                path,
+                bytes,
+                reason,
+                detail,
+            },
+            id,
+        ));
+    };
+    if options.namespace.is_none() {
+        for p in scan.temps {
+            add(p, GcReason::Orphan, None, None);
+        }
+        for p in scan.quarantined {
+            add(p, GcReason::Quarantined, None, None);
+        }
+    }
+    for p in scan.foreign {
+        let ns_of = p
+            .strip_prefix(root)
+            .ok()
+            .and_then(|r| r.components().next())
+            .and_then(|c| ssd::parse_canonical::<NamespaceId>(&c.as_os_str().to_string_lossy()));
+        if ns_of.is_some_and(in_scope) && !p.is_dir() {
+            add(p, GcReason::Foreign, None, None);
+        }
+    }
+
+    let access: HashMap<(NamespaceId, BlockKey), u64> = tier
+        .entries()
+        .into_iter()
+        .map(|e| ((e.namespace, e.key), e.last_access_unix_ms))
+        .collect();
+    let mut live: Vec<Candidate> = Vec::new();
+    for (ns, key, meta, path) in scan.blocks {
+        if !in_scope(ns) {
+            continue;
+        }
+        match check_file(&path, ns, key, true) {
+            Ok(h) => live.push(Candidate {
+                ns,
+                key,
+                bytes: ssd::physical_bytes(&meta),
+                last_access: access.get(&(ns, key)).copied().unwrap_or(0),
+                parent: h.meta.parent,
+                path,
+            }),
+            Err(e) => {
+                let reason = if e.foreign {
+                    GcReason::ForeignFormat
+                } else {
+                    GcReason::Corrupt
+                };
+                add(path, reason, Some(e.message), Some((ns, key)));
+            }
+        }
+    }
+
+    let now = now_unix_ms();
+    let mut removed: HashSet<(NamespaceId, BlockKey)> = HashSet::new();
+    let remove_unreachable =
+        |live: &mut Vec<Candidate>,
+         removed: &mut HashSet<(NamespaceId, BlockKey)>,
+         plan: &mut Vec<(GcItem, Option<(NamespaceId, BlockKey)>)>| {
+            let mut parents: HashMap<NamespaceId, HashMap<BlockKey, [u8; 32]>> = HashMap::new();
+            for c in live.iter() {
+                parents.entry(c.ns).or_default().insert(c.key, c.parent);
+            }
+            let depths: HashMap<NamespaceId, HashMap<BlockKey, u64>> = parents
+                .iter()
+                .map(|(ns, p)| (*ns, chain_depths(*ns, p)))
+                .collect();
+            live.retain(|c| {
+                let reachable = depths.get(&c.ns).is_some_and(|d| d.contains_key(&c.key));
+                if !reachable {
+                    removed.insert((c.ns, c.key));
+                    plan.push((
+                        GcItem {
+                            path: c.path.clone(),
+                            bytes: c.bytes,
+                            reason: GcReason::Unreachable,
+                            detail: None,
+                        },
+                        Some((c.ns, c.key)),
+                    ));
+                }
+                reachable
+            });
+        };
+    remove_unreachable(&mut live, &mut removed, &mut plan);
+    if let Some(age) = options.older_than {
+        let cutoff = now.saturating_sub(age.as_millis() as u64);
+        live.retain(|c| {
+            let keep = c.last_access >= cutoff;
+            if !keep {
+                removed.insert((c.ns, c.key));
+                plan.push((
+                    GcItem {
+                        path: c.path.clone(),
+                        bytes: c.bytes,
+                        reason: GcReason::Age,
+                        detail: None,
+                    },
+                    Some((c.ns, c.key)),
+                ));
+            }
+            keep
+        });
+        remove_unreachable(&mut live, &mut removed, &mut plan);
+    }
+    if let Some(max) = options.max_bytes {
+        // Least recent first; children after parents at equal times, so chains shrink
+        // from the tail rather than orphaning their descendants.
+        live.sort_by_key(|c| (c.last_access, c.key));
+        let mut total: u64 = live.iter().map(|c| c.bytes).sum();
+        let mut i = 0;
+        while total > max && i < live.len() {
+            let c = &live[i];
+            if !removed.contains(&(c.ns, c.key)) {
+                total -= c.bytes;
+                removed.insert((c.ns, c.key));
+                plan.push((
+                    GcItem {
+                        path: c.path.clone(),
+                        bytes: c.bytes,
+                        reason: GcReason::Size,
+                        detail: None,
+                    },
+                    Some((c.ns, c.key)),
+                ));
+            }
+            i += 1;
+        }
+        live.retain(|c| !removed.contains(&(c.ns, c.key)));
+        remove_unreachable(&mut live, &mut removed, &mut plan);
+    }
+
+    let mut report = GcReport {
+        dry_run: options.dry_run,
+        deleted: Vec::new(),
+        failed: Vec::new(),
+        freed_bytes: 0,
+        kept_blocks: live.len() as u64,
+        kept_bytes: live.iter().map(|c| c.bytes).sum(),
+    };
+    for (item, id) in plan {
+        if !options.dry_run {
+            let result = match id {
+                Some((ns, key)) if item.path == tier.block_path(ns, key) => {
+                    tier.remove(ns, key).map(|_| ()).map_err(|e| e.to_string())
+                }
+                _ => std::fs::remove_file(&item.path).or_else(|e| {
+                    if e.kind() == std::io::ErrorKind::NotFound {
+                        Ok(())
+                    } else {
+                        Err(e.to_string())
+                    }
+                }),
+            };
+            if let Err(error) = result {
+                report.failed.push(GcFailure {
+                    path: item.path,
+                    reason: item.reason,
+                    error,
+                });
+                continue;
+            }
+        }
+        report.freed_bytes += item.bytes;
+        report.deleted.push(item);
+    }
+    if !options.dry_run {
+        let _ = tier.sync();
+    }
+    Ok(report)
+}

@@ -134,7 +134,8 @@ mod tests {
     fn every_field_changes_the_id() {
         let base = NamespaceDescription::new("m", Dtype::BF16, 16);
         let id = base.id();
-        let variants: Vec<Box<dyn Fn(&mut NamespaceDescription)>> = vec![
+        type Change = Box<dyn Fn(&mut NamespaceDescription)>;
+        let variants: Vec<Change> = vec![
             Box::new(|d| d.model.push('x')),
             Box::new(|d| d.weights_fingerprint.push('x')),
             Box::new(|d| d.config_hash.push('x')),

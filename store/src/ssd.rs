@@ -316,13 +316,14 @@ impl SsdTier {
     /// directory belongs to something else, has another format version, or already has a
     /// writer.
     pub fn open(root: impl AsRef<Path>, options: SsdOptions) -> Result<SsdTier, OpenError> {
-        Self::open_with(root.as_ref(), options, Arc::new(Counters::default()))
+        Self::open_with(root.as_ref(), options, Arc::new(Counters::default()), true)
     }
 
     pub(crate) fn open_with(
         root: &Path,
         options: SsdOptions,
         counters: Arc<Counters>,
+        sweep: bool,
     ) -> Result<SsdTier, OpenError> {
         let root = root.to_owned();
         match fs::metadata(&root) {
@@ -375,7 +376,7 @@ impl SsdTier {
         }
 
         let scan = scan(&root).map_err(io_err(&root))?;
-        if !options.read_only {
+        if !options.read_only && sweep {
             for t in &scan.temps {
                 match fs::remove_file(t) {
                     Ok(()) => Counters::inc(&counters.orphans_swept),
@@ -459,6 +460,7 @@ impl SsdTier {
     }
 
     fn take_lock(root: &Path) -> Result<File, OpenError> {
+        const LOCK_ATTEMPTS: u32 = 25;
         let path = root.join(format::LOCK_FILE);
         let mut f = OpenOptions::new()
             .read(true)
@@ -468,7 +470,18 @@ impl SsdTier {
             .mode(format::FILE_MODE)
             .open(&path)
             .map_err(io_err(&path))?;
-        let got = fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err(&path))?;
+        // A lock can outlive its holder by a moment: a process that forked keeps the
+        // descriptor until its child execs. Wait briefly before calling it taken.
+        let mut got = false;
+        for attempt in 0..LOCK_ATTEMPTS {
+            got = fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err(&path))?;
+            if got {
+                break;
+            }
+            if attempt + 1 < LOCK_ATTEMPTS {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
         if !got {
             let mut holder = String::new();
             let _ = f.read_to_string(&mut holder);

@@ -207,6 +207,7 @@ impl<P> std::fmt::Debug for LoadedPrefix<P> {
 
 enum Job<P> {
     Write(Arc<P>),
+    Touch(NamespaceId, BlockKey),
     Flush(SyncSender<()>),
 }
 
@@ -255,6 +256,7 @@ impl<P: Payload> Store<P> {
                         budget: config.ssd_budget,
                     },
                     counters.clone(),
+                    true,
                 )?;
                 if !config.read_only {
                     let path = root.clone();
@@ -370,18 +372,36 @@ impl<P: Payload> Store<P> {
         if meta.tokens.len() != desc.block_size as usize {
             return Err(InsertError::Layout {
                 key,
-                source: LayoutError::ByteLength {
+                source: Box::new(LayoutError::ByteLength {
                     name: "tokens".into(),
                     expected: desc.block_size as u64,
                     found: meta.tokens.len() as u64,
-                },
+                }),
             });
         }
-        check_specs(&desc.planes, &payload.plane_specs())
-            .map_err(|source| InsertError::Layout { key, source })?;
+        check_specs(&desc.planes, &payload.plane_specs()).map_err(|source| {
+            InsertError::Layout {
+                key,
+                source: Box::new(source),
+            }
+        })?;
         let evicted = lock(&self.shared.ram).insert(payload.clone());
         if self.shared.config.write_policy == WritePolicy::WriteThrough {
+            // The worker writes it, or only refreshes its recency if it is stored by then.
             self.enqueue(payload.clone());
+        } else if let Some(tx) = &self.tx {
+            let stored = lock(&self.shared.pending).contains_key(&(ns, key))
+                || self
+                    .shared
+                    .ssd
+                    .as_ref()
+                    .is_some_and(|s| s.contains(ns, key));
+            if stored {
+                // Re-published while stored or queued: the SSD copy is recent again.
+                // Recency only, so a full queue just skips it; if the SSD copy is evicted
+                // meanwhile, the RAM copy is spilled again on eviction or flush.
+                let _ = tx.try_send(Job::Touch(ns, key));
+            }
         }
         self.spill(evicted);
         Ok(())
@@ -396,25 +416,26 @@ impl<P: Payload> Store<P> {
                 .ssd
                 .as_ref()
                 .is_some_and(|s| s.contains(m.namespace, m.key));
-            if !on_ssd && self.enqueue(p) {
+            if on_ssd {
+                // Keep the SSD recency in step with use in RAM.
+                if let Some(ssd) = &self.shared.ssd {
+                    if !ssd.is_read_only() {
+                        ssd.touch(m.namespace, m.key);
+                    }
+                }
+            } else if self.enqueue(p) {
                 Counters::inc(&self.shared.counters.spills);
             }
         }
     }
 
-    /// Queues a write without blocking; returns whether it was queued (or already pending).
+    /// Queues a write without blocking; returns whether it was queued.
     fn enqueue(&self, p: Arc<P>) -> bool {
         let Some(tx) = &self.tx else {
             return false;
         };
         let k = (p.meta().namespace, p.meta().key);
-        {
-            let mut pending = lock(&self.shared.pending);
-            if pending.contains_key(&k) {
-                return true;
-            }
-            pending.insert(k, p.clone());
-        }
+        lock(&self.shared.pending).insert(k, p.clone());
         match tx.try_send(Job::Write(p)) {
             Ok(()) => true,
             Err(e) => {
@@ -573,16 +594,15 @@ impl<P: Payload> Store<P> {
             return Ok(());
         };
         if self.shared.config.write_policy == WritePolicy::WriteBack {
+            // Least recent first, so the SSD tier's LRU order follows the RAM tier's.
             let resident = lock(&self.shared.ram).snapshot();
-            for p in resident {
+            for p in resident.into_iter().rev() {
                 let k = (p.meta().namespace, p.meta().key);
-                if ssd.contains(k.0, k.1) {
-                    continue;
-                }
-                if lock(&self.shared.pending).insert(k, p.clone()).is_some() {
-                    continue;
-                }
-                if tx.send(Job::Write(p)).is_err() {
+                // The worker decides: it is the only thread that writes or evicts, so it
+                // sees whether the block is still stored when the job runs.
+                lock(&self.shared.pending).insert(k, p.clone());
+                let job = Job::Write(p);
+                if tx.send(job).is_err() {
                     return Err(WriteError::WorkerGone);
                 }
             }
@@ -684,6 +704,11 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
             Job::Write(p) => {
                 let m = p.meta();
                 let k = (m.namespace, m.key);
+                if ssd.contains(k.0, k.1) {
+                    ssd.touch(k.0, k.1);
+                    lock(&shared.pending).remove(&k);
+                    continue;
+                }
                 let result = p
                     .to_block()
                     .map_err(|e| WriteError::Payload {
@@ -700,6 +725,7 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
                     f.last = Some(e.to_string());
                 }
             }
+            Job::Touch(ns, key) => ssd.touch(ns, key),
             Job::Flush(ack) => {
                 let _ = ack.send(());
             }

@@ -1,1 +1,11 @@
-//! Integration tests.
+//! Integration tests of the store: one binary, one module per area.
+
+mod common;
+mod corruption;
+mod crash;
+mod enospc;
+mod facade;
+mod gc_inspect;
+mod locking;
+mod props;
+mod vectors;

@@ -1,0 +1,129 @@
+//! Bit flips and truncations on disk: always detected, quarantined, reported by verify,
+//! removed by GC.
+
+use std::sync::Arc;
+
+use rand::{Rng, SeedableRng};
+use store::{Block, BlockProblem, StopReason, Store, StoreConfig, Tier};
+
+use crate::common;
+
+fn filled_store(
+    dir: &std::path::Path,
+    n: usize,
+) -> (store::NamespaceDescription, Vec<Block>, Vec<Vec<u32>>) {
+    let d = common::desc("corrupt", 4);
+    let s: Store<Block> = Store::open(StoreConfig::default().root(dir)).unwrap();
+    s.register_namespace(&d).unwrap();
+    let (blocks, toks) = common::chain(&d, n, 21);
+    for b in &blocks {
+        s.insert(Arc::new(b.clone())).unwrap();
+    }
+    s.close().unwrap();
+    (d, blocks, toks)
+}
+
+fn path_of(dir: &std::path::Path, b: &Block) -> std::path::PathBuf {
+    let k = b.meta.key.to_string();
+    dir.join(b.meta.namespace.to_string())
+        .join(&k[..2])
+        .join(format!("{k}.safetensors"))
+}
+
+#[test]
+fn random_bit_flips_and_truncations_are_always_detected() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    for trial in 0..40 {
+        let dir = tempfile::tempdir().unwrap();
+        let (d, blocks, toks) = filled_store(dir.path(), 4);
+        let victim = &blocks[2];
+        let path = path_of(dir.path(), victim);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let what = if trial % 4 == 3 {
+            let len = rng.gen_range(0..bytes.len());
+            bytes.truncate(len);
+            format!("truncation to {len}")
+        } else {
+            let bit = rng.gen_range(0..bytes.len() * 8);
+            bytes[bit / 8] ^= 1 << (bit % 8);
+            format!("flip of bit {bit}")
+        };
+        std::fs::write(&path, &bytes).unwrap();
+
+        // Reported by verify (read-only, before any read quarantines it).
+        let report = store::inspect::inspect(dir.path(), true).unwrap();
+        assert_eq!(
+            report.corrupt.len(),
+            1,
+            "trial {trial} {what}: {:?}",
+            report.corrupt
+        );
+        assert_eq!(report.corrupt[0].path, path);
+
+        // Detected on load: the valid prefix comes back, the file goes to quarantine.
+        let s: Store<Block> = Store::open(StoreConfig::default().root(dir.path())).unwrap();
+        let keys: Vec<_> = blocks.iter().map(|b| b.meta.key).collect();
+        let loaded = s.load_prefix(d.id(), &keys, &toks);
+        assert_eq!(loaded.blocks.len(), 2, "trial {trial} {what}");
+        assert!(
+            matches!(
+                loaded.stopped,
+                Some(StopReason::Invalid {
+                    index: 2,
+                    tier: Tier::Ssd,
+                    problem: BlockProblem::Corrupt(_)
+                })
+            ),
+            "trial {trial} {what}: {:?}",
+            loaded.stopped
+        );
+        let st = s.stats();
+        assert_eq!(
+            (st.verify_failures, st.quarantined),
+            (1, 1),
+            "trial {trial}"
+        );
+        assert!(!path.exists());
+        drop(s);
+
+        let report = store::inspect::inspect(dir.path(), true).unwrap();
+        assert!(report.corrupt.is_empty());
+        assert_eq!(report.quarantined.len(), 1);
+        assert_eq!(
+            report.namespaces[0].unreachable_blocks, 1,
+            "block 3 lost its parent"
+        );
+
+        // GC removes the quarantined file and the now unreachable block 3.
+        let gc = store::gc::gc(dir.path(), &Default::default()).unwrap();
+        let reasons: Vec<_> = gc.deleted.iter().map(|i| i.reason).collect();
+        assert!(
+            reasons.contains(&store::gc::GcReason::Quarantined),
+            "{reasons:?}"
+        );
+        assert!(
+            reasons.contains(&store::gc::GcReason::Unreachable),
+            "{reasons:?}"
+        );
+        assert!(gc.failed.is_empty());
+        let report = store::inspect::inspect(dir.path(), true).unwrap();
+        assert!(report.quarantined.is_empty());
+        assert_eq!(report.blocks, 2);
+    }
+}
+
+#[test]
+fn gc_removes_corrupt_files_nobody_has_read_yet() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, blocks, _) = filled_store(dir.path(), 3);
+    let path = path_of(dir.path(), &blocks[2]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x80;
+    std::fs::write(&path, &bytes).unwrap();
+    let gc = store::gc::gc(dir.path(), &Default::default()).unwrap();
+    assert_eq!(gc.deleted.len(), 1);
+    assert_eq!(gc.deleted[0].reason, store::gc::GcReason::Corrupt);
+    assert!(gc.deleted[0].detail.as_ref().unwrap().contains("checksum"));
+    assert!(!path.exists());
+}

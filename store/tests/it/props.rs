@@ -1,0 +1,154 @@
+//! Random operation sequences against a simple model.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use store::{
+    Block, ReadOutcome, SsdOptions, SsdTier, Store, StoreConfig, WriteOutcome, WritePolicy,
+};
+
+use crate::common;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Put(usize),
+    Get(usize),
+    Reopen,
+}
+
+fn ops() -> impl Strategy<Value = Vec<Op>> {
+    prop::collection::vec(
+        prop_oneof![
+            4 => (0usize..24).prop_map(Op::Put),
+            3 => (0usize..24).prop_map(Op::Get),
+            1 => Just(Op::Reopen),
+        ],
+        1..40,
+    )
+}
+
+/// Blocks of three sizes (1, 2 and 3 file-system blocks of plane data).
+fn universe() -> Vec<Block> {
+    let ds = [
+        common::desc("p1", 64),
+        common::desc("p2", 128),
+        common::desc("p3", 192),
+    ];
+    (0..24)
+        .map(|i| {
+            let d = &ds[i % 3];
+            let t = common::tokens(i as u64, 0, 4);
+            common::block(d, d.id().0, 0, t, i as u64)
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, .. ProptestConfig::default() })]
+
+    /// SSD tier vs a model LRU: every get returns exactly what was put; the physical bytes
+    /// on disk never exceed the budget; the blocks present are always the most recently
+    /// used ones, across reopens (the LRU order persists).
+    #[test]
+    fn ssd_tier_matches_an_lru_model(ops in ops()) {
+        let dir = tempfile::tempdir().unwrap();
+        let budget = 40 * 1024;
+        let opts = SsdOptions { read_only: false, budget };
+        let blocks = universe();
+        let mut tier = SsdTier::open(dir.path(), opts).unwrap();
+        // Model: access order of blocks that were ever written, least recent first.
+        let mut order: Vec<usize> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Put(i) => {
+                    let out = tier.put(&blocks[i]).unwrap();
+                    if out == WriteOutcome::AlreadyPresent {
+                        prop_assert!(order.contains(&i));
+                    }
+                    order.retain(|&j| j != i);
+                    order.push(i);
+                }
+                Op::Get(i) => {
+                    let b = &blocks[i];
+                    match tier.get(b.meta.namespace, b.meta.key) {
+                        ReadOutcome::Hit(got) => {
+                            prop_assert_eq!(&got, b);
+                            order.retain(|&j| j != i);
+                            order.push(i);
+                        }
+                        ReadOutcome::Miss => {}
+                        ReadOutcome::Corrupt { error, .. } => prop_assert!(false, "corrupt: {}", error),
+                    }
+                }
+                Op::Reopen => {
+                    drop(tier);
+                    tier = SsdTier::open(dir.path(), opts).unwrap();
+                }
+            }
+            prop_assert!(common::physical(dir.path()) <= budget);
+            prop_assert_eq!(tier.used_bytes(), common::physical(dir.path()));
+            // Present blocks form a suffix of the model's access order.
+            let present: Vec<bool> = order
+                .iter()
+                .map(|&j| tier.contains(blocks[j].meta.namespace, blocks[j].meta.key))
+                .collect();
+            if let Some(first) = present.iter().position(|&p| p) {
+                prop_assert!(present[first..].iter().all(|&p| p), "not LRU: {:?} {:?}", order, present);
+            }
+            // The most recent block always fits, so it is present.
+            if let Some(&last) = order.last() {
+                prop_assert!(*present.last().unwrap(), "most recent block {} missing", last);
+            }
+        }
+    }
+
+    /// The whole store (RAM + SSD, both policies): loads return exactly what was inserted,
+    /// both budgets hold, and after a flush and reopen the last insert survives.
+    #[test]
+    fn store_matches_a_map_model(ops in ops(), through in any::<bool>()) {
+        let dir = tempfile::tempdir().unwrap();
+        let blocks = universe();
+        let cfg = StoreConfig::default()
+            .root(dir.path())
+            .ram_budget(20_000)
+            .ssd_budget(48 * 1024)
+            .write_policy(if through { WritePolicy::WriteThrough } else { WritePolicy::WriteBack });
+        let mut s: Store<Block> = Store::open(cfg.clone()).unwrap();
+        let ds = [common::desc("p1", 64), common::desc("p2", 128), common::desc("p3", 192)];
+        for d in &ds { s.register_namespace(d).unwrap(); }
+        let mut inserted: HashMap<usize, ()> = HashMap::new();
+        let mut last = None;
+        for op in ops {
+            match op {
+                Op::Put(i) => {
+                    s.insert(Arc::new(blocks[i].clone())).unwrap();
+                    inserted.insert(i, ());
+                    last = Some(i);
+                }
+                Op::Get(i) => {
+                    let b = &blocks[i];
+                    let got = s.load_prefix(b.meta.namespace, &[b.meta.key], std::slice::from_ref(&b.meta.tokens));
+                    if let Some((p, _)) = got.blocks.first() {
+                        prop_assert!(inserted.contains_key(&i));
+                        prop_assert_eq!(&**p, b);
+                    } else {
+                        prop_assert!(matches!(got.stopped, Some(store::StopReason::Missing { .. })), "{:?}", got.stopped);
+                    }
+                }
+                Op::Reopen => {
+                    s.flush().unwrap();
+                    drop(s);
+                    s = Store::open(cfg.clone()).unwrap();
+                    if let Some(i) = last {
+                        let b = &blocks[i];
+                        prop_assert!(s.lookup(b.meta.namespace, &[b.meta.key]).blocks() == 1, "last insert lost");
+                    }
+                }
+            }
+            let st = s.stats();
+            prop_assert!(st.ram_bytes <= 20_000);
+            prop_assert!(common::physical(dir.path()) <= 48 * 1024);
+        }
+    }
+}
