@@ -99,6 +99,7 @@ struct Candidate {
     key: BlockKey,
     path: PathBuf,
     bytes: u64,
+    rank: usize,
     last_access: u64,
     parent: [u8; 32],
 }
@@ -158,10 +159,13 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
         }
     }
 
-    let access: HashMap<(NamespaceId, BlockKey), u64> = tier
+    // (LRU rank, last access): the rank follows the journal's sequence, exact even when
+    // many accesses share a millisecond.
+    let access: HashMap<(NamespaceId, BlockKey), (usize, u64)> = tier
         .entries()
         .into_iter()
-        .map(|e| ((e.namespace, e.key), e.last_access_unix_ms))
+        .enumerate()
+        .map(|(rank, e)| ((e.namespace, e.key), (rank, e.last_access_unix_ms)))
         .collect();
     let mut live: Vec<Candidate> = Vec::new();
     for (ns, key, meta, path) in scan.blocks {
@@ -173,7 +177,8 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
                 ns,
                 key,
                 bytes: ssd::physical_bytes(&meta),
-                last_access: access.get(&(ns, key)).copied().unwrap_or(0),
+                rank: access.get(&(ns, key)).map_or(0, |a| a.0),
+                last_access: access.get(&(ns, key)).map_or(0, |a| a.1),
                 parent: h.meta.parent,
                 path,
             }),
@@ -241,9 +246,8 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
         remove_unreachable(&mut live, &mut removed, &mut plan);
     }
     if let Some(max) = options.max_bytes {
-        // Least recent first; children after parents at equal times, so chains shrink
-        // from the tail rather than orphaning their descendants.
-        live.sort_by_key(|c| (c.last_access, c.key));
+        // Least recently used first, in the SSD tier's own order.
+        live.sort_by_key(|c| c.rank);
         let mut total: u64 = live.iter().map(|c| c.bytes).sum();
         let mut i = 0;
         while total > max && i < live.len() {
