@@ -18,4 +18,31 @@ pub enum CacheError {
     /// Keys or values whose shape or dtype does not fit the cache.
     #[error("keys/values rejected: {0}")]
     Shape(String),
+    /// A configuration the cache cannot honour.
+    #[error("invalid cache configuration: {0}")]
+    Config(String),
+    /// The pool is at its maximum size and every block is in use.
+    #[error(
+        "KV block pool exhausted: all {capacity} blocks of {block_size} tokens are in use \
+         (maximum {max_blocks}); raise the KV budget or shorten the request"
+    )]
+    PoolExhausted {
+        /// Blocks in the pool.
+        capacity: usize,
+        /// The pool's maximum size in blocks.
+        max_blocks: usize,
+        /// Tokens per block.
+        block_size: usize,
+    },
+    /// Blocks handed to restore do not form a valid prefix for this cache.
+    #[error("cannot restore block {position}: {reason}")]
+    Restore {
+        /// Position (block index) of the first rejected block.
+        position: usize,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// Tokens given for publication do not match what the cache holds.
+    #[error("publish: {0}")]
+    Publish(String),
 }

@@ -1,14 +1,34 @@
-//! The live side of kvstore: KV caches over MLX arrays, and the conversion of their full
-//! blocks into immutable store blocks and back.
+//! The live side of kvstore: paged KV caches over MLX arrays, and the conversion of their
+//! full blocks into immutable store blocks and back.
 //!
-//! Main types: [`KvCache`] (the verbs a model's forward pass uses), [`ContiguousKvCache`]
-//! (the plain reference every paged variant is parity-gated against).
+//! Main types:
+//! - [`KvCache`]: the verbs a model's forward pass uses (append and fetch per layer).
+//! - [`ContiguousKvCache`]: the plain reference every paged variant is parity-gated against.
+//! - [`BlockPool`]: one layer's K/V arenas `[blocks, kv_heads, block_size, width]`.
+//! - [`PagedKvCache`]: a sequence in blocks; [`PagedKvCache::publish`] yields
+//!   [`PublishedBlock`]s (immutable, stored by `store`), [`PagedKvCache::restore`] rebuilds
+//!   a cache from them.
+//! - [`PagedKvRows`]: a batch of sequences decoding together.
+//! - [`KvFormat`]: float or affine-quantized (KV4/KV8) storage.
+//! - [`attention_mask`]: causal and sliding-window masks for a step.
 
 mod contiguous;
 mod error;
+mod format;
+mod mask;
+mod paged;
+mod pool;
+mod published;
+mod rows;
 
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;
+pub use format::KvFormat;
+pub use mask::{attention_mask, Mask};
+pub use paged::{PagedConfig, PagedKvCache, Restored};
+pub use pool::{BlockPool, BlockShape};
+pub use published::{plane_specs, PublishedBlock};
+pub use rows::PagedKvRows;
 
 use mlx::Array;
 

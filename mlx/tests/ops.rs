@@ -1,6 +1,9 @@
 //! MLX ops from Rust checked against naive Rust references on fresh random inputs.
 //! Each test prints its seed; set KVSTORE_TEST_SEED to replay one.
 
+// Naive references index like the math they check.
+#![allow(clippy::needless_range_loop)]
+
 use half::{bf16, f16};
 use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
 use mlx::{Array, Dtype, Error, QuantSpec};

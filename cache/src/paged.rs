@@ -1,0 +1,470 @@
+//! [`PagedKvCache`]: one sequence's keys and values in fixed-size blocks, per layer, with
+//! publication of full blocks and restore from published ones.
+
+use std::sync::Arc;
+
+use mlx::{Array, Dtype};
+use store::{chain_keys, BlockMeta, NamespaceId};
+
+use crate::pool::{BlockPool, BlockShape};
+use crate::published::PublishedBlock;
+use crate::{CacheError, KvCache, KvFormat};
+
+/// Settings of a paged cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PagedConfig {
+    /// Tokens per block. Default: 32.
+    pub block_size: usize,
+    /// How K and V are held. Default: [`KvFormat::Float`].
+    pub format: KvFormat,
+    /// Blocks each layer's pool starts with. Default: 8.
+    pub initial_blocks: usize,
+    /// Blocks a layer's pool may grow to; beyond it appends fail with
+    /// [`CacheError::PoolExhausted`]. Default: 4096.
+    pub max_blocks: usize,
+}
+
+impl Default for PagedConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 32,
+            format: KvFormat::Float,
+            initial_blocks: 8,
+            max_blocks: 4096,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct Layer {
+    pool: Option<BlockPool>,
+    table: Vec<u32>,
+    len: usize,
+}
+
+/// A sequence's KV cache in blocks: per layer, a [`BlockPool`] created lazily from the
+/// first keys and values (their shape and dtype), a block table and a length.
+///
+/// `Clone` is cheap and gives an independent cache (shared buffers, copy on write).
+#[derive(Clone, Debug)]
+pub struct PagedKvCache {
+    config: PagedConfig,
+    layers: Vec<Layer>,
+    published: usize,
+}
+
+/// The outcome of [`PagedKvCache::restore`].
+#[derive(Debug)]
+pub struct Restored {
+    /// A cache holding the restored blocks; its next append continues after them.
+    pub cache: PagedKvCache,
+    /// How many of the given blocks it holds (the longest valid prefix).
+    pub blocks: usize,
+    /// Why restoring stopped before the end, if it did.
+    pub stopped: Option<CacheError>,
+}
+
+fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, usize), CacheError> {
+    let (ks, vs) = (keys.shape(), values.shape());
+    if ks.len() != 4 || ks[0] != 1 || ks != vs || keys.dtype() != values.dtype() {
+        return Err(CacheError::Shape(format!(
+            "{op}: keys {ks:?} {} and values {vs:?} {} must both be [1, kv_heads, L, head_dim] of one dtype",
+            keys.dtype(),
+            values.dtype()
+        )));
+    }
+    if !keys.dtype().is_float() {
+        return Err(CacheError::Shape(format!(
+            "{op}: keys must be floating point, not {}",
+            keys.dtype()
+        )));
+    }
+    Ok((ks[1] as usize, ks[2] as usize, ks[3] as usize))
+}
+
+/// `[n, H, bs, X]` gathered blocks → `[1, H, len, X]` in token order.
+fn flatten_blocks(part: &Array, len: usize) -> Result<Array, CacheError> {
+    let s = part.shape();
+    let (n, h, bs, x) = (s[0], s[1], s[2], s[3]);
+    let seq = part.transpose(&[1, 0, 2, 3])?.reshape(&[1, h, n * bs, x])?;
+    Ok(seq.slice(&[0, 0, 0, 0], &[1, h, len as i32, x])?)
+}
+
+impl PagedKvCache {
+    /// An empty cache for `layers` layers.
+    pub fn new(layers: usize, config: PagedConfig) -> Result<Self, CacheError> {
+        if config.block_size == 0 || config.max_blocks == 0 {
+            return Err(CacheError::Config(
+                "block size and maximum blocks must be positive".into(),
+            ));
+        }
+        Ok(Self {
+            config,
+            layers: vec![Layer::default(); layers],
+            published: 0,
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &PagedConfig {
+        &self.config
+    }
+
+    /// Blocks of `block_size` tokens at the front already published.
+    pub fn published_blocks(&self) -> usize {
+        self.published
+    }
+
+    /// The block table of a layer (pool block ids in token order).
+    pub fn block_table(&self, layer: usize) -> &[u32] {
+        self.layers.get(layer).map_or(&[], |l| &l.table)
+    }
+
+    /// The pool of a layer, once its first keys arrived.
+    pub fn pool(&self, layer: usize) -> Option<&BlockPool> {
+        self.layers.get(layer).and_then(|l| l.pool.as_ref())
+    }
+
+    fn layer_mut(&mut self, layer: usize) -> Result<&mut Layer, CacheError> {
+        let layers = self.layers.len();
+        self.layers
+            .get_mut(layer)
+            .ok_or(CacheError::NoSuchLayer { layer, layers })
+    }
+
+    /// Appends `[1, H, L, D]` keys and values to `layer`, splitting them along block
+    /// boundaries. All blocks needed are taken before anything is written: on
+    /// [`CacheError::PoolExhausted`] the layer is unchanged.
+    pub fn append(&mut self, layer: usize, keys: &Array, values: &Array) -> Result<(), CacheError> {
+        let (heads, count, head_dim) = seq_shape("append", keys, values)?;
+        let config = self.config;
+        let l = self.layer_mut(layer)?;
+        if l.pool.is_none() {
+            let shape = BlockShape {
+                kv_heads: heads,
+                block_size: config.block_size,
+                head_dim,
+                dtype: keys.dtype(),
+            };
+            l.pool = Some(BlockPool::new(
+                shape,
+                config.format,
+                config.initial_blocks,
+                config.max_blocks,
+            )?);
+        }
+        let Some(pool) = l.pool.as_mut() else {
+            return Err(CacheError::Config("pool missing after creation".into()));
+        };
+        let shape = pool.shape();
+        if (shape.kv_heads, shape.head_dim, shape.dtype) != (heads, head_dim, keys.dtype()) {
+            return Err(CacheError::Shape(format!(
+                "layer {layer} holds {} heads × {} dims of {}; got {heads} × {head_dim} of {}",
+                shape.kv_heads,
+                shape.head_dim,
+                shape.dtype,
+                keys.dtype()
+            )));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let bs = config.block_size;
+        let needed = (l.len + count).div_ceil(bs).saturating_sub(l.table.len());
+        let mut fresh = Vec::with_capacity(needed);
+        for _ in 0..needed {
+            match pool.alloc() {
+                Ok(b) => fresh.push(b),
+                Err(e) => {
+                    for b in fresh.into_iter().rev() {
+                        pool.free(b);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        let k_parts = config.format.encode(keys)?;
+        let v_parts = config.format.encode(values)?;
+        let table_before = l.table.len();
+        l.table.extend(fresh);
+        let mut written = 0;
+        while written < count {
+            let pos = l.len + written;
+            let (block, start) = (l.table[pos / bs], pos % bs);
+            let n = (bs - start).min(count - written);
+            let cut = |parts: &[Array]| -> Result<Vec<Array>, CacheError> {
+                parts
+                    .iter()
+                    .map(|p| {
+                        let s = p.shape();
+                        Ok(p.slice(
+                            &[0, 0, written as i32, 0],
+                            &[1, s[1], (written + n) as i32, s[3]],
+                        )?)
+                    })
+                    .collect()
+            };
+            let result = cut(&k_parts)
+                .and_then(|k| Ok((k, cut(&v_parts)?)))
+                .and_then(|(k, v)| pool.write(block, start, &k, &v));
+            if let Err(e) = result {
+                for b in l.table.drain(table_before..).rev() {
+                    pool.free(b);
+                }
+                return Err(e);
+            }
+            written += n;
+        }
+        l.len += count;
+        Ok(())
+    }
+
+    /// Every key and value `layer` holds, as contiguous float `[1, H, len, D]` arrays
+    /// (gathered from the blocks and dequantized). `None` before the layer's first append.
+    pub fn fetch(&self, layer: usize) -> Result<Option<(Array, Array)>, CacheError> {
+        let layers = self.layers.len();
+        let l = self
+            .layers
+            .get(layer)
+            .ok_or(CacheError::NoSuchLayer { layer, layers })?;
+        let Some(pool) = &l.pool else { return Ok(None) };
+        if l.len == 0 {
+            let s = pool.shape();
+            let empty = mlx::ops::zeros(&[1, s.kv_heads as i32, 0, s.head_dim as i32], s.dtype)?;
+            return Ok(Some((empty.clone(), empty)));
+        }
+        let parts = pool.gather(&l.table)?;
+        let per = self.config.format.parts();
+        let seq: Vec<Array> = parts
+            .iter()
+            .map(|p| flatten_blocks(p, l.len))
+            .collect::<Result<_, _>>()?;
+        let k = self.config.format.decode(&seq[..per])?;
+        let v = self.config.format.decode(&seq[per..])?;
+        Ok(Some((k, v)))
+    }
+
+    /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
+    /// Published blocks are not affected (they own their buffers).
+    pub fn trim(&mut self, tokens: usize) -> usize {
+        let bs = self.config.block_size;
+        let mut trimmed = 0;
+        for l in &mut self.layers {
+            let n = tokens.min(l.len);
+            l.len -= n;
+            trimmed = trimmed.max(n);
+            let keep = l.len.div_ceil(bs);
+            if let Some(pool) = l.pool.as_mut() {
+                for b in l.table.drain(keep..).rev() {
+                    pool.free(b);
+                }
+            }
+        }
+        self.published = self.published.min(self.offset() / bs);
+        trimmed
+    }
+
+    /// Bytes the cache would take for `tokens` tokens (whole blocks, all layers), once the
+    /// first keys fixed the block shape; `None` before.
+    pub fn projected_bytes(&self, tokens: usize) -> Option<usize> {
+        let blocks = tokens.div_ceil(self.config.block_size);
+        let per_block: usize = self
+            .layers
+            .iter()
+            .map(|l| l.pool.as_ref().map(|p| p.block_bytes()))
+            .sum::<Option<usize>>()?;
+        Some(blocks * per_block)
+    }
+
+    /// The cache's state as named planes: per layer, its blocks in table order
+    /// (`layers.{i}.k`, `layers.{i}.v`, plus `_scales`/`_biases` when quantized), each
+    /// `[blocks, H, block_size, width]`. The last block may be partly filled.
+    pub fn state(&self) -> Result<Vec<(String, Array)>, CacheError> {
+        let suffixes = self.config.format.part_suffixes();
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let Some(pool) = &l.pool else { continue };
+            let parts = pool.gather(&l.table)?;
+            for (j, p) in parts.into_iter().enumerate() {
+                let kv = if j < suffixes.len() { "k" } else { "v" };
+                out.push((
+                    format!("layers.{i}.{kv}{}", suffixes[j % suffixes.len()]),
+                    p,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Publishes the full blocks not yet published, as immutable blocks of `namespace`.
+    ///
+    /// `tokens` are the token ids the cache holds (`tokens.len() == offset()`). Each block
+    /// owns copies of its K/V (gathered and evaluated here): no later append, trim or
+    /// eviction can alter it. The partial last block stays private.
+    pub fn publish(
+        &mut self,
+        namespace: NamespaceId,
+        tokens: &[u32],
+    ) -> Result<Vec<Arc<PublishedBlock>>, CacheError> {
+        let offset = self.offset();
+        if tokens.len() != offset {
+            return Err(CacheError::Publish(format!(
+                "{} token ids given for a cache holding {offset} tokens",
+                tokens.len()
+            )));
+        }
+        if self.layers.iter().any(|l| l.len != offset) {
+            return Err(CacheError::Publish(
+                "layers hold different token counts (a forward step is half done)".into(),
+            ));
+        }
+        let bs = self.config.block_size;
+        let full = offset / bs;
+        if full <= self.published {
+            return Ok(Vec::new());
+        }
+        let keys = chain_keys(namespace, &tokens[..full * bs], bs);
+        let mut blocks = Vec::with_capacity(full - self.published);
+        let mut to_eval = Vec::new();
+        for p in self.published..full {
+            let mut layers = Vec::with_capacity(self.layers.len());
+            for l in &self.layers {
+                let pool = l
+                    .pool
+                    .as_ref()
+                    .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
+                let parts = pool.gather(&[l.table[p]])?;
+                let parts: Vec<Array> = parts
+                    .iter()
+                    .map(|a| {
+                        let s = a.shape();
+                        a.reshape(&s[1..])
+                    })
+                    .collect::<Result<_, _>>()?;
+                to_eval.extend(parts.iter().cloned());
+                layers.push(parts);
+            }
+            let parent = if p == 0 {
+                *namespace.as_bytes()
+            } else {
+                *keys[p - 1].as_bytes()
+            };
+            let meta = BlockMeta::new(
+                namespace,
+                parent,
+                p as u32,
+                tokens[p * bs..(p + 1) * bs].to_vec(),
+            );
+            debug_assert_eq!(meta.key, keys[p]);
+            blocks.push((meta, layers));
+        }
+        let refs: Vec<&Array> = to_eval.iter().collect();
+        mlx::eval(&refs)?;
+        drop(to_eval);
+        let out = blocks
+            .into_iter()
+            .map(|(meta, layers)| {
+                PublishedBlock::new(meta, self.config.format, layers).map(Arc::new)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.published = full;
+        Ok(out)
+    }
+
+    /// Builds a cache holding `blocks` (positions 0, 1, … of one chain) whose next append
+    /// continues after them. Blocks are checked before the cache sees them: the cache
+    /// holds the longest valid prefix and `stopped` says why the rest was refused.
+    pub fn restore(
+        layers: usize,
+        config: PagedConfig,
+        blocks: &[Arc<PublishedBlock>],
+    ) -> Result<Restored, CacheError> {
+        let mut cache = PagedKvCache::new(layers, config)?;
+        let mut valid = 0;
+        let mut stopped = None;
+        let mut shape: Option<BlockShape> = None;
+        for (i, b) in blocks.iter().enumerate() {
+            match b.check_restorable(
+                i,
+                layers,
+                &config,
+                blocks.get(i.wrapping_sub(1)).map(|p| p.meta()),
+                shape,
+            ) {
+                Ok(s) => {
+                    shape = Some(s);
+                    valid += 1;
+                }
+                Err(e) => {
+                    stopped = Some(e);
+                    break;
+                }
+            }
+        }
+        if valid == 0 {
+            return Ok(Restored {
+                cache,
+                blocks: 0,
+                stopped,
+            });
+        }
+        let Some(shape) = shape else {
+            return Err(CacheError::Config("no block shape after validation".into()));
+        };
+        let parts_per_layer = config.format.parts() * 2;
+        for (li, layer) in cache.layers.iter_mut().enumerate() {
+            let mut arenas = Vec::with_capacity(parts_per_layer);
+            for part in 0..parts_per_layer {
+                let per_block: Vec<Array> = blocks[..valid]
+                    .iter()
+                    .map(|b| b.part(li, part))
+                    .collect::<Result<_, _>>()?;
+                let refs: Vec<&Array> = per_block.iter().collect();
+                arenas.push(mlx::ops::stack(&refs, 0)?);
+            }
+            layer.pool = Some(BlockPool::restore_arrays(
+                shape,
+                config.format,
+                arenas,
+                valid,
+                config.max_blocks,
+            )?);
+            layer.table = (0..valid as u32).collect();
+            layer.len = valid * config.block_size;
+        }
+        cache.published = valid;
+        Ok(Restored {
+            cache,
+            blocks: valid,
+            stopped,
+        })
+    }
+
+    /// The float dtype keys are fetched in, once known.
+    pub fn dtype(&self) -> Option<Dtype> {
+        self.layers
+            .iter()
+            .find_map(|l| l.pool.as_ref().map(|p| p.shape().dtype))
+    }
+}
+
+impl KvCache for PagedKvCache {
+    fn layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer_offset(&self, layer: usize) -> usize {
+        self.layers.get(layer).map_or(0, |l| l.len)
+    }
+
+    fn update_and_fetch(
+        &mut self,
+        layer: usize,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(Array, Array), CacheError> {
+        self.append(layer, keys, values)?;
+        self.fetch(layer)?
+            .ok_or_else(|| CacheError::Config(format!("layer {layer} has no pool after an append")))
+    }
+}

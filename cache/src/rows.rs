@@ -1,0 +1,199 @@
+//! [`PagedKvRows`]: several sequences decoding together, each in its own paged cache,
+//! fetched as one left-padded batch.
+
+use mlx::{Array, Dtype};
+
+use crate::mask::visible;
+use crate::{CacheError, KvCache, PagedKvCache};
+
+/// A batch of rows (sequences) for decoding. Row `b` keeps its own [`PagedKvCache`]; a
+/// step appends each row's new keys and values and fetches all rows as one
+/// `[B, H, T, D]` batch, left-padded with zeros to the longest row `T`.
+#[derive(Clone, Debug, Default)]
+pub struct PagedKvRows {
+    rows: Vec<PagedKvCache>,
+}
+
+impl PagedKvRows {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A batch of the given rows.
+    pub fn from_rows(rows: Vec<PagedKvCache>) -> Result<Self, CacheError> {
+        let mut batch = Self::new();
+        for r in rows {
+            batch.push(r)?;
+        }
+        Ok(batch)
+    }
+
+    /// Rows in the batch.
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Whether the batch has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// Adds one sequence as the last row.
+    pub fn push(&mut self, row: PagedKvCache) -> Result<(), CacheError> {
+        if let Some(first) = self.rows.first() {
+            if first.layers() != row.layers() {
+                return Err(CacheError::Shape(format!(
+                    "a row of {} layers cannot join rows of {}",
+                    row.layers(),
+                    first.layers()
+                )));
+            }
+        }
+        self.rows.push(row);
+        Ok(())
+    }
+
+    /// Appends the rows of another batch after this one's.
+    pub fn merge(&mut self, other: PagedKvRows) -> Result<(), CacheError> {
+        for r in other.rows {
+            self.push(r)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps the rows at `keep` (in that order) and returns the others, in their order.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<Vec<PagedKvCache>, CacheError> {
+        if let Some(&bad) = keep.iter().find(|&&i| i >= self.rows.len()) {
+            return Err(CacheError::Shape(format!(
+                "row {bad} of a batch of {}",
+                self.rows.len()
+            )));
+        }
+        let mut slots: Vec<Option<PagedKvCache>> = std::mem::take(&mut self.rows)
+            .into_iter()
+            .map(Some)
+            .collect();
+        for &i in keep {
+            let row = slots[i]
+                .take()
+                .ok_or_else(|| CacheError::Shape(format!("row {i} kept twice")))?;
+            self.rows.push(row);
+        }
+        Ok(slots.into_iter().flatten().collect())
+    }
+
+    /// An independent copy of row `i`.
+    pub fn extract(&self, i: usize) -> Result<PagedKvCache, CacheError> {
+        self.rows
+            .get(i)
+            .cloned()
+            .ok_or_else(|| CacheError::Shape(format!("row {i} of a batch of {}", self.rows.len())))
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> Option<&PagedKvCache> {
+        self.rows.get(i)
+    }
+
+    /// Row `i`, mutably (to publish it, for example).
+    pub fn row_mut(&mut self, i: usize) -> Option<&mut PagedKvCache> {
+        self.rows.get_mut(i)
+    }
+
+    /// The rows, in order.
+    pub fn into_rows(self) -> Vec<PagedKvCache> {
+        self.rows
+    }
+
+    /// Each row's offset (position of its next token) as an int32 `[B]` array: the RoPE
+    /// offsets of a batched step.
+    pub fn offsets(&self) -> Result<Array, CacheError> {
+        let offs: Vec<i32> = self.rows.iter().map(|r| r.offset() as i32).collect();
+        Ok(Array::from_slice(&offs, &[offs.len() as i32])?)
+    }
+
+    /// Left padding of each row in a fetch of `layer`: the longest row's length minus its own.
+    pub fn padding(&self, layer: usize) -> Vec<usize> {
+        let lens: Vec<usize> = self.rows.iter().map(|r| r.layer_offset(layer)).collect();
+        let t = lens.iter().copied().max().unwrap_or(0);
+        lens.iter().map(|l| t - l).collect()
+    }
+
+    /// Appends `[B, H, L, D]` keys and values (row b gets slice b) to `layer` and returns
+    /// every row's keys and values, left-padded with zeros to `[B, H, T, D]`.
+    pub fn update_and_fetch(
+        &mut self,
+        layer: usize,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(Array, Array), CacheError> {
+        let s = keys.shape();
+        if s.len() != 4 || s[0] as usize != self.rows.len() || values.shape() != s {
+            return Err(CacheError::Shape(format!(
+                "batched keys {s:?} / values {:?} for {} rows",
+                values.shape(),
+                self.rows.len()
+            )));
+        }
+        let (h, l, d) = (s[1], s[2], s[3]);
+        let mut fetched = Vec::with_capacity(self.rows.len());
+        for (b, row) in self.rows.iter_mut().enumerate() {
+            let bi = b as i32;
+            let k = keys.slice(&[bi, 0, 0, 0], &[bi + 1, h, l, d])?;
+            let v = values.slice(&[bi, 0, 0, 0], &[bi + 1, h, l, d])?;
+            fetched.push(row.update_and_fetch(layer, &k, &v)?);
+        }
+        let t = fetched.iter().map(|(k, _)| k.shape()[2]).max().unwrap_or(0);
+        let pad = |a: &Array| -> Result<Array, CacheError> {
+            let len = a.shape()[2];
+            if len == t {
+                return Ok(a.clone());
+            }
+            let zeros = mlx::ops::zeros(&[1, h, t - len, d], a.dtype())?;
+            Ok(mlx::ops::concatenate(&[&zeros, a], 2)?)
+        };
+        let ks: Vec<Array> = fetched
+            .iter()
+            .map(|(k, _)| pad(k))
+            .collect::<Result<_, _>>()?;
+        let vs: Vec<Array> = fetched
+            .iter()
+            .map(|(_, v)| pad(v))
+            .collect::<Result<_, _>>()?;
+        let kr: Vec<&Array> = ks.iter().collect();
+        let vr: Vec<&Array> = vs.iter().collect();
+        Ok((
+            mlx::ops::concatenate(&kr, 0)?,
+            mlx::ops::concatenate(&vr, 0)?,
+        ))
+    }
+
+    /// The boolean mask `[B, 1, L, T]` for the last `queries` tokens of every row after
+    /// [`PagedKvRows::update_and_fetch`] on `layer`: padding hidden, causal, and limited to
+    /// the last `window` positions when windowed.
+    pub fn decode_mask(
+        &self,
+        layer: usize,
+        queries: usize,
+        window: Option<usize>,
+    ) -> Result<Array, CacheError> {
+        let lens: Vec<usize> = self.rows.iter().map(|r| r.layer_offset(layer)).collect();
+        let t = lens.iter().copied().max().unwrap_or(0);
+        let mut allowed = Vec::with_capacity(lens.len() * queries * t);
+        for &len in &lens {
+            let pad = t - len;
+            for i in 0..queries {
+                let q = len.saturating_sub(queries) + i;
+                for j in 0..t {
+                    allowed.push((j >= pad && visible(q, j - pad, window)) as u8);
+                }
+            }
+        }
+        Ok(Array::from_bytes(
+            &allowed,
+            &[lens.len() as i32, 1, queries as i32, t as i32],
+            Dtype::Bool,
+        )?)
+    }
+}

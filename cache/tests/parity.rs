@@ -1,0 +1,596 @@
+//! Parity gates: every paged variant against a plain contiguous KV cache (tolerance 0),
+//! plus publication, restore, clone, trim, rows and masks against naive references.
+//! Each test prints its seed; KVSTORE_TEST_SEED replays it.
+
+use std::sync::Arc;
+
+use cache::{
+    attention_mask, plane_specs, BlockShape, CacheError, ContiguousKvCache, KvCache, KvFormat,
+    Mask, PagedConfig, PagedKvCache, PagedKvRows, PublishedBlock,
+};
+use mlx::{Array, Dtype, QuantSpec};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use store::{chain_keys, NamespaceDescription, Payload, Store, StoreConfig, Tier};
+
+const H: usize = 2;
+const D: usize = 64;
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("KVSTORE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("{test}: KVSTORE_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// Random `[1, H, len, D]` keys or values in `dtype`.
+fn kv(r: &mut StdRng, len: usize, dtype: Dtype) -> Array {
+    let data: Vec<f32> = (0..H * len * D)
+        .map(|_| r.gen_range(-2.0f32..2.0))
+        .collect();
+    Array::from_slice(&data, &[1, H as i32, len as i32, D as i32])
+        .unwrap()
+        .astype(dtype)
+        .unwrap()
+}
+
+fn bytes(a: &Array) -> Vec<u8> {
+    a.to_bytes().unwrap()
+}
+
+fn config(block_size: usize, format: KvFormat) -> PagedConfig {
+    PagedConfig {
+        block_size,
+        format,
+        initial_blocks: 2,
+        max_blocks: 1024,
+    }
+}
+
+/// Appends the same random chunks to both caches (all layers) and checks every fetch is
+/// byte-identical.
+fn append_and_compare(
+    r: &mut StdRng,
+    paged: &mut PagedKvCache,
+    reference: &mut impl KvCache,
+    chunks: usize,
+    dtype: Dtype,
+) {
+    for _ in 0..chunks {
+        let len = if r.gen_bool(0.5) {
+            1
+        } else {
+            r.gen_range(1..40)
+        };
+        for layer in 0..paged.layers() {
+            let (k, v) = (kv(r, len, dtype), kv(r, len, dtype));
+            let (pk, pv) = paged.update_and_fetch(layer, &k, &v).unwrap();
+            let (rk, rv) = reference.update_and_fetch(layer, &k, &v).unwrap();
+            assert_eq!(pk.shape(), rk.shape());
+            assert_eq!(pk.dtype(), dtype);
+            assert!(
+                bytes(&pk) == bytes(&rk),
+                "keys differ at layer {layer}, offset {}",
+                paged.offset()
+            );
+            assert!(
+                bytes(&pv) == bytes(&rv),
+                "values differ at layer {layer}, offset {}",
+                paged.offset()
+            );
+        }
+    }
+}
+
+#[test]
+fn paged_fetch_equals_contiguous_exactly_f32_bf16_f16() {
+    let mut r = rng("paged_fetch_equals_contiguous_exactly_f32_bf16_f16");
+    for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+        for block_size in [1, 7, 16] {
+            let mut paged = PagedKvCache::new(3, config(block_size, KvFormat::Float)).unwrap();
+            let mut reference = ContiguousKvCache::new(3);
+            append_and_compare(&mut r, &mut paged, &mut reference, 12, dtype);
+            assert_eq!(paged.offset(), reference.offset());
+        }
+    }
+}
+
+/// A contiguous quantized reference: each chunk quantized on its own, parts concatenated,
+/// dequantized on fetch. Quantization groups run along head_dim, so chunking cannot matter.
+struct QuantizedReference {
+    spec: QuantSpec,
+    layers: Vec<Option<[Vec<Array>; 2]>>,
+}
+
+impl KvCache for QuantizedReference {
+    fn layers(&self) -> usize {
+        self.layers.len()
+    }
+    fn layer_offset(&self, layer: usize) -> usize {
+        self.layers[layer]
+            .as_ref()
+            .map_or(0, |[k, _]| k[0].shape()[2] as usize)
+    }
+    fn update_and_fetch(
+        &mut self,
+        layer: usize,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(Array, Array), CacheError> {
+        let q = |x: &Array| {
+            let q = mlx::quantize(x, self.spec).unwrap();
+            vec![q.packed, q.scales, q.biases]
+        };
+        let (kq, vq) = (q(keys), q(values));
+        let slot = &mut self.layers[layer];
+        let next = match slot.take() {
+            None => [kq, vq],
+            Some([k, v]) => {
+                let cat = |old: &[Array], new: &[Array]| -> Vec<Array> {
+                    old.iter()
+                        .zip(new)
+                        .map(|(a, b)| mlx::ops::concatenate(&[a, b], 2).unwrap())
+                        .collect()
+                };
+                [cat(&k, &kq), cat(&v, &vq)]
+            }
+        };
+        let deq = |p: &[Array]| {
+            mlx::dequantize(&mlx::Quantized {
+                packed: p[0].clone(),
+                scales: p[1].clone(),
+                biases: p[2].clone(),
+                spec: self.spec,
+            })
+            .unwrap()
+        };
+        let out = (deq(&next[0]), deq(&next[1]));
+        *slot = Some(next);
+        Ok(out)
+    }
+}
+
+#[test]
+fn kv4_and_kv8_pools_equal_a_contiguous_quantized_reference_exactly() {
+    let mut r = rng("kv4_and_kv8_pools_equal_a_contiguous_quantized_reference_exactly");
+    for (bits, group_size) in [(4, 64), (8, 64), (4, 32), (8, 32)] {
+        let format = KvFormat::Quantized { bits, group_size };
+        let mut paged = PagedKvCache::new(2, config(5, format)).unwrap();
+        let mut reference = QuantizedReference {
+            spec: QuantSpec::new(group_size, bits).unwrap(),
+            layers: vec![None, None],
+        };
+        append_and_compare(&mut r, &mut paged, &mut reference, 8, Dtype::F32);
+    }
+    // A group that does not divide head_dim is refused when the pool is made.
+    let mut bad = PagedKvCache::new(
+        1,
+        config(
+            4,
+            KvFormat::Quantized {
+                bits: 4,
+                group_size: 128,
+            },
+        ),
+    )
+    .unwrap();
+    let k = kv(&mut r, 3, Dtype::F32);
+    assert!(matches!(
+        bad.update_and_fetch(0, &k, &k),
+        Err(CacheError::Config(_))
+    ));
+}
+
+#[test]
+fn clones_are_independent_after_appends_on_either_side() {
+    let mut r = rng("clones_are_independent_after_appends_on_either_side");
+    let mut a = PagedKvCache::new(2, config(4, KvFormat::Float)).unwrap();
+    let mut ra = ContiguousKvCache::new(2);
+    append_and_compare(&mut r, &mut a, &mut ra, 3, Dtype::F32);
+    let mut b = a.clone();
+    let mut rb = ra.clone();
+    let before: Vec<u8> = bytes(&a.fetch(0).unwrap().unwrap().0);
+    append_and_compare(&mut r, &mut b, &mut rb, 4, Dtype::F32);
+    assert_eq!(
+        bytes(&a.fetch(0).unwrap().unwrap().0),
+        before,
+        "appending to the clone changed the original"
+    );
+    let b_now = bytes(&b.fetch(1).unwrap().unwrap().1);
+    append_and_compare(&mut r, &mut a, &mut ra, 4, Dtype::F32);
+    assert_eq!(
+        bytes(&b.fetch(1).unwrap().unwrap().1),
+        b_now,
+        "appending to the original changed the clone"
+    );
+}
+
+#[test]
+fn trim_then_append_equals_a_fresh_cache_and_exhaustion_is_typed() {
+    let mut r = rng("trim_then_append_equals_a_fresh_cache_and_exhaustion_is_typed");
+    let mut cfg = config(4, KvFormat::Float);
+    cfg.max_blocks = 6;
+    let mut paged = PagedKvCache::new(1, cfg).unwrap();
+    let keep = kv(&mut r, 10, Dtype::F32);
+    let junk = kv(&mut r, 9, Dtype::F32);
+    paged.update_and_fetch(0, &keep, &keep).unwrap();
+    paged.update_and_fetch(0, &junk, &junk).unwrap();
+    assert_eq!(paged.trim(9), 9);
+    assert_eq!(paged.offset(), 10);
+    assert_eq!(paged.block_table(0).len(), 3, "tail blocks were not freed");
+    let tail = kv(&mut r, 5, Dtype::F32);
+    let (got, _) = paged.update_and_fetch(0, &tail, &tail).unwrap();
+    let mut fresh = ContiguousKvCache::new(1);
+    fresh.update_and_fetch(0, &keep, &keep).unwrap();
+    let (want, _) = fresh.update_and_fetch(0, &tail, &tail).unwrap();
+    assert_eq!(bytes(&got), bytes(&want));
+
+    // 15 tokens use 4 of 6 blocks; 12 more need 3: refused as a whole, nothing changes.
+    let more = kv(&mut r, 12, Dtype::F32);
+    match paged.update_and_fetch(0, &more, &more) {
+        Err(CacheError::PoolExhausted {
+            capacity: 6,
+            max_blocks: 6,
+            block_size: 4,
+        }) => {}
+        other => panic!("expected PoolExhausted, got {other:?}"),
+    }
+    assert_eq!(paged.offset(), 15);
+    assert_eq!(bytes(&paged.fetch(0).unwrap().unwrap().0), bytes(&want));
+    // What fits still fits.
+    let fits = kv(&mut r, 9, Dtype::F32);
+    paged.update_and_fetch(0, &fits, &fits).unwrap();
+    assert_eq!(paged.offset(), 24);
+}
+
+fn namespace(
+    layers: usize,
+    block_size: usize,
+    format: KvFormat,
+    dtype: Dtype,
+) -> NamespaceDescription {
+    let mut desc = NamespaceDescription::new("cache-parity", store_dtype(dtype), block_size as u32);
+    desc.layers = (0..layers).map(|_| "global".to_string()).collect();
+    let shape = BlockShape {
+        kv_heads: H,
+        block_size,
+        head_dim: D,
+        dtype,
+    };
+    desc.planes = plane_specs(layers, shape, format).unwrap();
+    if let KvFormat::Quantized { bits, group_size } = format {
+        desc.kv_quantization = Some(store::KvQuantization {
+            bits: bits as u32,
+            group_size: group_size as u32,
+        });
+    }
+    desc
+}
+
+fn store_dtype(d: Dtype) -> store::Dtype {
+    match d {
+        Dtype::F32 => store::Dtype::F32,
+        Dtype::F16 => store::Dtype::F16,
+        _ => store::Dtype::BF16,
+    }
+}
+
+#[test]
+fn publish_to_disk_restore_and_continue_equals_never_published() {
+    let mut r = rng("publish_to_disk_restore_and_continue_equals_never_published");
+    for (format, dtype) in [
+        (KvFormat::Float, Dtype::F32),
+        (KvFormat::Float, Dtype::BF16),
+        (KvFormat::KV8, Dtype::F32),
+        (KvFormat::KV4, Dtype::F16),
+    ] {
+        let (layers, bs) = (3, 8);
+        let dir = tempfile::tempdir().unwrap();
+        let desc = namespace(layers, bs, format, dtype);
+        let tokens: Vec<u32> = (0..45).map(|_| r.gen_range(0..50_000)).collect();
+        let chunks: Vec<(usize, Vec<(Array, Array)>)> = [20usize, 1, 17, 7]
+            .iter()
+            .map(|&n| {
+                (
+                    n,
+                    (0..layers)
+                        .map(|_| (kv(&mut r, n, dtype), kv(&mut r, n, dtype)))
+                        .collect(),
+                )
+            })
+            .collect();
+        let continuation: Vec<(Array, Array)> = (0..layers)
+            .map(|_| (kv(&mut r, 11, dtype), kv(&mut r, 11, dtype)))
+            .collect();
+
+        // Never published: one cache sees everything.
+        let mut plain = PagedKvCache::new(layers, config(bs, format)).unwrap();
+        for (_, per_layer) in &chunks {
+            for (l, (k, v)) in per_layer.iter().enumerate() {
+                plain.update_and_fetch(l, k, v).unwrap();
+            }
+        }
+
+        // Published: the same appends, publishing after each step, into a real store.
+        let ns;
+        {
+            let store: Store<PublishedBlock> = Store::open(
+                StoreConfig::default()
+                    .root(dir.path())
+                    .ram_budget(64 << 20)
+                    .ssd_budget(256 << 20),
+            )
+            .unwrap();
+            ns = store.register_namespace(&desc).unwrap();
+            let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
+            let mut held = 0;
+            let mut published = Vec::new();
+            for (n, per_layer) in &chunks {
+                for (l, (k, v)) in per_layer.iter().enumerate() {
+                    live.update_and_fetch(l, k, v).unwrap();
+                }
+                held += n;
+                for b in live.publish(ns, &tokens[..held]).unwrap() {
+                    published.push(b.clone());
+                    store.insert(b).unwrap();
+                }
+            }
+            assert_eq!(published.len(), 45 / bs);
+            // Published blocks own their buffers: trimming and overwriting the live cache
+            // leaves them as they were.
+            let snapshot: Vec<Vec<u8>> = published
+                .iter()
+                .map(|b| bytes(&b.part(0, 0).unwrap()))
+                .collect();
+            live.trim(40);
+            let junk = kv(&mut r, 30, dtype);
+            for l in 0..layers {
+                live.update_and_fetch(l, &junk, &junk).unwrap();
+            }
+            let after: Vec<Vec<u8>> = published
+                .iter()
+                .map(|b| bytes(&b.part(0, 0).unwrap()))
+                .collect();
+            assert_eq!(
+                snapshot, after,
+                "a published block changed after trim + append"
+            );
+            store.flush().unwrap();
+        }
+
+        // A new process: empty RAM tier, blocks come from SSD and are verified.
+        let store: Store<PublishedBlock> = Store::open(
+            StoreConfig::default()
+                .root(dir.path())
+                .ram_budget(64 << 20)
+                .ssd_budget(256 << 20),
+        )
+        .unwrap();
+        assert_eq!(store.register_namespace(&desc).unwrap(), ns);
+        let keys = chain_keys(ns, &tokens, bs);
+        let per_block: Vec<&[u32]> = tokens.chunks(bs).take(keys.len()).collect();
+        let loaded = store.load_prefix(ns, &keys, &per_block);
+        assert_eq!(loaded.blocks.len(), 5, "stopped: {:?}", loaded.stopped);
+        assert!(loaded.blocks.iter().all(|(_, t)| *t == Tier::Ssd));
+        let blocks: Vec<Arc<PublishedBlock>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
+        let restored = PagedKvCache::restore(layers, config(bs, format), &blocks).unwrap();
+        assert_eq!(restored.blocks, 5);
+        assert!(restored.stopped.is_none());
+        let mut cache = restored.cache;
+        assert_eq!(cache.offset(), 40);
+        assert_eq!(cache.published_blocks(), 5);
+
+        // Continue both: the restored cache is missing tokens 40..45 (the private tail).
+        let tail_start = 40;
+        let mut plain_tail = plain.clone();
+        plain_tail.trim(45 - tail_start);
+        for (l, (k, v)) in continuation.iter().enumerate() {
+            let (pk, pv) = plain_tail.update_and_fetch(l, k, v).unwrap();
+            let (ck, cv) = cache.update_and_fetch(l, k, v).unwrap();
+            assert_eq!(
+                bytes(&pk),
+                bytes(&ck),
+                "{format:?} {dtype}: keys differ after restore, layer {l}"
+            );
+            assert_eq!(
+                bytes(&pv),
+                bytes(&cv),
+                "{format:?} {dtype}: values differ after restore, layer {l}"
+            );
+        }
+    }
+}
+
+#[test]
+fn restore_stops_at_the_first_block_that_does_not_fit() {
+    let mut r = rng("restore_stops_at_the_first_block_that_does_not_fit");
+    let (layers, bs) = (2, 4);
+    let ns = namespace(layers, bs, KvFormat::Float, Dtype::F32).id();
+    let tokens: Vec<u32> = (0..16).collect();
+    let mut a = PagedKvCache::new(layers, config(bs, KvFormat::Float)).unwrap();
+    let mut b = PagedKvCache::new(layers, config(bs, KvFormat::Float)).unwrap();
+    for l in 0..layers {
+        let k = kv(&mut r, 16, Dtype::F32);
+        a.update_and_fetch(l, &k, &k).unwrap();
+        b.update_and_fetch(l, &k, &k).unwrap();
+    }
+    let good = a.publish(ns, &tokens).unwrap();
+    let other_tokens: Vec<u32> = (100..116).collect();
+    let foreign = b.publish(ns, &other_tokens).unwrap();
+    // Block 2 from another chain: its parent is not block 1.
+    let mixed = vec![
+        good[0].clone(),
+        good[1].clone(),
+        foreign[2].clone(),
+        good[3].clone(),
+    ];
+    let restored = PagedKvCache::restore(layers, config(bs, KvFormat::Float), &mixed).unwrap();
+    assert_eq!(restored.blocks, 2);
+    assert!(matches!(
+        restored.stopped,
+        Some(CacheError::Restore { position: 2, .. })
+    ));
+    assert_eq!(restored.cache.offset(), 8);
+    // A model with another layer count restores nothing.
+    let restored = PagedKvCache::restore(layers + 1, config(bs, KvFormat::Float), &good).unwrap();
+    assert_eq!(restored.blocks, 0);
+    assert_eq!(restored.cache.offset(), 0);
+    // Round trip through host planes keeps every byte.
+    let again = PublishedBlock::from_block(good[1].to_block().unwrap()).unwrap();
+    assert_eq!(
+        bytes(&again.part(1, 1).unwrap()),
+        bytes(&good[1].part(1, 1).unwrap())
+    );
+    assert_eq!(again.meta(), good[1].meta());
+}
+
+#[test]
+fn rows_merge_filter_extract_equal_per_row_caches_and_masks_match_naive() {
+    let mut r = rng("rows_merge_filter_extract_equal_per_row_caches_and_masks_match_naive");
+    let layers = 2;
+    let lens = [5usize, 13, 1, 9];
+    let mut singles = Vec::new();
+    let mut refs = Vec::new();
+    for &n in &lens {
+        let mut p = PagedKvCache::new(layers, config(4, KvFormat::Float)).unwrap();
+        let mut c = ContiguousKvCache::new(layers);
+        for l in 0..layers {
+            let (k, v) = (kv(&mut r, n, Dtype::F32), kv(&mut r, n, Dtype::F32));
+            p.update_and_fetch(l, &k, &v).unwrap();
+            c.update_and_fetch(l, &k, &v).unwrap();
+        }
+        singles.push(p);
+        refs.push(c);
+    }
+    // Two batches merged: rows 0,1 and 2,3.
+    let mut batch = PagedKvRows::from_rows(singles[..2].to_vec()).unwrap();
+    batch
+        .merge(PagedKvRows::from_rows(singles[2..].to_vec()).unwrap())
+        .unwrap();
+    assert_eq!(
+        batch.offsets().unwrap().to_vec::<i32>().unwrap(),
+        vec![5, 13, 1, 9]
+    );
+
+    for step in 0..3 {
+        for l in 0..layers {
+            let b = batch.len();
+            let ks: Vec<Array> = (0..b).map(|_| kv(&mut r, 1, Dtype::F32)).collect();
+            let vs: Vec<Array> = (0..b).map(|_| kv(&mut r, 1, Dtype::F32)).collect();
+            let kb = mlx::ops::concatenate(&ks.iter().collect::<Vec<_>>(), 0).unwrap();
+            let vb = mlx::ops::concatenate(&vs.iter().collect::<Vec<_>>(), 0).unwrap();
+            let (gk, gv) = batch.update_and_fetch(l, &kb, &vb).unwrap();
+            let pads = batch.padding(l);
+            let t = gk.shape()[2] as usize;
+            let gk_host: Vec<f32> = gk.to_vec().unwrap();
+            let gv_host: Vec<f32> = gv.to_vec().unwrap();
+            for (i, reference) in refs.iter_mut().enumerate() {
+                let (rk, rv) = reference.update_and_fetch(l, &ks[i], &vs[i]).unwrap();
+                let (rk, rv): (Vec<f32>, Vec<f32>) = (rk.to_vec().unwrap(), rv.to_vec().unwrap());
+                let len = t - pads[i];
+                for h in 0..H {
+                    for j in 0..t {
+                        for d in 0..D {
+                            let got = (
+                                gk_host[((i * H + h) * t + j) * D + d],
+                                gv_host[((i * H + h) * t + j) * D + d],
+                            );
+                            let want = if j < pads[i] {
+                                (0.0, 0.0)
+                            } else {
+                                let jj = j - pads[i];
+                                (rk[(h * len + jj) * D + d], rv[(h * len + jj) * D + d])
+                            };
+                            assert_eq!(got, want, "step {step} layer {l} row {i} head {h} key {j}");
+                        }
+                    }
+                }
+            }
+            // Decode mask: padding hidden, causal, window of 6 when windowed.
+            for window in [None, Some(6)] {
+                let mask: Vec<u8> = batch.decode_mask(l, 1, window).unwrap().to_bytes().unwrap();
+                for (i, &pad) in pads.iter().enumerate() {
+                    let len = t - pad;
+                    for j in 0..t {
+                        let want = j >= pad && window.is_none_or(|w| (j - pad) + w > len - 1);
+                        assert_eq!(
+                            mask[i * t + j] == 1,
+                            want,
+                            "row {i} key {j} window {window:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Filter keeps rows 3 and 1 in that order; extract gives an independent copy.
+    let removed = batch.filter(&[3, 1]).unwrap();
+    assert_eq!(removed.len(), 2);
+    assert_eq!(
+        batch.offsets().unwrap().to_vec::<i32>().unwrap(),
+        vec![12, 16]
+    );
+    let row = batch.extract(0).unwrap();
+    let (want, _) = refs[3]
+        .update_and_fetch(0, &kv(&mut r, 0, Dtype::F32), &kv(&mut r, 0, Dtype::F32))
+        .unwrap();
+    assert_eq!(bytes(&row.fetch(0).unwrap().unwrap().0), bytes(&want));
+    assert!(batch.filter(&[5]).is_err());
+}
+
+#[test]
+fn step_masks_match_a_naive_reference() {
+    for (offset, queries, window) in [
+        (0, 1, None),
+        (0, 5, None),
+        (7, 3, None),
+        (0, 9, Some(4)),
+        (10, 3, Some(4)),
+        (2, 1, Some(2)),
+        (3, 2, Some(16)),
+    ] {
+        let mask = attention_mask(offset, queries, window).unwrap();
+        let keys = offset + queries;
+        let naive =
+            |i: usize, k: usize| k <= offset + i && window.is_none_or(|w| k + w > offset + i);
+        match mask {
+            Mask::None => {
+                for i in 0..queries {
+                    for k in 0..keys {
+                        assert!(
+                            naive(i, k),
+                            "None mask hides ({i},{k}) for {offset}/{queries}/{window:?}"
+                        );
+                    }
+                }
+            }
+            Mask::Causal => {
+                for i in 0..queries {
+                    for k in 0..keys {
+                        assert_eq!(
+                            naive(i, k),
+                            k <= offset + i,
+                            "({i},{k}) for {offset}/{queries}/{window:?}"
+                        );
+                    }
+                }
+            }
+            Mask::Array(a) => {
+                assert_eq!(a.shape(), vec![queries as i32, keys as i32]);
+                let m: Vec<u8> = a.to_bytes().unwrap();
+                for i in 0..queries {
+                    for k in 0..keys {
+                        assert_eq!(
+                            m[i * keys + k] == 1,
+                            naive(i, k),
+                            "({i},{k}) for {offset}/{queries}/{window:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(attention_mask(3, 1, Some(0)).is_err());
+}
