@@ -1,2 +1,56 @@
-//! The generation engine: models, weights, tokenizer, sampler and scheduling on MLX, with
-//! prefix reuse through the block store.
+//! The generation engine: models, weights, tokenizer + chat template and sampler on MLX.
+//!
+//! - [`load`] opens a model path — a `.gguf` file or a Hugging Face folder (config.json +
+//!   safetensors, dense or MLX-quantized) — into a [`Model`] and its [`Tokenizer`].
+//! - [`Model::forward`] runs tokens after what a [`cache::KvCache`] holds and returns the
+//!   last position's logits; [`Model::prefill`] does it in bounded chunks.
+//! - [`Tokenizer::apply_chat_template`] renders Hugging Face chat templates with `minijinja`.
+//! - [`Sampler`] picks tokens; [`generate`] ties it together with streaming and timings.
+//! - [`Model::fingerprint`] and [`Model::kv_layout`] identify the KV blocks a model makes.
+//!
+//! Families: llama (SmolLM2, Llama 3.x), qwen2, qwen3, one file each under [`models`].
+//! On CPU, weights are expanded to f32 at load ([`LoadOptions::keep_as_stored`] keeps them).
+//!
+//! ```no_run
+//! use engine::{load, generate, GenerateParams, LoadOptions};
+//! let (model, tokenizer) = load("models/SmolLM2-135M-Instruct.Q4_1.gguf".as_ref(), &LoadOptions::default())?;
+//! let prompt = tokenizer.encode_chat(r#"[{"role": "user", "content": "Hi!"}]"#, None, true)?;
+//! let mut cache = model.new_cache();
+//! let out = generate(&model, &tokenizer, &mut cache, &prompt, &GenerateParams::default(), &mut |_| true)?;
+//! println!("{}", out.text);
+//! # Ok::<(), engine::EngineError>(())
+//! ```
+
+#![deny(unsafe_code)]
+
+mod error;
+mod generate;
+mod layers;
+mod model;
+pub mod models;
+mod sampler;
+mod tokenizer;
+mod weights;
+
+pub use error::{EngineError, Result};
+pub use generate::{
+    generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
+};
+pub use layers::RopeScaling;
+pub use model::{KvLayout, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
+pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
+pub use tokenizer::{render_template, Tokenizer};
+pub use weights::LoadOptions;
+
+use std::path::Path;
+
+/// Loads a model and its tokenizer from a `.gguf` file or a Hugging Face folder.
+pub fn load(path: &Path, options: &LoadOptions) -> Result<(Model, Tokenizer)> {
+    let ck = weights::Checkpoint::load(path, options)?;
+    let tokenizer = match &ck.folder {
+        Some(dir) => Tokenizer::from_folder(dir)?,
+        None => Tokenizer::from_gguf(&ck.gguf_metadata)?,
+    };
+    let model = Model::from_checkpoint(&ck)?;
+    Ok((model, tokenizer))
+}

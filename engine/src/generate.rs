@@ -1,0 +1,282 @@
+//! [`generate`]: prefill a prompt after whatever a [`KvCache`] already holds, then decode
+//! token by token, streaming text deltas, until EOS, a stop string, the token budget or the
+//! context limit; with TTFT, prefill and decode speeds and peak memory.
+
+use std::time::Instant;
+
+use cache::KvCache;
+use serde::Serialize;
+
+use crate::error::{EngineError, Result};
+use crate::model::{Model, DEFAULT_PREFILL_CHUNK};
+use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::tokenizer::Tokenizer;
+
+/// What to generate and when to stop.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateParams {
+    /// Most tokens to generate. Default: 256.
+    pub max_tokens: usize,
+    /// Stop when the text contains one of these (the stop string is not returned).
+    /// Default: none.
+    pub stop: Vec<String>,
+    /// Stop at the tokenizer's EOS / end-of-turn ids. Default: true.
+    pub stop_at_eos: bool,
+    /// Token sampling. Default: greedy.
+    pub sampling: SamplingParams,
+    /// Per-request context limit (prompt + output), capped by the model's
+    /// `max_position_embeddings`. Default: None (the model's).
+    pub context_limit: Option<usize>,
+    /// Tokens per prefill step. Default: [`DEFAULT_PREFILL_CHUNK`].
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        GenerateParams {
+            max_tokens: 256,
+            stop: Vec::new(),
+            stop_at_eos: true,
+            sampling: SamplingParams::default(),
+            context_limit: None,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An EOS / end-of-turn token, or a stop string.
+    Stop,
+    /// `max_tokens` or the context limit.
+    Length,
+    /// The token callback asked to stop.
+    Cancelled,
+}
+
+/// Timings and counts of one generation.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timings {
+    /// Prompt tokens, including those already in the cache.
+    pub prompt_tokens: usize,
+    /// Prompt tokens the cache held before the call (not prefilled).
+    pub cached_tokens: usize,
+    /// Tokens generated.
+    pub generated_tokens: usize,
+    /// Time to first token: prefill plus the first sample, in seconds.
+    pub ttft_s: f64,
+    /// Prefill speed: prefilled tokens / prefill seconds.
+    pub prefill_tok_per_s: f64,
+    /// Decode speed: tokens after the first / their seconds.
+    pub decode_tok_per_s: f64,
+    /// Wall time of the whole call, in seconds.
+    pub total_s: f64,
+    /// MLX's peak memory during the call, in bytes.
+    pub peak_memory_bytes: usize,
+}
+
+/// The result of [`generate`].
+#[derive(Clone, Debug, Serialize)]
+pub struct Generation {
+    /// Generated token ids (a trailing EOS is included; text stops before stop strings).
+    pub tokens: Vec<u32>,
+    /// Generated text, without special tokens and without the stop string.
+    pub text: String,
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Per-token log-probabilities, when asked for.
+    pub logprobs: Vec<Sampled>,
+    /// Timings.
+    pub timings: Timings,
+}
+
+/// One streamed token.
+#[derive(Clone, Debug)]
+pub struct TokenEvent<'a> {
+    /// The token and its log-probabilities.
+    pub sampled: &'a Sampled,
+    /// Text that became final with this token (may be empty: a partial UTF-8 sequence or a
+    /// possible stop-string prefix is held back).
+    pub text: &'a str,
+}
+
+/// Text decoded so far, releasing only what no later token or stop string can change.
+struct TextStream<'a> {
+    tokenizer: &'a Tokenizer,
+    stop: &'a [String],
+    emitted: usize,
+}
+
+impl TextStream<'_> {
+    /// Returns (new final text, whether a stop string ended it, the full text).
+    fn update(&mut self, tokens: &[u32], last: bool) -> Result<(String, bool, String)> {
+        let mut text = self.tokenizer.decode(tokens, true)?;
+        let mut stopped = false;
+        if let Some(pos) = self.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+            text.truncate(pos);
+            stopped = true;
+        }
+        let mut end = text.len();
+        if !stopped && !last {
+            // An incomplete UTF-8 sequence decodes as U+FFFD until its last byte arrives.
+            if text.ends_with('\u{FFFD}') {
+                end = text.trim_end_matches('\u{FFFD}').len();
+            }
+            // Hold back a suffix that could grow into a stop string.
+            for s in self.stop {
+                for k in (1..s.len()).rev() {
+                    if s.is_char_boundary(k) && text[..end].ends_with(&s[..k]) {
+                        end = end.min(text[..end].len() - k);
+                        break;
+                    }
+                }
+            }
+        }
+        let end = end.max(self.emitted);
+        let delta = text.get(self.emitted..end).unwrap_or_default().to_string();
+        self.emitted = end;
+        Ok((delta, stopped, text))
+    }
+}
+
+/// Generates after `prompt`. The first `cache.offset()` prompt tokens must already be in
+/// `cache` (a restored prefix, at most `prompt.len() - 1`); the rest is prefilled in
+/// chunks. `on_token` sees each token as it is sampled and returns false to stop.
+pub fn generate(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    cache: &mut dyn KvCache,
+    prompt: &[u32],
+    params: &GenerateParams,
+    on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+) -> Result<Generation> {
+    let start = Instant::now();
+    let mut sampler = Sampler::new(params.sampling.clone())?;
+    let context = params
+        .context_limit
+        .unwrap_or(usize::MAX)
+        .min(model.info().max_position_embeddings);
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidParameter {
+            name: "prompt",
+            message: "the prompt is empty".into(),
+        });
+    }
+    if prompt.len() >= context {
+        return Err(EngineError::PromptTooLong {
+            prompt: prompt.len(),
+            context,
+        });
+    }
+    let cached = cache.offset();
+    if cached >= prompt.len() {
+        return Err(EngineError::InvalidParameter {
+            name: "cache",
+            message: format!(
+                "the cache holds {cached} tokens; at most prompt length - 1 = {} may be reused",
+                prompt.len() - 1
+            ),
+        });
+    }
+    mlx::reset_peak_memory()?;
+
+    // 1. Prefill what the cache lacks; sample the first token.
+    let logits = model.prefill(&prompt[cached..], cache, params.prefill_chunk)?;
+    let logits: Vec<f32> = logits.to_vec()?;
+    let prefill_done = Instant::now();
+    let mut tokens: Vec<u32> = Vec::new();
+    let mut logprobs = Vec::new();
+    let mut stream = TextStream {
+        tokenizer,
+        stop: &params.stop,
+        emitted: 0,
+    };
+    let mut text = String::new();
+    let mut finish = FinishReason::Length;
+    let mut next = sampler.sample(&logits, prompt, &tokens)?;
+    let ttft = start.elapsed();
+    let mut first_token_at = Instant::now();
+
+    // 2. Decode one token per step.
+    loop {
+        if tokens.len() >= params.max_tokens {
+            break;
+        }
+        let sampled = next;
+        tokens.push(sampled.token);
+        let is_eos = params.stop_at_eos && tokenizer.eos_ids().contains(&sampled.token);
+        let at_limit = tokens.len() >= params.max_tokens || prompt.len() + tokens.len() >= context;
+        let (delta, stopped, full) = stream.update(&tokens, is_eos || at_limit)?;
+        text = full;
+        let keep_going = on_token(TokenEvent {
+            sampled: &sampled,
+            text: &delta,
+        });
+        if params.sampling.logprobs.is_some() {
+            logprobs.push(sampled.clone());
+        }
+        if tokens.len() == 1 {
+            first_token_at = Instant::now();
+        }
+        if is_eos || stopped {
+            finish = FinishReason::Stop;
+            break;
+        }
+        if !keep_going {
+            finish = FinishReason::Cancelled;
+            break;
+        }
+        if at_limit {
+            break;
+        }
+        let logits: Vec<f32> = model.forward(&[sampled.token], cache)?.to_vec()?;
+        next = sampler.sample(&logits, prompt, &tokens)?;
+    }
+    let end = Instant::now();
+    let prefill_s = (prefill_done - start).as_secs_f64();
+    let decode_s = (end - first_token_at).as_secs_f64();
+    let decoded_after_first = tokens.len().saturating_sub(1);
+    Ok(Generation {
+        timings: Timings {
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+            generated_tokens: tokens.len(),
+            ttft_s: ttft.as_secs_f64(),
+            prefill_tok_per_s: rate(prompt.len() - cached, prefill_s),
+            decode_tok_per_s: rate(decoded_after_first, decode_s),
+            total_s: (end - start).as_secs_f64(),
+            peak_memory_bytes: mlx::peak_memory()?,
+        },
+        tokens,
+        text,
+        finish_reason: finish,
+        logprobs,
+    })
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 && n > 0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+/// Greedy ids for `n` tokens after `prompt` with a fresh contiguous cache, ignoring EOS: the
+/// form the parity goldens are written in.
+pub fn greedy_ids(model: &Model, prompt: &[u32], n: usize) -> Result<Vec<u32>> {
+    let mut cache = model.new_cache();
+    let mut logits = model.prefill(prompt, &mut cache, DEFAULT_PREFILL_CHUNK)?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = crate::sampler::argmax(&logits.to_vec::<f32>()?);
+        out.push(t);
+        if out.len() == n {
+            break;
+        }
+        logits = model.forward(&[t], &mut cache)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,352 @@
+//! Layers shared by every architecture: linear (dense or quantized), embedding (with the tied
+//! LM head), RMS norm, SwiGLU MLP, rotary embedding settings (incl. Llama 3 scaling) and
+//! attention over a [`KvCache`].
+
+use cache::KvCache;
+use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
+use mlx::{Array, Dtype, Quantized};
+use serde::Deserialize;
+
+use crate::error::{EngineError, Result};
+
+/// A linear layer `y = x Wᵀ (+ b)`, with W either a dense matrix or MLX-affine quantized.
+#[derive(Debug)]
+pub(crate) struct Linear {
+    weight: LinearWeight,
+    bias: Option<Array>,
+}
+
+#[derive(Debug)]
+enum LinearWeight {
+    Dense(Array),
+    Quantized(Quantized),
+}
+
+impl Linear {
+    pub(crate) fn dense(w: Array, bias: Option<Array>) -> Self {
+        Linear {
+            weight: LinearWeight::Dense(w),
+            bias,
+        }
+    }
+
+    pub(crate) fn quantized(q: Quantized, bias: Option<Array>) -> Self {
+        Linear {
+            weight: LinearWeight::Quantized(q),
+            bias,
+        }
+    }
+
+    /// `x` `[.., in]` → `[.., out]`.
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+        let y = match &self.weight {
+            LinearWeight::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
+            LinearWeight::Quantized(q) => mlx::quantized_matmul(x, q, true)?,
+        };
+        Ok(match &self.bias {
+            Some(b) => y.add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// A token embedding table `[vocab, hidden]`, dense or quantized; doubles as the LM head when
+/// the model ties its embeddings.
+#[derive(Debug)]
+pub(crate) enum Embedding {
+    Dense(Array),
+    Quantized(Quantized),
+}
+
+impl Embedding {
+    /// `ids` (uint32, any shape) → `[.., hidden]`.
+    pub(crate) fn forward(&self, ids: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense(t) => t.take(ids, 0)?,
+            Embedding::Quantized(q) => {
+                let rows = Quantized {
+                    packed: q.packed.take(ids, 0)?,
+                    scales: q.scales.take(ids, 0)?,
+                    biases: q.biases.take(ids, 0)?,
+                    spec: q.spec,
+                };
+                mlx::dequantize(&rows)?
+            }
+        })
+    }
+
+    /// The tied LM head: `x` `[.., hidden]` → logits `[.., vocab]`.
+    pub(crate) fn as_linear(&self, x: &Array) -> Result<Array> {
+        Ok(match self {
+            Embedding::Dense(t) => x.matmul(&t.transpose(&[1, 0])?)?,
+            Embedding::Quantized(q) => mlx::quantized_matmul(x, q, true)?,
+        })
+    }
+
+    /// The dtype activations take after the lookup.
+    pub(crate) fn dtype(&self) -> Dtype {
+        match self {
+            Embedding::Dense(t) => t.dtype(),
+            Embedding::Quantized(q) => q.scales.dtype(),
+        }
+    }
+}
+
+/// RMS normalization with a learned scale.
+#[derive(Debug)]
+pub(crate) struct RmsNorm {
+    pub(crate) weight: Array,
+    pub(crate) eps: f32,
+}
+
+impl RmsNorm {
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+/// The gated MLP of llama and qwen: `down(silu(gate(x)) · up(x))`.
+#[derive(Debug)]
+pub(crate) struct Mlp {
+    pub(crate) gate_proj: Linear,
+    pub(crate) up_proj: Linear,
+    pub(crate) down_proj: Linear,
+}
+
+impl Mlp {
+    pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
+        let g = self.gate_proj.forward(x)?.silu()?;
+        let u = self.up_proj.forward(x)?;
+        self.down_proj.forward(&g.mul(&u)?)
+    }
+}
+
+/// `rope_scaling` of a Hugging Face config (`type` or `rope_type`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+pub struct RopeScaling {
+    /// `llama3`, `linear` or `default`.
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    /// The scaling factor.
+    #[serde(default)]
+    pub factor: Option<f64>,
+    /// Llama 3: wavelengths above `original / low_freq_factor` are scaled fully.
+    #[serde(default)]
+    pub low_freq_factor: Option<f64>,
+    /// Llama 3: wavelengths below `original / high_freq_factor` are kept.
+    #[serde(default)]
+    pub high_freq_factor: Option<f64>,
+    /// Llama 3: the context the model was pre-trained with.
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<f64>,
+}
+
+/// Rotary embedding of one model: the fused kernel's settings.
+#[derive(Debug)]
+pub(crate) struct RotaryEmbedding {
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    scale: f32,
+    freqs: Option<Array>,
+}
+
+impl RotaryEmbedding {
+    /// Settings from `rope_theta` and `rope_scaling`; unknown scaling types are rejected.
+    pub(crate) fn new(
+        dims: usize,
+        theta: f64,
+        traditional: bool,
+        scaling: Option<&RopeScaling>,
+        source: &str,
+    ) -> Result<Self> {
+        let mut rope = RotaryEmbedding {
+            dims: dims as i32,
+            traditional,
+            base: theta as f32,
+            scale: 1.0,
+            freqs: None,
+        };
+        let Some(s) = scaling else { return Ok(rope) };
+        let need = |v: Option<f64>, name: &str| {
+            v.ok_or_else(|| EngineError::config(source, format!("rope_scaling needs {name}")))
+        };
+        match s.rope_type.as_str() {
+            "default" => {}
+            "linear" => rope.scale = (1.0 / need(s.factor, "factor")?) as f32,
+            "llama3" => {
+                let factor = need(s.factor, "factor")?;
+                let low = need(s.low_freq_factor, "low_freq_factor")?;
+                let high = need(s.high_freq_factor, "high_freq_factor")?;
+                let old = need(
+                    s.original_max_position_embeddings,
+                    "original_max_position_embeddings",
+                )?;
+                let (low_wl, high_wl) = (old / low, old / high);
+                // MLX's kernel takes the per-pair periods base^(2i/d), as mlx-lm computes them.
+                let freqs: Vec<f32> = (0..dims / 2)
+                    .map(|i| {
+                        let f = theta.powf((2 * i) as f64 / dims as f64);
+                        let wavelen = 2.0 * std::f64::consts::PI * f;
+                        let scaled = if wavelen > low_wl { f * factor } else { f };
+                        if wavelen > high_wl && wavelen < low_wl {
+                            let smooth = (old / wavelen - low) / (high - low);
+                            (scaled / ((1.0 - smooth) / factor + smooth)) as f32
+                        } else {
+                            scaled as f32
+                        }
+                    })
+                    .collect();
+                rope.freqs = Some(Array::from_slice(&freqs, &[freqs.len() as i32])?);
+            }
+            other => {
+                return Err(EngineError::config(
+                    source,
+                    format!("rope_scaling type {other:?} is not supported (llama3, linear)"),
+                ))
+            }
+        }
+        Ok(rope)
+    }
+
+    /// Rotates `x` `[1, H, L, D]` for positions `offset..offset + L`.
+    pub(crate) fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
+        let cfg = Rope {
+            dims: self.dims,
+            traditional: self.traditional,
+            base: self.base,
+            scale: self.scale,
+            freqs: self.freqs.as_ref(),
+        };
+        Ok(fast::rope(x, &cfg, RopeOffset::Scalar(offset as i32))?)
+    }
+}
+
+/// Multi-head (grouped-query) self-attention: q/k/v/o projections, optional per-head q/k
+/// RMS norms (qwen3), rotary embedding, the KV cache and fused SDPA.
+#[derive(Debug)]
+pub(crate) struct Attention {
+    pub(crate) q_proj: Linear,
+    pub(crate) k_proj: Linear,
+    pub(crate) v_proj: Linear,
+    pub(crate) o_proj: Linear,
+    pub(crate) q_norm: Option<RmsNorm>,
+    pub(crate) k_norm: Option<RmsNorm>,
+    pub(crate) num_heads: i32,
+    pub(crate) num_kv_heads: i32,
+    pub(crate) head_dim: i32,
+    pub(crate) scale: f32,
+}
+
+impl Attention {
+    /// `x` `[1, L, hidden]` at position `offset` → `[1, L, hidden]`.
+    pub(crate) fn forward(
+        &self,
+        x: &Array,
+        layer: usize,
+        offset: usize,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn KvCache,
+    ) -> Result<Array> {
+        let l = x.shape()[1];
+        // 1. Projections, split into heads: (1, L, H·D) -> (1, L, H, D).
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape(&[1, l, self.num_heads, self.head_dim])?;
+        let k = self
+            .k_proj
+            .forward(x)?
+            .reshape(&[1, l, self.num_kv_heads, self.head_dim])?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape(&[1, l, self.num_kv_heads, self.head_dim])?;
+        // 2. qwen3 normalizes each head's q and k before rotating them.
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        // 3. (1, L, H, D) -> (1, H, L, D), then rotate by absolute position.
+        let q = rope.forward(&q.transpose(&[0, 2, 1, 3])?, offset)?;
+        let k = rope.forward(&k.transpose(&[0, 2, 1, 3])?, offset)?;
+        let v = v.transpose(&[0, 2, 1, 3])?;
+        // 4. Append to the cache; attend over everything it holds. MLX's causal mask is
+        //    bottom-right aligned, so it is right with a cached prefix too.
+        let (keys, values) = cache.update_and_fetch(layer, &k, &v)?;
+        let mask = if l > 1 {
+            AttentionMask::Causal
+        } else {
+            AttentionMask::None
+        };
+        let o = fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask)?;
+        // 5. (1, H, L, D) -> (1, L, H·D) -> output projection.
+        let o = o
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[1, l, self.num_heads * self.head_dim])?;
+        self.o_proj.forward(&o)
+    }
+}
+
+/// A pre-norm decoder layer: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
+#[derive(Debug)]
+pub(crate) struct DecoderLayer {
+    pub(crate) self_attn: Attention,
+    pub(crate) mlp: Mlp,
+    pub(crate) input_layernorm: RmsNorm,
+    pub(crate) post_attention_layernorm: RmsNorm,
+}
+
+impl DecoderLayer {
+    pub(crate) fn forward(
+        &self,
+        x: &Array,
+        layer: usize,
+        offset: usize,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn KvCache,
+    ) -> Result<Array> {
+        let h = self.input_layernorm.forward(x)?;
+        let h = x.add(&self.self_attn.forward(&h, layer, offset, rope, cache)?)?;
+        let m = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        Ok(h.add(&m)?)
+    }
+}
+
+/// The decoder stack every supported family shares: embedding, layers, final norm, LM head.
+#[derive(Debug)]
+pub(crate) struct Decoder {
+    pub(crate) embed_tokens: Embedding,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) norm: RmsNorm,
+    /// `None` when the LM head is tied to the embedding.
+    pub(crate) lm_head: Option<Linear>,
+    pub(crate) rope: RotaryEmbedding,
+}
+
+impl Decoder {
+    /// Hidden states after the final norm, `[1, L, hidden]`, for `tokens` placed after what
+    /// `cache` holds.
+    pub(crate) fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        let offset = cache.offset();
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(&h, i, offset, &self.rope, cache)?;
+        }
+        self.norm.forward(&h)
+    }
+
+    /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
+    pub(crate) fn logits(&self, h: &Array) -> Result<Array> {
+        match &self.lm_head {
+            Some(head) => head.forward(h),
+            None => self.embed_tokens.as_linear(h),
+        }
+    }
+}

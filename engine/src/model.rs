@@ -1,0 +1,228 @@
+//! [`Model`]: a loaded checkpoint of a supported family, its forward pass over a
+//! [`KvCache`], and what identifies its KV blocks (weights fingerprint, KV layout).
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use cache::KvCache;
+use mlx::{Array, Dtype};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::error::{EngineError, Result};
+use crate::layers::Decoder;
+use crate::models::{llama, qwen2, qwen3};
+use crate::weights::{Checkpoint, LoadOptions};
+
+/// The shape of a model's KV cache: what a stored block of it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct KvLayout {
+    /// Decoder layers (each has one K and one V plane).
+    pub layers: usize,
+    /// Key/value heads per layer.
+    pub kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Element type of keys and values as the forward pass produces them.
+    #[serde(serialize_with = "dtype_name")]
+    pub dtype: Dtype,
+}
+
+fn dtype_name<S: serde::Serializer>(d: &Dtype, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
+}
+
+/// The facts of a model every caller needs, whatever its family.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelInfo {
+    /// `llama`, `qwen2` or `qwen3`.
+    pub architecture: String,
+    /// Vocabulary size (rows of the LM head).
+    pub vocab_size: usize,
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Query heads.
+    pub num_heads: usize,
+    /// The context the model was trained for (`max_position_embeddings`).
+    pub max_position_embeddings: usize,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// The KV layout.
+    pub kv: KvLayout,
+}
+
+/// A loaded model: weights in MLX arrays and the forward pass of its family.
+pub struct Model {
+    decoder: Decoder,
+    info: ModelInfo,
+    config: Value,
+    files: Vec<PathBuf>,
+    fingerprint: OnceLock<[u8; 32]>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("info", &self.info)
+            .field("files", &self.files)
+            .finish()
+    }
+}
+
+/// Tokens per prefill step unless told otherwise (mlx-lm's default step too).
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+
+impl Model {
+    /// Builds the model of a checkpoint (its tensors are consumed by the layers).
+    pub(crate) fn from_checkpoint(ck: &Checkpoint) -> Result<Model> {
+        let arch = ck
+            .config
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string();
+        let parse = |v: &Value| -> Result<llama::Config> {
+            serde_json::from_value(v.clone())
+                .map_err(|e| EngineError::config(&ck.source, e.to_string()))
+        };
+        let (cfg, decoder) = match arch.as_str() {
+            "llama" => {
+                let cfg = parse(&ck.config)?;
+                let d = llama::new(&cfg, &ck.weights, &ck.source)?;
+                (cfg, d)
+            }
+            "qwen2" => {
+                let cfg = qwen2::Config(parse(&ck.config)?);
+                let d = qwen2::new(&cfg, &ck.weights, &ck.source)?;
+                (cfg.0, d)
+            }
+            "qwen3" => {
+                let cfg = qwen3::Config(parse(&ck.config)?);
+                let d = qwen3::new(&cfg, &ck.weights, &ck.source)?;
+                (cfg.0, d)
+            }
+            other => return Err(EngineError::UnsupportedArchitecture(other.to_string())),
+        };
+        let info = ModelInfo {
+            architecture: arch,
+            vocab_size: cfg.vocab_size,
+            hidden_size: cfg.hidden_size,
+            num_heads: cfg.num_attention_heads,
+            max_position_embeddings: cfg.max_position_embeddings,
+            rope_theta: cfg.rope_theta,
+            kv: KvLayout {
+                layers: cfg.num_hidden_layers,
+                kv_heads: cfg.kv_heads(),
+                head_dim: cfg.head_dim(),
+                dtype: decoder.embed_tokens.dtype(),
+            },
+        };
+        Ok(Model {
+            decoder,
+            info,
+            config: ck.config.clone(),
+            files: ck.files.clone(),
+            fingerprint: OnceLock::new(),
+        })
+    }
+
+    /// Loads a model alone (see [`crate::load`] for the model and its tokenizer).
+    pub fn load(path: &Path, options: &LoadOptions) -> Result<Model> {
+        Model::from_checkpoint(&Checkpoint::load(path, options)?)
+    }
+
+    /// Family, sizes and KV layout.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The KV layout (layers, kv heads, head dim, dtype).
+    pub fn kv_layout(&self) -> KvLayout {
+        self.info.kv
+    }
+
+    /// The Hugging Face config (rebuilt from metadata for GGUF), as loaded.
+    pub fn config(&self) -> &Value {
+        &self.config
+    }
+
+    /// The weight files, in the order the fingerprint hashes them.
+    pub fn files(&self) -> &[PathBuf] {
+        &self.files
+    }
+
+    /// blake3 over the bytes of every weight file (length-prefixed, in order): identical
+    /// across processes and machines for identical weights. Computed on first use (reading
+    /// the files once), then remembered.
+    pub fn fingerprint(&self) -> Result<[u8; 32]> {
+        if let Some(f) = self.fingerprint.get() {
+            return Ok(*f);
+        }
+        let mut h = blake3::Hasher::new();
+        h.update(b"kvstore-weights-v1");
+        h.update(&(self.files.len() as u64).to_le_bytes());
+        for f in &self.files {
+            let meta = std::fs::metadata(f).map_err(|e| EngineError::io(f, e))?;
+            h.update(&meta.len().to_le_bytes());
+            let file = std::fs::File::open(f).map_err(|e| EngineError::io(f, e))?;
+            h.update_reader(file).map_err(|e| EngineError::io(f, e))?;
+        }
+        let out = *h.finalize().as_bytes();
+        Ok(*self.fingerprint.get_or_init(|| out))
+    }
+
+    /// A fresh contiguous cache sized for this model.
+    pub fn new_cache(&self) -> cache::ContiguousKvCache {
+        cache::ContiguousKvCache::new(self.info.kv.layers)
+    }
+
+    fn ids(&self, tokens: &[u32]) -> Result<Array> {
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab: self.info.vocab_size,
+            });
+        }
+        Ok(Array::from_slice(tokens, &[1, tokens.len() as i32])?)
+    }
+
+    /// Runs `tokens` after what `cache` holds (appending their keys and values) and returns
+    /// the logits of the last position, `[vocab]`, in f32. The graph is lazy: reading the
+    /// logits computes it.
+    pub fn forward(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<Array> {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidParameter {
+                name: "tokens",
+                message: "a forward step needs at least one token".into(),
+            });
+        }
+        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
+        let l = tokens.len() as i32;
+        let last = h.slice(&[0, l - 1, 0], &[1, l, self.info.hidden_size as i32])?;
+        let logits = self.decoder.logits(&last)?.reshape(&[-1])?;
+        Ok(logits.astype(Dtype::F32)?)
+    }
+
+    /// Like [`Model::forward`] but returns logits for every position, `[L, vocab]` (tests).
+    pub fn forward_all(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<Array> {
+        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
+        let logits = self.decoder.logits(&h)?;
+        Ok(logits
+            .reshape(&[tokens.len() as i32, -1])?
+            .astype(Dtype::F32)?)
+    }
+
+    /// Prefills `tokens` in steps of at most `chunk` tokens, evaluating each step so memory
+    /// stays bounded by the chunk, and returns the logits of the last token.
+    pub fn prefill(&self, tokens: &[u32], cache: &mut dyn KvCache, chunk: usize) -> Result<Array> {
+        let chunk = chunk.max(1);
+        let mut rest = tokens;
+        while rest.len() > chunk {
+            let (head, tail) = rest.split_at(chunk);
+            let h = self.decoder.hidden(&self.ids(head)?, cache)?;
+            h.eval()?;
+            rest = tail;
+        }
+        self.forward(rest, cache)
+    }
+}

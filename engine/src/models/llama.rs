@@ -1,0 +1,194 @@
+//! Llama (SmolLM2, Llama 2/3.x incl. `rope_scaling` type llama3): pre-norm decoder, grouped
+//! query attention, SwiGLU MLP, optional tied embeddings.
+
+use serde::Deserialize;
+
+use crate::error::{EngineError, Result};
+use crate::layers::{Attention, Decoder, DecoderLayer, Mlp, RopeScaling, RotaryEmbedding};
+use crate::weights::Weights;
+
+fn default_theta() -> f64 {
+    10_000.0
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_max_pos() -> usize {
+    2048
+}
+
+/// A llama `config.json`.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Config {
+    /// Width of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention); defaults to the query heads.
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Per-head width; defaults to hidden / heads.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// RMS norm epsilon.
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    /// RoPE scaling (llama3 or linear).
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Interleaved-pair RoPE (mlx-lm's option; Hugging Face checkpoints use halves).
+    #[serde(default)]
+    pub rope_traditional: bool,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// Context the model was trained for.
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    /// The LM head is the embedding table.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Biases on q/k/v/o.
+    #[serde(default)]
+    pub attention_bias: bool,
+    /// Biases on the MLP projections.
+    #[serde(default)]
+    pub mlp_bias: bool,
+}
+
+impl Config {
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Per-head width.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Rejects configs the forward pass cannot run.
+    pub(crate) fn validate(&self, source: &str) -> Result<()> {
+        let bad = |m: String| Err(EngineError::config(source, m));
+        if self.num_attention_heads == 0 || self.kv_heads() == 0 || self.num_hidden_layers == 0 {
+            return bad("heads, key/value heads and layers must be positive".into());
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return bad(format!(
+                "{} heads are not a multiple of {} key/value heads",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
+        }
+        if self.head_dim() % 2 != 0 || self.head_dim() == 0 {
+            return bad(format!("head_dim {} must be even", self.head_dim()));
+        }
+        Ok(())
+    }
+}
+
+/// Biases and norms in which the llama-like families differ.
+pub(crate) struct Variant {
+    pub(crate) qkv_bias: bool,
+    pub(crate) o_bias: bool,
+    pub(crate) mlp_bias: bool,
+    pub(crate) qk_norm: bool,
+}
+
+/// Builds the decoder of a llama-shaped checkpoint (llama, qwen2, qwen3 share the names).
+pub(crate) fn build(cfg: &Config, w: &Weights, v: &Variant, source: &str) -> Result<Decoder> {
+    cfg.validate(source)?;
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+    let (nh, nkv) = (cfg.num_attention_heads, cfg.kv_heads());
+    let eps = cfg.rms_norm_eps;
+    let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+    for i in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{i}");
+        let a = format!("{p}.self_attn");
+        let m = format!("{p}.mlp");
+        let norm = |n: &str| -> Result<Option<_>> {
+            Ok(if v.qk_norm {
+                Some(w.rms_norm(&format!("{a}.{n}"), hd, eps)?)
+            } else {
+                None
+            })
+        };
+        layers.push(DecoderLayer {
+            self_attn: Attention {
+                q_proj: w.linear(&format!("{a}.q_proj"), nh * hd, h, v.qkv_bias)?,
+                k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, v.qkv_bias)?,
+                v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, v.qkv_bias)?,
+                o_proj: w.linear(&format!("{a}.o_proj"), h, nh * hd, v.o_bias)?,
+                q_norm: norm("q_norm")?,
+                k_norm: norm("k_norm")?,
+                num_heads: nh as i32,
+                num_kv_heads: nkv as i32,
+                head_dim: hd as i32,
+                scale: (hd as f32).powf(-0.5),
+            },
+            mlp: Mlp {
+                gate_proj: w.linear(
+                    &format!("{m}.gate_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    v.mlp_bias,
+                )?,
+                up_proj: w.linear(
+                    &format!("{m}.up_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    v.mlp_bias,
+                )?,
+                down_proj: w.linear(
+                    &format!("{m}.down_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    v.mlp_bias,
+                )?,
+            },
+            input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
+            post_attention_layernorm: w.rms_norm(
+                &format!("{p}.post_attention_layernorm"),
+                h,
+                eps,
+            )?,
+        });
+    }
+    // Some tied checkpoints still ship an lm_head copy; the tie decides.
+    let lm_head = if cfg.tie_word_embeddings {
+        None
+    } else {
+        Some(w.linear("lm_head", cfg.vocab_size, h, false)?)
+    };
+    Ok(Decoder {
+        embed_tokens: w.embedding("model.embed_tokens", cfg.vocab_size, h)?,
+        layers,
+        norm: w.rms_norm("model.norm", h, eps)?,
+        lm_head,
+        rope: RotaryEmbedding::new(
+            hd,
+            cfg.rope_theta,
+            cfg.rope_traditional,
+            cfg.rope_scaling.as_ref(),
+            source,
+        )?,
+    })
+}
+
+/// A llama model.
+pub(crate) fn new(cfg: &Config, w: &Weights, source: &str) -> Result<Decoder> {
+    let variant = Variant {
+        qkv_bias: cfg.attention_bias,
+        o_bias: cfg.attention_bias,
+        mlp_bias: cfg.mlp_bias,
+        qk_norm: false,
+    };
+    build(cfg, w, &variant, source)
+}
