@@ -37,5 +37,9 @@ pub(crate) fn read_block(file: &File) -> io::Result<Result<Block, DecodeError>> 
     // opens one for writing and only unlinks them. The map is dropped before returning
     // because decode copies the planes out.
     let map = unsafe { map_readonly(file) }?;
+    // The whole file is read once, front to back: ask for readahead of all of it up front
+    // instead of faulting it in page by page. Advice only; failure changes nothing.
+    let _ = map.advise(memmap2::Advice::WillNeed);
+    let _ = map.advise(memmap2::Advice::Sequential);
     Ok(codec::decode(&map))
 }

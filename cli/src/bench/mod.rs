@@ -2,7 +2,9 @@
 
 use clap::Subcommand;
 
+mod cache;
 mod mlx;
+mod store;
 
 /// Arguments of `kvstore bench`.
 #[derive(clap::Args)]
@@ -13,13 +15,19 @@ pub struct Args {
 
 #[derive(Subcommand)]
 enum Which {
+    /// Paged vs contiguous decode attention at 1K-16K tokens; publish and restore per block.
+    Cache(cache::Args),
     /// MLX building blocks: f32 matmul GFLOP/s, SDPA at 2K keys, slice_update in place vs copy.
     Mlx(mlx::Args),
+    /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
+    Store(store::Args),
 }
 
 /// Runs the chosen benchmark.
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.which {
+        Which::Cache(a) => cache::run(a),
         Which::Mlx(a) => mlx::run(a),
+        Which::Store(a) => store::run(a),
     }
 }

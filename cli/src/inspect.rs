@@ -1,0 +1,190 @@
+//! `kvstore inspect`: what a store directory holds, optionally verifying every checksum.
+
+use std::path::PathBuf;
+use std::time::{Duration, UNIX_EPOCH};
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+use store::inspect::{BlockReport, StoreReport};
+use store::BlockKey;
+
+/// Arguments of `kvstore inspect`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Store directory. Default: $KVSTORE_DIR, else the platform cache dir (~/.cache/kvstore).
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
+    /// Print JSON (stable, documented in docs/cli.md) instead of text.
+    #[arg(long)]
+    json: bool,
+    /// Re-check every block's checksum (reads all data); exit 1 if any file is corrupt.
+    #[arg(long)]
+    verify: bool,
+    /// Show one block's metadata (64 hex digits).
+    #[arg(long, value_name = "KEY")]
+    block: Option<String>,
+}
+
+/// The store directory: the flag, else `$KVSTORE_DIR`, else `<cache dir>/kvstore`.
+pub fn store_dir(flag: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(p) = flag {
+        return Ok(p);
+    }
+    if let Some(p) = std::env::var_os("KVSTORE_DIR").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p));
+    }
+    dirs::cache_dir().map(|d| d.join("kvstore")).context(
+        "no --store given, $KVSTORE_DIR unset, and no platform cache directory; pass --store DIR",
+    )
+}
+
+/// Formats Unix milliseconds as RFC 3339 (UTC, seconds).
+pub fn time(ms: u64) -> String {
+    humantime::format_rfc3339_seconds(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// Bytes as a human size (binary units).
+pub fn size(bytes: u64) -> String {
+    bytesize::ByteSize::b(bytes).display().iec().to_string()
+}
+
+#[derive(Serialize)]
+struct JsonOut<'a, T> {
+    schema: &'static str,
+    #[serde(flatten)]
+    body: &'a T,
+}
+
+/// Runs `kvstore inspect`; returns the process exit code (1 when `--verify` found corruption).
+pub fn run(args: Args) -> Result<i32> {
+    let root = store_dir(args.store)?;
+    if let Some(k) = args.block {
+        let key: BlockKey = k
+            .parse()
+            .with_context(|| format!("--block {k:?} is not a block key (64 hex digits)"))?;
+        let report = store::inspect::block(&root, key)
+            .with_context(|| format!("cannot inspect store {}", root.display()))?;
+        let Some(b) = report else {
+            anyhow::bail!("no block {key} in store {}", root.display());
+        };
+        if args.json {
+            let out = JsonOut {
+                schema: "kvstore.inspect.block.v1",
+                body: &b,
+            };
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        } else {
+            print_block(&b);
+        }
+        return Ok(if b.verify.is_ok() { 0 } else { 1 });
+    }
+    let report = store::inspect::inspect(&root, args.verify)
+        .with_context(|| format!("cannot inspect store {}", root.display()))?;
+    if args.json {
+        let out = JsonOut {
+            schema: "kvstore.inspect.v1",
+            body: &report,
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(if args.verify && !report.corrupt.is_empty() {
+        1
+    } else {
+        0
+    })
+}
+
+fn print_report(r: &StoreReport) {
+    let budget = r
+        .ssd_budget_bytes
+        .map_or_else(|| "unknown".to_owned(), size);
+    println!("store {}", r.root.display());
+    println!(
+        "  format {}, budget {budget}, {} blocks, {} on disk",
+        r.format_version,
+        r.blocks,
+        size(r.bytes)
+    );
+    for n in &r.namespaces {
+        println!("namespace {}", n.id);
+        match (&n.description, &n.description_error) {
+            (Some(d), _) => {
+                let quant = d
+                    .kv_quantization
+                    .map_or_else(String::new, |q| format!(" q{}/g{}", q.bits, q.group_size));
+                println!(
+                    "  model {}  kv {}{quant}  block {} tokens  {} layers  {} planes",
+                    d.model,
+                    d.kv_dtype,
+                    d.block_size,
+                    d.layers.len(),
+                    d.planes.len()
+                );
+                if !d.weights_fingerprint.is_empty() {
+                    println!("  weights {}", d.weights_fingerprint);
+                }
+                if let Some(salt) = &d.salt {
+                    println!("  salt {salt}");
+                }
+            }
+            (None, Some(e)) => println!("  description unavailable: {e}"),
+            (None, None) => {}
+        }
+        println!(
+            "  {} blocks, {}, longest chain {} blocks, {} unreachable",
+            n.blocks,
+            size(n.bytes),
+            n.longest_chain,
+            n.unreachable_blocks
+        );
+        if let (Some(o), Some(nw)) = (n.oldest_access_unix_ms, n.newest_access_unix_ms) {
+            println!("  accessed {} .. {}", time(o), time(nw));
+        }
+    }
+    let list = |label: &str, v: &[PathBuf]| {
+        if !v.is_empty() {
+            println!("{label} ({}):", v.len());
+            for p in v {
+                println!("  {}", p.display());
+            }
+        }
+    };
+    list("quarantined files", &r.quarantined);
+    list("temporary files", &r.temp_files);
+    list("foreign files", &r.foreign_files);
+    list("unknown entries at the root", &r.unknown_entries);
+    if !r.corrupt.is_empty() {
+        println!("CORRUPT files ({}):", r.corrupt.len());
+        for c in &r.corrupt {
+            println!("  {}: {}", c.path.display(), c.error);
+        }
+        println!("run `kvstore gc` to remove them");
+    } else if r.verified {
+        println!("verify: all {} blocks OK", r.blocks);
+    }
+}
+
+fn print_block(b: &BlockReport) {
+    println!("block {}", b.key);
+    println!("  file       {}", b.path.display());
+    println!("  namespace  {}", b.namespace);
+    println!("  parent     {}", b.parent);
+    println!("  position   {}", b.position);
+    println!("  created    {}", time(b.created_unix_ms));
+    println!("  tokens     {:?}", b.tokens);
+    println!("  checksum   {}", b.checksum);
+    println!(
+        "  size       {} data, {} file",
+        size(b.data_bytes),
+        size(b.file_bytes)
+    );
+    for p in &b.planes {
+        println!("  plane      {} {} {:?}", p.name, p.dtype, p.shape);
+    }
+    match &b.verify {
+        Ok(()) => println!("  verify     OK"),
+        Err(e) => println!("  verify     CORRUPT: {e}"),
+    }
+}
