@@ -82,14 +82,6 @@ fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, us
     Ok((ks[1] as usize, ks[2] as usize, ks[3] as usize))
 }
 
-/// `[n, H, bs, X]` gathered blocks → `[1, H, len, X]` in token order.
-fn flatten_blocks(part: &Array, len: usize) -> Result<Array, CacheError> {
-    let s = part.shape();
-    let (n, h, bs, x) = (s[0], s[1], s[2], s[3]);
-    let seq = part.transpose(&[1, 0, 2, 3])?.reshape(&[1, h, n * bs, x])?;
-    Ok(seq.slice(&[0, 0, 0, 0], &[1, h, len as i32, x])?)
-}
-
 impl PagedKvCache {
     /// An empty cache for `layers` layers.
     pub fn new(layers: usize, config: PagedConfig) -> Result<Self, CacheError> {
@@ -233,12 +225,8 @@ impl PagedKvCache {
             let empty = mlx::ops::zeros(&[1, s.kv_heads as i32, 0, s.head_dim as i32], s.dtype)?;
             return Ok(Some((empty.clone(), empty)));
         }
-        let parts = pool.gather(&l.table)?;
+        let seq = pool.read(&l.table, l.len)?;
         let per = self.config.format.parts();
-        let seq: Vec<Array> = parts
-            .iter()
-            .map(|p| flatten_blocks(p, l.len))
-            .collect::<Result<_, _>>()?;
         let k = self.config.format.decode(&seq[..per])?;
         let v = self.config.format.decode(&seq[per..])?;
         Ok(Some((k, v)))
@@ -276,16 +264,15 @@ impl PagedKvCache {
         Some(blocks * per_block)
     }
 
-    /// The cache's state as named planes: per layer, its blocks in table order
+    /// The cache's state as named planes: per layer, every token it holds
     /// (`layers.{i}.k`, `layers.{i}.v`, plus `_scales`/`_biases` when quantized), each
-    /// `[blocks, H, block_size, width]`. The last block may be partly filled.
+    /// `[1, H, len, width]` in the storage format.
     pub fn state(&self) -> Result<Vec<(String, Array)>, CacheError> {
         let suffixes = self.config.format.part_suffixes();
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             let Some(pool) = &l.pool else { continue };
-            let parts = pool.gather(&l.table)?;
-            for (j, p) in parts.into_iter().enumerate() {
+            for (j, p) in pool.read(&l.table, l.len)?.into_iter().enumerate() {
                 let kv = if j < suffixes.len() { "k" } else { "v" };
                 out.push((
                     format!("layers.{i}.{kv}{}", suffixes[j % suffixes.len()]),
@@ -333,14 +320,7 @@ impl PagedKvCache {
                     .pool
                     .as_ref()
                     .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
-                let parts = pool.gather(&[l.table[p]])?;
-                let parts: Vec<Array> = parts
-                    .iter()
-                    .map(|a| {
-                        let s = a.shape();
-                        a.reshape(&s[1..])
-                    })
-                    .collect::<Result<_, _>>()?;
+                let parts = pool.copy_block(l.table[p])?;
                 to_eval.extend(parts.iter().cloned());
                 layers.push(parts);
             }
@@ -420,7 +400,7 @@ impl PagedKvCache {
                     .map(|b| b.part(li, part))
                     .collect::<Result<_, _>>()?;
                 let refs: Vec<&Array> = per_block.iter().collect();
-                arenas.push(mlx::ops::stack(&refs, 0)?);
+                arenas.push(mlx::ops::concatenate(&refs, 1)?);
             }
             layer.pool = Some(BlockPool::restore_arrays(
                 shape,

@@ -1,4 +1,11 @@
 //! [`BlockPool`]: one layer's K and V arenas of fixed-size blocks, with a LIFO free list.
+//!
+//! Logically a pool is `[blocks, kv_heads, block_size, head_dim]`: block `b` is the
+//! `[kv_heads, block_size, head_dim]` slab of tokens `b·bs .. (b+1)·bs`. Physically each
+//! arena is stored heads-major, `[kv_heads, blocks · block_size, head_dim]`, so that a run
+//! of consecutive blocks is one strided view per head: attention reads a sequence's keys
+//! through a slice, with no gather (a gather over the block-major layout made a decode
+//! step 1.7-5.4x slower than a contiguous cache; docs/benchmarks.md).
 
 use mlx::{Array, Dtype};
 
@@ -17,8 +24,8 @@ pub struct BlockShape {
     pub dtype: Dtype,
 }
 
-/// One layer's K and V arenas, each `[blocks, kv_heads, block_size, width]` per part (see
-/// [`KvFormat`]), and the allocation state over them.
+/// One layer's K and V arenas, each `[kv_heads, blocks · block_size, width]` per part
+/// (see [`KvFormat`] and the module docs), and the allocation state over them.
 ///
 /// Blocks are handed out lowest id first from a fresh pool and reused last-freed first
 /// (LIFO), so the layout is deterministic. `Clone` copies the allocation metadata and
@@ -35,7 +42,7 @@ pub struct BlockPool {
     free: Vec<u32>,
 }
 
-/// Zeros of `[blocks, H, bs, width]` for each part of `format`, K parts then V parts.
+/// Zeros of `[H, blocks · bs, width]` for each part of `format`, K parts then V parts.
 fn arena_parts(
     shape: BlockShape,
     format: KvFormat,
@@ -50,9 +57,8 @@ fn arena_parts(
             let width = p.shape()[1];
             out.push(mlx::ops::zeros(
                 &[
-                    blocks as i32,
                     shape.kv_heads as i32,
-                    shape.block_size as i32,
+                    (blocks * shape.block_size) as i32,
                     width,
                 ],
                 p.dtype(),
@@ -60,6 +66,16 @@ fn arena_parts(
         }
     }
     Ok(out)
+}
+
+/// Whether `blocks` is a run of consecutive ids, and where it starts.
+fn run_start(blocks: &[u32]) -> Option<u32> {
+    let first = *blocks.first()?;
+    blocks
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b == first + i as u32)
+        .then_some(first)
 }
 
 impl BlockPool {
@@ -88,8 +104,9 @@ impl BlockPool {
         })
     }
 
-    /// Rebuilds a pool from saved arenas (K parts then V parts, each `[n, H, bs, width]`)
-    /// whose first `occupied` blocks are in use; the rest are free.
+    /// Rebuilds a pool from saved arenas (K parts then V parts, each
+    /// `[H, n · block_size, width]`) whose first `occupied` blocks are in use; the rest are
+    /// free.
     pub fn restore_arrays(
         shape: BlockShape,
         format: KvFormat,
@@ -105,26 +122,30 @@ impl BlockPool {
                 expected.len()
             )));
         }
-        let capacity = arrays[0].shape().first().copied().unwrap_or(0) as usize;
+        let tokens = arrays[0].shape().get(1).copied().unwrap_or(0) as usize;
+        let capacity = tokens / shape.block_size;
         for (a, e) in arrays.iter().zip(&expected) {
             let (sa, se) = (a.shape(), e.shape());
-            if sa.len() != 4
-                || sa[0] as usize != capacity
-                || sa[1..] != se[1..]
+            if sa.len() != 3
+                || sa[0] != se[0]
+                || sa[1] as usize != tokens
+                || sa[2] != se[2]
                 || a.dtype() != e.dtype()
             {
                 return Err(CacheError::Shape(format!(
-                    "arena {:?} {} does not match [{capacity}, {:?}] {}",
+                    "arena {:?} {} does not match [{}, {tokens}, {}] {}",
                     sa,
                     a.dtype(),
-                    &se[1..],
+                    se[0],
+                    se[2],
                     e.dtype()
                 )));
             }
         }
-        if occupied > capacity || capacity > max_blocks.max(capacity) {
+        if tokens % shape.block_size != 0 || occupied > capacity {
             return Err(CacheError::Shape(format!(
-                "{occupied} occupied blocks in an arena of {capacity}"
+                "{occupied} occupied blocks in an arena of {tokens} tokens (blocks of {})",
+                shape.block_size
             )));
         }
         Ok(Self {
@@ -194,7 +215,7 @@ impl BlockPool {
         let new_capacity = (self.capacity + self.capacity.div_ceil(2)).min(self.max_blocks);
         let extra = arena_parts(self.shape, self.format, new_capacity - self.capacity)?;
         for (arena, more) in self.arenas.iter_mut().zip(extra) {
-            *arena = mlx::ops::concatenate(&[arena, &more], 0)?;
+            *arena = mlx::ops::concatenate(&[arena, &more], 1)?;
         }
         // New ids go under the existing free ones so the lowest new id is handed out first.
         let fresh: Vec<u32> = (self.capacity as u32..new_capacity as u32).rev().collect();
@@ -211,7 +232,7 @@ impl BlockPool {
         k_parts: &[Array],
         v_parts: &[Array],
     ) -> Result<(), CacheError> {
-        let (b, s) = (block as i32, start as i32);
+        let bs = self.shape.block_size;
         let heads = self.shape.kv_heads as i32;
         let parts: Vec<&Array> = k_parts.iter().chain(v_parts).collect();
         if parts.len() != self.arenas.len() || block as usize >= self.capacity {
@@ -228,37 +249,78 @@ impl BlockPool {
             if ps.len() != 4
                 || ps[0] != 1
                 || ps[1] != heads
-                || ps[3] != as_[3]
-                || s + ps[2] > as_[2]
+                || ps[3] != as_[2]
+                || start + ps[2] as usize > bs
                 || part.dtype() != arena.dtype()
             {
                 return Err(CacheError::Shape(format!(
-                    "cannot write {:?} {} at token {s} of a block {:?} {}",
+                    "cannot write {:?} {} at token {start} of a block [{heads}, {bs}, {}] {}",
                     ps,
                     part.dtype(),
-                    &as_[1..],
+                    as_[2],
                     arena.dtype()
                 )));
             }
         }
+        let t0 = (block as usize * bs + start) as i32;
         let old = std::mem::take(&mut self.arenas);
         for (arena, part) in old.into_iter().zip(parts) {
             let ps = part.shape();
+            let update = part.reshape(&ps[1..])?;
             // The arena is moved into slice_update so MLX can update it in place.
             self.arenas.push(arena.slice_update(
-                part,
-                &[b, 0, s, 0],
-                &[b + 1, heads, s + ps[2], ps[3]],
+                &update,
+                &[0, t0, 0],
+                &[heads, t0 + ps[2], ps[3]],
             )?);
         }
         Ok(())
     }
 
-    /// Copies of the given blocks: K parts then V parts, each `[blocks.len(), H, bs, width]`.
-    /// The result owns fresh buffers (a gather), so later writes to the pool cannot reach it.
-    pub fn gather(&self, blocks: &[u32]) -> Result<Vec<Array>, CacheError> {
-        let ids = Array::from_slice(blocks, &[blocks.len() as i32])?;
-        self.arenas.iter().map(|a| Ok(a.take(&ids, 0)?)).collect()
+    /// The first `len` tokens of the blocks `table` (in order), as `[1, H, len, width]`
+    /// per part, K parts then V parts. A run of consecutive blocks is read through a view
+    /// of the arena (no copy); any other table is gathered.
+    pub fn read(&self, table: &[u32], len: usize) -> Result<Vec<Array>, CacheError> {
+        let bs = self.shape.block_size;
+        if len > table.len() * bs {
+            return Err(CacheError::Shape(format!(
+                "{len} tokens read from {} blocks of {bs}",
+                table.len()
+            )));
+        }
+        match run_start(table) {
+            Some(first) => {
+                let t0 = (first as usize * bs) as i32;
+                self.arenas
+                    .iter()
+                    .map(|a| {
+                        let s = a.shape();
+                        Ok(a.slice(&[0, t0, 0], &[s[0], t0 + len as i32, s[2]])?
+                            .expand_dims(0)?)
+                    })
+                    .collect()
+            }
+            None if len == 0 => self.read(&[0], 0),
+            None => {
+                let idx: Vec<u32> = (0..len)
+                    .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
+                    .collect();
+                let idx = Array::from_slice(&idx, &[len as i32])?;
+                self.arenas
+                    .iter()
+                    .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))
+                    .collect()
+            }
+        }
+    }
+
+    /// Copies of one block: K parts then V parts, each `[H, block_size, width]`, in fresh
+    /// buffers (a gather), so later writes to the pool cannot reach them.
+    pub fn copy_block(&self, block: u32) -> Result<Vec<Array>, CacheError> {
+        let bs = self.shape.block_size as u32;
+        let idx: Vec<u32> = (block * bs..(block + 1) * bs).collect();
+        let idx = Array::from_slice(&idx, &[bs as i32])?;
+        self.arenas.iter().map(|a| Ok(a.take(&idx, 1)?)).collect()
     }
 
     /// The arenas (K parts then V parts).

@@ -594,3 +594,59 @@ fn step_masks_match_a_naive_reference() {
     }
     assert!(attention_mask(3, 1, Some(0)).is_err());
 }
+
+#[test]
+fn pool_reads_any_block_table_and_hands_out_blocks_lifo() {
+    use cache::BlockPool;
+    let mut r = rng("pool_reads_any_block_table_and_hands_out_blocks_lifo");
+    let shape = BlockShape {
+        kv_heads: H,
+        block_size: 4,
+        head_dim: D,
+        dtype: Dtype::F32,
+    };
+    let mut pool = BlockPool::new(shape, KvFormat::Float, 2, 5).unwrap();
+    let ids: Vec<u32> = (0..3).map(|_| pool.alloc().unwrap()).collect();
+    assert_eq!(
+        ids,
+        vec![0, 1, 2],
+        "a fresh pool hands out the lowest ids first"
+    );
+    assert_eq!(pool.capacity(), 3, "grown ×1.5 from 2");
+    pool.free(1);
+    assert_eq!(
+        pool.alloc().unwrap(),
+        1,
+        "the last freed block comes back first"
+    );
+    // Fill blocks 2, 0, 1 with known tokens, then read them in that order, not a run.
+    let chunks: Vec<Array> = (0..3).map(|_| kv(&mut r, 4, Dtype::F32)).collect();
+    for (chunk, block) in chunks.iter().zip([2u32, 0, 1]) {
+        pool.write(block, 0, &[chunk.clone()], &[chunk.clone()])
+            .unwrap();
+    }
+    let got = pool.read(&[2, 0, 1], 10).unwrap();
+    let want = mlx::ops::concatenate(&chunks.iter().collect::<Vec<_>>(), 2).unwrap();
+    let want = want
+        .slice(&[0, 0, 0, 0], &[1, H as i32, 10, D as i32])
+        .unwrap();
+    assert_eq!(bytes(&got[0]), bytes(&want));
+    assert_eq!(bytes(&got[1]), bytes(&want));
+    // A copied block is independent of later writes.
+    let copy = pool.copy_block(0).unwrap();
+    let before = bytes(&copy[0]);
+    let other = kv(&mut r, 4, Dtype::F32);
+    pool.write(0, 0, &[other.clone()], &[other]).unwrap();
+    assert_eq!(bytes(&copy[0]), before);
+    // Growth stops at the maximum with the typed error.
+    assert_eq!(pool.alloc().unwrap(), 3);
+    assert_eq!(pool.alloc().unwrap(), 4);
+    assert!(matches!(
+        pool.alloc(),
+        Err(CacheError::PoolExhausted {
+            capacity: 5,
+            max_blocks: 5,
+            ..
+        })
+    ));
+}

@@ -1,0 +1,269 @@
+//! `kvstore bench cache`: the paged cache against a contiguous one, and the cost of
+//! publishing and restoring blocks.
+//!
+//! Decode step: one query token (9 query heads over 3 KV heads, head_dim 64: SmolLM2's
+//! attention) appended to a cache of N tokens, then fused SDPA over everything held. The
+//! baseline is mlx-lm's cache design measured in the same process: a preallocated
+//! contiguous buffer updated in place, attended through a slice view (no gather).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use cache::{KvCache, KvFormat, PagedConfig, PagedKvCache, PublishedBlock};
+use mlx::fast::{scaled_dot_product_attention, AttentionMask};
+use mlx::{Array, Dtype};
+use serde::Serialize;
+use store::NamespaceId;
+
+/// Arguments of `kvstore bench cache`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// Small sizes and few repetitions (a smoke run, numbers not meaningful).
+    #[arg(long)]
+    quick: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+const HQ: i32 = 9;
+const HKV: i32 = 3;
+const D: i32 = 64;
+
+#[derive(Serialize)]
+struct DecodeRow {
+    tokens: usize,
+    format: String,
+    paged_ms: f64,
+    contiguous_ms: f64,
+    /// paged / contiguous (target ≤ 1.1).
+    ratio: f64,
+}
+
+#[derive(Serialize)]
+struct BlockRow {
+    layers: usize,
+    block_size: usize,
+    block_bytes: usize,
+    publish_ms_per_block: f64,
+    restore_ms_per_block: f64,
+    /// Restore throughput (block bytes / restore time), GB/s.
+    restore_gb_s: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    decode: Vec<DecodeRow>,
+    blocks: Vec<BlockRow>,
+}
+
+fn median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
+    f()?;
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed());
+    }
+    times.sort();
+    Ok(times[times.len() / 2])
+}
+
+fn median_of(times: &mut [Duration]) -> Duration {
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn random(shape: &[i32], seed: u64) -> Result<Array> {
+    let a = mlx::random::normal(shape, Dtype::F32, &mlx::random::key(seed)?)?;
+    a.eval()?;
+    Ok(a)
+}
+
+/// mlx-lm's KVCache: a buffer grown in steps, written in place, read through a slice.
+struct PreallocatedCache {
+    keys: Option<Array>,
+    values: Option<Array>,
+    len: i32,
+}
+
+impl PreallocatedCache {
+    fn new(capacity: i32) -> Result<Self> {
+        let z = || mlx::ops::zeros(&[1, HKV, capacity, D], Dtype::F32);
+        Ok(Self {
+            keys: Some(z()?),
+            values: Some(z()?),
+            len: 0,
+        })
+    }
+
+    fn update_and_fetch(&mut self, k: &Array, v: &Array) -> Result<(Array, Array)> {
+        let n = k.shape()[2];
+        let (start, stop) = ([0, 0, self.len, 0], [1, HKV, self.len + n, D]);
+        let keys = self
+            .keys
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("keys"))?
+            .slice_update(k, &start, &stop)?;
+        let values = self
+            .values
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("values"))?
+            .slice_update(v, &start, &stop)?;
+        self.len += n;
+        let view = |a: &Array| a.slice(&[0, 0, 0, 0], &[1, HKV, self.len, D]);
+        let out = (view(&keys)?, view(&values)?);
+        self.keys = Some(keys);
+        self.values = Some(values);
+        Ok(out)
+    }
+}
+
+fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
+    let sizes: &[usize] = if quick { &[256] } else { &[1024, 4096, 16384] };
+    let reps = if quick { 3 } else { 20 };
+    let scale = 1.0 / (D as f32).sqrt();
+    let mut rows = Vec::new();
+    for &n in sizes {
+        for format in [KvFormat::Float, KvFormat::KV8] {
+            let prefix_k = random(&[1, HKV, n as i32, D], 1)?;
+            let prefix_v = random(&[1, HKV, n as i32, D], 2)?;
+            let q = random(&[1, HQ, 1, D], 3)?;
+            let step_k = random(&[1, HKV, 1, D], 4)?;
+            let step_v = random(&[1, HKV, 1, D], 5)?;
+
+            let config = PagedConfig {
+                block_size: 32,
+                format,
+                initial_blocks: n / 32 + reps + 2,
+                max_blocks: n / 32 + 4 * reps + 8,
+            };
+            let mut paged = PagedKvCache::new(1, config)?;
+            paged.update_and_fetch(0, &prefix_k, &prefix_v)?;
+            // The contiguous baseline of a quantized cache is the float one: what a request
+            // would pay without the paged, quantized pool.
+            let mut contiguous = PreallocatedCache::new(n as i32 + 4 * reps as i32 + 8)?;
+            contiguous.update_and_fetch(&prefix_k, &prefix_v)?;
+            // Alternate the two so load on this shared machine hits both alike.
+            let (mut tp, mut tc) = (Vec::new(), Vec::new());
+            for _ in 0..reps + 1 {
+                let t = Instant::now();
+                let (k, v) = paged.update_and_fetch(0, &step_k, &step_v)?;
+                scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None)?.eval()?;
+                tp.push(t.elapsed());
+                let t = Instant::now();
+                let (k, v) = contiguous.update_and_fetch(&step_k, &step_v)?;
+                scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None)?.eval()?;
+                tc.push(t.elapsed());
+            }
+            let (t_paged, t_contiguous) = (
+                median_of(&mut tp[1..].to_vec()),
+                median_of(&mut tc[1..].to_vec()),
+            );
+            rows.push(DecodeRow {
+                tokens: n,
+                format: match format {
+                    KvFormat::Float => "f32".into(),
+                    KvFormat::Quantized { bits, group_size } => format!("kv{bits}/g{group_size}"),
+                },
+                paged_ms: t_paged.as_secs_f64() * 1e3,
+                contiguous_ms: t_contiguous.as_secs_f64() * 1e3,
+                ratio: t_paged.as_secs_f64() / t_contiguous.as_secs_f64(),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
+    // SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, f32 KV.
+    let (layers, blocks) = (if quick { 4 } else { 30 }, if quick { 4 } else { 32 });
+    let mut rows = Vec::new();
+    for block_size in [16usize, 64] {
+        let config = PagedConfig {
+            block_size,
+            format: KvFormat::Float,
+            initial_blocks: blocks,
+            max_blocks: blocks * 2,
+        };
+        let tokens: Vec<u32> = (0..(blocks * block_size) as u32).collect();
+        let mut cache = PagedKvCache::new(layers, config)?;
+        for l in 0..layers {
+            let k = random(&[1, HKV, tokens.len() as i32, D], 10 + l as u64)?;
+            let v = random(&[1, HKV, tokens.len() as i32, D], 100 + l as u64)?;
+            cache.update_and_fetch(l, &k, &v)?;
+        }
+        for a in cache.pool(0).into_iter().flat_map(|p| p.arrays()) {
+            a.eval()?;
+        }
+        let ns = NamespaceId([7; 32]);
+        // Each publish runs on a fresh clone (nothing published yet, buffers shared).
+        let mut published: Vec<Arc<PublishedBlock>> = Vec::new();
+        let publish = median(if quick { 2 } else { 3 }, || {
+            published = cache.clone().publish(ns, &tokens)?;
+            Ok(())
+        })?;
+        let restore = median(if quick { 2 } else { 5 }, || {
+            let r = PagedKvCache::restore(layers, config, &published)?;
+            for l in 0..layers {
+                if let Some((k, v)) = r.cache.fetch(l)? {
+                    mlx::eval(&[&k, &v])?;
+                }
+            }
+            Ok(())
+        })?;
+        let block_bytes = published
+            .first()
+            .map_or(0, |b| store::Payload::byte_size(b.as_ref()) as usize);
+        rows.push(BlockRow {
+            layers,
+            block_size,
+            block_bytes,
+            publish_ms_per_block: publish.as_secs_f64() * 1e3 / blocks as f64,
+            restore_ms_per_block: restore.as_secs_f64() * 1e3 / blocks as f64,
+            restore_gb_s: (block_bytes * blocks) as f64 / restore.as_secs_f64() / 1e9,
+        });
+    }
+    Ok(rows)
+}
+
+/// Runs the cache benchmark and prints a table or JSON.
+pub fn run(args: Args) -> Result<()> {
+    let report = Report {
+        decode: decode_rows(args.quick)?,
+        blocks: block_rows(args.quick)?,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("decode step (append 1 token + SDPA, 9/3 heads, d64, f32 compute)");
+    println!(
+        "{:>8} {:>8} {:>12} {:>14} {:>8}",
+        "tokens", "format", "paged", "contiguous", "ratio"
+    );
+    for r in &report.decode {
+        println!(
+            "{:>8} {:>8} {:>10.3}ms {:>12.3}ms {:>7.2}x",
+            r.tokens, r.format, r.paged_ms, r.contiguous_ms, r.ratio
+        );
+    }
+    println!("\npublish / restore (f32 KV, 3 KV heads, d64)");
+    println!(
+        "{:>7} {:>6} {:>12} {:>14} {:>14} {:>10}",
+        "layers", "block", "block bytes", "publish/block", "restore/block", "restore"
+    );
+    for r in &report.blocks {
+        println!(
+            "{:>7} {:>6} {:>12} {:>12.3}ms {:>12.3}ms {:>7.2}GB/s",
+            r.layers,
+            r.block_size,
+            r.block_bytes,
+            r.publish_ms_per_block,
+            r.restore_ms_per_block,
+            r.restore_gb_s
+        );
+    }
+    Ok(())
+}
