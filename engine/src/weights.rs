@@ -68,18 +68,18 @@ fn read_json(path: &Path) -> Result<Value> {
 impl Checkpoint {
     /// Loads a `.gguf` file or a Hugging Face folder.
     pub(crate) fn load(path: &Path, options: &LoadOptions) -> Result<Checkpoint> {
-        if path.is_dir() {
+        if !path.exists() {
+            Err(EngineError::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
+            ))
+        } else if path.is_dir() {
             Self::load_folder(path, options)
         } else if path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
         {
             Self::load_gguf(path, options)
-        } else if !path.exists() {
-            Err(EngineError::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
-            ))
         } else {
             Err(EngineError::NotAModel(path.to_path_buf()))
         }
@@ -285,6 +285,18 @@ fn unpermute_rows(t: &Array, heads: i32) -> Result<Array> {
         .contiguous()?)
 }
 
+/// Expands a quantized matrix with f32 scales and biases, so no rounding to the stored
+/// half type happens on the way to f32.
+fn dequantize_f32(q: &Quantized) -> Result<Array> {
+    let q = Quantized {
+        packed: q.packed.clone(),
+        scales: q.scales.astype(Dtype::F32)?,
+        biases: q.biases.astype(Dtype::F32)?,
+        spec: q.spec,
+    };
+    Ok(mlx::dequantize(&q)?)
+}
+
 fn meta_f64(meta: &BTreeMap<String, GgufValue>, key: &str) -> Option<f64> {
     match meta.get(key) {
         Some(GgufValue::Array(a)) if a.size() == 1 => a.item_f32().ok().map(f64::from),
@@ -459,7 +471,7 @@ impl Weights {
         };
         match self.quantized(prefix, rows, cols)? {
             Some(q) if self.options.keep_as_stored => Ok(Linear::quantized(q, b)),
-            Some(q) => Ok(Linear::dense(self.finish(mlx::dequantize(&q)?)?, b)),
+            Some(q) => Ok(Linear::dense(self.finish(dequantize_f32(&q)?)?, b)),
             None => Ok(Linear::dense(
                 self.dense(&format!("{prefix}.weight"), &[rows, cols])?,
                 b,
@@ -472,7 +484,7 @@ impl Weights {
         let (v, h) = (vocab as i32, hidden as i32);
         match self.quantized(prefix, v, h)? {
             Some(q) if self.options.keep_as_stored => Ok(Embedding::Quantized(q)),
-            Some(q) => Ok(Embedding::Dense(self.finish(mlx::dequantize(&q)?)?)),
+            Some(q) => Ok(Embedding::Dense(self.finish(dequantize_f32(&q)?)?)),
             None => Ok(Embedding::Dense(
                 self.dense(&format!("{prefix}.weight"), &[v, h])?,
             )),

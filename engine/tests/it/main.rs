@@ -1,0 +1,8 @@
+//! Engine integration tests: parity with mlx-lm and transformers (goldens written by
+//! scripts/goldens/make_goldens.sh), loading, bad input, generation.
+
+mod bad_input;
+mod common;
+mod generation;
+mod parity;
+mod templates;

@@ -1,0 +1,108 @@
+//! Greedy ids and last-position logits against mlx-lm (same libmlx, f32 compute).
+
+use engine::{greedy_ids, load, LoadOptions};
+
+use crate::common::{floats, golden, goldens, ids, smollm2};
+
+/// Logits agree with mlx-lm within this absolute difference (f32 on both sides; the ops
+/// are the same, so differences come only from evaluation order).
+const LOGIT_TOL: f32 = 1e-4;
+
+fn check_model(name: &str, path: &std::path::Path, options: &LoadOptions) {
+    check_model_within(name, path, options, LOGIT_TOL)
+}
+
+fn check_model_within(name: &str, path: &std::path::Path, options: &LoadOptions, tol: f32) {
+    let g = golden("parity.json");
+    let n = g["n_tokens"].as_u64().unwrap() as usize;
+    let (model, _) = load(path, options).unwrap();
+    let mut worst = 0f32;
+    for case in g["models"][name]["cases"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let mut cache = model.new_cache();
+        let logits: Vec<f32> = model
+            .forward(&prompt, &mut cache)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        if let Some(full) = case.get("last_logits") {
+            for (a, b) in logits.iter().zip(floats(full)) {
+                worst = worst.max((a - b).abs());
+            }
+        } else {
+            for key in ["top", "probe"] {
+                let want = floats(&case[format!("{key}_logits")]);
+                for (i, id) in ids(&case[format!("{key}_ids")]).into_iter().enumerate() {
+                    worst = worst.max((logits[id as usize] - want[i]).abs());
+                }
+            }
+        }
+        let got = greedy_ids(&model, &prompt, n).unwrap();
+        assert_eq!(
+            got,
+            ids(&case["greedy_ids"]),
+            "{name}: greedy ids differ from mlx-lm"
+        );
+    }
+    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e}");
+    assert!(worst < tol, "{name}: logits differ from mlx-lm by {worst}");
+}
+
+/// With bf16 activations on both sides.
+const BF16_TOL: f32 = 1e-3;
+
+#[test]
+fn tiny_llama_with_llama3_rope_scaling_matches_mlx_lm() {
+    check_model(
+        "tiny-llama",
+        &goldens().join("tiny-llama"),
+        &LoadOptions::default(),
+    );
+}
+
+#[test]
+fn tiny_qwen2_with_qkv_biases_matches_mlx_lm() {
+    check_model(
+        "tiny-qwen2",
+        &goldens().join("tiny-qwen2"),
+        &LoadOptions::default(),
+    );
+}
+
+#[test]
+fn tiny_qwen3_with_qk_norm_and_tied_embeddings_matches_mlx_lm() {
+    check_model(
+        "tiny-qwen3",
+        &goldens().join("tiny-qwen3"),
+        &LoadOptions::default(),
+    );
+}
+
+#[test]
+fn mlx_quantized_qwen3_with_per_layer_bits_matches_mlx_lm() {
+    check_model(
+        "tiny-qwen3-q4",
+        &goldens().join("tiny-qwen3-q4"),
+        &LoadOptions::default(),
+    );
+}
+
+#[test]
+fn mlx_quantized_qwen3_kept_quantized_matches_mlx_lm() {
+    let keep = LoadOptions {
+        keep_as_stored: true,
+    };
+    // Kept as stored, the model computes in bf16 like mlx-lm does without a cast to f32.
+    check_model_within(
+        "tiny-qwen3-q4-as-stored",
+        &goldens().join("tiny-qwen3-q4"),
+        &keep,
+        BF16_TOL,
+    );
+}
+
+#[test]
+fn smollm2_gguf_matches_mlx_lm_on_the_converted_checkpoint() {
+    let Some(path) = smollm2() else { return };
+    check_model("smollm2", &path, &LoadOptions::default());
+}
