@@ -3,7 +3,9 @@
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod chat;
 mod gc;
+mod generate;
 mod inspect;
 
 /// kvstore: a content-addressed KV block store under an MLX generation engine.
@@ -22,6 +24,10 @@ enum Command {
     Inspect(inspect::Args),
     /// Remove least-recently-used, old, unreachable, corrupt and foreign files from a store.
     Gc(gc::Args),
+    /// Generate a completion from a prompt or a messages file (plain text, or --json).
+    Generate(generate::Args),
+    /// An interactive multi-turn chat that streams the model's replies.
+    Chat(chat::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -30,6 +36,8 @@ fn main() -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::Inspect(args) => exit_with(inspect::run(args)?),
         Command::Gc(args) => exit_with(gc::run(args)?),
+        Command::Generate(args) => generate::run(args),
+        Command::Chat(args) => chat::run(args),
     }
 }
 

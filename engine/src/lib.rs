@@ -39,7 +39,7 @@ pub use generate::{
 pub use layers::RopeScaling;
 pub use model::{KvLayout, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
-pub use tokenizer::{render_template, Tokenizer};
+pub use tokenizer::{chat_request_parts, render_template, Tokenizer};
 pub use weights::LoadOptions;
 
 use std::path::Path;

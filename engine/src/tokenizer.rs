@@ -244,6 +244,33 @@ impl Tokenizer {
         })
     }
 
+    /// blake3 over the vocabulary (token strings by id, added tokens included), the stop
+    /// ids and the chat template: identical for identical tokenizers across processes.
+    pub fn fingerprint(&self) -> blake3::Hash {
+        let mut vocab: Vec<(u32, String)> = self
+            .inner
+            .get_vocab(true)
+            .into_iter()
+            .map(|(t, id)| (id, t))
+            .collect();
+        vocab.sort();
+        let mut h = blake3::Hasher::new();
+        h.update(b"kvstore-tokenizer-v1");
+        h.update(&(vocab.len() as u64).to_le_bytes());
+        for (id, t) in &vocab {
+            h.update(&id.to_le_bytes());
+            h.update(&(t.len() as u64).to_le_bytes());
+            h.update(t.as_bytes());
+        }
+        h.update(&(self.eos_ids.len() as u64).to_le_bytes());
+        for id in &self.eos_ids {
+            h.update(&id.to_le_bytes());
+        }
+        let template = self.chat_template.as_deref().unwrap_or("");
+        h.update(&(template.len() as u64).to_le_bytes());
+        h.update(template.as_bytes());
+        h.finalize()
+    }
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
@@ -353,6 +380,36 @@ impl Tokenizer {
     ) -> Result<Vec<u32>> {
         let text = self.apply_chat_template(messages, tools, add_generation_prompt, None)?;
         self.encode(&text, false)
+    }
+}
+
+/// Splits a chat request — a JSON array of messages, or an object with `messages` and
+/// optional `tools` — into the JSON texts [`Tokenizer::apply_chat_template`] takes, keeping
+/// key order.
+pub fn chat_request_parts(json: &str) -> Result<(String, Option<String>)> {
+    let v: Value = serde_json::from_str(json)
+        .map_err(|e| EngineError::Template(format!("the chat request is not valid JSON: {e}")))?;
+    let text =
+        |v: &Value| serde_json::to_string(v).map_err(|e| EngineError::Template(e.to_string()));
+    match v.kind() {
+        ValueKind::Seq => Ok((text(&v)?, None)),
+        ValueKind::Map => {
+            let messages = v
+                .get_attr("messages")
+                .ok()
+                .filter(|m| m.kind() == ValueKind::Seq)
+                .ok_or_else(|| {
+                    EngineError::Template("the request has no \"messages\" array".into())
+                })?;
+            let tools = v
+                .get_attr("tools")
+                .ok()
+                .filter(|t| !t.is_undefined() && !t.is_none());
+            Ok((text(&messages)?, tools.as_ref().map(text).transpose()?))
+        }
+        _ => Err(EngineError::Template(
+            "a chat request is a JSON array of messages or an object with \"messages\"".into(),
+        )),
     }
 }
 

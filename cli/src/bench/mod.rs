@@ -3,6 +3,7 @@
 use clap::Subcommand;
 
 mod cache;
+mod generate;
 mod mlx;
 mod store;
 
@@ -17,6 +18,8 @@ pub struct Args {
 enum Which {
     /// Paged vs contiguous decode attention at 1K-16K tokens; publish and restore per block.
     Cache(cache::Args),
+    /// Prefill tok/s at 512 and 2048 tokens, decode tok/s, peak memory, beside mlx-lm.
+    Generate(generate::Args),
     /// MLX building blocks: f32 matmul GFLOP/s, SDPA at 2K keys, slice_update in place vs copy.
     Mlx(mlx::Args),
     /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
@@ -27,6 +30,7 @@ enum Which {
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.which {
         Which::Cache(a) => cache::run(a),
+        Which::Generate(a) => generate::run(a),
         Which::Mlx(a) => mlx::run(a),
         Which::Store(a) => store::run(a),
     }

@@ -1,0 +1,201 @@
+//! `kvstore bench generate`: prefill tok/s at several prompt lengths, decode tok/s and peak
+//! memory of the engine, beside mlx-lm run on the same weights and machine in the same run
+//! (through the goldens venv's Python; see scripts/goldens/make_goldens.sh).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context};
+use engine::{GenerateParams, Model, Tokenizer};
+
+use crate::generate::{ModelArgs, DEFAULT_MODEL};
+
+/// Arguments of `kvstore bench generate`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt lengths to prefill, in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    prompt_lens: Vec<usize>,
+    /// Tokens to decode after each prompt.
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// The Hugging Face folder mlx-lm loads; default: the model itself when it is a folder,
+    /// else target/goldens/smollm2-hf (the default GGUF converted by make_goldens.sh).
+    #[arg(long, value_name = "DIR")]
+    mlx_lm_model: Option<PathBuf>,
+    /// The Python with mlx-lm; default: .venv-goldens/bin/python of this checkout.
+    #[arg(long, value_name = "PATH")]
+    python: Option<PathBuf>,
+    /// Only measure kvstore.
+    #[arg(long)]
+    skip_mlx_lm: bool,
+}
+
+#[derive(Debug, Default, Clone, serde::Deserialize, serde::Serialize)]
+struct Row {
+    prompt_tokens: usize,
+    prefill_tok_per_s: f64,
+    decode_tok_per_s: f64,
+    peak_memory_bytes: usize,
+}
+
+fn prompt(tokenizer: &Tokenizer, n: usize) -> anyhow::Result<Vec<u32>> {
+    let base = tokenizer.encode(
+        &"The quick brown fox jumps over the lazy dog. ".repeat(400),
+        false,
+    )?;
+    Ok(base.iter().copied().cycle().take(n).collect())
+}
+
+fn ours(model: &Model, tokenizer: &Tokenizer, args: &Args) -> anyhow::Result<Vec<Row>> {
+    let params = GenerateParams {
+        max_tokens: args.decode_tokens,
+        stop_at_eos: false,
+        context_limit: Some(usize::MAX),
+        ..GenerateParams::default()
+    };
+    // Warm-up, as the mlx-lm side does.
+    let warm = GenerateParams {
+        max_tokens: 4,
+        ..params.clone()
+    };
+    engine::generate(
+        model,
+        tokenizer,
+        &mut model.new_cache(),
+        &prompt(tokenizer, 16)?,
+        &warm,
+        &mut |_| true,
+    )?;
+    let mut rows = Vec::new();
+    for &n in &args.prompt_lens {
+        let p = prompt(tokenizer, n)?;
+        let out = engine::generate(
+            model,
+            tokenizer,
+            &mut model.new_cache(),
+            &p,
+            &params,
+            &mut |_| true,
+        )?;
+        rows.push(Row {
+            prompt_tokens: n,
+            prefill_tok_per_s: out.timings.prefill_tok_per_s,
+            decode_tok_per_s: out.timings.decode_tok_per_s,
+            peak_memory_bytes: out.timings.peak_memory_bytes,
+        });
+    }
+    Ok(rows)
+}
+
+fn checkout_file(rel: &str) -> Option<PathBuf> {
+    let mut roots: Vec<PathBuf> = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        roots.extend(exe.ancestors().skip(1).map(Path::to_path_buf));
+    }
+    if let Ok(cwd) = std::env::current_dir() {
+        roots.extend(cwd.ancestors().map(Path::to_path_buf));
+    }
+    roots.iter().map(|r| r.join(rel)).find(|p| p.exists())
+}
+
+fn theirs(model_path: &Path, args: &Args) -> anyhow::Result<Vec<Row>> {
+    let python = match &args.python {
+        Some(p) => p.clone(),
+        None => checkout_file(".venv-goldens/bin/python").context(
+            "mlx-lm's Python is missing: run `bash scripts/goldens/make_goldens.sh` once (it makes \
+             .venv-goldens with mlx-lm and converts the default model), or pass --skip-mlx-lm",
+        )?,
+    };
+    let folder = match &args.mlx_lm_model {
+        Some(d) => d.clone(),
+        None if model_path.is_dir() => model_path.to_path_buf(),
+        None if model_path.file_name().is_some_and(|f| f == DEFAULT_MODEL) => {
+            checkout_file("target/goldens/smollm2-hf").context(
+                "target/goldens/smollm2-hf is missing: run `bash scripts/goldens/make_goldens.sh` \
+                 (it converts the default GGUF for mlx-lm), or pass --mlx-lm-model DIR",
+            )?
+        }
+        None => bail!(
+            "mlx-lm cannot read {}: pass --mlx-lm-model DIR",
+            model_path.display()
+        ),
+    };
+    let script = checkout_file("scripts/goldens/bench_mlx_lm.py")
+        .context("scripts/goldens/bench_mlx_lm.py not found")?;
+    let lens: Vec<String> = args.prompt_lens.iter().map(|n| n.to_string()).collect();
+    let out = Command::new(&python)
+        .arg(&script)
+        .arg(&folder)
+        .arg(lens.join(","))
+        .arg(args.decode_tokens.to_string())
+        .output()
+        .with_context(|| format!("running {}", python.display()))?;
+    if !out.status.success() {
+        bail!(
+            "mlx-lm failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).context("reading mlx-lm's report"))
+        .collect()
+}
+
+/// Runs the benchmark and prints a table (kvstore, mlx-lm, ratio).
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.prompt_lens.is_empty() || args.prompt_lens.contains(&0) || args.decode_tokens < 2 {
+        bail!("--prompt-lens must be positive and --decode-tokens at least 2");
+    }
+    let path = args.model.path()?;
+    let (model, tokenizer) = args.model.load()?;
+    println!(
+        "bench generate: {} ({}, f32 weights: {}), decode {} tokens, MLX {}",
+        path.display(),
+        model.info().architecture,
+        !args.model.keep_quantized,
+        args.decode_tokens,
+        mlx::version()?
+    );
+    let ours = ours(&model, &tokenizer, &args)?;
+    drop(model);
+    let theirs = if args.skip_mlx_lm {
+        Vec::new()
+    } else {
+        theirs(&path, &args)?
+    };
+    println!(
+        "{:>7}  {:>22}  {:>22}  {:>20}",
+        "prompt", "prefill tok/s (ratio)", "decode tok/s (ratio)", "peak MiB"
+    );
+    for (i, o) in ours.iter().enumerate() {
+        let t = theirs.get(i).cloned().unwrap_or_default();
+        let ratio = |a: f64, b: f64| {
+            if b > 0.0 {
+                format!("{:.2}x", a / b)
+            } else {
+                "-".into()
+            }
+        };
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        println!(
+            "{:>7}  {:>8.1} vs {:>6.1} {:>5}  {:>8.2} vs {:>6.2} {:>5}  {:>7.0} vs {:>7.0}",
+            o.prompt_tokens,
+            o.prefill_tok_per_s,
+            t.prefill_tok_per_s,
+            ratio(o.prefill_tok_per_s, t.prefill_tok_per_s),
+            o.decode_tok_per_s,
+            t.decode_tok_per_s,
+            ratio(o.decode_tok_per_s, t.decode_tok_per_s),
+            mib(o.peak_memory_bytes),
+            mib(t.peak_memory_bytes),
+        );
+    }
+    println!("(kvstore vs mlx-lm; ratio > 1 means kvstore is faster)");
+    Ok(())
+}
