@@ -12,6 +12,18 @@ pub enum EngineError {
     /// The KV cache rejected an update.
     #[error(transparent)]
     Cache(#[from] cache::CacheError),
+    /// The block store could not be opened.
+    #[error(transparent)]
+    StoreOpen(#[from] store::OpenError),
+    /// The model's namespace could not be registered in the block store.
+    #[error(transparent)]
+    StoreRegister(#[from] store::RegisterError),
+    /// A published block was refused by the block store.
+    #[error(transparent)]
+    StoreInsert(#[from] store::InsertError),
+    /// The block store failed to write (flush).
+    #[error(transparent)]
+    StoreWrite(#[from] store::WriteError),
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Io {

@@ -28,6 +28,7 @@ mod generate;
 mod layers;
 mod model;
 pub mod models;
+mod reuse;
 mod sampler;
 mod tokenizer;
 mod weights;
@@ -38,6 +39,9 @@ pub use generate::{
 };
 pub use layers::RopeScaling;
 pub use model::{KvLayout, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
+pub use reuse::{
+    generate_with_reuse, namespace_description, PrefixCache, ReuseConfig, ReuseReport,
+};
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use tokenizer::{chat_request_parts, render_template, Tokenizer};
 pub use weights::LoadOptions;

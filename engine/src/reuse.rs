@@ -1,0 +1,377 @@
+//! Prefix reuse across turns and restarts: the engine ⇄ cache ⇄ store loop.
+//!
+//! For every request: tokenize → block keys of the prompt's full blocks (at most
+//! `prompt.len() - 1` tokens, so at least one token is computed) → the longest cached
+//! prefix (RAM, then SSD) → restore it into a fresh [`PagedKvCache`], all or nothing per
+//! block → prefill the rest → generate → publish every new full block (prompt and reply)
+//! so the next turn, which contains this reply, hits.
+//!
+//! The store namespace is derived from everything that changes a block's bytes: the weight
+//! fingerprint, the config, the tokenizer, the KV dtype and format, the block size, the
+//! layer layout, RoPE, and an optional salt; a model never sees another model's blocks.
+//!
+//! Restoring is not always cheaper than recomputing (a small model on a fast GPU prefills
+//! faster than a disk reads). [`PrefixCache`] keeps running estimates of the prefill cost
+//! per token and the restore cost per block by tier, and cuts the restored prefix at the
+//! first SSD block whenever reading the SSD part is estimated slower than recomputing it.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cache::{
+    plane_specs, BlockShape, KvCache, KvFormat, PagedConfig, PagedKvCache, PublishedBlock,
+};
+use serde::Serialize;
+use store::{chain_keys, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
+
+use crate::error::{EngineError, Result};
+use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
+use crate::model::Model;
+use crate::tokenizer::Tokenizer;
+
+/// Settings of prefix reuse.
+#[derive(Clone, Debug)]
+pub struct ReuseConfig {
+    /// The block store: directory and budgets. Default: [`StoreConfig::default`].
+    pub store: StoreConfig,
+    /// Tokens per block. Default: 32.
+    pub block_size: usize,
+    /// How KV is kept in the live cache and in blocks. Default: [`KvFormat::Float`].
+    pub kv_format: KvFormat,
+    /// Mixed into the namespace (tenant, adapter, …): different salts never share blocks.
+    /// Default: none.
+    pub salt: Option<String>,
+    /// Blocks a layer's live pool may grow to. Default: 8192.
+    pub max_blocks: usize,
+}
+
+impl Default for ReuseConfig {
+    fn default() -> Self {
+        Self {
+            store: StoreConfig::default(),
+            block_size: 32,
+            kv_format: KvFormat::Float,
+            salt: None,
+            max_blocks: 8192,
+        }
+    }
+}
+
+/// What prefix reuse did for one request (all times in seconds).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ReuseReport {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens restored instead of computed.
+    pub cached_tokens: usize,
+    /// Of those, restored from the RAM tier.
+    pub cached_ram_tokens: usize,
+    /// Of those, restored from the SSD tier.
+    pub cached_ssd_tokens: usize,
+    /// Token index where the prompt left the longest prefix this engine has published
+    /// recently (equal to the prompt length when it extends one entirely); `None` when
+    /// nothing was published before. A value far below `prompt_tokens` on a later turn
+    /// means the conversation's earlier text changed (template drift, edited history).
+    pub diverged_at: Option<usize>,
+    /// Finding the cached prefix (hashing keys and the index lookup).
+    pub lookup_s: f64,
+    /// Reading, verifying and restoring the cached blocks.
+    pub restore_s: f64,
+    /// Prefilling the uncached rest (and sampling the first token).
+    pub prefill_s: f64,
+    /// Time to first token: lookup + restore + prefill.
+    pub ttft_s: f64,
+    /// Cached SSD blocks left unread because recomputing them was estimated faster.
+    pub ssd_blocks_skipped: usize,
+    /// Why the cached prefix ended early (a corrupt or refused block), if it did.
+    pub stopped: Option<String>,
+    /// New full blocks published after the request.
+    pub published_blocks: usize,
+}
+
+/// Running cost estimates used to pick restore or recompute.
+#[derive(Debug, Default)]
+struct Costs {
+    prefill_s_per_token: Option<f64>,
+    ssd_s_per_block: Option<f64>,
+}
+
+fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| 0.7 * o + 0.3 * new))
+}
+
+/// The engine's connection to the block store for one model.
+pub struct PrefixCache {
+    store: Store<PublishedBlock>,
+    namespace: NamespaceId,
+    description: NamespaceDescription,
+    layers: usize,
+    paged: PagedConfig,
+    recent: Mutex<VecDeque<Vec<u32>>>,
+    costs: Mutex<Costs>,
+}
+
+const RECENT_SEQUENCES: usize = 8;
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn store_dtype(d: mlx::Dtype) -> Result<store::Dtype> {
+    Ok(match d {
+        mlx::Dtype::F32 => store::Dtype::F32,
+        mlx::Dtype::F16 => store::Dtype::F16,
+        mlx::Dtype::BF16 => store::Dtype::BF16,
+        other => {
+            return Err(EngineError::InvalidParameter {
+                name: "kv dtype",
+                message: format!("the store cannot hold {other} keys and values"),
+            })
+        }
+    })
+}
+
+/// Everything that changes the bytes of a block of `model`'s KV under `config`.
+pub fn namespace_description(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    config: &ReuseConfig,
+) -> Result<NamespaceDescription> {
+    let info = model.info();
+    let kv = info.kv;
+    let name = model
+        .files()
+        .first()
+        .and_then(|f| f.file_stem())
+        .map_or_else(|| "model".to_string(), |s| s.to_string_lossy().into_owned());
+    let mut d = NamespaceDescription::new(name, store_dtype(kv.dtype)?, config.block_size as u32);
+    d.weights_fingerprint = hex(&model.fingerprint()?);
+    let config_json =
+        serde_json::to_vec(model.config()).map_err(|e| EngineError::InvalidParameter {
+            name: "config",
+            message: e.to_string(),
+        })?;
+    d.config_hash = blake3::hash(&config_json).to_hex().to_string();
+    d.tokenizer_hash = tokenizer.fingerprint().to_hex().to_string();
+    if let KvFormat::Quantized { bits, group_size } = config.kv_format {
+        d.kv_quantization = Some(store::KvQuantization {
+            bits: bits as u32,
+            group_size: group_size as u32,
+        });
+    }
+    d.layers = (0..kv.layers).map(|_| "global".to_string()).collect();
+    d.rope = format!("theta={} arch={}", info.rope_theta, info.architecture);
+    d.salt = config.salt.clone();
+    let shape = BlockShape {
+        kv_heads: kv.kv_heads,
+        block_size: config.block_size,
+        head_dim: kv.head_dim,
+        dtype: kv.dtype,
+    };
+    d.planes = plane_specs(kv.layers, shape, config.kv_format)?;
+    Ok(d)
+}
+
+impl PrefixCache {
+    /// Opens (or creates) the store and registers `model`'s namespace in it.
+    pub fn open(model: &Model, tokenizer: &Tokenizer, config: ReuseConfig) -> Result<Self> {
+        let description = namespace_description(model, tokenizer, &config)?;
+        let store = Store::open(config.store.clone())?;
+        let namespace = store.register_namespace(&description)?;
+        Ok(Self {
+            store,
+            namespace,
+            description,
+            layers: model.info().kv.layers,
+            paged: PagedConfig {
+                block_size: config.block_size,
+                format: config.kv_format,
+                initial_blocks: 16,
+                max_blocks: config.max_blocks,
+            },
+            recent: Mutex::new(VecDeque::new()),
+            costs: Mutex::new(Costs::default()),
+        })
+    }
+
+    /// The model's namespace in the store.
+    pub fn namespace(&self) -> NamespaceId {
+        self.namespace
+    }
+
+    /// What the namespace is made of.
+    pub fn description(&self) -> &NamespaceDescription {
+        &self.description
+    }
+
+    /// The paged cache settings requests get.
+    pub fn paged_config(&self) -> PagedConfig {
+        self.paged
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store<PublishedBlock> {
+        &self.store
+    }
+
+    /// Counters of the store.
+    pub fn stats(&self) -> StoreStats {
+        self.store.stats()
+    }
+
+    /// Makes everything published so far durable on SSD.
+    pub fn flush(&self) -> Result<()> {
+        Ok(self.store.flush()?)
+    }
+
+    /// A fresh live cache holding the longest usable cached prefix of `prompt` (at most
+    /// `prompt.len() - 1` tokens), and the report of what was found.
+    pub fn prepare(&self, prompt: &[u32]) -> Result<(PagedKvCache, ReuseReport)> {
+        let mut report = ReuseReport {
+            prompt_tokens: prompt.len(),
+            diverged_at: self.diverged_at(prompt),
+            ..ReuseReport::default()
+        };
+        let bs = self.paged.block_size;
+        let t = Instant::now();
+        let reusable = prompt.len().saturating_sub(1);
+        let keys = chain_keys(self.namespace, &prompt[..reusable], bs);
+        let hit = self.store.lookup(self.namespace, &keys);
+        report.lookup_s = t.elapsed().as_secs_f64();
+
+        // Restore or recompute the SSD part: whichever is estimated faster.
+        let mut usable = hit.blocks();
+        let first_ssd = hit.tiers.iter().position(|t| *t == Tier::Ssd);
+        if let Some(first) = first_ssd {
+            let ssd_blocks = hit.tiers[first..usable]
+                .iter()
+                .filter(|t| **t == Tier::Ssd)
+                .count();
+            let costs = self.costs.lock().map_err(|_| poisoned())?;
+            if let (Some(prefill), Some(read)) = (costs.prefill_s_per_token, costs.ssd_s_per_block)
+            {
+                if read > prefill * bs as f64 {
+                    report.ssd_blocks_skipped = ssd_blocks;
+                    usable = first;
+                }
+            }
+        }
+
+        let t = Instant::now();
+        let tokens: Vec<&[u32]> = prompt.chunks(bs).take(usable).collect();
+        let loaded = self
+            .store
+            .load_prefix(self.namespace, &keys[..usable], &tokens);
+        if let Some(reason) = &loaded.stopped {
+            report.stopped = Some(format!("{reason:?}"));
+        }
+        let tiers: Vec<Tier> = loaded.blocks.iter().map(|(_, t)| *t).collect();
+        let blocks: Vec<Arc<PublishedBlock>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
+        let restored = PagedKvCache::restore(self.layers, self.paged, &blocks)?;
+        if let Some(e) = &restored.stopped {
+            report.stopped = Some(e.to_string());
+        }
+        let cache = restored.cache;
+        // Make the restored arenas real now, so the restore time is not billed to prefill.
+        for l in 0..self.layers {
+            if let Some(pool) = cache.pool(l) {
+                let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
+                mlx::eval(&arrays)?;
+            }
+        }
+        report.restore_s = t.elapsed().as_secs_f64();
+        let used = &tiers[..restored.blocks];
+        report.cached_ram_tokens = used.iter().filter(|t| **t == Tier::Ram).count() * bs;
+        report.cached_ssd_tokens = used.iter().filter(|t| **t == Tier::Ssd).count() * bs;
+        report.cached_tokens = cache.offset();
+        let ssd_used = used.iter().filter(|t| **t == Tier::Ssd).count();
+        if ssd_used > 0 {
+            let mut costs = self.costs.lock().map_err(|_| poisoned())?;
+            costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, report.restore_s / ssd_used as f64);
+        }
+        Ok((cache, report))
+    }
+
+    /// Publishes the full blocks `cache` holds that are not yet published; `tokens` are the
+    /// token ids it holds (prompt and generated). Returns how many blocks were added.
+    pub fn publish(&self, cache: &mut PagedKvCache, tokens: &[u32]) -> Result<usize> {
+        let held = &tokens[..cache.offset().min(tokens.len())];
+        let blocks = cache.publish(self.namespace, held)?;
+        let n = blocks.len();
+        for b in blocks {
+            self.store.insert(b)?;
+        }
+        let mut recent = self.recent.lock().map_err(|_| poisoned())?;
+        recent.retain(|s| !held.starts_with(s));
+        recent.push_front(held.to_vec());
+        recent.truncate(RECENT_SEQUENCES);
+        Ok(n)
+    }
+
+    /// Records a measured prefill speed for the restore-or-recompute estimate.
+    pub fn record_prefill(&self, tokens: usize, seconds: f64) {
+        if tokens >= 16 && seconds > 0.0 {
+            if let Ok(mut c) = self.costs.lock() {
+                c.prefill_s_per_token = ewma(c.prefill_s_per_token, seconds / tokens as f64);
+            }
+        }
+    }
+
+    fn diverged_at(&self, prompt: &[u32]) -> Option<usize> {
+        let recent = self.recent.lock().ok()?;
+        recent
+            .iter()
+            .map(|s| s.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+            .max()
+    }
+}
+
+fn poisoned() -> EngineError {
+    EngineError::InvalidParameter {
+        name: "prefix cache",
+        message: "a thread panicked while holding the prefix cache lock".into(),
+    }
+}
+
+/// Generates after `prompt` reusing cached prefixes: restore, prefill the rest, generate,
+/// publish. Without a prefix cache it runs cold on a fresh paged cache (same code path).
+pub fn generate_with_reuse(
+    model: &Model,
+    tokenizer: &Tokenizer,
+    prefix: Option<&PrefixCache>,
+    prompt: &[u32],
+    params: &GenerateParams,
+    on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+) -> Result<(Generation, ReuseReport)> {
+    let (mut cache, mut report) = match prefix {
+        Some(p) => p.prepare(prompt)?,
+        None => {
+            let cfg = ReuseConfig::default();
+            let paged = PagedConfig {
+                block_size: cfg.block_size,
+                format: cfg.kv_format,
+                initial_blocks: 16,
+                max_blocks: cfg.max_blocks,
+            };
+            let cache = PagedKvCache::new(model.info().kv.layers, paged)?;
+            let report = ReuseReport {
+                prompt_tokens: prompt.len(),
+                ..ReuseReport::default()
+            };
+            (cache, report)
+        }
+    };
+    let generation = generate(model, tokenizer, &mut cache, prompt, params, on_token)?;
+    report.prefill_s = generation.timings.ttft_s;
+    report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
+    if let Some(p) = prefix {
+        p.record_prefill(
+            prompt.len() - report.cached_tokens,
+            generation.timings.ttft_s,
+        );
+        let all: Vec<u32> = prompt.iter().chain(&generation.tokens).copied().collect();
+        report.published_blocks = p.publish(&mut cache, &all)?;
+    }
+    Ok((generation, report))
+}

@@ -1,0 +1,241 @@
+//! Prefix reuse end to end: engine ⇄ cache ⇄ store, across turns and restarts. Every
+//! output with a restored prefix is compared with the same request served cold.
+
+use std::path::{Path, PathBuf};
+
+use engine::{
+    generate_with_reuse, GenerateParams, LoadOptions, Model, PrefixCache, ReuseConfig, ReuseReport,
+    Tokenizer,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use store::StoreConfig;
+
+fn tiny(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../engine/tests/goldens")
+        .join(name)
+}
+
+fn load(path: &Path) -> (Model, Tokenizer) {
+    engine::load(path, &LoadOptions::default()).unwrap()
+}
+
+fn params(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    }
+}
+
+fn config(dir: &Path, block_size: usize) -> ReuseConfig {
+    ReuseConfig {
+        store: StoreConfig::default()
+            .root(dir)
+            .ram_budget(64 << 20)
+            .ssd_budget(256 << 20),
+        block_size,
+        ..ReuseConfig::default()
+    }
+}
+
+/// Greedy tokens for `prompt` on a fresh cache, nothing reused.
+fn cold(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32> {
+    generate_with_reuse(model, tok, None, prompt, &params(n), &mut |_| true)
+        .unwrap()
+        .0
+        .tokens
+}
+
+fn with_cache(
+    model: &Model,
+    tok: &Tokenizer,
+    pc: &PrefixCache,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, ReuseReport) {
+    let (g, r) =
+        generate_with_reuse(model, tok, Some(pc), prompt, &params(n), &mut |_| true).unwrap();
+    (g.tokens, r)
+}
+
+fn random_tokens(r: &mut StdRng, n: usize, vocab: u32) -> Vec<u32> {
+    (0..n).map(|_| r.gen_range(3..vocab)).collect()
+}
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("KVSTORE_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("{test}: KVSTORE_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+#[test]
+fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
+    let mut r = rng("restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output");
+    let (model, tok) = load(&tiny("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let turn1 = random_tokens(&mut r, 77, 320);
+    let out1_cold = cold(&model, &tok, &turn1, 20);
+    let turn2: Vec<u32> = turn1
+        .iter()
+        .chain(&out1_cold)
+        .copied()
+        .chain(random_tokens(&mut r, 29, 320))
+        .collect();
+    let out2_cold = cold(&model, &tok, &turn2, 20);
+
+    {
+        let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+        let (out1, rep1) = with_cache(&model, &tok, &pc, &turn1, 20);
+        assert_eq!(out1, out1_cold);
+        assert_eq!(rep1.cached_tokens, 0);
+        assert_eq!(rep1.diverged_at, None);
+        // 77 prompt + 19 forwarded generated tokens = 96 held → 12 blocks.
+        assert_eq!(rep1.published_blocks, 12);
+
+        let (out2, rep2) = with_cache(&model, &tok, &pc, &turn2, 20);
+        assert_eq!(out2, out2_cold, "RAM-restored prefix changed the output");
+        assert_eq!(rep2.cached_tokens, 96);
+        assert_eq!(rep2.cached_ram_tokens, 96);
+        assert_eq!(
+            rep2.diverged_at,
+            Some(96),
+            "turn 2 extends what turn 1 published"
+        );
+        pc.flush().unwrap();
+    }
+
+    // A restart: a new store handle, nothing in RAM; the blocks come from SSD.
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let (out2, rep) = with_cache(&model, &tok, &pc, &turn2, 20);
+    assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
+    assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
+    assert_eq!(rep.cached_ram_tokens, 0);
+    assert!(rep.stopped.is_none(), "{rep:?}");
+}
+
+#[test]
+fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
+    let mut r = rng("a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct");
+    let (model, tok) = load(&tiny("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = random_tokens(&mut r, 70, 320);
+    let follow: Vec<u32> = prompt
+        .iter()
+        .copied()
+        .chain(random_tokens(&mut r, 10, 320))
+        .collect();
+    let want = cold(&model, &tok, &follow, 12);
+    let ns;
+    {
+        let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+        ns = pc.namespace();
+        with_cache(&model, &tok, &pc, &prompt, 1);
+        pc.flush().unwrap();
+    }
+    // Flip one byte in the middle of block 3's file.
+    let key = store::chain_keys(ns, &prompt, 8)[3];
+    let hex = key.to_hex();
+    let path = dir
+        .path()
+        .join(ns.to_hex())
+        .join(&hex[..2])
+        .join(format!("{hex}.safetensors"));
+    let mut bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let at = bytes.len() - 100;
+    bytes[at] ^= 0x40;
+    std::fs::write(&path, bytes).unwrap();
+
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let (got, rep) = with_cache(&model, &tok, &pc, &follow, 12);
+    assert_eq!(
+        rep.cached_tokens, 24,
+        "the prefix must end before the corrupt block 3: {rep:?}"
+    );
+    assert!(rep.stopped.is_some());
+    assert_eq!(got, want);
+    assert!(
+        pc.stats().quarantined >= 1 || pc.stats().verify_failures >= 1,
+        "{:?}",
+        pc.stats()
+    );
+}
+
+#[test]
+fn tiny_budgets_still_give_correct_output() {
+    let mut r = rng("tiny_budgets_still_give_correct_output");
+    let (model, tok) = load(&tiny("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path(), 8);
+    // One block is 2 layers × K,V × 2 heads × 8 tokens × 16 dims × 4 bytes = 4 KiB.
+    cfg.store = StoreConfig::default()
+        .root(dir.path())
+        .ram_budget(5 << 10)
+        .ssd_budget(24 << 10);
+    let pc = PrefixCache::open(&model, &tok, cfg).unwrap();
+    let mut prompt = random_tokens(&mut r, 40, 320);
+    for _ in 0..3 {
+        let want = cold(&model, &tok, &prompt, 8);
+        let (got, _) = with_cache(&model, &tok, &pc, &prompt, 8);
+        assert_eq!(got, want);
+        prompt.extend(got);
+        prompt.extend(random_tokens(&mut r, 9, 320));
+    }
+    pc.flush().unwrap();
+    let s = pc.stats();
+    assert!(s.ram_bytes <= 5 << 10, "{s:?}");
+    assert!(s.ssd_bytes <= 24 << 10, "{s:?}");
+}
+
+#[test]
+fn other_models_and_other_salts_never_share_blocks() {
+    let mut r = rng("other_models_and_other_salts_never_share_blocks");
+    let (llama, llama_tok) = load(&tiny("tiny-llama"));
+    let (qwen, qwen_tok) = load(&tiny("tiny-qwen2"));
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = random_tokens(&mut r, 50, 300);
+    let pc = PrefixCache::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
+    with_cache(&llama, &llama_tok, &pc, &prompt, 2);
+    pc.flush().unwrap();
+    drop(pc);
+
+    let other = PrefixCache::open(&qwen, &qwen_tok, config(dir.path(), 8)).unwrap();
+    let (got, rep) = with_cache(&qwen, &qwen_tok, &other, &prompt, 6);
+    assert_eq!(rep.cached_tokens, 0, "another model hit llama's blocks");
+    assert_eq!(got, cold(&qwen, &qwen_tok, &prompt, 6));
+    drop(other);
+
+    let mut salted = config(dir.path(), 8);
+    salted.salt = Some("tenant-b".into());
+    let pc = PrefixCache::open(&llama, &llama_tok, salted).unwrap();
+    let (_, rep) = with_cache(&llama, &llama_tok, &pc, &prompt, 2);
+    assert_eq!(rep.cached_tokens, 0, "a different salt hit unsalted blocks");
+    drop(pc);
+    let pc = PrefixCache::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
+    let (_, rep) = with_cache(&llama, &llama_tok, &pc, &prompt, 2);
+    assert_eq!(
+        rep.cached_tokens, 48,
+        "the unsalted namespace lost its blocks"
+    );
+}
+
+#[test]
+fn a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it() {
+    let mut r = rng("a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it");
+    let (model, tok) = load(&tiny("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let prompt = random_tokens(&mut r, 64, 320);
+    with_cache(&model, &tok, &pc, &prompt, 1);
+    let mut edited = prompt.clone();
+    edited[45] = if edited[45] == 7 { 8 } else { 7 };
+    let want = cold(&model, &tok, &edited, 10);
+    let (got, rep) = with_cache(&model, &tok, &pc, &edited, 10);
+    assert_eq!(got, want);
+    assert_eq!(rep.cached_tokens, 40, "blocks 0-4 end before token 45");
+    assert_eq!(rep.diverged_at, Some(45));
+}
