@@ -1,8 +1,8 @@
 //! Garbage collection under the writer lock: removes corrupt, quarantined, orphaned,
-//! foreign and unreachable files, then blocks older than an age, then least recently used
-//! blocks until under a size. Reports what it deleted and what it failed to delete.
+//! foreign and unreachable files, then blocks older than an age, then blocks until under a
+//! size: chain leaves before their ancestors, least recently used first. Reports what it deleted and what it failed to delete.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,8 +19,9 @@ use crate::stats::Counters;
 /// What to collect.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcOptions {
-    /// Delete least recently used blocks until the (namespace's, with `namespace`) block
-    /// files take at most this many physical bytes.
+    /// Delete blocks until the (namespace's, with `namespace`) block files take at most this
+    /// many physical bytes: leaves of chains before their ancestors (so every chain keeps a
+    /// prefix), least recently used first.
     pub max_bytes: Option<u64>,
     /// Delete blocks not accessed for this long.
     pub older_than: Option<Duration>,
@@ -48,7 +49,7 @@ pub enum GcReason {
     Unreachable,
     /// A block not accessed within `older_than`.
     Age,
-    /// A least recently used block removed to get under `max_bytes`.
+    /// A block removed to get under `max_bytes` (a chain leaf, least recently used first).
     Size,
 }
 
@@ -246,26 +247,49 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
         remove_unreachable(&mut live, &mut removed, &mut plan);
     }
     if let Some(max) = options.max_bytes {
-        // Least recently used first, in the SSD tier's own order.
-        live.sort_by_key(|c| c.rank);
+        // Leaves first: a block goes only once none of its children is left, so what stays
+        // of every chain is a prefix (its root last); among leaves, least recently used
+        // first, in the SSD tier's own order.
+        let index: HashMap<(NamespaceId, BlockKey), usize> = live
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ((c.ns, c.key), i))
+            .collect();
+        let parent: Vec<Option<usize>> = live
+            .iter()
+            .map(|c| index.get(&(c.ns, BlockKey(c.parent))).copied())
+            .collect();
+        let mut children = vec![0usize; live.len()];
+        for p in parent.iter().flatten() {
+            children[*p] += 1;
+        }
+        let mut leaves: BTreeSet<(usize, usize)> = (0..live.len())
+            .filter(|&i| children[i] == 0)
+            .map(|i| (live[i].rank, i))
+            .collect();
         let mut total: u64 = live.iter().map(|c| c.bytes).sum();
-        let mut i = 0;
-        while total > max && i < live.len() {
+        while total > max {
+            let Some((_, i)) = leaves.pop_first() else {
+                break;
+            };
             let c = &live[i];
-            if !removed.contains(&(c.ns, c.key)) {
-                total -= c.bytes;
-                removed.insert((c.ns, c.key));
-                plan.push((
-                    GcItem {
-                        path: c.path.clone(),
-                        bytes: c.bytes,
-                        reason: GcReason::Size,
-                        detail: None,
-                    },
-                    Some((c.ns, c.key)),
-                ));
+            total -= c.bytes;
+            removed.insert((c.ns, c.key));
+            plan.push((
+                GcItem {
+                    path: c.path.clone(),
+                    bytes: c.bytes,
+                    reason: GcReason::Size,
+                    detail: None,
+                },
+                Some((c.ns, c.key)),
+            ));
+            if let Some(p) = parent[i] {
+                children[p] -= 1;
+                if children[p] == 0 {
+                    leaves.insert((live[p].rank, p));
+                }
             }
-            i += 1;
         }
         live.retain(|c| !removed.contains(&(c.ns, c.key)));
         remove_unreachable(&mut live, &mut removed, &mut plan);

@@ -569,9 +569,16 @@ impl SsdTier {
         self.read_only && self.block_path(ns, key).is_file()
     }
 
-    /// Reads and verifies a block. A file that fails verification is moved to quarantine
-    /// (writers only), counted, and reported as [`ReadOutcome::Corrupt`].
+    /// Reads and verifies a block and marks it as just used. A file that fails verification
+    /// is moved to quarantine (writers only), counted, and reported as
+    /// [`ReadOutcome::Corrupt`].
     pub fn get(&self, ns: NamespaceId, key: BlockKey) -> ReadOutcome {
+        self.read(ns, key, true)
+    }
+
+    /// [`SsdTier::get`], leaving recency to the caller when `touch` is false (a chain load
+    /// refreshes the whole chain at the end, root last).
+    pub(crate) fn read(&self, ns: NamespaceId, key: BlockKey, touch: bool) -> ReadOutcome {
         let path = self.block_path(ns, key);
         let known = lock(&self.state).index.contains(&(ns, key));
         if !known && !self.read_only {
@@ -613,7 +620,9 @@ impl SsdTier {
         }) {
             Ok(block) => {
                 Counters::inc(&self.counters.ssd_hits);
-                self.touch(ns, key);
+                if touch {
+                    self.touch(ns, key);
+                }
                 ReadOutcome::Hit(block)
             }
             Err(error) => {
@@ -679,6 +688,18 @@ impl SsdTier {
                 unix_ms: now,
             },
         );
+    }
+
+    /// Marks the stored blocks of a chain as used, from the last key back to the first, so
+    /// the root is the most recent and eviction takes the chain's leaves before its
+    /// ancestors. `keys` runs root first; absent keys are skipped. No-op when read-only.
+    pub fn touch_chain(&self, ns: NamespaceId, keys: &[BlockKey]) {
+        if self.read_only {
+            return;
+        }
+        for &key in keys.iter().rev() {
+            self.touch(ns, key);
+        }
     }
 
     fn journal_append(&self, st: &mut State, r: Record) {

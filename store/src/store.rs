@@ -208,6 +208,8 @@ impl<P> std::fmt::Debug for LoadedPrefix<P> {
 enum Job<P> {
     Write(Arc<P>),
     Touch(NamespaceId, BlockKey),
+    /// Re-applies a chain's recency after the writes queued before it.
+    TouchChain(NamespaceId, Vec<BlockKey>),
     Flush(SyncSender<()>),
 }
 
@@ -411,19 +413,15 @@ impl<P: Payload> Store<P> {
         for p in evicted {
             Counters::inc(&self.shared.counters.ram_evictions);
             let m = p.meta();
+            // A block already on SSD keeps its SSD recency: every use (load, touch_chain,
+            // re-insert) has refreshed it there too, and touching it now, leaves first,
+            // would rank a chain's evicted leaves above its ancestors.
             let on_ssd = self
                 .shared
                 .ssd
                 .as_ref()
                 .is_some_and(|s| s.contains(m.namespace, m.key));
-            if on_ssd {
-                // Keep the SSD recency in step with use in RAM.
-                if let Some(ssd) = &self.shared.ssd {
-                    if !ssd.is_read_only() {
-                        ssd.touch(m.namespace, m.key);
-                    }
-                }
-            } else if self.enqueue(p) {
+            if !on_ssd && self.enqueue(p) {
                 Counters::inc(&self.shared.counters.spills);
             }
         }
@@ -451,6 +449,29 @@ impl<P: Payload> Store<P> {
                 }
                 false
             }
+        }
+    }
+
+    /// Marks a chain as just used in both tiers, from its last block back to its first, so
+    /// that its root is the most recent block and eviction (RAM, SSD, `gc --max-bytes`)
+    /// takes the chain's leaves before their ancestors. Call it after inserting a turn's new
+    /// blocks, with the conversation's whole chain (`keys` root first, as
+    /// [`chain_keys`](crate::chain_keys) returns them); absent keys are skipped.
+    /// [`Store::load_prefix`] does the same for what it loads.
+    pub fn touch_chain(&self, ns: NamespaceId, keys: &[BlockKey]) {
+        lock(&self.shared.ram).touch_chain(ns, keys);
+        let Some(ssd) = &self.shared.ssd else {
+            return;
+        };
+        ssd.touch_chain(ns, keys);
+        let queued = {
+            let pending = lock(&self.shared.pending);
+            keys.iter().any(|k| pending.contains_key(&(ns, *k)))
+        };
+        if let (true, Some(tx)) = (queued, &self.tx) {
+            // Blocks still queued land on SSD as most recent: redo the chain after them.
+            // Recency only, so a full queue just skips it.
+            let _ = tx.try_send(Job::TouchChain(ns, keys.to_vec()));
         }
     }
 
@@ -482,7 +503,8 @@ impl<P: Payload> Store<P> {
     /// Loads the longest valid prefix of `keys`: each block is validated (namespace, key,
     /// tokens against `tokens_per_block[i]`, parent chain, position, plane layout; SSD
     /// blocks also checksum) and the load stops at the first missing or invalid one. SSD
-    /// hits are promoted into RAM.
+    /// hits are promoted into RAM. The loaded blocks are then marked used as by
+    /// [`Store::touch_chain`], so the chain's root is the last of them to be evicted.
     pub fn load_prefix<T: AsRef<[u32]>>(
         &self,
         ns: NamespaceId,
@@ -540,7 +562,7 @@ impl<P: Payload> Store<P> {
                 out.stopped = Some(StopReason::Missing { index });
                 break;
             };
-            let block = match ssd.get(ns, key) {
+            let block = match ssd.read(ns, key, false) {
                 ReadOutcome::Hit(b) => b,
                 ReadOutcome::Miss => {
                     out.stopped = Some(StopReason::Missing { index });
@@ -582,6 +604,7 @@ impl<P: Payload> Store<P> {
             self.spill(evicted);
             out.blocks.push((p, Tier::Ssd));
         }
+        self.touch_chain(ns, &keys[..out.blocks.len()]);
         out
     }
 
@@ -594,7 +617,8 @@ impl<P: Payload> Store<P> {
             return Ok(());
         };
         if self.shared.config.write_policy == WritePolicy::WriteBack {
-            // Least recent first, so the SSD tier's LRU order follows the RAM tier's.
+            // In the RAM tier's eviction order (a chain's leaves before its root), so the SSD
+            // tier's LRU order follows it.
             let resident = lock(&self.shared.ram).snapshot();
             for p in resident.into_iter().rev() {
                 let k = (p.meta().namespace, p.meta().key);
@@ -726,6 +750,7 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
                 }
             }
             Job::Touch(ns, key) => ssd.touch(ns, key),
+            Job::TouchChain(ns, keys) => ssd.touch_chain(ns, &keys),
             Job::Flush(ack) => {
                 let _ = ack.send(());
             }
