@@ -134,14 +134,21 @@ fn checksum_meta(meta: &BlockMeta, planes: &[PlaneSpec]) -> blake3::Hasher {
     h
 }
 
-fn checksum_plane(h: &mut blake3::Hasher, spec: &PlaneSpec, data: &[u8]) {
+/// Everything a plane contributes to the checksum before its bytes (which end with the
+/// `u64` length of `lp(bytes)`).
+fn checksum_plane_prefix(h: &mut blake3::Hasher, spec: &PlaneSpec, data_len: u64) {
     put_lp(h, spec.name.as_bytes());
     put_lp(h, spec.dtype.name().as_bytes());
     h.update(&(spec.shape.len() as u64).to_le_bytes());
     for d in &spec.shape {
         h.update(&d.to_le_bytes());
     }
-    put_lp(h, data);
+    h.update(&data_len.to_le_bytes());
+}
+
+fn checksum_plane(h: &mut blake3::Hasher, spec: &PlaneSpec, data: &[u8]) {
+    checksum_plane_prefix(h, spec, data.len() as u64);
+    h.update(data);
 }
 
 /// The checksum of a block: blake3 over a canonical encoding of its metadata and planes
@@ -355,9 +362,16 @@ fn parse_meta(map: Option<&HashMap<String, String>>) -> Result<ParsedMeta, Decod
     })
 }
 
-/// Decodes and verifies a whole block file held in memory (typically a memory map). The
-/// plane bytes are copied once into one owned buffer, so the result does not borrow `bytes`.
-pub fn decode(bytes: &[u8]) -> Result<Block, DecodeError> {
+/// A block file's parsed header: metadata and, in block order, each plane's layout and the
+/// range of its bytes in the file.
+struct Layout {
+    parsed: ParsedMeta,
+    planes: Vec<(PlaneSpec, std::ops::Range<usize>)>,
+}
+
+/// Parses and checks the header of a block file whose whole length is `bytes.len()`; only
+/// the first `8 + header length` bytes are read (the rest may not be filled in yet).
+fn layout(bytes: &[u8]) -> Result<Layout, DecodeError> {
     if bytes.len() < 8 {
         return Err(DecodeError::Truncated {
             needed: 8,
@@ -371,69 +385,196 @@ pub fn decode(bytes: &[u8]) -> Result<Block, DecodeError> {
             found: bytes.len() as u64,
         });
     }
-    let st =
-        SafeTensors::deserialize(bytes).map_err(|e| DecodeError::Safetensors(format!("{e:?}")))?;
-    let (_, header) = SafeTensors::read_metadata(bytes)
+    // Checks the JSON, that the regions are contiguous, match dtype and shape, and exactly
+    // fill the rest of the file.
+    let (n, header) = SafeTensors::read_metadata(bytes)
         .map_err(|e| DecodeError::Safetensors(format!("{e:?}")))?;
     let parsed = parse_meta(header.metadata().as_ref())?;
-    if parsed.plane_names.len() != st.len() {
+    let tensors = header.tensors();
+    if parsed.plane_names.len() != tensors.len() {
         return Err(DecodeError::Planes(format!(
             "metadata lists {} planes, the file holds {} tensors",
             parsed.plane_names.len(),
-            st.len()
+            tensors.len()
         )));
     }
-    let mut views = Vec::with_capacity(parsed.plane_names.len());
-    let mut total = 0usize;
+    let data_start = 8 + n;
+    let mut planes = Vec::with_capacity(parsed.plane_names.len());
     for name in &parsed.plane_names {
-        let view = st
-            .tensor(name)
-            .map_err(|_| DecodeError::Planes(format!("plane {name:?} is not in the file")))?;
+        let info = tensors
+            .get(name)
+            .ok_or_else(|| DecodeError::Planes(format!("plane {name:?} is not in the file")))?;
         let dtype =
-            Dtype::from_safetensors(view.dtype()).ok_or_else(|| DecodeError::UnsupportedDtype {
+            Dtype::from_safetensors(info.dtype).ok_or_else(|| DecodeError::UnsupportedDtype {
                 plane: name.clone(),
-                dtype: format!("{:?}", view.dtype()),
+                dtype: format!("{:?}", info.dtype),
             })?;
         let spec = PlaneSpec::new(
             name.clone(),
             dtype,
-            view.shape().iter().map(|&d| d as u64).collect(),
+            info.shape.iter().map(|&d| d as u64).collect(),
         );
-        total += view.data().len();
-        views.push((spec, view));
+        let (s, e) = info.data_offsets;
+        planes.push((spec, data_start + s..data_start + e));
     }
-    let specs: Vec<PlaneSpec> = views.iter().map(|(s, _)| s.clone()).collect();
-    let mut h = checksum_meta(&parsed.meta, &specs);
-    let mut buf = Vec::with_capacity(total);
-    for (spec, view) in &views {
-        buf.extend_from_slice(view.data());
-        checksum_plane(&mut h, spec, view.data());
-    }
+    Ok(Layout { parsed, planes })
+}
+
+/// The checksum input before any plane byte.
+fn layout_hasher(layout: &Layout) -> blake3::Hasher {
+    let specs: Vec<PlaneSpec> = layout.planes.iter().map(|(s, _)| s.clone()).collect();
+    checksum_meta(&layout.parsed.meta, &specs)
+}
+
+/// Checks the finished checksum and hands out the planes as slices of `file`, which holds
+/// the whole file (no copy).
+fn finish(layout: Layout, h: blake3::Hasher, file: Bytes) -> Result<Block, DecodeError> {
     let computed = *h.finalize().as_bytes();
-    if computed != parsed.checksum {
+    if computed != layout.parsed.checksum {
         return Err(DecodeError::Checksum {
-            stored: hex(&parsed.checksum),
+            stored: hex(&layout.parsed.checksum),
             computed: hex(&computed),
         });
     }
-    let buf = Bytes::from(buf);
-    let mut planes = Vec::with_capacity(views.len());
-    let mut off = 0usize;
-    for (spec, view) in views {
-        let len = view.data().len();
-        planes.push(Plane {
+    let planes: Vec<Plane> = layout
+        .planes
+        .into_iter()
+        .map(|(spec, range)| Plane {
             name: spec.name,
             dtype: spec.dtype,
             shape: spec.shape,
-            data: buf.slice(off..off + len),
-        });
-        off += len;
-    }
+            data: file.slice(range),
+        })
+        .collect();
     check_lengths(&planes)?;
     Ok(Block {
-        meta: parsed.meta,
+        meta: layout.parsed.meta,
         planes,
     })
+}
+
+/// Size of the reads of [`read_file`].
+const READ_CHUNK: usize = 2 << 20;
+/// Reads [`read_file`] keeps in flight while it hashes.
+const READERS: usize = 4;
+
+/// Reads a block file of `len` bytes with large `pread`s straight into one buffer that the
+/// planes then share (no second copy), verifying the checksum as it goes: helper threads
+/// keep [`READERS`] reads in flight while this one hashes the chunks that have arrived. The outer
+/// error is an I/O failure (not evidence about the contents); the inner one a verification
+/// failure (a file shorter than `len` by the time it is read counts as truncated).
+pub(crate) fn read_file(file: &File, len: u64) -> std::io::Result<Result<Block, DecodeError>> {
+    read_file_in_chunks(file, len, READ_CHUNK)
+}
+
+fn read_file_in_chunks(
+    file: &File,
+    len: u64,
+    chunk_len: usize,
+) -> std::io::Result<Result<Block, DecodeError>> {
+    use std::os::unix::fs::FileExt;
+    let truncated = |e: std::io::Error| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => Ok(Err(DecodeError::Truncated {
+            needed: len,
+            found: file.metadata().map(|m| m.len()).unwrap_or(0),
+        })),
+        _ => Err(e),
+    };
+    if len < 8 {
+        return Ok(Err(DecodeError::Truncated {
+            needed: 8,
+            found: len,
+        }));
+    }
+    let Ok(ulen) = usize::try_from(len) else {
+        return Ok(Err(DecodeError::Truncated {
+            needed: 8,
+            found: len,
+        }));
+    };
+    let mut buf = vec![0u8; ulen];
+    if let Err(e) = file.read_exact_at(&mut buf[..8], 0) {
+        return truncated(e);
+    }
+    let n = u64::from_le_bytes(buf[..8].try_into().unwrap_or([0; 8]));
+    if n > format::MAX_HEADER_LEN || n + 8 > len {
+        return Ok(Err(DecodeError::Truncated {
+            needed: n.saturating_add(8),
+            found: len,
+        }));
+    }
+    let data_start = 8 + n as usize;
+    if let Err(e) = file.read_exact_at(&mut buf[8..data_start], 8) {
+        return truncated(e);
+    }
+    let layout = match layout(&buf) {
+        Ok(l) => l,
+        Err(e) => return Ok(Err(e)),
+    };
+    let mut h = layout_hasher(&layout);
+    let (_, data) = buf.split_at_mut(data_start);
+    let data_len = data.len();
+    if data_len <= chunk_len {
+        if let Err(e) = file.read_exact_at(data, data_start as u64) {
+            return truncated(e);
+        }
+        for (spec, range) in &layout.planes {
+            checksum_plane(&mut h, spec, &buf[range.clone()]);
+        }
+        return Ok(finish(layout, h, Bytes::from(buf)));
+    }
+    let read = std::thread::scope(|scope| -> std::io::Result<()> {
+        // READERS threads keep that many large reads in flight (the disk wants queue depth;
+        // one buffered reader waits on each readahead window in turn) while this thread
+        // hashes what has arrived, in order.
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, std::io::Result<&[u8]>)>();
+        let mut lanes: Vec<Vec<(usize, &mut [u8])>> = (0..READERS).map(|_| Vec::new()).collect();
+        for (i, chunk) in data.chunks_mut(chunk_len).enumerate() {
+            lanes[i % READERS].push((i, chunk));
+        }
+        for lane in lanes {
+            let tx = tx.clone();
+            scope.spawn(move || {
+                for (i, chunk) in lane {
+                    let off = (data_start + i * chunk_len) as u64;
+                    let r = file.read_exact_at(chunk, off);
+                    let failed = r.is_err();
+                    if tx.send((i, r.map(|()| &*chunk))).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+        }
+        drop(tx);
+        // Planes are hashed in block order, which is the file order unless dtypes of
+        // different alignment are mixed (then some waiting).
+        let mut chunks: Vec<Option<&[u8]>> = vec![None; data_len.div_ceil(chunk_len)];
+        for (spec, range) in &layout.planes {
+            checksum_plane_prefix(&mut h, spec, range.len() as u64);
+            let (mut pos, end) = (range.start - data_start, range.end - data_start);
+            while pos < end {
+                let i = pos / chunk_len;
+                let chunk = loop {
+                    if let Some(c) = chunks[i] {
+                        break c;
+                    }
+                    match rx.recv() {
+                        Ok((j, r)) => chunks[j] = Some(r?),
+                        Err(_) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    }
+                };
+                let within = pos - i * chunk_len;
+                let take = (end - pos).min(chunk.len() - within);
+                h.update(&chunk[within..within + take]);
+                pos += take;
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = read {
+        return truncated(e);
+    }
+    Ok(finish(layout, h, Bytes::from(buf)))
 }
 
 #[derive(serde::Deserialize)]
@@ -576,12 +717,37 @@ mod tests {
         std::fs::read(&p).unwrap()
     }
 
+    /// Reads `bytes` back through the file path, in one read and in 16-byte chunks (so the
+    /// pipelined path runs, with planes spanning chunks).
+    fn decode(bytes: &[u8]) -> Result<Block, DecodeError> {
+        let mut f = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut f, bytes).unwrap();
+        let whole = read_file(&f, bytes.len() as u64).unwrap();
+        let chunked = read_file_in_chunks(&f, bytes.len() as u64, 16).unwrap();
+        assert_eq!(whole, chunked);
+        whole
+    }
+
     #[test]
     fn round_trip_keeps_plane_order_and_bytes() {
         let b = sample();
         let bytes = encode(&b);
         assert!(bytes.len() as u64 <= estimate_file_len(&b));
         assert_eq!(decode(&bytes).unwrap(), b);
+    }
+
+    #[test]
+    fn chunked_reads_hash_planes_in_block_order_even_when_the_file_order_differs() {
+        let mut b = sample();
+        // BF16 first in block order; the writer puts the F32 plane first in the file.
+        b.planes.reverse();
+        let bytes = encode(&b);
+        assert_eq!(decode(&bytes).unwrap(), b);
+        let mut f = tempfile::tempfile().unwrap();
+        std::io::Write::write_all(&mut f, &bytes).unwrap();
+        // A file that shrank after its length was taken is truncated, not an I/O error.
+        let long = read_file_in_chunks(&f, bytes.len() as u64 + 100, 16).unwrap();
+        assert!(long.is_err());
     }
 
     /// Every single-bit flip anywhere in a block file is detected.

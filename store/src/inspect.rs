@@ -279,10 +279,13 @@ pub(crate) fn check_file(
     }
     if verify {
         let file = std::fs::File::open(path).map_err(|e| problem(e.to_string()))?;
-        match crate::mmap::read_block(&file) {
+        match file
+            .metadata()
+            .and_then(|m| crate::codec::read_file(&file, m.len()))
+        {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => return Err(HeaderError::Decode(e).into()),
-            Err(e) => return Err(problem(format!("could not map: {e}"))),
+            Err(e) => return Err(problem(format!("could not read: {e}"))),
         }
     }
     Ok(h)

@@ -55,7 +55,6 @@ pub mod gc;
 pub mod inspect;
 mod journal;
 mod key;
-mod mmap;
 mod namespace;
 mod ram;
 mod ssd;

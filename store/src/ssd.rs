@@ -23,7 +23,6 @@ use crate::error::{OpenError, RegisterError, WriteError};
 use crate::format;
 use crate::journal::{self, Journal, Record};
 use crate::key::{BlockKey, NamespaceId};
-use crate::mmap::read_block;
 use crate::namespace::NamespaceDescription;
 use crate::stats::{Counters, StoreStats};
 
@@ -599,11 +598,12 @@ impl SsdTier {
                 return ReadOutcome::Miss;
             }
         };
-        let read = match read_block(&file) {
+        let len = file.metadata().map(|m| m.len());
+        let read = match len.and_then(|len| codec::read_file(&file, len)) {
             Ok(r) => r,
             Err(e) => {
-                // Not evidence of corruption (e.g. mmap refused): a miss, file kept.
-                tracing::warn!(path = %path.display(), error = %e, "could not map block file");
+                // Not evidence of corruption (e.g. EIO): a miss, file kept.
+                tracing::warn!(path = %path.display(), error = %e, "could not read block file");
                 Counters::inc(&self.counters.ssd_misses);
                 return ReadOutcome::Miss;
             }

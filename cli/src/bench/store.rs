@@ -269,7 +269,7 @@ pub fn run(args: Args) -> Result<()> {
         drop_caches();
         let dd_r = dd_read(&ddfile, bs, n as u64)?;
         row(
-            "SSD read (mmap + verify + copy)",
+            "SSD read (pread + verify)",
             ssd_r,
             "dd iflag=direct",
             dd_r,

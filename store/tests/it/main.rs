@@ -6,6 +6,7 @@ mod corruption;
 mod crash;
 mod enospc;
 mod facade;
+mod fixtures;
 mod gc_inspect;
 mod locking;
 mod props;
