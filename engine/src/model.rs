@@ -69,8 +69,9 @@ impl std::fmt::Debug for Model {
     }
 }
 
-/// Tokens per prefill step unless told otherwise (mlx-lm's default step too).
-pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+/// Tokens per prefill step unless told otherwise. mlx-lm steps 2048; on this CPU 512 was
+/// faster at a 2048-token prompt (52 vs 41 tok/s) and peaks 190 MiB lower.
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 impl Model {
     /// Builds the model of a checkpoint (its tensors are consumed by the layers).

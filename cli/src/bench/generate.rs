@@ -28,6 +28,9 @@ pub struct Args {
     /// The Python with mlx-lm; default: .venv-goldens/bin/python of this checkout.
     #[arg(long, value_name = "PATH")]
     python: Option<PathBuf>,
+    /// Tokens per prefill step of the engine (mlx-lm's side keeps its default, 2048).
+    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
     /// Only measure kvstore.
     #[arg(long)]
     skip_mlx_lm: bool,
@@ -54,6 +57,7 @@ fn ours(model: &Model, tokenizer: &Tokenizer, args: &Args) -> anyhow::Result<Vec
         max_tokens: args.decode_tokens,
         stop_at_eos: false,
         context_limit: Some(usize::MAX),
+        prefill_chunk: args.prefill_chunk,
         ..GenerateParams::default()
     };
     // Warm-up, as the mlx-lm side does.
