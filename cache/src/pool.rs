@@ -142,7 +142,7 @@ impl BlockPool {
                 )));
             }
         }
-        if tokens % shape.block_size != 0 || occupied > capacity {
+        if !tokens.is_multiple_of(shape.block_size) || occupied > capacity {
             return Err(CacheError::Shape(format!(
                 "{occupied} occupied blocks in an arena of {tokens} tokens (blocks of {})",
                 shape.block_size

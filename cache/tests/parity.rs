@@ -622,8 +622,13 @@ fn pool_reads_any_block_table_and_hands_out_blocks_lifo() {
     // Fill blocks 2, 0, 1 with known tokens, then read them in that order, not a run.
     let chunks: Vec<Array> = (0..3).map(|_| kv(&mut r, 4, Dtype::F32)).collect();
     for (chunk, block) in chunks.iter().zip([2u32, 0, 1]) {
-        pool.write(block, 0, &[chunk.clone()], &[chunk.clone()])
-            .unwrap();
+        pool.write(
+            block,
+            0,
+            std::slice::from_ref(chunk),
+            std::slice::from_ref(chunk),
+        )
+        .unwrap();
     }
     let got = pool.read(&[2, 0, 1], 10).unwrap();
     let want = mlx::ops::concatenate(&chunks.iter().collect::<Vec<_>>(), 2).unwrap();
@@ -636,7 +641,13 @@ fn pool_reads_any_block_table_and_hands_out_blocks_lifo() {
     let copy = pool.copy_block(0).unwrap();
     let before = bytes(&copy[0]);
     let other = kv(&mut r, 4, Dtype::F32);
-    pool.write(0, 0, &[other.clone()], &[other]).unwrap();
+    pool.write(
+        0,
+        0,
+        std::slice::from_ref(&other),
+        std::slice::from_ref(&other),
+    )
+    .unwrap();
     assert_eq!(bytes(&copy[0]), before);
     // Growth stops at the maximum with the typed error.
     assert_eq!(pool.alloc().unwrap(), 3);

@@ -2,8 +2,11 @@
 
 use clap::{Parser, Subcommand};
 
+mod agent_session;
 mod bench;
+mod cache_args;
 mod chat;
+mod demo;
 mod gc;
 mod generate;
 mod inspect;
@@ -28,6 +31,8 @@ enum Command {
     Generate(generate::Args),
     /// An interactive multi-turn chat that streams the model's replies.
     Chat(chat::Args),
+    /// Replay a multi-turn agent session with prefix reuse, restart, restore from SSD.
+    Demo(demo::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,6 +43,7 @@ fn main() -> anyhow::Result<()> {
         Command::Gc(args) => exit_with(gc::run(args)?),
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
+        Command::Demo(args) => demo::run(args),
     }
 }
 

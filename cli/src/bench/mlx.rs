@@ -185,7 +185,7 @@ fn slice_update_row(quick: bool) -> Result<Row> {
     let mut arena = Some(random(&shape, 7)?.add_scalar(0.0)?);
     let mut step = 0;
     let t_in_place = median(reps, || {
-        let b = (step % blocks) as i32;
+        let b = step % blocks;
         step += 1;
         let a = arena
             .take()
@@ -197,7 +197,7 @@ fn slice_update_row(quick: bool) -> Result<Row> {
     })?;
     let mut arena = Some(random(&shape, 8)?.add_scalar(0.0)?);
     let t_copy = median(reps, || {
-        let b = (step % blocks) as i32;
+        let b = step % blocks;
         step += 1;
         let a = arena
             .take()
@@ -212,7 +212,7 @@ fn slice_update_row(quick: bool) -> Result<Row> {
     Ok(Row {
         name: format!(
             "slice_update 1 block into a {} MiB arena",
-            blocks * 4 * 16 * 256 * 4 >> 20
+            (blocks * 4 * 16 * 256 * 4) >> 20
         ),
         seconds: t_in_place.as_secs_f64(),
         baseline_seconds: t_copy.as_secs_f64(),

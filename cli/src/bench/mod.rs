@@ -2,6 +2,7 @@
 
 use clap::Subcommand;
 
+mod agent;
 mod cache;
 mod generate;
 mod mlx;
@@ -16,6 +17,8 @@ pub struct Args {
 
 #[derive(Subcommand)]
 enum Which {
+    /// The multi-turn agent session: no cache vs RAM reuse vs SSD reuse vs mlx-lm.
+    Agent(agent::Args),
     /// Paged vs contiguous decode attention at 1K-16K tokens; publish and restore per block.
     Cache(cache::Args),
     /// Prefill tok/s at 512 and 2048 tokens, decode tok/s, peak memory, beside mlx-lm.
@@ -29,6 +32,7 @@ enum Which {
 /// Runs the chosen benchmark.
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.which {
+        Which::Agent(a) => agent::run(a),
         Which::Cache(a) => cache::run(a),
         Which::Generate(a) => generate::run(a),
         Which::Mlx(a) => mlx::run(a),

@@ -268,12 +268,7 @@ pub fn run(args: Args) -> Result<()> {
         let ssd_r = gbps(bytes, t.elapsed().as_secs_f64());
         drop_caches();
         let dd_r = dd_read(&ddfile, bs, n as u64)?;
-        row(
-            "SSD read (pread + verify)",
-            ssd_r,
-            "dd iflag=direct",
-            dd_r,
-        );
+        row("SSD read (pread + verify)", ssd_r, "dd iflag=direct", dd_r);
         drop(ssd);
         let _ = std::fs::remove_dir_all(&root);
         let _ = std::fs::remove_file(&ddfile);

@@ -80,14 +80,14 @@ impl Config {
         if self.num_attention_heads == 0 || self.kv_heads() == 0 || self.num_hidden_layers == 0 {
             return bad("heads, key/value heads and layers must be positive".into());
         }
-        if self.num_attention_heads % self.kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return bad(format!(
                 "{} heads are not a multiple of {} key/value heads",
                 self.num_attention_heads,
                 self.kv_heads()
             ));
         }
-        if self.head_dim() % 2 != 0 || self.head_dim() == 0 {
+        if !self.head_dim().is_multiple_of(2) || self.head_dim() == 0 {
             return bad(format!("head_dim {} must be even", self.head_dim()));
         }
         Ok(())

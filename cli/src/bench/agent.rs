@@ -1,0 +1,370 @@
+//! `kvstore bench agent`: the multi-turn agent session (the demo's transcript) served four
+//! ways on the same model in the same run: no cache, RAM-tier reuse, SSD-only reuse (the
+//! store reopened before every turn, so nothing is in RAM), and mlx-lm with its prompt
+//! cache (scripts/bench/mlx_lm_agent.py). Writes JSON and an SVG plot.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use engine::{
+    generate_with_reuse, GenerateParams, Model, PrefixCache, ReuseConfig, ReuseReport, Tokenizer,
+};
+use serde::Serialize;
+use store::StoreConfig;
+
+use crate::agent_session;
+use crate::generate::ModelArgs;
+
+/// Arguments of `kvstore bench agent`.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Turns of the session.
+    #[arg(long, default_value_t = agent_session::DEFAULT_TURNS)]
+    turns: usize,
+    /// Tokens generated per turn.
+    #[arg(long, default_value_t = 8)]
+    max_tokens: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 32)]
+    block_size: usize,
+    /// Arms to run, comma-separated: cold, ram, ssd, mlx-lm.
+    #[arg(long, default_value = "cold,ram,ssd,mlx-lm", value_delimiter = ',')]
+    arms: Vec<String>,
+    /// The model as an mlx-lm folder (made by scripts/goldens/make_goldens.sh from the
+    /// same GGUF).
+    #[arg(long, default_value = "target/goldens/smollm2-hf")]
+    mlx_lm_model: PathBuf,
+    /// Python with mlx-lm (the venv scripts/goldens/make_goldens.sh creates).
+    #[arg(long, default_value = ".venv-goldens/bin/python")]
+    python: PathBuf,
+    /// Where to write <out>.json and <out>.svg.
+    #[arg(long, default_value = "docs/bench-agent")]
+    out: PathBuf,
+}
+
+/// One turn of one arm.
+#[derive(Serialize, Clone, Debug, Default)]
+struct TurnResult {
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    ttft_s: f64,
+    lookup_s: f64,
+    restore_s: f64,
+    prefill_s: f64,
+    ssd_bytes_written: u64,
+}
+
+#[derive(Serialize)]
+struct Arm {
+    name: String,
+    turns: Vec<TurnResult>,
+    total_ttft_s: f64,
+    /// Share of prompt tokens restored instead of computed, turns 2 onwards.
+    reused_from_turn_2: f64,
+}
+
+fn arm(name: &str, turns: Vec<TurnResult>) -> Arm {
+    let total = turns.iter().map(|t| t.ttft_s).sum();
+    let (reused, prompts) = turns.iter().skip(1).fold((0, 0), |(r, p), t| {
+        (r + t.cached_tokens, p + t.prompt_tokens)
+    });
+    Arm {
+        name: name.into(),
+        turns,
+        total_ttft_s: total,
+        reused_from_turn_2: reused as f64 / prompts.max(1) as f64,
+    }
+}
+
+fn from_report(r: &ReuseReport, written: u64) -> TurnResult {
+    TurnResult {
+        prompt_tokens: r.prompt_tokens,
+        cached_tokens: r.cached_tokens,
+        ttft_s: r.ttft_s,
+        lookup_s: r.lookup_s,
+        restore_s: r.restore_s,
+        prefill_s: r.prefill_s,
+        ssd_bytes_written: written,
+    }
+}
+
+struct Ctx<'a> {
+    model: &'a Model,
+    tokenizer: &'a Tokenizer,
+    prompts: &'a [Vec<u32>],
+    params: GenerateParams,
+    block_size: usize,
+}
+
+impl Ctx<'_> {
+    fn config(&self, dir: &Path) -> ReuseConfig {
+        ReuseConfig {
+            store: StoreConfig::default()
+                .root(dir)
+                .ram_budget(4 << 30)
+                .ssd_budget(16 << 30),
+            block_size: self.block_size,
+            ..ReuseConfig::default()
+        }
+    }
+
+    fn turn(&self, prefix: Option<&PrefixCache>, prompt: &[u32]) -> Result<ReuseReport> {
+        Ok(generate_with_reuse(
+            self.model,
+            self.tokenizer,
+            prefix,
+            prompt,
+            &self.params,
+            &mut |_| true,
+        )?
+        .1)
+    }
+
+    fn cold(&self) -> Result<Arm> {
+        let turns = self
+            .prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                eprintln!("cold: turn {} ({} tokens)", i + 1, p.len());
+                Ok(from_report(&self.turn(None, p)?, 0))
+            })
+            .collect::<Result<_>>()?;
+        Ok(arm("no cache", turns))
+    }
+
+    fn ram(&self) -> Result<Arm> {
+        let dir = tempfile::tempdir()?;
+        let pc = PrefixCache::open(self.model, self.tokenizer, self.config(dir.path()))?;
+        let mut turns = Vec::new();
+        for (i, p) in self.prompts.iter().enumerate() {
+            eprintln!("ram: turn {} ({} tokens)", i + 1, p.len());
+            let before = pc.stats().bytes_written;
+            let r = self.turn(Some(&pc), p)?;
+            turns.push(from_report(&r, pc.stats().bytes_written - before));
+        }
+        Ok(arm("RAM reuse", turns))
+    }
+
+    fn ssd(&self) -> Result<Arm> {
+        let dir = tempfile::tempdir()?;
+        let mut turns = Vec::new();
+        for (i, p) in self.prompts.iter().enumerate() {
+            eprintln!("ssd: turn {} ({} tokens)", i + 1, p.len());
+            // A new store handle each turn: an empty RAM tier, as after a restart.
+            let pc = PrefixCache::open(self.model, self.tokenizer, self.config(dir.path()))?;
+            let r = self.turn(Some(&pc), p)?;
+            pc.flush()?;
+            turns.push(from_report(&r, pc.stats().bytes_written));
+        }
+        Ok(arm("SSD reuse", turns))
+    }
+
+    fn mlx_lm(&self, args: &Args) -> Result<Option<Arm>> {
+        if !args.python.exists() || !args.mlx_lm_model.join("config.json").exists() {
+            eprintln!(
+                "mlx-lm arm skipped: {} or {} is missing; run `bash scripts/goldens/make_goldens.sh` to create both",
+                args.python.display(),
+                args.mlx_lm_model.display()
+            );
+            return Ok(None);
+        }
+        let file = tempfile::NamedTempFile::new()?;
+        let transcript =
+            serde_json::json!({"max_tokens": self.params.max_tokens, "prompts": self.prompts});
+        std::fs::write(file.path(), serde_json::to_vec(&transcript)?)?;
+        eprintln!("mlx-lm: {} turns", self.prompts.len());
+        let out = Command::new(&args.python)
+            .arg("scripts/bench/mlx_lm_agent.py")
+            .arg(&args.mlx_lm_model)
+            .arg(file.path())
+            .output()
+            .context("running scripts/bench/mlx_lm_agent.py")?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "mlx-lm arm failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let turns = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l)?;
+                Ok(TurnResult {
+                    prompt_tokens: v["prompt_tokens"].as_u64().unwrap_or(0) as usize,
+                    cached_tokens: v["cached_tokens"].as_u64().unwrap_or(0) as usize,
+                    ttft_s: v["ttft_s"].as_f64().unwrap_or(f64::NAN),
+                    ..TurnResult::default()
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Some(arm("mlx-lm prompt cache", turns)))
+    }
+}
+
+/// An SVG line chart of TTFT per turn, one line per arm.
+fn svg(arms: &[Arm]) -> String {
+    let (w, h, pad) = (720.0, 400.0, 60.0);
+    let turns = arms.iter().map(|a| a.turns.len()).max().unwrap_or(1).max(2);
+    let ymax = arms
+        .iter()
+        .flat_map(|a| a.turns.iter().map(|t| t.ttft_s))
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1e-3)
+        * 1.1;
+    let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (turns - 1) as f64;
+    let y = |v: f64| h - pad - (h - 2.0 * pad) * v / ymax;
+    let colors = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"];
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">kvstore bench agent: time to first token per turn</text>\n\
+         <line x1=\"{pad}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>\n<line x1=\"{pad}\" y1=\"{pad}\" x2=\"{pad}\" y2=\"{}\" stroke=\"black\"/>\n",
+        w / 2.0,
+        h - pad,
+        w - pad,
+        h - pad,
+        h - pad
+    );
+    for k in 0..=4 {
+        let v = ymax * k as f64 / 4.0;
+        s += &format!(
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{v:.1}s</text>\n",
+            pad - 6.0,
+            y(v) + 4.0
+        );
+    }
+    for i in 0..turns {
+        s += &format!(
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n",
+            x(i),
+            h - pad + 16.0,
+            i + 1
+        );
+    }
+    s += &format!(
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">turn</text>\n",
+        w / 2.0,
+        h - 18.0
+    );
+    for (a, color) in arms.iter().zip(colors.iter().cycle()) {
+        let points: Vec<String> = a
+            .turns
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.ttft_s.is_finite())
+            .map(|(i, t)| format!("{:.1},{:.1}", x(i), y(t.ttft_s)))
+            .collect();
+        s += &format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n",
+            points.join(" ")
+        );
+    }
+    for (k, (a, color)) in arms.iter().zip(colors.iter().cycle()).enumerate() {
+        let ly = pad + 16.0 * k as f64;
+        s += &format!(
+            "<rect x=\"{}\" y=\"{}\" width=\"12\" height=\"4\" fill=\"{color}\"/><text x=\"{}\" y=\"{}\">{} (total {:.1}s)</text>\n",
+            pad + 12.0,
+            ly - 4.0,
+            pad + 30.0,
+            ly,
+            a.name,
+            a.total_ttft_s
+        );
+    }
+    s + "</svg>\n"
+}
+
+/// Runs the agent benchmark.
+pub fn run(args: Args) -> Result<()> {
+    let (model, tokenizer) = args.model.load()?;
+    let tools = serde_json::to_string(&agent_session::tools())?;
+    let prompts: Vec<Vec<u32>> = (0..args.turns)
+        .map(|t| {
+            let m = serde_json::to_string(&agent_session::messages(t))?;
+            Ok(tokenizer.encode_chat(&m, Some(&tools), true)?)
+        })
+        .collect::<Result<_>>()?;
+    let ctx = Ctx {
+        model: &model,
+        tokenizer: &tokenizer,
+        prompts: &prompts,
+        params: GenerateParams {
+            max_tokens: args.max_tokens,
+            ..GenerateParams::default()
+        },
+        block_size: args.block_size,
+    };
+    // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
+    ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
+    let mut arms = Vec::new();
+    for name in &args.arms {
+        match name.as_str() {
+            "cold" => arms.push(ctx.cold()?),
+            "ram" => arms.push(ctx.ram()?),
+            "ssd" => arms.push(ctx.ssd()?),
+            "mlx-lm" => arms.extend(ctx.mlx_lm(&args)?),
+            other => anyhow::bail!("unknown arm {other:?}: use cold, ram, ssd, mlx-lm"),
+        }
+    }
+    println!(
+        "{:>4} {:>7} {}",
+        "turn",
+        "prompt",
+        arms.iter()
+            .map(|a| format!("{:>22}", a.name))
+            .collect::<String>()
+    );
+    for (i, p) in prompts.iter().enumerate() {
+        let cells: String = arms
+            .iter()
+            .map(|a| match a.turns.get(i) {
+                Some(t) => format!("{:>13.2}s ({:>5})", t.ttft_s, t.cached_tokens),
+                None => format!("{:>22}", "-"),
+            })
+            .collect();
+        println!("{:>4} {:>7} {cells}", i + 1, p.len());
+    }
+    println!("(TTFT, with cached prompt tokens in parentheses)");
+    for a in &arms {
+        println!(
+            "{:>20}: total TTFT {:>8.2}s, {:>5.1}% of prompt tokens reused from turn 2",
+            a.name,
+            a.total_ttft_s,
+            100.0 * a.reused_from_turn_2
+        );
+    }
+    if let Some(cold) = arms.iter().find(|a| a.name == "no cache") {
+        for a in arms.iter().filter(|a| a.name != "no cache") {
+            println!(
+                "{:>20}: {:.3} of the no-cache total",
+                a.name,
+                a.total_ttft_s / cold.total_ttft_s
+            );
+        }
+    }
+    let json = serde_json::json!({
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "model": args.model.path()?.display().to_string(),
+        "turns": args.turns,
+        "max_tokens": args.max_tokens,
+        "block_size": args.block_size,
+        "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
+        "arms": arms,
+    });
+    if let Some(dir) = args.out.parent() {
+        std::fs::create_dir_all(dir).ok();
+    }
+    let json_path = args.out.with_extension("json");
+    let svg_path = args.out.with_extension("svg");
+    std::fs::write(&json_path, serde_json::to_string_pretty(&json)?)
+        .with_context(|| format!("writing {}", json_path.display()))?;
+    std::fs::write(&svg_path, svg(&arms))
+        .with_context(|| format!("writing {}", svg_path.display()))?;
+    println!("wrote {} and {}", json_path.display(), svg_path.display());
+    Ok(())
+}

@@ -1,0 +1,104 @@
+//! The prefix-cache flags shared by `generate`, `chat`, `demo`, `bench agent` and `serve`.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use cache::KvFormat;
+use engine::{Model, PrefixCache, ReuseConfig, Tokenizer};
+use store::StoreConfig;
+
+/// How KV is kept in the live cache and in stored blocks.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvChoice {
+    /// As the model computes it (f32 on CPU).
+    Float,
+    /// Affine 8-bit, groups of 64 (or 32 when head_dim is 32).
+    Kv8,
+    /// Affine 4-bit, groups of 64 (or 32 when head_dim is 32).
+    Kv4,
+}
+
+/// Prefix-cache flags.
+#[derive(clap::Args, Clone, Debug)]
+pub struct CacheArgs {
+    /// Store directory. Default: $KVSTORE_DIR, else the platform cache dir (~/.cache/kvstore).
+    #[arg(long, value_name = "DIR")]
+    pub store: Option<PathBuf>,
+    /// RAM tier budget, e.g. 512MiB.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    pub ram_budget: String,
+    /// SSD tier budget, e.g. 16GiB.
+    #[arg(long, value_name = "SIZE", default_value = "16GiB")]
+    pub ssd_budget: String,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 32)]
+    pub block_size: usize,
+    /// KV format of the live cache and the stored blocks.
+    #[arg(long, value_enum, default_value = "float")]
+    pub kv: KvChoice,
+    /// Mixed into the store namespace: requests with different salts never share blocks.
+    #[arg(long, value_name = "SALT")]
+    pub cache_salt: Option<String>,
+    /// Do not read or write the prefix cache (every request is prefilled in full).
+    #[arg(long)]
+    pub no_cache: bool,
+}
+
+/// Parses a size such as `512MiB`, `2GB` or a plain byte count.
+pub fn parse_size(s: &str) -> Result<u64> {
+    s.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|e| anyhow::anyhow!("{s:?} is not a size (try 512MiB or 2GiB): {e}"))
+}
+
+impl CacheArgs {
+    /// The store directory these flags name.
+    pub fn store_dir(&self) -> Result<PathBuf> {
+        crate::inspect::store_dir(self.store.clone())
+    }
+
+    /// The reuse settings these flags describe, for a model with `head_dim`.
+    pub fn reuse_config(&self, head_dim: usize) -> Result<ReuseConfig> {
+        if self.block_size == 0 {
+            anyhow::bail!("--block-size must be at least 1");
+        }
+        let group = if head_dim.is_multiple_of(64) { 64 } else { 32 };
+        let kv_format = match self.kv {
+            KvChoice::Float => KvFormat::Float,
+            KvChoice::Kv8 => KvFormat::Quantized {
+                bits: 8,
+                group_size: group,
+            },
+            KvChoice::Kv4 => KvFormat::Quantized {
+                bits: 4,
+                group_size: group,
+            },
+        };
+        Ok(ReuseConfig {
+            store: StoreConfig::default()
+                .root(self.store_dir()?)
+                .ram_budget(parse_size(&self.ram_budget).context("--ram-budget")?)
+                .ssd_budget(parse_size(&self.ssd_budget).context("--ssd-budget")?),
+            block_size: self.block_size,
+            kv_format,
+            salt: self.cache_salt.clone(),
+            ..ReuseConfig::default()
+        })
+    }
+
+    /// Opens the prefix cache for `model`, or `None` with `--no-cache`.
+    pub fn open(&self, model: &Model, tokenizer: &Tokenizer) -> Result<Option<PrefixCache>> {
+        if self.no_cache {
+            return Ok(None);
+        }
+        let config = self.reuse_config(model.info().kv.head_dim)?;
+        let dir = config.store.root.clone();
+        PrefixCache::open(model, tokenizer, config)
+            .map(Some)
+            .with_context(|| match dir {
+                Some(d) => format!("opening the block store at {}", d.display()),
+                None => "opening the block store".to_string(),
+            })
+    }
+}
