@@ -2,7 +2,7 @@
 //! LM head), RMS norm, SwiGLU MLP, rotary embedding settings (incl. Llama 3 scaling) and
 //! attention over a [`KvCache`].
 
-use cache::KvCache;
+use cache::{KvCache, PagedKvRows};
 use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
 use mlx::{Array, Dtype, Quantized};
 use serde::Deserialize;
@@ -220,6 +220,18 @@ impl RotaryEmbedding {
         };
         Ok(fast::rope(x, &cfg, RopeOffset::Scalar(offset as i32))?)
     }
+
+    /// Rotates `x` `[B, H, 1, D]`, row b at position `offsets[b]` (int32 `[B]`).
+    pub(crate) fn forward_rows(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        let cfg = Rope {
+            dims: self.dims,
+            traditional: self.traditional,
+            base: self.base,
+            scale: self.scale,
+            freqs: self.freqs.as_ref(),
+        };
+        Ok(fast::rope(x, &cfg, RopeOffset::PerRow(offsets))?)
+    }
 }
 
 /// Multi-head (grouped-query) self-attention: q/k/v/o projections, optional per-head q/k
@@ -239,6 +251,49 @@ pub(crate) struct Attention {
 }
 
 impl Attention {
+    /// Projections of `x` `[B, L, hidden]`, split into heads, normalized (qwen3) and moved
+    /// to `[B, H, L, D]`, before RoPE.
+    fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+        // 1. Projections, split into heads: (B, L, H·D) -> (B, L, H, D).
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape(&[b, l, self.num_heads, self.head_dim])?;
+        let k = self
+            .k_proj
+            .forward(x)?
+            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        // 2. qwen3 normalizes each head's q and k before rotating them.
+        let q = match &self.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &self.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        // 3. (B, L, H, D) -> (B, H, L, D).
+        Ok((
+            q.transpose(&[0, 2, 1, 3])?,
+            k.transpose(&[0, 2, 1, 3])?,
+            v.transpose(&[0, 2, 1, 3])?,
+        ))
+    }
+
+    /// Attention output `[B, H, L, D]` -> `[B, L, H·D]` -> output projection.
+    fn output(&self, o: &Array) -> Result<Array> {
+        let (b, l) = (o.shape()[0], o.shape()[2]);
+        let o = o
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[b, l, self.num_heads * self.head_dim])?;
+        self.o_proj.forward(&o)
+    }
+
     /// `x` `[1, L, hidden]` at position `offset` → `[1, L, hidden]`.
     pub(crate) fn forward(
         &self,
@@ -249,34 +304,12 @@ impl Attention {
         cache: &mut dyn KvCache,
     ) -> Result<Array> {
         let l = x.shape()[1];
-        // 1. Projections, split into heads: (1, L, H·D) -> (1, L, H, D).
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape(&[1, l, self.num_heads, self.head_dim])?;
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape(&[1, l, self.num_kv_heads, self.head_dim])?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape(&[1, l, self.num_kv_heads, self.head_dim])?;
-        // 2. qwen3 normalizes each head's q and k before rotating them.
-        let q = match &self.q_norm {
-            Some(n) => n.forward(&q)?,
-            None => q,
-        };
-        let k = match &self.k_norm {
-            Some(n) => n.forward(&k)?,
-            None => k,
-        };
-        // 3. (1, L, H, D) -> (1, H, L, D), then rotate by absolute position.
-        let q = rope.forward(&q.transpose(&[0, 2, 1, 3])?, offset)?;
-        let k = rope.forward(&k.transpose(&[0, 2, 1, 3])?, offset)?;
-        let v = v.transpose(&[0, 2, 1, 3])?;
-        // 4. Append to the cache; attend over everything it holds. MLX's causal mask is
-        //    bottom-right aligned, so it is right with a cached prefix too.
+        let (q, k, v) = self.heads(x)?;
+        // Rotate by absolute position.
+        let q = rope.forward(&q, offset)?;
+        let k = rope.forward(&k, offset)?;
+        // Append to the cache; attend over everything it holds. MLX's causal mask is
+        // bottom-right aligned, so it is right with a cached prefix too.
         let (keys, values) = cache.update_and_fetch(layer, &k, &v)?;
         let mask = if l > 1 {
             AttentionMask::Causal
@@ -284,11 +317,32 @@ impl Attention {
             AttentionMask::None
         };
         let o = fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask)?;
-        // 5. (1, H, L, D) -> (1, L, H·D) -> output projection.
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[1, l, self.num_heads * self.head_dim])?;
-        self.o_proj.forward(&o)
+        self.output(&o)
+    }
+
+    /// One decode step of a batch: `x` `[B, 1, hidden]`, row b at position `offsets[b]`,
+    /// attending over its own row of `rows` (left-padded keys masked out) → `[B, 1, hidden]`.
+    pub(crate) fn forward_rows(
+        &self,
+        x: &Array,
+        layer: usize,
+        offsets: &Array,
+        rope: &RotaryEmbedding,
+        rows: &mut PagedKvRows,
+    ) -> Result<Array> {
+        let (q, k, v) = self.heads(x)?;
+        let q = rope.forward_rows(&q, offsets)?;
+        let k = rope.forward_rows(&k, offsets)?;
+        let (keys, values) = rows.update_and_fetch(layer, &k, &v)?;
+        let mask = rows.decode_mask(layer, 1, None)?;
+        let o = fast::scaled_dot_product_attention(
+            &q,
+            &keys,
+            &values,
+            self.scale,
+            AttentionMask::Array(&mask),
+        )?;
+        self.output(&o)
     }
 }
 
@@ -317,6 +371,23 @@ impl DecoderLayer {
             .forward(&self.post_attention_layernorm.forward(&h)?)?;
         Ok(h.add(&m)?)
     }
+
+    /// [`DecoderLayer::forward`] for one decode step of a batch of rows.
+    pub(crate) fn forward_rows(
+        &self,
+        x: &Array,
+        layer: usize,
+        offsets: &Array,
+        rope: &RotaryEmbedding,
+        rows: &mut PagedKvRows,
+    ) -> Result<Array> {
+        let h = self.input_layernorm.forward(x)?;
+        let h = x.add(&self.self_attn.forward_rows(&h, layer, offsets, rope, rows)?)?;
+        let m = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        Ok(h.add(&m)?)
+    }
 }
 
 /// The decoder stack every supported family shares: embedding, layers, final norm, LM head.
@@ -338,6 +409,17 @@ impl Decoder {
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, i, offset, &self.rope, cache)?;
+        }
+        self.norm.forward(&h)
+    }
+
+    /// Hidden states after the final norm, `[B, 1, hidden]`, for one token per row of
+    /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
+    pub(crate) fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
+        let offsets = rows.offsets()?;
+        let mut h = self.embed_tokens.forward(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward_rows(&h, i, &offsets, &self.rope, rows)?;
         }
         self.norm.forward(&h)
     }

@@ -4,13 +4,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use cache::KvCache;
+use cache::{KvCache, PagedKvRows};
 use mlx::{Array, Dtype};
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{EngineError, Result};
 use crate::layers::Decoder;
+use crate::models::gemma3::{self, Gemma3};
 use crate::models::{llama, qwen2, qwen3};
 use crate::weights::{Checkpoint, LoadOptions};
 
@@ -35,7 +36,7 @@ fn dtype_name<S: serde::Serializer>(d: &Dtype, s: S) -> std::result::Result<S::O
 /// The facts of a model every caller needs, whatever its family.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
-    /// `llama`, `qwen2` or `qwen3`.
+    /// `llama`, `qwen2`, `qwen3` or `gemma3_text`.
     pub architecture: String,
     /// Vocabulary size (rows of the LM head).
     pub vocab_size: usize,
@@ -51,9 +52,69 @@ pub struct ModelInfo {
     pub kv: KvLayout,
 }
 
+/// How one layer attends: over every earlier position, or over a sliding window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LayerKind {
+    /// Every earlier position (and itself).
+    Global,
+    /// The last `n` positions, the query's own included.
+    Window(usize),
+}
+
+impl std::fmt::Display for LayerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LayerKind::Global => f.write_str("global"),
+            LayerKind::Window(n) => write!(f, "window({n})"),
+        }
+    }
+}
+
+/// The forward pass of a family: the shared llama-style decoder, or Gemma 3's.
+#[derive(Debug)]
+enum Network {
+    Decoder(Decoder),
+    Gemma3(Gemma3),
+}
+
+impl Network {
+    fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        match self {
+            Network::Decoder(d) => d.hidden(tokens, cache),
+            Network::Gemma3(g) => g.hidden(tokens, cache),
+        }
+    }
+
+    fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
+        match self {
+            Network::Decoder(d) => d.hidden_rows(tokens, rows),
+            Network::Gemma3(_) => Err(EngineError::InvalidParameter {
+                name: "model",
+                message: "batched decoding does not support gemma3's sliding-window layers yet"
+                    .into(),
+            }),
+        }
+    }
+
+    fn logits(&self, h: &Array) -> Result<Array> {
+        match self {
+            Network::Decoder(d) => d.logits(h),
+            Network::Gemma3(g) => g.logits(h),
+        }
+    }
+
+    fn dtype(&self) -> Dtype {
+        match self {
+            Network::Decoder(d) => d.embed_tokens.dtype(),
+            Network::Gemma3(g) => g.dtype(),
+        }
+    }
+}
+
 /// A loaded model: weights in MLX arrays and the forward pass of its family.
 pub struct Model {
-    decoder: Decoder,
+    decoder: Network,
     info: ModelInfo,
     config: Value,
     files: Vec<PathBuf>,
@@ -86,6 +147,31 @@ impl Model {
             serde_json::from_value(v.clone())
                 .map_err(|e| EngineError::config(&ck.source, e.to_string()))
         };
+        if arch == "gemma3_text" {
+            let cfg = gemma3::Config::parse(&ck.config, &ck.source)?;
+            let g = Gemma3::new(&cfg, &ck.weights, &ck.source)?;
+            let info = ModelInfo {
+                architecture: arch,
+                vocab_size: cfg.vocab_size,
+                hidden_size: cfg.hidden_size,
+                num_heads: cfg.num_attention_heads,
+                max_position_embeddings: cfg.max_position_embeddings,
+                rope_theta: cfg.global_theta(),
+                kv: KvLayout {
+                    layers: cfg.num_hidden_layers,
+                    kv_heads: cfg.num_key_value_heads,
+                    head_dim: cfg.head_dim,
+                    dtype: g.dtype(),
+                },
+            };
+            return Ok(Model {
+                decoder: Network::Gemma3(g),
+                info,
+                config: ck.config.clone(),
+                files: ck.files.clone(),
+                fingerprint: OnceLock::new(),
+            });
+        }
         let (cfg, decoder) = match arch.as_str() {
             "llama" => {
                 let cfg = parse(&ck.config)?;
@@ -119,7 +205,7 @@ impl Model {
             },
         };
         Ok(Model {
-            decoder,
+            decoder: Network::Decoder(decoder),
             info,
             config: ck.config.clone(),
             files: ck.files.clone(),
@@ -140,6 +226,15 @@ impl Model {
     /// The KV layout (layers, kv heads, head dim, dtype).
     pub fn kv_layout(&self) -> KvLayout {
         self.info.kv
+    }
+
+    /// How each layer attends, in order: all global except in families with
+    /// sliding-window layers (gemma3).
+    pub fn layer_kinds(&self) -> Vec<LayerKind> {
+        match &self.decoder {
+            Network::Gemma3(g) => g.layer_kinds().to_vec(),
+            Network::Decoder(_) => vec![LayerKind::Global; self.info.kv.layers],
+        }
     }
 
     /// The Hugging Face config (rebuilt from metadata for GGUF), as loaded.
@@ -201,6 +296,28 @@ impl Model {
         let l = tokens.len() as i32;
         let last = h.slice(&[0, l - 1, 0], &[1, l, self.info.hidden_size as i32])?;
         let logits = self.decoder.logits(&last)?.reshape(&[-1])?;
+        Ok(logits.astype(Dtype::F32)?)
+    }
+
+    /// One decode step of a batch: `tokens[b]` runs after what row `b` of `rows` holds, at
+    /// that row's own position (per-row RoPE offsets, left padding masked). Returns the
+    /// logits `[B, vocab]` in f32. See docs/server.md for how this compares numerically to
+    /// [`Model::forward`] on each row alone.
+    pub fn forward_rows(&self, tokens: &[u32], rows: &mut PagedKvRows) -> Result<Array> {
+        if tokens.is_empty() || tokens.len() != rows.len() {
+            return Err(EngineError::InvalidParameter {
+                name: "tokens",
+                message: format!(
+                    "a batched step needs one token per row: {} tokens for {} rows",
+                    tokens.len(),
+                    rows.len()
+                ),
+            });
+        }
+        let b = tokens.len() as i32;
+        let ids = self.ids(tokens)?.reshape(&[b, 1])?;
+        let h = self.decoder.hidden_rows(&ids, rows)?;
+        let logits = self.decoder.logits(&h)?.reshape(&[b, -1])?;
         Ok(logits.astype(Dtype::F32)?)
     }
 

@@ -2,6 +2,7 @@
 //! scripts/goldens/make_goldens.sh), loading, bad input, generation.
 
 mod bad_input;
+mod batch;
 mod common;
 mod generation;
 mod parity;
