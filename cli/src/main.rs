@@ -10,6 +10,7 @@ mod demo;
 mod gc;
 mod generate;
 mod inspect;
+mod serve;
 
 /// kvstore: a content-addressed KV block store under an MLX generation engine.
 #[derive(Parser)]
@@ -21,6 +22,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the OpenAI-compatible API (continuous batching, prefix reuse) over HTTP.
+    Serve(serve::Args),
     /// Measure kvstore's building blocks against baselines run in the same process.
     Bench(bench::Args),
     /// Show what a store directory holds; --verify re-checks every checksum.
@@ -38,6 +41,7 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
+        Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Inspect(args) => exit_with(inspect::run(args)?),
         Command::Gc(args) => exit_with(gc::run(args)?),

@@ -103,15 +103,15 @@ pub struct TokenEvent<'a> {
 }
 
 /// Text decoded so far, releasing only what no later token or stop string can change.
-struct TextStream<'a> {
-    tokenizer: &'a Tokenizer,
-    stop: &'a [String],
-    emitted: usize,
+pub(crate) struct TextStream<'a> {
+    pub(crate) tokenizer: &'a Tokenizer,
+    pub(crate) stop: &'a [String],
+    pub(crate) emitted: usize,
 }
 
 impl TextStream<'_> {
     /// Returns (new final text, whether a stop string ended it, the full text).
-    fn update(&mut self, tokens: &[u32], last: bool) -> Result<(String, bool, String)> {
+    pub(crate) fn update(&mut self, tokens: &[u32], last: bool) -> Result<(String, bool, String)> {
         let mut text = self.tokenizer.decode(tokens, true)?;
         let mut stopped = false;
         if let Some(pos) = self.stop.iter().filter_map(|s| text.find(s.as_str())).min() {

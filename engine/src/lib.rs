@@ -6,6 +6,8 @@
 //!   last position's logits; [`Model::prefill`] does it in bounded chunks.
 //! - [`Tokenizer::apply_chat_template`] renders Hugging Face chat templates with `minijinja`.
 //! - [`Sampler`] picks tokens; [`generate`] ties it together with streaming and timings.
+//! - [`Engine`] runs many requests at once (continuous batching, prefix reuse) on its own
+//!   thread: submit, stream [`Event`]s, cancel; [`server`] serves it over HTTP (OpenAI API).
 //! - [`Model::fingerprint`] and [`Model::kv_layout`] identify the KV blocks a model makes.
 //!
 //! Families: llama (SmolLM2, Llama 3.x), qwen2, qwen3, one file each under [`models`].
@@ -30,6 +32,8 @@ mod model;
 pub mod models;
 mod reuse;
 mod sampler;
+mod scheduler;
+pub mod server;
 mod tokenizer;
 mod weights;
 
@@ -43,6 +47,10 @@ pub use reuse::{
     generate_with_reuse, namespace_description, PrefixCache, ReuseConfig, ReuseReport,
 };
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
+pub use scheduler::{
+    CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, Request, RequestHandle,
+    SubmitError, TTFT_BUCKETS,
+};
 pub use tokenizer::{chat_request_parts, render_template, Tokenizer};
 pub use weights::LoadOptions;
 

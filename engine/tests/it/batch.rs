@@ -32,7 +32,11 @@ fn batched(model: &Model, prompts: &[Vec<u32>], n: usize) -> (Vec<Vec<u32>>, f32
     let mut worst = 0f32;
     for _ in 1..n {
         let last: Vec<u32> = out.iter().map(|o| *o.last().unwrap()).collect();
-        let logits: Vec<f32> = model.forward_rows(&last, &mut rows).unwrap().to_vec().unwrap();
+        let logits: Vec<f32> = model
+            .forward_rows(&last, &mut rows)
+            .unwrap()
+            .to_vec()
+            .unwrap();
         let vocab = logits.len() / prompts.len();
         for (b, row) in logits.chunks(vocab).enumerate() {
             let single: Vec<f32> = model

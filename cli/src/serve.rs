@@ -1,0 +1,170 @@
+//! `kvstore serve`: the OpenAI-compatible server over the engine, with prefix reuse.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use engine::server::{self, ServerConfig};
+use engine::{Engine, EngineConfig};
+
+use crate::cache_args::{parse_size, CacheArgs};
+use crate::generate::ModelArgs;
+
+/// Flags of `kvstore serve`.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one; the address is logged).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Listen on this Unix socket instead of TCP.
+    #[arg(long, value_name = "PATH")]
+    unix: Option<PathBuf>,
+    /// Most requests decoding together.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Live KV bytes admitted requests may reserve together (prompt + max_tokens each).
+    #[arg(long, value_name = "SIZE", default_value = "4GiB")]
+    kv_budget: String,
+    /// Requests waiting for admission before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Require `Authorization: Bearer KEY` on /v1/* and /admin/* (default: $KVSTORE_API_KEY).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
+    /// The model id clients name; default: the model file's name.
+    #[arg(long, value_name = "ID")]
+    served_model_name: Option<String>,
+    /// Largest request body.
+    #[arg(long, value_name = "SIZE", default_value = "4MiB")]
+    max_body: String,
+    /// On SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled.
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    shutdown_grace: humantime::Duration,
+}
+
+/// Runs the server until SIGINT or SIGTERM.
+pub fn run(args: Args) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if args.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    let path = args.model.path()?;
+    let model_id = args.served_model_name.clone().unwrap_or_else(|| {
+        path.file_name()
+            .map_or_else(|| "default".into(), |n| n.to_string_lossy().into_owned())
+    });
+    let (model, tokenizer) = args.model.load()?;
+    let prefix = args.cache.open(&model, &tokenizer)?;
+    let config = EngineConfig {
+        max_batch: args.max_batch,
+        kv_budget_bytes: parse_size(&args.kv_budget).context("--kv-budget")?,
+        max_queue: args.max_queue,
+        context_limit: None,
+    };
+    let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("KVSTORE_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    let server_config = ServerConfig {
+        model_id,
+        api_key,
+        max_body_bytes: parse_size(&args.max_body).context("--max-body")? as usize,
+    };
+    let app = server::router(engine.clone(), server_config);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let grace: Duration = args.shutdown_grace.into();
+    let served = rt.block_on(async {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let shutdown = {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        // On the first signal: stop accepting; after the grace period cancel what is left.
+        let engine_sig = engine.clone();
+        tokio::spawn(async move {
+            signal().await;
+            tracing::info!("shutting down: no new connections, finishing open requests");
+            let _ = stop_tx.send(true);
+            tokio::select! {
+                _ = tokio::time::sleep(grace) => {}
+                _ = signal() => {}
+            }
+            tracing::warn!("cancelling requests still running");
+            let _ = tokio::task::spawn_blocking(move || engine_sig.shutdown(true)).await;
+        });
+        if let Some(sock) = &args.unix {
+            if sock.exists() {
+                std::fs::remove_file(sock)
+                    .with_context(|| format!("removing the old socket {}", sock.display()))?;
+            }
+            let listener = tokio::net::UnixListener::bind(sock)
+                .with_context(|| format!("listening on {}", sock.display()))?;
+            tracing::info!(socket = %sock.display(), "kvstore serve listening");
+            server::serve_unix(listener, app, shutdown).await?;
+            let _ = std::fs::remove_file(sock);
+        } else {
+            let addr = format!("{}:{}", args.host, args.port);
+            let listener = tokio::net::TcpListener::bind(&addr)
+                .await
+                .with_context(|| format!("listening on {addr}"))?;
+            let local = listener.local_addr()?;
+            tracing::info!(address = %local, "kvstore serve listening");
+            eprintln!("kvstore serve: listening on http://{local}");
+            server::serve_tcp(listener, app, shutdown).await?;
+        }
+        anyhow::Ok(())
+    });
+    // Every connection is closed: finish anything left, then make the store durable.
+    engine
+        .shutdown(false)
+        .context("flushing the block store at shutdown")?;
+    tracing::info!("store flushed; bye");
+    served
+}
+
+async fn signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) {
+            (Ok(mut int), Ok(mut term)) => {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}

@@ -1,0 +1,1002 @@
+//! [`Engine`]: the library entry point. One engine thread owns the model and MLX and runs
+//! continuous batching; callers on any thread [`Engine::submit`] requests and read their
+//! [`Event`]s from a [`RequestHandle`], or cancel them with a [`CancelHandle`].
+//!
+//! Each loop of the engine thread:
+//! 1. takes new submissions into a FIFO queue;
+//! 2. admits queued requests while the batch has room (`max_batch`) and their KV
+//!    reservation fits the budget: prefix reuse restores the longest cached prefix into a
+//!    fresh [`PagedKvCache`], the rest of the prompt is prefilled, the first token sampled,
+//!    and the row joins the batch;
+//! 3. emits each row's pending token (text deltas held back as [`generate`] does) and drops
+//!    rows that finished, were cancelled or lost their receiver; their caches are published
+//!    to the prefix cache and freed;
+//! 4. runs one batched decode step over every remaining row ([`Model::forward_rows`]), each
+//!    row sampling with its own [`Sampler`].
+//!
+//! [`generate`]: crate::generate
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
+use serde::Serialize;
+use store::StoreStats;
+use tokio::sync::mpsc as chan;
+
+use crate::error::{EngineError, Result};
+use crate::generate::{FinishReason, GenerateParams, TextStream};
+use crate::model::{Model, ModelInfo};
+use crate::reuse::{PrefixCache, ReuseConfig, ReuseReport};
+use crate::sampler::{Sampled, Sampler};
+use crate::tokenizer::Tokenizer;
+
+/// Settings of an [`Engine`].
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most rows decoding together. Default: 8.
+    pub max_batch: usize,
+    /// Bytes of live KV the admitted requests may reserve together (each reserves its
+    /// prompt plus `max_tokens`, capped by the context, in whole blocks). A request that
+    /// does not fit waits in the queue; one that alone exceeds the budget is refused.
+    /// Default: 2 GiB.
+    pub kv_budget_bytes: u64,
+    /// Requests waiting for admission before [`Engine::submit`] refuses more. Default: 256.
+    pub max_queue: usize,
+    /// Per-request context limit (prompt + output), capped by the model's. Default: None.
+    pub context_limit: Option<usize>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 8,
+            kv_budget_bytes: 2 << 30,
+            max_queue: 256,
+            context_limit: None,
+        }
+    }
+}
+
+/// Why [`Engine::submit`] refused a request.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// The request is invalid (empty or too long prompt, bad sampling parameters).
+    #[error(transparent)]
+    Invalid(#[from] EngineError),
+    /// The admission queue is full.
+    #[error("the server is busy: {0} requests are already waiting")]
+    QueueFull(usize),
+    /// The request alone needs more KV than the engine's budget.
+    #[error("the request needs {need} bytes of KV cache; the budget is {budget}")]
+    OverBudget {
+        /// Bytes the request would reserve.
+        need: u64,
+        /// The engine's budget.
+        budget: u64,
+    },
+    /// The engine is shutting down or its thread has stopped.
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+}
+
+/// A generation request: prompt token ids and how to generate after them.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// The prompt (for chat, the rendered template's ids).
+    pub prompt: Vec<u32>,
+    /// Token budget, stop strings, sampling. `prefill_chunk` is honoured per request.
+    pub params: GenerateParams,
+}
+
+/// The final accounting of a request.
+#[derive(Clone, Debug, Serialize)]
+pub struct Completion {
+    /// Why it ended.
+    pub finish_reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens restored from the prefix cache instead of computed.
+    pub cached_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// The whole generated text (without stop strings).
+    pub text: String,
+    /// Seconds waiting in the queue.
+    pub queue_s: f64,
+    /// Seconds from admission to the first token (restore + prefill + first sample).
+    pub ttft_s: f64,
+    /// Seconds from submission to the end.
+    pub total_s: f64,
+    /// What prefix reuse did.
+    pub reuse: ReuseReport,
+}
+
+/// What a request's stream carries, in order: `Started`, zero or more `Token`s, then
+/// `Finished` or `Failed`.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Event {
+    /// The request was admitted and its prompt prefilled.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Prompt tokens restored from the prefix cache.
+        cached_tokens: usize,
+    },
+    /// A generated token and the text that became final with it (may be empty).
+    Token {
+        /// The token and its log-probabilities (when asked for).
+        sampled: Sampled,
+        /// Text delta.
+        text: String,
+    },
+    /// The request ended normally or by cancellation.
+    Finished(Completion),
+    /// The request failed inside the engine.
+    Failed(EngineError),
+}
+
+/// Cancels a request from any thread; cloning is cheap.
+#[derive(Clone, Debug, Default)]
+pub struct CancelHandle(Arc<AtomicBool>);
+
+impl CancelHandle {
+    /// Asks the engine to stop the request at its next step boundary and free its blocks.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A submitted request: its id, its event stream, and its cancellation handle. Dropping
+/// the handle cancels the request.
+#[derive(Debug)]
+pub struct RequestHandle {
+    id: u64,
+    events: chan::UnboundedReceiver<Event>,
+    cancel: CancelHandle,
+}
+
+impl RequestHandle {
+    /// The engine-wide id of the request.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The next event, waiting on the current thread (not from inside an async runtime);
+    /// `None` after the last one.
+    pub fn recv_blocking(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+
+    /// The next event; `None` after the last one.
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// A handle that cancels this request.
+    pub fn cancel_handle(&self) -> CancelHandle {
+        self.cancel.clone()
+    }
+
+    /// Cancels the request (see [`CancelHandle::cancel`]).
+    pub fn cancel(&self) {
+        self.cancel.cancel();
+    }
+
+    /// Reads events until the end and returns the completion (tokens are discarded).
+    pub fn wait(mut self) -> Result<Completion> {
+        while let Some(e) = self.recv_blocking() {
+            match e {
+                Event::Finished(c) => return Ok(c),
+                Event::Failed(e) => return Err(e),
+                _ => {}
+            }
+        }
+        Err(engine_gone())
+    }
+}
+
+impl Drop for RequestHandle {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+fn engine_gone() -> EngineError {
+    EngineError::InvalidParameter {
+        name: "engine",
+        message: "the engine thread stopped before the request finished".into(),
+    }
+}
+
+/// TTFT histogram bucket bounds, in seconds (Prometheus `le`).
+pub const TTFT_BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
+/// Counters of an engine (monotonic unless named a gauge).
+#[derive(Debug, Default)]
+struct Counters {
+    submitted: AtomicU64,
+    finished_stop: AtomicU64,
+    finished_length: AtomicU64,
+    cancelled: AtomicU64,
+    failed: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+    cached_ram_tokens: AtomicU64,
+    cached_ssd_tokens: AtomicU64,
+    generated_tokens: AtomicU64,
+    decode_steps: AtomicU64,
+    decode_rows: AtomicU64,
+    queue_depth: AtomicU64,
+    active_rows: AtomicU64,
+    kv_reserved_bytes: AtomicU64,
+    ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
+    ttft_count: AtomicU64,
+    ttft_sum_us: AtomicU64,
+}
+
+/// A snapshot of an engine's counters and gauges.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineMetrics {
+    /// Requests accepted by [`Engine::submit`].
+    pub requests_submitted: u64,
+    /// Requests that ended at EOS or a stop string.
+    pub requests_finished_stop: u64,
+    /// Requests that ended at their token budget or the context.
+    pub requests_finished_length: u64,
+    /// Requests cancelled (by a handle, a dropped receiver or shutdown).
+    pub requests_cancelled: u64,
+    /// Requests that failed inside the engine.
+    pub requests_failed: u64,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: u64,
+    /// Of those, restored from the prefix cache.
+    pub cached_tokens: u64,
+    /// Of those, from the RAM tier.
+    pub cached_ram_tokens: u64,
+    /// Of those, from the SSD tier.
+    pub cached_ssd_tokens: u64,
+    /// Tokens generated.
+    pub generated_tokens: u64,
+    /// Batched decode steps run.
+    pub decode_steps: u64,
+    /// Rows over all decode steps (divide by steps for the mean batch).
+    pub decode_rows: u64,
+    /// Gauge: requests waiting for admission.
+    pub queue_depth: u64,
+    /// Gauge: rows decoding now.
+    pub active_rows: u64,
+    /// Gauge: KV bytes reserved by admitted requests.
+    pub kv_reserved_bytes: u64,
+    /// TTFT histogram: cumulative counts per bucket of [`TTFT_BUCKETS`].
+    pub ttft_buckets: Vec<u64>,
+    /// TTFT observations.
+    pub ttft_count: u64,
+    /// Sum of TTFT, seconds.
+    pub ttft_sum_s: f64,
+}
+
+enum Command {
+    Submit(Box<Pending>),
+    Shutdown { cancel: bool },
+}
+
+struct Pending {
+    id: u64,
+    request: Request,
+    tx: chan::UnboundedSender<Event>,
+    cancel: CancelHandle,
+    submitted: Instant,
+    reserve: u64,
+}
+
+struct Shared {
+    counters: Counters,
+    accepting: AtomicBool,
+}
+
+/// The engine: a model on its own thread, continuous batching, prefix reuse. See the
+/// module docs for the loop; docs/library.md for an example.
+pub struct Engine {
+    tx: Mutex<mpsc::Sender<Command>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<Shared>,
+    tokenizer: Arc<Tokenizer>,
+    info: ModelInfo,
+    prefix: Option<Arc<PrefixCache>>,
+    config: EngineConfig,
+    bytes_per_token: u64,
+    block_size: usize,
+    next_id: AtomicU64,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("info", &self.info)
+            .field("config", &self.config)
+            .field("prefix_cache", &self.prefix.is_some())
+            .finish()
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread with `model` and, when given, prefix reuse through `prefix`.
+    pub fn open(
+        model: Model,
+        tokenizer: Tokenizer,
+        prefix: Option<PrefixCache>,
+        config: EngineConfig,
+    ) -> Result<Engine> {
+        if config.max_batch == 0 {
+            return Err(EngineError::InvalidParameter {
+                name: "max_batch",
+                message: "must be at least 1".into(),
+            });
+        }
+        let info = model.info().clone();
+        let kv = info.kv;
+        let bytes_per_token = (kv.layers * 2 * kv.kv_heads * kv.head_dim * kv.dtype.size()) as u64;
+        let paged = match &prefix {
+            Some(p) => p.paged_config(),
+            None => {
+                let d = ReuseConfig::default();
+                PagedConfig {
+                    block_size: d.block_size,
+                    format: d.kv_format,
+                    initial_blocks: 16,
+                    max_blocks: d.max_blocks,
+                }
+            }
+        };
+        let tokenizer = Arc::new(tokenizer);
+        let prefix = prefix.map(Arc::new);
+        let shared = Arc::new(Shared {
+            counters: Counters::default(),
+            accepting: AtomicBool::new(true),
+        });
+        let (tx, rx) = mpsc::channel();
+        let mut worker = Worker {
+            model,
+            tokenizer: tokenizer.clone(),
+            prefix: prefix.clone(),
+            shared: shared.clone(),
+            config: config.clone(),
+            paged,
+            rx,
+            queue: VecDeque::new(),
+            rows: PagedKvRows::new(),
+            active: Vec::new(),
+            reserved: 0,
+            draining: None,
+        };
+        let thread = std::thread::Builder::new()
+            .name("kvstore-engine".into())
+            .spawn(move || worker.run())
+            .map_err(|e| EngineError::io("kvstore-engine thread", e))?;
+        Ok(Engine {
+            tx: Mutex::new(tx),
+            thread: Mutex::new(Some(thread)),
+            shared,
+            tokenizer,
+            info,
+            prefix,
+            config,
+            bytes_per_token,
+            block_size: paged.block_size,
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// The model's tokenizer and chat template.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The model's family, sizes and KV layout.
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The context a request may fill (prompt + output).
+    pub fn context_limit(&self) -> usize {
+        self.config
+            .context_limit
+            .unwrap_or(usize::MAX)
+            .min(self.info.max_position_embeddings)
+    }
+
+    /// The prefix cache, when the engine has one.
+    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+        self.prefix.as_deref()
+    }
+
+    /// Bytes of KV a request with this prompt length and token budget reserves.
+    pub fn reservation(&self, prompt_tokens: usize, max_tokens: usize) -> u64 {
+        let tokens = (prompt_tokens + max_tokens).min(self.context_limit());
+        let bs = self.block_size.max(1);
+        (tokens.div_ceil(bs) * bs) as u64 * self.bytes_per_token
+    }
+
+    /// Queues a request. Its events arrive on the returned handle; dropping the handle
+    /// cancels it.
+    pub fn submit(&self, request: Request) -> std::result::Result<RequestHandle, SubmitError> {
+        if !self.shared.accepting.load(Ordering::SeqCst) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        request.params.sampling.validate()?;
+        let context = self.context_limit();
+        let prompt = &request.prompt;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidParameter {
+                name: "prompt",
+                message: "the prompt is empty".into(),
+            }
+            .into());
+        }
+        if prompt.len() >= context {
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                context,
+            }
+            .into());
+        }
+        if let Some(&id) = prompt.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab: self.info.vocab_size,
+            }
+            .into());
+        }
+        let reserve = self.reservation(prompt.len(), request.params.max_tokens);
+        if reserve > self.config.kv_budget_bytes {
+            return Err(SubmitError::OverBudget {
+                need: reserve,
+                budget: self.config.kv_budget_bytes,
+            });
+        }
+        let c = &self.shared.counters;
+        if c.queue_depth.load(Ordering::Relaxed) as usize >= self.config.max_queue {
+            return Err(SubmitError::QueueFull(self.config.max_queue));
+        }
+        let (tx, rx) = chan::unbounded_channel();
+        let cancel = CancelHandle::default();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let pending = Pending {
+            id,
+            request,
+            tx,
+            cancel: cancel.clone(),
+            submitted: Instant::now(),
+            reserve,
+        };
+        c.queue_depth.fetch_add(1, Ordering::Relaxed);
+        let sent = self
+            .tx
+            .lock()
+            .map_err(|_| SubmitError::ShuttingDown)?
+            .send(Command::Submit(Box::new(pending)));
+        if sent.is_err() {
+            c.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            return Err(SubmitError::ShuttingDown);
+        }
+        c.submitted.fetch_add(1, Ordering::Relaxed);
+        Ok(RequestHandle {
+            id,
+            events: rx,
+            cancel,
+        })
+    }
+
+    /// A snapshot of the counters.
+    pub fn metrics(&self) -> EngineMetrics {
+        let c = &self.shared.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineMetrics {
+            requests_submitted: g(&c.submitted),
+            requests_finished_stop: g(&c.finished_stop),
+            requests_finished_length: g(&c.finished_length),
+            requests_cancelled: g(&c.cancelled),
+            requests_failed: g(&c.failed),
+            prompt_tokens: g(&c.prompt_tokens),
+            cached_tokens: g(&c.cached_tokens),
+            cached_ram_tokens: g(&c.cached_ram_tokens),
+            cached_ssd_tokens: g(&c.cached_ssd_tokens),
+            generated_tokens: g(&c.generated_tokens),
+            decode_steps: g(&c.decode_steps),
+            decode_rows: g(&c.decode_rows),
+            queue_depth: g(&c.queue_depth),
+            active_rows: g(&c.active_rows),
+            kv_reserved_bytes: g(&c.kv_reserved_bytes),
+            ttft_buckets: c.ttft_buckets.iter().map(g).collect(),
+            ttft_count: g(&c.ttft_count),
+            ttft_sum_s: g(&c.ttft_sum_us) as f64 / 1e6,
+        }
+    }
+
+    /// The block store's counters, when the engine has a prefix cache.
+    pub fn cache_stats(&self) -> Option<StoreStats> {
+        self.prefix.as_ref().map(|p| p.stats())
+    }
+
+    /// Makes every published block durable; returns once it is (no-op without a cache).
+    pub fn flush(&self) -> Result<()> {
+        match &self.prefix {
+            Some(p) => p.flush(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether [`Engine::submit`] still accepts requests.
+    pub fn is_accepting(&self) -> bool {
+        self.shared.accepting.load(Ordering::SeqCst)
+    }
+
+    /// Stops accepting requests, then either finishes (`cancel = false`) or cancels every
+    /// queued and running request, waits for the engine thread, and flushes the store.
+    /// Calling it again is a no-op.
+    pub fn shutdown(&self, cancel: bool) -> Result<()> {
+        self.shared.accepting.store(false, Ordering::SeqCst);
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Command::Shutdown { cancel });
+        }
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+        self.flush()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.shutdown(true);
+    }
+}
+
+/// A row of the batch: one admitted request.
+struct Row {
+    id: u64,
+    prompt: Vec<u32>,
+    params: GenerateParams,
+    sampler: Sampler,
+    tokens: Vec<u32>,
+    text: String,
+    emitted: usize,
+    /// The sampled token not yet emitted (and not yet in the cache).
+    next: Option<Sampled>,
+    tx: chan::UnboundedSender<Event>,
+    cancel: CancelHandle,
+    context: usize,
+    reserve: u64,
+    submitted: Instant,
+    queue_s: f64,
+    ttft_s: f64,
+    report: ReuseReport,
+    finish: Option<FinishReason>,
+}
+
+struct Worker {
+    model: Model,
+    tokenizer: Arc<Tokenizer>,
+    prefix: Option<Arc<PrefixCache>>,
+    shared: Arc<Shared>,
+    config: EngineConfig,
+    paged: PagedConfig,
+    rx: mpsc::Receiver<Command>,
+    queue: VecDeque<Pending>,
+    rows: PagedKvRows,
+    active: Vec<Row>,
+    reserved: u64,
+    /// Set by a shutdown command: whether to cancel what is left.
+    draining: Option<bool>,
+}
+
+impl Worker {
+    fn run(&mut self) {
+        let mut open = true;
+        loop {
+            // 1. Take submissions: wait when there is nothing to do.
+            if open && self.active.is_empty() && self.queue.is_empty() {
+                if self.draining.is_some() {
+                    break;
+                }
+                match self.rx.recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(_) => open = false,
+                }
+            }
+            while open {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => open = false,
+                }
+            }
+            if !open && self.draining.is_none() {
+                self.draining = Some(true);
+            }
+            if self.draining == Some(true) {
+                for p in std::mem::take(&mut self.queue) {
+                    self.refuse_cancelled(p);
+                }
+                for r in &self.active {
+                    r.cancel.cancel();
+                }
+            }
+            // 2. Admit.
+            self.admit();
+            // 3. Emit pending tokens, retire finished rows.
+            self.emit_and_retire();
+            // 4. One batched decode step.
+            if !self.active.is_empty() {
+                if let Err(e) = self.step() {
+                    self.fail_all(e);
+                }
+            }
+            if self.draining.is_some() && self.active.is_empty() && self.queue.is_empty() {
+                break;
+            }
+        }
+        self.set_gauges();
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(p) => self.queue.push_back(*p),
+            Command::Shutdown { cancel } => {
+                let d = self.draining.unwrap_or(false) || cancel;
+                self.draining = Some(d);
+            }
+        }
+    }
+
+    fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    fn set_gauges(&self) {
+        let c = self.counters();
+        c.queue_depth
+            .store(self.queue.len() as u64, Ordering::Relaxed);
+        c.active_rows
+            .store(self.active.len() as u64, Ordering::Relaxed);
+        c.kv_reserved_bytes.store(self.reserved, Ordering::Relaxed);
+    }
+
+    fn refuse_cancelled(&self, p: Pending) {
+        let c = self.counters();
+        c.cancelled.fetch_add(1, Ordering::Relaxed);
+        let _ = p.tx.send(Event::Finished(Completion {
+            finish_reason: FinishReason::Cancelled,
+            prompt_tokens: p.request.prompt.len(),
+            cached_tokens: 0,
+            completion_tokens: 0,
+            text: String::new(),
+            queue_s: p.submitted.elapsed().as_secs_f64(),
+            ttft_s: 0.0,
+            total_s: p.submitted.elapsed().as_secs_f64(),
+            reuse: ReuseReport::default(),
+        }));
+    }
+
+    fn admit(&mut self) {
+        // Requests cancelled while queued leave without being prefilled.
+        let (gone, keep): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut self.queue)
+            .into_iter()
+            .partition(|p| p.cancel.is_cancelled() || p.tx.is_closed());
+        self.queue = keep.into();
+        for p in gone {
+            self.refuse_cancelled(p);
+        }
+        while self.active.len() < self.config.max_batch {
+            let fits = match self.queue.front() {
+                Some(p) => {
+                    self.active.is_empty()
+                        || self.reserved + p.reserve <= self.config.kv_budget_bytes
+                }
+                None => false,
+            };
+            if !fits {
+                break;
+            }
+            let Some(p) = self.queue.pop_front() else {
+                break;
+            };
+            self.set_gauges();
+            let (id, tx) = (p.id, p.tx.clone());
+            if let Err(e) = self.start(p) {
+                tracing::warn!(request = id, error = %e, "request failed at prefill");
+                self.counters().failed.fetch_add(1, Ordering::Relaxed);
+                let _ = tx.send(Event::Failed(e));
+            }
+        }
+        self.set_gauges();
+    }
+
+    /// Restores the cached prefix, prefills the rest, samples the first token, and adds
+    /// the row to the batch.
+    fn start(&mut self, p: Pending) -> Result<()> {
+        let queue_s = p.submitted.elapsed().as_secs_f64();
+        let admitted = Instant::now();
+        let prompt = p.request.prompt;
+        let params = p.request.params;
+        let mut sampler = Sampler::new(params.sampling.clone())?;
+        let context = params
+            .context_limit
+            .unwrap_or(usize::MAX)
+            .min(self.config.context_limit.unwrap_or(usize::MAX))
+            .min(self.model.info().max_position_embeddings);
+        if prompt.len() >= context {
+            return Err(EngineError::PromptTooLong {
+                prompt: prompt.len(),
+                context,
+            });
+        }
+        let (mut cache, mut report) = match &self.prefix {
+            Some(pc) => pc.prepare(&prompt)?,
+            None => (
+                PagedKvCache::new(self.model.info().kv.layers, self.paged)?,
+                ReuseReport {
+                    prompt_tokens: prompt.len(),
+                    ..ReuseReport::default()
+                },
+            ),
+        };
+        let cached = cache.offset();
+        let t = Instant::now();
+        let logits = self
+            .model
+            .prefill(&prompt[cached..], &mut cache, params.prefill_chunk)?;
+        let logits: Vec<f32> = logits.to_vec()?;
+        let first = sampler.sample(&logits, &prompt, &[])?;
+        report.prefill_s = t.elapsed().as_secs_f64();
+        report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
+        if let Some(pc) = &self.prefix {
+            pc.record_prefill(prompt.len() - cached, report.prefill_s);
+        }
+        let ttft_s = admitted.elapsed().as_secs_f64();
+        let c = self.counters();
+        c.prompt_tokens
+            .fetch_add(prompt.len() as u64, Ordering::Relaxed);
+        c.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        c.cached_ram_tokens
+            .fetch_add(report.cached_ram_tokens as u64, Ordering::Relaxed);
+        c.cached_ssd_tokens
+            .fetch_add(report.cached_ssd_tokens as u64, Ordering::Relaxed);
+        observe_ttft(c, queue_s + ttft_s);
+        tracing::debug!(
+            request = p.id,
+            prompt = prompt.len(),
+            cached,
+            ttft_s,
+            "request admitted"
+        );
+        let _ = p.tx.send(Event::Started {
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+        });
+        self.rows.push(cache)?;
+        self.reserved += p.reserve;
+        self.active.push(Row {
+            id: p.id,
+            prompt,
+            params,
+            sampler,
+            tokens: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            next: Some(first),
+            tx: p.tx,
+            cancel: p.cancel,
+            context,
+            reserve: p.reserve,
+            submitted: p.submitted,
+            queue_s,
+            ttft_s,
+            report,
+            finish: None,
+        });
+        Ok(())
+    }
+
+    /// Emits every row's pending token as [`crate::generate`] does, then removes the rows
+    /// that ended and publishes their blocks.
+    fn emit_and_retire(&mut self) {
+        let eos = self.tokenizer.eos_ids().to_vec();
+        let mut failed: Vec<(usize, EngineError)> = Vec::new();
+        for (i, row) in self.active.iter_mut().enumerate() {
+            if row.finish.is_some() {
+                continue;
+            }
+            if row.cancel.is_cancelled() || row.tx.is_closed() {
+                row.finish = Some(FinishReason::Cancelled);
+                continue;
+            }
+            if row.tokens.len() >= row.params.max_tokens {
+                row.finish = Some(FinishReason::Length);
+                continue;
+            }
+            let Some(sampled) = row.next.take() else {
+                continue;
+            };
+            row.tokens.push(sampled.token);
+            let is_eos = row.params.stop_at_eos && eos.contains(&sampled.token);
+            let at_limit = row.tokens.len() >= row.params.max_tokens
+                || row.prompt.len() + row.tokens.len() >= row.context;
+            let mut stream = TextStream {
+                tokenizer: &self.tokenizer,
+                stop: &row.params.stop,
+                emitted: row.emitted,
+            };
+            let (delta, stopped, full) = match stream.update(&row.tokens, is_eos || at_limit) {
+                Ok(x) => x,
+                Err(e) => {
+                    failed.push((i, e));
+                    continue;
+                }
+            };
+            row.emitted = stream.emitted;
+            row.text = full;
+            let delivered = row
+                .tx
+                .send(Event::Token {
+                    sampled,
+                    text: delta,
+                })
+                .is_ok();
+            self.shared
+                .counters
+                .generated_tokens
+                .fetch_add(1, Ordering::Relaxed);
+            if is_eos || stopped {
+                row.finish = Some(FinishReason::Stop);
+            } else if !delivered {
+                row.finish = Some(FinishReason::Cancelled);
+            } else if at_limit {
+                row.finish = Some(FinishReason::Length);
+            }
+        }
+        for (i, e) in failed {
+            self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+            let row = &mut self.active[i];
+            row.finish = Some(FinishReason::Cancelled);
+            let _ = row.tx.send(Event::Failed(e));
+            row.cancel.cancel();
+        }
+        self.retire();
+    }
+
+    fn retire(&mut self) {
+        if self.active.iter().all(|r| r.finish.is_none()) {
+            return;
+        }
+        let keep: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].finish.is_none())
+            .collect();
+        let caches = match self.rows.filter(&keep) {
+            Ok(c) => c,
+            Err(e) => {
+                self.fail_all(e.into());
+                return;
+            }
+        };
+        let mut rows = Vec::with_capacity(keep.len());
+        let mut done = Vec::new();
+        for r in std::mem::take(&mut self.active) {
+            if r.finish.is_none() {
+                rows.push(r);
+            } else {
+                done.push(r);
+            }
+        }
+        self.active = rows;
+        for (row, cache) in done.into_iter().zip(caches) {
+            self.finish(row, cache);
+        }
+        self.set_gauges();
+    }
+
+    fn finish(&mut self, row: Row, mut cache: PagedKvCache) {
+        self.reserved = self.reserved.saturating_sub(row.reserve);
+        let mut report = row.report;
+        if let Some(pc) = &self.prefix {
+            let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
+            match pc.publish(&mut cache, &all) {
+                Ok(n) => report.published_blocks = n,
+                Err(e) => tracing::warn!(request = row.id, error = %e, "publishing failed"),
+            }
+        }
+        drop(cache);
+        let reason = row.finish.unwrap_or(FinishReason::Cancelled);
+        let c = self.counters();
+        match reason {
+            FinishReason::Stop => &c.finished_stop,
+            FinishReason::Length => &c.finished_length,
+            FinishReason::Cancelled => &c.cancelled,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        let completion = Completion {
+            finish_reason: reason,
+            prompt_tokens: row.prompt.len(),
+            cached_tokens: report.cached_tokens,
+            completion_tokens: row.tokens.len(),
+            text: row.text,
+            queue_s: row.queue_s,
+            ttft_s: row.ttft_s,
+            total_s: row.submitted.elapsed().as_secs_f64(),
+            reuse: report,
+        };
+        tracing::debug!(
+            request = row.id,
+            reason = ?reason,
+            tokens = completion.completion_tokens,
+            "request finished"
+        );
+        let _ = row.tx.send(Event::Finished(completion));
+    }
+
+    /// One decode step over every row: feed each row's last token, sample its next.
+    fn step(&mut self) -> Result<()> {
+        let last: Vec<u32> = self
+            .active
+            .iter()
+            .map(|r| r.tokens.last().copied().unwrap_or_default())
+            .collect();
+        let logits: Vec<f32> = self.model.forward_rows(&last, &mut self.rows)?.to_vec()?;
+        let vocab = logits.len() / self.active.len().max(1);
+        let c = &self.shared.counters;
+        c.decode_steps.fetch_add(1, Ordering::Relaxed);
+        c.decode_rows
+            .fetch_add(self.active.len() as u64, Ordering::Relaxed);
+        for (row, l) in self.active.iter_mut().zip(logits.chunks(vocab)) {
+            row.next = Some(row.sampler.sample(l, &row.prompt, &row.tokens)?);
+        }
+        Ok(())
+    }
+
+    /// An error in a batched step fails every row in it (the batch's caches may be
+    /// partly updated, so none of them is published).
+    fn fail_all(&mut self, e: EngineError) {
+        tracing::error!(error = %e, rows = self.active.len(), "batched step failed");
+        let msg = e.to_string();
+        self.rows = PagedKvRows::new();
+        for row in std::mem::take(&mut self.active) {
+            self.counters().failed.fetch_add(1, Ordering::Relaxed);
+            let _ = row.tx.send(Event::Failed(EngineError::InvalidParameter {
+                name: "batch",
+                message: msg.clone(),
+            }));
+        }
+        self.reserved = 0;
+        self.set_gauges();
+    }
+}
+
+fn observe_ttft(c: &Counters, s: f64) {
+    for (b, le) in c.ttft_buckets.iter().zip(TTFT_BUCKETS) {
+        if s <= le {
+            b.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    c.ttft_count.fetch_add(1, Ordering::Relaxed);
+    c.ttft_sum_us.fetch_add((s * 1e6) as u64, Ordering::Relaxed);
+}

@@ -1,0 +1,699 @@
+//! The OpenAI-compatible HTTP server on tokio + axum, built on [`Engine`].
+//!
+//! Endpoints (see docs/server.md): `POST /v1/chat/completions`, `POST /v1/completions`
+//! (both SSE-streaming or not), `GET /v1/models`, `GET /health`, `GET /metrics`
+//! (Prometheus text), `GET /v1/cache` (store stats JSON), `POST /admin/cache/flush`.
+//! With an API key, `/v1/*` and `/admin/*` need `Authorization: Bearer KEY`.
+//!
+//! A streaming response reads the request's [`RequestHandle`] as it goes; when the client
+//! disconnects, the response body is dropped, the handle with it, and the engine cancels
+//! the request at its next step boundary and frees its blocks.
+
+mod error;
+mod openai;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request as HttpRequest, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Map, Value};
+
+use crate::generate::FinishReason;
+use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle, TTFT_BUCKETS};
+use error::ApiError;
+
+/// Settings of the HTTP layer.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The model id clients name (`model` in requests, `/v1/models`). Requests naming
+    /// another model get 404. Default: `"default"`.
+    pub model_id: String,
+    /// When set, `/v1/*` and `/admin/*` need `Authorization: Bearer <key>`. Default: None.
+    pub api_key: Option<String>,
+    /// Largest request body in bytes; larger ones get 413. Default: 4 MiB.
+    pub max_body_bytes: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            model_id: "default".into(),
+            api_key: None,
+            max_body_bytes: 4 << 20,
+        }
+    }
+}
+
+struct AppState {
+    engine: Arc<Engine>,
+    config: ServerConfig,
+    responses: Mutex<BTreeMap<u16, u64>>,
+}
+
+type Shared = Arc<AppState>;
+
+/// The axum router of the server over `engine`.
+pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
+    let limit = config.max_body_bytes;
+    let state = Arc::new(AppState {
+        engine,
+        config,
+        responses: Mutex::new(BTreeMap::new()),
+    });
+    let protected = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/cache", get(cache_stats))
+        .route("/admin/cache/flush", post(flush))
+        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .merge(protected)
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), record))
+        .with_state(state)
+}
+
+/// Serves `app` on a TCP listener until `shutdown` resolves, then waits for open
+/// requests to finish (stop accepting first: the caller then shuts the engine down).
+pub async fn serve_tcp(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+/// [`serve_tcp`] on a Unix socket (a private engine process for another program).
+#[cfg(unix)]
+pub async fn serve_unix(
+    listener: tokio::net::UnixListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn record(State(s): State<Shared>, req: HttpRequest, next: Next) -> Response {
+    let (method, path) = (req.method().clone(), req.uri().path().to_string());
+    let t = std::time::Instant::now();
+    let resp = next.run(req).await;
+    let status = resp.status().as_u16();
+    if let Ok(mut m) = s.responses.lock() {
+        *m.entry(status).or_default() += 1;
+    }
+    tracing::info!(%method, %path, status, ms = t.elapsed().as_millis() as u64, "http");
+    resp
+}
+
+async fn auth(
+    State(s): State<Shared>,
+    headers: HeaderMap,
+    req: HttpRequest,
+    next: Next,
+) -> Response {
+    if let Some(key) = &s.config.api_key {
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        if given != Some(key.as_str()) {
+            return ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "Incorrect or missing API key: send Authorization: Bearer <key>",
+            )
+            .with_code("invalid_api_key")
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "no such endpoint",
+    )
+    .with_code("not_found")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method not allowed on this endpoint",
+    )
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn health(State(s): State<Shared>) -> Response {
+    if s.engine.is_accepting() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "shutting_down"})),
+        )
+            .into_response()
+    }
+}
+
+async fn models(State(s): State<Shared>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.config.model_id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "kvstore",
+            "max_model_len": s.engine.context_limit(),
+        }],
+    }))
+}
+
+async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
+    let m = s.engine.metrics();
+    let engine = json!({
+        "prompt_tokens": m.prompt_tokens,
+        "cached_tokens": m.cached_tokens,
+        "cached_ram_tokens": m.cached_ram_tokens,
+        "cached_ssd_tokens": m.cached_ssd_tokens,
+    });
+    Json(match s.engine.prefix_cache() {
+        Some(p) => json!({
+            "enabled": true,
+            "namespace": p.namespace().to_string(),
+            "block_size": p.paged_config().block_size,
+            "store": p.stats(),
+            "engine": engine,
+        }),
+        None => json!({"enabled": false, "engine": engine}),
+    })
+}
+
+async fn flush(State(s): State<Shared>) -> Result<Json<Value>, ApiError> {
+    let engine = s.engine.clone();
+    let t = std::time::Instant::now();
+    tokio::task::spawn_blocking(move || engine.flush())
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::internal(format!("flush failed: {e}")))?;
+    Ok(Json(json!({
+        "flushed": true,
+        "seconds": t.elapsed().as_secs_f64(),
+        "store": s.engine.cache_stats(),
+    })))
+}
+
+async fn metrics(State(s): State<Shared>) -> Response {
+    let m = s.engine.metrics();
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
+        for (labels, v) in samples {
+            out.push_str(&format!("{name}{labels} {v}\n"));
+        }
+    };
+    let one = |v: u64| vec![(String::new(), v as f64)];
+    metric(
+        "kvstore_requests_total",
+        "counter",
+        "Generation requests by outcome.",
+        &[
+            (
+                "{outcome=\"submitted\"}".into(),
+                m.requests_submitted as f64,
+            ),
+            ("{outcome=\"stop\"}".into(), m.requests_finished_stop as f64),
+            (
+                "{outcome=\"length\"}".into(),
+                m.requests_finished_length as f64,
+            ),
+            (
+                "{outcome=\"cancelled\"}".into(),
+                m.requests_cancelled as f64,
+            ),
+            ("{outcome=\"failed\"}".into(), m.requests_failed as f64),
+        ],
+    );
+    metric(
+        "kvstore_prompt_tokens_total",
+        "counter",
+        "Prompt tokens of admitted requests.",
+        &one(m.prompt_tokens),
+    );
+    metric(
+        "kvstore_cached_prompt_tokens_total",
+        "counter",
+        "Prompt tokens restored from the prefix cache, by tier.",
+        &[
+            ("{tier=\"ram\"}".into(), m.cached_ram_tokens as f64),
+            ("{tier=\"ssd\"}".into(), m.cached_ssd_tokens as f64),
+        ],
+    );
+    metric(
+        "kvstore_generated_tokens_total",
+        "counter",
+        "Tokens generated.",
+        &one(m.generated_tokens),
+    );
+    metric(
+        "kvstore_decode_steps_total",
+        "counter",
+        "Batched decode steps.",
+        &one(m.decode_steps),
+    );
+    metric(
+        "kvstore_decode_rows_total",
+        "counter",
+        "Rows over all batched decode steps (÷ steps = mean batch).",
+        &one(m.decode_rows),
+    );
+    metric(
+        "kvstore_queue_depth",
+        "gauge",
+        "Requests waiting for admission.",
+        &one(m.queue_depth),
+    );
+    metric(
+        "kvstore_active_requests",
+        "gauge",
+        "Requests decoding now.",
+        &one(m.active_rows),
+    );
+    metric(
+        "kvstore_kv_reserved_bytes",
+        "gauge",
+        "Live KV bytes reserved by admitted requests.",
+        &one(m.kv_reserved_bytes),
+    );
+    let mut ttft: Vec<(String, f64)> = TTFT_BUCKETS
+        .iter()
+        .zip(&m.ttft_buckets)
+        .map(|(le, n)| (format!("_bucket{{le=\"{le}\"}}"), *n as f64))
+        .collect();
+    ttft.push(("_bucket{le=\"+Inf\"}".into(), m.ttft_count as f64));
+    ttft.push(("_sum".into(), m.ttft_sum_s));
+    ttft.push(("_count".into(), m.ttft_count as f64));
+    metric(
+        "kvstore_ttft_seconds",
+        "histogram",
+        "Time to first token (queue + restore + prefill), seconds.",
+        &ttft,
+    );
+    if let Some(st) = s.engine.cache_stats() {
+        let tiers = |ram: u64, ssd: u64| {
+            vec![
+                ("{tier=\"ram\"}".to_string(), ram as f64),
+                ("{tier=\"ssd\"}".to_string(), ssd as f64),
+            ]
+        };
+        metric(
+            "kvstore_cache_hits_total",
+            "counter",
+            "Blocks served by the store, by tier.",
+            &tiers(st.ram_hits, st.ssd_hits),
+        );
+        metric(
+            "kvstore_cache_misses_total",
+            "counter",
+            "Blocks looked up and not found, by tier.",
+            &tiers(st.ram_misses, st.ssd_misses),
+        );
+        metric(
+            "kvstore_cache_bytes",
+            "gauge",
+            "Bytes held by the store, by tier.",
+            &tiers(st.ram_bytes, st.ssd_bytes),
+        );
+        metric(
+            "kvstore_cache_budget_bytes",
+            "gauge",
+            "Byte budget of the store, by tier.",
+            &tiers(st.ram_budget, st.ssd_budget),
+        );
+        metric(
+            "kvstore_cache_blocks",
+            "gauge",
+            "Blocks held by the store, by tier.",
+            &tiers(st.ram_blocks, st.ssd_blocks),
+        );
+        metric(
+            "kvstore_cache_bytes_written_total",
+            "counter",
+            "Bytes written to SSD block files.",
+            &one(st.bytes_written),
+        );
+    }
+    let codes: Vec<(String, f64)> = s
+        .responses
+        .lock()
+        .map(|m| {
+            m.iter()
+                .map(|(c, n)| (format!("{{code=\"{c}\"}}"), *n as f64))
+                .collect()
+        })
+        .unwrap_or_default();
+    metric(
+        "kvstore_http_responses_total",
+        "counter",
+        "HTTP responses by status code.",
+        &codes,
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// Parses a JSON object body, mapping every failure to an OpenAI-style 4xx.
+fn parse_body(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(String, Map<String, Value>), ApiError> {
+    let bytes = body.map_err(|e| {
+        let status = e.status();
+        let mut err = ApiError::new(status, "invalid_request_error", e.body_text());
+        if status == StatusCode::PAYLOAD_TOO_LARGE {
+            err = err.with_code("request_too_large");
+        }
+        err
+    })?;
+    let raw = String::from_utf8(bytes.to_vec()).map_err(|_| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the body is not UTF-8",
+        )
+    })?;
+    match serde_json::from_str::<Value>(&raw) {
+        Ok(Value::Object(m)) => Ok((raw, m)),
+        Ok(_) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("malformed JSON: {e}"),
+        )
+        .with_code("invalid_json")),
+    }
+}
+
+async fn chat_completions(
+    State(s): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    generate_endpoint(s, body, true).await
+}
+
+async fn completions(
+    State(s): State<Shared>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    generate_endpoint(s, body, false).await
+}
+
+/// Everything a response needs to name itself.
+#[derive(Clone)]
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    chat: bool,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+async fn generate_endpoint(
+    s: Shared,
+    body: Result<Bytes, BytesRejection>,
+    chat: bool,
+) -> Result<Response, ApiError> {
+    let (raw, body) = parse_body(body)?;
+    let mut opts = openai::options(&body, chat)?;
+    if let Some(m) = &opts.model {
+        if *m != s.config.model_id {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
+                    "the model {m:?} does not exist; this server serves {:?}",
+                    s.config.model_id
+                ),
+            )
+            .with_code("model_not_found"));
+        }
+    }
+    // Templates and tokenizers take a while on long conversations: off the async workers.
+    let engine = s.engine.clone();
+    let prompt = tokio::task::spawn_blocking(move || {
+        let tok = engine.tokenizer();
+        if chat {
+            openai::chat_prompt(tok, &body, &raw)
+        } else {
+            openai::completion_prompt(tok, &body)
+        }
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let context = s.engine.context_limit();
+    if prompt.len() >= context {
+        return Err(ApiError::invalid(crate::EngineError::PromptTooLong {
+            prompt: prompt.len(),
+            context,
+        }));
+    }
+    let room = context - prompt.len();
+    opts.params.max_tokens = opts.max_tokens.unwrap_or(room).min(room);
+    let handle = s.engine.submit(Request {
+        prompt,
+        params: opts.params,
+    })?;
+    let meta = Meta {
+        id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, handle.id()),
+        created: now(),
+        model: s.config.model_id.clone(),
+        chat,
+        logprobs: opts.logprobs,
+        include_usage: opts.include_usage,
+    };
+    if opts.stream {
+        Ok(stream(s, handle, meta).into_response())
+    } else {
+        whole(s, handle, meta).await
+    }
+}
+
+/// A non-streaming response: collect every token, then answer once.
+async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Response, ApiError> {
+    let mut logprobs = Vec::new();
+    while let Some(e) = handle.recv().await {
+        match e {
+            Event::Token { sampled, .. } if meta.logprobs => logprobs.push(sampled),
+            Event::Finished(c) => {
+                let tok = s.engine.tokenizer();
+                let reason = openai::finish_reason(&c);
+                let choice = if meta.chat {
+                    let lp = meta.logprobs.then(|| {
+                        json!({"content": logprobs.iter().map(|l| openai::chat_logprob(tok, l)).collect::<Vec<_>>()})
+                    });
+                    json!({
+                        "index": 0,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp,
+                        "finish_reason": reason,
+                    })
+                } else {
+                    json!({
+                        "index": 0,
+                        "text": c.text,
+                        "logprobs": meta.logprobs.then(|| completion_logprobs(tok, &logprobs)),
+                        "finish_reason": reason,
+                    })
+                };
+                return Ok(Json(json!({
+                    "id": meta.id,
+                    "object": if meta.chat { "chat.completion" } else { "text_completion" },
+                    "created": meta.created,
+                    "model": meta.model,
+                    "choices": [choice],
+                    "usage": openai::usage(&c),
+                    "kvstore": timing(&c),
+                }))
+                .into_response());
+            }
+            Event::Failed(e) => return Err(ApiError::internal(e.to_string())),
+            _ => {}
+        }
+    }
+    Err(ApiError::internal(
+        "the engine stopped before the request finished",
+    ))
+}
+
+fn timing(c: &Completion) -> Value {
+    json!({
+        "queue_s": c.queue_s,
+        "ttft_s": c.ttft_s,
+        "total_s": c.total_s,
+        "cached_ram_tokens": c.reuse.cached_ram_tokens,
+        "cached_ssd_tokens": c.reuse.cached_ssd_tokens,
+        "published_blocks": c.reuse.published_blocks,
+    })
+}
+
+fn completion_logprobs(tok: &crate::Tokenizer, l: &[crate::Sampled]) -> Value {
+    let text = |id: u32| tok.decode(&[id], false).unwrap_or_default();
+    json!({
+        "tokens": l.iter().map(|s| text(s.token)).collect::<Vec<_>>(),
+        "token_logprobs": l.iter().map(|s| s.logprob).collect::<Vec<_>>(),
+        "top_logprobs": l.iter().map(|s| {
+            s.top_logprobs.iter().map(|(id, lp)| (text(*id), json!(lp))).collect::<Map<_, _>>()
+        }).collect::<Vec<_>>(),
+    })
+}
+
+struct StreamState {
+    s: Shared,
+    handle: Option<RequestHandle>,
+    meta: Meta,
+    out: VecDeque<SseEvent>,
+}
+
+impl StreamState {
+    fn chunk(&self, delta: Value, logprobs: Value, finish: Option<&str>) -> SseEvent {
+        let choice = if self.meta.chat {
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish})
+        };
+        self.event(json!([choice]), None)
+    }
+
+    fn event(&self, choices: Value, usage: Option<Value>) -> SseEvent {
+        let mut body = json!({
+            "id": self.meta.id,
+            "object": if self.meta.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            body["usage"] = u;
+        }
+        SseEvent::default().data(body.to_string())
+    }
+
+    /// Turns one engine event into SSE events; false once the stream is over.
+    fn on(&mut self, e: Option<Event>) -> bool {
+        match e {
+            Some(Event::Started { .. }) => {
+                if self.meta.chat {
+                    let ev = self.chunk(
+                        json!({"role": "assistant", "content": ""}),
+                        Value::Null,
+                        None,
+                    );
+                    self.out.push_back(ev);
+                }
+                true
+            }
+            Some(Event::Token { sampled, text }) => {
+                if text.is_empty() && !self.meta.logprobs {
+                    return true;
+                }
+                let tok = self.s.engine.tokenizer();
+                let lp = if !self.meta.logprobs {
+                    Value::Null
+                } else if self.meta.chat {
+                    json!({"content": [openai::chat_logprob(tok, &sampled)]})
+                } else {
+                    completion_logprobs(tok, std::slice::from_ref(&sampled))
+                };
+                let delta = if self.meta.chat {
+                    json!({"content": text})
+                } else {
+                    json!(text)
+                };
+                let ev = self.chunk(delta, lp, None);
+                self.out.push_back(ev);
+                true
+            }
+            Some(Event::Finished(c)) => {
+                if c.finish_reason != FinishReason::Cancelled {
+                    let delta = if self.meta.chat { json!({}) } else { json!("") };
+                    let ev = self.chunk(delta, Value::Null, Some(openai::finish_reason(&c)));
+                    self.out.push_back(ev);
+                    if self.meta.include_usage {
+                        let ev = self.event(json!([]), Some(openai::usage(&c)));
+                        self.out.push_back(ev);
+                    }
+                }
+                self.out.push_back(SseEvent::default().data("[DONE]"));
+                false
+            }
+            Some(Event::Failed(e)) => {
+                let err = ApiError::internal(e.to_string());
+                self.out
+                    .push_back(SseEvent::default().data(err.body().to_string()));
+                self.out.push_back(SseEvent::default().data("[DONE]"));
+                false
+            }
+            None => false,
+        }
+    }
+}
+
+/// An SSE response that reads the request's events as they come. Dropping it (the client
+/// went away) drops the handle, which cancels the request.
+fn stream(
+    s: Shared,
+    handle: RequestHandle,
+    meta: Meta,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let state = StreamState {
+        s,
+        handle: Some(handle),
+        meta,
+        out: VecDeque::new(),
+    };
+    let events = futures_util::stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(ev) = st.out.pop_front() {
+                return Some((Ok(ev), st));
+            }
+            let handle = st.handle.as_mut()?;
+            let e = handle.recv().await;
+            if !st.on(e) {
+                st.handle = None;
+            }
+        }
+    });
+    Sse::new(events).keep_alive(KeepAlive::default())
+}
