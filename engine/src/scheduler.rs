@@ -772,6 +772,14 @@ impl Worker {
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
         if let Some(pc) = &self.prefix {
             pc.record_prefill(prompt.len() - cached, report.prefill_s);
+            // Publish the prompt's full blocks now, not at the end: a concurrent request
+            // with the same prefix (an agent's parallel calls) hits while this one decodes.
+            match pc.publish(&mut cache, &prompt) {
+                Ok(n) => report.published_blocks = n,
+                Err(e) => {
+                    tracing::warn!(request = p.id, error = %e, "publishing the prompt failed")
+                }
+            }
         }
         let ttft_s = admitted.elapsed().as_secs_f64();
         let c = self.counters();
@@ -921,7 +929,7 @@ impl Worker {
         if let Some(pc) = &self.prefix {
             let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
             match pc.publish(&mut cache, &all) {
-                Ok(n) => report.published_blocks = n,
+                Ok(n) => report.published_blocks += n,
                 Err(e) => tracing::warn!(request = row.id, error = %e, "publishing failed"),
             }
         }

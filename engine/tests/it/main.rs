@@ -4,6 +4,8 @@
 mod bad_input;
 mod batch;
 mod common;
+mod gemma3;
 mod generation;
 mod parity;
+mod server;
 mod templates;

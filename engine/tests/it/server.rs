@@ -1,0 +1,681 @@
+//! The library engine (submit / stream / cancel / shutdown) and the HTTP server on an
+//! ephemeral port, with the tiny qwen3 model (it has a chat template) and a temp store.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::server::{router, serve_tcp, ServerConfig};
+use engine::{
+    generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, LoadOptions,
+    PrefixCache, Request, ReuseConfig, SubmitError,
+};
+use serde_json::{json, Value};
+use store::StoreConfig;
+
+use crate::common::goldens;
+
+const MODEL: &str = "tiny-qwen3";
+
+fn open_engine(dir: &std::path::Path, config: EngineConfig) -> Arc<Engine> {
+    let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(dir.to_path_buf()),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    Arc::new(Engine::open(model, tok, Some(prefix), config).unwrap())
+}
+
+/// A server on 127.0.0.1:0 in a background runtime; dropped, it stops.
+struct Server {
+    addr: SocketAddr,
+    engine: Arc<Engine>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Server {
+    fn start(api_key: Option<&str>, config: EngineConfig) -> Server {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = open_engine(dir.path(), config);
+        let app = router(
+            engine.clone(),
+            ServerConfig {
+                model_id: MODEL.into(),
+                api_key: api_key.map(String::from),
+                max_body_bytes: 64 << 10,
+            },
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                addr_tx.send(l.local_addr().unwrap()).unwrap();
+                serve_tcp(l, app, async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+            });
+        });
+        Server {
+            addr: addr_rx.recv().unwrap(),
+            engine,
+            stop: Some(stop),
+            thread: Some(thread),
+            _dir: dir,
+        }
+    }
+
+    fn request(&self, method: &str, path: &str, key: Option<&str>, body: &str) -> Response {
+        let mut s = self.send(method, path, key, body);
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        Response::parse(&raw)
+    }
+
+    fn send(&self, method: &str, path: &str, key: Option<&str>, body: &str) -> TcpStream {
+        let mut s = TcpStream::connect(self.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        s
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Response {
+        self.request("POST", path, None, &body.to_string())
+    }
+
+    /// Waits until the engine has no rows and no queue.
+    fn idle(&self) -> engine::EngineMetrics {
+        let t = Instant::now();
+        loop {
+            let m = self.engine.metrics();
+            if m.active_rows == 0 && m.queue_depth == 0 {
+                return m;
+            }
+            assert!(t.elapsed() < Duration::from_secs(30), "engine never idle");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = self.engine.shutdown(true);
+    }
+}
+
+struct Response {
+    status: u16,
+    body: String,
+}
+
+impl Response {
+    fn parse(raw: &[u8]) -> Response {
+        let text = String::from_utf8_lossy(raw).to_string();
+        let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        let chunked = head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked");
+        let body = if chunked {
+            dechunk(rest)
+        } else {
+            rest.to_string()
+        };
+        Response { status, body }
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+
+    /// The `data:` payloads of an SSE body.
+    fn events(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(String::from)
+            .collect()
+    }
+
+    fn error(&self) -> Value {
+        let v = self.json();
+        assert!(v["error"]["message"].is_string(), "{}", self.body);
+        assert!(v["error"]["type"].is_string(), "{}", self.body);
+        v["error"].clone()
+    }
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+fn chat(content: &str, max_tokens: usize) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a terse assistant that answers in one line."},
+            {"role": "user", "content": content},
+        ],
+        "max_tokens": max_tokens,
+    })
+}
+
+/// What engine::generate gives for a chat body served alone.
+fn alone(body: &Value) -> engine::Generation {
+    let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+    let messages = body["messages"].to_string();
+    let prompt = tok.encode_chat(&messages, None, true).unwrap();
+    let params = GenerateParams {
+        max_tokens: body["max_tokens"].as_u64().unwrap() as usize,
+        ..GenerateParams::default()
+    };
+    let mut cache = model.new_cache();
+    generate(&model, &tok, &mut cache, &prompt, &params, &mut |_| true).unwrap()
+}
+
+#[test]
+fn non_streaming_chat_matches_generate_and_reports_usage() {
+    let srv = Server::start(None, EngineConfig::default());
+    let body = chat("Name three colours.", 10);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let want = alone(&body);
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], want.tokens.len());
+    assert_eq!(v["usage"]["prompt_tokens"], want.timings.prompt_tokens);
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+}
+
+#[test]
+fn streaming_chat_arrives_in_chunks_with_usage_and_done() {
+    let srv = Server::start(None, EngineConfig::default());
+    let mut body = chat("Count from one to five.", 8);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(2);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let want = alone(&body);
+    assert_eq!(text, want.text);
+    // The tiny model's text is mostly held-back partial UTF-8; with logprobs every token
+    // is its own chunk, as it is sampled.
+    let per_token = chunks
+        .iter()
+        .filter(|c| c["choices"][0]["logprobs"]["content"].is_array())
+        .count();
+    assert_eq!(per_token, want.tokens.len(), "{events:?}");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], want.tokens.len());
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "length"));
+}
+
+#[test]
+fn concurrent_clients_each_get_their_greedy_output_alone() {
+    let srv = Arc::new(Server::start(None, EngineConfig::default()));
+    let questions = [
+        "Hi",
+        "What is the capital of France? Answer briefly please.",
+        "Write a haiku about the sea, the wind, and a small boat that sails at dawn.",
+        "2+2?",
+        "List the planets of the solar system in order from the sun outwards.",
+        "Why is the sky blue?",
+        "Say something nice about Rust.",
+        "Translate 'good morning' into French, Spanish, German and Italian, one per line.",
+        "ok",
+    ];
+    let bodies: Vec<Value> = questions.iter().map(|q| chat(q, 12)).collect();
+    let handles: Vec<_> = bodies
+        .iter()
+        .cloned()
+        .map(|b| {
+            let srv = srv.clone();
+            std::thread::spawn(move || srv.post("/v1/chat/completions", &b))
+        })
+        .collect();
+    let got: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (b, r) in bodies.iter().zip(&got) {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let want = alone(b);
+        assert_eq!(
+            r.json()["choices"][0]["message"]["content"],
+            want.text.as_str(),
+            "{}",
+            b["messages"][1]["content"]
+        );
+    }
+    let m = srv.idle();
+    assert!(
+        m.decode_rows > m.decode_steps,
+        "requests should have shared decode steps: {m:?}"
+    );
+}
+
+#[test]
+fn requests_sharing_a_prefix_both_report_cached_tokens() {
+    let srv = Arc::new(Server::start(None, EngineConfig::default()));
+    let system = "You are a coding agent. Tools: read_file(path), write_file(path, text), \
+                  run(cmd). Think step by step, call one tool per turn, and keep answers short.";
+    let first = json!({"messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing test in src/lib.rs."},
+    ], "max_tokens": 4});
+    let r = srv.post("/v1/chat/completions", &first);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    let follow = |task: &str| {
+        json!({"messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "Fix the failing test in src/lib.rs."},
+            {"role": "assistant", "content": "Reading the file first."},
+            {"role": "user", "content": task},
+        ], "max_tokens": 6, "stream": true, "stream_options": {"include_usage": true}})
+    };
+    let (a, b) = (
+        follow("Now run the tests."),
+        follow("Now show me the diff."),
+    );
+    let ta = {
+        let srv = srv.clone();
+        std::thread::spawn(move || srv.post("/v1/chat/completions", &a))
+    };
+    let tb = {
+        let srv = srv.clone();
+        std::thread::spawn(move || srv.post("/v1/chat/completions", &b))
+    };
+    for r in [ta.join().unwrap(), tb.join().unwrap()] {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let events = r.events();
+        let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        let cached = usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached > 0, "{usage}");
+    }
+    let cache = srv.request("GET", "/v1/cache", None, "").json();
+    assert_eq!(cache["enabled"], true);
+    assert!(cache["store"]["ram_hits"].as_u64().unwrap() > 0, "{cache}");
+    assert!(cache["engine"]["cached_tokens"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn a_client_disconnect_cancels_the_request_and_frees_its_row() {
+    let srv = Server::start(None, EngineConfig::default());
+    let mut body = chat("Tell me a very long story.", 400);
+    body["stream"] = json!(true);
+    body["logprobs"] = json!(true);
+    let mut s = srv.send("POST", "/v1/chat/completions", None, &body.to_string());
+    // Read until the first content has arrived, then hang up.
+    let mut buf = [0u8; 4096];
+    let mut seen = String::new();
+    while seen.matches("data: ").count() < 3 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "stream ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    drop(s);
+    let m = srv.idle();
+    assert_eq!(m.requests_cancelled, 1, "{m:?}");
+    assert_eq!(m.kv_reserved_bytes, 0);
+    assert!(m.generated_tokens < 400, "{m:?}");
+}
+
+#[test]
+fn bad_input_gets_openai_style_4xx() {
+    let srv = Server::start(None, EngineConfig::default());
+    let post = |body: &str| srv.request("POST", "/v1/chat/completions", None, body);
+    let cases: Vec<(String, u16)> = vec![
+        ("{\"messages\": [".into(), 400),
+        ("[1, 2]".into(), 400),
+        (json!({"messages": []}).to_string(), 400),
+        (json!({"messages": "hi"}).to_string(), 400),
+        (
+            json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string(),
+            400,
+        ),
+        (
+            json!({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}).to_string(),
+            404,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "temperature": -1}).to_string(),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "top_p": 7}).to_string(),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}).to_string(),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"})
+                .to_string(),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "n": 3}).to_string(),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x"}], "stop": 5}).to_string(),
+            400,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "x ".repeat(600)}]}).to_string(),
+            400,
+        ),
+    ];
+    for (body, status) in cases {
+        let r = post(&body);
+        assert_eq!(r.status, status, "{body}: {}", r.body);
+        r.error();
+    }
+    let long =
+        post(&json!({"messages": [{"role": "user", "content": "x ".repeat(600)}]}).to_string());
+    assert_eq!(long.error()["code"], "context_length_exceeded");
+    let huge = post(&"x".repeat(100 << 10));
+    assert_eq!(huge.status, 413, "{}", huge.body);
+    huge.error();
+    let r = srv.request(
+        "POST",
+        "/v1/completions",
+        None,
+        &json!({"prompt": ""}).to_string(),
+    );
+    assert_eq!(r.status, 400);
+    r.error();
+    let r = srv.request("GET", "/v1/chat/completions", None, "");
+    assert_eq!(r.status, 405);
+    r.error();
+    let r = srv.request("GET", "/v1/nothing", None, "");
+    assert_eq!(r.status, 404);
+    r.error();
+    // Still serving after all that.
+    assert_eq!(srv.post("/v1/chat/completions", &chat("hi", 2)).status, 200);
+}
+
+#[test]
+fn an_api_key_guards_the_api_but_not_health() {
+    let srv = Server::start(Some("sk-test"), EngineConfig::default());
+    let body = chat("hi", 2).to_string();
+    let r = srv.request("POST", "/v1/chat/completions", None, &body);
+    assert_eq!(r.status, 401);
+    assert_eq!(r.error()["code"], "invalid_api_key");
+    let r = srv.request("POST", "/v1/chat/completions", Some("sk-wrong"), &body);
+    assert_eq!(r.status, 401);
+    let r = srv.request("POST", "/admin/cache/flush", None, "");
+    assert_eq!(r.status, 401);
+    let r = srv.request("POST", "/v1/chat/completions", Some("sk-test"), &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(srv.request("GET", "/health", None, "").status, 200);
+    let r = srv.request("GET", "/v1/models", Some("sk-test"), "");
+    assert_eq!(r.json()["data"][0]["id"], MODEL);
+}
+
+#[test]
+fn completions_metrics_cache_stats_and_flush() {
+    let srv = Server::start(None, EngineConfig::default());
+    let r = srv.post(
+        "/v1/completions",
+        &json!({"prompt": "The quick brown fox jumps over the lazy dog and then", "max_tokens": 5, "logprobs": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    assert_eq!(
+        v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+    let mut stream = json!({"prompt": "Once upon a time", "max_tokens": 4, "stream": true});
+    let r = srv.post("/v1/completions", &stream);
+    assert_eq!(r.events().last().unwrap(), "[DONE]");
+    stream["stream"] = json!(false);
+
+    let flush = srv.request("POST", "/admin/cache/flush", None, "");
+    assert_eq!(flush.status, 200, "{}", flush.body);
+    let f = flush.json();
+    assert_eq!(f["flushed"], true);
+    assert!(f["store"]["ssd_blocks"].as_u64().unwrap() > 0, "{f}");
+
+    let metrics = srv.request("GET", "/metrics", None, "");
+    assert_eq!(metrics.status, 200);
+    for name in [
+        "kvstore_requests_total{outcome=\"length\"} 2",
+        "kvstore_generated_tokens_total 9",
+        "kvstore_ttft_seconds_bucket{le=\"+Inf\"} 2",
+        "kvstore_ttft_seconds_count 2",
+        "kvstore_queue_depth 0",
+        "kvstore_cache_hits_total{tier=\"ram\"}",
+        "kvstore_cache_bytes{tier=\"ssd\"}",
+        "kvstore_http_responses_total{code=\"200\"}",
+    ] {
+        assert!(
+            metrics.body.contains(name),
+            "{name} missing from:\n{}",
+            metrics.body
+        );
+    }
+}
+
+#[test]
+fn the_library_api_streams_cancels_and_shuts_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            max_batch: 1,
+            ..EngineConfig::default()
+        },
+    );
+    let tok = engine.tokenizer();
+    let prompt = tok
+        .encode("one two three four five six seven eight nine ten", true)
+        .unwrap();
+    let params = GenerateParams {
+        max_tokens: 300,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    };
+    let req = |max_tokens: usize| Request {
+        prompt: prompt.clone(),
+        params: GenerateParams {
+            max_tokens,
+            ..params.clone()
+        },
+    };
+    // With one row, the second request queues behind the first; cancel the first mid-way.
+    let mut a = engine.submit(req(300)).unwrap();
+    let b = engine.submit(req(6)).unwrap();
+    let mut tokens = 0;
+    while let Some(e) = a.recv_blocking() {
+        match e {
+            Event::Token { .. } => {
+                tokens += 1;
+                if tokens == 3 {
+                    a.cancel_handle().cancel();
+                }
+            }
+            Event::Finished(c) => {
+                assert_eq!(c.finish_reason, FinishReason::Cancelled);
+                assert!(c.completion_tokens < 300);
+                break;
+            }
+            Event::Failed(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    let done = b.wait().unwrap();
+    assert_eq!(done.finish_reason, FinishReason::Length);
+    assert_eq!(done.completion_tokens, 6);
+    assert!(
+        done.cached_tokens > 0,
+        "the second request reuses the first's prompt"
+    );
+    // Over budget and bad prompts are refused at submit.
+    assert!(matches!(
+        engine.submit(Request {
+            prompt: vec![],
+            params: params.clone()
+        }),
+        Err(SubmitError::Invalid(_))
+    ));
+    // Shutdown finishes what runs, flushes, and refuses new work.
+    let c = engine.submit(req(4)).unwrap();
+    engine.shutdown(false).unwrap();
+    assert_eq!(c.wait().unwrap().completion_tokens, 4);
+    assert!(engine.cache_stats().unwrap().ssd_blocks > 0);
+    assert!(matches!(
+        engine.submit(req(1)),
+        Err(SubmitError::ShuttingDown)
+    ));
+}
+
+#[test]
+fn a_kv_budget_queues_requests_and_refuses_oversized_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+    let kv = model.info().kv;
+    let per_token = (kv.layers * 2 * kv.kv_heads * kv.head_dim * 4) as u64;
+    drop(model);
+    // Room for one 64-token reservation at a time.
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            kv_budget_bytes: 100 * per_token,
+            ..EngineConfig::default()
+        },
+    );
+    let prompt: Vec<u32> = (10..30).collect();
+    let req = |max_tokens| Request {
+        prompt: prompt.clone(),
+        params: GenerateParams {
+            max_tokens,
+            stop_at_eos: false,
+            ..GenerateParams::default()
+        },
+    };
+    assert!(matches!(
+        engine.submit(req(400)),
+        Err(SubmitError::OverBudget { .. })
+    ));
+    let hs: Vec<_> = (0..3).map(|_| engine.submit(req(40)).unwrap()).collect();
+    for h in hs {
+        assert_eq!(h.wait().unwrap().completion_tokens, 40);
+    }
+    let m = engine.metrics();
+    assert_eq!(
+        m.decode_rows, m.decode_steps,
+        "one row at a time under this budget"
+    );
+}
+
+#[test]
+fn smollm2_serves_two_concurrent_requests_like_generate() {
+    let Some(path) = crate::common::smollm2() else {
+        return;
+    };
+    let (model, tok) = load(&path, &LoadOptions::default()).unwrap();
+    let prompts: Vec<Vec<u32>> = ["What is 2+2?", "Name a colour."]
+        .iter()
+        .map(|q| {
+            tok.encode_chat(
+                &json!([{"role": "user", "content": q}]).to_string(),
+                None,
+                true,
+            )
+            .unwrap()
+        })
+        .collect();
+    let params = GenerateParams {
+        max_tokens: 6,
+        ..GenerateParams::default()
+    };
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| {
+            generate(
+                &model,
+                &tok,
+                &mut model.new_cache(),
+                p,
+                &params,
+                &mut |_| true,
+            )
+            .unwrap()
+            .text
+        })
+        .collect();
+    let engine = Engine::open(model, tok, None, EngineConfig::default()).unwrap();
+    let hs: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine
+                .submit(Request {
+                    prompt: p.clone(),
+                    params: params.clone(),
+                })
+                .unwrap()
+        })
+        .collect();
+    let got: Vec<String> = hs.into_iter().map(|h| h.wait().unwrap().text).collect();
+    assert_eq!(got, want);
+}
