@@ -42,7 +42,7 @@ pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
 };
 pub use layers::RopeScaling;
-pub use model::{KvLayout, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
+pub use model::{KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
 pub use reuse::{
     generate_with_reuse, namespace_description, PrefixCache, ReuseConfig, ReuseReport,
 };

@@ -103,13 +103,6 @@ impl Network {
             Network::Gemma3(g) => g.logits(h),
         }
     }
-
-    fn dtype(&self) -> Dtype {
-        match self {
-            Network::Decoder(d) => d.embed_tokens.dtype(),
-            Network::Gemma3(g) => g.dtype(),
-        }
-    }
 }
 
 /// A loaded model: weights in MLX arrays and the forward pass of its family.

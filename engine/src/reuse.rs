@@ -160,7 +160,7 @@ pub fn namespace_description(
             group_size: group_size as u32,
         });
     }
-    d.layers = (0..kv.layers).map(|_| "global".to_string()).collect();
+    d.layers = model.layer_kinds().iter().map(|k| k.to_string()).collect();
     d.rope = format!("theta={} arch={}", info.rope_theta, info.architecture);
     d.salt = config.salt.clone();
     let shape = BlockShape {
