@@ -63,9 +63,9 @@ fn source_file(module: &str, functions: usize, seed: usize) -> String {
 }
 
 fn test_output(failing: bool, turn: usize) -> String {
-    let mut s = String::from("   Compiling config v0.3.1 (/repo)\n    Finished test profile in 2.41s\n     Running unittests src/lib.rs\n\nrunning 24 tests\n");
-    for i in 0..24 {
-        let ok = !(failing && i == 17);
+    let mut s = String::from("   Compiling config v0.3.1 (/repo)\n    Finished test profile in 2.41s\n     Running unittests src/lib.rs\n\nrunning 12 tests\n");
+    for i in 0..12 {
+        let ok = !(failing && i == 7);
         s.push_str(&format!(
             "test tests::parse_case_{i:02} ... {}\n",
             if ok { "ok" } else { "FAILED" }
@@ -73,13 +73,13 @@ fn test_output(failing: bool, turn: usize) -> String {
     }
     if failing {
         s.push_str(&format!(
-            "\nfailures:\n\n---- tests::parse_case_17 stdout ----\nthread 'tests::parse_case_17' panicked at src/duration.rs:{}:9:\n\
+            "\nfailures:\n\n---- tests::parse_case_07 stdout ----\nthread 'tests::parse_case_07' panicked at src/duration.rs:{}:9:\n\
              assertion `left == right` failed\n  left: Err(TooLong {{ field: \"duration_3\", max: 12 }})\n right: Ok(90)\n\n\
-             test result: FAILED. 23 passed; 1 failed; 0 ignored\n",
+             test result: FAILED. 11 passed; 1 failed; 0 ignored\n",
             40 + turn
         ));
     } else {
-        s.push_str("\ntest result: ok. 24 passed; 0 failed; 0 ignored\n");
+        s.push_str("\ntest result: ok. 12 passed; 0 failed; 0 ignored\n");
     }
     s
 }
@@ -101,19 +101,19 @@ fn step(i: usize) -> (String, String) {
         1 => (call("run_tests", json!({})), test_output(true, i)),
         2 => (
             call("read_file", json!({"path": "src/duration.rs"})),
-            source_file("duration", 8, i),
+            source_file("duration", 3, i),
         ),
         3 => (
             call("read_file", json!({"path": "src/error.rs"})),
-            source_file("error", 6, i),
+            source_file("error", 2, i),
         ),
         4 => (
             call("read_file", json!({"path": "src/record.rs"})),
-            source_file("record", 8, i),
+            source_file("record", 3, i),
         ),
         5 => (
             call("read_file", json!({"path": "src/tests.rs"})),
-            source_file("tests", 8, i),
+            source_file("tests", 3, i),
         ),
         6 => (
             call(
@@ -123,12 +123,12 @@ fn step(i: usize) -> (String, String) {
             "Edited src/duration.rs: 1 replacement.".into(),
         ),
         7 => (
-            call("run_tests", json!({"filter": "parse_case_17"})),
+            call("run_tests", json!({"filter": "parse_case_07"})),
             test_output(true, i),
         ),
         8 => (
             call("read_file", json!({"path": "src/size.rs"})),
-            source_file("size", 8, i),
+            source_file("size", 3, i),
         ),
         9 => (
             call(
@@ -140,7 +140,7 @@ fn step(i: usize) -> (String, String) {
         10 => (call("run_tests", json!({})), test_output(false, i)),
         _ => (
             call("read_file", json!({"path": format!("src/extra_{i}.rs")})),
-            source_file("extra", 6, i),
+            source_file("extra", 3, i),
         ),
     }
 }
@@ -150,7 +150,7 @@ fn step(i: usize) -> (String, String) {
 pub fn messages(turn: usize) -> Value {
     let mut m = vec![
         json!({"role": "system", "content": system_prompt()}),
-        json!({"role": "user", "content": "The test parse_case_17 fails since the last release. Find out why and fix it; keep the change minimal."}),
+        json!({"role": "user", "content": "The test parse_case_07 fails since the last release. Find out why and fix it; keep the change minimal."}),
     ];
     for i in 0..turn {
         let (call, result) = step(i);
@@ -161,4 +161,4 @@ pub fn messages(turn: usize) -> Value {
 }
 
 /// Turns in the default session (≥ 10, growing past 4,000 tokens with SmolLM2's tokenizer).
-pub const DEFAULT_TURNS: usize = 12;
+pub const DEFAULT_TURNS: usize = 13;

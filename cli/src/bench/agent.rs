@@ -123,44 +123,45 @@ impl Ctx<'_> {
         .1)
     }
 
-    fn cold(&self) -> Result<Arm> {
-        let turns = self
-            .prompts
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                eprintln!("cold: turn {} ({} tokens)", i + 1, p.len());
-                Ok(from_report(&self.turn(None, p)?, 0))
-            })
-            .collect::<Result<_>>()?;
-        Ok(arm("no cache", turns))
-    }
-
-    fn ram(&self) -> Result<Arm> {
-        let dir = tempfile::tempdir()?;
-        let pc = PrefixCache::open(self.model, self.tokenizer, self.config(dir.path()))?;
-        let mut turns = Vec::new();
+    /// Runs the selected in-process arms turn by turn, interleaved, so that load on this
+    /// shared machine falls on every arm alike.
+    fn interleaved(&self, cold: bool, ram: bool, ssd: bool) -> Result<Vec<Arm>> {
+        let (ram_dir, ssd_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
+        let ram_pc = if ram {
+            Some(PrefixCache::open(self.model, self.tokenizer, self.config(ram_dir.path()))?)
+        } else {
+            None
+        };
+        let (mut c, mut r, mut s) = (Vec::new(), Vec::new(), Vec::new());
         for (i, p) in self.prompts.iter().enumerate() {
-            eprintln!("ram: turn {} ({} tokens)", i + 1, p.len());
-            let before = pc.stats().bytes_written;
-            let r = self.turn(Some(&pc), p)?;
-            turns.push(from_report(&r, pc.stats().bytes_written - before));
+            eprintln!("turn {} ({} prompt tokens)", i + 1, p.len());
+            if cold {
+                c.push(from_report(&self.turn(None, p)?, 0));
+            }
+            if let Some(pc) = &ram_pc {
+                let before = pc.stats().bytes_written;
+                let rep = self.turn(Some(pc), p)?;
+                r.push(from_report(&rep, pc.stats().bytes_written - before));
+            }
+            if ssd {
+                // A new store handle each turn: an empty RAM tier, as after a restart.
+                let pc = PrefixCache::open(self.model, self.tokenizer, self.config(ssd_dir.path()))?;
+                let rep = self.turn(Some(&pc), p)?;
+                pc.flush()?;
+                s.push(from_report(&rep, pc.stats().bytes_written));
+            }
         }
-        Ok(arm("RAM reuse", turns))
-    }
-
-    fn ssd(&self) -> Result<Arm> {
-        let dir = tempfile::tempdir()?;
-        let mut turns = Vec::new();
-        for (i, p) in self.prompts.iter().enumerate() {
-            eprintln!("ssd: turn {} ({} tokens)", i + 1, p.len());
-            // A new store handle each turn: an empty RAM tier, as after a restart.
-            let pc = PrefixCache::open(self.model, self.tokenizer, self.config(dir.path()))?;
-            let r = self.turn(Some(&pc), p)?;
-            pc.flush()?;
-            turns.push(from_report(&r, pc.stats().bytes_written));
+        let mut arms = Vec::new();
+        if cold {
+            arms.push(arm("no cache", c));
         }
-        Ok(arm("SSD reuse", turns))
+        if ram {
+            arms.push(arm("RAM reuse", r));
+        }
+        if ssd {
+            arms.push(arm("SSD reuse", s));
+        }
+        Ok(arms)
     }
 
     fn mlx_lm(&self, args: &Args) -> Result<Option<Arm>> {
@@ -301,15 +302,15 @@ pub fn run(args: Args) -> Result<()> {
     };
     // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
     ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
-    let mut arms = Vec::new();
     for name in &args.arms {
-        match name.as_str() {
-            "cold" => arms.push(ctx.cold()?),
-            "ram" => arms.push(ctx.ram()?),
-            "ssd" => arms.push(ctx.ssd()?),
-            "mlx-lm" => arms.extend(ctx.mlx_lm(&args)?),
-            other => anyhow::bail!("unknown arm {other:?}: use cold, ram, ssd, mlx-lm"),
+        if !["cold", "ram", "ssd", "mlx-lm"].contains(&name.as_str()) {
+            anyhow::bail!("unknown arm {name:?}: use cold, ram, ssd, mlx-lm");
         }
+    }
+    let has = |a: &str| args.arms.iter().any(|n| n == a);
+    let mut arms = ctx.interleaved(has("cold"), has("ram"), has("ssd"))?;
+    if has("mlx-lm") {
+        arms.extend(ctx.mlx_lm(&args)?);
     }
     println!(
         "{:>4} {:>7} {}",
