@@ -23,4 +23,9 @@ if [ -e "$openblas" ]; then
     if [ ! -L "$blas" ]; then mv "$blas" "$blas.orig"; ln -s "$openblas" "$blas"; fi
   done
 fi
+# --gemma: only the Gemma 3 goldens (make_gemma_goldens.py).
+if [ "${1:-}" = --gemma ]; then
+  shift
+  exec "$VENV/bin/python" "$HERE/make_gemma_goldens.py" "$@"
+fi
 exec "$VENV/bin/python" "$HERE/make_goldens.py" "$@"

@@ -1,0 +1,307 @@
+//! Gemma 3: parity with mlx-lm (tiny random checkpoint with a 16-token window, and the 270M
+//! model when `scripts/setup.sh --with-gemma` has converted it), chunked prefill across the
+//! window, and prefix reuse through the paged cache and the store: a restored prefix gives
+//! the output of a cold run for prompts longer than twice the window, whether the cached
+//! prefix ends inside the first window or long after it.
+
+use std::path::{Path, PathBuf};
+
+use engine::{
+    generate_with_reuse, greedy_ids, load, namespace_description, GenerateParams, LayerKind,
+    LoadOptions, Model, PrefixCache, ReuseConfig, ReuseReport, Tokenizer,
+};
+use store::StoreConfig;
+
+use crate::common::{floats, golden, goldens, ids};
+
+/// f32 on both sides, same libmlx: differences come from evaluation order only.
+const TINY_TOL: f32 = 1e-4;
+/// The 270M model (18 layers, a 262,144-entry tied head, an 897-token prompt): measured
+/// max difference 1.5e-5 on the top-32 and probe logits.
+const GEMMA_270M_TOL: f32 = 1e-4;
+
+fn tiny() -> PathBuf {
+    goldens().join("tiny-gemma3")
+}
+
+/// The converted 270M folder, when set up.
+fn gemma_270m() -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma3-270m");
+    if p.join("model.safetensors").is_file() {
+        Some(p)
+    } else {
+        eprintln!(
+            "skipped: {} is missing (run bash scripts/setup.sh --with-gemma)",
+            p.display()
+        );
+        None
+    }
+}
+
+fn check_parity(name: &str, path: &Path, tol: f32) {
+    let g = golden("gemma3.json");
+    let n = g["n_tokens"].as_u64().unwrap() as usize;
+    let (model, _) = load(path, &LoadOptions::default()).unwrap();
+    let mut worst = 0f32;
+    for case in g["models"][name]["cases"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let mut cache = model.new_cache();
+        let logits: Vec<f32> = model
+            .forward(&prompt, &mut cache)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        if let Some(full) = case.get("last_logits") {
+            for (a, b) in logits.iter().zip(floats(full)) {
+                worst = worst.max((a - b).abs());
+            }
+        } else {
+            for key in ["top", "probe"] {
+                let want = floats(&case[format!("{key}_logits")]);
+                for (i, id) in ids(&case[format!("{key}_ids")]).into_iter().enumerate() {
+                    worst = worst.max((logits[id as usize] - want[i]).abs());
+                }
+            }
+        }
+        let got = greedy_ids(&model, &prompt, n).unwrap();
+        assert_eq!(
+            got,
+            ids(&case["greedy_ids"]),
+            "{name}: greedy ids differ from mlx-lm ({} prompt tokens)",
+            prompt.len()
+        );
+    }
+    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e}");
+    assert!(worst < tol, "{name}: logits differ from mlx-lm by {worst}");
+}
+
+#[test]
+fn tiny_gemma3_with_sliding_window_layers_matches_mlx_lm() {
+    check_parity("tiny-gemma3", &tiny(), TINY_TOL);
+}
+
+#[test]
+fn gemma3_270m_matches_mlx_lm_on_the_converted_checkpoint() {
+    let Some(path) = gemma_270m() else { return };
+    check_parity("gemma3-270m", &path, GEMMA_270M_TOL);
+}
+
+#[test]
+fn gemma3_layer_kinds_follow_the_config_and_name_the_namespace_layout() {
+    let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
+    let w = LayerKind::Window(16);
+    assert_eq!(
+        model.layer_kinds(),
+        vec![w, LayerKind::Global, w, LayerKind::Global]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = namespace_description(&model, &tok, &config(dir.path(), 8)).unwrap();
+    assert_eq!(d.layers, ["window(16)", "global", "window(16)", "global"]);
+}
+
+#[test]
+fn gemma3_config_that_contradicts_itself_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(tiny().join(f), dir.path().join(f)).unwrap();
+    }
+    let base: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny().join("config.json")).unwrap())
+            .unwrap();
+    let bad = [
+        ("sliding_window_pattern", serde_json::json!(3)),
+        ("rope_global_base_freq", serde_json::json!(10000.0)),
+        ("sliding_window", serde_json::json!(0)),
+        ("attn_logit_softcapping", serde_json::json!(50.0)),
+        (
+            "layer_types",
+            serde_json::json!(["sliding_attention", "full_attention"]),
+        ),
+    ];
+    for (key, value) in bad {
+        let mut cfg = base.clone();
+        cfg[key] = value;
+        std::fs::write(dir.path().join("config.json"), cfg.to_string()).unwrap();
+        let err = load(dir.path(), &LoadOptions::default()).unwrap_err();
+        assert!(
+            matches!(err, engine::EngineError::Config { .. }),
+            "{key}: {err}"
+        );
+    }
+}
+
+/// Logits of the last prompt position on a fresh cache, all at once or in chunks.
+fn last_logits(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
+    let mut cache = model.new_cache();
+    model
+        .prefill(prompt, &mut cache, chunk)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn gemma3_prefill_in_chunks_smaller_and_larger_than_the_window_matches_one_step() {
+    let (model, _) = load(&tiny(), &LoadOptions::default()).unwrap();
+    let prompt = tokens(7, 300, model.info().vocab_size);
+    let whole = last_logits(&model, &prompt, 4096);
+    for chunk in [1, 5, 16, 17, 64] {
+        let d = max_diff(&whole, &last_logits(&model, &prompt, chunk));
+        assert!(d < 1e-4, "chunk {chunk}: logits differ by {d}");
+    }
+}
+
+fn config(dir: &Path, block_size: usize) -> ReuseConfig {
+    ReuseConfig {
+        store: StoreConfig::default()
+            .root(dir)
+            .ram_budget(256 << 20)
+            .ssd_budget(1 << 30),
+        block_size,
+        ..ReuseConfig::default()
+    }
+}
+
+fn params(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    }
+}
+
+/// Deterministic pseudo-random token ids in `3..vocab`.
+fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            3 + (x % (vocab as u64 - 3)) as u32
+        })
+        .collect()
+}
+
+fn cold(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32> {
+    generate_with_reuse(model, tok, None, prompt, &params(n), &mut |_| true)
+        .unwrap()
+        .0
+        .tokens
+}
+
+fn cached(
+    model: &Model,
+    tok: &Tokenizer,
+    pc: &PrefixCache,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, ReuseReport) {
+    let (g, r) =
+        generate_with_reuse(model, tok, Some(pc), prompt, &params(n), &mut |_| true).unwrap();
+    (g.tokens, r)
+}
+
+/// For each cached prefix length: publish a sequence that shares exactly that prefix with
+/// a long prompt (≥ 1,100 tokens, > 2 windows), then serve the prompt from RAM and, after
+/// a restart, from SSD; both must give the cold output and restore the whole prefix.
+fn restored_matches_cold(model: &Model, tok: &Tokenizer, block: usize, prefixes: &[usize]) {
+    let vocab = model.info().vocab_size;
+    let prompt = tokens(11, 1_104, vocab);
+    let n = 12;
+    let want = cold(model, tok, &prompt, n);
+    for &p in prefixes {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let pc = PrefixCache::open(model, tok, config(dir.path(), block)).unwrap();
+            // Shares the first p tokens, then diverges.
+            let mut other = prompt[..p].to_vec();
+            other.extend(tokens(p as u64 + 99, 2 * block, vocab));
+            cached(model, tok, &pc, &other, 1);
+            let (got, r) = cached(model, tok, &pc, &prompt, n);
+            assert_eq!(
+                r.cached_tokens,
+                p / block * block,
+                "prefix {p}: RAM restore"
+            );
+            assert_eq!(got, want, "prefix {p} (block {block}): RAM restore differs");
+            pc.flush().unwrap();
+        }
+        // A restart: the RAM tier is empty, blocks come from disk.
+        let pc = PrefixCache::open(model, tok, config(dir.path(), block)).unwrap();
+        let (got, r) = cached(model, tok, &pc, &prompt, n);
+        assert!(
+            r.cached_ssd_tokens >= p / block * block,
+            "prefix {p}: {r:?}"
+        );
+        assert_eq!(got, want, "prefix {p} (block {block}): SSD restore differs");
+    }
+}
+
+#[test]
+fn gemma3_restored_prefixes_inside_and_beyond_the_window_match_cold_output() {
+    let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
+    // Window 16, block 8: prefixes ending inside the first window (8), at its edge (16),
+    // just past it (24), mid-prompt and one block short of the whole prompt.
+    restored_matches_cold(&model, &tok, 8, &[8, 16, 24, 520, 1_096]);
+}
+
+#[test]
+fn gemma3_blocks_larger_than_the_window_restore_exactly() {
+    let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
+    // Block 32 > window 16: each block holds keys every later query masks out.
+    restored_matches_cold(&model, &tok, 32, &[32, 608]);
+}
+
+#[test]
+fn gemma3_multi_turn_reuse_matches_cold_output_at_every_turn() {
+    let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
+    let vocab = model.info().vocab_size;
+    let dir = tempfile::tempdir().unwrap();
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 16)).unwrap();
+    let mut convo = tokens(5, 700, vocab);
+    for turn in 0..4 {
+        let want = cold(&model, &tok, &convo, 6);
+        let (got, r) = cached(&model, &tok, &pc, &convo, 6);
+        assert_eq!(got, want, "turn {turn}");
+        if turn > 0 {
+            assert!(r.cached_tokens > 600, "turn {turn}: {r:?}");
+        }
+        convo.extend(&got);
+        convo.extend(tokens(turn + 50, 150, vocab));
+    }
+}
+
+#[test]
+fn gemma3_270m_restored_prefix_longer_than_two_windows_matches_cold_output() {
+    let Some(path) = gemma_270m() else { return };
+    let (model, tok) = load(&path, &LoadOptions::default()).unwrap();
+    let text = "Prefix caches must not break sliding-window attention. ".repeat(120);
+    let mut prompt = tok.encode(&text, true).unwrap();
+    prompt.truncate(1_100);
+    assert!(prompt.len() >= 1_100);
+    let dir = tempfile::tempdir().unwrap();
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 32)).unwrap();
+    // Turn 1 publishes the prompt's blocks; turn 2 extends it by a question.
+    cached(&model, &tok, &pc, &prompt, 1);
+    let mut turn2 = prompt.clone();
+    turn2.extend(
+        tok.encode(" Question: what must not break?", false)
+            .unwrap(),
+    );
+    let want = cold(&model, &tok, &turn2, 8);
+    let (got, r) = cached(&model, &tok, &pc, &turn2, 8);
+    assert_eq!(r.cached_tokens, 1_088, "{r:?}");
+    assert_eq!(got, want);
+}
