@@ -138,7 +138,10 @@ pub struct Args {
     raw: bool,
     #[command(flatten)]
     sampling: SamplingArgs,
-    /// Print token ids, text and timings as JSON instead of streaming text.
+    #[command(flatten)]
+    cache: crate::cache_args::CacheArgs,
+    /// Print token ids, text, timings and the prefix-reuse report as JSON instead of
+    /// streaming text.
     #[arg(long)]
     json: bool,
 }
@@ -162,22 +165,33 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         (None, None) => bail!("give --prompt TEXT or --messages FILE.json"),
     };
-    let mut cache = model.new_cache();
+    let prefix = args.cache.open(&model, &tokenizer)?;
     let mut stdout = std::io::stdout().lock();
     let mut write_failed = None;
-    let out = engine::generate(&model, &tokenizer, &mut cache, &prompt, &params, &mut |e| {
-        if args.json {
-            return true;
-        }
-        if let Err(err) = stdout
-            .write_all(e.text.as_bytes())
-            .and_then(|_| stdout.flush())
-        {
-            write_failed = Some(err);
-            return false;
-        }
-        true
-    })?;
+    let (out, reuse) = engine::generate_with_reuse(
+        &model,
+        &tokenizer,
+        prefix.as_ref(),
+        &prompt,
+        &params,
+        &mut |e| {
+            if args.json {
+                return true;
+            }
+            if let Err(err) = stdout
+                .write_all(e.text.as_bytes())
+                .and_then(|_| stdout.flush())
+            {
+                write_failed = Some(err);
+                return false;
+            }
+            true
+        },
+    )?;
+    if let Some(p) = &prefix {
+        p.flush().context("making the published blocks durable")?;
+    }
+    log_report(&reuse);
     if let Some(err) = write_failed {
         if err.kind() == std::io::ErrorKind::BrokenPipe {
             return Ok(());
@@ -191,10 +205,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "text": out.text,
             "finish_reason": out.finish_reason,
             "timings": out.timings,
+            "cache": reuse,
         });
         writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
     } else {
         writeln!(stdout)?;
     }
     Ok(())
+}
+
+/// Logs what prefix reuse did, on stderr (the per-request report of `--json`, in brief).
+fn log_report(r: &engine::ReuseReport) {
+    if std::env::var_os("KVSTORE_QUIET").is_some() {
+        return;
+    }
+    eprintln!(
+        "[kvstore] prompt {} tokens, cached {} (RAM {}, SSD {}), diverged at {}, TTFT {:.3}s = lookup {:.3}s + restore {:.3}s + prefill {:.3}s, published {} blocks",
+        r.prompt_tokens,
+        r.cached_tokens,
+        r.cached_ram_tokens,
+        r.cached_ssd_tokens,
+        r.diverged_at.map_or("-".to_string(), |d| d.to_string()),
+        r.ttft_s,
+        r.lookup_s,
+        r.restore_s,
+        r.prefill_s,
+        r.published_blocks
+    );
 }

@@ -1,4 +1,5 @@
 //! End-to-end tests across crates: one test binary, one module per area.
 
+mod cli_reuse;
 mod linking;
 mod reuse;

@@ -1,25 +1,8 @@
 //! Binaries of the workspace find libmlx through their rpath, without `LD_LIBRARY_PATH`.
 
-use std::path::PathBuf;
 use std::process::Command;
 
-/// The `kvstore` binary next to this test binary (target/<profile>/kvstore).
-fn kvstore_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target/<profile>");
-    let bin = profile_dir.join("kvstore");
-    if !bin.is_file() {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "-p", "kvstore", "--bin", "kvstore"])
-            .status()
-            .expect("running cargo build");
-        assert!(status.success(), "building the kvstore binary failed");
-    }
-    bin
-}
+use kvstore_tests::kvstore_bin;
 
 #[test]
 fn this_test_binary_runs_mlx_without_ld_library_path() {
