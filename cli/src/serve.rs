@@ -106,6 +106,7 @@ pub fn run(args: Args) -> Result<()> {
         tokio::spawn(async move {
             signal().await;
             tracing::info!("shutting down: no new connections, finishing open requests");
+            engine_sig.stop_accepting();
             let _ = stop_tx.send(true);
             tokio::select! {
                 _ = tokio::time::sleep(grace) => {}

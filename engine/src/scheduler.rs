@@ -545,6 +545,12 @@ impl Engine {
         }
     }
 
+    /// Refuses new submissions from now on ([`SubmitError::ShuttingDown`]) while queued and
+    /// running requests go on; [`Engine::shutdown`] then finishes or cancels them.
+    pub fn stop_accepting(&self) {
+        self.shared.accepting.store(false, Ordering::SeqCst);
+    }
+
     /// Whether [`Engine::submit`] still accepts requests.
     pub fn is_accepting(&self) -> bool {
         self.shared.accepting.load(Ordering::SeqCst)

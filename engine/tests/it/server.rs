@@ -21,7 +21,7 @@ const MODEL: &str = "tiny-qwen3";
 fn open_engine(dir: &std::path::Path, config: EngineConfig) -> Arc<Engine> {
     let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
     let reuse = ReuseConfig {
-        store: StoreConfig::default().root(dir.to_path_buf()),
+        store: StoreConfig::default().root(dir),
         block_size: 8,
         ..ReuseConfig::default()
     };
