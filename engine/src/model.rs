@@ -89,11 +89,7 @@ impl Network {
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
         match self {
             Network::Decoder(d) => d.hidden_rows(tokens, rows),
-            Network::Gemma3(_) => Err(EngineError::InvalidParameter {
-                name: "model",
-                message: "batched decoding does not support gemma3's sliding-window layers yet"
-                    .into(),
-            }),
+            Network::Gemma3(g) => g.hidden_rows(tokens, rows),
         }
     }
 

@@ -16,8 +16,8 @@
 //! layer); the mask hides keys that fell out of the window, so a restored cache attends
 //! exactly as a fresh one does.
 
-use cache::{attention_mask, KvCache};
-use mlx::fast;
+use cache::{attention_mask, KvCache, PagedKvRows};
+use mlx::fast::{self, AttentionMask};
 use mlx::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
@@ -285,6 +285,45 @@ struct Attention {
 }
 
 impl Attention {
+    /// Projections of `x` `[B, L, hidden]`, split into heads, per-head normalized and moved
+    /// to `[B, H, L, D]`, before RoPE.
+    fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
+        let (b, l) = (x.shape()[0], x.shape()[1]);
+        // 1. Projections, split into heads: (B, L, H·D) -> (B, L, H, D).
+        let q = self
+            .q_proj
+            .forward(x)?
+            .reshape(&[b, l, self.num_heads, self.head_dim])?;
+        let k = self
+            .k_proj
+            .forward(x)?
+            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        let v = self
+            .v_proj
+            .forward(x)?
+            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        // 2. Per-head norms, then (B, L, H, D) -> (B, H, L, D).
+        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?;
+        let k = self.k_norm.forward(&k)?.transpose(&[0, 2, 1, 3])?;
+        Ok((q, k, v.transpose(&[0, 2, 1, 3])?))
+    }
+
+    fn window(&self) -> Option<usize> {
+        match self.kind {
+            LayerKind::Window(w) => Some(w),
+            LayerKind::Global => None,
+        }
+    }
+
+    /// `o` `[B, H, L, D]` -> `[B, L, H·D]` -> output projection.
+    fn output(&self, o: &Array) -> Result<Array> {
+        let (b, l) = (o.shape()[0], o.shape()[2]);
+        let o = o
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[b, l, self.num_heads * self.head_dim])?;
+        self.o_proj.forward(&o)
+    }
+
     /// `x` `[1, L, hidden]` after `offset` cached positions → `[1, L, hidden]`.
     fn forward(
         &self,
@@ -294,35 +333,15 @@ impl Attention {
         rope: &RotaryEmbedding,
         cache: &mut dyn KvCache,
     ) -> Result<Array> {
-        let l = x.shape()[1];
-        // 1. Projections, split into heads: (1, L, H·D) -> (1, L, H, D).
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape(&[1, l, self.num_heads, self.head_dim])?;
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape(&[1, l, self.num_kv_heads, self.head_dim])?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape(&[1, l, self.num_kv_heads, self.head_dim])?;
-        // 2. Per-head norms, (1, L, H, D) -> (1, H, L, D), rotate by absolute position.
-        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?;
-        let k = self.k_norm.forward(&k)?.transpose(&[0, 2, 1, 3])?;
+        let l = x.shape()[1] as usize;
+        let (q, k, v) = self.heads(x)?;
         let q = rope.forward(&q, offset)?;
         let k = rope.forward(&k, offset)?;
-        let v = v.transpose(&[0, 2, 1, 3])?;
         // 3. The cache returns every key it holds; a window layer's mask hides those more
         //    than `window - 1` positions behind each query.
         let (keys, values) = cache.update_and_fetch(layer, &k, &v)?;
-        let window = match self.kind {
-            LayerKind::Window(w) => Some(w),
-            LayerKind::Global => None,
-        };
         let held = keys.shape()[2] as usize;
-        let mask = attention_mask(held - l as usize, l as usize, window)?;
+        let mask = attention_mask(held.saturating_sub(l), l, self.window())?;
         let o = fast::scaled_dot_product_attention(
             &q,
             &keys,
@@ -330,11 +349,32 @@ impl Attention {
             self.scale,
             mask.as_attention(),
         )?;
-        // 4. (1, H, L, D) -> (1, L, H·D) -> output projection.
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[1, l, self.num_heads * self.head_dim])?;
-        self.o_proj.forward(&o)
+        self.output(&o)
+    }
+
+    /// One decode step of a batch: `x` `[B, 1, hidden]`, row b at position `offsets[b]`;
+    /// the mask hides each row's left padding and, on window layers, keys out of its window.
+    fn forward_rows(
+        &self,
+        x: &Array,
+        layer: usize,
+        offsets: &Array,
+        rope: &RotaryEmbedding,
+        rows: &mut PagedKvRows,
+    ) -> Result<Array> {
+        let (q, k, v) = self.heads(x)?;
+        let q = rope.forward_rows(&q, offsets)?;
+        let k = rope.forward_rows(&k, offsets)?;
+        let (keys, values) = rows.update_and_fetch(layer, &k, &v)?;
+        let mask = rows.decode_mask(layer, 1, self.window())?;
+        let o = fast::scaled_dot_product_attention(
+            &q,
+            &keys,
+            &values,
+            self.scale,
+            AttentionMask::Array(&mask),
+        )?;
+        self.output(&o)
     }
 }
 
@@ -350,22 +390,14 @@ struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// `x` through the layer, with `attend` as its attention (one sequence or a batch).
     fn forward(
         &self,
         x: &Array,
-        layer: usize,
-        offset: usize,
-        rope: &RotaryEmbedding,
-        cache: &mut dyn KvCache,
+        attend: impl FnOnce(&Attention, &Array) -> Result<Array>,
     ) -> Result<Array> {
         // h = x + post_attn_norm(attn(input_norm(x)))
-        let r = self.self_attn.forward(
-            &self.input_layernorm.forward(x)?,
-            layer,
-            offset,
-            rope,
-            cache,
-        )?;
+        let r = attend(&self.self_attn, &self.input_layernorm.forward(x)?)?;
         let h = x.add(&self.post_attention_layernorm.forward(&r)?)?;
         // out = h + post_ffw_norm(mlp(pre_ffw_norm(h)))
         let r = self
@@ -487,19 +519,40 @@ impl Gemma3 {
     /// what `cache` holds.
     pub(crate) fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
         let offset = cache.offset();
-        let h = self.embed_tokens.forward(tokens)?;
-        // Gemma multiplies by sqrt(hidden) rounded to bf16 (25.25 for 640, not 25.298).
-        let scale =
-            Array::scalar((self.hidden_size as f64).sqrt(), Dtype::BF16)?.astype(h.dtype())?;
-        let mut h = h.mul(&scale)?;
+        let mut h = self.embed(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let rope = match layer.self_attn.kind {
-                LayerKind::Window(_) => &self.rope_local,
-                LayerKind::Global => &self.rope_global,
-            };
-            h = layer.forward(&h, i, offset, rope, cache)?;
+            let rope = self.rope(layer);
+            h = layer.forward(&h, |a, x| a.forward(x, i, offset, rope, cache))?;
         }
         self.norm.forward(&h)
+    }
+
+    /// Hidden states `[B, 1, hidden]` of one decode step of a batch: `tokens` `[B, 1]`,
+    /// row b placed after what row b of `rows` holds.
+    pub(crate) fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
+        let offsets = rows.offsets()?;
+        let mut h = self.embed(tokens)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let rope = self.rope(layer);
+            h = layer.forward(&h, |a, x| a.forward_rows(x, i, &offsets, rope, rows))?;
+        }
+        self.norm.forward(&h)
+    }
+
+    /// The scaled embedding: Gemma multiplies by sqrt(hidden) rounded to bf16 (25.25 for
+    /// 640, not 25.298), as transformers and mlx-lm do.
+    fn embed(&self, tokens: &Array) -> Result<Array> {
+        let h = self.embed_tokens.forward(tokens)?;
+        let scale =
+            Array::scalar((self.hidden_size as f64).sqrt(), Dtype::BF16)?.astype(h.dtype())?;
+        Ok(h.mul(&scale)?)
+    }
+
+    fn rope(&self, layer: &DecoderLayer) -> &RotaryEmbedding {
+        match layer.self_attn.kind {
+            LayerKind::Window(_) => &self.rope_local,
+            LayerKind::Global => &self.rope_global,
+        }
     }
 
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`, softcapped when configured.

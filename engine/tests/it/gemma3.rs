@@ -305,3 +305,49 @@ fn gemma3_270m_restored_prefix_longer_than_two_windows_matches_cold_output() {
     assert_eq!(r.cached_tokens, 1_088, "{r:?}");
     assert_eq!(got, want);
 }
+
+#[test]
+fn gemma3_batched_decode_with_window_masks_matches_each_row_alone() {
+    use cache::{PagedConfig, PagedKvCache, PagedKvRows};
+    use engine::{argmax, DEFAULT_PREFILL_CHUNK};
+
+    let (model, _) = load(&tiny(), &LoadOptions::default()).unwrap();
+    let vocab = model.info().vocab_size;
+    let layers = model.info().kv.layers;
+    // Rows shorter than the window, across it, and far past it, padded differently.
+    let prompts: Vec<Vec<u32>> = [(5, 1), (19, 2), (70, 3)]
+        .iter()
+        .map(|&(n, seed)| tokens(seed, n, vocab))
+        .collect();
+    let (mut rows, mut alone, mut out) = (PagedKvRows::new(), Vec::new(), Vec::new());
+    for p in &prompts {
+        let mut c = PagedKvCache::new(layers, PagedConfig::default()).unwrap();
+        let logits = model.prefill(p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        out.push(vec![argmax(&logits.to_vec::<f32>().unwrap())]);
+        alone.push(c.clone());
+        rows.push(c).unwrap();
+    }
+    let n = 24;
+    let mut worst = 0f32;
+    for _ in 1..n {
+        let last: Vec<u32> = out.iter().map(|o: &Vec<u32>| *o.last().unwrap()).collect();
+        let logits: Vec<f32> = model
+            .forward_rows(&last, &mut rows)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        for (b, row) in logits.chunks(vocab).enumerate() {
+            let single: Vec<f32> = model
+                .forward(&[last[b]], &mut alone[b])
+                .unwrap()
+                .to_vec()
+                .unwrap();
+            worst = worst.max(max_diff(row, &single));
+            out[b].push(argmax(row));
+        }
+    }
+    for (p, got) in prompts.iter().zip(&out) {
+        assert_eq!(got, &greedy_ids(&model, p, n).unwrap());
+    }
+    assert!(worst < 1e-4, "batched logits differ by {worst}");
+}
