@@ -97,6 +97,15 @@ impl PagedKvCache {
         })
     }
 
+    /// An empty cache for `layers` layers with [`PagedConfig::default`].
+    pub fn with_default_config(layers: usize) -> Self {
+        Self {
+            config: PagedConfig::default(),
+            layers: vec![Layer::default(); layers],
+            published: 0,
+        }
+    }
+
     /// The settings.
     pub fn config(&self) -> &PagedConfig {
         &self.config

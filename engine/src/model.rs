@@ -256,9 +256,10 @@ impl Model {
         Ok(*self.fingerprint.get_or_init(|| out))
     }
 
-    /// A fresh contiguous cache sized for this model.
-    pub fn new_cache(&self) -> cache::ContiguousKvCache {
-        cache::ContiguousKvCache::new(self.info.kv.layers)
+    /// A fresh KV cache for this model: paged, float KV, 32-token blocks, growing as
+    /// needed (appends update it in place; attention reads it through a view).
+    pub fn new_cache(&self) -> cache::PagedKvCache {
+        cache::PagedKvCache::with_default_config(self.info.kv.layers)
     }
 
     fn ids(&self, tokens: &[u32]) -> Result<Array> {

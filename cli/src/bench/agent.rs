@@ -128,7 +128,11 @@ impl Ctx<'_> {
     fn interleaved(&self, cold: bool, ram: bool, ssd: bool) -> Result<Vec<Arm>> {
         let (ram_dir, ssd_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
         let ram_pc = if ram {
-            Some(PrefixCache::open(self.model, self.tokenizer, self.config(ram_dir.path()))?)
+            Some(PrefixCache::open(
+                self.model,
+                self.tokenizer,
+                self.config(ram_dir.path()),
+            )?)
         } else {
             None
         };
@@ -145,7 +149,8 @@ impl Ctx<'_> {
             }
             if ssd {
                 // A new store handle each turn: an empty RAM tier, as after a restart.
-                let pc = PrefixCache::open(self.model, self.tokenizer, self.config(ssd_dir.path()))?;
+                let pc =
+                    PrefixCache::open(self.model, self.tokenizer, self.config(ssd_dir.path()))?;
                 let rep = self.turn(Some(&pc), p)?;
                 pc.flush()?;
                 s.push(from_report(&rep, pc.stats().bytes_written));
