@@ -55,6 +55,13 @@ if [ "$os" = Linux ] && [ "$backend" = cpu ]; then
   fi
 fi
 
+# The remote-tier tests start their own redis-server instances.
+if ! command -v redis-server >/dev/null && [ $is_root = 1 ] && command -v apt-get >/dev/null; then
+  say "installing redis-server (for the remote-tier tests)"
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+
 # 2. The MLX wheel, unpacked with its layout (libmlx finds its libraries relative to itself).
 stamp="$MLX_HOME/.installed"
 want="$mlx_pkg==$MLX_VERSION"
@@ -110,6 +117,17 @@ with open(dest + ".part", "wb") as f:
 import os
 os.replace(dest + ".part", dest)
 PY
+fi
+
+# 5. A private venv with the official `openai` client, which the server tests drive.
+TEST_VENV="$ROOT/.venv-test"
+OPENAI_PIN="openai==1.109.1"
+if [ ! -f "$TEST_VENV/.installed" ] || [ "$(cat "$TEST_VENV/.installed")" != "$OPENAI_PIN" ]; then
+  say "creating .venv-test with $OPENAI_PIN (for the server tests)"
+  rm -rf "$TEST_VENV"
+  python3 -m venv "$TEST_VENV" || die "python3 -m venv failed: install python3-venv and re-run"
+  "$TEST_VENV/bin/pip" install --quiet "$OPENAI_PIN" || die "pip could not install $OPENAI_PIN (is PyPI reachable?)"
+  echo "$OPENAI_PIN" > "$TEST_VENV/.installed"
 fi
 
 say "ready: MLX $MLX_VERSION ($backend) in .mlx/, default model $model"

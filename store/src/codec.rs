@@ -264,6 +264,32 @@ pub(crate) fn write_file(block: &Block, path: &Path) -> Result<(), EncodeError> 
     })
 }
 
+/// The exact bytes [`write_file`] would write for `block` (the remote tier stores these).
+pub(crate) fn encode(block: &Block) -> Result<Vec<u8>, EncodeError> {
+    check_encodable(block)?;
+    let sum = checksum(block);
+    let meta = Some(metadata_map(block, &sum));
+    let mut views = Vec::with_capacity(block.planes.len());
+    for p in &block.planes {
+        let shape: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
+        let view = TensorView::new(p.dtype.to_safetensors(), shape, &p.data)
+            .map_err(|e| EncodeError::Invalid(format!("plane {:?}: {e:?}", p.name)))?;
+        views.push((p.name.clone(), view));
+    }
+    safetensors::serialize(views, &meta).map_err(|e| EncodeError::Invalid(format!("{e:?}")))
+}
+
+/// Parses and verifies a whole block file held in memory (header, layout, checksum); the
+/// planes share `bytes`.
+pub(crate) fn decode(bytes: Bytes) -> Result<Block, DecodeError> {
+    let layout = layout(&bytes)?;
+    let mut h = layout_hasher(&layout);
+    for (spec, range) in &layout.planes {
+        checksum_plane(&mut h, spec, &bytes[range.clone()]);
+    }
+    finish(layout, h, bytes)
+}
+
 fn field<'a>(map: &'a HashMap<String, String>, key: &'static str) -> Result<&'a str, DecodeError> {
     map.get(key)
         .map(String::as_str)

@@ -48,6 +48,14 @@ pub enum OpenError {
         /// What the lock file says about its holder.
         holder: String,
     },
+    /// The remote tier's URL does not parse (nothing is connected at open).
+    #[error("remote tier URL {url:?} is invalid: {message}; expected redis://[user:password@]host:port[/db]")]
+    RemoteUrl {
+        /// The URL, password removed.
+        url: String,
+        /// Why it was refused.
+        message: String,
+    },
     /// An I/O error on a named path.
     #[error("I/O error on {path}: {source}")]
     Io {

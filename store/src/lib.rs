@@ -14,7 +14,8 @@
 //! - [`Store`] is the facade: a [`RamTier`] (byte-bounded LRU over any [`Payload`], so a
 //!   caller may keep device arrays there) over an [`SsdTier`] (one safetensors file per
 //!   block, checksummed, crash safe, byte-budgeted, LRU order persisted), joined by a
-//!   write-behind worker.
+//!   write-behind worker, and optionally a [`remote`] tier on Redis shared between engines
+//!   (lookups in one pipelined round trip, verified fetches, asynchronous publication).
 //! - [`gc`] and [`inspect`] look after a store directory offline; the `kvstore` binary
 //!   wraps them.
 //!
@@ -57,6 +58,7 @@ mod journal;
 mod key;
 mod namespace;
 mod ram;
+pub mod remote;
 mod ssd;
 mod stats;
 mod store;
@@ -67,6 +69,7 @@ pub use error::{InsertError, OpenError, RegisterError, WriteError};
 pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
 pub use namespace::{KvQuantization, NamespaceDescription};
 pub use ram::RamTier;
+pub use remote::RemoteConfig;
 pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
 pub use stats::StoreStats;
 pub use store::{

@@ -22,6 +22,14 @@ pub(crate) struct Counters {
     pub quarantined: AtomicU64,
     pub skipped_queue_full: AtomicU64,
     pub orphans_swept: AtomicU64,
+    pub remote_hits: AtomicU64,
+    pub remote_misses: AtomicU64,
+    pub remote_bytes_read: AtomicU64,
+    pub remote_bytes_written: AtomicU64,
+    pub remote_blocks_written: AtomicU64,
+    pub remote_errors: AtomicU64,
+    pub remote_verify_failures: AtomicU64,
+    pub remote_skipped: AtomicU64,
 }
 
 impl Counters {
@@ -83,6 +91,25 @@ pub struct StoreStats {
     pub skipped_queue_full: u64,
     /// Orphaned temporary files removed at open.
     pub orphans_swept: u64,
+    /// Whether a remote tier is configured.
+    pub remote_enabled: bool,
+    /// Blocks fetched from the remote tier and verified.
+    pub remote_hits: u64,
+    /// Blocks `load_prefix` asked the remote tier for and did not get (absent, unreachable
+    /// or invalid).
+    pub remote_misses: u64,
+    /// Bytes of verified values fetched from the remote tier.
+    pub remote_bytes_read: u64,
+    /// Bytes published to the remote tier.
+    pub remote_bytes_written: u64,
+    /// Blocks published to the remote tier.
+    pub remote_blocks_written: u64,
+    /// Failed Redis operations (connection refused, timeouts, errors).
+    pub remote_errors: u64,
+    /// Fetched values that failed verification (corrupt or foreign) and were not served.
+    pub remote_verify_failures: u64,
+    /// Publications skipped: the queue was full or Redis was unreachable.
+    pub remote_skipped: u64,
 }
 
 impl StoreStats {
@@ -104,6 +131,14 @@ impl StoreStats {
             quarantined: g(&c.quarantined),
             skipped_queue_full: g(&c.skipped_queue_full),
             orphans_swept: g(&c.orphans_swept),
+            remote_hits: g(&c.remote_hits),
+            remote_misses: g(&c.remote_misses),
+            remote_bytes_read: g(&c.remote_bytes_read),
+            remote_bytes_written: g(&c.remote_bytes_written),
+            remote_blocks_written: g(&c.remote_blocks_written),
+            remote_errors: g(&c.remote_errors),
+            remote_verify_failures: g(&c.remote_verify_failures),
+            remote_skipped: g(&c.remote_skipped),
             ..StoreStats::default()
         }
     }

@@ -1,4 +1,5 @@
-//! The [`Store`] facade: RAM tier over SSD tier, joined by a write-behind worker.
+//! The [`Store`] facade: RAM tier over SSD tier, joined by a write-behind worker, with an
+//! optional remote tier (Redis) behind both, fed by a publisher thread.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -14,6 +15,7 @@ use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::ram::RamTier;
+use crate::remote::{RemoteConfig, RemoteTier};
 use crate::ssd::{ReadOutcome, SsdOptions, SsdTier};
 use crate::stats::{Counters, StoreStats};
 
@@ -43,6 +45,8 @@ pub struct StoreConfig {
     pub queue_capacity: usize,
     /// Open the SSD tier read-only (no lock, no writes); the RAM tier still works.
     pub read_only: bool,
+    /// A remote tier (Redis) behind RAM and SSD; `None` keeps the store local.
+    pub remote: Option<RemoteConfig>,
 }
 
 impl Default for StoreConfig {
@@ -54,6 +58,7 @@ impl Default for StoreConfig {
             write_policy: WritePolicy::WriteBack,
             queue_capacity: 64,
             read_only: false,
+            remote: None,
         }
     }
 }
@@ -94,6 +99,12 @@ impl StoreConfig {
         self.read_only = read_only;
         self
     }
+
+    /// A remote tier behind RAM and SSD. Default: none.
+    pub fn remote(mut self, remote: Option<RemoteConfig>) -> Self {
+        self.remote = remote;
+        self
+    }
 }
 
 /// Where a block was found.
@@ -103,6 +114,8 @@ pub enum Tier {
     Ram,
     /// The SSD tier.
     Ssd,
+    /// The remote tier (Redis).
+    Remote,
 }
 
 /// The longest run of consecutive requested keys that are present.
@@ -112,6 +125,8 @@ pub struct PrefixHit {
     pub ram_blocks: usize,
     /// Blocks of the run found only on SSD.
     pub ssd_blocks: usize,
+    /// Blocks of the run found only in the remote tier (not yet fetched nor verified).
+    pub remote_blocks: usize,
     /// The tier of each block of the run, in order.
     pub tiers: Vec<Tier>,
 }
@@ -127,7 +142,8 @@ impl PrefixHit {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BlockProblem {
-    /// The file failed verification (checksum, header, truncation); it was quarantined.
+    /// The file (or remote value) failed verification (checksum, header, truncation); a
+    /// file was quarantined.
     #[error("corrupt file: {0}")]
     Corrupt(DecodeError),
     /// The block belongs to another namespace.
@@ -213,6 +229,11 @@ enum Job<P> {
     Flush(SyncSender<()>),
 }
 
+enum RemoteJob<P> {
+    Put(Arc<P>),
+    Flush(SyncSender<()>),
+}
+
 #[derive(Default)]
 struct Failures {
     count: u64,
@@ -223,6 +244,7 @@ struct Shared<P> {
     config: StoreConfig,
     ram: Mutex<RamTier<P>>,
     ssd: Option<SsdTier>,
+    remote: Option<RemoteTier>,
     namespaces: RwLock<HashMap<NamespaceId, NamespaceDescription>>,
     /// Blocks queued for the SSD tier and not yet written; served as RAM hits meanwhile.
     pending: Mutex<HashMap<(NamespaceId, BlockKey), Arc<P>>>,
@@ -240,6 +262,8 @@ pub struct Store<P: Payload> {
     shared: Arc<Shared<P>>,
     tx: Option<SyncSender<Job<P>>>,
     worker: Option<JoinHandle<()>>,
+    remote_tx: Option<SyncSender<RemoteJob<P>>>,
+    remote_worker: Option<JoinHandle<()>>,
 }
 
 impl<P: Payload> Store<P> {
@@ -272,6 +296,15 @@ impl<P: Payload> Store<P> {
                 Some(ssd)
             }
         };
+        let remote = match &config.remote {
+            None => None,
+            Some(rc) => Some(RemoteTier::new(rc.clone(), counters.clone()).map_err(|e| {
+                OpenError::RemoteUrl {
+                    url: redact(&rc.url),
+                    message: e.to_string(),
+                }
+            })?),
+        };
         let namespaces = ssd
             .as_ref()
             .map(|s| s.namespaces().into_iter().map(|d| (d.id(), d)).collect())
@@ -279,6 +312,7 @@ impl<P: Payload> Store<P> {
         let shared = Arc::new(Shared {
             ram: Mutex::new(RamTier::new(config.ram_budget)),
             ssd,
+            remote,
             namespaces: RwLock::new(namespaces),
             pending: Mutex::new(HashMap::new()),
             failures: Mutex::new(Failures::default()),
@@ -296,7 +330,25 @@ impl<P: Payload> Store<P> {
         } else {
             (None, None)
         };
-        Ok(Store { shared, tx, worker })
+        let (remote_tx, remote_worker) = match &shared.remote {
+            Some(r) => {
+                let (tx, rx) = mpsc::sync_channel(r.config().queue_capacity.max(1));
+                let s = shared.clone();
+                let worker = std::thread::Builder::new()
+                    .name("kvstore-remote-publish".into())
+                    .spawn(move || remote_loop(s, rx))
+                    .map_err(OpenError::Worker)?;
+                (Some(tx), Some(worker))
+            }
+            None => (None, None),
+        };
+        Ok(Store {
+            shared,
+            tx,
+            worker,
+            remote_tx,
+            remote_worker,
+        })
     }
 
     /// The configuration the store was opened with.
@@ -406,7 +458,17 @@ impl<P: Payload> Store<P> {
             }
         }
         self.spill(evicted);
+        self.publish_remote(payload);
         Ok(())
+    }
+
+    /// Queues a block for the remote tier without blocking; a full queue skips it.
+    fn publish_remote(&self, p: Arc<P>) {
+        if let Some(tx) = &self.remote_tx {
+            if tx.try_send(RemoteJob::Put(p)).is_err() {
+                Counters::inc(&self.shared.counters.remote_skipped);
+            }
+        }
     }
 
     fn spill(&self, evicted: Vec<Arc<P>>) {
@@ -475,8 +537,10 @@ impl<P: Payload> Store<P> {
         }
     }
 
-    /// The longest run of consecutive `keys` present (RAM, then SSD), without reading
-    /// payloads or changing recency.
+    /// The longest run of consecutive `keys` present (RAM, then SSD, then the remote tier),
+    /// without reading payloads or changing recency. The keys after the local run are
+    /// asked of the remote tier in one pipelined round trip (EXISTS); an unreachable remote
+    /// tier adds nothing.
     pub fn lookup(&self, ns: NamespaceId, keys: &[BlockKey]) -> PrefixHit {
         let mut hit = PrefixHit::default();
         let ram = lock(&self.shared.ram);
@@ -495,6 +559,15 @@ impl<P: Payload> Store<P> {
                 hit.tiers.push(Tier::Ssd);
             } else {
                 break;
+            }
+        }
+        drop((ram, pending));
+        if let Some(remote) = &self.shared.remote {
+            let rest = &keys[hit.blocks()..];
+            if let Some(present) = remote.exists(ns, rest) {
+                let run = present.iter().take_while(|p| **p).count();
+                hit.remote_blocks = run;
+                hit.tiers.extend(std::iter::repeat_n(Tier::Remote, run));
             }
         }
         hit
@@ -521,6 +594,7 @@ impl<P: Payload> Store<P> {
         };
         let c = &self.shared.counters;
         let mut first_position = None;
+        let mut remote_batch = None;
         for (index, &key) in keys.iter().enumerate() {
             let Some(tokens) = tokens_per_block.get(index) else {
                 out.stopped = Some(StopReason::NoTokens { index });
@@ -558,16 +632,27 @@ impl<P: Payload> Store<P> {
                 continue;
             }
             Counters::inc(&c.ram_misses);
-            let Some(ssd) = &self.shared.ssd else {
-                out.stopped = Some(StopReason::Missing { index });
-                break;
+            let local = match &self.shared.ssd {
+                Some(ssd) => ssd.read(ns, key, false),
+                None => ReadOutcome::Miss,
             };
-            let block = match ssd.read(ns, key, false) {
-                ReadOutcome::Hit(b) => b,
-                ReadOutcome::Miss => {
-                    out.stopped = Some(StopReason::Missing { index });
-                    break;
-                }
+            let (block, tier) = match local {
+                ReadOutcome::Hit(b) => (b, Tier::Ssd),
+                ReadOutcome::Miss => match self.fetch_remote(ns, keys, index, &mut remote_batch) {
+                    Some(Ok(b)) => (b, Tier::Remote),
+                    Some(Err(problem)) => {
+                        out.stopped = Some(StopReason::Invalid {
+                            index,
+                            tier: Tier::Remote,
+                            problem,
+                        });
+                        break;
+                    }
+                    None => {
+                        out.stopped = Some(StopReason::Missing { index });
+                        break;
+                    }
+                },
                 ReadOutcome::Corrupt { error, .. } => {
                     out.stopped = Some(StopReason::Invalid {
                         index,
@@ -579,12 +664,21 @@ impl<P: Payload> Store<P> {
             };
             let specs: Vec<_> = block.planes.iter().map(|p| p.spec()).collect();
             if let Err(problem) = check(&block.meta, &specs) {
+                if tier == Tier::Remote {
+                    Counters::inc(&c.remote_verify_failures);
+                    Counters::inc(&c.remote_misses);
+                    tracing::warn!(%key, %problem, "remote block refused");
+                }
                 out.stopped = Some(StopReason::Invalid {
                     index,
-                    tier: Tier::Ssd,
+                    tier,
                     problem,
                 });
                 break;
+            }
+            if tier == Tier::Remote {
+                Counters::inc(&c.remote_hits);
+                Counters::add(&c.remote_bytes_read, block.data_len());
             }
             let position = block.meta.position;
             let p = match P::from_block(block) {
@@ -592,7 +686,7 @@ impl<P: Payload> Store<P> {
                 Err(e) => {
                     out.stopped = Some(StopReason::Invalid {
                         index,
-                        tier: Tier::Ssd,
+                        tier,
                         problem: BlockProblem::Payload(e.to_string()),
                     });
                     break;
@@ -602,10 +696,44 @@ impl<P: Payload> Store<P> {
             let evicted = lock(&self.shared.ram).insert(p.clone());
             Counters::inc(&c.promotions);
             self.spill(evicted);
-            out.blocks.push((p, Tier::Ssd));
+            out.blocks.push((p, tier));
         }
         self.touch_chain(ns, &keys[..out.blocks.len()]);
         out
+    }
+
+    /// The verified-by-codec block `keys[index]` from the remote tier, fetching every key
+    /// from `index` on in one pipelined round trip the first time (kept in `batch`).
+    /// `None` is a miss (absent or unreachable); `Some(Err)` a value that failed
+    /// verification. The caller still checks namespace, key, tokens and layout.
+    fn fetch_remote(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        index: usize,
+        batch: &mut Option<(usize, Vec<Option<Vec<u8>>>)>,
+    ) -> Option<Result<crate::Block, BlockProblem>> {
+        let remote = self.shared.remote.as_ref()?;
+        let c = &self.shared.counters;
+        let (base, values) = batch
+            .get_or_insert_with(|| (index, remote.get(ns, &keys[index..]).unwrap_or_default()));
+        let Some(bytes) = index
+            .checked_sub(*base)
+            .and_then(|i| values.get_mut(i))
+            .and_then(Option::take)
+        else {
+            Counters::inc(&c.remote_misses);
+            return None;
+        };
+        match crate::codec::decode(bytes::Bytes::from(bytes)) {
+            Ok(b) => Some(Ok(b)),
+            Err(e) => {
+                Counters::inc(&c.remote_verify_failures);
+                Counters::inc(&c.remote_misses);
+                tracing::warn!(key = %keys[index], error = %e, "remote block failed verification; not served");
+                Some(Err(BlockProblem::Corrupt(e)))
+            }
+        }
     }
 
     /// Returns once everything accepted so far is durable on SSD: with write-back, every
@@ -613,6 +741,13 @@ impl<P: Payload> Store<P> {
     /// the access journal synced. Fails if any write since the previous flush failed.
     /// Without an SSD tier (or read-only) there is nothing to persist and it returns `Ok`.
     pub fn flush(&self) -> Result<(), WriteError> {
+        if let Some(tx) = &self.remote_tx {
+            // Publication is best effort: waiting for the queue just makes it observable.
+            let (ack_tx, ack_rx) = mpsc::sync_channel(1);
+            if tx.send(RemoteJob::Flush(ack_tx)).is_ok() {
+                let _ = ack_rx.recv();
+            }
+        }
         let (Some(tx), Some(ssd)) = (&self.tx, &self.shared.ssd) else {
             return Ok(());
         };
@@ -654,6 +789,10 @@ impl<P: Payload> Store<P> {
     }
 
     fn shutdown(&mut self) {
+        self.remote_tx = None;
+        if let Some(w) = self.remote_worker.take() {
+            let _ = w.join();
+        }
         self.tx = None;
         if let Some(w) = self.worker.take() {
             let _ = w.join();
@@ -674,6 +813,7 @@ impl<P: Payload> Store<P> {
             s.ssd_bytes = ssd.used_bytes();
             s.ssd_budget = ssd.budget();
         }
+        s.remote_enabled = self.shared.remote.is_some();
         s
     }
 }
@@ -755,5 +895,51 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
                 let _ = ack.send(());
             }
         }
+    }
+}
+
+/// Publishes queued blocks to the remote tier. While Redis is unreachable (in backoff) the
+/// puts fail fast and are counted as skipped; nothing waits for Redis but this thread.
+fn remote_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<RemoteJob<P>>) {
+    let Some(remote) = &shared.remote else {
+        return;
+    };
+    let c = &shared.counters;
+    for job in rx {
+        match job {
+            RemoteJob::Put(p) => {
+                let m = p.meta();
+                let bytes = match p.to_block().map(|b| crate::codec::encode(&b)) {
+                    Ok(Ok(bytes)) => bytes,
+                    Ok(Err(e)) => {
+                        tracing::warn!(key = %m.key, error = %e, "block not encodable for the remote tier");
+                        Counters::inc(&c.remote_skipped);
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %m.key, error = %e, "block not published to the remote tier");
+                        Counters::inc(&c.remote_skipped);
+                        continue;
+                    }
+                };
+                if remote.put(m.namespace, m.key, &bytes) {
+                    Counters::inc(&c.remote_blocks_written);
+                    Counters::add(&c.remote_bytes_written, bytes.len() as u64);
+                } else {
+                    Counters::inc(&c.remote_skipped);
+                }
+            }
+            RemoteJob::Flush(ack) => {
+                let _ = ack.send(());
+            }
+        }
+    }
+}
+
+/// `url` without its password, for messages.
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
     }
 }

@@ -10,4 +10,6 @@ mod fixtures;
 mod gc_inspect;
 mod locking;
 mod props;
+mod redis_server;
+mod remote;
 mod vectors;
