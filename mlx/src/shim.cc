@@ -78,8 +78,11 @@ std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::S
   return wrap(mx::array(buf, std::move(sh), dt, [](void* p) { std::free(p); }));
 }
 
+// The f64 scalar is cast on the CPU stream: MLX's GPU backends (CUDA, Metal) have no
+// float64, so a cast on the default GPU stream fails with "float64 is not supported on the
+// GPU". The cast of one element costs nothing; the result feeds GPU ops as usual.
 std::unique_ptr<Array> array_scalar(double value, uint8_t dtype) {
-  return wrap(mx::astype(mx::array(value, mx::float64), to_dtype(dtype)));
+  return wrap(mx::astype(mx::array(value, mx::float64), to_dtype(dtype), mx::Device::cpu));
 }
 
 std::unique_ptr<Array> array_clone(const Array& a) { return wrap(a.inner); }
@@ -124,7 +127,7 @@ std::unique_ptr<Array> list_get(const ArrayList& list, size_t i) { return wrap(l
 std::unique_ptr<Array> zeros(rust::Slice<const int32_t> shape, uint8_t dtype) { return wrap(mx::zeros(to_shape(shape), to_dtype(dtype))); }
 std::unique_ptr<Array> full(rust::Slice<const int32_t> shape, double value, uint8_t dtype) {
   auto dt = to_dtype(dtype);
-  return wrap(mx::full(to_shape(shape), mx::astype(mx::array(value, mx::float64), dt), dt));
+  return wrap(mx::full(to_shape(shape), mx::astype(mx::array(value, mx::float64), dt, mx::Device::cpu), dt));
 }
 std::unique_ptr<Array> arange(double start, double stop, double step, uint8_t dtype) { return wrap(mx::arange(start, stop, step, to_dtype(dtype))); }
 std::unique_ptr<Array> reshape(const Array& a, rust::Slice<const int32_t> shape) { return wrap(mx::reshape(a.inner, to_shape(shape))); }
