@@ -2,4 +2,5 @@
 
 mod cli_reuse;
 mod linking;
+mod openai_client;
 mod reuse;

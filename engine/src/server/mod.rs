@@ -314,6 +314,12 @@ async fn metrics(State(s): State<Shared>) -> Response {
         "Live KV bytes reserved by admitted requests.",
         &one(m.kv_reserved_bytes),
     );
+    metric(
+        "kvstore_mlx_active_bytes",
+        "gauge",
+        "Bytes held by live MLX arrays: weights, live KV, published blocks in the RAM tier.",
+        &one(mlx::active_memory().unwrap_or(0) as u64),
+    );
     let mut ttft: Vec<(String, f64)> = TTFT_BUCKETS
         .iter()
         .zip(&m.ttft_buckets)
