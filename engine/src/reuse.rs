@@ -69,6 +69,8 @@ pub struct ReuseReport {
     pub cached_ram_tokens: usize,
     /// Of those, restored from the SSD tier.
     pub cached_ssd_tokens: usize,
+    /// Of those, fetched (and verified) from the remote tier.
+    pub cached_remote_tokens: usize,
     /// Token index where the prompt left the longest prefix this engine has published
     /// recently (equal to the prompt length when it extends one entirely); `None` when
     /// nothing was published before. A value far below `prompt_tokens` on a later turn
@@ -284,6 +286,7 @@ impl PrefixCache {
         let used = &tiers[..restored.blocks];
         report.cached_ram_tokens = used.iter().filter(|t| **t == Tier::Ram).count() * bs;
         report.cached_ssd_tokens = used.iter().filter(|t| **t == Tier::Ssd).count() * bs;
+        report.cached_remote_tokens = used.iter().filter(|t| **t == Tier::Remote).count() * bs;
         report.cached_tokens = cache.offset();
         let ssd_used = used.iter().filter(|t| **t == Tier::Ssd).count();
         if ssd_used > 0 {

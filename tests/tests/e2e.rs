@@ -3,4 +3,5 @@
 mod cli_reuse;
 mod linking;
 mod openai_client;
+mod remote;
 mod reuse;
