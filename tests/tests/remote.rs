@@ -96,7 +96,10 @@ fn a_second_engine_gets_remote_hits_for_the_first_ones_conversation() {
 
     // B has never seen the conversation: its whole reusable prefix comes from Redis.
     let (out1_b, rep) = run(&model, &tok, &b, &turn1, 20);
-    assert_eq!(out1_b, out1_cold, "remote-restored prefix changed the output");
+    assert_eq!(
+        out1_b, out1_cold,
+        "remote-restored prefix changed the output"
+    );
     assert_eq!(rep.cached_tokens, 72, "{rep:?}");
     assert_eq!(rep.cached_remote_tokens, 72, "{rep:?}");
     assert!(rep.stopped.is_none(), "{rep:?}");
@@ -113,7 +116,10 @@ fn a_second_engine_gets_remote_hits_for_the_first_ones_conversation() {
     assert!(rep.cached_remote_tokens > 0, "{rep:?}");
     assert_eq!(rep.cached_tokens, (turn2.len() - 1) / BS * BS, "{rep:?}");
     let st = b.stats();
-    assert!(st.remote_hits > 0 && st.remote_verify_failures == 0, "{st:?}");
+    assert!(
+        st.remote_hits > 0 && st.remote_verify_failures == 0,
+        "{st:?}"
+    );
 }
 
 #[test]
@@ -191,5 +197,8 @@ fn redis_not_running_at_start_the_engine_works_locally() {
     assert_eq!(rep.cached_ram_tokens, 96, "{rep:?}");
     pc.flush().unwrap();
     let st = pc.stats();
-    assert!(st.remote_errors >= 1 && st.remote_blocks_written == 0, "{st:?}");
+    assert!(
+        st.remote_errors >= 1 && st.remote_blocks_written == 0,
+        "{st:?}"
+    );
 }
