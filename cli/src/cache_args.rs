@@ -39,6 +39,11 @@ pub struct CacheArgs {
     /// Mixed into the store namespace: requests with different salts never share blocks.
     #[arg(long, value_name = "SALT")]
     pub cache_salt: Option<String>,
+    /// A remote tier shared with other engines: redis://[user:password@]host:port[/db].
+    /// Blocks are fetched from it (and verified) when neither local tier has them, and
+    /// published to it in the background.
+    #[arg(long, value_name = "URL")]
+    pub remote: Option<String>,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
@@ -79,7 +84,8 @@ impl CacheArgs {
             store: StoreConfig::default()
                 .root(self.store_dir()?)
                 .ram_budget(parse_size(&self.ram_budget).context("--ram-budget")?)
-                .ssd_budget(parse_size(&self.ssd_budget).context("--ssd-budget")?),
+                .ssd_budget(parse_size(&self.ssd_budget).context("--ssd-budget")?)
+                .remote(self.remote.clone().map(store::RemoteConfig::new)),
             block_size: self.block_size,
             kv_format,
             salt: self.cache_salt.clone(),

@@ -23,6 +23,10 @@ pub struct Args {
     /// Show one block's metadata (64 hex digits).
     #[arg(long, value_name = "KEY")]
     block: Option<String>,
+    /// Report what a remote tier (redis://host:port) holds per namespace instead of a
+    /// store directory (SCAN over `kvstore:*` keys).
+    #[arg(long, value_name = "URL")]
+    remote: Option<String>,
 }
 
 /// The store directory: the flag, else `$KVSTORE_DIR`, else `<cache dir>/kvstore`.
@@ -57,6 +61,9 @@ struct JsonOut<'a, T> {
 
 /// Runs `kvstore inspect`; returns the process exit code (1 when `--verify` found corruption).
 pub fn run(args: Args) -> Result<i32> {
+    if let Some(url) = &args.remote {
+        return remote(url, args.json);
+    }
     let root = store_dir(args.store)?;
     if let Some(k) = args.block {
         let key: BlockKey = k
@@ -187,4 +194,45 @@ fn print_block(b: &BlockReport) {
         Ok(()) => println!("  verify     OK"),
         Err(e) => println!("  verify     CORRUPT: {e}"),
     }
+}
+
+#[derive(Serialize)]
+struct RemoteOut {
+    namespaces: Vec<store::remote::RemoteNamespaceUsage>,
+    blocks: u64,
+    bytes: u64,
+}
+
+/// `kvstore inspect --remote URL`: blocks and bytes per namespace in Redis.
+fn remote(url: &str, json: bool) -> Result<i32> {
+    let namespaces = store::remote::inspect_remote(url)
+        .context("cannot scan the remote tier (is Redis running at that URL?)")?;
+    let out = RemoteOut {
+        blocks: namespaces.iter().map(|n| n.blocks).sum(),
+        bytes: namespaces.iter().map(|n| n.bytes).sum(),
+        namespaces,
+    };
+    if json {
+        let out = JsonOut {
+            schema: "kvstore.inspect.remote.v1",
+            body: &out,
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        println!(
+            "remote tier: {} blocks, {} in {} namespaces",
+            out.blocks,
+            size(out.bytes),
+            out.namespaces.len()
+        );
+        for n in &out.namespaces {
+            println!(
+                "  {}  {:>8} blocks  {:>10}",
+                n.namespace,
+                n.blocks,
+                size(n.bytes)
+            );
+        }
+    }
+    Ok(0)
 }

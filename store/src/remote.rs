@@ -324,6 +324,6 @@ pub fn inspect_remote(url: &str) -> redis::RedisResult<Vec<RemoteNamespaceUsage>
             bytes,
         })
         .collect();
-    out.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+    out.sort_by_key(|n| std::cmp::Reverse(n.bytes));
     Ok(out)
 }
