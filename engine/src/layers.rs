@@ -382,7 +382,11 @@ impl DecoderLayer {
         rows: &mut PagedKvRows,
     ) -> Result<Array> {
         let h = self.input_layernorm.forward(x)?;
-        let h = x.add(&self.self_attn.forward_rows(&h, layer, offsets, rope, rows)?)?;
+        let h = x.add(
+            &self
+                .self_attn
+                .forward_rows(&h, layer, offsets, rope, rows)?,
+        )?;
         let m = self
             .mlp
             .forward(&self.post_attention_layernorm.forward(&h)?)?;
