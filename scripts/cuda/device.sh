@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine (the `device` tool), from the repository root there.
+#   bash scripts/cuda/device.sh STEP
+# Parts packed by scripts/cuda/pack.sh arrive in .cuda/x<N>/ (named in `carry`) and are
+# kept in /opt/kvx, outside the synced tree, until a file is complete. The build here baked
+# these absolute paths, so they are recreated there:
+#   /opt/kvmlx            the unpacked mlx-cuda-13 wheel (MLX_DIR=/opt/kvmlx/mlx; rpath)
+#   /opt/kvmlx/nvidia  -> python3's site-packages/nvidia (libmlx's $ORIGIN/../../nvidia rpath)
+#   /work/main/target/cuda/release   the binaries (CARGO_BIN_EXE_* of the tests)
+#   /work/cuda-wt      -> this checkout (CARGO_MANIFEST_DIR of the tests)
+set -uo pipefail
+# the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
+if ! command -v zstd >/dev/null; then
+  [ -x .cuda/x1/zt/zstd ] && mkdir -p /opt/kvx/zt && cp .cuda/x1/zt/* /opt/kvx/zt/
+  zstd() { LD_LIBRARY_PATH=/opt/kvx/zt /opt/kvx/zt/zstd "$@"; }
+fi
+REPO=$(pwd)
+K=/opt/kvx
+OUT=${OUT:-/tmp/out}
+BIN=/work/main/target/cuda/release
+mkdir -p "$K" "$OUT"
+step=${1:?step}
+START=$(date +%s)
+
+stash() { # copy the parts that came with this call
+  for d in .cuda/x*; do [ -d "$d" ] && find "$d" -maxdepth 1 -type f -exec cp {} "$K"/ \; ; done
+  ls -la "$K"
+}
+
+env_setup() {
+  SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  export PYTHONPATH=/opt/kvmlx:$K/site
+  [ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  export PATH=$BIN:$PATH
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+}
+
+assemble_mlx() {
+  env_setup
+  if [ ! -f /opt/kvmlx/mlx/lib/libmlx.so ]; then
+    mkdir -p /opt/kvmlx
+    cat "$K"/mlxcuda.tar.zst.part* | zstd -d -q | tar -x -C /opt/kvmlx || { echo "mlx parts incomplete"; return 1; }
+    ln -sfn "$SP/nvidia" /opt/kvmlx/nvidia
+  fi
+  # mlx/include travels apart (.cuda/inc): MLX's CUDA JIT (NVRTC) reads the bundled CCCL
+  # headers from <libmlx>/../include/cccl
+  if [ ! -d /opt/kvmlx/mlx/include/cccl ]; then
+    zstd -d -q -c "$K/include.tar.zst" | tar -x -C /opt/kvmlx || return 1
+  fi
+  if [ ! -x "$BIN/kvstore" ] || [ "$K/bins.tar.zst" -nt "$BIN/kvstore" ]; then
+    zstd -d -q -c "$K"/bins.tar.zst | tar -x -C / || return 1; touch "$BIN/kvstore"
+  fi
+  if [ ! -d "$K/site/mlx_lm" ]; then
+    mkdir -p "$K/site" && python3 -m zipfile -e "$K"/mlx_lm-*.whl "$K/site"
+  fi
+  [ -e /work/cuda-wt ] || { mkdir -p /work; ln -sfn "$REPO" /work/cuda-wt; }
+  ldd /opt/kvmlx/mlx/lib/libmlx.so | grep -E "not found|cuda|cublas|nccl|cudnn" | head -20
+  python3 -c 'import mlx.core as mx; print("python mlx", mx.__version__, mx.default_device(), (mx.ones(4)*2).sum().item())'
+}
+
+assemble_tests() {
+  if [ -f "$K/tests.tar.zst" ] && { [ ! -f "$K/tests.done" ] || [ "$K/tests.tar.zst" -nt "$K/tests.done" ]; }; then
+    zstd -d -q -c "$K/tests.tar.zst" | tar -x -C / && tar -tf <(zstd -d -q -c "$K/tests.tar.zst") | grep -v '/$' | sed 's|^\.||' > "$K/tests.done"
+  fi
+  [ -f "$K/tests.done" ]
+}
+
+assemble_gguf() {
+  local g=$REPO/models/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -f "$g" ]; then
+    mkdir -p "$REPO/models"
+    cat "$K"/gguf.zst.part* | zstd -d -q -o "$g" || { rm -f "$g"; echo "gguf parts incomplete"; return 1; }
+  fi
+  sha256sum "$g"
+  [ -f "$K/smollm2-hf/model.safetensors" ] || python3 scripts/cuda/smollm2_hf.py "$K/smollm2-hf" 2>&1 | tail -2
+  mkdir -p "$REPO/target/goldens" && ln -sfn "$K/smollm2-hf" "$REPO/target/goldens/smollm2-hf"
+}
+
+run_tests() { # test binaries ($@, default all), each under a time limit; rc line per binary
+  local list=("$@"); [ ${#list[@]} -gt 0 ] || list=("$BIN"/deps/*)
+  for t in "${list[@]}"; do
+    [ -x "$t" ] && [ -f "$t" ] || continue
+    if [ "$(date +%s)" -gt "${DEADLINE:-9999999999}" ]; then echo "=== skipped (deadline) $(basename "$t")"; echo "$t" >> "$K/failed.txt"; continue; fi
+    case "$t" in *.so|*.d|*.rlib|*.rmeta) continue ;; esac
+    echo "=== $(basename "$t")"
+    (cd "$REPO" && timeout "${TEST_LIMIT:-240}" "$t" --test-threads="${TEST_THREADS:-4}" 2>&1) | tail -n 60
+    local rc=${PIPESTATUS[0]}
+    echo "=== rc=$rc $(basename "$t")"
+    [ "$rc" = 0 ] || echo "$t" >> "$K/failed.txt"
+  done
+}
+
+case "$step" in
+  1)
+    stash
+    nvidia-smi -L; nvidia-smi --query-gpu=driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+    echo "repo: $REPO"; uname -r; nproc; df -h / "$REPO" /tmp | tail -3
+    env_setup; echo "site-packages: $SP"; ls "$SP/nvidia"; ls -d "$SP"/nvidia/*/lib | head -20; ls "$SP"/nvidia/cu13/lib 2>/dev/null | head -40
+    which nvcc; nvcc --version | tail -2; ls /usr/local/cuda/include/cuda_runtime.h 2>&1
+    python3 -c 'import transformers, tokenizers, huggingface_hub, numpy; print(transformers.__version__, tokenizers.__version__, huggingface_hub.__version__, numpy.__version__)'
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+    ls -la "$K/llama8b"
+    ;;
+  2)
+    stash
+    assemble_mlx || exit 1
+    { "$BIN/kvstore" bench mlx 2>&1; } | tee "$OUT/bench-mlx.log"
+    { "$BIN/kvstore" bench cache 2>&1; } | tee "$OUT/bench-cache.log"
+    { "$BIN/kvstore" bench store --dir /opt/kvx 2>&1; } | tee "$OUT/bench-store.log"
+    ;;
+  3)
+    stash
+    assemble_mlx >/dev/null || exit 1
+    assemble_gguf || exit 1
+    env_setup
+    { "$BIN/kvstore" bench generate --python "$(command -v python3)" --prompt-lens 512,2048,8000 --decode-tokens 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log"
+    { "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm --prompt-lens 512,2048,8192 --decode-tokens 64 2>&1;
+      python3 scripts/cuda/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } | tee "$OUT/bench-generate-llama8b.log"
+    { "$BIN/kvstore" bench agent --python "$(command -v python3)" --mlx-lm-model "$K/smollm2-hf" --out "$OUT/agent-smollm2" 2>&1; } | tee "$OUT/bench-agent.log"
+    if assemble_tests; then
+      rm -f "$K/failed.txt"; mapfile -t all < "$K/tests.done"
+      { DEADLINE=$((START + ${BUDGET_S:-540})) TEST_LIMIT=150 run_tests "${all[@]}"; } > "$OUT/tests.log" 2>&1
+      grep -E "^=== (rc|skipped)|^test result|FAILED|panicked" "$OUT/tests.log" | head -80
+    fi
+    ;;
+  mlxlm) # mlx-lm's side alone (python), same prompts as step 3
+    stash >/dev/null
+    assemble_mlx || exit 1
+    assemble_gguf || exit 1
+    python3 -c 'import mlx.core as mx; a=mx.arange(10.0); print("gather", a[mx.array([1,3])].tolist())'
+    { python3 scripts/cuda/bench_mlx_lm.py "$K/smollm2-hf" 512,2048,8000 128 f32 2>&1; } | tee "$OUT/mlxlm-smollm2.log"
+    { python3 scripts/cuda/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } | tee "$OUT/mlxlm-llama8b.log"
+    ;;
+  4)
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    assemble_gguf >/dev/null || exit 1
+    env_setup
+    # SmolLM2 weights, context raised to 64K (the GGUF says 8192), so a session can grow to 32K.
+    d=$K/smollm2-64k; mkdir -p "$d"
+    for f in "$K"/smollm2-hf/*; do ln -sfn "$f" "$d/"; done; rm -f "$d/config.json"
+    python3 -c "import json,sys; c=json.load(open('$K/smollm2-hf/config.json')); c['max_position_embeddings']=65536; json.dump(c,open('$d/config.json','w'))"
+    { timeout ${AGENT_LIMIT:-330} "$BIN/kvstore" bench agent --model "$d" --python "$(command -v python3)" --mlx-lm-model "$d" --turns "${TURNS:-110}" --out "$OUT/agent-32k" 2>&1; } | tee "$OUT/bench-agent-32k.log"
+    # the test binaries not run or failed in step 3 (all of them if they came only now)
+    again=()
+    if [ -f "$K/tests.done" ]; then [ -f "$K/failed.txt" ] && mapfile -t again < "$K/failed.txt"
+    elif assemble_tests; then mapfile -t again < "$K/tests.done"; fi
+    rm -f "$K/failed.txt"
+    [ ${#again[@]} -gt 0 ] && { DEADLINE=$((START + ${BUDGET_S:-540})) TEST_LIMIT=200 run_tests "${again[@]}"; } > "$OUT/tests-with-model.log" 2>&1
+    grep -E "^=== rc|^test result|FAILED|panicked" "$OUT/tests-with-model.log" | head -60
+    ;;
+esac

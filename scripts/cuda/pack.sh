@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Packs what the GPU machine needs into .cuda/x1 .cuda/x2 .cuda/x3 (ignored through
+# .git/info/exclude), each under the 64 MiB a `device` call may carry with the tree:
+#   x1: first part of the mlx-cuda-13 wheel (zstd tar, include/ left out), tokenizer files, zstd
+#   x2: the rest of the wheel, the kvstore binary, the mlx-lm wheel, the GGUF's first part
+#   x3: the rest of the GGUF (+ the test binaries if they fit), x4: the test binaries if not
+# Inputs: .cuda/mlxcuda.tar.zst (tar -C <unpacked wheel> --exclude=mlx/include . | zstd),
+# the build (scripts/cuda/build.sh), .cuda/dl/py312/mlx_lm-*.whl, models/, and
+# target/goldens/smollm2-hf/tokenizer*.json.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+C=$ROOT/.cuda
+BUDGET=${BUDGET:-61000000}   # bytes a call carries beside the ~3 MB tree
+BIN=$ROOT/target/cuda/release
+rm -rf "$C"/x1 "$C"/x2 "$C"/x3 "$C"/x4 && mkdir -p "$C"/x1/tok "$C"/x2 "$C"/x3 "$C"/x4
+cp "$ROOT"/target/goldens/smollm2-hf/{tokenizer.json,tokenizer_config.json,special_tokens_map.json,chat_template.jinja} "$C"/x1/tok/
+# zstd for the GPU machine (its image has none): the binary and the compression libs it links
+mkdir -p "$C/x1/zt" && cp /usr/bin/zstd "$C/x1/zt/"
+for l in $(ldd /usr/bin/zstd | awk '/=>/{print $3}' | grep -E "zstd|lzma|lz4|libz"); do cp -L "$l" "$C/x1/zt/"; done
+# mlx/include (headers: MLX's CUDA JIT needs include/cccl at run time), apart, in x2
+tar -C "$C/wheel" -cf - mlx/include | zstd -q -12 -T2 -f -o "$C/include.tar.zst"
+# binaries, stripped, at their absolute paths: kvstore (x2), the test executables cargo
+# listed (tests.tar.zst: x3 if it fits beside the GGUF's rest, else x4)
+pack_bins() { # OUT FILE...
+  local out=$1; shift; local stage; stage=$(mktemp -d)
+  for f in "$@"; do mkdir -p "$stage$(dirname "$f")"; cp "$f" "$stage$f"; strip "$stage$f"; done
+  tar -C "$stage" -cf - . | zstd -q -10 -T2 -f -o "$out"; rm -rf "$stage"
+}
+pack_bins "$C/bins.tar.zst" "$BIN/kvstore"
+mapfile -t tests < <(grep -o 'Executable [^(]*(\([^)]*\))' "$C/build.log" 2>/dev/null | sed 's/.*(\(.*\))/\1/' | sort -u)
+if [ -z "${NOTESTS:-}" ] && [ ${#tests[@]} -gt 0 ]; then pack_bins "$C/tests.tar.zst" "${tests[@]}"; else rm -f "$C/tests.tar.zst"; fi
+cp "$C"/dl/py312/mlx_lm-*.whl "$C/include.tar.zst" "$C"/x2/
+cp "$C/bins.tar.zst" "$C"/x2/
+tok=$(du -cb "$C"/x1/tok "$C"/x1/zt | tail -1 | cut -f1)
+first=$((BUDGET - tok))
+head -c "$first" "$C/mlxcuda.tar.zst" > "$C/x1/mlxcuda.tar.zst.part1"
+tail -c +$((first + 1)) "$C/mlxcuda.tar.zst" > "$C/x2/mlxcuda.tar.zst.part2"
+[ -f "$C/gguf.zst" ] || zstd -q -10 -T2 -c "$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf" > "$C/gguf.zst"
+used=$(du -cb "$C"/x2 | tail -1 | cut -f1)
+room=$((BUDGET - used))
+head -c "$room" "$C/gguf.zst" > "$C/x2/gguf.zst.part1"
+tail -c +$((room + 1)) "$C/gguf.zst" > "$C/x3/gguf.zst.part2"
+if [ -f "$C/tests.tar.zst" ]; then
+  if [ $(( $(stat -c %s "$C/x3/gguf.zst.part2") + $(stat -c %s "$C/tests.tar.zst") )) -le "$BUDGET" ]; then
+    cp "$C/tests.tar.zst" "$C/x3/"; else cp "$C/tests.tar.zst" "$C/x4/"; fi
+fi
+du -sb "$C"/x1 "$C"/x2 "$C"/x3 "$C"/x4
