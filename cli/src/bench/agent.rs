@@ -315,7 +315,11 @@ pub fn run(args: Args) -> Result<()> {
     let has = |a: &str| args.arms.iter().any(|n| n == a);
     let mut arms = ctx.interleaved(has("cold"), has("ram"), has("ssd"))?;
     if has("mlx-lm") {
-        arms.extend(ctx.mlx_lm(&args)?);
+        // A failing peer arm must not lose the in-process arms' numbers.
+        match ctx.mlx_lm(&args) {
+            Ok(arm) => arms.extend(arm),
+            Err(e) => eprintln!("mlx-lm arm failed, reporting the other arms: {e:#}"),
+        }
     }
     println!(
         "{:>4} {:>7} {}",
