@@ -45,6 +45,10 @@ pub struct Args {
     /// Largest request body.
     #[arg(long, value_name = "SIZE", default_value = "4MiB")]
     max_body: String,
+    /// Most tokens one request may generate (larger `max_tokens` gets 400; requests
+    /// without `max_tokens` stop here or at the end of the context).
+    #[arg(long, value_name = "N", default_value_t = 4096)]
+    max_tokens_limit: usize,
     /// On SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     shutdown_grace: humantime::Duration,
@@ -61,6 +65,9 @@ pub fn run(args: Args) -> Result<()> {
         .init();
     if args.max_batch == 0 {
         bail!("--max-batch must be at least 1");
+    }
+    if args.max_tokens_limit == 0 {
+        bail!("--max-tokens-limit must be at least 1");
     }
     let path = args.model.path()?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {
@@ -85,6 +92,7 @@ pub fn run(args: Args) -> Result<()> {
         model_id,
         api_key,
         max_body_bytes: parse_size(&args.max_body).context("--max-body")? as usize,
+        max_tokens_limit: args.max_tokens_limit,
     };
     let app = server::router(engine.clone(), server_config);
     let rt = tokio::runtime::Builder::new_multi_thread()

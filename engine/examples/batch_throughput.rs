@@ -78,12 +78,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let t = Instant::now();
         let handles: Vec<_> = prompts[..b]
             .iter()
-            .map(|p| {
-                engine.submit(Request {
-                    prompt: p.clone(),
-                    params: params.clone(),
-                })
-            })
+            .map(|p| engine.submit(Request::new(p.clone(), params.clone())))
             .collect::<Result<_, _>>()?;
         let mut total = 0;
         let mut ttfts = Vec::new();

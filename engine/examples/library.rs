@@ -40,10 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_tokens: 64,
         ..GenerateParams::default()
     };
-    let mut handle = engine.submit(Request {
-        prompt: prompt.clone(),
-        params: params.clone(),
-    })?;
+    let mut handle = engine.submit(Request::new(prompt.clone(), params.clone()))?;
     let mut out = std::io::stdout().lock();
     while let Some(event) = handle.recv_blocking() {
         match event {
@@ -65,7 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // 3. The same prompt again hits the cache; cancel it after five tokens.
-    let mut again = engine.submit(Request { prompt, params })?;
+    let mut again = engine.submit(Request::new(prompt, params))?;
     let cancel = again.cancel_handle(); // may be sent to another thread
     let mut n = 0;
     while let Some(event) = again.recv_blocking() {

@@ -15,7 +15,7 @@
 //! per token and the restore cost per block by tier, and cuts the restored prefix at the
 //! first SSD block whenever reading the SSD part is estimated slower than recomputing it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -108,13 +108,33 @@ pub struct PrefixCache {
     store: Store<PublishedBlock>,
     namespace: NamespaceId,
     description: NamespaceDescription,
+    /// Namespaces of per-request cache salts, registered on first use.
+    salted: Mutex<HashMap<String, NamespaceId>>,
     layers: usize,
     paged: PagedConfig,
-    recent: Mutex<VecDeque<Vec<u32>>>,
+    recent: Mutex<VecDeque<(NamespaceId, Vec<u32>)>>,
     costs: Mutex<Costs>,
 }
 
 const RECENT_SEQUENCES: usize = 8;
+
+/// Longest per-request cache salt accepted, in bytes.
+pub const MAX_CACHE_SALT_BYTES: usize = 256;
+
+/// Per-request salts registered before new ones are refused (each is a store namespace).
+const MAX_SALTED_NAMESPACES: usize = 4096;
+
+/// The namespace salt of a request with `request` salt on an engine configured with
+/// `configured`: the configured salt alone when the request has none (so namespaces made
+/// before per-request salts existed stay valid), else both, length-prefixed so that no two
+/// different pairs give the same string.
+pub fn combined_salt(configured: Option<&str>, request: Option<&str>) -> Option<String> {
+    match (configured, request) {
+        (c, None) => c.map(str::to_string),
+        (None, Some(r)) => Some(format!("request:{}:{r}", r.len())),
+        (Some(c), Some(r)) => Some(format!("engine:{}:{c}|request:{}:{r}", c.len(), r.len())),
+    }
+}
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -185,6 +205,7 @@ impl PrefixCache {
             store,
             namespace,
             description,
+            salted: Mutex::new(HashMap::new()),
             layers: model.info().kv.layers,
             paged: PagedConfig {
                 block_size: config.block_size,
@@ -197,9 +218,45 @@ impl PrefixCache {
         })
     }
 
-    /// The model's namespace in the store.
+    /// The model's namespace in the store (requests without a cache salt).
     pub fn namespace(&self) -> NamespaceId {
         self.namespace
+    }
+
+    /// The namespace of requests carrying cache salt `salt` (`None`: [`Self::namespace`]).
+    /// Requests with different salts never share a block: the salt is part of the
+    /// namespace id, and every block key is chained from it.
+    pub fn namespace_for(&self, salt: Option<&str>) -> Result<NamespaceId> {
+        let Some(salt) = salt else {
+            return Ok(self.namespace);
+        };
+        if salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES {
+            return Err(EngineError::InvalidParameter {
+                name: "cache_salt",
+                message: format!(
+                    "a cache salt must be 1 to {MAX_CACHE_SALT_BYTES} bytes, got {}",
+                    salt.len()
+                ),
+            });
+        }
+        let mut salted = self.salted.lock().map_err(|_| poisoned())?;
+        if let Some(ns) = salted.get(salt) {
+            return Ok(*ns);
+        }
+        if salted.len() >= MAX_SALTED_NAMESPACES {
+            return Err(EngineError::InvalidParameter {
+                name: "cache_salt",
+                message: format!(
+                    "this engine already serves {MAX_SALTED_NAMESPACES} cache salts; restart it \
+                     or reuse salts"
+                ),
+            });
+        }
+        let mut d = self.description.clone();
+        d.salt = combined_salt(self.description.salt.as_deref(), Some(salt));
+        let ns = self.store.register_namespace(&d)?;
+        salted.insert(salt.to_string(), ns);
+        Ok(ns)
     }
 
     /// What the namespace is made of.
@@ -230,16 +287,25 @@ impl PrefixCache {
     /// A fresh live cache holding the longest usable cached prefix of `prompt` (at most
     /// `prompt.len() - 1` tokens), and the report of what was found.
     pub fn prepare(&self, prompt: &[u32]) -> Result<(PagedKvCache, ReuseReport)> {
+        self.prepare_in(self.namespace, prompt)
+    }
+
+    /// [`Self::prepare`] in namespace `namespace` (see [`Self::namespace_for`]).
+    pub fn prepare_in(
+        &self,
+        namespace: NamespaceId,
+        prompt: &[u32],
+    ) -> Result<(PagedKvCache, ReuseReport)> {
         let mut report = ReuseReport {
             prompt_tokens: prompt.len(),
-            diverged_at: self.diverged_at(prompt),
+            diverged_at: self.diverged_at(namespace, prompt),
             ..ReuseReport::default()
         };
         let bs = self.paged.block_size;
         let t = Instant::now();
         let reusable = prompt.len().saturating_sub(1);
-        let keys = chain_keys(self.namespace, &prompt[..reusable], bs);
-        let hit = self.store.lookup(self.namespace, &keys);
+        let keys = chain_keys(namespace, &prompt[..reusable], bs);
+        let hit = self.store.lookup(namespace, &keys);
         report.lookup_s = t.elapsed().as_secs_f64();
 
         // Restore or recompute the SSD part: whichever is estimated faster.
@@ -262,9 +328,7 @@ impl PrefixCache {
 
         let t = Instant::now();
         let tokens: Vec<&[u32]> = prompt.chunks(bs).take(usable).collect();
-        let loaded = self
-            .store
-            .load_prefix(self.namespace, &keys[..usable], &tokens);
+        let loaded = self.store.load_prefix(namespace, &keys[..usable], &tokens);
         if let Some(reason) = &loaded.stopped {
             report.stopped = Some(format!("{reason:?}"));
         }
@@ -299,15 +363,26 @@ impl PrefixCache {
     /// Publishes the full blocks `cache` holds that are not yet published; `tokens` are the
     /// token ids it holds (prompt and generated). Returns how many blocks were added.
     pub fn publish(&self, cache: &mut PagedKvCache, tokens: &[u32]) -> Result<usize> {
+        self.publish_in(self.namespace, cache, tokens)
+    }
+
+    /// [`Self::publish`] in namespace `namespace`, which must be the one `cache` was
+    /// prepared in.
+    pub fn publish_in(
+        &self,
+        namespace: NamespaceId,
+        cache: &mut PagedKvCache,
+        tokens: &[u32],
+    ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let blocks = cache.publish(self.namespace, held)?;
+        let blocks = cache.publish(namespace, held)?;
         let n = blocks.len();
         for b in blocks {
             self.store.insert(b)?;
         }
         let mut recent = self.recent.lock().map_err(|_| poisoned())?;
-        recent.retain(|s| !held.starts_with(s));
-        recent.push_front(held.to_vec());
+        recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
+        recent.push_front((namespace, held.to_vec()));
         recent.truncate(RECENT_SEQUENCES);
         Ok(n)
     }
@@ -321,11 +396,12 @@ impl PrefixCache {
         }
     }
 
-    fn diverged_at(&self, prompt: &[u32]) -> Option<usize> {
+    fn diverged_at(&self, namespace: NamespaceId, prompt: &[u32]) -> Option<usize> {
         let recent = self.recent.lock().ok()?;
         recent
             .iter()
-            .map(|s| s.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+            .filter(|(ns, _)| *ns == namespace)
+            .map(|(_, s)| s.iter().zip(prompt).take_while(|(a, b)| a == b).count())
             .max()
     }
 }

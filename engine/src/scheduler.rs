@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
 use serde::Serialize;
-use store::StoreStats;
+use store::{NamespaceId, StoreStats};
 use tokio::sync::mpsc as chan;
 
 use crate::error::{EngineError, Result};
@@ -92,6 +92,21 @@ pub struct Request {
     pub prompt: Vec<u32>,
     /// Token budget, stop strings, sampling. `prefill_chunk` is honoured per request.
     pub params: GenerateParams,
+    /// Requests with different cache salts never share cached blocks (tenants, users);
+    /// `None` shares with every other unsalted request. At most
+    /// [`MAX_CACHE_SALT_BYTES`](crate::reuse::MAX_CACHE_SALT_BYTES) bytes.
+    pub cache_salt: Option<String>,
+}
+
+impl Request {
+    /// A request for `prompt` without a cache salt.
+    pub fn new(prompt: Vec<u32>, params: GenerateParams) -> Self {
+        Self {
+            prompt,
+            params,
+            cache_salt: None,
+        }
+    }
 }
 
 /// The final accounting of a request.
@@ -443,6 +458,19 @@ impl Engine {
             return Err(SubmitError::ShuttingDown);
         }
         request.params.sampling.validate()?;
+        if let Some(salt) = &request.cache_salt {
+            if salt.is_empty() || salt.len() > crate::reuse::MAX_CACHE_SALT_BYTES {
+                return Err(EngineError::InvalidParameter {
+                    name: "cache_salt",
+                    message: format!(
+                        "a cache salt must be 1 to {} bytes, got {}",
+                        crate::reuse::MAX_CACHE_SALT_BYTES,
+                        salt.len()
+                    ),
+                }
+                .into());
+            }
+        }
         let context = self.context_limit();
         let prompt = &request.prompt;
         if prompt.is_empty() {
@@ -598,6 +626,8 @@ struct Row {
     ttft_s: f64,
     report: ReuseReport,
     finish: Option<FinishReason>,
+    /// The store namespace the row's blocks are published in (with a prefix cache).
+    namespace: Option<NamespaceId>,
 }
 
 struct Worker {
@@ -745,6 +775,10 @@ impl Worker {
         let admitted = Instant::now();
         let prompt = p.request.prompt;
         let params = p.request.params;
+        let namespace = match &self.prefix {
+            Some(pc) => Some(pc.namespace_for(p.request.cache_salt.as_deref())?),
+            None => None,
+        };
         let mut sampler = Sampler::new(params.sampling.clone())?;
         let context = params
             .context_limit
@@ -757,9 +791,9 @@ impl Worker {
                 context,
             });
         }
-        let (mut cache, mut report) = match &self.prefix {
-            Some(pc) => pc.prepare(&prompt)?,
-            None => (
+        let (mut cache, mut report) = match (&self.prefix, namespace) {
+            (Some(pc), Some(ns)) => pc.prepare_in(ns, &prompt)?,
+            _ => (
                 PagedKvCache::new(self.model.info().kv.layers, self.paged)?,
                 ReuseReport {
                     prompt_tokens: prompt.len(),
@@ -776,11 +810,11 @@ impl Worker {
         let first = sampler.sample(&logits, &prompt, &[])?;
         report.prefill_s = t.elapsed().as_secs_f64();
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
-        if let Some(pc) = &self.prefix {
+        if let (Some(pc), Some(ns)) = (&self.prefix, namespace) {
             pc.record_prefill(prompt.len() - cached, report.prefill_s);
             // Publish the prompt's full blocks now, not at the end: a concurrent request
             // with the same prefix (an agent's parallel calls) hits while this one decodes.
-            match pc.publish(&mut cache, &prompt) {
+            match pc.publish_in(ns, &mut cache, &prompt) {
                 Ok(n) => report.published_blocks = n,
                 Err(e) => {
                     tracing::warn!(request = p.id, error = %e, "publishing the prompt failed")
@@ -827,6 +861,7 @@ impl Worker {
             queue_s,
             ttft_s,
             report,
+            namespace,
             finish: None,
         });
         Ok(())
@@ -932,9 +967,9 @@ impl Worker {
     fn finish(&mut self, row: Row, mut cache: PagedKvCache) {
         self.reserved = self.reserved.saturating_sub(row.reserve);
         let mut report = row.report;
-        if let Some(pc) = &self.prefix {
+        if let (Some(pc), Some(ns)) = (&self.prefix, row.namespace) {
             let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
-            match pc.publish(&mut cache, &all) {
+            match pc.publish_in(ns, &mut cache, &all) {
                 Ok(n) => report.published_blocks += n,
                 Err(e) => tracing::warn!(request = row.id, error = %e, "publishing failed"),
             }

@@ -43,6 +43,10 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body in bytes; larger ones get 413. Default: 4 MiB.
     pub max_body_bytes: usize,
+    /// Most tokens one request may generate: a larger `max_tokens` gets 400, and a request
+    /// without one generates at most this many (or to the end of the context, if sooner).
+    /// Default: 4096.
+    pub max_tokens_limit: usize,
 }
 
 impl Default for ServerConfig {
@@ -51,6 +55,7 @@ impl Default for ServerConfig {
             model_id: "default".into(),
             api_key: None,
             max_body_bytes: 4 << 20,
+            max_tokens_limit: 4096,
         }
     }
 }
@@ -495,11 +500,21 @@ async fn generate_endpoint(
             context,
         }));
     }
+    let limit = s.config.max_tokens_limit;
+    if let Some(m) = opts.max_tokens.filter(|m| *m > limit) {
+        return Err(ApiError::param(
+            "max_tokens",
+            format!(
+                "max_tokens = {m} is above this server's limit of {limit} (--max-tokens-limit)"
+            ),
+        ));
+    }
     let room = context - prompt.len();
-    opts.params.max_tokens = opts.max_tokens.unwrap_or(room).min(room);
+    opts.params.max_tokens = opts.max_tokens.unwrap_or(limit).min(room);
     let handle = s.engine.submit(Request {
         prompt,
         params: opts.params,
+        cache_salt: opts.cache_salt,
     })?;
     let meta = Meta {
         id: format!("{}-{}", if chat { "chatcmpl" } else { "cmpl" }, handle.id()),

@@ -4,6 +4,7 @@ use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use crate::generate::GenerateParams;
+use crate::reuse::MAX_CACHE_SALT_BYTES;
 use crate::sampler::{Sampled, SamplingParams};
 use crate::scheduler::Completion;
 use crate::tokenizer::Tokenizer;
@@ -19,6 +20,8 @@ pub(crate) struct Options {
     pub params: GenerateParams,
     /// `max_tokens` as given (the default fills the context).
     pub max_tokens: Option<usize>,
+    /// `cache_salt` (as in vLLM): requests with different salts never share cached blocks.
+    pub cache_salt: Option<String>,
 }
 
 fn num(v: &Map<String, Value>, name: &'static str) -> Result<Option<f64>, ApiError> {
@@ -159,6 +162,18 @@ pub(crate) fn options(body: &Map<String, Value>, chat: bool) -> Result<Options, 
             "max_tokens must be at least 1",
         ));
     }
+    let cache_salt = match body.get("cache_salt") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => {
+            Some(s.clone())
+        }
+        Some(_) => {
+            return Err(ApiError::param(
+                "cache_salt",
+                format!("cache_salt must be a string of 1 to {MAX_CACHE_SALT_BYTES} bytes"),
+            ))
+        }
+    };
     let stream = flag(body, "stream")?;
     let include_usage = match body.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -181,7 +196,8 @@ pub(crate) fn options(body: &Map<String, Value>, chat: bool) -> Result<Options, 
             sampling: s,
             ..GenerateParams::default()
         },
-        max_tokens: max_tokens.map(|m| m as usize),
+        max_tokens: max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
+        cache_salt,
     })
 }
 

@@ -48,6 +48,7 @@ impl Server {
                 model_id: MODEL.into(),
                 api_key: api_key.map(String::from),
                 max_body_bytes: 64 << 10,
+                max_tokens_limit: 4096,
             },
         );
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -352,6 +353,70 @@ fn requests_sharing_a_prefix_both_report_cached_tokens() {
 }
 
 #[test]
+fn requests_with_different_cache_salts_never_share_blocks() {
+    let srv = Server::start(None, EngineConfig::default());
+    let body = |salt: Option<&str>| {
+        let mut b = chat(
+            "Summarise the design document of the block store in two lines.",
+            5,
+        );
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    let cached = |r: &Response| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let want = alone(&body(None)).text;
+    let first = srv.post("/v1/chat/completions", &body(Some("tenant-a")));
+    assert_eq!(cached(&first), 0);
+    assert_eq!(
+        first.json()["choices"][0]["message"]["content"],
+        want.as_str()
+    );
+    // Same prompt, same salt: the blocks are shared.
+    let again = srv.post("/v1/chat/completions", &body(Some("tenant-a")));
+    assert!(cached(&again) > 0, "{}", again.body);
+    // Another salt, or none, sees nothing of tenant-a's blocks, and the output is the same.
+    for other in [Some("tenant-b"), None, Some("tenant-a ")] {
+        let r = srv.post("/v1/chat/completions", &body(other));
+        assert_eq!(cached(&r), 0, "salt {other:?} shared tenant-a's blocks");
+        assert_eq!(r.json()["choices"][0]["message"]["content"], want.as_str());
+    }
+    // Each salt is its own namespace in the store.
+    srv.idle();
+    let prefix = srv.engine.prefix_cache().unwrap();
+    let a = prefix.namespace_for(Some("tenant-a")).unwrap();
+    let b = prefix.namespace_for(Some("tenant-b")).unwrap();
+    assert_ne!(a, b);
+    assert_ne!(a, prefix.namespace());
+    // Salts that are not 1..=256-byte strings are refused.
+    for bad in [json!(""), json!(7), json!("x".repeat(257))] {
+        let mut b = body(None);
+        b["cache_salt"] = bad;
+        let r = srv.post("/v1/chat/completions", &b);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.error()["param"], "cache_salt");
+    }
+}
+
+#[test]
+fn max_tokens_above_the_server_limit_is_refused() {
+    let srv = Server::start(None, EngineConfig::default());
+    let r = srv.post("/v1/chat/completions", &chat("Hello.", 4097));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = r.error();
+    assert_eq!(e["param"], "max_tokens");
+    assert!(e["message"].as_str().unwrap().contains("4096"), "{e}");
+    let r = srv.post("/v1/chat/completions", &chat("Hello.", 4096));
+    assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
 fn a_client_disconnect_cancels_the_request_and_frees_its_row() {
     let srv = Server::start(None, EngineConfig::default());
     let mut body = chat("Tell me a very long story.", 400);
@@ -541,6 +606,7 @@ fn the_library_api_streams_cancels_and_shuts_down() {
             max_tokens,
             ..params.clone()
         },
+        cache_salt: None,
     };
     // With one row, the second request queues behind the first; cancel the first mid-way.
     let mut a = engine.submit(req(300)).unwrap();
@@ -572,10 +638,7 @@ fn the_library_api_streams_cancels_and_shuts_down() {
     );
     // Over budget and bad prompts are refused at submit.
     assert!(matches!(
-        engine.submit(Request {
-            prompt: vec![],
-            params: params.clone()
-        }),
+        engine.submit(Request::new(vec![], params.clone())),
         Err(SubmitError::Invalid(_))
     ));
     // Shutdown finishes what runs, flushes, and refuses new work.
@@ -612,6 +675,7 @@ fn a_kv_budget_queues_requests_and_refuses_oversized_ones() {
             stop_at_eos: false,
             ..GenerateParams::default()
         },
+        cache_salt: None,
     };
     assert!(matches!(
         engine.submit(req(400)),
@@ -669,10 +733,7 @@ fn smollm2_serves_two_concurrent_requests_like_generate() {
         .iter()
         .map(|p| {
             engine
-                .submit(Request {
-                    prompt: p.clone(),
-                    params: params.clone(),
-                })
+                .submit(Request::new(p.clone(), params.clone()))
                 .unwrap()
         })
         .collect();
