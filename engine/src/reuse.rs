@@ -199,7 +199,22 @@ impl PrefixCache {
     /// Opens (or creates) the store and registers `model`'s namespace in it.
     pub fn open(model: &Model, tokenizer: &Tokenizer, config: ReuseConfig) -> Result<Self> {
         let description = namespace_description(model, tokenizer, &config)?;
-        let store = Store::open(config.store.clone())?;
+        let store = match Store::open(config.store.clone()) {
+            Ok(s) => s,
+            // A store on a read-only file system (a pre-warmed volume) or one this user may
+            // not write still serves its blocks: open it read-only; new blocks stay in RAM.
+            Err(store::OpenError::Io { path, source })
+                if !config.store.read_only && not_writable(&source) =>
+            {
+                tracing::warn!(
+                    path = %path.display(),
+                    error = %source,
+                    "the block store is not writable: serving it read-only; new blocks stay in RAM"
+                );
+                Store::open(config.store.clone().read_only(true))?
+            }
+            Err(e) => return Err(e.into()),
+        };
         let namespace = store.register_namespace(&description)?;
         Ok(Self {
             store,
@@ -404,6 +419,14 @@ impl PrefixCache {
             .map(|(_, s)| s.iter().zip(prompt).take_while(|(a, b)| a == b).count())
             .max()
     }
+}
+
+fn not_writable(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    matches!(
+        e.kind(),
+        ErrorKind::ReadOnlyFilesystem | ErrorKind::PermissionDenied
+    )
 }
 
 fn poisoned() -> EngineError {

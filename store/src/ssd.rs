@@ -121,6 +121,11 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> OpenError + '_ {
     }
 }
 
+/// ENOSPC or EDQUOT: the file system (or the user's quota) has no room.
+pub(crate) fn is_storage_full(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::StorageFull || matches!(e.raw_os_error(), Some(28 | 122))
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock leaves plain data behind; keep serving.
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -435,10 +440,16 @@ impl SsdTier {
         let journal = if options.read_only {
             None
         } else {
-            Some(
-                Journal::rewrite(&journal_path, &tmp_dir, &records)
-                    .map_err(io_err(&journal_path))?,
-            )
+            match Journal::rewrite(&journal_path, &tmp_dir, &records) {
+                Ok(j) => Some(j),
+                // A full file system must not keep a store of valid blocks from opening:
+                // serve without the journal (recency falls back to file times next open).
+                Err(e) if is_storage_full(&e) => {
+                    tracing::warn!(path = %journal_path.display(), error = %e, "the file system is full: no access journal this session");
+                    None
+                }
+                Err(e) => return Err(io_err(&journal_path)(e)),
+            }
         };
         Ok(SsdTier {
             root,
@@ -743,6 +754,27 @@ impl SsdTier {
         Ok(())
     }
 
+    /// The file system is full although the budget is not: lowers the budget (in memory,
+    /// not in the marker) to the bytes held minus room for one more block of `need` bytes,
+    /// and evicts down to it. Returns whether anything was freed (worth a retry).
+    fn shrink_to_fit(&self, need: u64) -> Result<bool, WriteError> {
+        let used = self.used_bytes();
+        if used == 0 {
+            return Ok(false);
+        }
+        let budget = used.saturating_sub(need);
+        let old = self.budget.fetch_min(budget, Ordering::Relaxed);
+        if budget < old {
+            tracing::warn!(
+                root = %self.root.display(),
+                budget,
+                configured = old,
+                "the file system is full: the SSD tier now keeps at most this many bytes of blocks (until restart)"
+            );
+        }
+        Ok(self.evict_until(budget.saturating_sub(need), None)? > 0)
+    }
+
     fn poison(&self, what: &str, path: &Path, e: &io::Error) -> WriteError {
         let cause = format!("{what} {}: {e}", path.display());
         tracing::error!(%cause, "SSD tier writer poisoned");
@@ -847,10 +879,16 @@ impl SsdTier {
         let final_path = block_path(&self.root, ns, key);
         let shard_dir = final_path.parent().unwrap_or(&ns_dir).to_owned();
         for dir in [&ns_dir, &shard_dir] {
-            ensure_dir(dir).map_err(|source| WriteError::Io {
-                path: dir.clone(),
-                source,
-            })?;
+            if let Err(source) = ensure_dir(dir) {
+                if !self.root.is_dir() {
+                    // Deleted under us: recreating it could race a new owner of the path.
+                    return Err(self.poison("the store directory is gone:", &self.root, &source));
+                }
+                return Err(WriteError::Io {
+                    path: dir.clone(),
+                    source,
+                });
+            }
         }
         let tmp = self.root.join(format::TMP_DIR).join(format!(
             "{key}.{}.{}.{}",
@@ -860,23 +898,33 @@ impl SsdTier {
         ));
         // 1. Create and fill the temp file. Failures here (ENOSPC, EIO on write) leave
         //    nothing behind and do not poison: the temp file is removed and never renamed.
-        let written = (|| -> Result<File, EncodeError> {
-            OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(format::FILE_MODE)
-                .open(&tmp)?;
-            codec::write_file(block, &tmp)?;
-            Ok(File::open(&tmp)?)
-        })();
-        let file = match written {
-            Ok(f) => f,
-            Err(e) => {
-                let _ = fs::remove_file(&tmp);
-                return Err(match e {
-                    EncodeError::Io(source) => WriteError::Io { path: tmp, source },
-                    EncodeError::Invalid(reason) => WriteError::Invalid { key, reason },
-                });
+        //    A full file system shrinks the budget to what fits and retries once.
+        let mut retried = false;
+        let file = loop {
+            let written = (|| -> Result<File, EncodeError> {
+                OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(format::FILE_MODE)
+                    .open(&tmp)?;
+                codec::write_file(block, &tmp)?;
+                Ok(File::open(&tmp)?)
+            })();
+            match written {
+                Ok(f) => break f,
+                Err(e) => {
+                    let _ = fs::remove_file(&tmp);
+                    if let EncodeError::Io(source) = &e {
+                        if !retried && is_storage_full(source) && self.shrink_to_fit(estimate)? {
+                            retried = true;
+                            continue;
+                        }
+                    }
+                    return Err(match e {
+                        EncodeError::Io(source) => WriteError::Io { path: tmp, source },
+                        EncodeError::Invalid(reason) => WriteError::Invalid { key, reason },
+                    });
+                }
             }
         };
         // 2. fsync the data. After a failed fsync the page cache state is unknown: poison.
@@ -923,8 +971,8 @@ impl SsdTier {
         }
         Counters::add(&self.counters.bytes_written, file_len);
         Counters::inc(&self.counters.blocks_written);
-        if phys > estimate {
-            self.evict_until(budget, Some((ns, key)))?;
+        if phys > estimate || self.budget() < budget {
+            self.evict_until(self.budget(), Some((ns, key)))?;
         }
         Ok(WriteOutcome::Written {
             physical_bytes: phys,
@@ -954,6 +1002,12 @@ impl SsdTier {
         let mut st = lock(&self.state);
         if let Some(j) = st.journal.as_mut() {
             if let Err(source) = j.sync() {
+                if is_storage_full(&source) {
+                    // The journal is a recency hint, not data: give it up rather than fail.
+                    tracing::warn!(path = %j.path().display(), error = %source, "the file system is full: no access journal until restart");
+                    st.journal = None;
+                    return Ok(());
+                }
                 return Err(WriteError::Io {
                     path: j.path().to_owned(),
                     source,

@@ -16,7 +16,7 @@ use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::ram::RamTier;
 use crate::remote::{RemoteConfig, RemoteTier};
-use crate::ssd::{ReadOutcome, SsdOptions, SsdTier};
+use crate::ssd::{is_storage_full, ReadOutcome, SsdOptions, SsdTier};
 use crate::stats::{Counters, StoreStats};
 
 /// When blocks reach the SSD tier.
@@ -290,7 +290,14 @@ impl<P: Payload> Store<P> {
                         path: path.clone(),
                         source: std::io::Error::other(e.to_string()),
                     };
-                    ssd.set_budget(config.ssd_budget).map_err(to_open)?;
+                    match ssd.set_budget(config.ssd_budget) {
+                        Ok(()) => {}
+                        // The budget holds in memory; only the marker's record of it is stale.
+                        Err(WriteError::Io { path, source }) if is_storage_full(&source) => {
+                            tracing::warn!(path = %path.display(), error = %source, "the file system is full: the store marker keeps the old budget");
+                        }
+                        Err(e) => return Err(to_open(e)),
+                    }
                     ssd.enforce_budget().map_err(to_open)?;
                 }
                 Some(ssd)

@@ -45,3 +45,5 @@ pub fn smollm2() -> PathBuf {
 /// A throwaway `redis-server` for the remote-tier tests (shared with the store's tests).
 #[path = "../../store/tests/it/redis_server.rs"]
 pub mod redis_server;
+
+pub mod serve;

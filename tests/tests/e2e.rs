@@ -1,6 +1,7 @@
 //! End-to-end tests across crates: one test binary, one module per area.
 
 mod cli_reuse;
+mod faults;
 mod linking;
 mod openai_client;
 mod remote;

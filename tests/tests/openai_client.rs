@@ -2,13 +2,12 @@
 //! venv that scripts/setup.sh makes) drives a multi-turn streaming chat, then a graceful
 //! SIGTERM; and a bounded load test of 64 concurrent streams.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvstore_tests::{kvstore_bin, tiny_model};
+use kvstore_tests::serve::{files, gauge, Serve};
+use kvstore_tests::tiny_model;
 use serde_json::Value;
 
 fn python() -> PathBuf {
@@ -21,42 +20,11 @@ fn python() -> PathBuf {
     p
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn healthy(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out.starts_with("HTTP/1.1 200")
-}
-
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn the_openai_client_streams_a_multi_turn_chat_with_cached_tokens_from_turn_two() {
     let store = tempfile::tempdir().unwrap();
-    let (mut server, port) = start(store.path(), &[]);
+    let mut server = start(store.path(), &[]);
+    let port = server.port;
     let out = Command::new(python())
         .arg(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -97,28 +65,12 @@ fn the_openai_client_streams_a_multi_turn_chat_with_cached_tokens_from_turn_two(
     }
 
     // SIGTERM: the server stops accepting, finishes, flushes the store and exits 0.
-    let pid = server.0.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = server.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "kvstore serve did not exit after SIGTERM"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = server.terminate().unwrap();
     assert!(
         status.success(),
         "kvstore serve exited with {status} after SIGTERM"
     );
-    let files = walk(store.path());
+    let files = files(store.path());
     assert!(
         files
             .iter()
@@ -127,85 +79,13 @@ fn the_openai_client_streams_a_multi_turn_chat_with_cached_tokens_from_turn_two(
     );
 }
 
-fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
-        let p = e.path();
-        if p.is_dir() {
-            out.extend(walk(&p));
-        } else {
-            out.push(p);
-        }
-    }
-    out
-}
-
-/// Starts `kvstore serve` with the tiny qwen3 model on a free port and waits until healthy.
-fn start(store: &std::path::Path, extra: &[&str]) -> (Server, u16) {
-    let port = free_port();
-    let child = Command::new(kvstore_bin())
-        .arg("serve")
-        .arg("--model")
-        .arg(tiny_model("tiny-qwen3"))
-        .arg("--store")
-        .arg(store)
-        .args(["--port", &port.to_string(), "--block-size", "8"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut server = Server(child);
-    let start = Instant::now();
-    while !healthy(port) {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "kvstore serve did not become healthy"
-        );
-        if let Some(status) = server.0.try_wait().unwrap() {
-            panic!("kvstore serve exited early: {status}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    (server, port)
-}
-
-/// One HTTP request; returns the status and the body (chunked bodies joined raw).
-fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    let (head, rest) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    (status, rest.to_string())
-}
-
-/// A gauge from the Prometheus text of /metrics.
-fn gauge(port: u16, name: &str) -> f64 {
-    let (status, text) = http(port, "GET", "/metrics", "");
-    assert_eq!(status, 200);
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or_else(|| panic!("{name} missing from /metrics"))
-}
-
 #[test]
 fn sixty_four_concurrent_streams_finish_without_errors_and_memory_returns_to_baseline() {
     let store = tempfile::tempdir().unwrap();
     // A RAM tier of zero bytes: published blocks go straight to SSD, so live MLX memory
     // after the load is weights only, as before it.
-    let (_server, port) = start(store.path(), &["--max-batch", "16", "--ram-budget", "0"]);
+    let server = start(store.path(), &["--max-batch", "16", "--ram-budget", "0"]);
+    let port = server.port;
     let body = |i: usize| {
         serde_json::json!({
             "model": "tiny-qwen3",
@@ -268,4 +148,19 @@ fn sixty_four_concurrent_streams_finish_without_errors_and_memory_returns_to_bas
         after <= baseline,
         "live MLX memory {after} did not return to the baseline {baseline}"
     );
+}
+
+/// Starts `kvstore serve` with the tiny qwen3 model and a store at `store`.
+fn start(store: &Path, extra: &[&str]) -> Serve {
+    let mut args = vec!["--block-size", "8", "--store"];
+    let store = store.display().to_string();
+    args.push(&store);
+    args.extend_from_slice(extra);
+    Serve::start(&tiny_model("tiny-qwen3"), &args).unwrap_or_else(|log| panic!("{log}"))
+}
+
+/// One request; the status and body (the connection errors of a load test are failures).
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    kvstore_tests::serve::http(port, method, path, body)
+        .unwrap_or_else(|e| (0, format!("request failed: {e}")))
 }
