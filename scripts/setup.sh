@@ -55,11 +55,17 @@ if [ "$os" = Linux ] && [ "$backend" = cpu ]; then
   fi
 fi
 
-# The remote-tier tests start their own redis-server instances.
-if ! command -v redis-server >/dev/null && [ $is_root = 1 ] && command -v apt-get >/dev/null; then
-  say "installing redis-server (for the remote-tier tests)"
+# The remote-tier tests start their own redis-server instances (redis-cli joins a cluster,
+# openssl makes the TLS test's certificates).
+missing=""
+command -v redis-server >/dev/null || missing="$missing redis-server"
+command -v redis-cli >/dev/null || missing="$missing redis-tools"
+command -v openssl >/dev/null || missing="$missing openssl"
+if [ -n "$missing" ] && [ $is_root = 1 ] && command -v apt-get >/dev/null; then
+  say "installing$missing (for the remote-tier tests)"
   apt-get update -qq >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
 
 # 2. The MLX wheel, unpacked with its layout (libmlx finds its libraries relative to itself).

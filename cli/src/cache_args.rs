@@ -39,14 +39,71 @@ pub struct CacheArgs {
     /// Mixed into the store namespace: requests with different salts never share blocks.
     #[arg(long, value_name = "SALT")]
     pub cache_salt: Option<String>,
-    /// A remote tier shared with other engines: redis://[user:password@]host:port[/db].
-    /// Blocks are fetched from it (and verified) when neither local tier has them, and
-    /// published to it in the background.
-    #[arg(long, value_name = "URL")]
-    pub remote: Option<String>,
+    /// The remote tier shared with other engines.
+    #[command(flatten)]
+    pub remote: RemoteArgs,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
+}
+
+/// Remote-tier flags (shared with `kvstore inspect --remote`).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct RemoteArgs {
+    /// A remote tier shared with other engines: redis://[user:password@]host:port[/db],
+    /// rediss://… (TLS), or a Redis Cluster: redis+cluster://h1:p1,h2:p2,… (rediss+cluster
+    /// with TLS). Blocks are fetched from it (and verified) when neither local tier has
+    /// them, and published to it in the background.
+    #[arg(long, value_name = "URL")]
+    pub remote: Option<String>,
+    /// CA certificate (PEM) that signed the Redis servers' TLS certificates. Default: the
+    /// system's roots.
+    #[arg(long, value_name = "FILE", requires = "remote")]
+    pub remote_ca: Option<PathBuf>,
+    /// Expiry of published blocks, in seconds. Default: none (Redis's eviction decides).
+    #[arg(long, value_name = "SECS", requires = "remote")]
+    pub remote_ttl: Option<u64>,
+    /// Timeout of every Redis command (read and write), in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 1000, requires = "remote")]
+    pub remote_timeout: u64,
+    /// Timeout of a connection attempt to Redis, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 500, requires = "remote")]
+    pub remote_connect_timeout: u64,
+    /// Blocks the background publication queue holds; more are skipped (and counted).
+    #[arg(
+        long,
+        value_name = "BLOCKS",
+        default_value_t = 256,
+        requires = "remote"
+    )]
+    pub remote_queue: usize,
+}
+
+impl RemoteArgs {
+    /// The remote-tier settings, or `None` without `--remote`.
+    pub fn config(&self) -> Result<Option<store::RemoteConfig>> {
+        let Some(url) = &self.remote else {
+            return Ok(None);
+        };
+        for (flag, v) in [
+            ("--remote-timeout", self.remote_timeout),
+            ("--remote-connect-timeout", self.remote_connect_timeout),
+            ("--remote-queue", self.remote_queue as u64),
+            ("--remote-ttl", self.remote_ttl.unwrap_or(1)),
+        ] {
+            if v == 0 {
+                anyhow::bail!("{flag} must be at least 1");
+            }
+        }
+        Ok(Some(
+            store::RemoteConfig::new(url)
+                .ca_cert(self.remote_ca.clone())
+                .ttl_secs(self.remote_ttl)
+                .io_timeout_ms(self.remote_timeout)
+                .connect_timeout_ms(self.remote_connect_timeout)
+                .queue_capacity(self.remote_queue),
+        ))
+    }
 }
 
 /// Parses a size such as `512MiB`, `2GB` or a plain byte count.
@@ -85,7 +142,7 @@ impl CacheArgs {
                 .root(self.store_dir()?)
                 .ram_budget(parse_size(&self.ram_budget).context("--ram-budget")?)
                 .ssd_budget(parse_size(&self.ssd_budget).context("--ssd-budget")?)
-                .remote(self.remote.clone().map(store::RemoteConfig::new)),
+                .remote(self.remote.config()?),
             block_size: self.block_size,
             kv_format,
             salt: self.cache_salt.clone(),

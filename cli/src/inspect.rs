@@ -23,10 +23,10 @@ pub struct Args {
     /// Show one block's metadata (64 hex digits).
     #[arg(long, value_name = "KEY")]
     block: Option<String>,
-    /// Report what a remote tier (redis://host:port) holds per namespace instead of a
-    /// store directory (SCAN over `kvstore:*` keys).
-    #[arg(long, value_name = "URL")]
-    remote: Option<String>,
+    /// With --remote URL: report what that remote tier holds per namespace instead of a
+    /// store directory (SCAN over `kvstore:*` keys, on every master of a cluster).
+    #[command(flatten)]
+    remote: crate::cache_args::RemoteArgs,
 }
 
 /// The store directory: the flag, else `$KVSTORE_DIR`, else `<cache dir>/kvstore`.
@@ -61,8 +61,8 @@ struct JsonOut<'a, T> {
 
 /// Runs `kvstore inspect`; returns the process exit code (1 when `--verify` found corruption).
 pub fn run(args: Args) -> Result<i32> {
-    if let Some(url) = &args.remote {
-        return remote(url, args.json);
+    if let Some(config) = args.remote.config()? {
+        return remote(&config, args.json);
     }
     let root = store_dir(args.store)?;
     if let Some(k) = args.block {
@@ -204,9 +204,10 @@ struct RemoteOut {
 }
 
 /// `kvstore inspect --remote URL`: blocks and bytes per namespace in Redis.
-fn remote(url: &str, json: bool) -> Result<i32> {
-    let namespaces = store::remote::inspect_remote(url)
-        .context("cannot scan the remote tier (is Redis running at that URL?)")?;
+fn remote(config: &store::RemoteConfig, json: bool) -> Result<i32> {
+    let namespaces = store::remote::inspect_remote(config).context(
+        "cannot scan the remote tier (is Redis running at that URL, with that password and CA?)",
+    )?;
     let out = RemoteOut {
         blocks: namespaces.iter().map(|n| n.blocks).sum(),
         bytes: namespaces.iter().map(|n| n.bytes).sum(),

@@ -13,7 +13,8 @@
 //! Restoring is not always cheaper than recomputing (a small model on a fast GPU prefills
 //! faster than a disk reads). [`PrefixCache`] keeps running estimates of the prefill cost
 //! per token and the restore cost per block by tier, and cuts the restored prefix at the
-//! first SSD block whenever reading the SSD part is estimated slower than recomputing it.
+//! first SSD block whenever reading the SSD part is estimated slower than recomputing it,
+//! and at the first remote block whenever fetching from the remote tier is.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -86,6 +87,8 @@ pub struct ReuseReport {
     pub ttft_s: f64,
     /// Cached SSD blocks left unread because recomputing them was estimated faster.
     pub ssd_blocks_skipped: usize,
+    /// Remote-tier blocks left unfetched because recomputing them was estimated faster.
+    pub remote_blocks_skipped: usize,
     /// Why the cached prefix ended early (a corrupt or refused block), if it did.
     pub stopped: Option<String>,
     /// New full blocks published after the request.
@@ -93,10 +96,57 @@ pub struct ReuseReport {
 }
 
 /// Running cost estimates used to pick restore or recompute.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Costs {
     prefill_s_per_token: Option<f64>,
     ssd_s_per_block: Option<f64>,
+    /// Fetch and verification of one block from the remote tier (measured per chain fetch).
+    remote_s_per_block: Option<f64>,
+    /// Requests whose remote part was cut; every [`REMOTE_PROBE_EVERY`]th fetches anyway.
+    remote_cuts: u64,
+}
+
+/// A request that would skip the remote tier fetches anyway once in this many, so the
+/// estimate sees a remote that became fast again.
+const REMOTE_PROBE_EVERY: u64 = 16;
+
+/// Which prefix of a cached run to restore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RestorePlan {
+    /// Blocks to load (a prefix of the run).
+    usable: usize,
+    ssd_skipped: usize,
+    remote_skipped: usize,
+}
+
+/// Cuts the run `tiers` at the first SSD block when reading SSD is estimated slower than
+/// recomputing a block, and at the first remote block when fetching is (unless `probe`).
+/// Without a measured prefill speed everything is restored.
+fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -> RestorePlan {
+    let count = |from: usize, tier: Tier| tiers[from..].iter().filter(|t| **t == tier).count();
+    let mut plan = RestorePlan {
+        usable: tiers.len(),
+        ssd_skipped: 0,
+        remote_skipped: 0,
+    };
+    let Some(recompute) = costs.prefill_s_per_token.map(|p| p * block_size as f64) else {
+        return plan;
+    };
+    let cut = |tier: Tier, cost: Option<f64>, plan: &mut RestorePlan| {
+        let first = tiers.iter().position(|t| *t == tier);
+        if let (Some(first), Some(cost)) = (first, cost) {
+            if cost > recompute && first < plan.usable {
+                plan.usable = first;
+                plan.ssd_skipped = count(first, Tier::Ssd);
+                plan.remote_skipped = count(first, Tier::Remote);
+            }
+        }
+    };
+    cut(Tier::Ssd, costs.ssd_s_per_block, &mut plan);
+    if !probe {
+        cut(Tier::Remote, costs.remote_s_per_block, &mut plan);
+    }
+    plan
 }
 
 fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
@@ -323,23 +373,19 @@ impl PrefixCache {
         let hit = self.store.lookup(namespace, &keys);
         report.lookup_s = t.elapsed().as_secs_f64();
 
-        // Restore or recompute the SSD part: whichever is estimated faster.
-        let mut usable = hit.blocks();
-        let first_ssd = hit.tiers.iter().position(|t| *t == Tier::Ssd);
-        if let Some(first) = first_ssd {
-            let ssd_blocks = hit.tiers[first..usable]
-                .iter()
-                .filter(|t| **t == Tier::Ssd)
-                .count();
-            let costs = self.costs.lock().map_err(|_| poisoned())?;
-            if let (Some(prefill), Some(read)) = (costs.prefill_s_per_token, costs.ssd_s_per_block)
-            {
-                if read > prefill * bs as f64 {
-                    report.ssd_blocks_skipped = ssd_blocks;
-                    usable = first;
-                }
-            }
-        }
+        // Restore or recompute the SSD and remote parts: whichever is estimated faster.
+        let plan = {
+            let mut costs = self.costs.lock().map_err(|_| poisoned())?;
+            let cut = plan_restore(&hit.tiers, &costs, bs, false);
+            let probe = cut.remote_skipped > 0 && {
+                costs.remote_cuts += 1;
+                costs.remote_cuts % REMOTE_PROBE_EVERY == 0
+            };
+            plan_restore(&hit.tiers, &costs, bs, probe)
+        };
+        let usable = plan.usable;
+        report.ssd_blocks_skipped = plan.ssd_skipped;
+        report.remote_blocks_skipped = plan.remote_skipped;
 
         let t = Instant::now();
         let tokens: Vec<&[u32]> = prompt.chunks(bs).take(usable).collect();
@@ -368,10 +414,17 @@ impl PrefixCache {
         report.cached_remote_tokens = used.iter().filter(|t| **t == Tier::Remote).count() * bs;
         report.cached_tokens = cache.offset();
         let ssd_used = used.iter().filter(|t| **t == Tier::Ssd).count();
+        let remote_used = used.iter().filter(|t| **t == Tier::Remote).count();
+        let mut costs = self.costs.lock().map_err(|_| poisoned())?;
         if ssd_used > 0 {
-            let mut costs = self.costs.lock().map_err(|_| poisoned())?;
-            costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, report.restore_s / ssd_used as f64);
+            let ssd_s = (report.restore_s - loaded.remote_s).max(0.0);
+            costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, ssd_s / ssd_used as f64);
         }
+        if remote_used > 0 {
+            let per_block = loaded.remote_s / remote_used as f64;
+            costs.remote_s_per_block = ewma(costs.remote_s_per_block, per_block);
+        }
+        drop(costs);
         Ok((cache, report))
     }
 
@@ -476,4 +529,75 @@ pub fn generate_with_reuse(
         report.published_blocks = p.publish(&mut cache, &all)?;
     }
     Ok((generation, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const R: Tier = Tier::Ram;
+    const S: Tier = Tier::Ssd;
+    const N: Tier = Tier::Remote;
+
+    fn costs(prefill_per_token: f64, ssd: f64, remote: f64) -> Costs {
+        Costs {
+            prefill_s_per_token: Some(prefill_per_token),
+            ssd_s_per_block: Some(ssd),
+            remote_s_per_block: Some(remote),
+            remote_cuts: 0,
+        }
+    }
+
+    #[test]
+    fn a_remote_slower_than_recompute_is_cut_at_its_first_block() {
+        let run = [R, R, S, N, N, N];
+        // Recomputing a 16-token block: 16 ms; SSD 1 ms; remote 40 ms per block.
+        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 16, false);
+        assert_eq!(
+            plan,
+            RestorePlan {
+                usable: 3,
+                ssd_skipped: 0,
+                remote_skipped: 3
+            }
+        );
+        // A probe fetches anyway, to measure again.
+        assert_eq!(
+            plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 16, true).usable,
+            6
+        );
+    }
+
+    #[test]
+    fn a_remote_faster_than_recompute_is_restored() {
+        let run = [R, S, N, N];
+        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 2e-3), 16, false);
+        assert_eq!(plan.usable, 4);
+        assert_eq!(plan.remote_skipped, 0);
+    }
+
+    #[test]
+    fn a_slow_ssd_cut_also_skips_the_remote_blocks_after_it() {
+        let run = [R, S, S, N];
+        let plan = plan_restore(&run, &costs(1e-3, 50e-3, 2e-3), 16, false);
+        assert_eq!(
+            plan,
+            RestorePlan {
+                usable: 1,
+                ssd_skipped: 2,
+                remote_skipped: 1
+            }
+        );
+    }
+
+    #[test]
+    fn without_measurements_everything_is_restored() {
+        let run = [S, N, N];
+        assert_eq!(plan_restore(&run, &Costs::default(), 16, false).usable, 3);
+        let no_remote_yet = Costs {
+            remote_s_per_block: None,
+            ..costs(1e-3, 1e-3, 0.0)
+        };
+        assert_eq!(plan_restore(&run, &no_remote_yet, 16, false).usable, 3);
+    }
 }

@@ -252,6 +252,7 @@ struct Counters {
     cached_tokens: AtomicU64,
     cached_ram_tokens: AtomicU64,
     cached_ssd_tokens: AtomicU64,
+    cached_remote_tokens: AtomicU64,
     generated_tokens: AtomicU64,
     decode_steps: AtomicU64,
     decode_rows: AtomicU64,
@@ -284,6 +285,8 @@ pub struct EngineMetrics {
     pub cached_ram_tokens: u64,
     /// Of those, from the SSD tier.
     pub cached_ssd_tokens: u64,
+    /// Of those, fetched from the remote tier.
+    pub cached_remote_tokens: u64,
     /// Tokens generated.
     pub generated_tokens: u64,
     /// Batched decode steps run.
@@ -548,6 +551,7 @@ impl Engine {
             cached_tokens: g(&c.cached_tokens),
             cached_ram_tokens: g(&c.cached_ram_tokens),
             cached_ssd_tokens: g(&c.cached_ssd_tokens),
+            cached_remote_tokens: g(&c.cached_remote_tokens),
             generated_tokens: g(&c.generated_tokens),
             decode_steps: g(&c.decode_steps),
             decode_rows: g(&c.decode_rows),
@@ -830,6 +834,8 @@ impl Worker {
             .fetch_add(report.cached_ram_tokens as u64, Ordering::Relaxed);
         c.cached_ssd_tokens
             .fetch_add(report.cached_ssd_tokens as u64, Ordering::Relaxed);
+        c.cached_remote_tokens
+            .fetch_add(report.cached_remote_tokens as u64, Ordering::Relaxed);
         observe_ttft(c, queue_s + ttft_s);
         tracing::debug!(
             request = p.id,

@@ -48,8 +48,9 @@ pub enum OpenError {
         /// What the lock file says about its holder.
         holder: String,
     },
-    /// The remote tier's URL does not parse (nothing is connected at open).
-    #[error("remote tier URL {url:?} is invalid: {message}; expected redis://[user:password@]host:port[/db]")]
+    /// The remote tier's URL does not parse, or its CA file is unreadable (nothing is
+    /// connected at open).
+    #[error("remote tier {url:?} cannot be used: {message}; expected redis://[user:password@]host:port[/db], rediss://… (TLS) or redis+cluster://host:port,host:port,…")]
     RemoteUrl {
         /// The URL, password removed.
         url: String,

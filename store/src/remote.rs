@@ -10,13 +10,23 @@
 //! connection failure the tier is skipped for a backoff that doubles up to
 //! [`MAX_BACKOFF`]; the outage is logged once, and its end once.
 //!
+//! Two deployments, one key layout: a single node (`redis://`, `rediss://` for TLS) or a
+//! Redis Cluster (`redis+cluster://h1:p1,h2:p2`, `rediss+cluster://…`). The keys carry no
+//! hash tag, so the blocks of one chain spread over every master (memory and load stay
+//! balanced); a chain's `EXISTS`/`GET` pipeline is split per master by the `redis` crate's
+//! cluster pipeline, which writes every node's part before reading any reply: still one
+//! round trip, to all masters in parallel.
+//!
 //! This module talks to Redis through the `redis` crate's synchronous connections: lookups
 //! and fetches on the caller's thread (one pipelined round trip each, bounded by the I/O
 //! timeout), publication on the store's own publisher thread.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use redis::cluster::{ClusterClient, ClusterConnection};
+use redis::{Cmd, ErrorKind, RedisError, RedisResult};
 use serde::{Deserialize, Serialize};
 
 use crate::key::{BlockKey, NamespaceId};
@@ -28,13 +38,22 @@ pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const FIRST_BACKOFF: Duration = Duration::from_millis(250);
 /// Prefix of every key the remote tier writes.
 pub const KEY_PREFIX: &str = "kvstore";
+/// Scheme of a Redis Cluster URL (`rediss+cluster` with TLS).
+const CLUSTER_SCHEME: &str = "redis+cluster";
+/// Scheme of a Redis Cluster URL with TLS.
+const CLUSTER_TLS_SCHEME: &str = "rediss+cluster";
 
 /// Configuration of the remote tier.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct RemoteConfig {
-    /// `redis://[user:password@]host:port[/db]` (AUTH through the URL).
+    /// `redis://[user:password@]host:port[/db]`, `rediss://…` (TLS), or a Redis Cluster:
+    /// `redis+cluster://[user:password@]h1:p1,h2:p2,…` (`rediss+cluster://…` with TLS).
+    /// AUTH goes in the URL.
     pub url: String,
+    /// PEM file of the CA that signed the servers' TLS certificates; `None` trusts the
+    /// system's roots. Only for `rediss` URLs.
+    pub ca_cert: Option<PathBuf>,
     /// Expiry of published blocks in seconds; `None` keeps them until Redis evicts them.
     pub ttl_secs: Option<u64>,
     /// Connection timeout in milliseconds.
@@ -50,6 +69,7 @@ impl Default for RemoteConfig {
     fn default() -> Self {
         RemoteConfig {
             url: String::new(),
+            ca_cert: None,
             ttl_secs: None,
             connect_timeout_ms: 500,
             io_timeout_ms: 1000,
@@ -65,6 +85,12 @@ impl RemoteConfig {
             url: url.into(),
             ..RemoteConfig::default()
         }
+    }
+
+    /// CA certificate (PEM) for `rediss` URLs. Default: none (the system's roots).
+    pub fn ca_cert(mut self, path: Option<PathBuf>) -> Self {
+        self.ca_cert = path;
+        self
     }
 
     /// Expiry of published blocks. Default: none.
@@ -90,11 +116,176 @@ impl RemoteConfig {
         self.queue_capacity = blocks;
         self
     }
+
+    fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms.max(1))
+    }
+
+    fn io_timeout(&self) -> Duration {
+        Duration::from_millis(self.io_timeout_ms.max(1))
+    }
 }
 
 /// The Redis key of a block.
 pub fn redis_key(ns: NamespaceId, key: BlockKey) -> String {
     format!("{KEY_PREFIX}:{ns}:{key}")
+}
+
+fn invalid(message: &'static str, detail: String) -> RedisError {
+    RedisError::from((ErrorKind::InvalidClientConfig, message, detail))
+}
+
+/// A cluster URL split into the scheme of its nodes, the `user:password@` part and the seed
+/// nodes (`host:port`); `None` for a single-node URL.
+fn cluster_parts(url: &str) -> RedisResult<Option<(&'static str, &str, Vec<&str>)>> {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Ok(None);
+    };
+    let node_scheme = match scheme {
+        CLUSTER_SCHEME => "redis",
+        CLUSTER_TLS_SCHEME => "rediss",
+        _ => return Ok(None),
+    };
+    let (auth, hosts) = match rest.rfind('@') {
+        Some(at) => (&rest[..=at], &rest[at + 1..]),
+        None => ("", rest),
+    };
+    let hosts = hosts.trim_end_matches('/');
+    let seeds: Vec<&str> = hosts.split(',').filter(|h| !h.is_empty()).collect();
+    if seeds.is_empty() || hosts.contains('/') {
+        return Err(invalid(
+            "a cluster URL lists seed nodes",
+            "expected redis+cluster://[user:password@]host:port,host:port,…".into(),
+        ));
+    }
+    Ok(Some((node_scheme, auth, seeds)))
+}
+
+/// The TLS roots `config` names (its CA file), read now.
+fn read_certs(config: &RemoteConfig) -> RedisResult<Option<redis::TlsCertificates>> {
+    if config.url.starts_with("rediss") || config.ca_cert.is_some() {
+        // The one provider compiled in (ring); a second install is refused, harmlessly.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    let Some(path) = &config.ca_cert else {
+        return Ok(None);
+    };
+    let pem = std::fs::read(path).map_err(|e| {
+        invalid(
+            "cannot read the remote tier's CA certificate",
+            format!("{}: {e}", path.display()),
+        )
+    })?;
+    Ok(Some(redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    }))
+}
+
+fn single_client(url: &str, certs: Option<redis::TlsCertificates>) -> RedisResult<redis::Client> {
+    match certs {
+        Some(c) => redis::Client::build_with_tls(url, c),
+        None => redis::Client::open(url),
+    }
+}
+
+fn cluster_client(
+    config: &RemoteConfig,
+    scheme: &str,
+    auth: &str,
+    seeds: &[&str],
+    certs: Option<redis::TlsCertificates>,
+) -> RedisResult<ClusterClient> {
+    let nodes: Vec<String> = seeds
+        .iter()
+        .map(|h| format!("{scheme}://{auth}{h}"))
+        .collect();
+    let mut b = ClusterClient::builder(nodes)
+        .connection_timeout(config.connect_timeout())
+        .response_timeout(config.io_timeout())
+        // A MOVED/ASK redirection after resharding is followed once; an unreachable master
+        // fails the command instead of stalling it.
+        .retries(1)
+        .min_retry_wait(10)
+        .max_retry_wait(100);
+    if let Some(c) = certs {
+        b = b.certs(c);
+    }
+    b.build()
+}
+
+/// Where the remote tier lives.
+#[derive(Clone)]
+enum Target {
+    Single(redis::Client),
+    Cluster(ClusterClient),
+}
+
+/// An open connection to a single node or a cluster.
+enum Conn {
+    Single(redis::Connection),
+    Cluster(Box<ClusterConnection>),
+}
+
+impl Conn {
+    /// Sends `cmds` as one pipeline (per master on a cluster: written to every node before
+    /// any reply is read) and returns the replies in order.
+    fn pipeline<T: redis::FromRedisValue>(&mut self, cmds: Vec<Cmd>) -> RedisResult<Vec<T>> {
+        match self {
+            Conn::Single(c) => {
+                let mut p = redis::pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                p.query(c)
+            }
+            Conn::Cluster(c) => {
+                let mut p = redis::cluster::cluster_pipe();
+                for cmd in cmds {
+                    p.add_command(cmd);
+                }
+                p.query(c.as_mut())
+            }
+        }
+    }
+
+    fn query<T: redis::FromRedisValue>(&mut self, cmd: &Cmd) -> RedisResult<T> {
+        match self {
+            Conn::Single(c) => cmd.query(c),
+            Conn::Cluster(c) => cmd.query(c.as_mut()),
+        }
+    }
+}
+
+impl Target {
+    /// Parses `config`'s URL and reads its CA file; connects nothing.
+    fn new(config: &RemoteConfig) -> RedisResult<Target> {
+        let certs = read_certs(config)?;
+        let Some((scheme, auth, seeds)) = cluster_parts(&config.url)? else {
+            return Ok(Target::Single(single_client(&config.url, certs)?));
+        };
+        Ok(Target::Cluster(cluster_client(
+            config, scheme, auth, &seeds, certs,
+        )?))
+    }
+
+    fn connect(&self, config: &RemoteConfig) -> RedisResult<Conn> {
+        let io = Some(config.io_timeout());
+        Ok(match self {
+            Target::Single(client) => {
+                let c = client.get_connection_with_timeout(config.connect_timeout())?;
+                c.set_read_timeout(io)?;
+                c.set_write_timeout(io)?;
+                Conn::Single(c)
+            }
+            Target::Cluster(client) => {
+                let c = client.get_connection()?;
+                c.set_read_timeout(io)?;
+                c.set_write_timeout(io)?;
+                Conn::Cluster(Box::new(c))
+            }
+        })
+    }
 }
 
 #[derive(Debug, Default)]
@@ -109,11 +300,11 @@ struct Health {
 /// A connection to Redis shared by the store's threads (one connection per role, so a
 /// slow publication never holds up a lookup).
 pub(crate) struct RemoteTier {
-    client: redis::Client,
+    target: Target,
     config: RemoteConfig,
     health: Mutex<Health>,
-    reader: Mutex<Option<redis::Connection>>,
-    writer: Mutex<Option<redis::Connection>>,
+    reader: Mutex<Option<Conn>>,
+    writer: Mutex<Option<Conn>>,
     counters: Arc<Counters>,
 }
 
@@ -129,14 +320,11 @@ enum Role {
 }
 
 impl RemoteTier {
-    /// Parses the URL; connects lazily, so a Redis that is down at start is no error.
-    pub(crate) fn new(
-        config: RemoteConfig,
-        counters: Arc<Counters>,
-    ) -> Result<Self, redis::RedisError> {
-        let client = redis::Client::open(config.url.as_str())?;
+    /// Parses the URL (and reads the CA file); connects lazily, so a Redis that is down at
+    /// start is no error.
+    pub(crate) fn new(config: RemoteConfig, counters: Arc<Counters>) -> RedisResult<Self> {
         Ok(RemoteTier {
-            client,
+            target: Target::new(&config)?,
             config,
             health: Mutex::new(Health::default()),
             reader: Mutex::new(None),
@@ -149,23 +337,9 @@ impl RemoteTier {
         &self.config
     }
 
-    fn connect(&self) -> redis::RedisResult<redis::Connection> {
-        let c = self
-            .client
-            .get_connection_with_timeout(Duration::from_millis(self.config.connect_timeout_ms))?;
-        let io = Some(Duration::from_millis(self.config.io_timeout_ms.max(1)));
-        c.set_read_timeout(io)?;
-        c.set_write_timeout(io)?;
-        Ok(c)
-    }
-
     /// Runs `f` on the role's connection unless Redis is in backoff; `None` on any failure
     /// (counted, and logged once per outage).
-    fn with_conn<T>(
-        &self,
-        role: Role,
-        f: impl FnOnce(&mut redis::Connection) -> redis::RedisResult<T>,
-    ) -> Option<T> {
+    fn with_conn<T>(&self, role: Role, f: impl FnOnce(&mut Conn) -> RedisResult<T>) -> Option<T> {
         if lock(&self.health)
             .down_until
             .is_some_and(|t| Instant::now() < t)
@@ -178,7 +352,7 @@ impl RemoteTier {
         };
         let mut conn = lock(slot);
         if conn.is_none() {
-            match self.connect() {
+            match self.target.connect(&self.config) {
                 Ok(c) => *conn = Some(c),
                 Err(e) => {
                     drop(conn);
@@ -204,7 +378,7 @@ impl RemoteTier {
         }
     }
 
-    fn failed(&self, e: &redis::RedisError) {
+    fn failed(&self, e: &RedisError) {
         Counters::inc(&self.counters.remote_errors);
         let mut h = lock(&self.health);
         h.backoff = if h.backoff.is_zero() {
@@ -215,10 +389,16 @@ impl RemoteTier {
         h.down_until = Some(Instant::now() + h.backoff);
         if !h.logged {
             h.logged = true;
-            tracing::warn!(
-                error = %e,
-                "remote tier unavailable; serving from the local tiers and retrying with backoff"
-            );
+            let hint = match e.kind() {
+                ErrorKind::AuthenticationFailed => {
+                    "Redis refused the credentials: check user and password in --remote"
+                }
+                _ if e.to_string().contains("NOAUTH") => {
+                    "Redis requires a password: put it in --remote (redis://:password@host:port)"
+                }
+                _ => "serving from the local tiers and retrying with backoff",
+            };
+            tracing::warn!(error = %e, "remote tier unavailable: {hint}");
         }
     }
 
@@ -230,45 +410,46 @@ impl RemoteTier {
         *h = Health::default();
     }
 
-    /// Which of `keys` Redis holds, in one pipelined round trip; `None` when unreachable.
-    pub(crate) fn exists(&self, ns: NamespaceId, keys: &[BlockKey]) -> Option<Vec<bool>> {
+    /// One `name key` command per key, sent as one pipelined round trip.
+    fn per_key<T: redis::FromRedisValue>(
+        &self,
+        name: &str,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+    ) -> Option<Vec<T>> {
         if keys.is_empty() {
             return Some(Vec::new());
         }
-        self.with_conn(Role::Read, |c| {
-            let mut p = redis::pipe();
-            for &k in keys {
-                p.cmd("EXISTS").arg(redis_key(ns, k));
-            }
-            p.query::<Vec<bool>>(c)
-        })
+        let cmds = keys
+            .iter()
+            .map(|&k| {
+                let mut c = redis::cmd(name);
+                c.arg(redis_key(ns, k));
+                c
+            })
+            .collect();
+        self.with_conn(Role::Read, |c| c.pipeline(cmds))
+    }
+
+    /// Which of `keys` Redis holds, in one pipelined round trip; `None` when unreachable.
+    pub(crate) fn exists(&self, ns: NamespaceId, keys: &[BlockKey]) -> Option<Vec<bool>> {
+        self.per_key("EXISTS", ns, keys)
     }
 
     /// The values of `keys`, in one pipelined round trip; `None` when unreachable.
     pub(crate) fn get(&self, ns: NamespaceId, keys: &[BlockKey]) -> Option<Vec<Option<Vec<u8>>>> {
-        if keys.is_empty() {
-            return Some(Vec::new());
-        }
-        self.with_conn(Role::Read, |c| {
-            let mut p = redis::pipe();
-            for &k in keys {
-                p.cmd("GET").arg(redis_key(ns, k));
-            }
-            p.query::<Vec<Option<Vec<u8>>>>(c)
-        })
+        self.per_key("GET", ns, keys)
     }
 
     /// Stores a block's file bytes (with the configured TTL); whether it was stored.
     pub(crate) fn put(&self, ns: NamespaceId, key: BlockKey, bytes: &[u8]) -> bool {
-        self.with_conn(Role::Write, |c| {
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(redis_key(ns, key)).arg(bytes);
-            if let Some(ttl) = self.config.ttl_secs {
-                cmd.arg("EX").arg(ttl.max(1));
-            }
-            cmd.query::<()>(c)
-        })
-        .is_some()
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(redis_key(ns, key)).arg(bytes);
+        if let Some(ttl) = self.config.ttl_secs {
+            cmd.arg("EX").arg(ttl.max(1));
+        }
+        self.with_conn(Role::Write, |c| c.query::<()>(&cmd))
+            .is_some()
     }
 }
 
@@ -283,12 +464,59 @@ pub struct RemoteNamespaceUsage {
     pub bytes: u64,
 }
 
-/// Scans every `kvstore:*` key of the Redis at `url` (SCAN, then a pipelined STRLEN
-/// per batch) and sums blocks and bytes per namespace, largest first.
-pub fn inspect_remote(url: &str) -> redis::RedisResult<Vec<RemoteNamespaceUsage>> {
-    let client = redis::Client::open(url)?;
-    let mut c = client.get_connection_with_timeout(Duration::from_secs(5))?;
+/// Scans every `kvstore:*` key the remote tier of `config` holds (on a cluster, every
+/// master's) with SCAN and a pipelined STRLEN per batch, and sums blocks and bytes per
+/// namespace, largest first.
+pub fn inspect_remote(config: &RemoteConfig) -> RedisResult<Vec<RemoteNamespaceUsage>> {
+    let certs = read_certs(config)?;
     let mut by_ns: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+    match cluster_parts(&config.url)? {
+        None => scan_node(&single_client(&config.url, certs)?, config, &mut by_ns)?,
+        Some((scheme, auth, seeds)) => {
+            let cluster = cluster_client(config, scheme, auth, &seeds, certs.clone())?;
+            let mut c = cluster.get_connection()?;
+            let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(&mut c)?;
+            for master in cluster_masters(&nodes) {
+                let client = single_client(&format!("{scheme}://{auth}{master}"), certs.clone())?;
+                scan_node(&client, config, &mut by_ns)?;
+            }
+        }
+    }
+    let mut out: Vec<RemoteNamespaceUsage> = by_ns
+        .into_iter()
+        .map(|(namespace, (blocks, bytes))| RemoteNamespaceUsage {
+            namespace,
+            blocks,
+            bytes,
+        })
+        .collect();
+    out.sort_by_key(|n| std::cmp::Reverse(n.bytes));
+    Ok(out)
+}
+
+/// `host:port` of every master `CLUSTER NODES` lists.
+fn cluster_masters(nodes: &str) -> Vec<String> {
+    nodes
+        .lines()
+        .filter_map(|line| {
+            let mut f = line.split_whitespace();
+            let addr = f.nth(1)?;
+            let flags = f.next()?;
+            let is_master = flags.split(',').any(|x| x == "master");
+            // `ip:port@cport[,hostname]`
+            is_master.then(|| addr.split('@').next().unwrap_or(addr).to_string())
+        })
+        .collect()
+}
+
+/// Adds one node's `kvstore:*` keys to `by_ns` (namespace → blocks, bytes).
+fn scan_node(
+    client: &redis::Client,
+    config: &RemoteConfig,
+    by_ns: &mut std::collections::BTreeMap<String, (u64, u64)>,
+) -> RedisResult<()> {
+    let mut c = client.get_connection_with_timeout(config.connect_timeout())?;
+    c.set_read_timeout(Some(Duration::from_secs(5).max(config.io_timeout())))?;
     let mut cursor: u64 = 0;
     loop {
         let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
@@ -313,17 +541,7 @@ pub fn inspect_remote(url: &str) -> redis::RedisResult<Vec<RemoteNamespaceUsage>
         }
         cursor = next;
         if cursor == 0 {
-            break;
+            return Ok(());
         }
     }
-    let mut out: Vec<RemoteNamespaceUsage> = by_ns
-        .into_iter()
-        .map(|(namespace, (blocks, bytes))| RemoteNamespaceUsage {
-            namespace,
-            blocks,
-            bytes,
-        })
-        .collect();
-    out.sort_by_key(|n| std::cmp::Reverse(n.bytes));
-    Ok(out)
 }

@@ -30,6 +30,10 @@ pub(crate) struct Counters {
     pub remote_errors: AtomicU64,
     pub remote_verify_failures: AtomicU64,
     pub remote_skipped: AtomicU64,
+    pub remote_queue_full: AtomicU64,
+    pub remote_publish_errors: AtomicU64,
+    pub remote_fetch_us: AtomicU64,
+    pub remote_fetches: AtomicU64,
 }
 
 impl Counters {
@@ -110,6 +114,15 @@ pub struct StoreStats {
     pub remote_verify_failures: u64,
     /// Publications skipped: the queue was full or Redis was unreachable.
     pub remote_skipped: u64,
+    /// Of those, skipped because the publication queue was full.
+    pub remote_queue_full: u64,
+    /// Of those, failed or skipped in the publisher (Redis unreachable, in backoff, or the
+    /// block not encodable).
+    pub remote_publish_errors: u64,
+    /// Pipelined `GET` round trips (chain fetches) sent to the remote tier.
+    pub remote_fetches: u64,
+    /// Microseconds spent in those round trips (÷ `remote_fetches` = mean fetch latency).
+    pub remote_fetch_us: u64,
 }
 
 impl StoreStats {
@@ -139,6 +152,10 @@ impl StoreStats {
             remote_errors: g(&c.remote_errors),
             remote_verify_failures: g(&c.remote_verify_failures),
             remote_skipped: g(&c.remote_skipped),
+            remote_queue_full: g(&c.remote_queue_full),
+            remote_publish_errors: g(&c.remote_publish_errors),
+            remote_fetches: g(&c.remote_fetches),
+            remote_fetch_us: g(&c.remote_fetch_us),
             ..StoreStats::default()
         }
     }

@@ -207,6 +207,9 @@ pub struct LoadedPrefix<P> {
     pub blocks: Vec<(Arc<P>, Tier)>,
     /// Why the load stopped early; `None` when every requested block was returned.
     pub stopped: Option<StopReason>,
+    /// Seconds spent fetching from the remote tier (the pipelined round trip and the
+    /// codec's verification); 0 when nothing was asked of it.
+    pub remote_s: f64,
 }
 
 impl<P> std::fmt::Debug for LoadedPrefix<P> {
@@ -474,6 +477,7 @@ impl<P: Payload> Store<P> {
         if let Some(tx) = &self.remote_tx {
             if tx.try_send(RemoteJob::Put(p)).is_err() {
                 Counters::inc(&self.shared.counters.remote_skipped);
+                Counters::inc(&self.shared.counters.remote_queue_full);
             }
         }
     }
@@ -594,6 +598,7 @@ impl<P: Payload> Store<P> {
         let mut out = LoadedPrefix {
             blocks: Vec::with_capacity(keys.len()),
             stopped: None,
+            remote_s: 0.0,
         };
         let Some(desc) = self.namespace(ns) else {
             out.stopped = (!keys.is_empty()).then_some(StopReason::UnknownNamespace);
@@ -645,21 +650,23 @@ impl<P: Payload> Store<P> {
             };
             let (block, tier) = match local {
                 ReadOutcome::Hit(b) => (b, Tier::Ssd),
-                ReadOutcome::Miss => match self.fetch_remote(ns, keys, index, &mut remote_batch) {
-                    Some(Ok(b)) => (b, Tier::Remote),
-                    Some(Err(problem)) => {
-                        out.stopped = Some(StopReason::Invalid {
-                            index,
-                            tier: Tier::Remote,
-                            problem,
-                        });
-                        break;
+                ReadOutcome::Miss => {
+                    match self.fetch_remote(ns, keys, index, &mut remote_batch, &mut out.remote_s) {
+                        Some(Ok(b)) => (b, Tier::Remote),
+                        Some(Err(problem)) => {
+                            out.stopped = Some(StopReason::Invalid {
+                                index,
+                                tier: Tier::Remote,
+                                problem,
+                            });
+                            break;
+                        }
+                        None => {
+                            out.stopped = Some(StopReason::Missing { index });
+                            break;
+                        }
                     }
-                    None => {
-                        out.stopped = Some(StopReason::Missing { index });
-                        break;
-                    }
-                },
+                }
                 ReadOutcome::Corrupt { error, .. } => {
                     out.stopped = Some(StopReason::Invalid {
                         index,
@@ -719,11 +726,32 @@ impl<P: Payload> Store<P> {
         keys: &[BlockKey],
         index: usize,
         batch: &mut Option<(usize, Vec<Option<Vec<u8>>>)>,
+        seconds: &mut f64,
+    ) -> Option<Result<crate::Block, BlockProblem>> {
+        let t = std::time::Instant::now();
+        let r = self.fetch_remote_timed(ns, keys, index, batch);
+        *seconds += t.elapsed().as_secs_f64();
+        r
+    }
+
+    fn fetch_remote_timed(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        index: usize,
+        batch: &mut Option<(usize, Vec<Option<Vec<u8>>>)>,
     ) -> Option<Result<crate::Block, BlockProblem>> {
         let remote = self.shared.remote.as_ref()?;
         let c = &self.shared.counters;
-        let (base, values) = batch
-            .get_or_insert_with(|| (index, remote.get(ns, &keys[index..]).unwrap_or_default()));
+        let (base, values) = batch.get_or_insert_with(|| {
+            let t = std::time::Instant::now();
+            let values = remote.get(ns, &keys[index..]);
+            if values.is_some() {
+                Counters::inc(&c.remote_fetches);
+                Counters::add(&c.remote_fetch_us, t.elapsed().as_micros() as u64);
+            }
+            (index, values.unwrap_or_default())
+        });
         let Some(bytes) = index
             .checked_sub(*base)
             .and_then(|i| values.get_mut(i))
@@ -921,11 +949,13 @@ fn remote_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<RemoteJob<P>>) {
                     Ok(Err(e)) => {
                         tracing::warn!(key = %m.key, error = %e, "block not encodable for the remote tier");
                         Counters::inc(&c.remote_skipped);
+                        Counters::inc(&c.remote_publish_errors);
                         continue;
                     }
                     Err(e) => {
                         tracing::warn!(key = %m.key, error = %e, "block not published to the remote tier");
                         Counters::inc(&c.remote_skipped);
+                        Counters::inc(&c.remote_publish_errors);
                         continue;
                     }
                 };
@@ -934,6 +964,7 @@ fn remote_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<RemoteJob<P>>) {
                     Counters::add(&c.remote_bytes_written, bytes.len() as u64);
                 } else {
                     Counters::inc(&c.remote_skipped);
+                    Counters::inc(&c.remote_publish_errors);
                 }
             }
             RemoteJob::Flush(ack) => {

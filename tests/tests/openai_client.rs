@@ -164,3 +164,80 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
     kvstore_tests::serve::http(port, method, path, body)
         .unwrap_or_else(|e| (0, format!("request failed: {e}")))
 }
+
+/// A counter from /metrics, `None` when the metric is absent.
+fn counter(port: u16, name: &str) -> Option<f64> {
+    let (_, text) = http(port, "GET", "/metrics", "");
+    text.lines().find_map(|l| {
+        l.strip_prefix(name)
+            .filter(|rest| rest.starts_with(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+#[test]
+fn metrics_show_the_remote_tier_two_servers_share_blocks_through_redis() {
+    let redis = kvstore_tests::redis_server::RedisServer::start();
+    let url = redis.url();
+    let (sa, sb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = start(sa.path(), &["--remote", &url, "--remote-ttl", "600"]);
+    let pa = a.port;
+    let b = start(sb.path(), &["--remote", &url]);
+    let pb = b.port;
+    let body = serde_json::json!({
+        "model": "tiny-qwen3",
+        "prompt": "The remote tier lets many engines share the prefixes each one computed; this prompt is long enough for several blocks.",
+        "max_tokens": 4,
+        "temperature": 0,
+    })
+    .to_string();
+    let (status, first) = http(pa, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(http(pa, "POST", "/admin/cache/flush", "").0, 200);
+    let published = counter(pa, "kvstore_remote_published_blocks_total").unwrap();
+    assert!(published > 0.0, "server A published nothing");
+    assert_eq!(
+        counter(pa, "kvstore_remote_publish_queue_drops_total"),
+        Some(0.0)
+    );
+    assert_eq!(
+        counter(pa, "kvstore_remote_publish_errors_total"),
+        Some(0.0)
+    );
+
+    let (status, second) = http(pb, "POST", "/v1/completions", &body);
+    assert_eq!(status, 200, "{second}");
+    let text = |s: &str| serde_json::from_str::<Value>(s).unwrap()["choices"][0]["text"].clone();
+    assert_eq!(
+        text(&second),
+        text(&first),
+        "remote-restored output differs"
+    );
+    let hits = counter(pb, "kvstore_remote_hits_total").unwrap();
+    assert!(hits > 0.0, "server B got no remote hits");
+    assert!(counter(pb, "kvstore_remote_fetched_bytes_total").unwrap() > 0.0);
+    assert_eq!(counter(pb, "kvstore_remote_fetches_total"), Some(1.0));
+    assert_eq!(
+        counter(pb, "kvstore_remote_verify_failures_total"),
+        Some(0.0)
+    );
+    assert_eq!(counter(pb, "kvstore_remote_errors_total"), Some(0.0));
+    assert_eq!(
+        counter(pb, "kvstore_cached_prompt_tokens_total{tier=\"remote\"}"),
+        Some(hits * 8.0)
+    );
+
+    // Redis gone: B keeps serving; the failure shows in the counters.
+    drop(redis);
+    let other = body.replace("long enough", "different, and long enough");
+    let (status, _) = http(pb, "POST", "/v1/completions", &other);
+    assert_eq!(status, 200);
+    assert!(counter(pb, "kvstore_remote_errors_total").unwrap() >= 1.0);
+
+    // Without --remote: no remote-tier metrics at all.
+    let sc = tempfile::tempdir().unwrap();
+    let c = start(sc.path(), &[]);
+    let pc = c.port;
+    let (_, text) = http(pc, "GET", "/metrics", "");
+    assert!(!text.contains("kvstore_remote_"), "{text}");
+}

@@ -1,5 +1,5 @@
 //! The remote tier end to end: two engines with separate local stores share one
-//! `redis-server` (started here on a free loopback port). Every output with a restored
+//! `redis-server` or a 3-master Redis Cluster (started here on free loopback ports). Every output with a restored
 //! prefix is compared with the same request served cold.
 
 use std::path::Path;
@@ -8,7 +8,7 @@ use engine::{
     generate_with_reuse, GenerateParams, LoadOptions, Model, PrefixCache, ReuseConfig, ReuseReport,
     Tokenizer,
 };
-use kvstore_tests::redis_server::{dead_url, RedisServer};
+use kvstore_tests::redis_server::{dead_url, RedisCluster, RedisServer};
 use kvstore_tests::tiny_model;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -201,4 +201,45 @@ fn redis_not_running_at_start_the_engine_works_locally() {
         st.remote_errors >= 1 && st.remote_blocks_written == 0,
         "{st:?}"
     );
+}
+
+#[test]
+fn two_engines_share_a_conversation_through_a_redis_cluster_and_survive_a_dead_master() {
+    let mut r =
+        rng("two_engines_share_a_conversation_through_a_redis_cluster_and_survive_a_dead_master");
+    let (model, tok) = engine::load(&tiny_model("tiny-llama"), &LoadOptions::default()).unwrap();
+    let mut cluster = RedisCluster::start(3);
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let a = engine(&model, &tok, da.path(), &cluster.url());
+    let b = engine(&model, &tok, db.path(), &cluster.url());
+
+    let turn1 = random_tokens(&mut r, 77);
+    let out1_cold = cold(&model, &tok, &turn1, 20);
+    let (out1, _) = run(&model, &tok, &a, &turn1, 20);
+    assert_eq!(out1, out1_cold);
+    a.flush().unwrap();
+    assert_eq!(a.stats().remote_blocks_written, 12);
+    let per_node = cluster.keys_per_node();
+    assert!(per_node.iter().all(|&k| k > 0), "{per_node:?}");
+
+    let (out1_b, rep) = run(&model, &tok, &b, &turn1, 20);
+    assert_eq!(
+        out1_b, out1_cold,
+        "cluster-restored prefix changed the output"
+    );
+    assert_eq!(rep.cached_remote_tokens, 72, "{rep:?}");
+    let st = b.stats();
+    assert_eq!(st.remote_fetches, 1, "one fetch for the chain: {st:?}");
+
+    // A master dies: both engines keep answering correctly from their local tiers.
+    cluster.nodes[0].kill();
+    let turn2 = next_turn(&mut r, &turn1, &out1_cold);
+    let out2_cold = cold(&model, &tok, &turn2, 20);
+    for pc in [&a, &b] {
+        let (out2, rep) = run(&model, &tok, pc, &turn2, 20);
+        assert_eq!(out2, out2_cold, "output changed after a master died");
+        assert!(rep.cached_ram_tokens >= 72, "{rep:?}");
+        pc.flush().unwrap();
+    }
+    assert!(b.stats().remote_errors >= 1, "{:?}", b.stats());
 }

@@ -210,6 +210,7 @@ async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
         "cached_tokens": m.cached_tokens,
         "cached_ram_tokens": m.cached_ram_tokens,
         "cached_ssd_tokens": m.cached_ssd_tokens,
+        "cached_remote_tokens": m.cached_remote_tokens,
     });
     Json(match s.engine.prefix_cache() {
         Some(p) => json!({
@@ -281,6 +282,7 @@ async fn metrics(State(s): State<Shared>) -> Response {
         &[
             ("{tier=\"ram\"}".into(), m.cached_ram_tokens as f64),
             ("{tier=\"ssd\"}".into(), m.cached_ssd_tokens as f64),
+            ("{tier=\"remote\"}".into(), m.cached_remote_tokens as f64),
         ],
     );
     metric(
@@ -382,6 +384,9 @@ async fn metrics(State(s): State<Shared>) -> Response {
             "Bytes written to SSD block files.",
             &one(st.bytes_written),
         );
+        if st.remote_enabled {
+            remote_metrics(&mut metric, &st);
+        }
     }
     let codes: Vec<(String, f64)> = s
         .responses
@@ -399,6 +404,78 @@ async fn metrics(State(s): State<Shared>) -> Response {
         &codes,
     );
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// The remote tier's counters (only with `--remote`).
+fn remote_metrics(
+    metric: &mut impl FnMut(&str, &str, &str, &[(String, f64)]),
+    st: &store::StoreStats,
+) {
+    let counters: [(&str, &str, f64); 11] = [
+        (
+            "hits",
+            "Blocks fetched from the remote tier and verified.",
+            st.remote_hits as f64,
+        ),
+        (
+            "misses",
+            "Blocks asked of the remote tier and not served (absent, unreachable or invalid).",
+            st.remote_misses as f64,
+        ),
+        (
+            "fetched_bytes",
+            "Bytes of verified blocks fetched from the remote tier.",
+            st.remote_bytes_read as f64,
+        ),
+        (
+            "fetches",
+            "Chain fetches from the remote tier (one pipelined round trip each).",
+            st.remote_fetches as f64,
+        ),
+        (
+            "fetch_seconds",
+            "Seconds spent in those fetches.",
+            st.remote_fetch_us as f64 / 1e6,
+        ),
+        (
+            "errors",
+            "Failed Redis operations (refused, timed out, killed, AUTH or TLS refused).",
+            st.remote_errors as f64,
+        ),
+        (
+            "verify_failures",
+            "Fetched values that failed verification (corrupt or foreign), never served.",
+            st.remote_verify_failures as f64,
+        ),
+        (
+            "published_blocks",
+            "Blocks published to the remote tier.",
+            st.remote_blocks_written as f64,
+        ),
+        (
+            "published_bytes",
+            "Bytes published to the remote tier.",
+            st.remote_bytes_written as f64,
+        ),
+        (
+            "publish_queue_drops",
+            "Publications skipped because the publication queue was full.",
+            st.remote_queue_full as f64,
+        ),
+        (
+            "publish_errors",
+            "Publications that failed (Redis unreachable, in backoff, or an error).",
+            st.remote_publish_errors as f64,
+        ),
+    ];
+    for (name, help, v) in counters {
+        metric(
+            &format!("kvstore_remote_{name}_total"),
+            "counter",
+            help,
+            &[(String::new(), v)],
+        );
+    }
 }
 
 /// Parses a JSON object body, mapping every failure to an OpenAI-style 4xx.

@@ -1,8 +1,10 @@
-//! A throwaway `redis-server` on a free loopback port, killed when dropped. Shared by the
+//! Throwaway `redis-server` instances on free loopback ports, killed when dropped: a single
+//! node (optionally with a password or TLS) and a 3-master Redis Cluster. Shared by the
 //! store's tests and the end-to-end tests (included by path there).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -10,6 +12,10 @@ use std::time::{Duration, Instant};
 pub struct RedisServer {
     child: Option<Child>,
     port: u16,
+    password: Option<String>,
+    tls: bool,
+    /// Cluster config file, TLS files: removed with the server.
+    _dir: tempfile::TempDir,
 }
 
 fn free_port() -> u16 {
@@ -24,18 +30,146 @@ pub fn dead_url() -> String {
     format!("redis://127.0.0.1:{}", free_port())
 }
 
+/// Runs a set-up tool, panicking with its output when it fails.
+fn run_tool(cmd: &mut Command) -> String {
+    let out = match cmd.output() {
+        Ok(o) => o,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
+            "{cmd:?} is not installed, and the remote-tier tests need it: run \
+             `bash scripts/setup.sh` as root (it installs Debian's redis-server and openssl)"
+        ),
+        Err(e) => panic!("running {cmd:?}: {e}"),
+    };
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A CA and a server certificate for 127.0.0.1 made with `openssl` (PEM files).
+pub struct TestCerts {
+    /// The CA certificate clients trust.
+    pub ca: PathBuf,
+    /// The server's certificate (subjectAltName IP:127.0.0.1).
+    pub cert: PathBuf,
+    /// The server's private key.
+    pub key: PathBuf,
+}
+
+impl TestCerts {
+    /// Generates them under `dir`.
+    pub fn generate(dir: &Path) -> TestCerts {
+        let p = |n: &str| dir.join(n);
+        let s = |p: &PathBuf| p.to_string_lossy().into_owned();
+        let (ca, ca_key, cert, key, csr, ext) = (
+            p("ca.crt"),
+            p("ca.key"),
+            p("server.crt"),
+            p("server.key"),
+            p("server.csr"),
+            p("san.ext"),
+        );
+        run_tool(Command::new("openssl").args([
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kvstore test CA",
+            "-keyout",
+            &s(&ca_key),
+            "-out",
+            &s(&ca),
+        ]));
+        run_tool(Command::new("openssl").args([
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            &s(&key),
+            "-out",
+            &s(&csr),
+        ]));
+        std::fs::write(&ext, "subjectAltName=IP:127.0.0.1,DNS:localhost\n").unwrap();
+        run_tool(Command::new("openssl").args([
+            "x509",
+            "-req",
+            "-in",
+            &s(&csr),
+            "-CA",
+            &s(&ca),
+            "-CAkey",
+            &s(&ca_key),
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            &s(&ext),
+            "-out",
+            &s(&cert),
+        ]));
+        TestCerts { ca, cert, key }
+    }
+}
+
+/// How to start a server.
+#[derive(Default)]
+pub struct ServerOptions<'a> {
+    /// `--requirepass`.
+    pub password: Option<&'a str>,
+    /// Serve TLS only (no plain port) with these certificates.
+    pub tls: Option<&'a TestCerts>,
+    /// `--cluster-enabled yes`.
+    pub cluster: bool,
+}
+
 impl RedisServer {
-    /// Starts one; panics with set-up instructions when `redis-server` is not installed.
+    /// Starts a plain one; panics with set-up instructions when `redis-server` is missing.
     pub fn start() -> RedisServer {
+        RedisServer::start_with(ServerOptions::default())
+    }
+
+    /// Starts one with `opts`, and waits until it answers.
+    pub fn start_with(opts: ServerOptions<'_>) -> RedisServer {
         let port = free_port();
-        let child = Command::new("redis-server")
-            .args(["--port", &port.to_string()])
+        let dir = tempfile::tempdir().expect("a temporary directory for redis-server");
+        let mut cmd = Command::new("redis-server");
+        cmd.current_dir(dir.path())
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-            .args(["--maxmemory-policy", "allkeys-lru"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn();
-        let child = match child {
+            .args(["--maxmemory-policy", "allkeys-lru"]);
+        match opts.tls {
+            None => cmd.args(["--port", &port.to_string()]),
+            Some(c) => cmd
+                .args(["--port", "0", "--tls-port", &port.to_string()])
+                .arg("--tls-cert-file")
+                .arg(&c.cert)
+                .arg("--tls-key-file")
+                .arg(&c.key)
+                .arg("--tls-ca-cert-file")
+                .arg(&c.ca)
+                .args(["--tls-auth-clients", "no"]),
+        };
+        if let Some(pw) = opts.password {
+            cmd.args(["--requirepass", pw]);
+        }
+        if opts.cluster {
+            cmd.args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ]);
+        }
+        let child = match cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn() {
             Ok(c) => c,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => panic!(
                 "redis-server is not installed, and the remote-tier tests need it: \
@@ -46,28 +180,44 @@ impl RedisServer {
         let server = RedisServer {
             child: Some(child),
             port,
+            password: opts.password.map(str::to_string),
+            tls: opts.tls.is_some(),
+            _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(reply) = server.try_command(&[b"PING"]) {
-                if reply.starts_with(b"+PONG") {
-                    return server;
-                }
-            }
+        // A TLS port cannot be spoken to in plain text: a TCP accept is enough there.
+        let ready = |s: &RedisServer| match s.tls {
+            true => TcpStream::connect(("127.0.0.1", s.port)).is_ok(),
+            false => s
+                .try_command(&[b"PING"])
+                .is_ok_and(|r| r.starts_with(b"+PONG")),
+        };
+        while !ready(&server) {
             assert!(
                 Instant::now() < deadline,
                 "redis-server did not answer on port {port} within 10 s"
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        server
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// The loopback port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>` (`rediss://` with TLS), with the password if any.
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        match &self.password {
+            Some(pw) => format!("{scheme}://:{pw}@127.0.0.1:{}", self.port),
+            None => format!("{scheme}://127.0.0.1:{}", self.port),
+        }
     }
 
-    /// Sends one command and returns the raw reply (one read; enough for short replies).
+    /// Sends one command (after AUTH when the server has a password) and returns the raw
+    /// reply (one read; enough for short replies). Not for TLS servers.
     pub fn command(&self, args: &[&[u8]]) -> Vec<u8> {
         self.try_command(args).expect("talking to redis-server")
     }
@@ -75,15 +225,35 @@ impl RedisServer {
     fn try_command(&self, args: &[&[u8]]) -> std::io::Result<Vec<u8>> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(2)))?;
-        let mut req = format!("*{}\r\n", args.len()).into_bytes();
-        for a in args {
-            req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-            req.extend_from_slice(a);
-            req.extend_from_slice(b"\r\n");
+        let mut req = Vec::new();
+        let auth: Vec<&[u8]>;
+        let mut cmds = Vec::new();
+        if let Some(pw) = &self.password {
+            auth = vec![b"AUTH", pw.as_bytes()];
+            cmds.push(auth.as_slice());
+        }
+        cmds.push(args);
+        for args in &cmds {
+            req.extend_from_slice(format!("*{}\r\n", args.len()).as_bytes());
+            for a in *args {
+                req.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+                req.extend_from_slice(a);
+                req.extend_from_slice(b"\r\n");
+            }
         }
         s.write_all(&req)?;
         let mut buf = vec![0u8; 4096];
-        let n = s.read(&mut buf)?;
+        let mut n = s.read(&mut buf)?;
+        if self.password.is_some() {
+            // Skip AUTH's `+OK\r\n`; read the command's reply if it came separately.
+            if n <= 5 {
+                n = s.read(&mut buf)?;
+                buf.truncate(n);
+                return Ok(buf);
+            }
+            buf.drain(..5);
+            n -= 5;
+        }
         buf.truncate(n);
         Ok(buf)
     }
@@ -100,5 +270,71 @@ impl RedisServer {
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A Redis Cluster of masters without replicas, all slots assigned, on loopback.
+pub struct RedisCluster {
+    /// The masters, in the order given to `redis-cli --cluster create`.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `masters` (at least 3) nodes, joins them with `redis-cli --cluster create`
+    /// and waits for `cluster_state:ok` on every node.
+    pub fn start(masters: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..masters)
+            .map(|_| {
+                RedisServer::start_with(ServerOptions {
+                    cluster: true,
+                    ..ServerOptions::default()
+                })
+            })
+            .collect();
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for n in &nodes {
+            create.arg(format!("127.0.0.1:{}", n.port));
+        }
+        create.args(["--cluster-replicas", "0", "--cluster-yes"]);
+        run_tool(&mut create);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for n in &nodes {
+            while !String::from_utf8_lossy(&n.command(&[b"CLUSTER", b"INFO"]))
+                .contains("cluster_state:ok")
+            {
+                assert!(
+                    Instant::now() < deadline,
+                    "the Redis Cluster did not reach cluster_state:ok within 20 s"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        RedisCluster { nodes }
+    }
+
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,…`.
+    pub fn url(&self) -> String {
+        let seeds: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        format!("redis+cluster://{}", seeds.join(","))
+    }
+
+    /// Keys held by each master (`DBSIZE`).
+    pub fn keys_per_node(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                let r = n.command(&[b"DBSIZE"]);
+                String::from_utf8_lossy(&r)
+                    .trim()
+                    .trim_start_matches(':')
+                    .parse()
+                    .expect("DBSIZE replies an integer")
+            })
+            .collect()
     }
 }

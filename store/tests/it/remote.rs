@@ -1,5 +1,6 @@
-//! The remote tier against a real `redis-server`: sharing between stores, file-identical
-//! values, verification of corrupt and foreign values, and an unreachable or killed Redis.
+//! The remote tier against real `redis-server`s: sharing between stores, file-identical
+//! values, verification of corrupt and foreign values, an unreachable or killed Redis, a
+//! 3-master Redis Cluster, AUTH and TLS.
 
 use std::sync::Arc;
 
@@ -9,15 +10,19 @@ use store::{
 };
 
 use crate::common;
-use crate::redis_server::{dead_url, RedisServer};
+use crate::redis_server::{dead_url, RedisCluster, RedisServer, ServerOptions, TestCerts};
 
 fn open(dir: &std::path::Path, url: &str) -> Store<Block> {
+    open_with(dir, RemoteConfig::new(url))
+}
+
+fn open_with(dir: &std::path::Path, remote: RemoteConfig) -> Store<Block> {
     Store::open(
         StoreConfig::default()
             .root(dir)
             .ram_budget(1 << 20)
             .ssd_budget(1 << 24)
-            .remote(Some(RemoteConfig::new(url).io_timeout_ms(500))),
+            .remote(Some(remote.io_timeout_ms(500))),
     )
     .unwrap()
 }
@@ -29,8 +34,17 @@ fn publish(
     n: usize,
     seed: u64,
 ) -> (Vec<Block>, Vec<Vec<u32>>) {
+    publish_with(RemoteConfig::new(url), d, n, seed)
+}
+
+fn publish_with(
+    remote: RemoteConfig,
+    d: &NamespaceDescription,
+    n: usize,
+    seed: u64,
+) -> (Vec<Block>, Vec<Vec<u32>>) {
     let dir = tempfile::tempdir().unwrap();
-    let a = open(dir.path(), url);
+    let a = open_with(dir.path(), remote);
     a.register_namespace(d).unwrap();
     let (blocks, toks) = common::chain(d, n, seed);
     for b in &blocks {
@@ -100,7 +114,7 @@ fn remote_values_are_the_ssd_file_bytes() {
         String::from_utf8_lossy(&reply).trim(),
         format!(":{}", on_disk.len())
     );
-    let usage = inspect_remote(&redis.url()).unwrap();
+    let usage = inspect_remote(&RemoteConfig::new(redis.url())).unwrap();
     assert_eq!(usage.len(), 1);
     assert_eq!(usage[0].namespace, ns.to_string());
     assert_eq!(usage[0].blocks, 1);
@@ -216,4 +230,161 @@ fn an_invalid_remote_url_is_an_open_error() {
     let r =
         Store::<Block>::open(StoreConfig::default().remote(Some(RemoteConfig::new("http://nope"))));
     assert!(r.is_err());
+}
+
+/// Asserts that a fresh store reading through `remote` gets all of `blocks` as verified
+/// remote hits.
+fn assert_remote_hits(
+    remote: RemoteConfig,
+    d: &NamespaceDescription,
+    blocks: &[Block],
+    toks: &[Vec<u32>],
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let b = open_with(dir.path(), remote);
+    let ns = b.register_namespace(d).unwrap();
+    let ks = keys(blocks);
+    assert_eq!(b.lookup(ns, &ks).tiers, vec![Tier::Remote; blocks.len()]);
+    let loaded = b.load_prefix(ns, &ks, toks);
+    assert!(loaded.stopped.is_none(), "{:?}", loaded.stopped);
+    assert_eq!(loaded.blocks.len(), blocks.len());
+    let st = b.stats();
+    assert_eq!(st.remote_hits, blocks.len() as u64, "{st:?}");
+    assert_eq!(
+        st.remote_fetches, 1,
+        "one pipelined GET for the chain: {st:?}"
+    );
+}
+
+#[test]
+fn a_redis_cluster_spreads_a_chain_over_its_masters_and_serves_it_in_one_fetch() {
+    let mut cluster = RedisCluster::start(3);
+    let d = common::desc("remote-cluster", 4);
+    let n = 24;
+    let (blocks, toks) = publish(&cluster.url(), &d, n, 21);
+    let per_node = cluster.keys_per_node();
+    assert_eq!(per_node.iter().sum::<u64>(), n as u64, "{per_node:?}");
+    assert!(
+        per_node.iter().all(|&k| k > 0),
+        "no hash tag: a chain's keys spread over every master: {per_node:?}"
+    );
+    assert_remote_hits(RemoteConfig::new(cluster.url()), &d, &blocks, &toks);
+    let usage = inspect_remote(&RemoteConfig::new(cluster.url())).unwrap();
+    assert_eq!(usage.len(), 1);
+    assert_eq!(usage[0].blocks, n as u64);
+
+    // One master killed: lookups through a connected store fail over to the local tiers,
+    // quickly, and publishing keeps the engine going.
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), &cluster.url());
+    let ns = s.register_namespace(&d).unwrap();
+    s.insert(Arc::new(blocks[0].clone())).unwrap();
+    s.flush().unwrap();
+    cluster.nodes[1].kill();
+    let t = std::time::Instant::now();
+    let ks = keys(&blocks);
+    let hit = s.lookup(ns, &ks);
+    assert_eq!(hit.tiers[0], Tier::Ram);
+    let loaded = s.load_prefix(ns, &ks, &toks);
+    assert!(!loaded.blocks.is_empty());
+    assert_eq!(loaded.blocks[0].1, Tier::Ram);
+    for (got, want) in loaded.blocks.iter().zip(&blocks) {
+        assert_eq!(got.0.meta, want.meta, "only verified blocks are served");
+    }
+    for b in &blocks[1..4] {
+        s.insert(Arc::new(b.clone())).unwrap();
+    }
+    s.flush().unwrap();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(s.stats().remote_errors >= 1, "{:?}", s.stats());
+    assert_eq!(s.lookup(ns, &ks[..4]).tiers, vec![Tier::Ram; 4]);
+}
+
+#[test]
+fn auth_a_wrong_password_is_a_logged_miss_and_the_right_one_shares_blocks() {
+    let redis = RedisServer::start_with(ServerOptions {
+        password: Some("s3cret"),
+        ..ServerOptions::default()
+    });
+    let d = common::desc("remote-auth", 4);
+    let (blocks, toks) = publish(&redis.url(), &d, 3, 31);
+    assert_remote_hits(RemoteConfig::new(redis.url()), &d, &blocks, &toks);
+
+    for url in [
+        format!("redis://:wrong@127.0.0.1:{}", redis.port()),
+        format!("redis://127.0.0.1:{}", redis.port()),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = open(dir.path(), &url);
+        let ns = s.register_namespace(&d).unwrap();
+        s.insert(Arc::new(blocks[0].clone())).unwrap();
+        let ks = keys(&blocks);
+        assert_eq!(s.lookup(ns, &ks).tiers, vec![Tier::Ram], "{url}");
+        assert_eq!(s.load_prefix(ns, &ks, &toks).blocks.len(), 1);
+        s.flush().unwrap();
+        let st = s.stats();
+        assert!(
+            st.remote_errors >= 1 && st.remote_hits == 0,
+            "{url}: {st:?}"
+        );
+    }
+}
+
+#[test]
+fn tls_with_a_custom_ca_shares_blocks_and_an_untrusted_server_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = TestCerts::generate(dir.path());
+    let redis = RedisServer::start_with(ServerOptions {
+        password: Some("tls-pw"),
+        tls: Some(&certs),
+        ..ServerOptions::default()
+    });
+    assert!(redis.url().starts_with("rediss://"));
+    let tls = || RemoteConfig::new(redis.url()).ca_cert(Some(certs.ca.clone()));
+    let d = common::desc("remote-tls", 4);
+    let (blocks, toks) = publish_with(tls(), &d, 3, 41);
+    assert_remote_hits(tls(), &d, &blocks, &toks);
+    let usage = inspect_remote(&tls()).unwrap();
+    assert_eq!(usage[0].blocks, 3);
+
+    // Without the CA the server's certificate is not trusted: a miss, never plain text.
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path(), &redis.url());
+    let ns = s.register_namespace(&d).unwrap();
+    assert!(s.lookup(ns, &keys(&blocks)).tiers.is_empty());
+    assert!(s.stats().remote_errors >= 1);
+
+    // A CA file that does not exist is an open error naming it.
+    let bad = Store::<Block>::open(StoreConfig::default().remote(Some(
+        RemoteConfig::new(redis.url()).ca_cert(Some(dir.path().join("missing.pem"))),
+    )));
+    let msg = bad
+        .err()
+        .expect("a missing CA file is an error")
+        .to_string();
+    assert!(
+        msg.contains("missing.pem") && !msg.contains("tls-pw"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn cluster_urls_are_parsed_and_bad_ones_refused() {
+    for bad in [
+        "redis+cluster://",
+        "redis+cluster://:pw@",
+        "redis+cluster://h:1/0",
+    ] {
+        let r = Store::<Block>::open(StoreConfig::default().remote(Some(RemoteConfig::new(bad))));
+        assert!(r.is_err(), "{bad}");
+    }
+    // Seeds are not contacted at open.
+    let ok = Store::<Block>::open(StoreConfig::default().remote(Some(RemoteConfig::new(
+        "redis+cluster://:pw@127.0.0.1:1,127.0.0.1:2",
+    ))));
+    assert!(ok.is_ok());
 }
