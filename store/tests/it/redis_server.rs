@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 /// A running `redis-server` child process (no persistence).
 pub struct RedisServer {
     child: Option<Child>,
+    /// The address commands and readiness checks use (the first one bound).
+    host: String,
     port: u16,
     password: Option<String>,
     tls: bool,
@@ -130,6 +132,8 @@ pub struct ServerOptions<'a> {
     pub tls: Option<&'a TestCerts>,
     /// `--cluster-enabled yes`.
     pub cluster: bool,
+    /// Addresses to listen on instead of 127.0.0.1 (the first one is used to talk to it).
+    pub bind: &'a [&'a str],
 }
 
 impl RedisServer {
@@ -142,9 +146,16 @@ impl RedisServer {
     pub fn start_with(opts: ServerOptions<'_>) -> RedisServer {
         let port = free_port();
         let dir = tempfile::tempdir().expect("a temporary directory for redis-server");
+        let bind = if opts.bind.is_empty() {
+            &["127.0.0.1"][..]
+        } else {
+            opts.bind
+        };
         let mut cmd = Command::new("redis-server");
         cmd.current_dir(dir.path())
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--bind")
+            .args(bind)
+            .args(["--save", "", "--appendonly", "no"])
             .args(["--maxmemory-policy", "allkeys-lru"]);
         match opts.tls {
             None => cmd.args(["--port", &port.to_string()]),
@@ -179,6 +190,7 @@ impl RedisServer {
         };
         let server = RedisServer {
             child: Some(child),
+            host: bind[0].to_string(),
             port,
             password: opts.password.map(str::to_string),
             tls: opts.tls.is_some(),
@@ -187,7 +199,7 @@ impl RedisServer {
         let deadline = Instant::now() + Duration::from_secs(10);
         // A TLS port cannot be spoken to in plain text: a TCP accept is enough there.
         let ready = |s: &RedisServer| match s.tls {
-            true => TcpStream::connect(("127.0.0.1", s.port)).is_ok(),
+            true => TcpStream::connect((s.host.as_str(), s.port)).is_ok(),
             false => s
                 .try_command(&[b"PING"])
                 .is_ok_and(|r| r.starts_with(b"+PONG")),
@@ -207,12 +219,13 @@ impl RedisServer {
         self.port
     }
 
-    /// `redis://127.0.0.1:<port>` (`rediss://` with TLS), with the password if any.
+    /// `redis://<first address>:<port>` (`rediss://` with TLS), with the password if any.
     pub fn url(&self) -> String {
+        let host = &self.host;
         let scheme = if self.tls { "rediss" } else { "redis" };
         match &self.password {
-            Some(pw) => format!("{scheme}://:{pw}@127.0.0.1:{}", self.port),
-            None => format!("{scheme}://127.0.0.1:{}", self.port),
+            Some(pw) => format!("{scheme}://:{pw}@{host}:{}", self.port),
+            None => format!("{scheme}://{host}:{}", self.port),
         }
     }
 
@@ -223,7 +236,7 @@ impl RedisServer {
     }
 
     fn try_command(&self, args: &[&[u8]]) -> std::io::Result<Vec<u8>> {
-        let mut s = TcpStream::connect(("127.0.0.1", self.port))?;
+        let mut s = TcpStream::connect((self.host.as_str(), self.port))?;
         s.set_read_timeout(Some(Duration::from_secs(2)))?;
         let mut req = Vec::new();
         let auth: Vec<&[u8]>;
