@@ -67,8 +67,10 @@ pub const NAMESPACE_ENCODING_VERSION: u32 = 1;
 /// Domain tag that opens the checksum input of a block.
 pub const CHECKSUM_DOMAIN: &[u8] = b"kvstore.block.checksum";
 
-/// Largest safetensors header the store accepts, in bytes (guards against a corrupt length).
-pub const MAX_HEADER_LEN: u64 = 64 * 1024 * 1024;
+/// Largest safetensors header the store accepts, in bytes: a corrupt or hostile length never
+/// makes a read allocate more. A block of a 128-layer model with quantized K/V (6 planes
+/// per layer) has a header of about 100 KiB, so 1 MiB leaves a factor of ten.
+pub const MAX_HEADER_LEN: u64 = 1024 * 1024;
 
 /// Journal file header: magic (8 bytes) then version (`u32`) then 4 reserved zero bytes.
 pub const JOURNAL_MAGIC: &[u8; 8] = b"KVSJRNL\0";

@@ -252,7 +252,8 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
                     .strip_suffix(&format!(".{}", format::BLOCK_EXT))
                     .and_then(parse_canonical::<BlockKey>)
                     .filter(|k| k.to_string()[..2] == sname);
-                let meta = f.metadata()?;
+                // Not followed: a symlink under a block name is foreign, never read.
+                let meta = fs::symlink_metadata(&fpath)?;
                 match key {
                     Some(key) if meta.is_file() => s.blocks.push((ns, key, meta, fpath)),
                     _ => s.foreign.push(fpath),

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
@@ -253,6 +254,8 @@ struct Shared<P> {
     pending: Mutex<HashMap<(NamespaceId, BlockKey), Arc<P>>>,
     failures: Mutex<Failures>,
     counters: Arc<Counters>,
+    /// When "write-behind queue full" was last logged (unix ms): at most one line per 10 s.
+    queue_full_logged_ms: AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -328,6 +331,7 @@ impl<P: Payload> Store<P> {
             failures: Mutex::new(Failures::default()),
             counters,
             config,
+            queue_full_logged_ms: AtomicU64::new(0),
         });
         let (tx, worker) = if shared.ssd.is_some() && !shared.config.read_only {
             let (tx, rx) = mpsc::sync_channel(shared.config.queue_capacity.max(1));
@@ -514,7 +518,20 @@ impl<P: Payload> Store<P> {
                 match e {
                     TrySendError::Full(_) => {
                         Counters::inc(&self.shared.counters.skipped_queue_full);
-                        tracing::warn!(key = %k.1, "write-behind queue full; block not written to SSD");
+                        let now = crate::block::now_unix_ms();
+                        let last = self.shared.queue_full_logged_ms.load(Ordering::Relaxed);
+                        if now.saturating_sub(last) >= 10_000
+                            && self
+                                .shared
+                                .queue_full_logged_ms
+                                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                                .is_ok()
+                        {
+                            tracing::warn!(
+                                dropped_total = Counters::get(&self.shared.counters.skipped_queue_full),
+                                "write-behind queue full: blocks leaving RAM are dropped instead of written to SSD (the disk is slower than publication); logged at most every 10 s"
+                            );
+                        }
                     }
                     TrySendError::Disconnected(_) => {
                         Counters::inc(&self.shared.counters.write_errors);
