@@ -405,6 +405,35 @@ fn requests_with_different_cache_salts_never_share_blocks() {
 }
 
 #[test]
+fn oversized_headers_and_bodies_are_refused_before_any_work() {
+    let srv = Server::start(None, EngineConfig::default());
+    let raw = |request: String| {
+        let mut s = TcpStream::connect(srv.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The server may answer and close before reading everything.
+        let _ = s.write_all(request.as_bytes());
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    let huge_header = format!(
+        "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+        "x".repeat(1 << 20)
+    );
+    assert!(raw(huge_header).starts_with("HTTP/1.1 431"));
+    let many: String = (0..500).map(|i| format!("X-{i}: y\r\n")).collect();
+    let many_headers =
+        format!("GET /health HTTP/1.1\r\nHost: x\r\n{many}Connection: close\r\n\r\n");
+    assert!(raw(many_headers).starts_with("HTTP/1.1 431"));
+    // A body over the limit (64 KiB here) is a 413 whatever it claims to be.
+    let body = format!("{{\"prompt\": \"{}\"}}", "y".repeat(100 << 10));
+    let r = srv.request("POST", "/v1/completions", None, &body);
+    assert_eq!(r.status, 413, "{}", r.body);
+    // And the server is fine afterwards.
+    assert_eq!(srv.request("GET", "/health", None, "").status, 200);
+}
+
+#[test]
 fn max_tokens_above_the_server_limit_is_refused() {
     let srv = Server::start(None, EngineConfig::default());
     let r = srv.post("/v1/chat/completions", &chat("Hello.", 4097));
