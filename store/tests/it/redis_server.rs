@@ -16,15 +16,28 @@ pub struct RedisServer {
     port: u16,
     password: Option<String>,
     tls: bool,
+    /// The CA that signed its certificate (TLS only), for `redis-cli`.
+    ca: Option<PathBuf>,
     /// Cluster config file, TLS files: removed with the server.
     _dir: tempfile::TempDir,
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding a free loopback port")
+    let [p] = free_ports();
+    p
+}
+
+/// `N` distinct free loopback ports (held together while picked, so never the same).
+fn free_ports<const N: usize>() -> [u16; N] {
+    let held: Vec<TcpListener> = (0..N)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("binding a free loopback port"))
+        .collect();
+    std::array::from_fn(|i| {
+        held[i]
+            .local_addr()
+            .expect("a bound listener has an address")
+            .port()
+    })
 }
 
 /// A loopback URL where nothing listens (a port just freed).
@@ -144,7 +157,7 @@ impl RedisServer {
 
     /// Starts one with `opts`, and waits until it answers.
     pub fn start_with(opts: ServerOptions<'_>) -> RedisServer {
-        let port = free_port();
+        let [port, bus_port] = free_ports();
         let dir = tempfile::tempdir().expect("a temporary directory for redis-server");
         let bind = if opts.bind.is_empty() {
             &["127.0.0.1"][..]
@@ -173,12 +186,18 @@ impl RedisServer {
             cmd.args(["--requirepass", pw]);
         }
         if opts.cluster {
+            // The bus port would default to port + 10000: past 65535 for high free ports,
+            // and 10000 for every TLS-only node (port 0).
             cmd.args([
                 "--cluster-enabled",
                 "yes",
                 "--cluster-config-file",
                 "nodes.conf",
-            ]);
+            ])
+            .args(["--cluster-port", &bus_port.to_string()]);
+            if opts.tls.is_some() {
+                cmd.args(["--tls-cluster", "yes"]);
+            }
         }
         let child = match cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn() {
             Ok(c) => c,
@@ -194,6 +213,7 @@ impl RedisServer {
             port,
             password: opts.password.map(str::to_string),
             tls: opts.tls.is_some(),
+            ca: opts.tls.map(|c| c.ca.clone()),
             _dir: dir,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -271,6 +291,19 @@ impl RedisServer {
         Ok(buf)
     }
 
+    /// `redis-cli` set up to talk to this server (port, TLS, password).
+    pub fn cli(&self) -> Command {
+        let mut c = Command::new("redis-cli");
+        c.args(["-h", &self.host, "-p", &self.port.to_string()]);
+        if let Some(ca) = &self.ca {
+            c.arg("--tls").arg("--cacert").arg(ca);
+        }
+        if let Some(pw) = &self.password {
+            c.args(["--no-auth-warning", "-a", pw]);
+        }
+        c
+    }
+
     /// Kills the server (SIGKILL) and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -296,15 +329,21 @@ impl RedisCluster {
     /// Starts `masters` (at least 3) nodes, joins them with `redis-cli --cluster create`
     /// and waits for `cluster_state:ok` on every node.
     pub fn start(masters: usize) -> RedisCluster {
+        RedisCluster::start_with(masters, None)
+    }
+
+    /// As [`RedisCluster::start`], every node (and the cluster bus) on TLS with `tls`.
+    pub fn start_with(masters: usize, tls: Option<&TestCerts>) -> RedisCluster {
         let nodes: Vec<RedisServer> = (0..masters)
             .map(|_| {
                 RedisServer::start_with(ServerOptions {
                     cluster: true,
+                    tls,
                     ..ServerOptions::default()
                 })
             })
             .collect();
-        let mut create = Command::new("redis-cli");
+        let mut create = nodes[0].cli();
         create.arg("--cluster").arg("create");
         for n in &nodes {
             create.arg(format!("127.0.0.1:{}", n.port));
@@ -313,9 +352,7 @@ impl RedisCluster {
         run_tool(&mut create);
         let deadline = Instant::now() + Duration::from_secs(20);
         for n in &nodes {
-            while !String::from_utf8_lossy(&n.command(&[b"CLUSTER", b"INFO"]))
-                .contains("cluster_state:ok")
-            {
+            while !run_tool(n.cli().args(["CLUSTER", "INFO"])).contains("cluster_state:ok") {
                 assert!(
                     Instant::now() < deadline,
                     "the Redis Cluster did not reach cluster_state:ok within 20 s"
@@ -326,14 +363,19 @@ impl RedisCluster {
         RedisCluster { nodes }
     }
 
-    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,…`.
+    /// `redis+cluster://127.0.0.1:<p1>,127.0.0.1:<p2>,…` (`rediss+cluster` with TLS).
     pub fn url(&self) -> String {
         let seeds: Vec<String> = self
             .nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
-        format!("redis+cluster://{}", seeds.join(","))
+        let scheme = if self.nodes[0].tls {
+            "rediss+cluster"
+        } else {
+            "redis+cluster"
+        };
+        format!("{scheme}://{}", seeds.join(","))
     }
 
     /// Keys held by each master (`DBSIZE`).

@@ -13,7 +13,7 @@ use crate::common;
 use crate::redis_server::{dead_url, RedisCluster, RedisServer, ServerOptions, TestCerts};
 
 fn open(dir: &std::path::Path, url: &str) -> Store<Block> {
-    open_with(dir, RemoteConfig::new(url))
+    open_with(dir, RemoteConfig::new(url).io_timeout_ms(500))
 }
 
 fn open_with(dir: &std::path::Path, remote: RemoteConfig) -> Store<Block> {
@@ -22,7 +22,7 @@ fn open_with(dir: &std::path::Path, remote: RemoteConfig) -> Store<Block> {
             .root(dir)
             .ram_budget(1 << 20)
             .ssd_budget(1 << 24)
-            .remote(Some(remote.io_timeout_ms(500))),
+            .remote(Some(remote)),
     )
     .unwrap()
 }
@@ -344,7 +344,13 @@ fn tls_with_a_custom_ca_shares_blocks_and_an_untrusted_server_is_refused() {
         ..ServerOptions::default()
     });
     assert!(redis.url().starts_with("rediss://"));
-    let tls = || RemoteConfig::new(redis.url()).ca_cert(Some(certs.ca.clone()));
+    let tls = || {
+        RemoteConfig::new(redis.url())
+            .ca_cert(Some(certs.ca.clone()))
+            // A TLS handshake in a debug build on a loaded machine can take a while.
+            .connect_timeout_ms(10_000)
+            .io_timeout_ms(10_000)
+    };
     let d = common::desc("remote-tls", 4);
     let (blocks, toks) = publish_with(tls(), &d, 3, 41);
     assert_remote_hits(tls(), &d, &blocks, &toks);
@@ -370,6 +376,25 @@ fn tls_with_a_custom_ca_shares_blocks_and_an_untrusted_server_is_refused() {
         msg.contains("missing.pem") && !msg.contains("tls-pw"),
         "{msg}"
     );
+}
+
+#[test]
+fn tls_on_a_redis_cluster_with_a_custom_ca_shares_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = TestCerts::generate(dir.path());
+    let cluster = RedisCluster::start_with(3, Some(&certs));
+    assert!(cluster.url().starts_with("rediss+cluster://"));
+    let tls = || {
+        RemoteConfig::new(cluster.url())
+            .ca_cert(Some(certs.ca.clone()))
+            // A TLS handshake in a debug build on a loaded machine can take a while.
+            .connect_timeout_ms(10_000)
+            .io_timeout_ms(10_000)
+    };
+    let d = common::desc("remote-cluster-tls", 4);
+    let (blocks, toks) = publish_with(tls(), &d, 12, 51);
+    assert_remote_hits(tls(), &d, &blocks, &toks);
+    assert_eq!(inspect_remote(&tls()).unwrap()[0].blocks, 12);
 }
 
 #[test]
