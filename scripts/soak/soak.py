@@ -284,8 +284,9 @@ def main():
         try:
             budget = budget or gauge(port, 'kvstore_cache_budget_bytes{tier="ssd"}')
             mlx_active = gauge(port, "kvstore_mlx_active_bytes")
+            mlx_cache = gauge(port, "kvstore_mlx_cache_bytes")
         except OSError:
-            mlx_active = float("nan")
+            mlx_active = mlx_cache = float("nan")
         row = {
             "t": round(now - start, 1),
             "rss": rss_bytes(server.pid),
@@ -294,6 +295,7 @@ def main():
             "disk": disk_bytes(store),
             "block_bytes": disk_bytes(store, blocks_only=True),
             "mlx_active": mlx_active,
+            "mlx_cache": mlx_cache,
             "ok": counts.get("ok", 0),
             "cancelled": counts.get("cancelled", 0),
             "rejected": counts.get("rejected", 0),

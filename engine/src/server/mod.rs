@@ -327,6 +327,12 @@ async fn metrics(State(s): State<Shared>) -> Response {
         "Bytes held by live MLX arrays: weights, live KV, published blocks in the RAM tier.",
         &one(mlx::active_memory().unwrap_or(0) as u64),
     );
+    metric(
+        "kvstore_mlx_cache_bytes",
+        "gauge",
+        "Bytes of freed buffers MLX keeps for reuse (capped by --mlx-cache-limit).",
+        &one(mlx::cache_memory().unwrap_or(0) as u64),
+    );
     let mut ttft: Vec<(String, f64)> = TTFT_BUCKETS
         .iter()
         .zip(&m.ttft_buckets)
