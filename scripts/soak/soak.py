@@ -8,9 +8,10 @@ the store's bytes on disk, MLX's live bytes and the request counters. Writes
 `soak.csv`, `soak.json` (summary + verdict) and `soak.svg` (the plot) to `--out`.
 
 Flat means: after the warm-up (the first 10 % of the run), the last quarter's mean RSS is
-within 10 % (and 32 MiB) of the second quarter's, open fds never exceed the warm-up's
-maximum by more than the clients' connections, the store stays within its SSD budget, and
-no request failed with a 5xx or a wrong answer. Exit status 1 otherwise.
+within 10 % of the second quarter's, open fds never exceed the warm-up's maximum by more
+than the clients' connections, the store's accounted block bytes stay within the SSD budget
+at every sample and the block files within it after exit, and no request failed with a 5xx,
+a transport error or a wrong answer. Exit status 1 otherwise.
 
 Standard library only. Usage (from the repository root, after `cargo build --release`):
 
@@ -140,10 +141,15 @@ def client(port, seed, deadline, stats, answers):
                 history.append({"role": "assistant", "content": content})
                 stats.add("ok")
             elif kind == "completion":
-                prompt = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(4, 40)))
+                prompt = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(4, 20)))
                 status, text = request(port, "POST", "/v1/completions",
                                        {"prompt": prompt, "max_tokens": rng.randint(1, 12), "temperature": 0})
-                stats.add("ok") if status == 200 else stats.fail(f"completion: {status} {text[:200]}")
+                if status == 200:
+                    stats.add("ok")
+                elif status == 400 and "context_length_exceeded" in text:
+                    stats.add("context_full")
+                else:
+                    stats.fail(f"completion: {status} {text[:200]}")
             elif kind == "cancel":
                 body = {"messages": [{"role": "user", "content": "Count slowly to one hundred."}],
                         "max_tokens": 200, "stream": True}
@@ -285,15 +291,19 @@ def main():
             budget = budget or gauge(port, 'kvstore_cache_budget_bytes{tier="ssd"}')
             mlx_active = gauge(port, "kvstore_mlx_active_bytes")
             mlx_cache = gauge(port, "kvstore_mlx_cache_bytes")
+            accounted = gauge(port, 'kvstore_cache_bytes{tier="ssd"}')
         except OSError:
-            mlx_active = mlx_cache = float("nan")
+            mlx_active = mlx_cache = accounted = float("nan")
         row = {
             "t": round(now - start, 1),
             "rss": rss_bytes(server.pid),
             "fds": len(os.listdir(f"/proc/{server.pid}/fd")),
             "threads": threads(server.pid),
             "disk": disk_bytes(store),
+            # A walk racing the writer can count an evicted file and its replacement both;
+            # the store's own accounting is `ssd_accounted`, and a quiescent walk ends the run.
             "block_bytes": disk_bytes(store, blocks_only=True),
+            "ssd_accounted": accounted,
             "mlx_active": mlx_active,
             "mlx_cache": mlx_cache,
             "ok": counts.get("ok", 0),
@@ -310,6 +320,7 @@ def main():
         t.join(timeout=180)
     server.send_signal(signal.SIGTERM)
     exit_code = server.wait(timeout=120)
+    final_block_bytes = disk_bytes(store, blocks_only=True)
 
     with open(os.path.join(a.out, "soak.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -333,15 +344,20 @@ def main():
         "fds_min_max": [min(r["fds"] for r in rows), max(r["fds"] for r in rows)],
         "threads_min_max": [min(r["threads"] for r in rows), max(r["threads"] for r in rows)],
         "disk_mib_max": round(max(r["disk"] for r in rows) / 2**20, 2),
-        "block_file_mib_max": round(max(r["block_bytes"] for r in rows) / 2**20, 2),
+        "block_file_mib_max_walk": round(max(r["block_bytes"] for r in rows) / 2**20, 2),
+        "ssd_accounted_mib_max": round(max(r["ssd_accounted"] for r in rows) / 2**20, 3),
+        "block_file_mib_after_exit": round(final_block_bytes / 2**20, 3),
+        "mlx_cache_mib_min_max": [round(min(r["mlx_cache"] for r in rows) / 2**20, 1),
+                                  round(max(r["mlx_cache"] for r in rows) / 2**20, 1)],
         "ssd_budget_mib": round((budget or 0) / 2**20, 2),
         "server_exit": exit_code,
         "failures": stats.failures[:20],
     }
     flat = (
-        (rss_late - rss_early) <= max(0.10 * rss_early, 32 * 2**20)
+        (rss_late - rss_early) <= 0.10 * rss_early
         and max(r["fds"] for r in warm) <= fd_warm + 2 * a.clients
-        and (budget is None or max(r["block_bytes"] for r in rows) <= budget)
+        and (budget is None or max(r["ssd_accounted"] for r in rows) <= budget)
+        and (budget is None or final_block_bytes <= budget)
         and not stats.failures
         and exit_code == 0
     )
