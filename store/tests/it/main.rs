@@ -10,7 +10,7 @@ mod fixtures;
 mod gc_inspect;
 mod locking;
 mod props;
-mod security;
 mod redis_server;
 mod remote;
+mod security;
 mod vectors;

@@ -52,7 +52,11 @@ fn only_canonical_regular_block_files_are_indexed_and_everything_is_private() {
     let first_name = format!("{}.safetensors", first.meta.key);
     std::fs::copy(
         first_shard.join(&first_name),
-        first_shard.join(first_name.to_uppercase().replace("SAFETENSORS", "safetensors")),
+        first_shard.join(
+            first_name
+                .to_uppercase()
+                .replace("SAFETENSORS", "safetensors"),
+        ),
     )
     .unwrap();
     std::fs::write(first_shard.join("..%2f..%2fetc.safetensors"), b"x").unwrap();
