@@ -244,7 +244,14 @@ fn sigkill_while_serving_then_replay_matches_cold() {
                 })
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(rng.gen_range(30..700)));
+        // Kill at a random point once writes are under way: after the first answer of
+        // this round (its blocks are being published), however slow the machine is.
+        let before = compared.load(Ordering::Relaxed);
+        let t = Instant::now();
+        while compared.load(Ordering::Relaxed) == before && t.elapsed() < Duration::from_secs(30) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(rng.gen_range(0..500)));
         let mut server = server;
         server.kill();
         stop.store(true, Ordering::Relaxed);
@@ -284,8 +291,8 @@ fn sigkill_while_serving_then_replay_matches_cold() {
         &wrong[..wrong.len().min(5)]
     );
     assert!(
-        compared.load(Ordering::Relaxed) > kills,
-        "the clients barely got answers before the kills; the test did not exercise writes"
+        compared.load(Ordering::Relaxed) >= kills,
+        "the clients got no answer in some rounds; the kills did not hit a writing server"
     );
 }
 
