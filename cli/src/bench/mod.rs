@@ -6,6 +6,7 @@ mod agent;
 mod cache;
 mod generate;
 mod mlx;
+mod remote;
 mod store;
 
 /// Arguments of `kvstore bench`.
@@ -25,6 +26,8 @@ enum Which {
     Generate(generate::Args),
     /// MLX building blocks: f32 matmul GFLOP/s, SDPA at 2K keys, slice_update in place vs copy.
     Mlx(mlx::Args),
+    /// TTFT of a prefix from the Redis remote tier vs local SSD vs recompute; chain fetch blocks/s.
+    Remote(remote::Args),
     /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
     Store(store::Args),
 }
@@ -36,6 +39,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Which::Cache(a) => cache::run(a),
         Which::Generate(a) => generate::run(a),
         Which::Mlx(a) => mlx::run(a),
+        Which::Remote(a) => remote::run(a),
         Which::Store(a) => store::run(a),
     }
 }
