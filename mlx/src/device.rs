@@ -32,6 +32,25 @@ pub fn gpu_available() -> Result<bool> {
     check("gpu_available", ffi::gpu_available())
 }
 
+/// Unit roundoff of the operands of an f32 matrix product on the default device: the
+/// largest relative error with which MLX's matmul reads an f32 input.
+///
+/// - CPU, and Metal on macOS: `2^-24`, plain f32 (the products are exact f32 operands).
+/// - CUDA (a GPU on Linux): `2^-10`. mlx-cuda runs f32 matmuls on TF32 tensor cores, which
+///   read each operand with 10 explicit mantissa bits: `2^-11` if the conversion rounds to
+///   nearest, `2^-10` if it truncates; the larger is returned. Measured on an H200: 127
+///   TFLOP/s for f32 2048² (plain f32 peaks near 67) and relative errors ~5e-4.
+///
+/// Tests derive their tolerances from it (docs/cuda.md, "Tolerances on the GPU").
+pub fn f32_matmul_unit_roundoff() -> Result<f32> {
+    let tf32 = default_device()? == Device::Gpu && !cfg!(target_os = "macos");
+    Ok(if tf32 {
+        2f32.powi(-10)
+    } else {
+        f32::EPSILON / 2.0
+    })
+}
+
 /// The MLX version string of the linked libmlx.
 pub fn version() -> Result<String> {
     check("version", ffi::version())
