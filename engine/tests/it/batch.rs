@@ -3,7 +3,7 @@
 use cache::{PagedConfig, PagedKvCache, PagedKvRows};
 use engine::{argmax, greedy_ids, load, LoadOptions, Model, DEFAULT_PREFILL_CHUNK};
 
-use crate::common::goldens;
+use crate::common::{goldens, logit_tol, near_tie};
 
 fn prompts() -> Vec<Vec<u32>> {
     // Three lengths that pad differently inside the batch and straddle a 32-token block.
@@ -15,21 +15,35 @@ fn prompts() -> Vec<Vec<u32>> {
     vec![mk(5, 1), mk(19, 2), mk(41, 3)]
 }
 
-/// Greedy tokens of every prompt decoded together, and the largest |logit| gap to each row's
-/// logits computed alone at the same step.
-fn batched(model: &Model, prompts: &[Vec<u32>], n: usize) -> (Vec<Vec<u32>>, f32) {
+/// What a batched decode gave: greedy tokens per row, the largest |logit| gap to each row's
+/// logits computed alone at the same step, and that gap over its allowed bound.
+struct Batched {
+    tokens: Vec<Vec<u32>>,
+    worst: f32,
+    worst_ratio: f32,
+    /// Per row, the first step whose alone logits have a near tie at the top (`near_tie`):
+    /// from there the row's tokens may differ from a separate greedy run's on a GPU.
+    tie: Vec<Option<usize>>,
+}
+
+/// Greedy tokens of every prompt decoded together, compared at every step with each row's
+/// logits computed alone. `base`: the bound where matmuls are exact f32 (`logit_tol`).
+fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32) -> Batched {
     let layers = model.info().kv.layers;
     let mut rows = PagedKvRows::new();
     let mut alone: Vec<PagedKvCache> = Vec::new();
     let mut out: Vec<Vec<u32>> = Vec::new();
+    let mut tie = Vec::new();
     for p in prompts {
         let mut c = PagedKvCache::new(layers, PagedConfig::default()).unwrap();
         let logits = model.prefill(p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
-        out.push(vec![argmax(&logits.to_vec::<f32>().unwrap())]);
+        let logits = logits.to_vec::<f32>().unwrap();
+        tie.push(near_tie(&logits, logit_tol(base, &logits)).then_some(0));
+        out.push(vec![argmax(&logits)]);
         alone.push(c.clone());
         rows.push(c).unwrap();
     }
-    let mut worst = 0f32;
+    let (mut worst, mut worst_ratio) = (0f32, 0f32);
     for _ in 1..n {
         let last: Vec<u32> = out.iter().map(|o| *o.last().unwrap()).collect();
         let logits: Vec<f32> = model
@@ -44,24 +58,48 @@ fn batched(model: &Model, prompts: &[Vec<u32>], n: usize) -> (Vec<Vec<u32>>, f32
                 .unwrap()
                 .to_vec()
                 .unwrap();
+            let tol = logit_tol(base, &single);
             for (x, y) in row.iter().zip(&single) {
                 worst = worst.max((x - y).abs());
+                worst_ratio = worst_ratio.max((x - y).abs() / tol);
+            }
+            if tie[b].is_none() && near_tie(&single, tol) {
+                tie[b] = Some(out[b].len());
             }
             out[b].push(argmax(row));
         }
     }
-    (out, worst)
+    Batched {
+        tokens: out,
+        worst,
+        worst_ratio,
+        tie,
+    }
+}
+
+/// The tokens up to (without) a row's first near tie: where both runs must agree.
+fn until_tie(tokens: &[u32], tie: Option<usize>) -> &[u32] {
+    &tokens[..tie.unwrap_or(tokens.len()).min(tokens.len())]
 }
 
 fn check(name: &str) {
     let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
     let prompts = prompts();
-    let (tokens, worst) = batched(&model, &prompts, 16);
-    for (p, got) in prompts.iter().zip(&tokens) {
-        assert_eq!(got, &greedy_ids(&model, p, 16).unwrap(), "{name}");
+    let r = batched(&model, &prompts, 16, 1e-4);
+    for ((p, got), tie) in prompts.iter().zip(&r.tokens).zip(&r.tie) {
+        let want = greedy_ids(&model, p, 16).unwrap();
+        assert_eq!(until_tie(got, *tie), until_tie(&want, *tie), "{name}");
     }
-    assert!(worst < 1e-4, "{name}: batched logits differ by {worst}");
-    eprintln!("{name}: max |batched - alone| logit = {worst:e}");
+    eprintln!(
+        "{name}: max |batched - alone| logit = {:e} ({:.2} of allowed), near ties {:?}",
+        r.worst, r.worst_ratio, r.tie
+    );
+    assert!(
+        r.worst_ratio < 1.0,
+        "{name}: batched logits differ by {} ({} of allowed)",
+        r.worst,
+        r.worst_ratio
+    );
 }
 
 #[test]
@@ -83,9 +121,11 @@ fn batched_decode_matches_each_row_alone_qwen3() {
 fn a_batch_of_one_is_the_single_sequence_path() {
     let (model, _) = load(&goldens().join("tiny-qwen3"), &LoadOptions::default()).unwrap();
     let p = &prompts()[1];
-    let (tokens, worst) = batched(&model, std::slice::from_ref(p), 12);
-    assert_eq!(tokens[0], greedy_ids(&model, p, 12).unwrap());
-    assert!(worst < 1e-5, "{worst}");
+    // One row takes the single-sequence path: the same kernels, so no TF32 slack and no
+    // near-tie allowance.
+    let r = batched(&model, std::slice::from_ref(p), 12, 1e-5);
+    assert_eq!(r.tokens[0], greedy_ids(&model, p, 12).unwrap());
+    assert!(r.worst < 1e-5, "{}", r.worst);
 }
 
 #[test]

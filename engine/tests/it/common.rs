@@ -1,5 +1,6 @@
 use std::path::PathBuf;
 
+use engine::Model;
 use serde_json::Value;
 
 pub fn goldens() -> PathBuf {
@@ -40,4 +41,69 @@ pub fn floats(v: &Value) -> Vec<f32> {
         .iter()
         .map(|x| x.as_f64().unwrap() as f32)
         .collect()
+}
+
+/// Allowed |logit difference| between two f32 evaluations of a model that agree to `base`
+/// when matmuls are exact f32 (the CPU): `base + 4u·max|reference|`, u being the matmul
+/// operand roundoff of the default device (`mlx::f32_matmul_unit_roundoff`).
+///
+/// On CUDA, f32 matmuls run on TF32 tensor cores (u = 2^-10): every product in every layer
+/// reads its operands with ~1e-3 relative error, and those errors reach the logits in
+/// proportion to their size. Measured on an H200 against CPU-made mlx-lm goldens: 0.5-0.7 u
+/// of the largest |logit| for 2-layer tiny models and SmolLM2's 30 layers alike; 4u leaves a
+/// margin of ~6x. A wrong op (rope, norm, bias, mask) moves logits by O(max |logit|). On the
+/// CPU, u = 2^-24 and the bound is `base` in effect.
+pub fn logit_tol(base: f32, reference: &[f32]) -> f32 {
+    let u = mlx::f32_matmul_unit_roundoff().unwrap();
+    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
+    base + 4.0 * u * scale
+}
+
+/// Whether the two largest logits are closer than `tol` twice over: two evaluations that
+/// each stay within `tol` of the exact logits may then pick different argmaxes.
+pub fn near_tie(logits: &[f32], tol: f32) -> bool {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in logits {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b < 2.0 * tol
+}
+
+/// Checks that each token of `generated` is what a cold model picks after `prompt` and the
+/// tokens before it: the argmax of the logits `forward_all` gives for that position, or
+/// within the near-tie band of it (`2 * logit_tol(base, ..)`, as in `near_tie`). On the CPU
+/// this is the exact greedy sequence; on a GPU, where a run that restored its prefix and a
+/// cold run round differently, it still catches a restore that changes the model's output.
+pub fn assert_greedy_under_cold(
+    model: &Model,
+    prompt: &[u32],
+    generated: &[u32],
+    base: f32,
+    what: &str,
+) {
+    let Some((_, fed)) = generated.split_last() else {
+        return;
+    };
+    let seq: Vec<u32> = prompt.iter().chain(fed).copied().collect();
+    let all: Vec<f32> = model
+        .forward_all(&seq, &mut model.new_cache())
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let vocab = all.len() / seq.len();
+    for (i, &t) in generated.iter().enumerate() {
+        let row = &all[(prompt.len() - 1 + i) * vocab..][..vocab];
+        let best = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let tol = logit_tol(base, row);
+        assert!(
+            row[t as usize] >= best - 2.0 * tol,
+            "{what}: token {i} ({t}) has logit {} where the cold maximum is {best} (allowed gap {})",
+            row[t as usize],
+            2.0 * tol
+        );
+    }
 }

@@ -12,9 +12,10 @@ use engine::{
 };
 use store::StoreConfig;
 
-use crate::common::{floats, golden, goldens, ids};
+use crate::common::{assert_greedy_under_cold, floats, golden, goldens, ids, logit_tol, near_tie};
 
-/// f32 on both sides, same libmlx: differences come from evaluation order only.
+/// f32 on both sides, same libmlx: differences come from evaluation order only (the goldens
+/// were made on the CPU; on a CUDA GPU `logit_tol` adds the TF32 term, docs/cuda.md).
 const TINY_TOL: f32 = 1e-4;
 /// The 270M model (18 layers, a 262,144-entry tied head, an 897-token prompt): measured
 /// max difference 1.5e-5 on the top-32 and probe logits.
@@ -43,6 +44,7 @@ fn check_parity(name: &str, path: &Path, tol: f32) {
     let n = g["n_tokens"].as_u64().unwrap() as usize;
     let (model, _) = load(path, &LoadOptions::default()).unwrap();
     let mut worst = 0f32;
+    let mut allowed = f32::INFINITY;
     for case in g["models"][name]["cases"].as_array().unwrap() {
         let prompt = ids(&case["prompt_ids"]);
         let mut cache = model.new_cache();
@@ -52,10 +54,13 @@ fn check_parity(name: &str, path: &Path, tol: f32) {
             .to_vec()
             .unwrap();
         if let Some(full) = case.get("last_logits") {
-            for (a, b) in logits.iter().zip(floats(full)) {
+            let want = floats(full);
+            allowed = allowed.min(logit_tol(tol, &want));
+            for (a, b) in logits.iter().zip(want) {
                 worst = worst.max((a - b).abs());
             }
         } else {
+            allowed = allowed.min(logit_tol(tol, &floats(&case["top_logits"])));
             for key in ["top", "probe"] {
                 let want = floats(&case[format!("{key}_logits")]);
                 for (i, id) in ids(&case[format!("{key}_ids")]).into_iter().enumerate() {
@@ -71,8 +76,11 @@ fn check_parity(name: &str, path: &Path, tol: f32) {
             prompt.len()
         );
     }
-    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e}");
-    assert!(worst < tol, "{name}: logits differ from mlx-lm by {worst}");
+    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e} (allowed {allowed:.2e})");
+    assert!(
+        worst < allowed,
+        "{name}: logits differ from mlx-lm by {worst} (allowed {allowed})"
+    );
 }
 
 #[test]
@@ -156,9 +164,15 @@ fn gemma3_prefill_in_chunks_smaller_and_larger_than_the_window_matches_one_step(
     let (model, _) = load(&tiny(), &LoadOptions::default()).unwrap();
     let prompt = tokens(7, 300, model.info().vocab_size);
     let whole = last_logits(&model, &prompt, 4096);
+    // Other chunk sizes are other matmul shapes: on a GPU, other TF32 kernels (`logit_tol`).
+    let tol = logit_tol(1e-4, &whole);
     for chunk in [1, 5, 16, 17, 64] {
         let d = max_diff(&whole, &last_logits(&model, &prompt, chunk));
-        assert!(d < 1e-4, "chunk {chunk}: logits differ by {d}");
+        eprintln!("chunk {chunk}: max |logit difference| {d:e} (allowed {tol:e})");
+        assert!(
+            d < tol,
+            "chunk {chunk}: logits differ by {d} (allowed {tol})"
+        );
     }
 }
 
@@ -274,7 +288,13 @@ fn gemma3_multi_turn_reuse_matches_cold_output_at_every_turn() {
     for turn in 0..4 {
         let want = cold(&model, &tok, &convo, 6);
         let (got, r) = cached(&model, &tok, &pc, &convo, 6);
-        assert_eq!(got, want, "turn {turn}");
+        if got != want {
+            // Only where rounding may decide (a GPU): the tiny model's logits span about
+            // ±1.2, so top-2 gaps of 1e-3 are common and TF32 flips them.
+            assert_greedy_under_cold(&model, &convo, &got, 1e-4, &format!("turn {turn}"));
+            assert_greedy_under_cold(&model, &convo, &want, 1e-4, &format!("turn {turn} cold"));
+            eprintln!("turn {turn}: cached {got:?}, cold {want:?}: both greedy within TF32 ties");
+        }
         if turn > 0 {
             assert!(r.cached_tokens > 600, "turn {turn}: {r:?}");
         }
@@ -328,7 +348,9 @@ fn gemma3_batched_decode_with_window_masks_matches_each_row_alone() {
         rows.push(c).unwrap();
     }
     let n = 24;
-    let mut worst = 0f32;
+    let (mut worst, mut worst_ratio) = (0f32, 0f32);
+    // Per row, the first step with a near tie (batch.rs): tokens are compared before it.
+    let mut tie: Vec<Option<usize>> = vec![None; prompts.len()];
     for _ in 1..n {
         let last: Vec<u32> = out.iter().map(|o: &Vec<u32>| *o.last().unwrap()).collect();
         let logits: Vec<f32> = model
@@ -342,12 +364,24 @@ fn gemma3_batched_decode_with_window_masks_matches_each_row_alone() {
                 .unwrap()
                 .to_vec()
                 .unwrap();
+            // Batched rows are other matmul shapes: on a GPU, other TF32 kernels.
+            let tol = logit_tol(1e-4, &single);
             worst = worst.max(max_diff(row, &single));
+            worst_ratio = worst_ratio.max(max_diff(row, &single) / tol);
+            if tie[b].is_none() && near_tie(&single, tol) {
+                tie[b] = Some(out[b].len());
+            }
             out[b].push(argmax(row));
         }
     }
-    for (p, got) in prompts.iter().zip(&out) {
-        assert_eq!(got, &greedy_ids(&model, p, n).unwrap());
+    for ((p, got), tie) in prompts.iter().zip(&out).zip(&tie) {
+        let want = greedy_ids(&model, p, n).unwrap();
+        let upto = tie.unwrap_or(n);
+        assert_eq!(got[..upto], want[..upto]);
     }
-    assert!(worst < 1e-4, "batched logits differ by {worst}");
+    eprintln!("gemma3 batched: max |batched - alone| {worst:e} ({worst_ratio:.2} of allowed), near ties {tie:?}");
+    assert!(
+        worst_ratio < 1.0,
+        "batched logits differ by {worst} ({worst_ratio} of allowed)"
+    );
 }
