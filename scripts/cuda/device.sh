@@ -7,7 +7,11 @@
 #   /opt/kvmlx            the unpacked mlx-cuda-13 wheel (MLX_DIR=/opt/kvmlx/mlx; rpath)
 #   /opt/kvmlx/nvidia  -> python3's site-packages/nvidia (libmlx's $ORIGIN/../../nvidia rpath)
 #   /work/main/target/cuda/release   the binaries (CARGO_BIN_EXE_* of the tests)
-#   /work/cuda-wt      -> this checkout (CARGO_MANIFEST_DIR of the tests)
+#   /work/cuda-wt, /work/wt-cuda -> this checkout (CARGO_MANIFEST_DIR of the tests)
+# Steps: 1-4, mlxlm as in docs/cuda.md; a (stash, probe), b (stash, assemble MLX),
+# t NAME... (some test binaries), v (every test binary, with redis-server and the openai
+# client carried in x4), g / h (the 32K agent session: kvstore's arms / mlx-lm's arm, each
+# its own process).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -53,7 +57,8 @@ assemble_mlx() {
   if [ ! -d "$K/site/mlx_lm" ]; then
     mkdir -p "$K/site" && python3 -m zipfile -e "$K"/mlx_lm-*.whl "$K/site"
   fi
-  [ -e /work/cuda-wt ] || { mkdir -p /work; ln -sfn "$REPO" /work/cuda-wt; }
+  # CARGO_MANIFEST_DIR of the tests: the worktree they were built from (docs/cuda.md)
+  for w in /work/cuda-wt /work/wt-cuda; do [ -e "$w" ] || { mkdir -p /work; ln -sfn "$REPO" "$w"; }; done
   ldd /opt/kvmlx/mlx/lib/libmlx.so | grep -E "not found|cuda|cublas|nccl|cudnn" | head -20
   python3 -c 'import mlx.core as mx; print("python mlx", mx.__version__, mx.default_device(), (mx.ones(4)*2).sum().item())'
 }
@@ -83,7 +88,7 @@ run_tests() { # test binaries ($@, default all), each under a time limit; rc lin
     if [ "$(date +%s)" -gt "${DEADLINE:-9999999999}" ]; then echo "=== skipped (deadline) $(basename "$t")"; echo "$t" >> "$K/failed.txt"; continue; fi
     case "$t" in *.so|*.d|*.rlib|*.rmeta) continue ;; esac
     echo "=== $(basename "$t")"
-    (cd "$REPO" && timeout "${TEST_LIMIT:-240}" "$t" --test-threads="${TEST_THREADS:-4}" 2>&1) | tail -n 60
+    (cd "$REPO" && timeout "${TEST_LIMIT:-240}" "$t" --test-threads="${TEST_THREADS:-4}" ${NOCAP:+--nocapture} 2>&1) | tail -n "${TAIL:-60}"
     local rc=${PIPESTATUS[0]}
     echo "=== rc=$rc $(basename "$t")"
     [ "$rc" = 0 ] || echo "$t" >> "$K/failed.txt"
@@ -148,5 +153,53 @@ case "$step" in
     rm -f "$K/failed.txt"
     [ ${#again[@]} -gt 0 ] && { DEADLINE=$((START + ${BUDGET_S:-540})) TEST_LIMIT=200 run_tests "${again[@]}"; } > "$OUT/tests-with-model.log" 2>&1
     grep -E "^=== rc|^test result|FAILED|panicked" "$OUT/tests-with-model.log" | head -60
+    ;;
+  a)
+    stash >/dev/null; du -sh "$K"; nvidia-smi -L; nvidia-smi --query-gpu=driver_version,memory.total,memory.used --format=csv
+    ;;
+  b)
+    stash >/dev/null; du -sh "$K"
+    assemble_mlx || exit 1
+    ;;
+  t) # test binaries given as arguments (names under deps/), full logs
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    assemble_gguf >/dev/null || exit 1
+    env_setup; assemble_tests || exit 1
+    shift; list=(); for n in "$@"; do list+=("$BIN/deps/$n"); done
+    NOCAP=1 TAIL=1000000 TEST_LIMIT=300 run_tests "${list[@]}" > "$OUT/tests-t.log" 2>&1
+    grep -E "^=== rc|^test result|FAILED|panicked|allowed|near ties" "$OUT/tests-t.log" | head -100
+    ;;
+  g|h) # 32K agent session: g = kvstore's arms, h = mlx-lm's arm, separate processes
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    assemble_gguf >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-64k; mkdir -p "$d"
+    for f in "$K"/smollm2-hf/*; do ln -sfn "$f" "$d/"; done; rm -f "$d/config.json"
+    python3 -c "import json,sys; c=json.load(open('$K/smollm2-hf/config.json')); c['max_position_embeddings']=65536; json.dump(c,open('$d/config.json','w'))"
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 2000 > "$OUT/gpumem-$step.csv" 2>&1 &
+    smi=$!
+    if [ "$step" = g ]; then arms=cold,ram,ssd; name=kv; else arms=mlx-lm; name=mlxlm; fi
+    { timeout ${LIMIT:-560} "$BIN/kvstore" bench agent --model "$d" --python "$(command -v python3)" --mlx-lm-model "$d" --arms $arms --turns "${TURNS:-75}" --out "$OUT/agent32k-$name" 2>&1; } > "$OUT/agent32k-$name.log"
+    echo "rc=$? $(( $(date +%s) - START ))s"; tail -n 14 "$OUT/agent32k-$name.log"
+    kill $smi
+    echo "GPU memory used, max MiB: $(cut -d, -f2 "$OUT/gpumem-$step.csv" | sort -n | tail -1)"
+    ;;
+  v) # every test binary, with redis-server and the openai client that some tests need
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    assemble_gguf >/dev/null || exit 1
+    env_setup; assemble_tests || exit 1
+    zstd -d -q -c "$K/redis.tar.zst" | tar -x -C "$K" && export PATH=$K/redis:$PATH
+    command -v redis-server && redis-server --version
+    mkdir -p "$K/whl" && tar -xf "$K/whl.tar" -C "$K"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$K/pysite" "$K"/whl/*.whl 2>&1 | tail -2
+    python3 -m venv --system-site-packages --without-pip "$REPO/.venv-test"
+    printf '%s\n%s\n' "$K/pysite" "$SP" > "$(echo "$REPO"/.venv-test/lib/python3*/site-packages)/kvx.pth"
+    "$REPO/.venv-test/bin/python" -c 'import openai, httpx; print("openai", openai.__version__)'
+    mapfile -t all < "$K/tests.done"
+    NOCAP=1 TAIL=1000000 TEST_LIMIT=300 run_tests "${all[@]}" > "$OUT/tests.log" 2>&1
+    grep -E "^=== rc|^test result|FAILED|panicked|allowed|near ties|both greedy" "$OUT/tests.log" | head -100
     ;;
 esac

@@ -315,6 +315,9 @@ pub fn run(args: Args) -> Result<()> {
     let has = |a: &str| args.arms.iter().any(|n| n == a);
     let mut arms = ctx.interleaved(has("cold"), has("ram"), has("ssd"))?;
     if has("mlx-lm") {
+        // The buffers MLX cached for the in-process arms go back first: on a GPU the child
+        // allocates from the same device memory (docs/cuda.md).
+        mlx::clear_cache()?;
         // A failing peer arm must not lose the in-process arms' numbers.
         match ctx.mlx_lm(&args) {
             Ok(arm) => arms.extend(arm),
