@@ -493,7 +493,7 @@ pub(crate) fn read_file(file: &File, len: u64) -> std::io::Result<Result<Block, 
     read_file_in_chunks(file, len, READ_CHUNK)
 }
 
-fn read_file_in_chunks(
+pub(crate) fn read_file_in_chunks(
     file: &File,
     len: u64,
     chunk_len: usize,
@@ -634,17 +634,28 @@ pub(crate) fn read_header(path: &Path) -> Result<BlockHeader, HeaderError> {
         .into());
     }
     f.read_exact(&mut len8)?;
-    let n = u64::from_le_bytes(len8);
+    let n = header_len(u64::from_le_bytes(len8), file_len)?;
+    let mut raw = vec![0u8; n as usize];
+    f.read_exact(&mut raw)?;
+    Ok(parse_header(&raw, file_len)?)
+}
+
+/// Checks a header length `n` read from a file of `file_len` bytes.
+pub(crate) fn header_len(n: u64, file_len: u64) -> Result<u64, DecodeError> {
     if n > format::MAX_HEADER_LEN || n + 8 > file_len {
         return Err(DecodeError::Truncated {
             needed: n.saturating_add(8),
             found: file_len,
-        }
-        .into());
+        });
     }
-    let mut raw = vec![0u8; n as usize];
-    f.read_exact(&mut raw)?;
-    let mut map: HashMap<String, serde_json::Value> = serde_json::from_slice(&raw)
+    Ok(n)
+}
+
+/// Parses the header JSON `raw` (the `n` bytes after the length) of a block file of
+/// `file_len` bytes: [`read_header`] without the I/O.
+pub(crate) fn parse_header(raw: &[u8], file_len: u64) -> Result<BlockHeader, DecodeError> {
+    let n = raw.len() as u64;
+    let mut map: HashMap<String, serde_json::Value> = serde_json::from_slice(raw)
         .map_err(|e| DecodeError::Safetensors(format!("header JSON: {e}")))?;
     let meta_map: Option<HashMap<String, String>> = match map.remove("__metadata__") {
         None => None,
@@ -665,8 +676,7 @@ pub(crate) fn read_header(path: &Path) -> Result<BlockHeader, HeaderError> {
             "metadata lists {} planes, the file holds {} tensors",
             parsed.plane_names.len(),
             tensors.len()
-        ))
-        .into());
+        )));
     }
     let mut planes = Vec::new();
     let mut ranges = Vec::new();
@@ -683,8 +693,7 @@ pub(crate) fn read_header(path: &Path) -> Result<BlockHeader, HeaderError> {
         if end < start || Some(end - start) != spec.byte_len() {
             return Err(DecodeError::Planes(format!(
                 "plane {name:?} offsets {start}..{end} do not match its dtype and shape"
-            ))
-            .into());
+            )));
         }
         ranges.push((start, end));
         planes.push(spec);
@@ -693,17 +702,20 @@ pub(crate) fn read_header(path: &Path) -> Result<BlockHeader, HeaderError> {
     let mut expect = 0;
     for (start, end) in ranges {
         if start != expect {
-            return Err(DecodeError::Planes("tensor data has gaps or overlaps".into()).into());
+            return Err(DecodeError::Planes(
+                "tensor data has gaps or overlaps".into(),
+            ));
         }
         expect = end;
     }
     let data_len = expect;
-    if 8 + n + data_len != file_len {
+    // Offsets are attacker-sized u64s: the sum may not fit.
+    let needed = (8 + n).checked_add(data_len);
+    if needed != Some(file_len) {
         return Err(DecodeError::Truncated {
-            needed: 8 + n + data_len,
+            needed: needed.unwrap_or(u64::MAX),
             found: file_len,
-        }
-        .into());
+        });
     }
     Ok(BlockHeader {
         meta: parsed.meta,
@@ -785,6 +797,28 @@ mod tests {
             c[i / 8] ^= 1 << (i % 8);
             assert!(decode(&c).is_err(), "flip of bit {i} went undetected");
         }
+    }
+
+    /// Plane offsets near `u64::MAX` once overflowed the header length check.
+    #[test]
+    fn header_with_offsets_past_u64_max_is_refused() {
+        let bytes = encode(&sample());
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+        let huge = u64::MAX - 40;
+        header["l0.k"]["dtype"] = "U8".into();
+        header["l0.k"]["shape"] = serde_json::json!([huge]);
+        header["l0.k"]["data_offsets"] = serde_json::json!([0, huge]);
+        header["l0.v"]["data_offsets"] = serde_json::json!([huge, huge + 16]);
+        let raw = serde_json::to_vec(&header).unwrap();
+        let file_len = 8 + raw.len() as u64;
+        assert!(matches!(
+            parse_header(&raw, file_len),
+            Err(DecodeError::Truncated {
+                needed: u64::MAX,
+                ..
+            })
+        ));
     }
 
     #[test]

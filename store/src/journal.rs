@@ -81,15 +81,20 @@ pub(crate) fn read(path: &Path) -> io::Result<ReadJournal> {
         }
         Err(e) => return Err(e),
     }
+    Ok(parse(&bytes))
+}
+
+/// Parses a journal file's bytes: every valid record up to the first invalid one.
+pub(crate) fn parse(bytes: &[u8]) -> ReadJournal {
     if bytes.len() < format::JOURNAL_HEADER_LEN || bytes[..format::JOURNAL_HEADER_LEN] != header() {
-        return Ok(ReadJournal {
+        return ReadJournal {
             records: Vec::new(),
             damaged: true,
-        });
+        };
     }
     let body = &bytes[format::JOURNAL_HEADER_LEN..];
     let mut records = Vec::with_capacity(body.len() / format::JOURNAL_RECORD_LEN);
-    let mut damaged = body.len() % format::JOURNAL_RECORD_LEN != 0;
+    let mut damaged = !body.len().is_multiple_of(format::JOURNAL_RECORD_LEN);
     for chunk in body.chunks_exact(format::JOURNAL_RECORD_LEN) {
         match Record::decode(chunk) {
             Some(r) => records.push(r),
@@ -99,7 +104,18 @@ pub(crate) fn read(path: &Path) -> io::Result<ReadJournal> {
             }
         }
     }
-    Ok(ReadJournal { records, damaged })
+    ReadJournal { records, damaged }
+}
+
+/// The bytes of a journal holding `records` (what [`Journal::rewrite`] writes).
+pub(crate) fn encode(records: &[Record]) -> Vec<u8> {
+    let mut out =
+        Vec::with_capacity(format::JOURNAL_HEADER_LEN + records.len() * format::JOURNAL_RECORD_LEN);
+    out.extend_from_slice(&header());
+    for r in records {
+        out.extend_from_slice(&r.encode());
+    }
+    out
 }
 
 /// An open journal, appending.

@@ -52,6 +52,8 @@ mod block;
 mod codec;
 mod error;
 pub mod format;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gc;
 pub mod inspect;
 mod journal;

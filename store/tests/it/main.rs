@@ -7,6 +7,7 @@ mod crash;
 mod enospc;
 mod facade;
 mod fixtures;
+mod fuzz_corpus;
 mod gc_inspect;
 mod locking;
 mod props;
