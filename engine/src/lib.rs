@@ -26,6 +26,8 @@
 #![deny(unsafe_code)]
 
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod generate;
 mod layers;
 mod model;
@@ -51,7 +53,10 @@ pub use scheduler::{
     CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, Request, RequestHandle,
     SubmitError, TTFT_BUCKETS,
 };
-pub use tokenizer::{chat_request_parts, render_template, Tokenizer};
+pub use tokenizer::{
+    chat_request_parts, render_template, Tokenizer, MAX_RENDER_BYTES, RENDER_FUEL_BASE,
+    RENDER_FUEL_PER_VALUE,
+};
 pub use weights::LoadOptions;
 
 use std::path::Path;

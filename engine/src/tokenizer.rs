@@ -413,11 +413,73 @@ pub fn chat_request_parts(json: &str) -> Result<(String, Option<String>)> {
     }
 }
 
+/// Template instructions every render may run, before [`RENDER_FUEL_PER_VALUE`] for each
+/// value in the context: a looping or runaway template fails instead of spinning.
+pub const RENDER_FUEL_BASE: u64 = 1_000_000;
+/// Template instructions added per value (string, number, list or map entry) in the context.
+pub const RENDER_FUEL_PER_VALUE: u64 = 10_000;
+/// Longest rendered text in bytes; a template that writes more fails.
+pub const MAX_RENDER_BYTES: usize = 64 << 20;
+
+/// Values in `v` (itself included), stopping early once past `limit`.
+fn count_values(v: &Value, depth: usize, limit: u64) -> u64 {
+    let mut n = 1;
+    if depth > 256 || !matches!(v.kind(), ValueKind::Seq | ValueKind::Map) {
+        return n;
+    }
+    let Ok(items) = v.try_iter() else { return n };
+    for item in items {
+        if n > limit {
+            break;
+        }
+        n += count_values(&item, depth + 1, limit - n);
+        if v.kind() == ValueKind::Map {
+            if let Ok(value) = v.get_item(&item) {
+                n += count_values(&value, depth + 1, limit.saturating_sub(n));
+            }
+        }
+    }
+    n
+}
+
+/// An `io::Write` into a buffer that refuses to grow past a cap.
+struct CappedWriter {
+    out: Vec<u8>,
+    cap: usize,
+}
+
+impl std::io::Write for CappedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.out.len() + buf.len() > self.cap {
+            return Err(std::io::Error::other(format!(
+                "the rendered template exceeds {} bytes",
+                self.cap
+            )));
+        }
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Renders a Hugging Face chat template: jinja2 with `trim_blocks` and `lstrip_blocks`,
 /// loop controls, Python string methods, `raise_exception`, `strftime_now`, and a `tojson`
 /// that prints exactly what Python's `json.dumps(ensure_ascii=False)` prints.
+///
+/// Bounded: the template may run [`RENDER_FUEL_BASE`] plus [`RENDER_FUEL_PER_VALUE`] per
+/// context value instructions and write [`MAX_RENDER_BYTES`]; past either it fails.
 pub fn render_template(template: &str, ctx: BTreeMap<String, Value>) -> Result<String> {
+    let values: u64 = ctx
+        .values()
+        .map(|v| count_values(v, 0, u64::MAX / RENDER_FUEL_PER_VALUE))
+        .sum();
     let mut env = Environment::new();
+    env.set_fuel(Some(
+        RENDER_FUEL_BASE.saturating_add(values.saturating_mul(RENDER_FUEL_PER_VALUE)),
+    ));
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
@@ -434,8 +496,13 @@ pub fn render_template(template: &str, ctx: BTreeMap<String, Value>) -> Result<S
     let t = env
         .get_template("chat")
         .map_err(|e| EngineError::Template(format!("{e:#}")))?;
-    t.render(Value::from_serialize(&ctx))
-        .map_err(|e| EngineError::Template(format!("{e:#}")))
+    let mut out = CappedWriter {
+        out: Vec::new(),
+        cap: MAX_RENDER_BYTES,
+    };
+    t.render_captured_to(Value::from_serialize(&ctx), &mut out)
+        .map_err(|e| EngineError::Template(format!("{e:#}")))?;
+    String::from_utf8(out.out).map_err(|e| EngineError::Template(e.to_string()))
 }
 
 fn tojson(v: Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
@@ -633,6 +700,19 @@ mod tests {
         let mut s = String::new();
         py_json(&v, Some(2), 0, &mut s).unwrap();
         assert_eq!(s, "{\n  \"b\": 1,\n  \"a\": [\n    1.5,\n    \"é\\n\",\n    null,\n    true\n  ],\n  \"c\": {}\n}");
+    }
+
+    #[test]
+    fn a_template_that_loops_for_ever_runs_out_of_fuel() {
+        let t = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let err = render_template(t, BTreeMap::new()).unwrap_err();
+        assert!(err.to_string().contains("fuel"), "{err}");
+    }
+
+    #[test]
+    fn a_template_that_writes_too_much_fails() {
+        let t = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}";
+        assert!(render_template(t, BTreeMap::new()).is_err());
     }
 
     #[test]

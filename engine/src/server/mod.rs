@@ -10,7 +10,7 @@
 //! the request at its next step boundary and frees its blocks.
 
 mod error;
-mod openai;
+pub(crate) mod openai;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -31,7 +31,7 @@ use serde_json::{json, Map, Value};
 
 use crate::generate::FinishReason;
 use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle, TTFT_BUCKETS};
-use error::ApiError;
+pub(crate) use error::ApiError;
 
 /// Settings of the HTTP layer.
 #[derive(Clone, Debug)]
@@ -496,27 +496,7 @@ fn parse_body(
         }
         err
     })?;
-    let raw = String::from_utf8(bytes.to_vec()).map_err(|_| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "the body is not UTF-8",
-        )
-    })?;
-    match serde_json::from_str::<Value>(&raw) {
-        Ok(Value::Object(m)) => Ok((raw, m)),
-        Ok(_) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "the body must be a JSON object",
-        )),
-        Err(e) => Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            format!("malformed JSON: {e}"),
-        )
-        .with_code("invalid_json")),
-    }
+    openai::parse_json_body(&bytes)
 }
 
 async fn chat_completions(

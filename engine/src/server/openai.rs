@@ -1,5 +1,6 @@
 //! OpenAI request parsing (validated into engine [`Request`]s) and response bodies.
 
+use axum::http::StatusCode;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
@@ -8,6 +9,32 @@ use crate::reuse::MAX_CACHE_SALT_BYTES;
 use crate::sampler::{Sampled, SamplingParams};
 use crate::scheduler::Completion;
 use crate::tokenizer::Tokenizer;
+
+/// Parses a request body that must be a JSON object; returns its text (for key order) and
+/// the object.
+pub(crate) fn parse_json_body(bytes: &[u8]) -> Result<(String, Map<String, Value>), ApiError> {
+    let raw = String::from_utf8(bytes.to_vec()).map_err(|_| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the body is not UTF-8",
+        )
+    })?;
+    match serde_json::from_str::<Value>(&raw) {
+        Ok(Value::Object(m)) => Ok((raw, m)),
+        Ok(_) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("malformed JSON: {e}"),
+        )
+        .with_code("invalid_json")),
+    }
+}
 
 /// The parts of a chat or completion request that are not the prompt.
 #[derive(Debug)]

@@ -4,6 +4,7 @@
 mod bad_input;
 mod batch;
 mod common;
+mod fuzz_corpus;
 mod gemma3;
 mod generation;
 mod parity;
