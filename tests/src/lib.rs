@@ -47,3 +47,5 @@ pub fn smollm2() -> PathBuf {
 pub mod redis_server;
 
 pub mod serve;
+
+pub mod turns;

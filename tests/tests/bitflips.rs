@@ -11,10 +11,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use engine::{
-    generate, load, GenerateParams, LoadOptions, Model, PrefixCache, ReuseConfig, Tokenizer,
-};
+use engine::{generate, load, LoadOptions, Model, PrefixCache, ReuseConfig, Tokenizer};
 use kvstore_tests::tiny_model;
+use kvstore_tests::turns::params;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 use store::StoreConfig;
@@ -28,14 +27,6 @@ fn open(model: &Model, tok: &Tokenizer, root: &Path) -> PrefixCache {
         ..ReuseConfig::default()
     };
     PrefixCache::open(model, tok, config).unwrap()
-}
-
-fn params() -> GenerateParams {
-    GenerateParams {
-        max_tokens: 4,
-        stop_at_eos: false,
-        ..GenerateParams::default()
-    }
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -83,7 +74,7 @@ fn every_flip_and_truncation_is_detected_and_never_served() {
     {
         let prefix = open(&model, &tok, &pristine);
         let mut cache = prefix.prepare(&first).unwrap().0;
-        let out = generate(&model, &tok, &mut cache, &first, &params(), &mut |_| true).unwrap();
+        let out = generate(&model, &tok, &mut cache, &first, &params(4), &mut |_| true).unwrap();
         let all: Vec<u32> = first.iter().chain(&out.tokens).copied().collect();
         prefix.publish(&mut cache, &all).unwrap();
         prefix.flush().unwrap();
@@ -92,7 +83,7 @@ fn every_flip_and_truncation_is_detected_and_never_served() {
     next.extend(tok.encode(" Now list the crash cases.", false).unwrap());
     let cold = {
         let mut cache = model.new_cache();
-        generate(&model, &tok, &mut cache, &next, &params(), &mut |_| true)
+        generate(&model, &tok, &mut cache, &next, &params(4), &mut |_| true)
             .unwrap()
             .tokens
     };
@@ -155,7 +146,7 @@ fn every_flip_and_truncation_is_detected_and_never_served() {
 
         let prefix = open(&model, &tok, &live);
         let (mut cache, report) = prefix.prepare(&next).unwrap();
-        let out = generate(&model, &tok, &mut cache, &next, &params(), &mut |_| true).unwrap();
+        let out = generate(&model, &tok, &mut cache, &next, &params(4), &mut |_| true).unwrap();
         let stats = prefix.stats();
         let case = format!("trial {trial}: block {index}, {what}");
         if out.tokens != cold {

@@ -1,32 +1,15 @@
 //! Prefix reuse end to end: engine ⇄ cache ⇄ store, across turns and restarts. Every
 //! output with a restored prefix is compared with the same request served cold.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use engine::{
-    generate_with_reuse, GenerateParams, LoadOptions, Model, PrefixCache, ReuseConfig, ReuseReport,
-    Tokenizer,
-};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use engine::{LoadOptions, Model, PrefixCache, ReuseConfig, Tokenizer};
+use kvstore_tests::tiny_model;
+use kvstore_tests::turns::{cached, cold, random_tokens, rng};
 use store::StoreConfig;
-
-fn tiny(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../engine/tests/goldens")
-        .join(name)
-}
 
 fn load(path: &Path) -> (Model, Tokenizer) {
     engine::load(path, &LoadOptions::default()).unwrap()
-}
-
-fn params(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        stop_at_eos: false,
-        ..GenerateParams::default()
-    }
 }
 
 fn config(dir: &Path, block_size: usize) -> ReuseConfig {
@@ -40,43 +23,10 @@ fn config(dir: &Path, block_size: usize) -> ReuseConfig {
     }
 }
 
-/// Greedy tokens for `prompt` on a fresh cache, nothing reused.
-fn cold(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate_with_reuse(model, tok, None, prompt, &params(n), &mut |_| true)
-        .unwrap()
-        .0
-        .tokens
-}
-
-fn with_cache(
-    model: &Model,
-    tok: &Tokenizer,
-    pc: &PrefixCache,
-    prompt: &[u32],
-    n: usize,
-) -> (Vec<u32>, ReuseReport) {
-    let (g, r) =
-        generate_with_reuse(model, tok, Some(pc), prompt, &params(n), &mut |_| true).unwrap();
-    (g.tokens, r)
-}
-
-fn random_tokens(r: &mut StdRng, n: usize, vocab: u32) -> Vec<u32> {
-    (0..n).map(|_| r.gen_range(3..vocab)).collect()
-}
-
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("KVSTORE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    eprintln!("{test}: KVSTORE_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
-
 #[test]
 fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     let mut r = rng("restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output");
-    let (model, tok) = load(&tiny("tiny-llama"));
+    let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
     let turn1 = random_tokens(&mut r, 77, 320);
     let out1_cold = cold(&model, &tok, &turn1, 20);
@@ -90,14 +40,14 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
 
     {
         let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
-        let (out1, rep1) = with_cache(&model, &tok, &pc, &turn1, 20);
+        let (out1, rep1) = cached(&model, &tok, &pc, &turn1, 20);
         assert_eq!(out1, out1_cold);
         assert_eq!(rep1.cached_tokens, 0);
         assert_eq!(rep1.diverged_at, None);
         // 77 prompt + 19 forwarded generated tokens = 96 held → 12 blocks.
         assert_eq!(rep1.published_blocks, 12);
 
-        let (out2, rep2) = with_cache(&model, &tok, &pc, &turn2, 20);
+        let (out2, rep2) = cached(&model, &tok, &pc, &turn2, 20);
         assert_eq!(out2, out2_cold, "RAM-restored prefix changed the output");
         assert_eq!(rep2.cached_tokens, 96);
         assert_eq!(rep2.cached_ram_tokens, 96);
@@ -111,7 +61,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
 
     // A restart: a new store handle, nothing in RAM; the blocks come from SSD.
     let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
-    let (out2, rep) = with_cache(&model, &tok, &pc, &turn2, 20);
+    let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
     assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
     assert_eq!(rep.cached_ram_tokens, 0);
@@ -121,7 +71,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
 #[test]
 fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
     let mut r = rng("a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct");
-    let (model, tok) = load(&tiny("tiny-llama"));
+    let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
     let prompt = random_tokens(&mut r, 70, 320);
     let follow: Vec<u32> = prompt
@@ -134,7 +84,7 @@ fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
     {
         let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
         ns = pc.namespace();
-        with_cache(&model, &tok, &pc, &prompt, 1);
+        cached(&model, &tok, &pc, &prompt, 1);
         pc.flush().unwrap();
     }
     // Flip one byte in the middle of block 3's file.
@@ -151,7 +101,7 @@ fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
     std::fs::write(&path, bytes).unwrap();
 
     let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
-    let (got, rep) = with_cache(&model, &tok, &pc, &follow, 12);
+    let (got, rep) = cached(&model, &tok, &pc, &follow, 12);
     assert_eq!(
         rep.cached_tokens, 24,
         "the prefix must end before the corrupt block 3: {rep:?}"
@@ -168,7 +118,7 @@ fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
 #[test]
 fn tiny_budgets_still_give_correct_output() {
     let mut r = rng("tiny_budgets_still_give_correct_output");
-    let (model, tok) = load(&tiny("tiny-llama"));
+    let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = config(dir.path(), 8);
     // One block is 2 layers × K,V × 2 heads × 8 tokens × 16 dims × 4 bytes = 4 KiB.
@@ -180,7 +130,7 @@ fn tiny_budgets_still_give_correct_output() {
     let mut prompt = random_tokens(&mut r, 40, 320);
     for _ in 0..3 {
         let want = cold(&model, &tok, &prompt, 8);
-        let (got, _) = with_cache(&model, &tok, &pc, &prompt, 8);
+        let (got, _) = cached(&model, &tok, &pc, &prompt, 8);
         assert_eq!(got, want);
         prompt.extend(got);
         prompt.extend(random_tokens(&mut r, 9, 320));
@@ -194,17 +144,17 @@ fn tiny_budgets_still_give_correct_output() {
 #[test]
 fn other_models_and_other_salts_never_share_blocks() {
     let mut r = rng("other_models_and_other_salts_never_share_blocks");
-    let (llama, llama_tok) = load(&tiny("tiny-llama"));
-    let (qwen, qwen_tok) = load(&tiny("tiny-qwen2"));
+    let (llama, llama_tok) = load(&tiny_model("tiny-llama"));
+    let (qwen, qwen_tok) = load(&tiny_model("tiny-qwen2"));
     let dir = tempfile::tempdir().unwrap();
     let prompt = random_tokens(&mut r, 50, 300);
     let pc = PrefixCache::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
-    with_cache(&llama, &llama_tok, &pc, &prompt, 2);
+    cached(&llama, &llama_tok, &pc, &prompt, 2);
     pc.flush().unwrap();
     drop(pc);
 
     let other = PrefixCache::open(&qwen, &qwen_tok, config(dir.path(), 8)).unwrap();
-    let (got, rep) = with_cache(&qwen, &qwen_tok, &other, &prompt, 6);
+    let (got, rep) = cached(&qwen, &qwen_tok, &other, &prompt, 6);
     assert_eq!(rep.cached_tokens, 0, "another model hit llama's blocks");
     assert_eq!(got, cold(&qwen, &qwen_tok, &prompt, 6));
     drop(other);
@@ -212,11 +162,11 @@ fn other_models_and_other_salts_never_share_blocks() {
     let mut salted = config(dir.path(), 8);
     salted.salt = Some("tenant-b".into());
     let pc = PrefixCache::open(&llama, &llama_tok, salted).unwrap();
-    let (_, rep) = with_cache(&llama, &llama_tok, &pc, &prompt, 2);
+    let (_, rep) = cached(&llama, &llama_tok, &pc, &prompt, 2);
     assert_eq!(rep.cached_tokens, 0, "a different salt hit unsalted blocks");
     drop(pc);
     let pc = PrefixCache::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
-    let (_, rep) = with_cache(&llama, &llama_tok, &pc, &prompt, 2);
+    let (_, rep) = cached(&llama, &llama_tok, &pc, &prompt, 2);
     assert_eq!(
         rep.cached_tokens, 48,
         "the unsalted namespace lost its blocks"
@@ -226,15 +176,15 @@ fn other_models_and_other_salts_never_share_blocks() {
 #[test]
 fn a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it() {
     let mut r = rng("a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it");
-    let (model, tok) = load(&tiny("tiny-llama"));
+    let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
     let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
     let prompt = random_tokens(&mut r, 64, 320);
-    with_cache(&model, &tok, &pc, &prompt, 1);
+    cached(&model, &tok, &pc, &prompt, 1);
     let mut edited = prompt.clone();
     edited[45] = if edited[45] == 7 { 8 } else { 7 };
     let want = cold(&model, &tok, &edited, 10);
-    let (got, rep) = with_cache(&model, &tok, &pc, &edited, 10);
+    let (got, rep) = cached(&model, &tok, &pc, &edited, 10);
     assert_eq!(got, want);
     assert_eq!(rep.cached_tokens, 40, "blocks 0-4 end before token 45");
     assert_eq!(rep.diverged_at, Some(45));
