@@ -120,7 +120,7 @@ case "$step" in
     env_setup
     { "$BIN/kvstore" bench generate --python "$(command -v python3)" --prompt-lens 512,2048,8000 --decode-tokens 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log"
     { "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm --prompt-lens 512,2048,8192 --decode-tokens 64 2>&1;
-      python3 scripts/cuda/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } | tee "$OUT/bench-generate-llama8b.log"
+      python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } | tee "$OUT/bench-generate-llama8b.log"
     { "$BIN/kvstore" bench agent --python "$(command -v python3)" --mlx-lm-model "$K/smollm2-hf" --out "$OUT/agent-smollm2" 2>&1; } | tee "$OUT/bench-agent.log"
     if assemble_tests; then
       rm -f "$K/failed.txt"; mapfile -t all < "$K/tests.done"
@@ -133,8 +133,8 @@ case "$step" in
     assemble_mlx || exit 1
     assemble_gguf || exit 1
     python3 -c 'import mlx.core as mx; a=mx.arange(10.0); print("gather", a[mx.array([1,3])].tolist())'
-    { python3 scripts/cuda/bench_mlx_lm.py "$K/smollm2-hf" 512,2048,8000 128 f32 2>&1; } | tee "$OUT/mlxlm-smollm2.log"
-    { python3 scripts/cuda/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } | tee "$OUT/mlxlm-llama8b.log"
+    { python3 scripts/goldens/bench_mlx_lm.py "$K/smollm2-hf" 512,2048,8000 128 f32 2>&1; } | tee "$OUT/mlxlm-smollm2.log"
+    { python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } | tee "$OUT/mlxlm-llama8b.log"
     ;;
   4)
     stash >/dev/null
