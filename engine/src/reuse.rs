@@ -174,6 +174,20 @@ pub const MAX_CACHE_SALT_BYTES: usize = 256;
 /// Per-request salts registered before new ones are refused (each is a store namespace).
 const MAX_SALTED_NAMESPACES: usize = 4096;
 
+/// Refuses a per-request cache salt that is empty or longer than [`MAX_CACHE_SALT_BYTES`].
+pub fn check_cache_salt(salt: &str) -> Result<()> {
+    if salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES {
+        return Err(EngineError::InvalidParameter {
+            name: "cache_salt",
+            message: format!(
+                "a cache salt must be 1 to {MAX_CACHE_SALT_BYTES} bytes, got {}",
+                salt.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// The namespace salt of a request with `request` salt on an engine configured with
 /// `configured`: the configured salt alone when the request has none (so namespaces made
 /// before per-request salts existed stay valid), else both, length-prefixed so that no two
@@ -295,15 +309,7 @@ impl PrefixCache {
         let Some(salt) = salt else {
             return Ok(self.namespace);
         };
-        if salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES {
-            return Err(EngineError::InvalidParameter {
-                name: "cache_salt",
-                message: format!(
-                    "a cache salt must be 1 to {MAX_CACHE_SALT_BYTES} bytes, got {}",
-                    salt.len()
-                ),
-            });
-        }
+        check_cache_salt(salt)?;
         let mut salted = self.salted.lock().map_err(|_| poisoned())?;
         if let Some(ns) = salted.get(salt) {
             return Ok(*ns);

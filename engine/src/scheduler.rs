@@ -462,17 +462,7 @@ impl Engine {
         }
         request.params.sampling.validate()?;
         if let Some(salt) = &request.cache_salt {
-            if salt.is_empty() || salt.len() > crate::reuse::MAX_CACHE_SALT_BYTES {
-                return Err(EngineError::InvalidParameter {
-                    name: "cache_salt",
-                    message: format!(
-                        "a cache salt must be 1 to {} bytes, got {}",
-                        crate::reuse::MAX_CACHE_SALT_BYTES,
-                        salt.len()
-                    ),
-                }
-                .into());
-            }
+            crate::reuse::check_cache_salt(salt)?;
         }
         let context = self.context_limit();
         let prompt = &request.prompt;

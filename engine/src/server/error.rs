@@ -43,8 +43,13 @@ impl ApiError {
             EngineError::PromptTooLong { .. } => Some("context_length_exceeded"),
             _ => None,
         };
+        let param = match e {
+            EngineError::InvalidParameter { name, .. } => Some(name),
+            _ => None,
+        };
         Self {
             code,
+            param,
             ..Self::new(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",

@@ -5,7 +5,6 @@ use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use crate::generate::GenerateParams;
-use crate::reuse::MAX_CACHE_SALT_BYTES;
 use crate::sampler::{Sampled, SamplingParams};
 use crate::scheduler::Completion;
 use crate::tokenizer::Tokenizer;
@@ -189,17 +188,11 @@ pub(crate) fn options(body: &Map<String, Value>, chat: bool) -> Result<Options, 
             "max_tokens must be at least 1",
         ));
     }
+    // Its length is checked where every caller's salt is: Engine::submit.
     let cache_salt = match body.get("cache_salt") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= MAX_CACHE_SALT_BYTES => {
-            Some(s.clone())
-        }
-        Some(_) => {
-            return Err(ApiError::param(
-                "cache_salt",
-                format!("cache_salt must be a string of 1 to {MAX_CACHE_SALT_BYTES} bytes"),
-            ))
-        }
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err(ApiError::param("cache_salt", "cache_salt must be a string")),
     };
     let stream = flag(body, "stream")?;
     let include_usage = match body.get("stream_options") {
