@@ -245,9 +245,14 @@ pub(crate) fn estimate_file_len(block: &Block) -> u64 {
     8 + meta_len + planes + 8 + block.data_len()
 }
 
-/// Writes `block` as a safetensors file at `path` (which must already exist with the right
-/// mode; it is truncated). Does not sync.
-pub(crate) fn write_file(block: &Block, path: &Path) -> Result<(), EncodeError> {
+/// Header metadata (with the checksum) and named plane views: what safetensors serializes.
+type Tensors<'a> = (
+    Option<HashMap<String, String>>,
+    Vec<(String, TensorView<'a>)>,
+);
+
+/// The safetensors header metadata (with the checksum) and the plane views of `block`.
+fn tensors(block: &Block) -> Result<Tensors<'_>, EncodeError> {
     check_encodable(block)?;
     let sum = checksum(block);
     let meta = Some(metadata_map(block, &sum));
@@ -258,6 +263,13 @@ pub(crate) fn write_file(block: &Block, path: &Path) -> Result<(), EncodeError> 
             .map_err(|e| EncodeError::Invalid(format!("plane {:?}: {e:?}", p.name)))?;
         views.push((p.name.clone(), view));
     }
+    Ok((meta, views))
+}
+
+/// Writes `block` as a safetensors file at `path` (which must already exist with the right
+/// mode; it is truncated). Does not sync.
+pub(crate) fn write_file(block: &Block, path: &Path) -> Result<(), EncodeError> {
+    let (meta, views) = tensors(block)?;
     safetensors::serialize_to_file(views, &meta, path).map_err(|e| match e {
         safetensors::SafeTensorError::IoError(io) => EncodeError::Io(io),
         other => EncodeError::Invalid(format!("{other:?}")),
@@ -266,16 +278,7 @@ pub(crate) fn write_file(block: &Block, path: &Path) -> Result<(), EncodeError> 
 
 /// The exact bytes [`write_file`] would write for `block` (the remote tier stores these).
 pub(crate) fn encode(block: &Block) -> Result<Vec<u8>, EncodeError> {
-    check_encodable(block)?;
-    let sum = checksum(block);
-    let meta = Some(metadata_map(block, &sum));
-    let mut views = Vec::with_capacity(block.planes.len());
-    for p in &block.planes {
-        let shape: Vec<usize> = p.shape.iter().map(|&d| d as usize).collect();
-        let view = TensorView::new(p.dtype.to_safetensors(), shape, &p.data)
-            .map_err(|e| EncodeError::Invalid(format!("plane {:?}: {e:?}", p.name)))?;
-        views.push((p.name.clone(), view));
-    }
+    let (meta, views) = tensors(block)?;
     safetensors::serialize(views, &meta).map_err(|e| EncodeError::Invalid(format!("{e:?}")))
 }
 
