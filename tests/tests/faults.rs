@@ -146,6 +146,14 @@ fn assert_private(store: &Path) {
     }
 }
 
+/// Every file under `dir` with its bytes.
+fn contents(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    files(dir)
+        .into_iter()
+        .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
+        .collect()
+}
+
 fn walk_dirs(dir: &Path) -> Vec<PathBuf> {
     let mut out = vec![dir.to_path_buf()];
     for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
@@ -419,10 +427,7 @@ fn a_read_only_store_is_served_without_writing() {
         server.complete(p, MAX_TOKENS).unwrap();
     }
     assert!(server.terminate().unwrap().success());
-    let before: Vec<_> = files(&store)
-        .into_iter()
-        .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
-        .collect();
+    let before = contents(&store);
     fs.remount_read_only();
 
     let server =
@@ -447,10 +452,7 @@ fn a_read_only_store_is_served_without_writing() {
     let fresh = format!("{} A new question nobody asked before.", prompts[7]);
     assert!(server.complete(&fresh, MAX_TOKENS).is_ok());
     drop(server);
-    let after: Vec<_> = files(&store)
-        .into_iter()
-        .map(|p| (p.clone(), std::fs::read(&p).unwrap()))
-        .collect();
+    let after = contents(&store);
     assert_eq!(before, after, "a read-only store changed");
 }
 
