@@ -253,7 +253,7 @@ pub(crate) struct Attention {
 impl Attention {
     /// Projections of `x` `[B, L, hidden]`, split into heads, normalized (qwen3) and moved
     /// to `[B, H, L, D]`, before RoPE.
-    fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
+    pub(crate) fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         // 1. Projections, split into heads: (B, L, H·D) -> (B, L, H, D).
         let q = self
@@ -286,7 +286,7 @@ impl Attention {
     }
 
     /// Attention output `[B, H, L, D]` -> `[B, L, H·D]` -> output projection.
-    fn output(&self, o: &Array) -> Result<Array> {
+    pub(crate) fn output(&self, o: &Array) -> Result<Array> {
         let (b, l) = (o.shape()[0], o.shape()[2]);
         let o = o
             .transpose(&[0, 2, 1, 3])?

@@ -268,44 +268,21 @@ impl Mlp {
     }
 }
 
-/// Self-attention of one layer, windowed or global.
+/// Self-attention of one layer, windowed or global: the shared projections and per-head
+/// norms of [`crate::layers::Attention`], with a window-aware mask.
 #[derive(Debug)]
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
-    o_proj: Linear,
-    q_norm: RmsNorm,
-    k_norm: RmsNorm,
-    num_heads: i32,
-    num_kv_heads: i32,
-    head_dim: i32,
-    scale: f32,
+    inner: crate::layers::Attention,
     kind: LayerKind,
 }
 
 impl Attention {
-    /// Projections of `x` `[B, L, hidden]`, split into heads, per-head normalized and moved
-    /// to `[B, H, L, D]`, before RoPE.
     fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
-        let (b, l) = (x.shape()[0], x.shape()[1]);
-        // 1. Projections, split into heads: (B, L, H·D) -> (B, L, H, D).
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape(&[b, l, self.num_heads, self.head_dim])?;
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
-        // 2. Per-head norms, then (B, L, H, D) -> (B, H, L, D).
-        let q = self.q_norm.forward(&q)?.transpose(&[0, 2, 1, 3])?;
-        let k = self.k_norm.forward(&k)?.transpose(&[0, 2, 1, 3])?;
-        Ok((q, k, v.transpose(&[0, 2, 1, 3])?))
+        self.inner.heads(x)
+    }
+
+    fn output(&self, o: &Array) -> Result<Array> {
+        self.inner.output(o)
     }
 
     fn window(&self) -> Option<usize> {
@@ -313,15 +290,6 @@ impl Attention {
             LayerKind::Window(w) => Some(w),
             LayerKind::Global => None,
         }
-    }
-
-    /// `o` `[B, H, L, D]` -> `[B, L, H·D]` -> output projection.
-    fn output(&self, o: &Array) -> Result<Array> {
-        let (b, l) = (o.shape()[0], o.shape()[2]);
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, l, self.num_heads * self.head_dim])?;
-        self.o_proj.forward(&o)
     }
 
     /// `x` `[1, L, hidden]` after `offset` cached positions → `[1, L, hidden]`.
@@ -346,7 +314,7 @@ impl Attention {
             &q,
             &keys,
             &values,
-            self.scale,
+            self.inner.scale,
             mask.as_attention(),
         )?;
         self.output(&o)
@@ -371,7 +339,7 @@ impl Attention {
             &q,
             &keys,
             &values,
-            self.scale,
+            self.inner.scale,
             AttentionMask::Array(&mask),
         )?;
         self.output(&o)
@@ -437,16 +405,18 @@ impl Gemma3 {
             let inter = cfg.intermediate_size;
             layers.push(DecoderLayer {
                 self_attn: Attention {
-                    q_proj: w.linear(&format!("{a}.q_proj"), nh * hd, h, false)?,
-                    k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, false)?,
-                    v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, false)?,
-                    o_proj: w.linear(&format!("{a}.o_proj"), h, nh * hd, false)?,
-                    q_norm: gemma_norm(w, &format!("{a}.q_norm"), hd, eps)?,
-                    k_norm: gemma_norm(w, &format!("{a}.k_norm"), hd, eps)?,
-                    num_heads: nh as i32,
-                    num_kv_heads: nkv as i32,
-                    head_dim: hd as i32,
-                    scale: cfg.query_pre_attn_scalar.powf(-0.5) as f32,
+                    inner: crate::layers::Attention {
+                        q_proj: w.linear(&format!("{a}.q_proj"), nh * hd, h, false)?,
+                        k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, false)?,
+                        v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, false)?,
+                        o_proj: w.linear(&format!("{a}.o_proj"), h, nh * hd, false)?,
+                        q_norm: Some(gemma_norm(w, &format!("{a}.q_norm"), hd, eps)?),
+                        k_norm: Some(gemma_norm(w, &format!("{a}.k_norm"), hd, eps)?),
+                        num_heads: nh as i32,
+                        num_kv_heads: nkv as i32,
+                        head_dim: hd as i32,
+                        scale: cfg.query_pre_attn_scalar.powf(-0.5) as f32,
+                    },
                     kind,
                 },
                 mlp: Mlp {
