@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use engine::Model;
+use engine::{greedy_ids, load, LoadOptions, Model};
 use serde_json::Value;
 
 pub fn goldens() -> PathBuf {
@@ -106,4 +106,56 @@ pub fn assert_greedy_under_cold(
             2.0 * tol
         );
     }
+}
+
+/// Logits and greedy ids of the model at `path` against mlx-lm's goldens for `name` in
+/// `goldens_file`: every logit within `logit_tol(tol, …)`, greedy ids identical.
+pub fn check_against_mlx_lm(
+    goldens_file: &str,
+    name: &str,
+    path: &std::path::Path,
+    options: &LoadOptions,
+    tol: f32,
+) {
+    let g = golden(goldens_file);
+    let n = g["n_tokens"].as_u64().unwrap() as usize;
+    let (model, _) = load(path, options).unwrap();
+    let mut worst = 0f32;
+    let mut allowed = f32::INFINITY;
+    for case in g["models"][name]["cases"].as_array().unwrap() {
+        let prompt = ids(&case["prompt_ids"]);
+        let mut cache = model.new_cache();
+        let logits: Vec<f32> = model
+            .forward(&prompt, &mut cache)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        if let Some(full) = case.get("last_logits") {
+            let want = floats(full);
+            allowed = allowed.min(logit_tol(tol, &want));
+            for (a, b) in logits.iter().zip(want) {
+                worst = worst.max((a - b).abs());
+            }
+        } else {
+            allowed = allowed.min(logit_tol(tol, &floats(&case["top_logits"])));
+            for key in ["top", "probe"] {
+                let want = floats(&case[format!("{key}_logits")]);
+                for (i, id) in ids(&case[format!("{key}_ids")]).into_iter().enumerate() {
+                    worst = worst.max((logits[id as usize] - want[i]).abs());
+                }
+            }
+        }
+        let got = greedy_ids(&model, &prompt, n).unwrap();
+        assert_eq!(
+            got,
+            ids(&case["greedy_ids"]),
+            "{name}: greedy ids differ from mlx-lm ({} prompt tokens)",
+            prompt.len()
+        );
+    }
+    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e} (allowed {allowed:.2e})");
+    assert!(
+        worst < allowed,
+        "{name}: logits differ from mlx-lm by {worst} (allowed {allowed})"
+    );
 }

@@ -12,7 +12,7 @@ use engine::{
 };
 use store::StoreConfig;
 
-use crate::common::{assert_greedy_under_cold, floats, golden, goldens, ids, logit_tol, near_tie};
+use crate::common::{assert_greedy_under_cold, check_against_mlx_lm, goldens, logit_tol, near_tie};
 
 /// f32 on both sides, same libmlx: differences come from evaluation order only (the goldens
 /// were made on the CPU; on a CUDA GPU `logit_tol` adds the TF32 term, docs/cuda.md).
@@ -40,47 +40,7 @@ fn gemma_270m() -> Option<PathBuf> {
 }
 
 fn check_parity(name: &str, path: &Path, tol: f32) {
-    let g = golden("gemma3.json");
-    let n = g["n_tokens"].as_u64().unwrap() as usize;
-    let (model, _) = load(path, &LoadOptions::default()).unwrap();
-    let mut worst = 0f32;
-    let mut allowed = f32::INFINITY;
-    for case in g["models"][name]["cases"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let mut cache = model.new_cache();
-        let logits: Vec<f32> = model
-            .forward(&prompt, &mut cache)
-            .unwrap()
-            .to_vec()
-            .unwrap();
-        if let Some(full) = case.get("last_logits") {
-            let want = floats(full);
-            allowed = allowed.min(logit_tol(tol, &want));
-            for (a, b) in logits.iter().zip(want) {
-                worst = worst.max((a - b).abs());
-            }
-        } else {
-            allowed = allowed.min(logit_tol(tol, &floats(&case["top_logits"])));
-            for key in ["top", "probe"] {
-                let want = floats(&case[format!("{key}_logits")]);
-                for (i, id) in ids(&case[format!("{key}_ids")]).into_iter().enumerate() {
-                    worst = worst.max((logits[id as usize] - want[i]).abs());
-                }
-            }
-        }
-        let got = greedy_ids(&model, &prompt, n).unwrap();
-        assert_eq!(
-            got,
-            ids(&case["greedy_ids"]),
-            "{name}: greedy ids differ from mlx-lm ({} prompt tokens)",
-            prompt.len()
-        );
-    }
-    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e} (allowed {allowed:.2e})");
-    assert!(
-        worst < allowed,
-        "{name}: logits differ from mlx-lm by {worst} (allowed {allowed})"
-    );
+    check_against_mlx_lm("gemma3.json", name, path, &LoadOptions::default(), tol);
 }
 
 #[test]

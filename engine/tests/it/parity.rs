@@ -1,8 +1,8 @@
 //! Greedy ids and last-position logits against mlx-lm (same libmlx, f32 compute).
 
-use engine::{greedy_ids, load, LoadOptions};
+use engine::LoadOptions;
 
-use crate::common::{floats, golden, goldens, ids, logit_tol, smollm2};
+use crate::common::{check_against_mlx_lm, floats, golden, goldens, smollm2};
 
 /// Logits agree with mlx-lm within this absolute difference (f32 on both sides; the ops
 /// are the same, so differences come only from evaluation order). The goldens were made on
@@ -14,46 +14,7 @@ fn check_model(name: &str, path: &std::path::Path, options: &LoadOptions) {
 }
 
 fn check_model_within(name: &str, path: &std::path::Path, options: &LoadOptions, tol: f32) {
-    let g = golden("parity.json");
-    let n = g["n_tokens"].as_u64().unwrap() as usize;
-    let (model, _) = load(path, options).unwrap();
-    let mut worst = 0f32;
-    let mut allowed = f32::INFINITY;
-    for case in g["models"][name]["cases"].as_array().unwrap() {
-        let prompt = ids(&case["prompt_ids"]);
-        let mut cache = model.new_cache();
-        let logits: Vec<f32> = model
-            .forward(&prompt, &mut cache)
-            .unwrap()
-            .to_vec()
-            .unwrap();
-        if let Some(full) = case.get("last_logits") {
-            let want = floats(full);
-            allowed = allowed.min(logit_tol(tol, &want));
-            for (a, b) in logits.iter().zip(want) {
-                worst = worst.max((a - b).abs());
-            }
-        } else {
-            allowed = allowed.min(logit_tol(tol, &floats(&case["top_logits"])));
-            for key in ["top", "probe"] {
-                let want = floats(&case[format!("{key}_logits")]);
-                for (i, id) in ids(&case[format!("{key}_ids")]).into_iter().enumerate() {
-                    worst = worst.max((logits[id as usize] - want[i]).abs());
-                }
-            }
-        }
-        let got = greedy_ids(&model, &prompt, n).unwrap();
-        assert_eq!(
-            got,
-            ids(&case["greedy_ids"]),
-            "{name}: greedy ids differ from mlx-lm"
-        );
-    }
-    eprintln!("{name}: max |logit - mlx-lm| = {worst:.2e} (allowed {allowed:.2e})");
-    assert!(
-        worst < allowed,
-        "{name}: logits differ from mlx-lm by {worst} (allowed {allowed})"
-    );
+    check_against_mlx_lm("parity.json", name, path, options, tol);
 }
 
 /// With bf16 activations on both sides.
