@@ -44,6 +44,18 @@ impl KvFormat {
         }
     }
 
+    /// Bytes one token's keys or values of one head take in this format, for float values
+    /// of `dtype_size` bytes (packed values plus their scales and biases when quantized).
+    pub fn bytes_per_head_token(self, head_dim: usize, dtype_size: usize) -> usize {
+        match self {
+            KvFormat::Float => head_dim * dtype_size,
+            KvFormat::Quantized { bits, group_size } => {
+                head_dim * bits as usize / 8
+                    + 2 * head_dim.div_ceil(group_size.max(1) as usize) * dtype_size
+            }
+        }
+    }
+
     /// Suffixes naming the parts in published planes ("", "_scales", "_biases").
     pub fn part_suffixes(self) -> &'static [&'static str] {
         match self {

@@ -5,29 +5,36 @@
 //! - [`KvCache`]: the verbs a model's forward pass uses (append and fetch per layer).
 //! - [`ContiguousKvCache`]: the plain reference every paged variant is parity-gated against.
 //! - [`BlockPool`]: one layer's K/V arenas `[blocks, kv_heads, block_size, width]`.
-//! - [`PagedKvCache`]: a sequence in blocks; [`PagedKvCache::publish`] yields
-//!   [`PublishedBlock`]s (immutable, stored by `store`), [`PagedKvCache::restore`] rebuilds
-//!   a cache from them.
+//! - [`PagedKvCache`]: a sequence in blocks; [`PagedKvCache::publish`] yields its new full
+//!   blocks as host bytes ([`store::Block`]), [`PagedKvCache::restore`] rebuilds a cache from
+//!   them in bulk (one transfer per layer part).
+//! - [`Chain`]: a sequence's block keys, derived once.
+//! - [`ResidentPool`]: the device tier: finished sequences' KV kept on the device under one
+//!   byte budget, matched token-granularly and handed over (or forked) on a hit.
 //! - [`PagedKvRows`]: a batch of sequences decoding together.
 //! - [`KvFormat`]: float or affine-quantized (KV4/KV8) storage.
 //! - [`attention_mask`]: causal and sliding-window masks for a step.
 
+mod chain;
 mod contiguous;
 mod error;
 mod format;
+mod host;
 mod mask;
 mod paged;
 mod pool;
-mod published;
+mod resident;
 mod rows;
 
+pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;
 pub use format::KvFormat;
+pub use host::plane_specs;
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
 pub use pool::{BlockPool, BlockShape};
-pub use published::{plane_specs, PublishedBlock};
+pub use resident::{ResidentHit, ResidentPool, ResidentStats};
 pub use rows::PagedKvRows;
 
 use mlx::Array;

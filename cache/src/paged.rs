@@ -1,14 +1,12 @@
 //! [`PagedKvCache`]: one sequence's keys and values in fixed-size blocks, per layer, with
-//! publication of full blocks and restore from published ones.
-
-use std::sync::Arc;
+//! publication of full blocks as host bytes and restore from them, in bulk.
 
 use mlx::{Array, Dtype};
-use store::{chain_keys, BlockMeta, NamespaceId};
+use store::{block_key, Block, BlockMeta};
 
+use crate::host;
 use crate::pool::{BlockPool, BlockShape};
-use crate::published::PublishedBlock;
-use crate::{CacheError, KvCache, KvFormat};
+use crate::{CacheError, Chain, KvCache, KvFormat};
 
 /// Settings of a paged cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +78,84 @@ fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, us
         )));
     }
     Ok((ks[1] as usize, ks[2] as usize, ks[3] as usize))
+}
+
+/// Appends encoded parts (each `[1, H, n, width]`) after the `len` tokens of `table`,
+/// splitting them along block boundaries. Every block needed is taken before anything is
+/// written, and a failed write frees them again: on error the table is unchanged.
+fn append_parts(
+    pool: &mut BlockPool,
+    table: &mut Vec<u32>,
+    len: usize,
+    bs: usize,
+    k_parts: &[Array],
+    v_parts: &[Array],
+) -> Result<(), CacheError> {
+    let count = k_parts.first().map_or(0, |p| p.shape()[2] as usize);
+    let needed = (len + count).div_ceil(bs).saturating_sub(table.len());
+    let mut fresh = Vec::with_capacity(needed);
+    for _ in 0..needed {
+        match pool.alloc() {
+            Ok(b) => fresh.push(b),
+            Err(e) => {
+                for b in fresh.into_iter().rev() {
+                    pool.free(b);
+                }
+                return Err(e);
+            }
+        }
+    }
+    let table_before = table.len();
+    table.extend(fresh);
+    let mut written = 0;
+    while written < count {
+        let pos = len + written;
+        let (block, start) = (table[pos / bs], pos % bs);
+        let n = (bs - start).min(count - written);
+        let cut = |parts: &[Array]| -> Result<Vec<Array>, CacheError> {
+            parts
+                .iter()
+                .map(|p| {
+                    let s = p.shape();
+                    Ok(p.slice(
+                        &[0, 0, written as i32, 0],
+                        &[1, s[1], (written + n) as i32, s[3]],
+                    )?)
+                })
+                .collect()
+        };
+        let result = cut(k_parts)
+            .and_then(|k| Ok((k, cut(v_parts)?)))
+            .and_then(|(k, v)| pool.write(block, start, &k, &v));
+        if let Err(e) = result {
+            for b in table.drain(table_before..).rev() {
+                pool.free(b);
+            }
+            return Err(e);
+        }
+        written += n;
+    }
+    Ok(())
+}
+
+/// Checks that `block` can sit at `position` of a chain, after `prev`.
+fn check_link(block: &Block, position: usize, prev: Option<&BlockMeta>) -> Result<(), String> {
+    let meta = &block.meta;
+    if meta.position as usize != position {
+        return Err(format!("it is block {} of its chain", meta.position));
+    }
+    if block_key(&meta.parent, &meta.tokens) != meta.key {
+        return Err("its key is not derived from its parent and tokens".into());
+    }
+    match prev {
+        None if position == 0 && meta.parent != *meta.namespace.as_bytes() => {
+            Err("the first block's parent is not its namespace".into())
+        }
+        Some(p) if meta.parent != *p.key.as_bytes() || p.namespace != meta.namespace => {
+            Err("its parent is not the block before it".into())
+        }
+        _ => Ok(()),
+    }
 }
 
 impl PagedKvCache {
@@ -170,52 +246,16 @@ impl PagedKvCache {
         if count == 0 {
             return Ok(());
         }
-        let bs = config.block_size;
-        let needed = (l.len + count).div_ceil(bs).saturating_sub(l.table.len());
-        let mut fresh = Vec::with_capacity(needed);
-        for _ in 0..needed {
-            match pool.alloc() {
-                Ok(b) => fresh.push(b),
-                Err(e) => {
-                    for b in fresh.into_iter().rev() {
-                        pool.free(b);
-                    }
-                    return Err(e);
-                }
-            }
-        }
         let k_parts = config.format.encode(keys)?;
         let v_parts = config.format.encode(values)?;
-        let table_before = l.table.len();
-        l.table.extend(fresh);
-        let mut written = 0;
-        while written < count {
-            let pos = l.len + written;
-            let (block, start) = (l.table[pos / bs], pos % bs);
-            let n = (bs - start).min(count - written);
-            let cut = |parts: &[Array]| -> Result<Vec<Array>, CacheError> {
-                parts
-                    .iter()
-                    .map(|p| {
-                        let s = p.shape();
-                        Ok(p.slice(
-                            &[0, 0, written as i32, 0],
-                            &[1, s[1], (written + n) as i32, s[3]],
-                        )?)
-                    })
-                    .collect()
-            };
-            let result = cut(&k_parts)
-                .and_then(|k| Ok((k, cut(&v_parts)?)))
-                .and_then(|(k, v)| pool.write(block, start, &k, &v));
-            if let Err(e) = result {
-                for b in l.table.drain(table_before..).rev() {
-                    pool.free(b);
-                }
-                return Err(e);
-            }
-            written += n;
-        }
+        append_parts(
+            pool,
+            &mut l.table,
+            l.len,
+            config.block_size,
+            &k_parts,
+            &v_parts,
+        )?;
         l.len += count;
         Ok(())
     }
@@ -292,16 +332,13 @@ impl PagedKvCache {
         Ok(out)
     }
 
-    /// Publishes the full blocks not yet published, as immutable blocks of `namespace`.
+    /// Publishes the full blocks not yet published, as host-byte blocks of `chain`'s
+    /// namespace, and extends `chain` with their keys.
     ///
-    /// `tokens` are the token ids the cache holds (`tokens.len() == offset()`). Each block
-    /// owns copies of its K/V (gathered and evaluated here): no later append, trim or
-    /// eviction can alter it. The partial last block stays private.
-    pub fn publish(
-        &mut self,
-        namespace: NamespaceId,
-        tokens: &[u32],
-    ) -> Result<Vec<Arc<PublishedBlock>>, CacheError> {
+    /// `tokens` are the token ids the cache holds (`tokens.len() == offset()`). The new
+    /// blocks are read from the device in one transfer per layer part and split on the
+    /// host; the partial last block stays private.
+    pub fn publish(&mut self, chain: &mut Chain, tokens: &[u32]) -> Result<Vec<Block>, CacheError> {
         let offset = self.offset();
         if tokens.len() != offset {
             return Err(CacheError::Publish(format!(
@@ -315,115 +352,127 @@ impl PagedKvCache {
             ));
         }
         let bs = self.config.block_size;
+        if chain.block_size() != bs {
+            return Err(CacheError::Publish(format!(
+                "a chain of {}-token blocks for a cache of {bs}-token blocks",
+                chain.block_size()
+            )));
+        }
+        chain.extend(tokens);
         let full = offset / bs;
         if full <= self.published {
             return Ok(Vec::new());
         }
-        let keys = chain_keys(namespace, &tokens[..full * bs], bs);
-        let mut blocks = Vec::with_capacity(full - self.published);
-        let mut to_eval = Vec::new();
-        for p in self.published..full {
-            let mut layers = Vec::with_capacity(self.layers.len());
-            for l in &self.layers {
-                let pool = l
-                    .pool
-                    .as_ref()
-                    .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
-                let parts = pool.copy_block(l.table[p])?;
-                to_eval.extend(parts.iter().cloned());
-                layers.push(parts);
-            }
-            let parent = if p == 0 {
-                *namespace.as_bytes()
-            } else {
-                *keys[p - 1].as_bytes()
-            };
-            let meta = BlockMeta::new(
-                namespace,
-                parent,
-                p as u32,
-                tokens[p * bs..(p + 1) * bs].to_vec(),
-            );
-            debug_assert_eq!(meta.key, keys[p]);
-            blocks.push((meta, layers));
+        let (from, n) = (self.published, full - self.published);
+        let mut parts = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let pool = l
+                .pool
+                .as_ref()
+                .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
+            parts.push(pool.read(&l.table[from..full], n * bs)?);
         }
-        let refs: Vec<&Array> = to_eval.iter().collect();
-        mlx::eval(&refs)?;
-        drop(to_eval);
-        let out = blocks
-            .into_iter()
-            .map(|(meta, layers)| {
-                PublishedBlock::new(meta, self.config.format, layers).map(Arc::new)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let metas = (from..full)
+            .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
+            .collect();
+        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas)?;
         self.published = full;
-        Ok(out)
+        Ok(blocks)
     }
 
     /// Builds a cache holding `blocks` (positions 0, 1, … of one chain) whose next append
     /// continues after them. Blocks are checked before the cache sees them: the cache
     /// holds the longest valid prefix and `stopped` says why the rest was refused.
-    pub fn restore(
+    pub fn restore<B: AsRef<Block>>(
         layers: usize,
         config: PagedConfig,
-        blocks: &[Arc<PublishedBlock>],
+        blocks: &[B],
     ) -> Result<Restored, CacheError> {
-        let mut cache = PagedKvCache::new(layers, config)?;
+        PagedKvCache::new(layers, config)?.restore_onto(blocks)
+    }
+
+    /// Appends `blocks` (the blocks of this cache's chain from position `offset() /
+    /// block_size` on; the cache must end on a block boundary) in bulk: each layer part is
+    /// assembled on the host and moved to the device in one transfer. Blocks are checked
+    /// first; the longest valid prefix is appended and `stopped` says why the rest was not.
+    pub fn restore_onto<B: AsRef<Block>>(mut self, blocks: &[B]) -> Result<Restored, CacheError> {
+        let bs = self.config.block_size;
+        let layers = self.layers.len();
+        let offset = self.offset();
+        if !offset.is_multiple_of(bs) || self.layers.iter().any(|l| l.len != offset) {
+            return Err(CacheError::Restore {
+                position: offset / bs,
+                reason: format!("the cache holds {offset} tokens, not whole blocks of {bs}"),
+            });
+        }
+        let first = offset / bs;
         let mut valid = 0;
         let mut stopped = None;
-        let mut shape: Option<BlockShape> = None;
+        let mut shape = self
+            .layers
+            .iter()
+            .find_map(|l| l.pool.as_ref().map(|p| p.shape()));
         for (i, b) in blocks.iter().enumerate() {
-            match b.check_restorable(
-                i,
-                layers,
-                &config,
-                blocks.get(i.wrapping_sub(1)).map(|p| p.meta()),
-                shape,
-            ) {
+            let b = b.as_ref();
+            let position = first + i;
+            let prev = i.checked_sub(1).map(|p| &blocks[p].as_ref().meta);
+            match check_link(b, position, prev)
+                .and_then(|()| host::block_shape(b, layers, bs, self.config.format))
+                .and_then(|s| match shape {
+                    Some(e) if e != s => Err(format!(
+                        "its shape {s:?} differs from the blocks before it ({e:?})"
+                    )),
+                    _ => Ok(s),
+                }) {
                 Ok(s) => {
                     shape = Some(s);
                     valid += 1;
                 }
-                Err(e) => {
-                    stopped = Some(e);
+                Err(reason) => {
+                    stopped = Some(CacheError::Restore { position, reason });
                     break;
                 }
             }
         }
-        if valid == 0 {
+        let (Some(shape), true) = (shape, valid > 0) else {
             return Ok(Restored {
-                cache,
+                cache: self,
                 blocks: 0,
                 stopped,
             });
-        }
-        let Some(shape) = shape else {
-            return Err(CacheError::Config("no block shape after validation".into()));
         };
-        let parts_per_layer = config.format.parts() * 2;
-        for (li, layer) in cache.layers.iter_mut().enumerate() {
-            let mut arenas = Vec::with_capacity(parts_per_layer);
-            for part in 0..parts_per_layer {
-                let per_block: Vec<Array> = blocks[..valid]
-                    .iter()
-                    .map(|b| b.part(li, part))
-                    .collect::<Result<_, _>>()?;
-                let refs: Vec<&Array> = per_block.iter().collect();
-                arenas.push(mlx::ops::concatenate(&refs, 1)?);
+        let run = &blocks[..valid];
+        let per = self.config.format.parts() * 2;
+        let config = self.config;
+        for (li, layer) in self.layers.iter_mut().enumerate() {
+            let parts: Vec<Array> = (0..per)
+                .map(|p| host::run_part(run, li * per + p))
+                .collect::<Result<_, _>>()?;
+            match layer.pool.as_mut() {
+                None => {
+                    layer.pool = Some(BlockPool::restore_arrays(
+                        shape,
+                        config.format,
+                        parts,
+                        valid,
+                        config.max_blocks.max(valid),
+                    )?);
+                    layer.table = (0..valid as u32).collect();
+                }
+                Some(pool) => {
+                    let parts: Vec<Array> = parts
+                        .iter()
+                        .map(|a| a.expand_dims(0))
+                        .collect::<Result<_, _>>()?;
+                    let (k, v) = parts.split_at(per / 2);
+                    append_parts(pool, &mut layer.table, layer.len, bs, k, v)?;
+                }
             }
-            layer.pool = Some(BlockPool::restore_arrays(
-                shape,
-                config.format,
-                arenas,
-                valid,
-                config.max_blocks,
-            )?);
-            layer.table = (0..valid as u32).collect();
-            layer.len = valid * config.block_size;
+            layer.len = offset + valid * bs;
         }
-        cache.published = valid;
+        self.published = first + valid;
         Ok(Restored {
-            cache,
+            cache: self,
             blocks: valid,
             stopped,
         })

@@ -5,13 +5,13 @@
 use std::sync::Arc;
 
 use cache::{
-    attention_mask, plane_specs, BlockShape, CacheError, ContiguousKvCache, KvCache, KvFormat,
-    Mask, PagedConfig, PagedKvCache, PagedKvRows, PublishedBlock,
+    attention_mask, plane_specs, BlockShape, CacheError, Chain, ContiguousKvCache, KvCache,
+    KvFormat, Mask, PagedConfig, PagedKvCache, PagedKvRows,
 };
 use mlx::{Array, Dtype, QuantSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use store::{chain_keys, NamespaceDescription, Payload, Store, StoreConfig, Tier};
+use store::{chain_keys, Block, NamespaceDescription, Store, StoreConfig, Tier};
 
 const H: usize = 2;
 const D: usize = 64;
@@ -316,7 +316,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
         // Published: the same appends, publishing after each step, into a real store.
         let ns;
         {
-            let store: Store<PublishedBlock> = Store::open(
+            let store: Store<Block> = Store::open(
                 StoreConfig::default()
                     .root(dir.path())
                     .ram_budget(64 << 20)
@@ -324,6 +324,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
             )
             .unwrap();
             ns = store.register_namespace(&desc).unwrap();
+            let mut chain = Chain::new(ns, bs);
             let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
             let mut held = 0;
             let mut published = Vec::new();
@@ -332,17 +333,19 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
                     live.update_and_fetch(l, k, v).unwrap();
                 }
                 held += n;
-                for b in live.publish(ns, &tokens[..held]).unwrap() {
+                for b in live.publish(&mut chain, &tokens[..held]).unwrap() {
+                    let b = Arc::new(b);
                     published.push(b.clone());
                     store.insert(b).unwrap();
                 }
             }
             assert_eq!(published.len(), 45 / bs);
-            // Published blocks own their buffers: trimming and overwriting the live cache
+            assert_eq!(chain.keys(), chain_keys(ns, &tokens, bs).as_slice());
+            // Published blocks are host bytes: trimming and overwriting the live cache
             // leaves them as they were.
             let snapshot: Vec<Vec<u8>> = published
                 .iter()
-                .map(|b| bytes(&b.part(0, 0).unwrap()))
+                .map(|b| b.planes[0].data.to_vec())
                 .collect();
             live.trim(40);
             let junk = kv(&mut r, 30, dtype);
@@ -351,7 +354,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
             }
             let after: Vec<Vec<u8>> = published
                 .iter()
-                .map(|b| bytes(&b.part(0, 0).unwrap()))
+                .map(|b| b.planes[0].data.to_vec())
                 .collect();
             assert_eq!(
                 snapshot, after,
@@ -361,7 +364,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
         }
 
         // A new process: empty RAM tier, blocks come from SSD and are verified.
-        let store: Store<PublishedBlock> = Store::open(
+        let store: Store<Block> = Store::open(
             StoreConfig::default()
                 .root(dir.path())
                 .ram_budget(64 << 20)
@@ -374,7 +377,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
         let loaded = store.load_prefix(ns, &keys, &per_block);
         assert_eq!(loaded.blocks.len(), 5, "stopped: {:?}", loaded.stopped);
         assert!(loaded.blocks.iter().all(|(_, t)| *t == Tier::Ssd));
-        let blocks: Vec<Arc<PublishedBlock>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
+        let blocks: Vec<Arc<Block>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
         let restored = PagedKvCache::restore(layers, config(bs, format), &blocks).unwrap();
         assert_eq!(restored.blocks, 5);
         assert!(restored.stopped.is_none());
@@ -416,9 +419,9 @@ fn restore_stops_at_the_first_block_that_does_not_fit() {
         a.update_and_fetch(l, &k, &k).unwrap();
         b.update_and_fetch(l, &k, &k).unwrap();
     }
-    let good = a.publish(ns, &tokens).unwrap();
+    let good = a.publish(&mut Chain::new(ns, bs), &tokens).unwrap();
     let other_tokens: Vec<u32> = (100..116).collect();
-    let foreign = b.publish(ns, &other_tokens).unwrap();
+    let foreign = b.publish(&mut Chain::new(ns, bs), &other_tokens).unwrap();
     // Block 2 from another chain: its parent is not block 1.
     let mixed = vec![
         good[0].clone(),
@@ -437,13 +440,11 @@ fn restore_stops_at_the_first_block_that_does_not_fit() {
     let restored = PagedKvCache::restore(layers + 1, config(bs, KvFormat::Float), &good).unwrap();
     assert_eq!(restored.blocks, 0);
     assert_eq!(restored.cache.offset(), 0);
-    // Round trip through host planes keeps every byte.
-    let again = PublishedBlock::from_block(good[1].to_block().unwrap()).unwrap();
-    assert_eq!(
-        bytes(&again.part(1, 1).unwrap()),
-        bytes(&good[1].part(1, 1).unwrap())
-    );
-    assert_eq!(again.meta(), good[1].meta());
+    // Host planes hold exactly the cache's keys: block 1 of layer 1's values is tokens
+    // 4..8 of what was appended, per head.
+    let (_, v) = a.fetch(1).unwrap().unwrap();
+    let v = v.slice(&[0, 0, 4, 0], &[1, H as i32, 8, D as i32]).unwrap();
+    assert_eq!(good[1].planes[3].data.to_vec(), bytes(&v));
 }
 
 #[test]

@@ -33,6 +33,14 @@ pub struct CacheArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 32)]
     pub block_size: usize,
+    /// Device memory for all KV, in the KV format chosen: live requests and the finished
+    /// sequences kept resident for reuse (the device tier) together, e.g. 8GiB.
+    #[arg(long, value_name = "SIZE", default_value = "4GiB")]
+    pub kv_budget: String,
+    /// Bound on MLX's buffer cache (freed device buffers kept for reuse). MLX's own default
+    /// is the whole device memory; a long session then holds every buffer it ever freed.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    pub mlx_cache_limit: String,
     /// KV format of the live cache and the stored blocks.
     #[arg(long, value_enum, default_value = "float")]
     pub kv: KvChoice,
@@ -138,6 +146,7 @@ impl CacheArgs {
             },
         };
         Ok(ReuseConfig {
+            kv_budget_bytes: self.kv_budget_bytes()?,
             store: StoreConfig::default()
                 .root(self.store_dir()?)
                 .ram_budget(parse_size(&self.ram_budget).context("--ram-budget")?)
@@ -150,8 +159,26 @@ impl CacheArgs {
         })
     }
 
-    /// Opens the prefix cache for `model`, or `None` with `--no-cache`.
+    /// `--kv-budget` in bytes.
+    pub fn kv_budget_bytes(&self) -> Result<u64> {
+        let bytes = parse_size(&self.kv_budget).context("--kv-budget")?;
+        if bytes == 0 {
+            anyhow::bail!("--kv-budget must be more than 0 bytes");
+        }
+        Ok(bytes)
+    }
+
+    /// Applies `--mlx-cache-limit` to MLX's buffer cache.
+    pub fn apply_mlx_cache_limit(&self) -> Result<()> {
+        let bytes = parse_size(&self.mlx_cache_limit).context("--mlx-cache-limit")?;
+        mlx::set_cache_limit(bytes as usize).context("setting the MLX cache limit")?;
+        Ok(())
+    }
+
+    /// Opens the prefix cache for `model`, or `None` with `--no-cache`. Applies
+    /// `--mlx-cache-limit` either way.
     pub fn open(&self, model: &Model, tokenizer: &Tokenizer) -> Result<Option<PrefixCache>> {
+        self.apply_mlx_cache_limit()?;
         if self.no_cache {
             return Ok(None);
         }

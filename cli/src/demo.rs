@@ -104,16 +104,25 @@ fn run_turns(args: &Args, first: usize) -> Result<Vec<Turn>> {
 
 fn print_table(turns: &[Turn]) {
     println!(
-        "{:>4} {:>8} {:>8} {:>8} {:>9} {:>9}  reply",
+        "{:>4} {:>8} {:>8} {:>10} {:>9} {:>9}  reply",
         "turn", "prompt", "cached", "from", "prefilled", "TTFT"
     );
     for t in turns {
         let r = &t.report;
-        let from = match (r.cached_ram_tokens, r.cached_ssd_tokens) {
-            (0, 0) => "-",
-            (_, 0) => "RAM",
-            (0, _) => "SSD",
-            _ => "RAM+SSD",
+        let from: Vec<&str> = [
+            (r.cached_device_tokens, "device"),
+            (r.cached_ram_tokens, "RAM"),
+            (r.cached_ssd_tokens, "SSD"),
+            (r.cached_remote_tokens, "remote"),
+        ]
+        .iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(_, name)| *name)
+        .collect();
+        let from = if from.is_empty() {
+            "-".to_string()
+        } else {
+            from.join("+")
         };
         let reply: String = t
             .reply
@@ -122,7 +131,7 @@ fn print_table(turns: &[Turn]) {
             .collect::<String>()
             .replace('\n', " ");
         println!(
-            "{:>4} {:>8} {:>8} {:>8} {:>9} {:>8.2}s  {}",
+            "{:>4} {:>8} {:>8} {:>10} {:>9} {:>8.2}s  {}",
             t.turn,
             r.prompt_tokens,
             r.cached_tokens,
@@ -148,13 +157,20 @@ pub fn run(mut args: Args) -> Result<()> {
         }
         return Ok(());
     }
-    // A fresh store unless one is named, so the demo always starts cold.
+    // A fresh store unless one is named, so the demo always starts cold; it is removed
+    // when the demo ends (a named store is kept).
+    let _temporary;
     let store: PathBuf = match &args.cache.store {
         Some(s) => s.clone(),
         None => {
-            let dir = std::env::temp_dir().join(format!("kvstore-demo-{}", std::process::id()));
-            args.cache.store = Some(dir.clone());
-            dir
+            let dir = tempfile::Builder::new()
+                .prefix("kvstore-demo-")
+                .tempdir()
+                .context("creating the demo's temporary store")?;
+            let path = dir.path().to_path_buf();
+            _temporary = dir;
+            args.cache.store = Some(path.clone());
+            path
         }
     };
     if !args.json {
@@ -177,6 +193,10 @@ pub fn run(mut args: Args) -> Result<()> {
         &args.cache.ram_budget,
         "--ssd-budget",
         &args.cache.ssd_budget,
+        "--kv-budget",
+        &args.cache.kv_budget,
+        "--mlx-cache-limit",
+        &args.cache.mlx_cache_limit,
     ]);
     if let Some(m) = &args.model.model {
         child.arg("--model").arg(m);
@@ -215,7 +235,7 @@ pub fn run(mut args: Args) -> Result<()> {
         100.0 * reused as f64 / prompts.max(1) as f64
     );
     println!(
-        "\nA new process replays the last turn with an empty RAM tier (blocks come from SSD):"
+        "\nA new process replays the last turn with an empty device and RAM tier (blocks come from SSD):"
     );
     let status = child.status().context("running the restart phase")?;
     if !status.success() {

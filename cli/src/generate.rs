@@ -220,9 +220,10 @@ fn log_report(r: &engine::ReuseReport) {
         return;
     }
     eprintln!(
-        "[kvstore] prompt {} tokens, cached {} (RAM {}, SSD {}, remote {}), diverged at {}, TTFT {:.3}s = lookup {:.3}s + restore {:.3}s + prefill {:.3}s, published {} blocks",
+        "[kvstore] prompt {} tokens, cached {} (device {}, RAM {}, SSD {}, remote {}), diverged at {}, TTFT {:.3}s = lookup {:.3}s + restore {:.3}s + prefill {:.3}s, published {} blocks",
         r.prompt_tokens,
         r.cached_tokens,
+        r.cached_device_tokens,
         r.cached_ram_tokens,
         r.cached_ssd_tokens,
         r.cached_remote_tokens,

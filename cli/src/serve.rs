@@ -30,9 +30,6 @@ pub struct Args {
     /// Most requests decoding together.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Live KV bytes admitted requests may reserve together (prompt + max_tokens each).
-    #[arg(long, value_name = "SIZE", default_value = "4GiB")]
-    kv_budget: String,
     /// Requests waiting for admission before new ones get 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
@@ -49,10 +46,6 @@ pub struct Args {
     /// without `max_tokens` stop here or at the end of the context).
     #[arg(long, value_name = "N", default_value_t = 4096)]
     max_tokens_limit: usize,
-    /// Most bytes of freed buffers MLX keeps for reuse (default: MLX's own, its memory
-    /// limit). Lower it to keep the resident size near the live working set.
-    #[arg(long, value_name = "SIZE")]
-    mlx_cache_limit: Option<String>,
     /// On SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     shutdown_grace: humantime::Duration,
@@ -73,10 +66,6 @@ pub fn run(args: Args) -> Result<()> {
     if args.max_tokens_limit == 0 {
         bail!("--max-tokens-limit must be at least 1");
     }
-    if let Some(limit) = &args.mlx_cache_limit {
-        let bytes = parse_size(limit).context("--mlx-cache-limit")?;
-        mlx::set_cache_limit(bytes as usize).context("setting the MLX cache limit")?;
-    }
     let path = args.model.path()?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {
         path.file_name()
@@ -86,7 +75,7 @@ pub fn run(args: Args) -> Result<()> {
     let prefix = args.cache.open(&model, &tokenizer)?;
     let config = EngineConfig {
         max_batch: args.max_batch,
-        kv_budget_bytes: parse_size(&args.kv_budget).context("--kv-budget")?,
+        kv_budget_bytes: args.cache.kv_budget_bytes()?,
         max_queue: args.max_queue,
         context_limit: None,
     };

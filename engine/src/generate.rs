@@ -65,7 +65,9 @@ pub struct Timings {
     pub cached_tokens: usize,
     /// Tokens generated.
     pub generated_tokens: usize,
-    /// Time to first token: prefill plus the first sample, in seconds.
+    /// Time to first token in seconds: prefill plus the first sample; through
+    /// [`crate::generate_with_reuse`] also the prefix lookup and restore before them (the
+    /// same figure as its report's `ttft_s`: what the user waited for).
     pub ttft_s: f64,
     /// Prefill speed: prefilled tokens / prefill seconds.
     pub prefill_tok_per_s: f64,

@@ -1,10 +1,12 @@
 //! Prefix reuse across turns and restarts: the engine ⇄ cache ⇄ store loop.
 //!
-//! For every request: tokenize → block keys of the prompt's full blocks (at most
-//! `prompt.len() - 1` tokens, so at least one token is computed) → the longest cached
-//! prefix (RAM, then SSD) → restore it into a fresh [`PagedKvCache`], all or nothing per
-//! block → prefill the rest → generate → publish every new full block (prompt and reply)
-//! so the next turn, which contains this reply, hits.
+//! For every request: tokenize → the chain keys of the prompt's full blocks (at most
+//! `prompt.len() - 1` tokens, so at least one token is computed), derived once → the
+//! longest resident prefix in the device tier ([`ResidentPool`], token-granular, handed
+//! over without a copy) → the blocks after it from the store (RAM, SSD, remote), restored
+//! in bulk, all or nothing per block → prefill the rest → generate → publish every new
+//! full block (prompt and reply) to the store as host bytes, and keep the sequence
+//! resident on the device so the next turn, which contains this reply, hits there.
 //!
 //! The store namespace is derived from everything that changes a block's bytes: the weight
 //! fingerprint, the config, the tokenizer, the KV dtype and format, the block size, the
@@ -14,17 +16,19 @@
 //! faster than a disk reads). [`PrefixCache`] keeps running estimates of the prefill cost
 //! per token and the restore cost per block by tier, and cuts the restored prefix at the
 //! first SSD block whenever reading the SSD part is estimated slower than recomputing it,
-//! and at the first remote block whenever fetching from the remote tier is.
+//! and at the first remote block whenever fetching from the remote tier is. The estimates
+//! are saved in the store per namespace and device, so a new process starts from them.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, BlockShape, KvCache, KvFormat, PagedConfig, PagedKvCache, PublishedBlock,
+    plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool,
+    ResidentStats,
 };
-use serde::Serialize;
-use store::{chain_keys, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
+use serde::{Deserialize, Serialize};
+use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
 
 use crate::error::{EngineError, Result};
 use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
@@ -45,6 +49,8 @@ pub struct ReuseConfig {
     pub salt: Option<String>,
     /// Blocks a layer's live pool may grow to. Default: 8192.
     pub max_blocks: usize,
+    /// Device bytes for all KV, live and resident (the device tier). Default: 2 GiB.
+    pub kv_budget_bytes: u64,
 }
 
 impl Default for ReuseConfig {
@@ -55,6 +61,7 @@ impl Default for ReuseConfig {
             kv_format: KvFormat::Float,
             salt: None,
             max_blocks: 8192,
+            kv_budget_bytes: 2 << 30,
         }
     }
 }
@@ -66,6 +73,11 @@ pub struct ReuseReport {
     pub prompt_tokens: usize,
     /// Prompt tokens restored instead of computed.
     pub cached_tokens: usize,
+    /// Of those, found resident on the device (no transfer).
+    pub cached_device_tokens: usize,
+    /// Whether the device hit took over a resident sequence's KV as is (no copy at all)
+    /// rather than sharing it copy-on-write.
+    pub device_handover: bool,
     /// Of those, restored from the RAM tier.
     pub cached_ram_tokens: usize,
     /// Of those, restored from the SSD tier.
@@ -83,7 +95,7 @@ pub struct ReuseReport {
     pub restore_s: f64,
     /// Prefilling the uncached rest (and sampling the first token).
     pub prefill_s: f64,
-    /// Time to first token: lookup + restore + prefill.
+    /// Time to first token: lookup + restore + prefill (what a user waits for).
     pub ttft_s: f64,
     /// Cached SSD blocks left unread because recomputing them was estimated faster.
     pub ssd_blocks_skipped: usize,
@@ -95,15 +107,33 @@ pub struct ReuseReport {
     pub published_blocks: usize,
 }
 
-/// Running cost estimates used to pick restore or recompute.
-#[derive(Debug, Default, Clone)]
+/// Running cost estimates used to pick restore or recompute, saved per device.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
 struct Costs {
     prefill_s_per_token: Option<f64>,
     ssd_s_per_block: Option<f64>,
     /// Fetch and verification of one block from the remote tier (measured per chain fetch).
     remote_s_per_block: Option<f64>,
     /// Requests whose remote part was cut; every [`REMOTE_PROBE_EVERY`]th fetches anyway.
+    #[serde(skip)]
     remote_cuts: u64,
+}
+
+/// The saved cost models of one namespace: device name → estimates.
+type SavedCosts = HashMap<String, Costs>;
+
+/// At most one save of the cost model per this interval (each is an fsync'd file).
+const COSTS_SAVE_EVERY: Duration = Duration::from_secs(5);
+
+/// The device the estimates apply to: MLX's default device and backend.
+fn device_name() -> String {
+    let device = mlx::default_device().map_or_else(|_| "unknown".into(), |d| format!("{d:?}"));
+    let backend = if mlx::gpu_available().unwrap_or(false) {
+        "gpu"
+    } else {
+        "cpu-only"
+    };
+    format!("{device}/{backend}")
 }
 
 /// A request that would skip the remote tier fetches anyway once in this many, so the
@@ -153,20 +183,37 @@ fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
     Some(old.map_or(new, |o| 0.7 * o + 0.3 * new))
 }
 
-/// The engine's connection to the block store for one model.
+/// The engine's connection to its KV tiers for one model: the device tier (resident
+/// sequences, one budget) and the block store (host RAM, SSD, remote; host bytes only).
 pub struct PrefixCache {
-    store: Store<PublishedBlock>,
+    store: Store<Block>,
     namespace: NamespaceId,
     description: NamespaceDescription,
     /// Namespaces of per-request cache salts, registered on first use.
     salted: Mutex<HashMap<String, NamespaceId>>,
     layers: usize,
     paged: PagedConfig,
-    recent: Mutex<VecDeque<(NamespaceId, Vec<u32>)>>,
+    resident: Mutex<ResidentPool>,
+    /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
+    recent: Mutex<Vec<(NamespaceId, Vec<u32>)>>,
     costs: Mutex<Costs>,
+    device: String,
+    costs_saved: Mutex<Option<Instant>>,
 }
 
 const RECENT_SEQUENCES: usize = 8;
+
+/// What [`PrefixCache::prepare_in`] returns: a cache holding the reused prefix, the
+/// prompt's chain keys (derived once, extended at publication) and the report.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The live cache, holding `report.cached_tokens` tokens.
+    pub cache: PagedKvCache,
+    /// The prompt's chain keys.
+    pub chain: Chain,
+    /// What was found and how long it took.
+    pub report: ReuseReport,
+}
 
 /// Longest per-request cache salt accepted, in bytes.
 pub const MAX_CACHE_SALT_BYTES: usize = 256;
@@ -280,6 +327,12 @@ impl PrefixCache {
             Err(e) => return Err(e.into()),
         };
         let namespace = store.register_namespace(&description)?;
+        let device = device_name();
+        let costs = store
+            .costs(namespace)
+            .and_then(|b| serde_json::from_slice::<SavedCosts>(&b).ok())
+            .and_then(|mut saved| saved.remove(&device))
+            .unwrap_or_default();
         Ok(Self {
             store,
             namespace,
@@ -292,9 +345,29 @@ impl PrefixCache {
                 initial_blocks: 16,
                 max_blocks: config.max_blocks,
             },
-            recent: Mutex::new(VecDeque::new()),
-            costs: Mutex::new(Costs::default()),
+            resident: Mutex::new(ResidentPool::new(config.kv_budget_bytes)),
+            recent: Mutex::new(Vec::new()),
+            costs: Mutex::new(costs),
+            device,
+            costs_saved: Mutex::new(None),
         })
+    }
+
+    /// The device tier, locked.
+    pub fn resident(&self) -> Result<MutexGuard<'_, ResidentPool>> {
+        self.resident.lock().map_err(|_| poisoned())
+    }
+
+    /// Counters and gauges of the device tier.
+    pub fn resident_stats(&self) -> ResidentStats {
+        self.resident.lock().map(|r| r.stats()).unwrap_or_default()
+    }
+
+    /// Sets the device budget (live and resident KV together).
+    /// Resizing drops what is resident: call it at start-up, before any request.
+    pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
+        *self.resident()? = ResidentPool::new(bytes);
+        Ok(())
     }
 
     /// The model's namespace in the store (requests without a cache salt).
@@ -341,7 +414,7 @@ impl PrefixCache {
     }
 
     /// The store.
-    pub fn store(&self) -> &Store<PublishedBlock> {
+    pub fn store(&self) -> &Store<Block> {
         &self.store
     }
 
@@ -350,23 +423,49 @@ impl PrefixCache {
         self.store.stats()
     }
 
-    /// Makes everything published so far durable on SSD.
+    /// Makes everything published so far durable on SSD, the cost model included.
     pub fn flush(&self) -> Result<()> {
+        self.save_costs(true);
         Ok(self.store.flush()?)
     }
 
+    /// Saves the cost model under this device's name (at most every [`COSTS_SAVE_EVERY`]
+    /// unless `now`). A failure is logged: the estimates are an optimization.
+    fn save_costs(&self, now: bool) {
+        let Ok(mut saved_at) = self.costs_saved.lock() else {
+            return;
+        };
+        if !now && saved_at.is_some_and(|t| t.elapsed() < COSTS_SAVE_EVERY) {
+            return;
+        }
+        let Ok(costs) = self.costs.lock().map(|c| c.clone()) else {
+            return;
+        };
+        let mut all: SavedCosts = self
+            .store
+            .costs(self.namespace)
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        all.insert(self.device.clone(), costs);
+        let Ok(json) = serde_json::to_vec_pretty(&all) else {
+            return;
+        };
+        if let Err(e) = self.store.save_costs(self.namespace, &json) {
+            tracing::warn!(error = %e, "saving the restore-or-recompute estimates failed");
+        }
+        *saved_at = Some(Instant::now());
+    }
+
     /// A fresh live cache holding the longest usable cached prefix of `prompt` (at most
-    /// `prompt.len() - 1` tokens), and the report of what was found.
-    pub fn prepare(&self, prompt: &[u32]) -> Result<(PagedKvCache, ReuseReport)> {
+    /// `prompt.len() - 1` tokens), its chain and the report of what was found.
+    pub fn prepare(&self, prompt: &[u32]) -> Result<Prepared> {
         self.prepare_in(self.namespace, prompt)
     }
 
-    /// [`Self::prepare`] in namespace `namespace` (see [`Self::namespace_for`]).
-    pub fn prepare_in(
-        &self,
-        namespace: NamespaceId,
-        prompt: &[u32],
-    ) -> Result<(PagedKvCache, ReuseReport)> {
+    /// [`Self::prepare`] in namespace `namespace` (see [`Self::namespace_for`]): the
+    /// resident prefix on the device first, then the store's blocks after it, restored in
+    /// bulk when the cost model says restoring beats recomputing.
+    pub fn prepare_in(&self, namespace: NamespaceId, prompt: &[u32]) -> Result<Prepared> {
         let mut report = ReuseReport {
             prompt_tokens: prompt.len(),
             diverged_at: self.diverged_at(namespace, prompt),
@@ -375,8 +474,17 @@ impl PrefixCache {
         let bs = self.paged.block_size;
         let t = Instant::now();
         let reusable = prompt.len().saturating_sub(1);
-        let keys = chain_keys(namespace, &prompt[..reusable], bs);
-        let hit = self.store.lookup(namespace, &keys);
+        let chain = Chain::of(namespace, bs, &prompt[..reusable]);
+        let resident = self.resident()?.take(&chain, prompt, reusable)?;
+        let device_tokens = resident.as_ref().map_or(0, |h| h.tokens);
+        // The store continues after the device hit's whole blocks.
+        let first = device_tokens / bs;
+        let rest = &chain.keys()[first..];
+        let hit = if rest.is_empty() {
+            store::PrefixHit::default()
+        } else {
+            self.store.lookup(namespace, rest)
+        };
         report.lookup_s = t.elapsed().as_secs_f64();
 
         // Restore or recompute the SSD and remote parts: whichever is estimated faster.
@@ -389,75 +497,113 @@ impl PrefixCache {
             };
             plan_restore(&hit.tiers, &costs, bs, probe)
         };
-        let usable = plan.usable;
         report.ssd_blocks_skipped = plan.ssd_skipped;
         report.remote_blocks_skipped = plan.remote_skipped;
 
         let t = Instant::now();
-        let tokens: Vec<&[u32]> = prompt.chunks(bs).take(usable).collect();
-        let loaded = self.store.load_prefix(namespace, &keys[..usable], &tokens);
-        if let Some(reason) = &loaded.stopped {
-            report.stopped = Some(format!("{reason:?}"));
+        let mut cache = match resident {
+            Some(h) => {
+                report.device_handover = h.handed_over;
+                h.cache
+            }
+            None => PagedKvCache::new(self.layers, self.paged)?,
+        };
+        let mut tiers: Vec<Tier> = Vec::new();
+        let mut remote_s = 0.0;
+        if (first + plan.usable) * bs > device_tokens {
+            // The store holds more than the device: continue from the device's last whole
+            // block (its partial block, if any, is dropped and comes back from the store).
+            cache.trim(device_tokens - first * bs);
+            let tokens: Vec<&[u32]> = prompt[first * bs..].chunks(bs).take(plan.usable).collect();
+            let loaded = self
+                .store
+                .load_prefix(namespace, &rest[..plan.usable], &tokens);
+            if let Some(reason) = &loaded.stopped {
+                report.stopped = Some(format!("{reason:?}"));
+            }
+            remote_s = loaded.remote_s;
+            tiers = loaded.blocks.iter().map(|(_, t)| *t).collect();
+            let blocks: Vec<std::sync::Arc<Block>> =
+                loaded.blocks.into_iter().map(|(b, _)| b).collect();
+            let restored = cache.restore_onto(&blocks)?;
+            if let Some(e) = &restored.stopped {
+                report.stopped = Some(e.to_string());
+            }
+            tiers.truncate(restored.blocks);
+            cache = restored.cache;
+            report.cached_device_tokens = first * bs;
+        } else {
+            report.cached_device_tokens = device_tokens;
         }
-        let tiers: Vec<Tier> = loaded.blocks.iter().map(|(_, t)| *t).collect();
-        let blocks: Vec<Arc<PublishedBlock>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
-        let restored = PagedKvCache::restore(self.layers, self.paged, &blocks)?;
-        if let Some(e) = &restored.stopped {
-            report.stopped = Some(e.to_string());
-        }
-        let cache = restored.cache;
         // Make the restored arenas real now, so the restore time is not billed to prefill.
-        for l in 0..self.layers {
-            if let Some(pool) = cache.pool(l) {
-                let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
-                mlx::eval(&arrays)?;
+        if !tiers.is_empty() {
+            for l in 0..self.layers {
+                if let Some(pool) = cache.pool(l) {
+                    let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
+                    mlx::eval(&arrays)?;
+                }
             }
         }
         report.restore_s = t.elapsed().as_secs_f64();
-        let used = &tiers[..restored.blocks];
-        report.cached_ram_tokens = used.iter().filter(|t| **t == Tier::Ram).count() * bs;
-        report.cached_ssd_tokens = used.iter().filter(|t| **t == Tier::Ssd).count() * bs;
-        report.cached_remote_tokens = used.iter().filter(|t| **t == Tier::Remote).count() * bs;
+        let count = |tier: Tier| tiers.iter().filter(|t| **t == tier).count();
+        report.cached_ram_tokens = count(Tier::Ram) * bs;
+        report.cached_ssd_tokens = count(Tier::Ssd) * bs;
+        report.cached_remote_tokens = count(Tier::Remote) * bs;
         report.cached_tokens = cache.offset();
-        let ssd_used = used.iter().filter(|t| **t == Tier::Ssd).count();
-        let remote_used = used.iter().filter(|t| **t == Tier::Remote).count();
+        let (ssd_used, remote_used) = (count(Tier::Ssd), count(Tier::Remote));
         let mut costs = self.costs.lock().map_err(|_| poisoned())?;
         if ssd_used > 0 {
-            let ssd_s = (report.restore_s - loaded.remote_s).max(0.0);
+            let ssd_s = (report.restore_s - remote_s).max(0.0);
             costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, ssd_s / ssd_used as f64);
         }
         if remote_used > 0 {
-            let per_block = loaded.remote_s / remote_used as f64;
+            let per_block = remote_s / remote_used as f64;
             costs.remote_s_per_block = ewma(costs.remote_s_per_block, per_block);
         }
         drop(costs);
-        Ok((cache, report))
+        Ok(Prepared {
+            cache,
+            chain,
+            report,
+        })
     }
 
-    /// Publishes the full blocks `cache` holds that are not yet published; `tokens` are the
-    /// token ids it holds (prompt and generated). Returns how many blocks were added.
-    pub fn publish(&self, cache: &mut PagedKvCache, tokens: &[u32]) -> Result<usize> {
-        self.publish_in(self.namespace, cache, tokens)
-    }
-
-    /// [`Self::publish`] in namespace `namespace`, which must be the one `cache` was
-    /// prepared in.
-    pub fn publish_in(
+    /// Publishes the full blocks `cache` holds that are not yet published to the store as
+    /// host bytes; `tokens` are the token ids it holds (prompt and generated), `chain` the
+    /// keys from [`Self::prepare_in`] (extended here). Returns how many blocks were added.
+    pub fn publish(
         &self,
-        namespace: NamespaceId,
+        chain: &mut Chain,
         cache: &mut PagedKvCache,
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let blocks = cache.publish(namespace, held)?;
+        let blocks = cache.publish(chain, held)?;
         let n = blocks.len();
         for b in blocks {
-            self.store.insert(b)?;
+            self.store.insert(std::sync::Arc::new(b))?;
         }
+        let namespace = chain.namespace();
         let mut recent = self.recent.lock().map_err(|_| poisoned())?;
         recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
-        recent.push_front((namespace, held.to_vec()));
+        recent.insert(0, (namespace, held.to_vec()));
         recent.truncate(RECENT_SEQUENCES);
+        Ok(n)
+    }
+
+    /// Publishes what `cache` holds (as [`Self::publish`]) and keeps it resident on the
+    /// device for the next request that shares its prefix. Returns how many blocks were
+    /// published.
+    pub fn retire(
+        &self,
+        mut chain: Chain,
+        mut cache: PagedKvCache,
+        tokens: &[u32],
+    ) -> Result<usize> {
+        let held = &tokens[..cache.offset().min(tokens.len())];
+        let n = self.publish(&mut chain, &mut cache, held)?;
+        self.resident()?.park(chain, held.to_vec(), cache);
+        self.save_costs(false);
         Ok(n)
     }
 
@@ -505,8 +651,11 @@ pub fn generate_with_reuse(
     params: &GenerateParams,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Generation, ReuseReport)> {
-    let (mut cache, mut report) = match prefix {
-        Some(p) => p.prepare(prompt)?,
+    let (mut cache, chain, mut report) = match prefix {
+        Some(p) => {
+            let p = p.prepare(prompt)?;
+            (p.cache, Some(p.chain), p.report)
+        }
         None => {
             let cfg = ReuseConfig::default();
             let paged = PagedConfig {
@@ -520,19 +669,19 @@ pub fn generate_with_reuse(
                 prompt_tokens: prompt.len(),
                 ..ReuseReport::default()
             };
-            (cache, report)
+            (cache, None, report)
         }
     };
-    let generation = generate(model, tokenizer, &mut cache, prompt, params, on_token)?;
+    let mut generation = generate(model, tokenizer, &mut cache, prompt, params, on_token)?;
     report.prefill_s = generation.timings.ttft_s;
     report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
-    if let Some(p) = prefix {
-        p.record_prefill(
-            prompt.len() - report.cached_tokens,
-            generation.timings.ttft_s,
-        );
+    // One TTFT: what the user waited for, lookup and restore included.
+    generation.timings.ttft_s = report.ttft_s;
+    generation.timings.total_s += report.lookup_s + report.restore_s;
+    if let (Some(p), Some(chain)) = (prefix, chain) {
+        p.record_prefill(prompt.len() - report.cached_tokens, report.prefill_s);
         let all: Vec<u32> = prompt.iter().chain(&generation.tokens).copied().collect();
-        report.published_blocks = p.publish(&mut cache, &all)?;
+        report.published_blocks = p.retire(chain, cache, &all)?;
     }
     Ok((generation, report))
 }

@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
+use cache::{Chain, KvCache, PagedConfig, PagedKvCache, PagedKvRows};
 use serde::Serialize;
-use store::{NamespaceId, StoreStats};
+use store::StoreStats;
 use tokio::sync::mpsc as chan;
 
 use crate::error::{EngineError, Result};
@@ -250,6 +250,7 @@ struct Counters {
     failed: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
+    cached_device_tokens: AtomicU64,
     cached_ram_tokens: AtomicU64,
     cached_ssd_tokens: AtomicU64,
     cached_remote_tokens: AtomicU64,
@@ -281,6 +282,8 @@ pub struct EngineMetrics {
     pub prompt_tokens: u64,
     /// Of those, restored from the prefix cache.
     pub cached_tokens: u64,
+    /// Of those, found resident on the device (the device tier).
+    pub cached_device_tokens: u64,
     /// Of those, from the RAM tier.
     pub cached_ram_tokens: u64,
     /// Of those, from the SSD tier.
@@ -367,7 +370,6 @@ impl Engine {
         }
         let info = model.info().clone();
         let kv = info.kv;
-        let bytes_per_token = (kv.layers * 2 * kv.kv_heads * kv.head_dim * kv.dtype.size()) as u64;
         let paged = match &prefix {
             Some(p) => p.paged_config(),
             None => {
@@ -380,6 +382,17 @@ impl Engine {
                 }
             }
         };
+        // The reservation counts the KV format (float, kv8, kv4), like the arenas it bounds.
+        let bytes_per_token = (kv.layers
+            * 2
+            * kv.kv_heads
+            * paged
+                .format
+                .bytes_per_head_token(kv.head_dim, kv.dtype.size()))
+            as u64;
+        if let Some(p) = &prefix {
+            p.set_kv_budget(config.kv_budget_bytes)?;
+        }
         let tokenizer = Arc::new(tokenizer);
         let prefix = prefix.map(Arc::new);
         let shared = Arc::new(Shared {
@@ -539,6 +552,7 @@ impl Engine {
             requests_failed: g(&c.failed),
             prompt_tokens: g(&c.prompt_tokens),
             cached_tokens: g(&c.cached_tokens),
+            cached_device_tokens: g(&c.cached_device_tokens),
             cached_ram_tokens: g(&c.cached_ram_tokens),
             cached_ssd_tokens: g(&c.cached_ssd_tokens),
             cached_remote_tokens: g(&c.cached_remote_tokens),
@@ -620,8 +634,9 @@ struct Row {
     ttft_s: f64,
     report: ReuseReport,
     finish: Option<FinishReason>,
-    /// The store namespace the row's blocks are published in (with a prefix cache).
-    namespace: Option<NamespaceId>,
+    /// The row's chain keys in its namespace (with a prefix cache): derived at admission,
+    /// extended as its blocks are published.
+    chain: Option<Chain>,
 }
 
 struct Worker {
@@ -751,9 +766,21 @@ impl Worker {
             let Some(p) = self.queue.pop_front() else {
                 break;
             };
+            // One budget: resident sequences leave the device to make room for live ones.
+            if let Some(pc) = &self.prefix {
+                if let Ok(mut r) = pc.resident() {
+                    r.reserve(p.reserve);
+                }
+            }
             self.set_gauges();
             let (id, tx) = (p.id, p.tx.clone());
+            let reserve = p.reserve;
             if let Err(e) = self.start(p) {
+                if let Some(pc) = &self.prefix {
+                    if let Ok(mut r) = pc.resident() {
+                        r.release(reserve);
+                    }
+                }
                 tracing::warn!(request = id, error = %e, "request failed at prefill");
                 self.counters().failed.fetch_add(1, Ordering::Relaxed);
                 let _ = tx.send(Event::Failed(e));
@@ -785,10 +812,14 @@ impl Worker {
                 context,
             });
         }
-        let (mut cache, mut report) = match (&self.prefix, namespace) {
-            (Some(pc), Some(ns)) => pc.prepare_in(ns, &prompt)?,
+        let (mut cache, mut chain, mut report) = match (&self.prefix, namespace) {
+            (Some(pc), Some(ns)) => {
+                let p = pc.prepare_in(ns, &prompt)?;
+                (p.cache, Some(p.chain), p.report)
+            }
             _ => (
                 PagedKvCache::new(self.model.info().kv.layers, self.paged)?,
+                None,
                 ReuseReport {
                     prompt_tokens: prompt.len(),
                     ..ReuseReport::default()
@@ -804,11 +835,11 @@ impl Worker {
         let first = sampler.sample(&logits, &prompt, &[])?;
         report.prefill_s = t.elapsed().as_secs_f64();
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
-        if let (Some(pc), Some(ns)) = (&self.prefix, namespace) {
+        if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
             pc.record_prefill(prompt.len() - cached, report.prefill_s);
             // Publish the prompt's full blocks now, not at the end: a concurrent request
             // with the same prefix (an agent's parallel calls) hits while this one decodes.
-            match pc.publish_in(ns, &mut cache, &prompt) {
+            match pc.publish(chain, &mut cache, &prompt) {
                 Ok(n) => report.published_blocks = n,
                 Err(e) => {
                     tracing::warn!(request = p.id, error = %e, "publishing the prompt failed")
@@ -820,6 +851,8 @@ impl Worker {
         c.prompt_tokens
             .fetch_add(prompt.len() as u64, Ordering::Relaxed);
         c.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        c.cached_device_tokens
+            .fetch_add(report.cached_device_tokens as u64, Ordering::Relaxed);
         c.cached_ram_tokens
             .fetch_add(report.cached_ram_tokens as u64, Ordering::Relaxed);
         c.cached_ssd_tokens
@@ -857,7 +890,7 @@ impl Worker {
             queue_s,
             ttft_s,
             report,
-            namespace,
+            chain,
             finish: None,
         });
         Ok(())
@@ -960,17 +993,21 @@ impl Worker {
         self.set_gauges();
     }
 
-    fn finish(&mut self, row: Row, mut cache: PagedKvCache) {
+    fn finish(&mut self, row: Row, cache: PagedKvCache) {
         self.reserved = self.reserved.saturating_sub(row.reserve);
         let mut report = row.report;
-        if let (Some(pc), Some(ns)) = (&self.prefix, row.namespace) {
-            let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
-            match pc.publish_in(ns, &mut cache, &all) {
-                Ok(n) => report.published_blocks += n,
-                Err(e) => tracing::warn!(request = row.id, error = %e, "publishing failed"),
+        if let Some(pc) = &self.prefix {
+            if let Ok(mut r) = pc.resident() {
+                r.release(row.reserve);
+            }
+            if let Some(chain) = row.chain {
+                let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
+                match pc.retire(chain, cache, &all) {
+                    Ok(n) => report.published_blocks += n,
+                    Err(e) => tracing::warn!(request = row.id, error = %e, "publishing failed"),
+                }
             }
         }
-        drop(cache);
         let reason = row.finish.unwrap_or(FinishReason::Cancelled);
         let c = self.counters();
         match reason {
@@ -1024,6 +1061,11 @@ impl Worker {
         tracing::error!(error = %e, rows = self.active.len(), "batched step failed");
         let msg = e.to_string();
         self.rows = PagedKvRows::new();
+        if let Some(pc) = &self.prefix {
+            if let Ok(mut r) = pc.resident() {
+                r.release(self.reserved);
+            }
+        }
         for row in std::mem::take(&mut self.active) {
             self.counters().failed.fetch_add(1, Ordering::Relaxed);
             let _ = row.tx.send(Event::Failed(EngineError::InvalidParameter {

@@ -206,6 +206,12 @@ pub struct Block {
     pub planes: Vec<Plane>,
 }
 
+impl AsRef<Block> for Block {
+    fn as_ref(&self) -> &Block {
+        self
+    }
+}
+
 impl Block {
     /// Sum of the plane lengths.
     pub fn data_len(&self) -> u64 {

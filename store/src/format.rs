@@ -25,6 +25,11 @@ pub const TMP_DIR: &str = "tmp";
 pub const QUARANTINE_DIR: &str = "quarantine";
 /// Per-namespace description file, for humans and `kvstore inspect`.
 pub const NAMESPACE_FILE: &str = "namespace.json";
+/// Name of a namespace's cost model (the engine's measured prefill and restore speeds per
+/// device, opaque JSON to the store).
+pub const COSTS_FILE: &str = "costs.json";
+/// Largest cost-model file read back, in bytes.
+pub const MAX_COSTS_LEN: u64 = 64 * 1024;
 /// Extension of block files.
 pub const BLOCK_EXT: &str = "safetensors";
 /// Extension of temporary files.

@@ -224,7 +224,7 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
             let sname = sname.to_string_lossy().into_owned();
             let spath = shard.path();
             let sft = shard.file_type()?;
-            if sname == format::NAMESPACE_FILE && sft.is_file() {
+            if (sname == format::NAMESPACE_FILE || sname == format::COSTS_FILE) && sft.is_file() {
                 continue;
             }
             let is_shard = sft.is_dir()
@@ -1043,6 +1043,33 @@ impl SsdTier {
         });
         res.map_err(|source| RegisterError::Io { path, source })?;
         Ok(id)
+    }
+
+    /// The cost model saved for namespace `ns` (`<root>/<ns>/costs.json`), if there is one,
+    /// it is a regular file (never a symlink) and at most [`format::MAX_COSTS_LEN`] bytes.
+    pub fn read_costs(&self, ns: NamespaceId) -> Option<Vec<u8>> {
+        let path = self.root.join(ns.to_string()).join(format::COSTS_FILE);
+        let meta = fs::symlink_metadata(&path).ok()?;
+        if !meta.is_file() || meta.len() > format::MAX_COSTS_LEN {
+            return None;
+        }
+        fs::read(&path).ok()
+    }
+
+    /// Saves namespace `ns`'s cost model atomically (temp file, fsync, rename); a no-op on a
+    /// read-only store.
+    pub fn write_costs(&self, ns: NamespaceId, bytes: &[u8]) -> io::Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let dir = self.root.join(ns.to_string());
+        ensure_dir(&dir)?;
+        write_atomic(
+            &self.root.join(format::TMP_DIR),
+            &dir,
+            format::COSTS_FILE,
+            bytes,
+        )
     }
 
     /// Every namespace description found on disk whose id matches its directory.

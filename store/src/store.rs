@@ -851,6 +851,21 @@ impl<P: Payload> Store<P> {
         }
     }
 
+    /// The cost model saved for namespace `ns` by [`Store::save_costs`] (opaque bytes);
+    /// `None` without an SSD tier or when none was saved.
+    pub fn costs(&self, ns: NamespaceId) -> Option<Vec<u8>> {
+        self.shared.ssd.as_ref()?.read_costs(ns)
+    }
+
+    /// Saves namespace `ns`'s cost model so that later processes start from it; a no-op
+    /// without an SSD tier.
+    pub fn save_costs(&self, ns: NamespaceId, bytes: &[u8]) -> std::io::Result<()> {
+        match &self.shared.ssd {
+            Some(ssd) => ssd.write_costs(ns, bytes).map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
     /// A snapshot of sizes and counters.
     pub fn stats(&self) -> StoreStats {
         let mut s = StoreStats::from_counters(&self.shared.counters);

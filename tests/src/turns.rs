@@ -35,6 +35,11 @@ pub fn cached(
     (g.tokens, r)
 }
 
+/// Prompt tokens a request reused from this engine's own tiers (device, RAM, SSD).
+pub fn local_tokens(r: &ReuseReport) -> usize {
+    r.cached_device_tokens + r.cached_ram_tokens + r.cached_ssd_tokens
+}
+
 /// A generator seeded from `$KVSTORE_TEST_SEED`, else at random; the seed is printed.
 pub fn rng(test: &str) -> StdRng {
     let seed = std::env::var("KVSTORE_TEST_SEED")

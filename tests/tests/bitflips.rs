@@ -73,10 +73,13 @@ fn every_flip_and_truncation_is_detected_and_never_served() {
         .unwrap();
     {
         let prefix = open(&model, &tok, &pristine);
-        let mut cache = prefix.prepare(&first).unwrap().0;
-        let out = generate(&model, &tok, &mut cache, &first, &params(4), &mut |_| true).unwrap();
+        let mut p = prefix.prepare(&first).unwrap();
+        let out = generate(&model, &tok, &mut p.cache, &first, &params(4), &mut |_| {
+            true
+        })
+        .unwrap();
         let all: Vec<u32> = first.iter().chain(&out.tokens).copied().collect();
-        prefix.publish(&mut cache, &all).unwrap();
+        prefix.publish(&mut p.chain, &mut p.cache, &all).unwrap();
         prefix.flush().unwrap();
     }
     let mut next = first.clone();
@@ -100,9 +103,8 @@ fn every_flip_and_truncation_is_detected_and_never_served() {
             .map(|(i, k)| (i, ssd.block_path(prefix.namespace(), *k)))
             .filter(|(_, p)| p.is_file())
             .collect();
-        let (cache, report) = prefix.prepare(&next).unwrap();
+        let report = prefix.prepare(&next).unwrap().report;
         assert_eq!(report.cached_ssd_tokens, files.len() * BLOCK, "{report:?}");
-        drop(cache);
         (files, keys.len())
     };
     assert!(files.len() >= 8, "only {} block files", files.len());
@@ -145,7 +147,8 @@ fn every_flip_and_truncation_is_detected_and_never_served() {
         std::fs::write(&path, &bytes).unwrap();
 
         let prefix = open(&model, &tok, &live);
-        let (mut cache, report) = prefix.prepare(&next).unwrap();
+        let p = prefix.prepare(&next).unwrap();
+        let (mut cache, report) = (p.cache, p.report);
         let out = generate(&model, &tok, &mut cache, &next, &params(4), &mut |_| true).unwrap();
         let stats = prefix.stats();
         let case = format!("trial {trial}: block {index}, {what}");

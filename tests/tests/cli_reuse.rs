@@ -56,6 +56,14 @@ fn a_second_process_reuses_the_first_ones_blocks_from_ssd() {
         second["tokens"], first["tokens"],
         "restored output differs from cold output"
     );
+    // One TTFT: what the user waited for, lookup and restore included.
+    assert_eq!(second["timings"]["ttft_s"], second["cache"]["ttft_s"]);
+    let c = &second["cache"];
+    let parts: f64 = ["lookup_s", "restore_s", "prefill_s"]
+        .iter()
+        .map(|k| c[k].as_f64().unwrap())
+        .sum();
+    assert!((c["ttft_s"].as_f64().unwrap() - parts).abs() < 1e-9, "{c}");
     // --no-cache computes everything and still agrees.
     let cold = generate(&model, dir.path(), prompt, &["--no-cache"]);
     assert_eq!(cold["cache"]["cached_tokens"], 0);
@@ -112,8 +120,8 @@ fn the_demo_replays_turns_restarts_and_restores_from_ssd() {
     assert_eq!(turns[0]["cached_tokens"], 0);
     let t2 = &turns[1];
     assert!(
-        t2["cached_ram_tokens"].as_u64().unwrap() >= 256,
-        "turn 2 should reuse turn 1's prompt: {t2}"
+        t2["cached_device_tokens"].as_u64().unwrap() >= 256,
+        "turn 2 should reuse turn 1's prompt from the device tier: {t2}"
     );
     let restart = &v["restart"][0];
     assert_eq!(restart["prompt_tokens"], t2["prompt_tokens"]);

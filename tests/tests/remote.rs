@@ -7,7 +7,7 @@ use std::path::Path;
 use engine::{LoadOptions, Model, PrefixCache, ReuseConfig, Tokenizer};
 use kvstore_tests::redis_server::{dead_url, RedisCluster, RedisServer};
 use kvstore_tests::tiny_model;
-use kvstore_tests::turns::{cached, cold, random_tokens, rng};
+use kvstore_tests::turns::{cached, cold, local_tokens, random_tokens, rng};
 use rand::rngs::StdRng;
 use store::{RemoteConfig, StoreConfig};
 
@@ -76,7 +76,7 @@ fn a_second_engine_gets_remote_hits_for_the_first_ones_conversation() {
     a.flush().unwrap();
     let (out2_b, rep) = cached(&model, &tok, &b, &turn2, 20);
     assert_eq!(out2_b, out2_cold);
-    assert!(rep.cached_ram_tokens >= 72, "{rep:?}");
+    assert!(local_tokens(&rep) >= 72, "{rep:?}");
     assert!(rep.cached_remote_tokens > 0, "{rep:?}");
     assert_eq!(rep.cached_tokens, (turn2.len() - 1) / BS * BS, "{rep:?}");
     let st = b.stats();
@@ -106,7 +106,7 @@ fn redis_killed_mid_run_the_engines_serve_correctly_from_local_tiers() {
     for pc in [&a, &b] {
         let (out2, rep) = cached(&model, &tok, pc, &turn2, 20);
         assert_eq!(out2, out2_cold, "output changed after Redis died");
-        assert!(rep.cached_ram_tokens >= 72, "{rep:?}");
+        assert!(local_tokens(&rep) >= 72, "{rep:?}");
         assert_eq!(rep.cached_remote_tokens, 0, "{rep:?}");
         pc.flush().unwrap();
     }
@@ -152,7 +152,7 @@ fn redis_not_running_at_start_the_engine_works_locally() {
     let turn2 = next_turn(&mut r, &turn1, &out1_cold);
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, cold(&model, &tok, &turn2, 20));
-    assert_eq!(rep.cached_ram_tokens, 96, "{rep:?}");
+    assert_eq!(local_tokens(&rep), 96, "{rep:?}");
     pc.flush().unwrap();
     let st = pc.stats();
     assert!(
@@ -215,7 +215,7 @@ fn two_engines_share_a_conversation_through_a_redis_cluster_and_survive_a_dead_m
     for pc in [&a, &b] {
         let (out2, rep) = cached(&model, &tok, pc, &turn2, 20);
         assert_eq!(out2, out2_cold, "output changed after a master died");
-        assert!(rep.cached_ram_tokens >= 72, "{rep:?}");
+        assert!(local_tokens(&rep) >= 72, "{rep:?}");
         pc.flush().unwrap();
     }
     assert!(b.stats().remote_errors >= 1, "{:?}", b.stats());

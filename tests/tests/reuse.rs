@@ -23,6 +23,15 @@ fn config(dir: &Path, block_size: usize) -> ReuseConfig {
     }
 }
 
+/// [`config`] without the device tier (a zero budget keeps nothing resident), so that
+/// every hit goes through the host tiers.
+fn host_only(dir: &Path, block_size: usize) -> ReuseConfig {
+    ReuseConfig {
+        kv_budget_bytes: 0,
+        ..config(dir, block_size)
+    }
+}
+
 #[test]
 fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     let mut r = rng("restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output");
@@ -39,7 +48,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     let out2_cold = cold(&model, &tok, &turn2, 20);
 
     {
-        let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+        let pc = PrefixCache::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
         let (out1, rep1) = cached(&model, &tok, &pc, &turn1, 20);
         assert_eq!(out1, out1_cold);
         assert_eq!(rep1.cached_tokens, 0);
@@ -59,13 +68,70 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
         pc.flush().unwrap();
     }
 
-    // A restart: a new store handle, nothing in RAM; the blocks come from SSD.
+    // A restart: a new store handle, nothing on the device or in RAM; the blocks come
+    // from SSD.
     let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
     assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
-    assert_eq!(rep.cached_ram_tokens, 0);
+    assert_eq!(rep.cached_ram_tokens + rep.cached_device_tokens, 0);
     assert!(rep.stopped.is_none(), "{rep:?}");
+}
+
+#[test]
+fn device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output() {
+    let mut r =
+        rng("device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output");
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let turn1 = random_tokens(&mut r, 77, 320);
+    let out1 = cold(&model, &tok, &turn1, 20);
+    assert_eq!(cached(&model, &tok, &pc, &turn1, 20).0, out1);
+    // Turn 2 extends everything turn 1 held (77 prompt + 19 generated tokens it forwarded):
+    // the sequence's arenas are handed over, the partial block included.
+    let turn2: Vec<u32> = turn1
+        .iter()
+        .chain(&out1)
+        .copied()
+        .chain(random_tokens(&mut r, 29, 320))
+        .collect();
+    let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
+    assert_eq!(
+        out2,
+        cold(&model, &tok, &turn2, 20),
+        "handed-over KV changed the output"
+    );
+    assert_eq!(
+        (rep.cached_tokens, rep.cached_device_tokens),
+        (96, 96),
+        "{rep:?}"
+    );
+    assert!(rep.device_handover, "{rep:?}");
+    assert_eq!(rep.cached_ram_tokens + rep.cached_ssd_tokens, 0, "{rep:?}");
+
+    // A branch that leaves turn 2 at token 101 (mid-block) forks it: 101 tokens shared,
+    // token-granular, and the resident turn 2 is untouched (asked again below).
+    let mut branch = turn2[..101].to_vec();
+    branch.extend(random_tokens(&mut r, 12, 320));
+    let (got, rep) = cached(&model, &tok, &pc, &branch, 8);
+    assert_eq!(
+        got,
+        cold(&model, &tok, &branch, 8),
+        "forked KV changed the output"
+    );
+    assert_eq!(rep.cached_device_tokens, 101, "{rep:?}");
+    assert!(!rep.device_handover, "{rep:?}");
+    let again = turn2.clone();
+    let (got, rep) = cached(&model, &tok, &pc, &again, 8);
+    assert_eq!(
+        got,
+        cold(&model, &tok, &again, 8),
+        "the fork altered the resident sequence"
+    );
+    assert_eq!(rep.cached_device_tokens, again.len() - 1, "{rep:?}");
+    let st = pc.resident_stats();
+    assert!(st.handovers >= 1 && st.forks >= 2, "{st:?}");
 }
 
 #[test]
@@ -186,6 +252,17 @@ fn a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it() {
     let want = cold(&model, &tok, &edited, 10);
     let (got, rep) = cached(&model, &tok, &pc, &edited, 10);
     assert_eq!(got, want);
-    assert_eq!(rep.cached_tokens, 40, "blocks 0-4 end before token 45");
+    assert_eq!(
+        rep.cached_tokens, 45,
+        "the device tier reuses every token before the edit"
+    );
     assert_eq!(rep.diverged_at, Some(45));
+
+    // Through the host tiers only whole blocks are stored: blocks 0-4 end before token 45.
+    let dir = tempfile::tempdir().unwrap();
+    let pc = PrefixCache::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    cached(&model, &tok, &pc, &prompt, 1);
+    let (got, rep) = cached(&model, &tok, &pc, &edited, 10);
+    assert_eq!(got, want);
+    assert_eq!(rep.cached_tokens, 40, "blocks 0-4 end before token 45");
 }

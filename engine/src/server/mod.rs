@@ -208,6 +208,7 @@ async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
     let engine = json!({
         "prompt_tokens": m.prompt_tokens,
         "cached_tokens": m.cached_tokens,
+        "cached_device_tokens": m.cached_device_tokens,
         "cached_ram_tokens": m.cached_ram_tokens,
         "cached_ssd_tokens": m.cached_ssd_tokens,
         "cached_remote_tokens": m.cached_remote_tokens,
@@ -217,6 +218,7 @@ async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
             "enabled": true,
             "namespace": p.namespace().to_string(),
             "block_size": p.paged_config().block_size,
+            "device": p.resident_stats(),
             "store": p.stats(),
             "engine": engine,
         }),
@@ -347,6 +349,41 @@ async fn metrics(State(s): State<Shared>) -> Response {
         "Time to first token (queue + restore + prefill), seconds.",
         &ttft,
     );
+    if let Some(d) = s.engine.prefix_cache().map(|p| p.resident_stats()) {
+        metric(
+            "kvstore_device_resident_bytes",
+            "gauge",
+            "Device bytes of finished sequences kept resident for reuse (the device tier).",
+            &one(d.resident_bytes),
+        );
+        metric(
+            "kvstore_device_resident_sequences",
+            "gauge",
+            "Finished sequences kept resident on the device.",
+            &one(d.sequences as u64),
+        );
+        metric(
+            "kvstore_device_budget_bytes",
+            "gauge",
+            "Device budget for live and resident KV (--kv-budget).",
+            &one(d.budget_bytes),
+        );
+        metric(
+            "kvstore_device_hits_total",
+            "counter",
+            "Requests whose prefix was resident on the device, by how it was served.",
+            &[
+                ("{kind=\"handover\"}".to_string(), d.handovers as f64),
+                ("{kind=\"fork\"}".to_string(), d.forks as f64),
+            ],
+        );
+        metric(
+            "kvstore_device_evictions_total",
+            "counter",
+            "Resident sequences evicted from the device to make room.",
+            &one(d.evictions),
+        );
+    }
     if let Some(st) = s.engine.cache_stats() {
         let tiers = |ram: u64, ssd: u64| {
             vec![

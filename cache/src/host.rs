@@ -1,0 +1,256 @@
+//! Full blocks between a live cache and the store's host bytes, in bulk.
+//!
+//! The store holds host bytes only ([`store::Block`]); this module is the one place where
+//! device KV becomes host bytes and back. Both directions move a whole run of blocks with
+//! one device transfer per layer part, and assemble or split the per-block planes on the
+//! host, never one small array per block (per-block arrays made a 32K-token restore on
+//! the H200 run at 0.8 GB/s; docs/cache.md).
+//!
+//! Planes of a block, per layer `i` in order: `layers.{i}.k`, then (quantized formats)
+//! `layers.{i}.k_scales`, `layers.{i}.k_biases`, then the same for `v`. Each plane is
+//! `[kv_heads, block_size, width]`: width is head_dim for float formats, head_dim·bits/32
+//! (uint32) for packed values and head_dim/group_size for scales and biases. A layer's
+//! arena part is `[kv_heads, n · block_size, width]`, so block `b` of a run is, per head,
+//! the rows `b·bs .. (b+1)·bs`.
+
+use mlx::Array;
+use store::{Block, BlockMeta, Plane, PlaneSpec};
+
+use crate::pool::BlockShape;
+use crate::{CacheError, KvFormat};
+
+pub(crate) fn to_store_dtype(d: mlx::Dtype) -> Result<store::Dtype, CacheError> {
+    Ok(match d {
+        mlx::Dtype::F32 => store::Dtype::F32,
+        mlx::Dtype::F16 => store::Dtype::F16,
+        mlx::Dtype::BF16 => store::Dtype::BF16,
+        mlx::Dtype::U32 => store::Dtype::U32,
+        mlx::Dtype::I32 => store::Dtype::I32,
+        mlx::Dtype::U8 => store::Dtype::U8,
+        other => {
+            return Err(CacheError::Shape(format!(
+                "the store cannot hold {other} planes"
+            )))
+        }
+    })
+}
+
+fn to_mlx_dtype(d: store::Dtype) -> mlx::Dtype {
+    match d {
+        store::Dtype::F32 => mlx::Dtype::F32,
+        store::Dtype::F16 => mlx::Dtype::F16,
+        store::Dtype::BF16 => mlx::Dtype::BF16,
+        store::Dtype::U32 => mlx::Dtype::U32,
+        store::Dtype::I32 => mlx::Dtype::I32,
+        store::Dtype::U8 => mlx::Dtype::U8,
+    }
+}
+
+/// Plane names of one layer for a format, in order.
+pub(crate) fn part_names(layer: usize, format: KvFormat) -> Vec<String> {
+    ["k", "v"]
+        .iter()
+        .flat_map(|kv| {
+            format
+                .part_suffixes()
+                .iter()
+                .map(move |s| format!("layers.{layer}.{kv}{s}"))
+        })
+        .collect()
+}
+
+/// The plane layout every block of a model has: what a store namespace records so that
+/// blocks of another shape are refused.
+pub fn plane_specs(
+    layers: usize,
+    shape: BlockShape,
+    format: KvFormat,
+) -> Result<Vec<PlaneSpec>, CacheError> {
+    format.validate(shape.head_dim)?;
+    let probe = mlx::ops::zeros(&[1, shape.head_dim as i32], shape.dtype)?;
+    let parts = format.encode(&probe)?;
+    let mut out = Vec::new();
+    for layer in 0..layers {
+        for (name, part) in part_names(layer, format)
+            .into_iter()
+            .zip(parts.iter().chain(&parts))
+        {
+            out.push(PlaneSpec::new(
+                name,
+                to_store_dtype(part.dtype())?,
+                vec![
+                    shape.kv_heads as u64,
+                    shape.block_size as u64,
+                    part.shape()[1] as u64,
+                ],
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Splits one run part (`[H, n · bs, width]` as host bytes) into `n` block planes
+/// `[H, bs, width]`.
+fn split_run(
+    bytes: &[u8],
+    heads: usize,
+    blocks: usize,
+    bs: usize,
+    row_bytes: usize,
+) -> Vec<Vec<u8>> {
+    let block_rows = bs * row_bytes;
+    let head_stride = blocks * block_rows;
+    (0..blocks)
+        .map(|b| {
+            let mut out = Vec::with_capacity(heads * block_rows);
+            for h in 0..heads {
+                let start = h * head_stride + b * block_rows;
+                out.extend_from_slice(&bytes[start..start + block_rows]);
+            }
+            out
+        })
+        .collect()
+}
+
+/// Builds host-byte blocks from the run parts of every layer (`parts[layer][part]`, each
+/// `[1, H, n · bs, width]`, evaluated here in one batch), one block per entry of `metas`.
+pub(crate) fn blocks_from_run(
+    parts: Vec<Vec<Array>>,
+    format: KvFormat,
+    block_size: usize,
+    metas: Vec<BlockMeta>,
+) -> Result<Vec<Block>, CacheError> {
+    let n = metas.len();
+    let all: Vec<&Array> = parts.iter().flatten().collect();
+    mlx::eval(&all)?;
+    let mut planes: Vec<Vec<Plane>> = (0..n).map(|_| Vec::new()).collect();
+    for (layer, layer_parts) in parts.iter().enumerate() {
+        for (name, a) in part_names(layer, format).into_iter().zip(layer_parts) {
+            let s = a.shape();
+            if s.len() != 4 || s[0] != 1 || s[2] as usize != n * block_size {
+                return Err(CacheError::Publish(format!(
+                    "a run of {n} blocks of {block_size} read as {s:?}"
+                )));
+            }
+            let (heads, width) = (s[1] as usize, s[3] as usize);
+            let dtype = to_store_dtype(a.dtype())?;
+            let row_bytes = width * dtype.size() as usize;
+            let bytes = a.to_bytes()?;
+            let shape = vec![heads as u64, block_size as u64, width as u64];
+            for (b, data) in split_run(&bytes, heads, n, block_size, row_bytes)
+                .into_iter()
+                .enumerate()
+            {
+                planes[b].push(Plane::new(name.clone(), dtype, shape.clone(), data));
+            }
+        }
+    }
+    Ok(metas
+        .into_iter()
+        .zip(planes)
+        .map(|(meta, planes)| Block { meta, planes })
+        .collect())
+}
+
+/// The block shape a block's planes imply under `format` and `block_size`, checking that
+/// every layer has the parts the format needs and that every plane has the layout
+/// [`plane_specs`] gives for that shape.
+pub(crate) fn block_shape(
+    block: &Block,
+    layers: usize,
+    block_size: usize,
+    format: KvFormat,
+) -> Result<BlockShape, String> {
+    let per = format.parts() * 2;
+    if block.planes.len() != layers * per {
+        return Err(format!(
+            "it has {} planes, {layers} layers of {format:?} need {}",
+            block.planes.len(),
+            layers * per
+        ));
+    }
+    if block.meta.tokens.len() != block_size {
+        return Err(format!(
+            "it holds {} tokens, the cache uses blocks of {block_size}",
+            block.meta.tokens.len()
+        ));
+    }
+    let first = &block.planes[0];
+    if first.shape.len() != 3 || first.shape[1] as usize != block_size {
+        return Err(format!("layer 0 keys are {:?}", first.shape));
+    }
+    let width = first.shape[2] as usize;
+    let (head_dim, dtype) = match format {
+        KvFormat::Float => (width, first.dtype),
+        KvFormat::Quantized { bits, .. } => (width * 32 / bits as usize, block.planes[1].dtype),
+    };
+    let shape = BlockShape {
+        kv_heads: first.shape[0] as usize,
+        block_size,
+        head_dim,
+        dtype: to_mlx_dtype(dtype),
+    };
+    let specs = plane_specs(layers, shape, format).map_err(|e| e.to_string())?;
+    for (plane, spec) in block.planes.iter().zip(&specs) {
+        if plane.spec() != *spec {
+            return Err(format!(
+                "plane {} is {:?} {}, expected {:?} {}",
+                spec.name, plane.shape, plane.dtype, spec.shape, spec.dtype
+            ));
+        }
+        if Some(plane.data.len() as u64) != spec.byte_len() {
+            return Err(format!(
+                "plane {} holds {} bytes, its shape needs {:?}",
+                spec.name,
+                plane.data.len(),
+                spec.byte_len()
+            ));
+        }
+    }
+    Ok(shape)
+}
+
+/// Assembles plane `index` of every block in `blocks` (each `[H, bs, width]`, checked by
+/// [`block_shape`]) into one `[H, n · bs, width]` array: one host buffer, one transfer.
+pub(crate) fn run_part<B: AsRef<Block>>(blocks: &[B], index: usize) -> Result<Array, CacheError> {
+    let first = &blocks[0].as_ref().planes[index];
+    let (heads, bs, width) = (
+        first.shape[0] as usize,
+        first.shape[1] as usize,
+        first.shape[2] as usize,
+    );
+    let block_rows = bs * width * first.dtype.size() as usize;
+    let n = blocks.len();
+    let mut host = vec![0u8; heads * n * block_rows];
+    for (b, block) in blocks.iter().enumerate() {
+        let data = &block.as_ref().planes[index].data;
+        for h in 0..heads {
+            let dst = (h * n + b) * block_rows;
+            host[dst..dst + block_rows]
+                .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+        }
+    }
+    Ok(Array::from_bytes(
+        &host,
+        &[heads as i32, (n * bs) as i32, width as i32],
+        to_mlx_dtype(first.dtype),
+    )?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_run_takes_each_heads_rows_of_each_block() {
+        // 2 heads, 3 blocks of 2 rows, 1 byte per row: head h, token t holds 10·h + t.
+        let bytes: Vec<u8> = (0..2u8)
+            .flat_map(|h| (0..6u8).map(move |t| 10 * h + t))
+            .collect();
+        let blocks = split_run(&bytes, 2, 3, 2, 1);
+        assert_eq!(
+            blocks,
+            vec![vec![0, 1, 10, 11], vec![2, 3, 12, 13], vec![4, 5, 14, 15]]
+        );
+    }
+}

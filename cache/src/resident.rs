@@ -1,0 +1,309 @@
+//! [`ResidentPool`]: the device tier (L0). The KV of finished sequences stays on the
+//! device, indexed by chain key, under one byte budget shared with the live sequences.
+//!
+//! Layout (chosen by `kvstore bench cache`, docs/cache.md): a sequence owns per-layer
+//! arenas in which its blocks are one strided run, so attention reads its KV through a
+//! view, never a gather. A request whose prompt extends a resident sequence entirely is
+//! *handed over* its arenas: no copy at all. A request that shares only part of one (a
+//! fork, or a prompt that left the sequence mid-block) gets a clone trimmed to the shared
+//! tokens: the buffers are shared until its first write, when MLX copies each layer's
+//! arena once on the device (copy on write), so the resident sequence is never altered.
+//! Matches are token-granular: the partial last block is reused too.
+//!
+//! Eviction is least recently used, whole sequences at a time, when resident plus live
+//! bytes exceed the budget. Every full block was exported to the host tiers when it was
+//! published, so an evicted sequence is still restorable from RAM, SSD or the remote tier.
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+use store::{BlockKey, NamespaceId};
+
+use crate::{CacheError, Chain, KvCache, PagedKvCache};
+
+/// A resident sequence.
+#[derive(Debug)]
+struct Entry {
+    chain: Chain,
+    tokens: Vec<u32>,
+    cache: PagedKvCache,
+    bytes: u64,
+    used: u64,
+}
+
+/// What [`ResidentPool::take`] found.
+#[derive(Debug)]
+pub struct ResidentHit {
+    /// A cache holding the first `tokens` tokens of the prompt.
+    pub cache: PagedKvCache,
+    /// Prompt tokens it holds.
+    pub tokens: usize,
+    /// Whether the resident sequence's arenas were handed over (no copy) rather than
+    /// shared copy-on-write with a sequence that stays resident.
+    pub handed_over: bool,
+}
+
+/// Counters and gauges of the device tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ResidentStats {
+    /// Sequences resident.
+    pub sequences: usize,
+    /// Device bytes they hold (their arenas).
+    pub resident_bytes: u64,
+    /// Bytes reserved by live sequences.
+    pub live_bytes: u64,
+    /// The budget for both.
+    pub budget_bytes: u64,
+    /// Lookups that found a resident prefix.
+    pub hits: u64,
+    /// Lookups that found none.
+    pub misses: u64,
+    /// Hits served by handing a sequence's arenas over.
+    pub handovers: u64,
+    /// Hits served by a copy-on-write fork.
+    pub forks: u64,
+    /// Prompt tokens served from the device tier.
+    pub hit_tokens: u64,
+    /// Sequences evicted to make room.
+    pub evictions: u64,
+    /// Bytes those held.
+    pub evicted_bytes: u64,
+}
+
+/// The device tier: resident sequences by chain key, one budget for resident and live KV.
+#[derive(Debug)]
+pub struct ResidentPool {
+    budget: u64,
+    live: u64,
+    resident: u64,
+    entries: HashMap<u64, Entry>,
+    /// Chain key of every full block of every entry → the entries holding it.
+    index: HashMap<BlockKey, Vec<u64>>,
+    next_id: u64,
+    clock: u64,
+    stats: ResidentStats,
+}
+
+/// Device bytes of a cache's arenas (capacity, not just the tokens held).
+pub fn device_bytes(cache: &PagedKvCache) -> u64 {
+    (0..cache.layers())
+        .filter_map(|l| cache.pool(l))
+        .flat_map(|p| p.arrays())
+        .map(|a| a.nbytes() as u64)
+        .sum()
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl ResidentPool {
+    /// An empty pool for `budget_bytes` of device KV (resident and live together).
+    pub fn new(budget_bytes: u64) -> Self {
+        Self {
+            budget: budget_bytes,
+            live: 0,
+            resident: 0,
+            entries: HashMap::new(),
+            index: HashMap::new(),
+            next_id: 0,
+            clock: 0,
+            stats: ResidentStats::default(),
+        }
+    }
+
+    /// The budget in bytes.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> ResidentStats {
+        ResidentStats {
+            sequences: self.entries.len(),
+            resident_bytes: self.resident,
+            live_bytes: self.live,
+            budget_bytes: self.budget,
+            ..self.stats
+        }
+    }
+
+    /// Token ids of every resident sequence of `namespace` (most recently used first).
+    pub fn sequences(&self, namespace: NamespaceId) -> Vec<&[u32]> {
+        let mut e: Vec<&Entry> = self
+            .entries
+            .values()
+            .filter(|e| e.chain.namespace() == namespace)
+            .collect();
+        e.sort_by_key(|e| std::cmp::Reverse(e.used));
+        e.into_iter().map(|e| e.tokens.as_slice()).collect()
+    }
+
+    /// The longest resident prefix of `prompt`, at most `limit` tokens: `chain` holds the
+    /// prompt's keys (at least those of its first `limit` tokens). The deepest key of
+    /// `chain` that a resident sequence holds selects it; tokens after that key are
+    /// compared one by one, so the partial last block counts. A sequence matched to its end
+    /// leaves the pool and its cache is returned as is; otherwise the cache is a clone
+    /// trimmed to the match (copy on write) and the sequence stays.
+    pub fn take(
+        &mut self,
+        chain: &Chain,
+        prompt: &[u32],
+        limit: usize,
+    ) -> Result<Option<ResidentHit>, CacheError> {
+        let limit = limit.min(prompt.len());
+        let bs = chain.block_size();
+        let mut best: Option<(u64, usize)> = None;
+        let deepest = chain
+            .keys()
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(|(j, _)| (j + 1) * bs <= limit)
+            .find_map(|(j, k)| self.index.get(k).map(|ids| (j, ids)));
+        if let Some((j, ids)) = deepest {
+            let base = (j + 1) * bs;
+            for id in ids {
+                let e = &self.entries[id];
+                let m = base + common_prefix(&e.tokens[base..], &prompt[base..limit]);
+                let better = match best {
+                    None => true,
+                    Some((bid, bm)) => m > bm || (m == bm && e.used > self.entries[&bid].used),
+                };
+                if better {
+                    best = Some((*id, m));
+                }
+            }
+        }
+        let Some((id, m)) = best else {
+            self.stats.misses += 1;
+            return Ok(None);
+        };
+        self.clock += 1;
+        self.stats.hits += 1;
+        self.stats.hit_tokens += m as u64;
+        let whole = self.entries[&id].tokens.len() == m;
+        if whole {
+            let Some(e) = self.remove(id) else {
+                return Ok(None);
+            };
+            self.stats.handovers += 1;
+            return Ok(Some(ResidentHit {
+                cache: e.cache,
+                tokens: m,
+                handed_over: true,
+            }));
+        }
+        let e = self.entries.get_mut(&id).ok_or_else(|| {
+            CacheError::Config("a resident sequence vanished during a lookup".into())
+        })?;
+        e.used = self.clock;
+        let mut cache = e.cache.clone();
+        cache.trim(e.tokens.len() - m);
+        self.stats.forks += 1;
+        Ok(Some(ResidentHit {
+            cache,
+            tokens: m,
+            handed_over: false,
+        }))
+    }
+
+    /// Keeps a finished sequence resident: its `tokens` (all it holds), its `chain` (with
+    /// the keys of its full blocks) and its cache. Resident sequences of the namespace that
+    /// it extends are dropped (it holds everything they did). Then the least recently used
+    /// sequences are evicted until resident and live bytes fit the budget; returns how many
+    /// were evicted (the new one among them if it alone does not fit).
+    pub fn park(&mut self, mut chain: Chain, tokens: Vec<u32>, cache: PagedKvCache) -> usize {
+        chain.extend(&tokens);
+        chain.truncate(tokens.len() / chain.block_size());
+        if tokens.is_empty() || cache.offset() != tokens.len() {
+            return 0;
+        }
+        let ns = chain.namespace();
+        let superseded: Vec<u64> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.chain.namespace() == ns && tokens.starts_with(&e.tokens))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in superseded {
+            self.remove(id);
+        }
+        self.clock += 1;
+        let id = self.next_id;
+        self.next_id += 1;
+        for k in chain.keys() {
+            self.index.entry(*k).or_default().push(id);
+        }
+        let bytes = device_bytes(&cache);
+        self.resident += bytes;
+        self.entries.insert(
+            id,
+            Entry {
+                chain,
+                tokens,
+                cache,
+                bytes,
+                used: self.clock,
+            },
+        );
+        self.evict_to(self.budget)
+    }
+
+    /// Reserves `bytes` for a live sequence, evicting resident sequences (least recently
+    /// used first) to make room. Returns whether the live reservations fit the budget (the
+    /// caller's admission decides what to do when they do not; the bytes are reserved
+    /// either way, and [`Self::release`] returns them).
+    pub fn reserve(&mut self, bytes: u64) -> bool {
+        self.live = self.live.saturating_add(bytes);
+        self.evict_to(self.budget);
+        self.live <= self.budget
+    }
+
+    /// Returns a reservation made by [`Self::reserve`].
+    pub fn release(&mut self, bytes: u64) {
+        self.live = self.live.saturating_sub(bytes);
+    }
+
+    /// Drops every resident sequence.
+    pub fn clear(&mut self) {
+        let ids: Vec<u64> = self.entries.keys().copied().collect();
+        for id in ids {
+            self.remove(id);
+        }
+    }
+
+    fn evict_to(&mut self, budget: u64) -> usize {
+        let mut evicted = 0;
+        while self.resident + self.live > budget {
+            let Some(id) = self
+                .entries
+                .iter()
+                .min_by_key(|(_, e)| e.used)
+                .map(|(id, _)| *id)
+            else {
+                break;
+            };
+            if let Some(e) = self.remove(id) {
+                self.stats.evictions += 1;
+                self.stats.evicted_bytes += e.bytes;
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
+    fn remove(&mut self, id: u64) -> Option<Entry> {
+        let e = self.entries.remove(&id)?;
+        for k in e.chain.keys() {
+            if let Some(ids) = self.index.get_mut(k) {
+                ids.retain(|i| *i != id);
+                if ids.is_empty() {
+                    self.index.remove(k);
+                }
+            }
+        }
+        self.resident -= e.bytes;
+        Some(e)
+    }
+}

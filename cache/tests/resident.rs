@@ -1,0 +1,274 @@
+//! The device tier ([`ResidentPool`]) against a simple model: random admit / extend / fork /
+//! finish / evict / restore sequences, with every token's keys and values a known function
+//! of its id and position, so any block served from the wrong place, freed while in use or
+//! overwritten by another sequence shows up as a wrong byte.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cache::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool};
+use mlx::Array;
+use proptest::prelude::*;
+use store::{Block, BlockKey, NamespaceId};
+
+const BS: usize = 4;
+const H: usize = 1;
+const D: usize = 4;
+
+/// Keys of `tokens` at positions `start..`: `[1, H, n, D]`, a function of (id, position).
+fn kv(tokens: &[u32], start: usize) -> (Array, Array) {
+    let mut k = Vec::new();
+    for h in 0..H {
+        for (i, &t) in tokens.iter().enumerate() {
+            for d in 0..D {
+                k.push(t as f32 * 0.25 + (start + i) as f32 * 16.0 + d as f32 + h as f32 * 0.5);
+            }
+        }
+    }
+    let v: Vec<f32> = k.iter().map(|x| -x - 1.0).collect();
+    let shape = [1, H as i32, tokens.len() as i32, D as i32];
+    (
+        Array::from_slice(&k, &shape).unwrap(),
+        Array::from_slice(&v, &shape).unwrap(),
+    )
+}
+
+fn config() -> PagedConfig {
+    PagedConfig {
+        block_size: BS,
+        format: KvFormat::Float,
+        initial_blocks: 2,
+        max_blocks: 256,
+    }
+}
+
+fn append(cache: &mut PagedKvCache, tokens: &[u32], start: usize) {
+    if tokens.is_empty() {
+        return;
+    }
+    let (k, v) = kv(tokens, start);
+    cache.update_and_fetch(0, &k, &v).unwrap();
+}
+
+/// The cache holds exactly the keys and values of `tokens`.
+fn assert_holds(cache: &PagedKvCache, tokens: &[u32]) {
+    assert_eq!(cache.offset(), tokens.len());
+    if tokens.is_empty() {
+        return;
+    }
+    let (k, v) = cache.fetch(0).unwrap().unwrap();
+    let (ek, ev) = kv(tokens, 0);
+    assert_eq!(
+        k.to_bytes().unwrap(),
+        ek.to_bytes().unwrap(),
+        "keys of {tokens:?}"
+    );
+    assert_eq!(
+        v.to_bytes().unwrap(),
+        ev.to_bytes().unwrap(),
+        "values of {tokens:?}"
+    );
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A request: a prompt built from a resident (or published) sequence's first `keep`
+    /// tokens (index into what exists, modulo) plus `fresh` new tokens; it stays live.
+    Admit {
+        base: usize,
+        keep: usize,
+        fresh: Vec<u32>,
+    },
+    /// A live request generates `n` tokens and finishes (publish + park).
+    Finish { which: usize, n: usize },
+    /// A live request is dropped without parking (cancelled).
+    Drop { which: usize },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0usize..8, 0usize..40, prop::collection::vec(0u32..3, 1..12))
+            .prop_map(|(base, keep, fresh)| Op::Admit { base, keep, fresh }),
+        3 => (0usize..4, 0usize..9).prop_map(|(which, n)| Op::Finish { which, n }),
+        1 => (0usize..4).prop_map(|which| Op::Drop { which }),
+    ]
+}
+
+struct Live {
+    tokens: Vec<u32>,
+    chain: Chain,
+    cache: PagedKvCache,
+    reserve: u64,
+}
+
+fn run(ops: Vec<Op>, budget_blocks: u64) {
+    let ns = NamespaceId([3; 32]);
+    let block_bytes = (2 * H * BS * D * 4) as u64;
+    let mut pool = ResidentPool::new(budget_blocks * block_bytes);
+    // The host tier: every block ever published, by key.
+    let mut host: HashMap<BlockKey, Arc<Block>> = HashMap::new();
+    let mut known: Vec<Vec<u32>> = vec![vec![0; 9]];
+    let mut live: Vec<Live> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Admit { base, keep, fresh } => {
+                let base = &known[base % known.len()];
+                let mut prompt = base[..keep.min(base.len())].to_vec();
+                prompt.extend(fresh);
+                let limit = prompt.len() - 1;
+                let chain = Chain::of(ns, BS, &prompt[..limit]);
+                // What the pool holds right now, to check its answer against.
+                let resident: Vec<Vec<u32>> =
+                    pool.sequences(ns).iter().map(|s| s.to_vec()).collect();
+                let best = resident
+                    .iter()
+                    .map(|s| {
+                        s.iter()
+                            .zip(&prompt[..limit])
+                            .take_while(|(a, b)| a == b)
+                            .count()
+                    })
+                    .max()
+                    .unwrap_or(0);
+                let hit = pool.take(&chain, &prompt, limit).unwrap();
+                let (mut cache, got) = match hit {
+                    Some(h) => {
+                        assert_eq!(h.tokens, best, "match length");
+                        if h.handed_over {
+                            assert!(resident.iter().any(|s| s.len() == h.tokens));
+                        }
+                        (h.cache, h.tokens)
+                    }
+                    None => {
+                        assert!(best < BS, "a resident prefix of {best} tokens was missed");
+                        (PagedKvCache::new(1, config()).unwrap(), 0)
+                    }
+                };
+                assert_holds(&cache, &prompt[..got]);
+                // Blocks after the device hit come from the host tier, in bulk.
+                let first = got / BS;
+                let more: Vec<Arc<Block>> = chain.keys()[first..]
+                    .iter()
+                    .map_while(|k| host.get(k).cloned())
+                    .collect();
+                if (first + more.len()) * BS > got {
+                    cache.trim(got - first * BS);
+                    let r = cache.restore_onto(&more).unwrap();
+                    assert_eq!(r.blocks, more.len(), "{:?}", r.stopped);
+                    cache = r.cache;
+                }
+                let held = cache.offset();
+                assert_holds(&cache, &prompt[..held]);
+                append(&mut cache, &prompt[held..], held);
+                let reserve = (prompt.len() + 8).div_ceil(BS) as u64 * block_bytes;
+                pool.reserve(reserve);
+                live.push(Live {
+                    tokens: prompt,
+                    chain,
+                    cache,
+                    reserve,
+                });
+            }
+            Op::Finish { which, n } => {
+                if live.is_empty() {
+                    continue;
+                }
+                let mut l = live.remove(which % live.len());
+                let generated: Vec<u32> = (0..n as u32).map(|i| 3 + i % 2).collect();
+                let start = l.tokens.len();
+                append(&mut l.cache, &generated, start);
+                l.tokens.extend(generated);
+                assert_holds(&l.cache, &l.tokens);
+                for b in l.cache.publish(&mut l.chain, &l.tokens).unwrap() {
+                    host.insert(b.meta.key, Arc::new(b));
+                }
+                pool.release(l.reserve);
+                known.push(l.tokens.clone());
+                pool.park(l.chain, l.tokens, l.cache);
+            }
+            Op::Drop { which } => {
+                if !live.is_empty() {
+                    let l = live.remove(which % live.len());
+                    pool.release(l.reserve);
+                }
+            }
+        }
+        let s = pool.stats();
+        assert!(
+            s.sequences == 0 || s.resident_bytes + s.live_bytes <= s.budget_bytes,
+            "over budget: {s:?}"
+        );
+        // Live sequences were never altered by anything the pool did.
+        for l in &live {
+            assert_holds(&l.cache, &l.tokens);
+        }
+    }
+    for l in live.drain(..) {
+        pool.release(l.reserve);
+    }
+    assert_eq!(pool.stats().live_bytes, 0, "reservations leaked");
+    // Every sequence still resident holds exactly its tokens: handing over the last one
+    // returns it intact.
+    let resident: Vec<Vec<u32>> = pool.sequences(ns).iter().map(|s| s.to_vec()).collect();
+    for s in resident {
+        if s.len() < BS + 1 {
+            continue;
+        }
+        let chain = Chain::of(ns, BS, &s);
+        let mut probe = s.clone();
+        probe.push(99);
+        if let Some(h) = pool.take(&chain, &probe, s.len()).unwrap() {
+            assert_holds(&h.cache, &probe[..h.tokens]);
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn the_pool_serves_exact_prefixes_and_stays_in_budget(
+        ops in prop::collection::vec(op(), 1..40),
+        budget_blocks in 4u64..64,
+    ) {
+        run(ops, budget_blocks);
+    }
+}
+
+#[test]
+fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
+    let ns = NamespaceId([5; 32]);
+    let mut pool = ResidentPool::new(1 << 20);
+    let tokens: Vec<u32> = (0..10).collect();
+    let mut cache = PagedKvCache::new(1, config()).unwrap();
+    append(&mut cache, &tokens, 0);
+    cache.pool(0).unwrap().arrays()[0].eval().unwrap();
+    let arena = cache.pool(0).unwrap().arrays()[0].data_addr().unwrap();
+    pool.park(Chain::new(ns, BS), tokens.clone(), cache);
+
+    // A prompt that leaves the sequence at token 6 (mid-block) forks it.
+    let mut fork_prompt = tokens[..6].to_vec();
+    fork_prompt.extend([40, 41, 42]);
+    let chain = Chain::of(ns, BS, &fork_prompt);
+    let fork = pool.take(&chain, &fork_prompt, 8).unwrap().unwrap();
+    assert_eq!((fork.tokens, fork.handed_over), (6, false));
+    let mut fork = fork.cache;
+    append(&mut fork, &fork_prompt[6..], 6);
+    assert_holds(&fork, &fork_prompt);
+    assert_eq!(pool.stats().sequences, 1);
+
+    // The whole sequence plus new tokens takes its arenas as they are: same buffer.
+    let mut next = tokens.clone();
+    next.extend([7, 7, 7]);
+    let chain = Chain::of(ns, BS, &next);
+    let hit = pool.take(&chain, &next, next.len() - 1).unwrap().unwrap();
+    assert_eq!((hit.tokens, hit.handed_over), (10, true));
+    assert_eq!(
+        hit.cache.pool(0).unwrap().arrays()[0].data_addr().unwrap(),
+        arena
+    );
+    assert_holds(&hit.cache, &tokens);
+    assert_eq!(pool.stats().sequences, 0);
+    let s = pool.stats();
+    assert_eq!((s.handovers, s.forks, s.hits), (1, 1, 2));
+}
