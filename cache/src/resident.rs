@@ -3,8 +3,9 @@
 //!
 //! Layout (chosen by `kvstore bench cache`, docs/cache.md): a sequence owns per-layer
 //! arenas in which its blocks are one strided run, so attention reads its KV through a
-//! view, never a gather. A request whose prompt extends a resident sequence entirely is
-//! *handed over* its arenas: no copy at all. A request that shares only part of one (a
+//! view, never a gather. A request whose prompt extends a resident sequence entirely (or
+//! all but a short tail of it, as an agent's next turn does when the client re-renders the
+//! previous reply) is *handed over* its arenas: no copy at all. A request that shares only part of one (a
 //! fork, or a prompt that left the sequence mid-block) gets a clone trimmed to the shared
 //! tokens: the buffers are shared until its first write, when MLX copies each layer's
 //! arena once on the device (copy on write), so the resident sequence is never altered.
@@ -93,6 +94,10 @@ pub fn device_bytes(cache: &PagedKvCache) -> u64 {
         .sum()
 }
 
+/// A hit on all but at most 1/`HANDOVER_TAIL` of a resident sequence takes it over
+/// (trimmed, no copy) instead of forking it (a device copy of every layer's arena).
+const HANDOVER_TAIL: usize = 4;
+
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
@@ -142,39 +147,17 @@ impl ResidentPool {
     /// The longest resident prefix of `prompt`, at most `limit` tokens: `chain` holds the
     /// prompt's keys (at least those of its first `limit` tokens). The deepest key of
     /// `chain` that a resident sequence holds selects it; tokens after that key are
-    /// compared one by one, so the partial last block counts. A sequence matched to its end
-    /// leaves the pool and its cache is returned as is; otherwise the cache is a clone
-    /// trimmed to the match (copy on write) and the sequence stays.
+    /// compared one by one, so the partial last block counts. A sequence matched to its end,
+    /// or all but a short tail of it (at most a quarter), leaves the pool and its cache is
+    /// returned trimmed in place (no copy); otherwise the cache is a clone trimmed to the
+    /// match (copy on write) and the sequence stays.
     pub fn take(
         &mut self,
         chain: &Chain,
         prompt: &[u32],
         limit: usize,
     ) -> Result<Option<ResidentHit>, CacheError> {
-        let limit = limit.min(prompt.len());
-        let bs = chain.block_size();
-        let mut best: Option<(u64, usize)> = None;
-        let deepest = chain
-            .keys()
-            .iter()
-            .enumerate()
-            .rev()
-            .filter(|(j, _)| (j + 1) * bs <= limit)
-            .find_map(|(j, k)| self.index.get(k).map(|ids| (j, ids)));
-        if let Some((j, ids)) = deepest {
-            let base = (j + 1) * bs;
-            for id in ids {
-                let e = &self.entries[id];
-                let m = base + common_prefix(&e.tokens[base..], &prompt[base..limit]);
-                let better = match best {
-                    None => true,
-                    Some((bid, bm)) => m > bm || (m == bm && e.used > self.entries[&bid].used),
-                };
-                if better {
-                    best = Some((*id, m));
-                }
-            }
-        }
+        let best = self.best(chain, prompt, limit);
         let Some((id, m)) = best else {
             self.stats.misses += 1;
             return Ok(None);
@@ -182,11 +165,16 @@ impl ResidentPool {
         self.clock += 1;
         self.stats.hits += 1;
         self.stats.hit_tokens += m as u64;
-        let whole = self.entries[&id].tokens.len() == m;
-        if whole {
-            let Some(e) = self.remove(id) else {
+        let len = self.entries.get(&id).map_or(0, |e| e.tokens.len());
+        if (len - m) * HANDOVER_TAIL <= len {
+            // The prompt takes (nearly) all of it: hand the arenas over, trimmed in place.
+            // The tail dropped is mostly the previous reply the client did not send back
+            // (a scripted or edited turn, stripped reasoning); its full blocks stay in the
+            // host tiers.
+            let Some(mut e) = self.remove(id) else {
                 return Ok(None);
             };
+            e.cache.trim(len - m);
             self.stats.handovers += 1;
             return Ok(Some(ResidentHit {
                 cache: e.cache,
@@ -206,6 +194,42 @@ impl ResidentPool {
             tokens: m,
             handed_over: false,
         }))
+    }
+
+    /// Tokens of `prompt` (at most `limit`) that [`Self::take`] would find resident now,
+    /// without taking them or touching recency.
+    pub fn peek(&self, chain: &Chain, prompt: &[u32], limit: usize) -> usize {
+        self.best(chain, prompt, limit).map_or(0, |(_, m)| m)
+    }
+
+    /// The resident sequence sharing the longest prefix with `prompt[..limit]`, and that
+    /// length (ties: the most recently used).
+    fn best(&self, chain: &Chain, prompt: &[u32], limit: usize) -> Option<(u64, usize)> {
+        let limit = limit.min(prompt.len());
+        let bs = chain.block_size();
+        let mut best: Option<(u64, usize)> = None;
+        let deepest = chain
+            .keys()
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(|(j, _)| (j + 1) * bs <= limit)
+            .find_map(|(j, k)| self.index.get(k).map(|ids| (j, ids)));
+        if let Some((j, ids)) = deepest {
+            let base = (j + 1) * bs;
+            let mut best_used = 0;
+            for (id, e) in ids
+                .iter()
+                .filter_map(|id| Some((*id, self.entries.get(id)?)))
+            {
+                let m = base + common_prefix(&e.tokens[base..], &prompt[base..limit]);
+                if best.is_none_or(|(_, bm)| m > bm || (m == bm && e.used > best_used)) {
+                    best = Some((id, m));
+                    best_used = e.used;
+                }
+            }
+        }
+        best
     }
 
     /// Keeps a finished sequence resident: its `tokens` (all it holds), its `chain` (with

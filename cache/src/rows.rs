@@ -169,6 +169,64 @@ impl PagedKvRows {
         ))
     }
 
+    /// One decode step's attention for every row, each over its own cache through a view:
+    /// appends row b's `[1, H, 1, D]` slice of `keys` / `values` to `layer` and attends
+    /// row b's query (`queries` `[B, Hq, 1, D]`) over what row b holds, the last `window`
+    /// positions only when windowed. No row's KV is padded, concatenated or copied: the
+    /// step costs one fused attention per row instead of an O(context) copy of the batch.
+    /// Returns `[B, Hq, 1, D]`.
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+        window: Option<usize>,
+    ) -> Result<Array, CacheError> {
+        let (s, qs) = (keys.shape(), queries.shape());
+        let b = self.rows.len() as i32;
+        if s.len() != 4
+            || s[0] != b
+            || s[2] != 1
+            || values.shape() != s
+            || qs.len() != 4
+            || qs[0] != b
+            || qs[2] != 1
+        {
+            return Err(CacheError::Shape(format!(
+                "a decode step of {b} rows needs [B, H, 1, D] queries, keys and values; got \
+                 {qs:?}, {s:?}, {:?}",
+                values.shape()
+            )));
+        }
+        let (h, d, hq) = (s[1], s[3], qs[1]);
+        let mut out = Vec::with_capacity(self.rows.len());
+        for (i, row) in self.rows.iter_mut().enumerate() {
+            let bi = i as i32;
+            let k = keys.slice(&[bi, 0, 0, 0], &[bi + 1, h, 1, d])?;
+            let v = values.slice(&[bi, 0, 0, 0], &[bi + 1, h, 1, d])?;
+            let q = queries.slice(&[bi, 0, 0, 0], &[bi + 1, hq, 1, qs[3]])?;
+            let (mut rk, mut rv) = row.update_and_fetch(layer, &k, &v)?;
+            let t = rk.shape()[2];
+            if let Some(w) = window.filter(|&w| (w as i32) < t) {
+                // The query at position t-1 sees keys t-w .. t-1 (visible()).
+                let start = t - w as i32;
+                rk = rk.slice(&[0, 0, start, 0], &[1, h, t, d])?;
+                rv = rv.slice(&[0, 0, start, 0], &[1, h, t, rv.shape()[3]])?;
+            }
+            out.push(mlx::fast::scaled_dot_product_attention(
+                &q,
+                &rk,
+                &rv,
+                scale,
+                mlx::fast::AttentionMask::None,
+            )?);
+        }
+        let refs: Vec<&Array> = out.iter().collect();
+        Ok(mlx::ops::concatenate(&refs, 0)?)
+    }
+
     /// The boolean mask `[B, 1, L, T]` for the last `queries` tokens of every row after
     /// [`PagedKvRows::update_and_fetch`] on `layer`: padding hidden, causal, and limited to
     /// the last `window` positions when windowed.

@@ -135,7 +135,10 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
                     Some(h) => {
                         assert_eq!(h.tokens, best, "match length");
                         if h.handed_over {
-                            assert!(resident.iter().any(|s| s.len() == h.tokens));
+                            // Handed over: all but at most a quarter of a sequence matched.
+                            assert!(resident.iter().any(
+                                |s| s.len() >= h.tokens && (s.len() - h.tokens) * 4 <= s.len()
+                            ));
                         }
                         (h.cache, h.tokens)
                     }

@@ -18,6 +18,15 @@ pub enum KvChoice {
     Kv4,
 }
 
+/// When to restore cached blocks rather than recompute them.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestoreChoice {
+    /// When the measured restore cost beats the measured prefill cost.
+    Auto,
+    /// Every block found.
+    Always,
+}
+
 /// Prefix-cache flags.
 #[derive(clap::Args, Clone, Debug)]
 pub struct CacheArgs {
@@ -50,6 +59,11 @@ pub struct CacheArgs {
     /// The remote tier shared with other engines.
     #[command(flatten)]
     pub remote: RemoteArgs,
+    /// Which cached blocks to restore: `auto` restores a block from SSD or the remote tier
+    /// only when the measured cost model says it beats recomputing it; `always` restores
+    /// everything found (for checking the tiers).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub restore: RestoreChoice,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
@@ -155,6 +169,7 @@ impl CacheArgs {
             block_size: self.block_size,
             kv_format,
             salt: self.cache_salt.clone(),
+            restore_always: self.restore == RestoreChoice::Always,
             ..ReuseConfig::default()
         })
     }

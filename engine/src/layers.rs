@@ -321,7 +321,7 @@ impl Attention {
     }
 
     /// One decode step of a batch: `x` `[B, 1, hidden]`, row b at position `offsets[b]`,
-    /// attending over its own row of `rows` (left-padded keys masked out) → `[B, 1, hidden]`.
+    /// attending over its own row of `rows` through a view → `[B, 1, hidden]`.
     pub(crate) fn forward_rows(
         &self,
         x: &Array,
@@ -333,15 +333,7 @@ impl Attention {
         let (q, k, v) = self.heads(x)?;
         let q = rope.forward_rows(&q, offsets)?;
         let k = rope.forward_rows(&k, offsets)?;
-        let (keys, values) = rows.update_and_fetch(layer, &k, &v)?;
-        let mask = rows.decode_mask(layer, 1, None)?;
-        let o = fast::scaled_dot_product_attention(
-            &q,
-            &keys,
-            &values,
-            self.scale,
-            AttentionMask::Array(&mask),
-        )?;
+        let o = rows.attend(layer, &q, &k, &v, self.scale, None)?;
         self.output(&o)
     }
 }

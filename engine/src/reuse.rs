@@ -51,6 +51,9 @@ pub struct ReuseConfig {
     pub max_blocks: usize,
     /// Device bytes for all KV, live and resident (the device tier). Default: 2 GiB.
     pub kv_budget_bytes: u64,
+    /// Restore every cached block found, even where the cost model estimates recomputing
+    /// faster (for checking the tiers; users want the estimate). Default: false.
+    pub restore_always: bool,
 }
 
 impl Default for ReuseConfig {
@@ -62,6 +65,7 @@ impl Default for ReuseConfig {
             salt: None,
             max_blocks: 8192,
             kv_budget_bytes: 2 << 30,
+            restore_always: false,
         }
     }
 }
@@ -78,6 +82,9 @@ pub struct ReuseReport {
     /// Whether the device hit took over a resident sequence's KV as is (no copy at all)
     /// rather than sharing it copy-on-write.
     pub device_handover: bool,
+    /// Whether the host blocks were loaded by the I/O thread while the request waited for
+    /// admission (their load time is then not part of `restore_s`).
+    pub prefetched: bool,
     /// Of those, restored from the RAM tier.
     pub cached_ram_tokens: usize,
     /// Of those, restored from the SSD tier.
@@ -151,7 +158,8 @@ struct RestorePlan {
 
 /// Cuts the run `tiers` at the first SSD block when reading SSD is estimated slower than
 /// recomputing a block, and at the first remote block when fetching is (unless `probe`).
-/// Without a measured prefill speed everything is restored.
+/// Without a measured SSD speed, only [`SSD_PROBE_BLOCKS`] SSD blocks are read. Without a
+/// measured prefill speed everything is restored.
 fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -> RestorePlan {
     let count = |from: usize, tier: Tier| tiers[from..].iter().filter(|t| **t == tier).count();
     let mut plan = RestorePlan {
@@ -173,11 +181,26 @@ fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -
         }
     };
     cut(Tier::Ssd, costs.ssd_s_per_block, &mut plan);
+    if costs.ssd_s_per_block.is_none() {
+        // No SSD speed measured yet (on this device): read a few blocks to measure it and
+        // recompute the rest, so a first SSD hit can never cost much more than recomputing.
+        if let Some(first) = tiers.iter().position(|t| *t == Tier::Ssd) {
+            let end = first + SSD_PROBE_BLOCKS;
+            if end < plan.usable {
+                plan.usable = end;
+                plan.ssd_skipped = count(end, Tier::Ssd);
+                plan.remote_skipped = count(end, Tier::Remote);
+            }
+        }
+    }
     if !probe {
         cut(Tier::Remote, costs.remote_s_per_block, &mut plan);
     }
     plan
 }
+
+/// SSD blocks read to measure the SSD's speed when no estimate exists yet.
+const SSD_PROBE_BLOCKS: usize = 4;
 
 fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
     Some(old.map_or(new, |o| 0.7 * o + 0.3 * new))
@@ -199,9 +222,58 @@ pub struct PrefixCache {
     costs: Mutex<Costs>,
     device: String,
     costs_saved: Mutex<Option<Instant>>,
+    restore_always: bool,
 }
 
 const RECENT_SEQUENCES: usize = 8;
+
+/// The host half of a restore ([`PrefixCache::load_host`]): verified host blocks of a
+/// prompt's chain from block `first` on, loaded without touching the device.
+#[derive(Debug)]
+pub struct HostPrefix {
+    /// The prompt's chain keys (derived once, here).
+    chain: Chain,
+    /// Block index of the first loaded block: where the device hit ended when loading.
+    first: usize,
+    blocks: Vec<std::sync::Arc<Block>>,
+    tiers: Vec<Tier>,
+    stopped: Option<String>,
+    ssd_skipped: usize,
+    remote_skipped: usize,
+    lookup_s: f64,
+    load_s: f64,
+    remote_s: f64,
+}
+
+impl HostPrefix {
+    fn new(chain: Chain) -> Self {
+        Self {
+            chain,
+            first: 0,
+            blocks: Vec::new(),
+            tiers: Vec::new(),
+            stopped: None,
+            ssd_skipped: 0,
+            remote_skipped: 0,
+            lookup_s: 0.0,
+            load_s: 0.0,
+            remote_s: 0.0,
+        }
+    }
+
+    /// Drops the blocks before block `first` (now held by the device).
+    fn skip_to(&mut self, first: usize) {
+        let n = first.saturating_sub(self.first).min(self.blocks.len());
+        self.blocks.drain(..n);
+        self.tiers.drain(..n);
+        self.first += n;
+    }
+
+    /// Blocks loaded.
+    pub fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
+}
 
 /// What [`PrefixCache::prepare_in`] returns: a cache holding the reused prefix, the
 /// prompt's chain keys (derived once, extended at publication) and the report.
@@ -350,6 +422,7 @@ impl PrefixCache {
             costs: Mutex::new(costs),
             device,
             costs_saved: Mutex::new(None),
+            restore_always: config.restore_always,
         })
     }
 
@@ -466,6 +539,118 @@ impl PrefixCache {
     /// resident prefix on the device first, then the store's blocks after it, restored in
     /// bulk when the cost model says restoring beats recomputing.
     pub fn prepare_in(&self, namespace: NamespaceId, prompt: &[u32]) -> Result<Prepared> {
+        self.prepare_with(namespace, prompt, None)
+    }
+
+    /// The host half of a restore, for an I/O thread: the prompt's chain keys, what the
+    /// device tier holds of it now, and the store's blocks after that (lookup, SSD reads,
+    /// remote fetches, verification; the cost model decides how far). No MLX call.
+    pub fn load_host(&self, namespace: NamespaceId, prompt: &[u32]) -> Result<HostPrefix> {
+        let t = Instant::now();
+        let reusable = prompt.len().saturating_sub(1);
+        let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
+        let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
+        let mut host = self.load_host_from(chain, prompt, first)?;
+        host.lookup_s = t.elapsed().as_secs_f64() - host.load_s;
+        Ok(host)
+    }
+
+    /// The store's blocks of `chain` from block `first` on (see [`Self::load_host`]). An
+    /// SSD without a speed estimate is probed with a few blocks first, then the estimate
+    /// decides about the rest.
+    fn load_host_from(&self, chain: Chain, prompt: &[u32], first: usize) -> Result<HostPrefix> {
+        let bs = self.paged.block_size;
+        let namespace = chain.namespace();
+        let mut host = HostPrefix {
+            first,
+            ..HostPrefix::new(chain)
+        };
+        let rest = &host.chain.keys()[first.min(host.chain.keys().len())..];
+        if rest.is_empty() {
+            return Ok(host);
+        }
+        let t = Instant::now();
+        let hit = self.store.lookup(namespace, rest);
+        host.lookup_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut done = 0;
+        // Two rounds at most: a probe of an unmeasured SSD, then the rest by the estimate.
+        for _ in 0..2 {
+            let tiers = &hit.tiers[done..];
+            let (plan, had_ssd_estimate) = if self.restore_always {
+                let all = RestorePlan {
+                    usable: tiers.len(),
+                    ssd_skipped: 0,
+                    remote_skipped: 0,
+                };
+                (all, true)
+            } else {
+                let mut costs = self.costs.lock().map_err(|_| poisoned())?;
+                let cut = plan_restore(tiers, &costs, bs, false);
+                let probe = cut.remote_skipped > 0 && {
+                    costs.remote_cuts += 1;
+                    costs.remote_cuts % REMOTE_PROBE_EVERY == 0
+                };
+                (
+                    plan_restore(tiers, &costs, bs, probe),
+                    costs.ssd_s_per_block.is_some(),
+                )
+            };
+            host.ssd_skipped = plan.ssd_skipped;
+            host.remote_skipped = plan.remote_skipped;
+            if plan.usable == 0 {
+                break;
+            }
+            let start = first + done;
+            let tokens: Vec<&[u32]> = prompt[start * bs..].chunks(bs).take(plan.usable).collect();
+            let t_load = Instant::now();
+            let loaded =
+                self.store
+                    .load_prefix(namespace, &rest[done..done + plan.usable], &tokens);
+            let load_s = t_load.elapsed().as_secs_f64();
+            host.remote_s += loaded.remote_s;
+            let n = loaded.blocks.len();
+            let count = |tier: Tier| loaded.blocks.iter().filter(|(_, t)| *t == tier).count();
+            let (ssd, remote) = (count(Tier::Ssd), count(Tier::Remote));
+            {
+                let mut costs = self.costs.lock().map_err(|_| poisoned())?;
+                if ssd > 0 {
+                    let per_block = (load_s - loaded.remote_s).max(0.0) / ssd as f64;
+                    costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, per_block);
+                }
+                if remote > 0 {
+                    let per_block = loaded.remote_s / remote as f64;
+                    costs.remote_s_per_block = ewma(costs.remote_s_per_block, per_block);
+                }
+            }
+            for (b, tier) in loaded.blocks {
+                host.blocks.push(b);
+                host.tiers.push(tier);
+            }
+            done += n;
+            if let Some(reason) = &loaded.stopped {
+                host.stopped = Some(format!("{reason:?}"));
+                break;
+            }
+            // Only a probe (an SSD measured just now) goes round again.
+            if had_ssd_estimate || done >= hit.tiers.len() || n < plan.usable {
+                break;
+            }
+        }
+        host.load_s = t.elapsed().as_secs_f64();
+        Ok(host)
+    }
+
+    /// [`Self::prepare_in`] with the host half already loaded by [`Self::load_host`] (on
+    /// an I/O thread while the request waited for admission). If the device tier changed
+    /// since, the loaded blocks are cut to fit, or loaded again from where the device hit
+    /// ends.
+    pub fn prepare_with(
+        &self,
+        namespace: NamespaceId,
+        prompt: &[u32],
+        prefetched: Option<HostPrefix>,
+    ) -> Result<Prepared> {
         let mut report = ReuseReport {
             prompt_tokens: prompt.len(),
             diverged_at: self.diverged_at(namespace, prompt),
@@ -474,31 +659,31 @@ impl PrefixCache {
         let bs = self.paged.block_size;
         let t = Instant::now();
         let reusable = prompt.len().saturating_sub(1);
-        let chain = Chain::of(namespace, bs, &prompt[..reusable]);
+        let chain = match &prefetched {
+            Some(h) if h.chain.namespace() == namespace => h.chain.clone(),
+            _ => Chain::of(namespace, bs, &prompt[..reusable]),
+        };
         let resident = self.resident()?.take(&chain, prompt, reusable)?;
         let device_tokens = resident.as_ref().map_or(0, |h| h.tokens);
-        // The store continues after the device hit's whole blocks.
         let first = device_tokens / bs;
-        let rest = &chain.keys()[first..];
-        let hit = if rest.is_empty() {
-            store::PrefixHit::default()
-        } else {
-            self.store.lookup(namespace, rest)
-        };
         report.lookup_s = t.elapsed().as_secs_f64();
-
-        // Restore or recompute the SSD and remote parts: whichever is estimated faster.
-        let plan = {
-            let mut costs = self.costs.lock().map_err(|_| poisoned())?;
-            let cut = plan_restore(&hit.tiers, &costs, bs, false);
-            let probe = cut.remote_skipped > 0 && {
-                costs.remote_cuts += 1;
-                costs.remote_cuts % REMOTE_PROBE_EVERY == 0
-            };
-            plan_restore(&hit.tiers, &costs, bs, probe)
+        let host = match prefetched {
+            Some(mut h) if h.chain.namespace() == namespace && h.first <= first => {
+                report.prefetched = true;
+                report.lookup_s += h.lookup_s;
+                h.skip_to(first);
+                h
+            }
+            _ => {
+                let h = self.load_host_from(chain, prompt, first)?;
+                report.lookup_s += h.lookup_s;
+                report.restore_s += h.load_s;
+                h
+            }
         };
-        report.ssd_blocks_skipped = plan.ssd_skipped;
-        report.remote_blocks_skipped = plan.remote_skipped;
+        report.ssd_blocks_skipped = host.ssd_skipped;
+        report.remote_blocks_skipped = host.remote_skipped;
+        report.stopped = host.stopped.clone();
 
         let t = Instant::now();
         let mut cache = match resident {
@@ -508,62 +693,38 @@ impl PrefixCache {
             }
             None => PagedKvCache::new(self.layers, self.paged)?,
         };
-        let mut tiers: Vec<Tier> = Vec::new();
-        let mut remote_s = 0.0;
-        if (first + plan.usable) * bs > device_tokens {
+        let mut tiers = host.tiers;
+        if (first + host.blocks.len()) * bs > device_tokens {
             // The store holds more than the device: continue from the device's last whole
             // block (its partial block, if any, is dropped and comes back from the store).
             cache.trim(device_tokens - first * bs);
-            let tokens: Vec<&[u32]> = prompt[first * bs..].chunks(bs).take(plan.usable).collect();
-            let loaded = self
-                .store
-                .load_prefix(namespace, &rest[..plan.usable], &tokens);
-            if let Some(reason) = &loaded.stopped {
-                report.stopped = Some(format!("{reason:?}"));
-            }
-            remote_s = loaded.remote_s;
-            tiers = loaded.blocks.iter().map(|(_, t)| *t).collect();
-            let blocks: Vec<std::sync::Arc<Block>> =
-                loaded.blocks.into_iter().map(|(b, _)| b).collect();
-            let restored = cache.restore_onto(&blocks)?;
+            let restored = cache.restore_onto(&host.blocks)?;
             if let Some(e) = &restored.stopped {
                 report.stopped = Some(e.to_string());
             }
             tiers.truncate(restored.blocks);
             cache = restored.cache;
             report.cached_device_tokens = first * bs;
-        } else {
-            report.cached_device_tokens = device_tokens;
-        }
-        // Make the restored arenas real now, so the restore time is not billed to prefill.
-        if !tiers.is_empty() {
+            // Make the restored arenas real now, so the restore is not billed to prefill.
             for l in 0..self.layers {
                 if let Some(pool) = cache.pool(l) {
                     let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
                     mlx::eval(&arrays)?;
                 }
             }
+        } else {
+            tiers.clear();
+            report.cached_device_tokens = device_tokens;
         }
-        report.restore_s = t.elapsed().as_secs_f64();
+        report.restore_s += t.elapsed().as_secs_f64();
         let count = |tier: Tier| tiers.iter().filter(|t| **t == tier).count();
         report.cached_ram_tokens = count(Tier::Ram) * bs;
         report.cached_ssd_tokens = count(Tier::Ssd) * bs;
         report.cached_remote_tokens = count(Tier::Remote) * bs;
         report.cached_tokens = cache.offset();
-        let (ssd_used, remote_used) = (count(Tier::Ssd), count(Tier::Remote));
-        let mut costs = self.costs.lock().map_err(|_| poisoned())?;
-        if ssd_used > 0 {
-            let ssd_s = (report.restore_s - remote_s).max(0.0);
-            costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, ssd_s / ssd_used as f64);
-        }
-        if remote_used > 0 {
-            let per_block = remote_s / remote_used as f64;
-            costs.remote_s_per_block = ewma(costs.remote_s_per_block, per_block);
-        }
-        drop(costs);
         Ok(Prepared {
             cache,
-            chain,
+            chain: host.chain,
             report,
         })
     }
@@ -742,6 +903,29 @@ mod tests {
                 ssd_skipped: 2,
                 remote_skipped: 1
             }
+        );
+    }
+
+    #[test]
+    fn an_unmeasured_ssd_is_probed_with_a_few_blocks_once_prefill_speed_is_known() {
+        let run = [R, R, S, S, S, S, S, S, N];
+        let no_ssd_yet = Costs {
+            ssd_s_per_block: None,
+            ..costs(1e-3, 0.0, 1e-6)
+        };
+        let plan = plan_restore(&run, &no_ssd_yet, 16, false);
+        assert_eq!(
+            plan,
+            RestorePlan {
+                usable: 2 + SSD_PROBE_BLOCKS,
+                ssd_skipped: 6 - SSD_PROBE_BLOCKS,
+                remote_skipped: 1
+            }
+        );
+        // Once measured fast, the whole run is restored.
+        assert_eq!(
+            plan_restore(&run, &costs(1e-3, 1e-4, 1e-6), 16, false).usable,
+            9
         );
     }
 

@@ -31,7 +31,7 @@ use tokio::sync::mpsc as chan;
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream};
 use crate::model::{Model, ModelInfo};
-use crate::reuse::{PrefixCache, ReuseConfig, ReuseReport};
+use crate::reuse::{HostPrefix, PrefixCache, ReuseConfig, ReuseReport};
 use crate::sampler::{Sampled, Sampler};
 use crate::tokenizer::Tokenizer;
 
@@ -322,6 +322,63 @@ struct Pending {
     cancel: CancelHandle,
     submitted: Instant,
     reserve: u64,
+    prefetch: Prefetch,
+}
+
+/// The host half of a queued request's restore, loaded by the I/O thread.
+enum Prefetch {
+    /// No prefix cache, or the I/O thread is gone: the engine loads at admission.
+    None,
+    /// Being loaded.
+    Waiting(mpsc::Receiver<Result<HostPrefix>>),
+    /// Loaded (`None`: it failed; the engine loads again at admission, and reports why).
+    Ready(Option<HostPrefix>),
+}
+
+impl Prefetch {
+    /// Whether the load is over; with `block`, waits for it.
+    fn ready(&mut self, block: bool) -> bool {
+        let Prefetch::Waiting(rx) = self else {
+            return true;
+        };
+        let got = if block {
+            rx.recv().ok()
+        } else {
+            match rx.try_recv() {
+                Ok(r) => Some(r),
+                Err(mpsc::TryRecvError::Empty) => return false,
+                Err(mpsc::TryRecvError::Disconnected) => None,
+            }
+        };
+        *self = Prefetch::Ready(got.and_then(|r| r.ok()));
+        true
+    }
+
+    fn take(&mut self) -> Option<HostPrefix> {
+        match std::mem::replace(self, Prefetch::None) {
+            Prefetch::Ready(h) => h,
+            _ => None,
+        }
+    }
+}
+
+/// A job of the I/O thread: look up and load a queued request's cached prefix from the
+/// store (RAM, SSD, remote), so that the engine thread never waits on disk or network
+/// while other rows decode.
+struct IoJob {
+    salt: Option<String>,
+    prompt: Vec<u32>,
+    reply: mpsc::SyncSender<Result<HostPrefix>>,
+}
+
+/// The I/O thread's loop: one job at a time, in submission order.
+fn io_loop(prefix: Arc<PrefixCache>, jobs: mpsc::Receiver<IoJob>) {
+    for job in jobs {
+        let result = prefix
+            .namespace_for(job.salt.as_deref())
+            .and_then(|ns| prefix.load_host(ns, &job.prompt));
+        let _ = job.reply.send(result);
+    }
 }
 
 struct Shared {
@@ -334,6 +391,8 @@ struct Shared {
 pub struct Engine {
     tx: Mutex<mpsc::Sender<Command>>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Jobs for the I/O thread (with a prefix cache); it ends when this is dropped.
+    io: Option<Mutex<mpsc::Sender<IoJob>>>,
     shared: Arc<Shared>,
     tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
@@ -418,9 +477,22 @@ impl Engine {
             .name("kvstore-engine".into())
             .spawn(move || worker.run())
             .map_err(|e| EngineError::io("kvstore-engine thread", e))?;
+        let io = match &prefix {
+            Some(pc) => {
+                let (io_tx, io_rx) = mpsc::channel();
+                let pc = pc.clone();
+                std::thread::Builder::new()
+                    .name("kvstore-io".into())
+                    .spawn(move || io_loop(pc, io_rx))
+                    .map_err(|e| EngineError::io("kvstore-io thread", e))?;
+                Some(Mutex::new(io_tx))
+            }
+            None => None,
+        };
         Ok(Engine {
             tx: Mutex::new(tx),
             thread: Mutex::new(Some(thread)),
+            io,
             shared,
             tokenizer,
             info,
@@ -514,6 +586,22 @@ impl Engine {
         let (tx, rx) = chan::unbounded_channel();
         let cancel = CancelHandle::default();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        // The I/O thread loads the cached prefix while the request waits for admission.
+        let prefetch = match self.io.as_ref().and_then(|io| io.lock().ok()) {
+            Some(io) => {
+                let (reply, done) = mpsc::sync_channel(1);
+                let job = IoJob {
+                    salt: request.cache_salt.clone(),
+                    prompt: request.prompt.clone(),
+                    reply,
+                };
+                match io.send(job) {
+                    Ok(()) => Prefetch::Waiting(done),
+                    Err(_) => Prefetch::None,
+                }
+            }
+            None => Prefetch::None,
+        };
         let pending = Pending {
             id,
             request,
@@ -521,6 +609,7 @@ impl Engine {
             cancel: cancel.clone(),
             submitted: Instant::now(),
             reserve,
+            prefetch,
         };
         c.queue_depth.fetch_add(1, Ordering::Relaxed);
         let sent = self
@@ -763,6 +852,16 @@ impl Worker {
             if !fits {
                 break;
             }
+            // The front request's cached prefix comes from the I/O thread: rows decoding
+            // now never wait for it; with none decoding, waiting for it is all there is.
+            let idle = self.active.is_empty();
+            if !self
+                .queue
+                .front_mut()
+                .is_some_and(|p| p.prefetch.ready(idle))
+            {
+                break;
+            }
             let Some(p) = self.queue.pop_front() else {
                 break;
             };
@@ -791,7 +890,7 @@ impl Worker {
 
     /// Restores the cached prefix, prefills the rest, samples the first token, and adds
     /// the row to the batch.
-    fn start(&mut self, p: Pending) -> Result<()> {
+    fn start(&mut self, mut p: Pending) -> Result<()> {
         let queue_s = p.submitted.elapsed().as_secs_f64();
         let admitted = Instant::now();
         let prompt = p.request.prompt;
@@ -814,7 +913,7 @@ impl Worker {
         }
         let (mut cache, mut chain, mut report) = match (&self.prefix, namespace) {
             (Some(pc), Some(ns)) => {
-                let p = pc.prepare_in(ns, &prompt)?;
+                let p = pc.prepare_with(ns, &prompt, p.prefetch.take())?;
                 (p.cache, Some(p.chain), p.report)
             }
             _ => (

@@ -2,8 +2,10 @@
 cache, the way mlx-lm's server reuses it (keep the cache, trim it to the longest common
 prefix with the new prompt, prefill the rest).
 
-Usage: mlx_lm_agent.py MODEL_DIR TRANSCRIPT.json
+Usage: mlx_lm_agent.py MODEL_DIR TRANSCRIPT.json [stored]
 TRANSCRIPT.json: {"max_tokens": N, "prompts": [[token ids of turn 1], [turn 2], ...]}
+`stored` keeps the checkpoint's dtype (what `kvstore --keep-quantized` does); without it
+the model computes in f32, as kvstore does on CPU.
 Prints one JSON object per turn: prompt_tokens, cached_tokens, ttft_s.
 """
 
@@ -20,7 +22,8 @@ from mlx_lm.sample_utils import make_sampler
 def main():
     folder, transcript = sys.argv[1], json.load(open(sys.argv[2]))
     model, tok = load(folder)
-    model.set_dtype(mx.float32)  # what kvstore computes in on CPU
+    if sys.argv[3:4] != ["stored"]:
+        model.set_dtype(mx.float32)  # what kvstore computes in on CPU
     cache = make_prompt_cache(model)
     held = []  # tokens the cache holds
     sampler = make_sampler(temp=0.0)

@@ -24,6 +24,8 @@ fn open(model: &Model, tok: &Tokenizer, root: &Path) -> PrefixCache {
     let config = ReuseConfig {
         store: StoreConfig::default().root(root),
         block_size: BLOCK,
+        // Every corrupt block must be read to be detected: no estimate may skip it.
+        restore_always: true,
         ..ReuseConfig::default()
     };
     PrefixCache::open(model, tok, config).unwrap()

@@ -21,6 +21,8 @@ fn engine(model: &Model, tok: &Tokenizer, dir: &Path, url: &str) -> PrefixCache 
             .ssd_budget(256 << 20)
             .remote(Some(RemoteConfig::new(url).io_timeout_ms(500))),
         block_size: BS,
+        // These tests check what each tier serves: no estimate may skip a tier.
+        restore_always: true,
         ..ReuseConfig::default()
     };
     PrefixCache::open(model, tok, config).unwrap()

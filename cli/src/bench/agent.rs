@@ -1,7 +1,9 @@
-//! `kvstore bench agent`: the multi-turn agent session (the demo's transcript) served four
-//! ways on the same model in the same run: no cache, RAM-tier reuse, SSD-only reuse (the
-//! store reopened before every turn, so nothing is in RAM), and mlx-lm with its prompt
-//! cache (scripts/bench/mlx_lm_agent.py). Writes JSON and an SVG plot.
+//! `kvstore bench agent`: the multi-turn agent session (the demo's transcript) served five
+//! ways on the same model in the same run: no cache; reuse as a user gets it (the device
+//! tier, with the host tiers behind it); host-RAM reuse (the device tier off, so every hit
+//! is restored from host RAM); SSD-only reuse (the store reopened before every turn, so
+//! nothing is on the device or in RAM); and mlx-lm with its prompt cache
+//! (scripts/bench/mlx_lm_agent.py). Writes JSON and an SVG plot.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,9 +32,19 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 32)]
     block_size: usize,
-    /// Arms to run, comma-separated: cold, ram, ssd, mlx-lm.
-    #[arg(long, default_value = "cold,ram,ssd,mlx-lm", value_delimiter = ',')]
+    /// Arms to run, comma-separated: cold, device, ram, ssd, mlx-lm.
+    #[arg(
+        long,
+        default_value = "cold,device,ram,ssd,mlx-lm",
+        value_delimiter = ','
+    )]
     arms: Vec<String>,
+    /// Device memory for all KV of the device arm (live and resident).
+    #[arg(long, value_name = "SIZE", default_value = "4GiB")]
+    kv_budget: String,
+    /// Bound on MLX's buffer cache.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    mlx_cache_limit: String,
     /// The model as an mlx-lm folder (made by scripts/goldens/make_goldens.sh from the
     /// same GGUF).
     #[arg(long, default_value = "target/goldens/smollm2-hf")]
@@ -40,6 +52,11 @@ pub struct Args {
     /// Python with mlx-lm (the venv scripts/goldens/make_goldens.sh creates).
     #[arg(long, default_value = ".venv-goldens/bin/python")]
     python: PathBuf,
+    /// Instead of the agent session, two turns of seeded random token ids: a prefix of
+    /// PREFIX tokens, then the same prefix plus NEW tokens (`--synthetic 32768,64`: the
+    /// TTFT of a 32K-token cached prefix plus 64 new tokens, against cold).
+    #[arg(long, value_name = "PREFIX,NEW", value_delimiter = ',', num_args = 2)]
+    synthetic: Option<Vec<usize>>,
     /// Where to write <out>.json and <out>.svg.
     #[arg(long, default_value = "docs/bench-agent")]
     out: PathBuf,
@@ -50,6 +67,7 @@ pub struct Args {
 struct TurnResult {
     prompt_tokens: usize,
     cached_tokens: usize,
+    cached_device_tokens: usize,
     ttft_s: f64,
     lookup_s: f64,
     restore_s: f64,
@@ -83,6 +101,7 @@ fn from_report(r: &ReuseReport, written: u64) -> TurnResult {
     TurnResult {
         prompt_tokens: r.prompt_tokens,
         cached_tokens: r.cached_tokens,
+        cached_device_tokens: r.cached_device_tokens,
         ttft_s: r.ttft_s,
         lookup_s: r.lookup_s,
         restore_s: r.restore_s,
@@ -97,16 +116,18 @@ struct Ctx<'a> {
     prompts: &'a [Vec<u32>],
     params: GenerateParams,
     block_size: usize,
+    kv_budget: u64,
 }
 
 impl Ctx<'_> {
-    fn config(&self, dir: &Path) -> ReuseConfig {
+    fn config(&self, dir: &Path, kv_budget: u64) -> ReuseConfig {
         ReuseConfig {
             store: StoreConfig::default()
                 .root(dir)
                 .ram_budget(4 << 30)
                 .ssd_budget(16 << 30),
             block_size: self.block_size,
+            kv_budget_bytes: kv_budget,
             ..ReuseConfig::default()
         }
     }
@@ -125,46 +146,61 @@ impl Ctx<'_> {
 
     /// Runs the selected in-process arms turn by turn, interleaved, so that load on this
     /// shared machine falls on every arm alike.
-    fn interleaved(&self, cold: bool, ram: bool, ssd: bool) -> Result<Vec<Arm>> {
-        let (ram_dir, ssd_dir) = (tempfile::tempdir()?, tempfile::tempdir()?);
-        let ram_pc = if ram {
-            Some(PrefixCache::open(
-                self.model,
-                self.tokenizer,
-                self.config(ram_dir.path()),
-            )?)
-        } else {
-            None
+    fn interleaved(&self, cold: bool, device: bool, ram: bool, ssd: bool) -> Result<Vec<Arm>> {
+        let dirs = [
+            tempfile::tempdir()?,
+            tempfile::tempdir()?,
+            tempfile::tempdir()?,
+        ];
+        let open = |on: bool, dir: &Path, budget: u64| -> Result<Option<PrefixCache>> {
+            Ok(match on {
+                true => Some(PrefixCache::open(
+                    self.model,
+                    self.tokenizer,
+                    self.config(dir, budget),
+                )?),
+                false => None,
+            })
         };
-        let (mut c, mut r, mut s) = (Vec::new(), Vec::new(), Vec::new());
+        let device_pc = open(device, dirs[0].path(), self.kv_budget)?;
+        // A zero device budget keeps nothing resident: every hit comes from host RAM.
+        let ram_pc = open(ram, dirs[1].path(), 0)?;
+        let (mut c, mut d, mut r, mut s) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, p) in self.prompts.iter().enumerate() {
             eprintln!("turn {} ({} prompt tokens)", i + 1, p.len());
             if cold {
                 c.push(from_report(&self.turn(None, p)?, 0));
             }
-            if let Some(pc) = &ram_pc {
-                let before = pc.stats().bytes_written;
-                let rep = self.turn(Some(pc), p)?;
-                r.push(from_report(&rep, pc.stats().bytes_written - before));
+            for (pc, out) in [(&device_pc, &mut d), (&ram_pc, &mut r)] {
+                if let Some(pc) = pc {
+                    let before = pc.stats().bytes_written;
+                    let rep = self.turn(Some(pc), p)?;
+                    out.push(from_report(&rep, pc.stats().bytes_written - before));
+                }
             }
             if ssd {
-                // A new store handle each turn: an empty RAM tier, as after a restart.
-                let pc =
-                    PrefixCache::open(self.model, self.tokenizer, self.config(ssd_dir.path()))?;
+                // A new store handle each turn: nothing on the device or in RAM, as after a
+                // restart (the cost model is read back from the store, as after a restart).
+                let pc = PrefixCache::open(
+                    self.model,
+                    self.tokenizer,
+                    self.config(dirs[2].path(), self.kv_budget),
+                )?;
                 let rep = self.turn(Some(&pc), p)?;
                 pc.flush()?;
                 s.push(from_report(&rep, pc.stats().bytes_written));
             }
         }
         let mut arms = Vec::new();
-        if cold {
-            arms.push(arm("no cache", c));
-        }
-        if ram {
-            arms.push(arm("RAM reuse", r));
-        }
-        if ssd {
-            arms.push(arm("SSD reuse", s));
+        for (on, name, turns) in [
+            (cold, "no cache", c),
+            (device, "device reuse", d),
+            (ram, "RAM reuse", r),
+            (ssd, "SSD reuse", s),
+        ] {
+            if on {
+                arms.push(arm(name, turns));
+            }
         }
         Ok(arms)
     }
@@ -183,10 +219,14 @@ impl Ctx<'_> {
             serde_json::json!({"max_tokens": self.params.max_tokens, "prompts": self.prompts});
         std::fs::write(file.path(), serde_json::to_vec(&transcript)?)?;
         eprintln!("mlx-lm: {} turns", self.prompts.len());
-        let out = Command::new(&args.python)
-            .arg("scripts/bench/mlx_lm_agent.py")
+        let mut cmd = Command::new(&args.python);
+        cmd.arg("scripts/bench/mlx_lm_agent.py")
             .arg(&args.mlx_lm_model)
-            .arg(file.path())
+            .arg(file.path());
+        if args.model.keep_quantized {
+            cmd.arg("stored");
+        }
+        let out = cmd
             .output()
             .context("running scripts/bench/mlx_lm_agent.py")?;
         if !out.status.success() {
@@ -288,13 +328,32 @@ fn svg(arms: &[Arm]) -> String {
 /// Runs the agent benchmark.
 pub fn run(args: Args) -> Result<()> {
     let (model, tokenizer) = args.model.load()?;
-    let tools = serde_json::to_string(&agent_session::tools())?;
-    let prompts: Vec<Vec<u32>> = (0..args.turns)
-        .map(|t| {
-            let m = serde_json::to_string(&agent_session::messages(t))?;
-            Ok(tokenizer.encode_chat(&m, Some(&tools), true)?)
-        })
-        .collect::<Result<_>>()?;
+    let prompts: Vec<Vec<u32>> = match &args.synthetic {
+        Some(sizes) => {
+            let (prefix, new) = (sizes[0], sizes[1]);
+            let vocab = model.info().vocab_size as u64;
+            // xorshift over a fixed seed: the same ids in every run and process.
+            let mut x = 0x9E37_79B9_7F4A_7C15u64;
+            let ids: Vec<u32> = (0..prefix + new)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % vocab.max(1)) as u32
+                })
+                .collect();
+            vec![ids[..prefix].to_vec(), ids]
+        }
+        None => {
+            let tools = serde_json::to_string(&agent_session::tools())?;
+            (0..args.turns)
+                .map(|t| {
+                    let m = serde_json::to_string(&agent_session::messages(t))?;
+                    Ok(tokenizer.encode_chat(&m, Some(&tools), true)?)
+                })
+                .collect::<Result<_>>()?
+        }
+    };
     let ctx = Ctx {
         model: &model,
         tokenizer: &tokenizer,
@@ -304,16 +363,25 @@ pub fn run(args: Args) -> Result<()> {
             ..GenerateParams::default()
         },
         block_size: args.block_size,
+        kv_budget: crate::cache_args::parse_size(&args.kv_budget).context("--kv-budget")?,
     };
+    let limit =
+        crate::cache_args::parse_size(&args.mlx_cache_limit).context("--mlx-cache-limit")?;
+    mlx::set_cache_limit(limit as usize)?;
     // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
     ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
     for name in &args.arms {
-        if !["cold", "ram", "ssd", "mlx-lm"].contains(&name.as_str()) {
-            anyhow::bail!("unknown arm {name:?}: use cold, ram, ssd, mlx-lm");
+        if !["cold", "device", "ram", "ssd", "mlx-lm"].contains(&name.as_str()) {
+            anyhow::bail!("unknown arm {name:?}: use cold, device, ram, ssd, mlx-lm");
         }
     }
     let has = |a: &str| args.arms.iter().any(|n| n == a);
-    let mut arms = ctx.interleaved(has("cold"), has("ram"), has("ssd"))?;
+    mlx::clear_cache()?;
+    // What stays allocated with no request in flight: the weights, mostly.
+    let baseline_bytes = mlx::active_memory()?;
+    mlx::reset_peak_memory()?;
+    let mut arms = ctx.interleaved(has("cold"), has("device"), has("ram"), has("ssd"))?;
+    let peak_device_bytes = mlx::peak_memory()?;
     if has("mlx-lm") {
         // The buffers MLX cached for the in-process arms go back first: on a GPU the child
         // allocates from the same device memory (docs/cuda.md).
@@ -353,19 +421,46 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let Some(cold) = arms.iter().find(|a| a.name == "no cache") {
         for a in arms.iter().filter(|a| a.name != "no cache") {
+            let worst = a
+                .turns
+                .iter()
+                .zip(&cold.turns)
+                .map(|(t, c)| t.ttft_s / c.ttft_s)
+                .fold(0.0f64, f64::max);
             println!(
-                "{:>20}: {:.3} of the no-cache total",
+                "{:>20}: {:.3} of the no-cache total; worst turn {:.2}x no cache",
                 a.name,
-                a.total_ttft_s / cold.total_ttft_s
+                a.total_ttft_s / cold.total_ttft_s,
+                worst
             );
         }
     }
+    if let Some(peer) = arms.iter().find(|a| a.name == "mlx-lm prompt cache") {
+        for a in arms.iter().filter(|a| a.name.ends_with("reuse")) {
+            println!(
+                "{:>20}: {:.3} of mlx-lm's total",
+                a.name,
+                a.total_ttft_s / peer.total_ttft_s
+            );
+        }
+    }
+    println!(
+        "peak MLX memory of the in-process arms: {:.1} MiB, {:.1} MiB above the {:.1} MiB held \
+         before them (KV budget {})",
+        peak_device_bytes as f64 / 1048576.0,
+        peak_device_bytes.saturating_sub(baseline_bytes) as f64 / 1048576.0,
+        baseline_bytes as f64 / 1048576.0,
+        args.kv_budget
+    );
     let json = serde_json::json!({
         "command": std::env::args().collect::<Vec<_>>().join(" "),
         "model": args.model.path()?.display().to_string(),
-        "turns": args.turns,
+        "turns": prompts.len(),
         "max_tokens": args.max_tokens,
         "block_size": args.block_size,
+        "kv_budget": args.kv_budget,
+        "peak_device_bytes": peak_device_bytes,
+        "baseline_bytes": baseline_bytes,
         "prompt_tokens": prompts.iter().map(Vec::len).collect::<Vec<_>>(),
         "arms": arms,
     });

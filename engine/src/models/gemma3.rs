@@ -17,7 +17,7 @@
 //! exactly as a fresh one does.
 
 use cache::{attention_mask, KvCache, PagedKvRows};
-use mlx::fast::{self, AttentionMask};
+use mlx::fast;
 use mlx::{Array, Dtype};
 use serde::Deserialize;
 use serde_json::Value;
@@ -321,7 +321,7 @@ impl Attention {
     }
 
     /// One decode step of a batch: `x` `[B, 1, hidden]`, row b at position `offsets[b]`;
-    /// the mask hides each row's left padding and, on window layers, keys out of its window.
+    /// each row attends over its own cache, on window layers over the window's keys only.
     fn forward_rows(
         &self,
         x: &Array,
@@ -333,15 +333,7 @@ impl Attention {
         let (q, k, v) = self.heads(x)?;
         let q = rope.forward_rows(&q, offsets)?;
         let k = rope.forward_rows(&k, offsets)?;
-        let (keys, values) = rows.update_and_fetch(layer, &k, &v)?;
-        let mask = rows.decode_mask(layer, 1, self.window())?;
-        let o = fast::scaled_dot_product_attention(
-            &q,
-            &keys,
-            &values,
-            self.inner.scale,
-            AttentionMask::Array(&mask),
-        )?;
+        let o = rows.attend(layer, &q, &k, &v, self.inner.scale, self.window())?;
         self.output(&o)
     }
 }

@@ -143,6 +143,8 @@ fn config(dir: &Path, block_size: usize) -> ReuseConfig {
             .ram_budget(256 << 20)
             .ssd_budget(1 << 30),
         block_size,
+        // These tests check what each tier serves: no estimate may skip a tier.
+        restore_always: true,
         ..ReuseConfig::default()
     }
 }
