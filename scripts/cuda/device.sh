@@ -11,9 +11,10 @@
 # Steps: 1-4, mlxlm as in docs/cuda.md; a (stash, probe), b (stash, assemble MLX),
 # t NAME... (some test binaries), v (every test binary, with redis-server and the openai
 # client carried in x4), g / h (the 32K agent session: kvstore's arms / mlx-lm's arm, each
-# its own process); p1 / p2 / p3: the device-pool measurements (docs/benchmarks.md, "Device
-# tier"): p1 bench cache + the 13-turn session, p2 the 32K session (device arm, then mlx-lm,
-# each its own process, GPU memory sampled), p3 the 8B-shaped bf16 32K prefix + 64 tokens.
+# its own process); pb / pc: the device-tier measurements (docs/benchmarks.md, "Device
+# tier"): pb (after x1, x2) bench cache + the 8B-shaped bf16 32K prefix + 64 tokens; pc
+# (after x3) the 13-turn session, then the 32K session (device arm, then mlx-lm, each its
+# own process, GPU memory sampled).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -188,40 +189,38 @@ case "$step" in
     kill $smi
     echo "GPU memory used, max MiB: $(cut -d, -f2 "$OUT/gpumem-$step.csv" | sort -n | tail -1)"
     ;;
-  p1|p2|p3) # device-pool measurements
+  pb|pc) # device-pool measurements (pb: after x1+x2, no GGUF needed; pc: after x3)
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
-    assemble_gguf >/dev/null || exit 1
     env_setup
-    d=$K/smollm2-64k; mkdir -p "$d"
-    for f in "$K"/smollm2-hf/*; do ln -sfn "$f" "$d/"; done; rm -f "$d/config.json"
-    python3 -c "import json,sys; c=json.load(open('$K/smollm2-hf/config.json')); c['max_position_embeddings']=65536; json.dump(c,open('$d/config.json','w'))"
     py=$(command -v python3)
     mem() { nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 1000 > "$OUT/gpumem-$1.csv" 2>&1 & echo $!; }
     peak() { echo "GPU memory used, max MiB ($1): $(cut -d, -f2 "$OUT/gpumem-$1.csv" | sort -n | tail -1)"; }
-    case "$step" in
-      p1)
-        { timeout 200 "$BIN/kvstore" bench cache 2>&1; } | tee "$OUT/bench-cache.log"
-        { timeout 330 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-            --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
-        tail -n 24 "$OUT/agent13.log" ;;
-      p2)
-        s=$(mem device)
-        { timeout 280 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-            --arms device --turns "${TURNS:-75}" --kv-budget 4GiB --out "$OUT/agent32k-device" 2>&1; } > "$OUT/agent32k-device.log"
-        kill $s; tail -n 8 "$OUT/agent32k-device.log"; peak device
-        s=$(mem mlxlm)
-        { timeout 280 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-            --arms mlx-lm --turns "${TURNS:-75}" --out "$OUT/agent32k-mlxlm" 2>&1; } > "$OUT/agent32k-mlxlm.log"
-        kill $s; tail -n 8 "$OUT/agent32k-mlxlm.log"; peak mlxlm ;;
-      p3)
-        [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
-        s=$(mem llama8b)
-        { timeout 500 "$BIN/kvstore" bench agent --model "$K/llama8b" --keep-quantized --python "$py" \
-            --mlx-lm-model "$K/llama8b" --synthetic 32768,64 --arms cold,device,ram,ssd,mlx-lm \
-            --kv-budget 24GiB --out "$OUT/agent-8b-32k" 2>&1; } > "$OUT/agent-8b-32k.log"
-        kill $s; tail -n 14 "$OUT/agent-8b-32k.log"; peak llama8b ;;
-    esac
+    if [ "$step" = pb ]; then
+      { timeout 150 "$BIN/kvstore" bench cache 2>&1; } | tee "$OUT/bench-cache.log"
+      [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+      s=$(mem llama8b)
+      { timeout 400 "$BIN/kvstore" bench agent --model "$K/llama8b" --keep-quantized --python "$py" \
+          --mlx-lm-model "$K/llama8b" --synthetic 32768,64 --arms cold,device,ram,ssd,mlx-lm \
+          --kv-budget 24GiB --out "$OUT/agent-8b-32k" 2>&1; } > "$OUT/agent-8b-32k.log"
+      kill $s; tail -n 14 "$OUT/agent-8b-32k.log"; peak llama8b
+    else
+      assemble_gguf >/dev/null || exit 1
+      d=$K/smollm2-64k; mkdir -p "$d"
+      for f in "$K"/smollm2-hf/*; do ln -sfn "$f" "$d/"; done; rm -f "$d/config.json"
+      python3 -c "import json,sys; c=json.load(open('$K/smollm2-hf/config.json')); c['max_position_embeddings']=65536; json.dump(c,open('$d/config.json','w'))"
+      { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+          --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
+      tail -n 26 "$OUT/agent13.log"
+      s=$(mem device)
+      { timeout 200 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+          --arms device --turns "${TURNS:-75}" --kv-budget 4GiB --out "$OUT/agent32k-device" 2>&1; } > "$OUT/agent32k-device.log"
+      kill $s; tail -n 6 "$OUT/agent32k-device.log"; peak device
+      s=$(mem mlxlm)
+      { timeout 200 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+          --arms mlx-lm --turns "${TURNS:-75}" --out "$OUT/agent32k-mlxlm" 2>&1; } > "$OUT/agent32k-mlxlm.log"
+      kill $s; tail -n 6 "$OUT/agent32k-mlxlm.log"; peak mlxlm
+    fi
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   v) # every test binary, with redis-server and the openai client that some tests need
