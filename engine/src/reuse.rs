@@ -104,6 +104,9 @@ pub struct ReuseReport {
     pub prefill_s: f64,
     /// Time to first token: lookup + restore + prefill (what a user waits for).
     pub ttft_s: f64,
+    /// Host-RAM blocks left on the host because recomputing them was estimated faster than
+    /// moving them to the device.
+    pub ram_blocks_skipped: usize,
     /// Cached SSD blocks left unread because recomputing them was estimated faster.
     pub ssd_blocks_skipped: usize,
     /// Remote-tier blocks left unfetched because recomputing them was estimated faster.
@@ -121,6 +124,10 @@ struct Costs {
     ssd_s_per_block: Option<f64>,
     /// Fetch and verification of one block from the remote tier (measured per chain fetch).
     remote_s_per_block: Option<f64>,
+    /// Moving one block from host bytes to the device (assembly + transfer), whatever tier
+    /// it came from: calibrated once per device when unknown, then measured on every import.
+    #[serde(default)]
+    import_s_per_block: Option<f64>,
     /// Requests whose remote part was cut; every [`REMOTE_PROBE_EVERY`]th fetches anyway.
     #[serde(skip)]
     remote_cuts: u64,
@@ -152,51 +159,83 @@ const REMOTE_PROBE_EVERY: u64 = 16;
 struct RestorePlan {
     /// Blocks to load (a prefix of the run).
     usable: usize,
+    ram_skipped: usize,
     ssd_skipped: usize,
     remote_skipped: usize,
 }
 
-/// Cuts the run `tiers` at the first SSD block when reading SSD is estimated slower than
-/// recomputing a block, and at the first remote block when fetching is (unless `probe`).
-/// Without a measured SSD speed, only [`SSD_PROBE_BLOCKS`] SSD blocks are read. Without a
-/// measured prefill speed everything is restored.
+/// Cuts the run `tiers` at the first block of a tier whose restore is estimated slower than
+/// recomputing a block: a host-RAM block costs its import to the device; an SSD block its
+/// read and import; a remote block its fetch and import (unless `probe`: the remote part
+/// is then fetched anyway, to measure it again). Without a measured SSD speed, only
+/// [`SSD_PROBE_BLOCKS`] SSD blocks are read. Without a measured prefill speed everything is
+/// restored.
 fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -> RestorePlan {
     let count = |from: usize, tier: Tier| tiers[from..].iter().filter(|t| **t == tier).count();
     let mut plan = RestorePlan {
         usable: tiers.len(),
+        ram_skipped: 0,
         ssd_skipped: 0,
         remote_skipped: 0,
     };
     let Some(recompute) = costs.prefill_s_per_token.map(|p| p * block_size as f64) else {
         return plan;
     };
+    let cut_at = |first: usize, plan: &mut RestorePlan| {
+        if first < plan.usable {
+            plan.usable = first;
+            plan.ram_skipped = count(first, Tier::Ram);
+            plan.ssd_skipped = count(first, Tier::Ssd);
+            plan.remote_skipped = count(first, Tier::Remote);
+        }
+    };
     let cut = |tier: Tier, cost: Option<f64>, plan: &mut RestorePlan| {
         let first = tiers.iter().position(|t| *t == tier);
         if let (Some(first), Some(cost)) = (first, cost) {
-            if cost > recompute && first < plan.usable {
-                plan.usable = first;
-                plan.ssd_skipped = count(first, Tier::Ssd);
-                plan.remote_skipped = count(first, Tier::Remote);
+            if cost > recompute {
+                cut_at(first, plan);
             }
         }
     };
-    cut(Tier::Ssd, costs.ssd_s_per_block, &mut plan);
+    let import = costs.import_s_per_block.unwrap_or(0.0);
+    cut(Tier::Ram, costs.import_s_per_block, &mut plan);
+    cut(
+        Tier::Ssd,
+        costs.ssd_s_per_block.map(|s| s + import),
+        &mut plan,
+    );
     if costs.ssd_s_per_block.is_none() {
         // No SSD speed measured yet (on this device): read a few blocks to measure it and
         // recompute the rest, so a first SSD hit can never cost much more than recomputing.
         if let Some(first) = tiers.iter().position(|t| *t == Tier::Ssd) {
-            let end = first + SSD_PROBE_BLOCKS;
-            if end < plan.usable {
-                plan.usable = end;
-                plan.ssd_skipped = count(end, Tier::Ssd);
-                plan.remote_skipped = count(end, Tier::Remote);
-            }
+            cut_at(first + SSD_PROBE_BLOCKS, &mut plan);
         }
     }
     if !probe {
-        cut(Tier::Remote, costs.remote_s_per_block, &mut plan);
+        cut(
+            Tier::Remote,
+            costs.remote_s_per_block.map(|r| r + import),
+            &mut plan,
+        );
     }
     plan
+}
+
+/// Seconds to move one block of `block_bytes` from host bytes to the device, measured on a
+/// run of blocks (up to 16 MiB) in one transfer, as a restore moves them: the prior of the
+/// import estimate on a device that never restored.
+fn calibrate_import(block_bytes: u64) -> Option<f64> {
+    let block_bytes = block_bytes.max(1);
+    let blocks = ((16u64 << 20) / block_bytes).clamp(1, 64);
+    let host = vec![0u8; (blocks * block_bytes) as usize];
+    let once = || -> Option<f64> {
+        let t = Instant::now();
+        let a = mlx::Array::from_bytes(&host, &[host.len() as i32], mlx::Dtype::U8).ok()?;
+        a.eval().ok()?;
+        Some(t.elapsed().as_secs_f64())
+    };
+    once()?; // the first transfer pays one-off set-up
+    Some(once()? / blocks as f64)
 }
 
 /// SSD blocks read to measure the SSD's speed when no estimate exists yet.
@@ -238,6 +277,7 @@ pub struct HostPrefix {
     blocks: Vec<std::sync::Arc<Block>>,
     tiers: Vec<Tier>,
     stopped: Option<String>,
+    ram_skipped: usize,
     ssd_skipped: usize,
     remote_skipped: usize,
     lookup_s: f64,
@@ -253,6 +293,7 @@ impl HostPrefix {
             blocks: Vec::new(),
             tiers: Vec::new(),
             stopped: None,
+            ram_skipped: 0,
             ssd_skipped: 0,
             remote_skipped: 0,
             lookup_s: 0.0,
@@ -405,6 +446,11 @@ impl PrefixCache {
             .and_then(|b| serde_json::from_slice::<SavedCosts>(&b).ok())
             .and_then(|mut saved| saved.remove(&device))
             .unwrap_or_default();
+        let mut costs = costs;
+        if costs.import_s_per_block.is_none() {
+            let block_bytes: u64 = description.planes.iter().filter_map(|p| p.byte_len()).sum();
+            costs.import_s_per_block = calibrate_import(block_bytes);
+        }
         Ok(Self {
             store,
             namespace,
@@ -580,6 +626,7 @@ impl PrefixCache {
             let (plan, had_ssd_estimate) = if self.restore_always {
                 let all = RestorePlan {
                     usable: tiers.len(),
+                    ram_skipped: 0,
                     ssd_skipped: 0,
                     remote_skipped: 0,
                 };
@@ -596,6 +643,7 @@ impl PrefixCache {
                     costs.ssd_s_per_block.is_some(),
                 )
             };
+            host.ram_skipped = plan.ram_skipped;
             host.ssd_skipped = plan.ssd_skipped;
             host.remote_skipped = plan.remote_skipped;
             if plan.usable == 0 {
@@ -681,6 +729,7 @@ impl PrefixCache {
                 h
             }
         };
+        report.ram_blocks_skipped = host.ram_skipped;
         report.ssd_blocks_skipped = host.ssd_skipped;
         report.remote_blocks_skipped = host.remote_skipped;
         report.stopped = host.stopped.clone();
@@ -703,6 +752,7 @@ impl PrefixCache {
                 report.stopped = Some(e.to_string());
             }
             tiers.truncate(restored.blocks);
+            let restored_blocks = restored.blocks;
             cache = restored.cache;
             report.cached_device_tokens = first * bs;
             // Make the restored arenas real now, so the restore is not billed to prefill.
@@ -711,6 +761,11 @@ impl PrefixCache {
                     let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
                     mlx::eval(&arrays)?;
                 }
+            }
+            if restored_blocks > 0 {
+                let per_block = t.elapsed().as_secs_f64() / restored_blocks as f64;
+                let mut costs = self.costs.lock().map_err(|_| poisoned())?;
+                costs.import_s_per_block = ewma(costs.import_s_per_block, per_block);
             }
         } else {
             tiers.clear();
@@ -860,8 +915,34 @@ mod tests {
             prefill_s_per_token: Some(prefill_per_token),
             ssd_s_per_block: Some(ssd),
             remote_s_per_block: Some(remote),
+            import_s_per_block: Some(0.0),
             remote_cuts: 0,
         }
+    }
+
+    #[test]
+    fn a_host_to_device_transfer_slower_than_recompute_cuts_at_the_first_ram_block() {
+        // Recomputing a 16-token block: 16 ms; moving a block to the device: 20 ms.
+        let slow_import = Costs {
+            import_s_per_block: Some(20e-3),
+            ..costs(1e-3, 1e-3, 1e-3)
+        };
+        let plan = plan_restore(&[R, R, S, N], &slow_import, 16, false);
+        assert_eq!(
+            plan,
+            RestorePlan {
+                usable: 0,
+                ram_skipped: 2,
+                ssd_skipped: 1,
+                remote_skipped: 1
+            }
+        );
+        // The import counts on top of an SSD read: 10 + 10 ms > 16 ms.
+        let both = Costs {
+            import_s_per_block: Some(10e-3),
+            ..costs(1e-3, 10e-3, 1e-3)
+        };
+        assert_eq!(plan_restore(&[R, S, S], &both, 16, false).usable, 1);
     }
 
     #[test]
@@ -873,6 +954,7 @@ mod tests {
             plan,
             RestorePlan {
                 usable: 3,
+                ram_skipped: 0,
                 ssd_skipped: 0,
                 remote_skipped: 3
             }
@@ -900,6 +982,7 @@ mod tests {
             plan,
             RestorePlan {
                 usable: 1,
+                ram_skipped: 0,
                 ssd_skipped: 2,
                 remote_skipped: 1
             }
@@ -918,6 +1001,7 @@ mod tests {
             plan,
             RestorePlan {
                 usable: 2 + SSD_PROBE_BLOCKS,
+                ram_skipped: 0,
                 ssd_skipped: 6 - SSD_PROBE_BLOCKS,
                 remote_skipped: 1
             }

@@ -12,9 +12,9 @@
 # t NAME... (some test binaries), v (every test binary, with redis-server and the openai
 # client carried in x4), g / h (the 32K agent session: kvstore's arms / mlx-lm's arm, each
 # its own process); pb / pc: the device-tier measurements (docs/benchmarks.md, "Device
-# tier"): pb (after x1, x2) bench cache + the 8B-shaped bf16 32K prefix + 64 tokens; pc
-# (after x3) the 13-turn session, then the 32K session (device arm, then mlx-lm, each its
-# own process, GPU memory sampled).
+# tier"): pb bench cache + the 8B-shaped bf16 32K prefix + 64 tokens; pc the 13-turn
+# session, then the 32K session (device arm, then mlx-lm, each its own process, GPU memory
+# sampled); both after x1 and x2 only, on SmolLM2's shape with random weights.
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -189,7 +189,7 @@ case "$step" in
     kill $smi
     echo "GPU memory used, max MiB: $(cut -d, -f2 "$OUT/gpumem-$step.csv" | sort -n | tail -1)"
     ;;
-  pb|pc) # device-pool measurements (pb: after x1+x2, no GGUF needed; pc: after x3)
+  pb|pc) # device-tier measurements, after x1 and x2 (no GGUF: SmolLM2's shape, random weights)
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -205,10 +205,10 @@ case "$step" in
           --kv-budget 24GiB --out "$OUT/agent-8b-32k" 2>&1; } > "$OUT/agent-8b-32k.log"
       kill $s; tail -n 14 "$OUT/agent-8b-32k.log"; peak llama8b
     else
-      assemble_gguf >/dev/null || exit 1
-      d=$K/smollm2-64k; mkdir -p "$d"
-      for f in "$K"/smollm2-hf/*; do ln -sfn "$f" "$d/"; done; rm -f "$d/config.json"
-      python3 -c "import json,sys; c=json.load(open('$K/smollm2-hf/config.json')); c['max_position_embeddings']=65536; json.dump(c,open('$d/config.json','w'))"
+      # SmolLM2's shape with random f32 weights and its own tokenizer (no GGUF to carry).
+      d=$K/smollm2-rand
+      [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" .cuda/x1/tok
+      [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
       { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
           --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
       tail -n 26 "$OUT/agent13.log"

@@ -55,11 +55,27 @@ pub struct Args {
     /// Instead of the agent session, two turns of seeded random token ids: a prefix of
     /// PREFIX tokens, then the same prefix plus NEW tokens (`--synthetic 32768,64`: the
     /// TTFT of a 32K-token cached prefix plus 64 new tokens, against cold).
-    #[arg(long, value_name = "PREFIX,NEW", value_delimiter = ',', num_args = 2)]
-    synthetic: Option<Vec<usize>>,
+    #[arg(long, value_name = "PREFIX,NEW", value_parser = parse_synthetic)]
+    synthetic: Option<(usize, usize)>,
     /// Where to write <out>.json and <out>.svg.
     #[arg(long, default_value = "docs/bench-agent")]
     out: PathBuf,
+}
+
+fn parse_synthetic(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (a, b) = s
+        .split_once(',')
+        .ok_or_else(|| format!("{s:?}: expected PREFIX,NEW (e.g. 32768,64)"))?;
+    let n = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .map_err(|e| format!("{x:?} in {s:?}: {e}"))
+    };
+    let (prefix, new) = (n(a)?, n(b)?);
+    if prefix == 0 || new == 0 {
+        return Err(format!("{s:?}: both sizes must be at least 1"));
+    }
+    Ok((prefix, new))
 }
 
 /// One turn of one arm.
@@ -328,9 +344,8 @@ fn svg(arms: &[Arm]) -> String {
 /// Runs the agent benchmark.
 pub fn run(args: Args) -> Result<()> {
     let (model, tokenizer) = args.model.load()?;
-    let prompts: Vec<Vec<u32>> = match &args.synthetic {
-        Some(sizes) => {
-            let (prefix, new) = (sizes[0], sizes[1]);
+    let prompts: Vec<Vec<u32>> = match args.synthetic {
+        Some((prefix, new)) => {
             let vocab = model.info().vocab_size as u64;
             // xorshift over a fixed seed: the same ids in every run and process.
             let mut x = 0x9E37_79B9_7F4A_7C15u64;

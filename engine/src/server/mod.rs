@@ -280,8 +280,9 @@ async fn metrics(State(s): State<Shared>) -> Response {
     metric(
         "kvstore_cached_prompt_tokens_total",
         "counter",
-        "Prompt tokens restored from the prefix cache, by tier.",
+        "Prompt tokens reused from the prefix cache, by tier.",
         &[
+            ("{tier=\"device\"}".into(), m.cached_device_tokens as f64),
             ("{tier=\"ram\"}".into(), m.cached_ram_tokens as f64),
             ("{tier=\"ssd\"}".into(), m.cached_ssd_tokens as f64),
             ("{tier=\"remote\"}".into(), m.cached_remote_tokens as f64),
