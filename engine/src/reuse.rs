@@ -178,7 +178,12 @@ fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -
         ssd_skipped: 0,
         remote_skipped: 0,
     };
-    let Some(recompute) = costs.prefill_s_per_token.map(|p| p * block_size as f64) else {
+    // Restore only where it is estimated clearly faster: near break-even the estimates'
+    // noise would make some requests slower than recomputing.
+    let Some(recompute) = costs
+        .prefill_s_per_token
+        .map(|p| p * block_size as f64 * RESTORE_MARGIN)
+    else {
         return plan;
     };
     let cut_at = |first: usize, plan: &mut RestorePlan| {
@@ -222,11 +227,12 @@ fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -
 }
 
 /// Seconds to move one block of `block_bytes` from host bytes to the device, measured on a
-/// run of blocks (up to 16 MiB) in one transfer, as a restore moves them: the prior of the
-/// import estimate on a device that never restored.
+/// run of blocks (up to 64 MiB) in one transfer, as a restore moves them: the prior of the
+/// import estimate on a device that never restored (real restores refine it; larger
+/// transfers can run slower, docs/benchmarks.md "Device tier").
 fn calibrate_import(block_bytes: u64) -> Option<f64> {
     let block_bytes = block_bytes.max(1);
-    let blocks = ((16u64 << 20) / block_bytes).clamp(1, 64);
+    let blocks = ((64u64 << 20) / block_bytes).clamp(1, 256);
     let host = vec![0u8; (blocks * block_bytes) as usize];
     let once = || -> Option<f64> {
         let t = Instant::now();
@@ -237,6 +243,9 @@ fn calibrate_import(block_bytes: u64) -> Option<f64> {
     once()?; // the first transfer pays one-off set-up
     Some(once()? / blocks as f64)
 }
+
+/// A tier is restored only when its estimated cost is at most this share of recomputing.
+const RESTORE_MARGIN: f64 = 0.8;
 
 /// SSD blocks read to measure the SSD's speed when no estimate exists yet.
 const SSD_PROBE_BLOCKS: usize = 4;
