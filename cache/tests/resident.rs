@@ -249,12 +249,21 @@ fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
     let arena = cache.pool(0).unwrap().arrays()[0].data_addr().unwrap();
     pool.park(Chain::new(ns, BS), tokens.clone(), cache);
 
-    // A prompt that leaves the sequence at token 6 (mid-block) forks it.
+    // A prompt that leaves the sequence at token 6 (mid-block) forks it; so does a second
+    // one arriving at the same time. Both read the resident sequence's own buffer (no copy
+    // at the hit); each copies it once, at its first write.
     let mut fork_prompt = tokens[..6].to_vec();
     fork_prompt.extend([40, 41, 42]);
     let chain = Chain::of(ns, BS, &fork_prompt);
     let fork = pool.take(&chain, &fork_prompt, 8).unwrap().unwrap();
     assert_eq!((fork.tokens, fork.handed_over), (6, false));
+    let other = pool.take(&chain, &fork_prompt, 8).unwrap().unwrap();
+    for c in [&fork.cache, &other.cache] {
+        assert_eq!(c.pool(0).unwrap().arrays()[0].data_addr().unwrap(), arena);
+    }
+    let mut other = other.cache;
+    append(&mut other, &[50, 51], 6);
+    assert_holds(&other, &[0, 1, 2, 3, 4, 5, 50, 51]);
     let mut fork = fork.cache;
     append(&mut fork, &fork_prompt[6..], 6);
     assert_holds(&fork, &fork_prompt);
@@ -273,5 +282,5 @@ fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
     assert_holds(&hit.cache, &tokens);
     assert_eq!(pool.stats().sequences, 0);
     let s = pool.stats();
-    assert_eq!((s.handovers, s.forks, s.hits), (1, 1, 2));
+    assert_eq!((s.handovers, s.forks, s.hits), (1, 2, 3));
 }
