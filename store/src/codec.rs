@@ -626,7 +626,7 @@ pub(crate) enum HeaderError {
 /// key derivation, and that the tensors exactly fill the rest of the file. Does not verify
 /// the checksum.
 pub(crate) fn read_header(path: &Path) -> Result<BlockHeader, HeaderError> {
-    let mut f = File::open(path)?;
+    let mut f = crate::nofollow::open_read(path)?;
     let file_len = f.metadata()?.len();
     let mut len8 = [0u8; 8];
     if file_len < 8 {

@@ -278,7 +278,7 @@ pub(crate) fn check_file(
         )));
     }
     if verify {
-        let file = std::fs::File::open(path).map_err(|e| problem(e.to_string()))?;
+        let file = crate::nofollow::open_read(path).map_err(|e| problem(e.to_string()))?;
         match file
             .metadata()
             .and_then(|m| crate::codec::read_file(&file, m.len()))

@@ -69,7 +69,7 @@ pub(crate) struct ReadJournal {
 /// Reads every valid record up to the first invalid one.
 pub(crate) fn read(path: &Path) -> io::Result<ReadJournal> {
     let mut bytes = Vec::new();
-    match File::open(path) {
+    match crate::nofollow::open_read(path) {
         Ok(mut f) => {
             f.read_to_end(&mut bytes)?;
         }
@@ -136,12 +136,14 @@ impl Journal {
             format::TMP_EXT
         ));
         {
-            let f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(format::FILE_MODE)
-                .open(&tmp)?;
+            let f = crate::nofollow::open(
+                OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(format::FILE_MODE),
+                &tmp,
+            )?;
             let mut w = BufWriter::new(f);
             w.write_all(&header())?;
             for r in records {
@@ -154,7 +156,7 @@ impl Journal {
         if let Some(parent) = path.parent() {
             File::open(parent)?.sync_all()?;
         }
-        let f = OpenOptions::new().append(true).open(path)?;
+        let f = crate::nofollow::open(OpenOptions::new().append(true), path)?;
         Ok(Journal {
             path: path.to_owned(),
             out: BufWriter::new(f),

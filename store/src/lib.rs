@@ -59,6 +59,7 @@ pub mod inspect;
 mod journal;
 mod key;
 mod namespace;
+mod nofollow;
 mod ram;
 pub mod remote;
 mod ssd;

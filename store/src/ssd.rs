@@ -24,6 +24,7 @@ use crate::format;
 use crate::journal::{self, Journal, Record};
 use crate::key::{BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
+use crate::nofollow;
 use crate::stats::{Counters, StoreStats};
 
 /// How to open an SSD tier.
@@ -131,6 +132,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Largest marker or `namespace.json` file read: both are a few hundred bytes.
+const MAX_SMALL_FILE: u64 = 1024 * 1024;
+
 pub(crate) fn physical_bytes(meta: &fs::Metadata) -> u64 {
     meta.blocks() * 512
 }
@@ -148,6 +152,7 @@ fn sync_dir(path: &Path) -> io::Result<()> {
 }
 
 /// Creates `path` (mode 0700) if missing and fsyncs its parent; returns whether it created.
+/// An existing `path` that is not a real directory (a symlink to one included) is an error.
 fn ensure_dir(path: &Path) -> io::Result<bool> {
     match DirBuilder::new().mode(format::DIR_MODE).create(path) {
         Ok(()) => {
@@ -156,7 +161,10 @@ fn ensure_dir(path: &Path) -> io::Result<bool> {
             }
             Ok(true)
         }
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        // Already there: it must be a directory itself, not a link to one elsewhere.
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            nofollow::check_dir(path).map(|_| false)
+        }
         Err(e) => Err(e),
     }
 }
@@ -267,7 +275,7 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
 /// Reads the marker file; `Ok(None)` if absent.
 pub(crate) fn read_marker(root: &Path) -> Result<Option<Marker>, OpenError> {
     let path = root.join(format::STORE_FILE);
-    let bytes = match fs::read(&path) {
+    let bytes = match nofollow::read(&path, MAX_SMALL_FILE) {
         Ok(b) => b,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(OpenError::Io { path, source: e }),
@@ -473,14 +481,16 @@ impl SsdTier {
     fn take_lock(root: &Path) -> Result<File, OpenError> {
         const LOCK_ATTEMPTS: u32 = 25;
         let path = root.join(format::LOCK_FILE);
-        let mut f = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(format::FILE_MODE)
-            .open(&path)
-            .map_err(io_err(&path))?;
+        let mut f = nofollow::open(
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(format::FILE_MODE),
+            &path,
+        )
+        .map_err(io_err(&path))?;
         // A lock can outlive its holder by a moment: a process that forked keeps the
         // descriptor until its child execs. Wait briefly before calling it taken.
         let mut got = false;
@@ -596,9 +606,12 @@ impl SsdTier {
             Counters::inc(&self.counters.ssd_misses);
             return ReadOutcome::Miss;
         }
-        let file = match File::open(&path) {
+        let file = match nofollow::open_read(&path) {
             Ok(f) => f,
-            Err(_) => {
+            Err(e) => {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(path = %path.display(), error = %e, "block file not read");
+                }
                 // Deleted behind our back (GC by another handle) or never there.
                 if known {
                     let mut st = lock(&self.state);
@@ -909,7 +922,7 @@ impl SsdTier {
                     .mode(format::FILE_MODE)
                     .open(&tmp)?;
                 codec::write_file(block, &tmp)?;
-                Ok(File::open(&tmp)?)
+                Ok(nofollow::open_read(&tmp)?)
             })();
             match written {
                 Ok(f) => break f,
@@ -1027,7 +1040,7 @@ impl SsdTier {
         let dir = self.root.join(id.to_string());
         let path = dir.join(format::NAMESPACE_FILE);
         let json = serde_json::to_vec_pretty(desc).unwrap_or_default();
-        if fs::read(&path).ok().as_deref() == Some(&json[..]) {
+        if nofollow::read(&path, MAX_SMALL_FILE).ok().as_deref() == Some(&json[..]) {
             return Ok(id);
         }
         if self.read_only {
@@ -1103,7 +1116,7 @@ pub(crate) fn read_namespaces(
             continue;
         };
         let path = e.path().join(format::NAMESPACE_FILE);
-        let desc = fs::read(&path)
+        let desc = nofollow::read(&path, MAX_SMALL_FILE)
             .map_err(|e| e.to_string())
             .and_then(|b| {
                 serde_json::from_slice::<NamespaceDescription>(&b).map_err(|e| e.to_string())

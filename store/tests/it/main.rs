@@ -10,6 +10,7 @@ mod fixtures;
 mod fuzz_corpus;
 mod gc_inspect;
 mod locking;
+mod planted_links;
 mod props;
 mod redis_server;
 mod remote;
