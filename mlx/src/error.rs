@@ -28,6 +28,24 @@ pub enum Error {
     /// A file path could not be passed to MLX.
     #[error("path {0:?} is not valid UTF-8; MLX needs UTF-8 paths")]
     NonUtf8Path(std::path::PathBuf),
+    /// A model file failed the checks of [`crate::validate`] and was not handed to MLX.
+    #[error("{path} is not a valid {format} file: {reason}")]
+    InvalidFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// `GGUF` or `safetensors`.
+        format: &'static str,
+        /// What is wrong, naming the field.
+        reason: String,
+    },
+    /// A model file could not be read.
+    #[error("could not read {path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
     /// An argument was rejected before reaching MLX.
     #[error("invalid argument to {op}: {message}")]
     InvalidArgument {

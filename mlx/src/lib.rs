@@ -28,6 +28,7 @@ pub mod io;
 pub mod ops;
 mod quantized;
 pub mod random;
+pub mod validate;
 
 pub use array::{async_eval, eval, Array};
 pub use device::{
