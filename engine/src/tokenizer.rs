@@ -71,15 +71,17 @@ impl Tokenizer {
     /// The tokenizer of a Hugging Face folder.
     pub fn from_folder(dir: &Path) -> Result<Tokenizer> {
         let path = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        let bytes = crate::weights::read_capped(&path, crate::weights::MAX_TOKENIZER_BYTES)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        drop(bytes);
         let read = |name: &str| -> Result<Option<serde_json::Value>> {
             let p = dir.join(name);
-            if !p.is_file() {
+            if !p.exists() {
                 return Ok(None);
             }
-            let text = std::fs::read_to_string(&p).map_err(|e| EngineError::io(&p, e))?;
-            serde_json::from_str(&text)
+            let bytes = crate::weights::read_capped(&p, crate::weights::MAX_JSON_BYTES)?;
+            serde_json::from_slice(&bytes)
                 .map(Some)
                 .map_err(|e| EngineError::config(p.display().to_string(), e.to_string()))
         };
@@ -91,8 +93,13 @@ impl Tokenizer {
             }
         }
         let jinja = dir.join("chat_template.jinja");
-        let chat_template = if jinja.is_file() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| EngineError::io(&jinja, e))?)
+        let chat_template = if jinja.exists() {
+            let bytes = crate::weights::read_capped(&jinja, crate::weights::MAX_TEMPLATE_BYTES)?;
+            Some(
+                String::from_utf8(bytes).map_err(|_| {
+                    EngineError::config(jinja.display().to_string(), "not valid UTF-8")
+                })?,
+            )
         } else {
             match cfg.get("chat_template") {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),

@@ -59,10 +59,111 @@ pub(crate) struct Weights {
     options: LoadOptions,
 }
 
-fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
-    serde_json::from_str(&text)
+/// Largest JSON file of a model folder read (config.json, tokenizer_config.json, the
+/// safetensors index, generation_config.json): real ones are kilobytes.
+pub(crate) const MAX_JSON_BYTES: u64 = 16 << 20;
+/// Largest tokenizer.json read (Gemma 3's is 33 MB).
+pub(crate) const MAX_TOKENIZER_BYTES: u64 = 512 << 20;
+/// Largest chat_template.jinja read.
+pub(crate) const MAX_TEMPLATE_BYTES: u64 = 4 << 20;
+
+/// Reads a small file of a model folder: it must be a regular file (a link to `/dev/zero`
+/// or a FIFO is refused before it is opened) of at most `cap` bytes.
+pub(crate) fn read_capped(path: &Path, cap: u64) -> Result<Vec<u8>> {
+    use std::io::{Error, ErrorKind, Read};
+    let refuse = |kind, message: String| EngineError::io(path, Error::new(kind, message));
+    let not_regular = || {
+        refuse(
+            ErrorKind::InvalidInput,
+            "not a regular file (a directory, FIFO or device); model files must be regular \
+             files"
+                .into(),
+        )
+    };
+    let too_long = |len: u64| {
+        refuse(
+            ErrorKind::InvalidData,
+            format!("{len} bytes, more than the {cap} a file of this kind may have"),
+        )
+    };
+    let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
+    if !meta.is_file() {
+        return Err(not_regular());
+    }
+    if meta.len() > cap {
+        return Err(too_long(meta.len()));
+    }
+    let f = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+    if !f
+        .metadata()
+        .map_err(|e| EngineError::io(path, e))?
+        .is_file()
+    {
+        return Err(not_regular());
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.take(cap + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| EngineError::io(path, e))?;
+    if bytes.len() as u64 > cap {
+        return Err(too_long(bytes.len() as u64));
+    }
+    Ok(bytes)
+}
+
+pub(crate) fn read_json(path: &Path) -> Result<Value> {
+    let bytes = read_capped(path, MAX_JSON_BYTES)?;
+    serde_json::from_slice(&bytes)
         .map_err(|e| EngineError::config(path.display().to_string(), e.to_string()))
+}
+
+/// Largest value accepted for each dimension of a config, with its GGUF key (after
+/// `<arch>.`). Real models are far inside (Llama 3.1 405B: 126 layers, hidden 16,384,
+/// vocabulary 128,256); a value outside comes from a corrupt or hostile file and would size
+/// allocations that abort the process.
+const CONFIG_BOUNDS: &[(&str, &str, u64)] = &[
+    ("num_hidden_layers", "block_count", 1024),
+    ("hidden_size", "embedding_length", 1 << 16),
+    ("intermediate_size", "feed_forward_length", 1 << 20),
+    ("num_attention_heads", "attention.head_count", 1024),
+    ("num_key_value_heads", "attention.head_count_kv", 1024),
+    ("head_dim", "attention.key_length", 4096),
+    ("vocab_size", "tokenizer.ggml.tokens", 1 << 22),
+    ("max_position_embeddings", "context_length", 1 << 24),
+    ("sliding_window", "attention.sliding_window", 1 << 24),
+];
+
+/// Refuses a config whose dimensions no real model has (see [`CONFIG_BOUNDS`]), naming the
+/// field (and its GGUF key when the config came from GGUF metadata).
+pub(crate) fn check_config_bounds(
+    config: &Value,
+    source: &str,
+    gguf_arch: Option<&str>,
+) -> Result<()> {
+    let nested = config.get("text_config");
+    for obj in std::iter::once(config).chain(nested) {
+        for &(field, key, max) in CONFIG_BOUNDS {
+            let Some(v) = obj.get(field).filter(|v| !v.is_null()) else {
+                continue;
+            };
+            if v.as_u64().is_some_and(|n| (1..=max).contains(&n)) {
+                continue;
+            }
+            let from = match gguf_arch {
+                Some(_) if key.starts_with("tokenizer.") => format!(" (GGUF {key})"),
+                Some(arch) => format!(" (GGUF key {arch}.{key})"),
+                None => String::new(),
+            };
+            return Err(EngineError::config(
+                source,
+                format!(
+                    "{field}{from} is {v}, outside 1..={max}: no real model has that; the file \
+                     is corrupt or made to crash loaders"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Checkpoint {
@@ -87,10 +188,11 @@ impl Checkpoint {
 
     fn load_folder(dir: &Path, options: &LoadOptions) -> Result<Checkpoint> {
         let config_path = dir.join("config.json");
-        if !config_path.is_file() {
+        if !config_path.exists() {
             return Err(EngineError::NotAModel(dir.to_path_buf()));
         }
         let config = read_json(&config_path)?;
+        check_config_bounds(&config, &config_path.display().to_string(), None)?;
         let index = dir.join("model.safetensors.index.json");
         let mut files: Vec<PathBuf> = if index.is_file() {
             let idx = read_json(&index)?;
@@ -103,6 +205,17 @@ impl Checkpoint {
             let mut names: Vec<&str> = map.values().filter_map(Value::as_str).collect();
             names.sort_unstable();
             names.dedup();
+            // Shards are files of this folder: no path may lead out of it.
+            if let Some(n) = names.iter().find(|n| {
+                let p = Path::new(n);
+                p.components().count() != 1
+                    || !matches!(p.components().next(), Some(std::path::Component::Normal(_)))
+            }) {
+                return Err(EngineError::config(
+                    index.display().to_string(),
+                    format!("weight_map names {n:?}, which is not a file name in this folder"),
+                ));
+            }
             names.into_iter().map(|n| dir.join(n)).collect()
         } else {
             let rd = std::fs::read_dir(dir).map_err(|e| EngineError::io(dir, e))?;
@@ -154,6 +267,7 @@ impl Checkpoint {
             .as_str()
             .unwrap_or_default()
             .to_string();
+        check_config_bounds(&config, &source, Some(&arch))?;
         let heads = config["num_attention_heads"].as_i64().unwrap_or(1) as i32;
         let kv_heads = config["num_key_value_heads"].as_i64().unwrap_or(1) as i32;
         let mut tensors = HashMap::new();
@@ -193,6 +307,12 @@ fn corrupt(path: &Path, e: mlx::Error) -> EngineError {
             path: path.to_path_buf(),
             message,
         },
+        // Refused by the checks that run before MLX parses the file.
+        mlx::Error::InvalidFile { reason, .. } => EngineError::CorruptWeights {
+            path: path.to_path_buf(),
+            message: reason,
+        },
+        mlx::Error::Io { path, source } => EngineError::Io { path, source },
         other => EngineError::Mlx(other),
     }
 }

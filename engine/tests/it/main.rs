@@ -7,6 +7,7 @@ mod common;
 mod fuzz_corpus;
 mod gemma3;
 mod generation;
+mod hostile_models;
 mod parity;
 mod server;
 mod templates;
