@@ -65,6 +65,7 @@ pub mod remote;
 mod ssd;
 mod stats;
 mod store;
+mod text;
 
 pub use block::{Block, BlockMeta, Dtype, LayoutError, Payload, Plane, PlaneSpec};
 pub use codec::{BlockHeader, DecodeError};
@@ -78,3 +79,4 @@ pub use stats::StoreStats;
 pub use store::{
     BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier, WritePolicy,
 };
+pub use text::{escape_control, escape_path};
