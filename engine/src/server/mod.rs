@@ -9,6 +9,7 @@
 //! disconnects, the response body is dropped, the handle with it, and the engine cancels
 //! the request at its next step boundary and frees its blocks.
 
+mod conn;
 mod error;
 pub(crate) mod openai;
 
@@ -31,6 +32,7 @@ use serde_json::{json, Map, Value};
 
 use crate::generate::FinishReason;
 use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle, TTFT_BUCKETS};
+pub use conn::{serve_with_limits, ConnectionLimits};
 pub(crate) use error::ApiError;
 
 /// Settings of the HTTP layer.
@@ -94,16 +96,15 @@ pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
         .with_state(state)
 }
 
-/// Serves `app` on a TCP listener until `shutdown` resolves, then waits for open
-/// requests to finish (stop accepting first: the caller then shuts the engine down).
+/// Serves `app` on a TCP listener under the default [`ConnectionLimits`] until `shutdown`
+/// resolves, then waits for open requests to finish (stop accepting first: the caller then
+/// shuts the engine down). [`serve_with_limits`] takes the limits.
 pub async fn serve_tcp(
     listener: tokio::net::TcpListener,
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with_limits(listener, app, ConnectionLimits::default(), shutdown).await
 }
 
 /// [`serve_tcp`] on a Unix socket (a private engine process for another program).
@@ -113,9 +114,7 @@ pub async fn serve_unix(
     app: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with_limits(listener, app, ConnectionLimits::default(), shutdown).await
 }
 
 async fn record(State(s): State<Shared>, req: HttpRequest, next: Next) -> Response {
@@ -527,6 +526,19 @@ fn parse_body(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(String, Map<String, Value>), ApiError> {
     let bytes = body.map_err(|e| {
+        // The body-read timeout of the connection layer (conn.rs) surfaces here.
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+        while let Some(err) = source {
+            if let Some(t) = err.downcast_ref::<conn::BodyReadTimeout>() {
+                return ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    t.to_string(),
+                )
+                .with_code("request_timeout");
+            }
+            source = err.source();
+        }
         let status = e.status();
         let mut err = ApiError::new(status, "invalid_request_error", e.body_text());
         if status == StatusCode::PAYLOAD_TOO_LARGE {
@@ -539,16 +551,44 @@ fn parse_body(
 
 async fn chat_completions(
     State(s): State<Shared>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    json_content_type(&headers)?;
     generate_endpoint(s, body, true).await
 }
 
 async fn completions(
     State(s): State<Shared>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
+    json_content_type(&headers)?;
     generate_endpoint(s, body, false).await
+}
+
+/// JSON endpoints take only `Content-Type: application/json` (415 otherwise): a browser
+/// page may send a cross-site `text/plain` POST without a preflight, never a JSON one.
+fn json_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if essence.eq_ignore_ascii_case("application/json") {
+        return Ok(());
+    }
+    let found = if ct.is_empty() {
+        "no Content-Type".to_string()
+    } else {
+        format!("Content-Type {:?}", store::escape_control(ct))
+    };
+    Err(ApiError::new(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "invalid_request_error",
+        format!("{found}; send the body as Content-Type: application/json"),
+    )
+    .with_code("unsupported_media_type"))
 }
 
 /// Everything a response needs to name itself.
@@ -638,6 +678,9 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
     while let Some(e) = handle.recv().await {
         match e {
             Event::Token { sampled, .. } if meta.logprobs => logprobs.push(sampled),
+            Event::Finished(c) if c.finish_reason == FinishReason::Cancelled => {
+                return Err(cut_off(&s, &c));
+            }
             Event::Finished(c) => {
                 let tok = s.engine.tokenizer();
                 let reason = openai::finish_reason(&c);
@@ -677,6 +720,25 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
     Err(ApiError::internal(
         "the engine stopped before the request finished",
     ))
+}
+
+/// The error a request cut off before its end gets: its partial output is not a reply, and
+/// no `finish_reason` may claim it stopped or reached its length.
+fn cut_off(s: &Shared, c: &Completion) -> ApiError {
+    let why = if s.engine.is_accepting() {
+        "the request was cancelled"
+    } else {
+        "the server is shutting down"
+    };
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        format!(
+            "{why}: generation stopped after {} of its tokens; retry it",
+            c.completion_tokens
+        ),
+    )
+    .with_code("request_cancelled")
 }
 
 fn timing(c: &Completion) -> Value {
@@ -767,8 +829,15 @@ impl StreamState {
                 self.out.push_back(ev);
                 true
             }
+            Some(Event::Finished(c)) if c.finish_reason == FinishReason::Cancelled => {
+                let err = cut_off(&self.s, &c);
+                self.out
+                    .push_back(SseEvent::default().data(err.body().to_string()));
+                self.out.push_back(SseEvent::default().data("[DONE]"));
+                false
+            }
             Some(Event::Finished(c)) => {
-                if c.finish_reason != FinishReason::Cancelled {
+                {
                     let delta = if self.meta.chat { json!({}) } else { json!("") };
                     let ev = self.chunk(delta, Value::Null, Some(openai::finish_reason(&c)));
                     self.out.push_back(ev);

@@ -315,11 +315,23 @@ pub(crate) fn completion_prompt(
             }
             tokenizer.encode(s, true).map_err(ApiError::invalid)
         }
-        Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => Ok(a
+        Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => a
             .iter()
             .filter_map(Value::as_u64)
-            .map(|x| x.min(u32::MAX as u64) as u32)
-            .collect()),
+            .enumerate()
+            .map(|(i, x)| {
+                u32::try_from(x).map_err(|_| {
+                    ApiError::param(
+                        "prompt",
+                        format!(
+                            "prompt[{i}] = {x} is not a token id of this model (its \
+                             vocabulary has {} tokens)",
+                            tokenizer.vocab_size()
+                        ),
+                    )
+                })
+            })
+            .collect(),
         Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
             let mut one = Map::new();
             one.insert("prompt".into(), a[0].clone());

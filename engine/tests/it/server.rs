@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::server::{router, serve_tcp, ServerConfig};
+use engine::server::{router, serve_with_limits, ConnectionLimits, ServerConfig};
 use engine::{
     generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, LoadOptions,
     PrefixCache, Request, ReuseConfig, SubmitError,
@@ -40,6 +40,10 @@ struct Server {
 
 impl Server {
     fn start(api_key: Option<&str>, config: EngineConfig) -> Server {
+        Self::start_with(api_key, config, ConnectionLimits::default())
+    }
+
+    fn start_with(api_key: Option<&str>, config: EngineConfig, limits: ConnectionLimits) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let engine = open_engine(dir.path(), config);
         let app = router(
@@ -62,7 +66,7 @@ impl Server {
             rt.block_on(async move {
                 let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 addr_tx.send(l.local_addr().unwrap()).unwrap();
-                serve_tcp(l, app, async {
+                serve_with_limits(l, app, limits, async {
                     let _ = stopped.await;
                 })
                 .await
@@ -774,4 +778,264 @@ fn smollm2_serves_two_concurrent_requests_like_generate() {
         .collect();
     let got: Vec<String> = hs.into_iter().map(|h| h.wait().unwrap().text).collect();
     assert_eq!(got, want);
+}
+
+// ---- Hostile clients (issue 21) ----
+
+/// Reads from `s` until the server closes it; the time that took, or `None` if it was
+/// still open after `within`.
+fn closed_within(s: &mut TcpStream, within: Duration) -> Option<Duration> {
+    let t = Instant::now();
+    s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let mut buf = [0u8; 4096];
+    while t.elapsed() < within {
+        match s.read(&mut buf) {
+            Ok(0) => return Some(t.elapsed()),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return Some(t.elapsed()),
+        }
+    }
+    None
+}
+
+fn short_limits() -> ConnectionLimits {
+    ConnectionLimits {
+        keep_alive_timeout: Duration::from_millis(300),
+        header_read_timeout: Duration::from_millis(500),
+        body_read_timeout: Duration::from_millis(500),
+        ..ConnectionLimits::default()
+    }
+}
+
+#[test]
+fn idle_and_kept_alive_connections_are_closed_after_the_keep_alive_timeout() {
+    let srv = Server::start_with(None, EngineConfig::default(), short_limits());
+    // Connects and sends nothing.
+    let mut silent = TcpStream::connect(srv.addr).unwrap();
+    let t = closed_within(&mut silent, Duration::from_secs(10));
+    assert!(t.is_some(), "a silent connection stayed open");
+    // One request on a keep-alive connection, then silence.
+    let mut kept = TcpStream::connect(srv.addr).unwrap();
+    write!(kept, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut buf = [0u8; 1024];
+    let n = kept.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let t = closed_within(&mut kept, Duration::from_secs(10))
+        .expect("kept-alive connection stayed open");
+    assert!(t >= Duration::from_millis(200), "closed too early: {t:?}");
+    // The server still answers.
+    assert_eq!(srv.request("GET", "/health", None, "").status, 200);
+}
+
+#[test]
+fn a_slow_header_sender_is_cut_off_by_the_header_read_timeout() {
+    let limits = ConnectionLimits {
+        keep_alive_timeout: Duration::from_secs(30),
+        ..short_limits()
+    };
+    let srv = Server::start_with(None, EngineConfig::default(), limits);
+    let mut s = TcpStream::connect(srv.addr).unwrap();
+    write!(s, "GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let t = Instant::now();
+    // One header byte every 100 ms: always active, never done.
+    let mut closed = false;
+    while t.elapsed() < Duration::from_secs(10) {
+        if s.write_all(b"X").is_err() {
+            closed = true;
+            break;
+        }
+        if closed_within(&mut s, Duration::from_millis(100)).is_some() {
+            closed = true;
+            break;
+        }
+    }
+    assert!(closed, "a slowloris client kept its connection for 10 s");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+#[test]
+fn a_body_that_never_arrives_gets_408() {
+    let srv = Server::start_with(None, EngineConfig::default(), short_limits());
+    let mut s = TcpStream::connect(srv.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: 100\r\n\r\n{{\"prompt\""
+    )
+    .unwrap();
+    let t = Instant::now();
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let r = Response::parse(&raw);
+    assert_eq!(r.status, 408, "{}", r.body);
+    assert_eq!(r.error()["code"], "request_timeout");
+    assert!(t.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn connections_over_the_cap_get_503_with_retry_after() {
+    let limits = ConnectionLimits {
+        keep_alive_timeout: Duration::from_secs(30),
+        max_connections: 3,
+        ..ConnectionLimits::default()
+    };
+    let srv = Server::start_with(None, EngineConfig::default(), limits);
+    let held: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(srv.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut over = TcpStream::connect(srv.addr).unwrap();
+    over.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut raw = Vec::new();
+    let _ = over.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw);
+    assert!(text.starts_with("HTTP/1.1 503"), "{text}");
+    assert!(text.contains("Retry-After: 1"), "{text}");
+    drop(held);
+    // Slots come back when connections close.
+    let t = Instant::now();
+    loop {
+        let r = srv.request("GET", "/health", None, "");
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "slots never came back"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn json_endpoints_need_a_json_content_type() {
+    let srv = Server::start(None, EngineConfig::default());
+    let body = chat("hi", 2).to_string();
+    for ct in ["text/plain", "application/x-www-form-urlencoded", ""] {
+        let mut s = TcpStream::connect(srv.addr).unwrap();
+        let header = if ct.is_empty() {
+            String::new()
+        } else {
+            format!("Content-Type: {ct}\r\n")
+        };
+        write!(
+            s,
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{header}\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).unwrap();
+        let r = Response::parse(&raw);
+        assert_eq!(r.status, 415, "{ct}: {}", r.body);
+        assert_eq!(r.error()["code"], "unsupported_media_type");
+    }
+    assert_eq!(srv.idle().requests_submitted, 0);
+    // With a charset it is JSON.
+    let mut s = TcpStream::connect(srv.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\
+         Content-Type: application/json; charset=utf-8\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    assert_eq!(Response::parse(&raw).status, 200);
+}
+
+#[test]
+fn a_full_queue_answers_429_with_retry_after() {
+    let srv = Server::start(
+        None,
+        EngineConfig {
+            max_queue: 0,
+            ..EngineConfig::default()
+        },
+    );
+    let mut s = srv.send(
+        "POST",
+        "/v1/chat/completions",
+        None,
+        &chat("hi", 2).to_string(),
+    );
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).to_ascii_lowercase();
+    assert!(text.starts_with("http/1.1 429"), "{text}");
+    assert!(text.contains("retry-after: 1\r\n"), "{text}");
+}
+
+#[test]
+fn token_ids_past_u32_are_a_400_naming_the_value() {
+    let srv = Server::start(None, EngineConfig::default());
+    let r = srv.post(
+        "/v1/completions",
+        &json!({"prompt": [1, 4294967296u64], "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = r.error();
+    assert_eq!(e["param"], "prompt");
+    assert!(e["message"].as_str().unwrap().contains("4294967296"), "{e}");
+    let r = srv.post(
+        "/v1/completions",
+        &json!({"prompt": [1, 4000000000u64], "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("4000000000"), "{}", r.body);
+}
+
+/// Starts a long request, waits until it decodes, cancels everything as a shutdown past its
+/// grace period does, and returns the raw response.
+fn cut_off_by_shutdown(stream: bool) -> Response {
+    let srv = Server::start(None, EngineConfig::default());
+    let mut body = chat("Tell me a very long story.", 2000);
+    body["stream"] = json!(stream);
+    let mut s = srv.send("POST", "/v1/chat/completions", None, &body.to_string());
+    let t = Instant::now();
+    while srv.engine.metrics().generated_tokens < 3 {
+        assert!(t.elapsed() < Duration::from_secs(60), "never decoded");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    srv.engine.shutdown(true).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    Response::parse(&raw)
+}
+
+#[test]
+fn a_request_cut_off_by_shutdown_is_an_error_not_a_stop() {
+    let r = cut_off_by_shutdown(false);
+    assert_eq!(r.status, 503, "{}", r.body);
+    let e = r.error();
+    assert_eq!(e["code"], "request_cancelled");
+    assert!(!r.body.contains("finish_reason"), "{}", r.body);
+}
+
+#[test]
+fn a_stream_cut_off_by_shutdown_ends_with_an_error_object() {
+    let r = cut_off_by_shutdown(true);
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["code"], "request_cancelled", "{events:?}");
+    for e in &events[..events.len() - 2] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let reason = &v["choices"][0]["finish_reason"];
+        assert!(reason.is_null(), "a cut-off stream claims {reason}: {e}");
+    }
 }
