@@ -439,12 +439,22 @@ impl PrefixCache {
             Err(store::OpenError::Io { path, source })
                 if !config.store.read_only && not_writable(&source) =>
             {
-                tracing::warn!(
-                    path = %path.display(),
-                    error = %source,
-                    "the block store is not writable: serving it read-only; new blocks stay in RAM"
-                );
-                Store::open(config.store.clone().read_only(true))?
+                match Store::open(config.store.clone().read_only(true)) {
+                    Ok(s) => {
+                        tracing::warn!(
+                            path = %store::escape_path(&path),
+                            error = %source,
+                            "the block store is not writable: serving it read-only; new blocks stay in RAM"
+                        );
+                        s
+                    }
+                    // Nothing to serve read-only: the writer's error says why (a parent
+                    // directory this user may not write), not "does not exist".
+                    Err(store::OpenError::NotFound { .. }) => {
+                        return Err(store::OpenError::Io { path, source }.into())
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
             Err(e) => return Err(e.into()),
         };

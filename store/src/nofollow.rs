@@ -32,7 +32,7 @@ fn refused(path: &Path) -> io::Error {
         format!(
             "{} is {}; the store opens only regular files and never follows links (remove it, \
              or point --store at a directory only kvstore writes to)",
-            path.display(),
+            crate::escape_path(path),
             kind_of(path)
         ),
     )
@@ -74,7 +74,7 @@ pub(crate) fn read(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
             io::ErrorKind::InvalidData,
             format!(
                 "{} is {len} bytes, more than the {cap} a store file of this kind can hold",
-                path.display()
+                crate::escape_path(path)
             ),
         ));
     }
@@ -83,7 +83,10 @@ pub(crate) fn read(path: &Path, cap: u64) -> io::Result<Vec<u8>> {
     if bytes.len() as u64 > cap {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{} grew past {cap} bytes while being read", path.display()),
+            format!(
+                "{} grew past {cap} bytes while being read",
+                crate::escape_path(path)
+            ),
         ));
     }
     Ok(bytes)
@@ -97,7 +100,7 @@ pub(crate) fn check_dir(path: &Path) -> io::Result<bool> {
             io::ErrorKind::InvalidData,
             format!(
                 "{} is {}, not a directory; the store never follows links (remove it)",
-                path.display(),
+                crate::escape_path(path),
                 kind_of(path)
             ),
         )),

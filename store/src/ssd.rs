@@ -402,7 +402,7 @@ impl SsdTier {
         let journal_path = root.join(format::JOURNAL_FILE);
         let read = journal::read(&journal_path).map_err(io_err(&journal_path))?;
         if read.damaged && !scan.blocks.is_empty() {
-            tracing::info!(path = %journal_path.display(), "access journal missing or torn; recency of unlisted blocks comes from file times");
+            tracing::info!(path = %crate::escape_path(&journal_path), "access journal missing or torn; recency of unlisted blocks comes from file times");
         }
         let mut last: HashMap<(NamespaceId, BlockKey), Record> = HashMap::new();
         for r in read.records {
@@ -454,7 +454,7 @@ impl SsdTier {
                 // A full file system must not keep a store of valid blocks from opening:
                 // serve without the journal (recency falls back to file times next open).
                 Err(e) if is_storage_full(&e) => {
-                    tracing::warn!(path = %journal_path.display(), error = %e, "the file system is full: no access journal this session");
+                    tracing::warn!(path = %crate::escape_path(&journal_path), error = %e, "the file system is full: no access journal this session");
                     None
                 }
                 Err(e) => return Err(io_err(&journal_path)(e)),
@@ -610,7 +610,7 @@ impl SsdTier {
             Ok(f) => f,
             Err(e) => {
                 if e.kind() != io::ErrorKind::NotFound {
-                    tracing::warn!(path = %path.display(), error = %e, "block file not read");
+                    tracing::warn!(path = %crate::escape_path(&path), error = %e, "block file not read");
                 }
                 // Deleted behind our back (GC by another handle) or never there.
                 if known {
@@ -628,7 +628,7 @@ impl SsdTier {
             Ok(r) => r,
             Err(e) => {
                 // Not evidence of corruption (e.g. EIO): a miss, file kept.
-                tracing::warn!(path = %path.display(), error = %e, "could not read block file");
+                tracing::warn!(path = %crate::escape_path(&path), error = %e, "could not read block file");
                 Counters::inc(&self.counters.ssd_misses);
                 return ReadOutcome::Miss;
             }
@@ -653,7 +653,7 @@ impl SsdTier {
             Err(error) => {
                 Counters::inc(&self.counters.verify_failures);
                 Counters::inc(&self.counters.ssd_misses);
-                tracing::warn!(path = %path.display(), %error, "block failed verification");
+                tracing::warn!(path = %crate::escape_path(&path), %error, "block failed verification");
                 let path = if self.read_only {
                     path
                 } else {
@@ -685,7 +685,7 @@ impl SsdTier {
                 Some(dest)
             }
             Err(e) => {
-                tracing::warn!(path = %path.display(), error = %e, "could not quarantine; deleting");
+                tracing::warn!(path = %crate::escape_path(path), error = %e, "could not quarantine; deleting");
                 let _ = fs::remove_file(path);
                 None
             }
@@ -732,7 +732,7 @@ impl SsdTier {
             return;
         };
         if let Err(e) = j.append(&r) {
-            tracing::warn!(path = %j.path().display(), error = %e, "access journal append failed");
+            tracing::warn!(path = %crate::escape_path(j.path()), error = %e, "access journal append failed");
         }
         if j.records > 4 * st.index.len() as u64 + 1024 {
             let records: Vec<Record> = st
@@ -750,7 +750,7 @@ impl SsdTier {
             match Journal::rewrite(&path, &self.root.join(format::TMP_DIR), &records) {
                 Ok(j) => st.journal = Some(j),
                 Err(e) => {
-                    tracing::warn!(path = %path.display(), error = %e, "journal compaction failed")
+                    tracing::warn!(path = %crate::escape_path(&path), error = %e, "journal compaction failed")
                 }
             }
         }
@@ -1018,7 +1018,7 @@ impl SsdTier {
             if let Err(source) = j.sync() {
                 if is_storage_full(&source) {
                     // The journal is a recency hint, not data: give it up rather than fail.
-                    tracing::warn!(path = %j.path().display(), error = %source, "the file system is full: no access journal until restart");
+                    tracing::warn!(path = %crate::escape_path(j.path()), error = %source, "the file system is full: no access journal until restart");
                     st.journal = None;
                     return Ok(());
                 }

@@ -300,7 +300,7 @@ impl<P: Payload> Store<P> {
                         Ok(()) => {}
                         // The budget holds in memory; only the marker's record of it is stale.
                         Err(WriteError::Io { path, source }) if is_storage_full(&source) => {
-                            tracing::warn!(path = %path.display(), error = %source, "the file system is full: the store marker keeps the old budget");
+                            tracing::warn!(path = %crate::escape_path(&path), error = %source, "the file system is full: the store marker keeps the old budget");
                         }
                         Err(e) => return Err(to_open(e)),
                     }

@@ -164,3 +164,40 @@ fn a_weight_map_cannot_name_files_outside_the_folder() {
         "{err}"
     );
 }
+
+#[test]
+fn a_store_whose_parent_is_not_writable_says_why_not_that_it_does_not_exist() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::process::Command;
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().join("parent");
+    std::fs::create_dir(&parent).unwrap();
+    // As root a 0555 directory is still writable: mount a read-only tmpfs instead.
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m,ro", "tmpfs"])
+        .arg(&parent)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o555)).unwrap();
+    }
+    let (model, tok) = load(&goldens().join("tiny-qwen3"), &LoadOptions::default()).unwrap();
+    let reuse = engine::ReuseConfig {
+        store: store::StoreConfig::default().root(parent.join("store")),
+        block_size: 8,
+        ..engine::ReuseConfig::default()
+    };
+    let result = engine::PrefixCache::open(&model, &tok, reuse);
+    if mounted {
+        let _ = Command::new("umount").arg(&parent).status();
+    }
+    let err = result
+        .err()
+        .expect("a store under a read-only parent opened")
+        .to_string();
+    assert!(!err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains("Read-only file system") || err.contains("Permission denied"),
+        "{err}"
+    );
+}
