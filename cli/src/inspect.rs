@@ -103,11 +103,22 @@ pub fn run(args: Args) -> Result<i32> {
     })
 }
 
+fn esc(s: &str) -> std::borrow::Cow<'_, str> {
+    store::escape_control(s)
+}
+
+fn esc_path(p: &std::path::Path) -> String {
+    store::escape_path(p)
+}
+
 fn print_report(r: &StoreReport) {
     let budget = r
         .ssd_budget_bytes
         .map_or_else(|| "unknown".to_owned(), size);
-    println!("store {}", r.root.display());
+    // Everything below that came from the directory or a description (names, salts,
+    // errors quoting them) is escaped: a planted file name or a salt holding terminal
+    // escapes or a newline must not recolour the terminal or print a fake line.
+    println!("store {}", esc_path(&r.root));
     println!(
         "  format {}, budget {budget}, {} blocks, {} on disk",
         r.format_version,
@@ -123,20 +134,20 @@ fn print_report(r: &StoreReport) {
                     .map_or_else(String::new, |q| format!(" q{}/g{}", q.bits, q.group_size));
                 println!(
                     "  model {}  kv {}{quant}  block {} tokens  {} layers  {} planes",
-                    d.model,
-                    d.kv_dtype,
+                    esc(&d.model),
+                    esc(&d.kv_dtype.to_string()),
                     d.block_size,
                     d.layers.len(),
                     d.planes.len()
                 );
                 if !d.weights_fingerprint.is_empty() {
-                    println!("  weights {}", d.weights_fingerprint);
+                    println!("  weights {}", esc(&d.weights_fingerprint));
                 }
                 if let Some(salt) = &d.salt {
-                    println!("  salt {salt}");
+                    println!("  salt {}", esc(salt));
                 }
             }
-            (None, Some(e)) => println!("  description unavailable: {e}"),
+            (None, Some(e)) => println!("  description unavailable: {}", esc(e)),
             (None, None) => {}
         }
         println!(
@@ -154,7 +165,7 @@ fn print_report(r: &StoreReport) {
         if !v.is_empty() {
             println!("{label} ({}):", v.len());
             for p in v {
-                println!("  {}", p.display());
+                println!("  {}", esc_path(p));
             }
         }
     };
@@ -165,7 +176,7 @@ fn print_report(r: &StoreReport) {
     if !r.corrupt.is_empty() {
         println!("CORRUPT files ({}):", r.corrupt.len());
         for c in &r.corrupt {
-            println!("  {}: {}", c.path.display(), c.error);
+            println!("  {}: {}", esc_path(&c.path), esc(&c.error));
         }
         println!("run `kvstore gc` to remove them");
     } else if r.verified {
@@ -175,7 +186,7 @@ fn print_report(r: &StoreReport) {
 
 fn print_block(b: &BlockReport) {
     println!("block {}", b.key);
-    println!("  file       {}", b.path.display());
+    println!("  file       {}", esc_path(&b.path));
     println!("  namespace  {}", b.namespace);
     println!("  parent     {}", b.parent);
     println!("  position   {}", b.position);
@@ -188,11 +199,11 @@ fn print_block(b: &BlockReport) {
         size(b.file_bytes)
     );
     for p in &b.planes {
-        println!("  plane      {} {} {:?}", p.name, p.dtype, p.shape);
+        println!("  plane      {} {} {:?}", esc(&p.name), p.dtype, p.shape);
     }
     match &b.verify {
         Ok(()) => println!("  verify     OK"),
-        Err(e) => println!("  verify     CORRUPT: {e}"),
+        Err(e) => println!("  verify     CORRUPT: {}", esc(&e.to_string())),
     }
 }
 

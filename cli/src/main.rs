@@ -11,6 +11,7 @@ mod gc;
 mod generate;
 mod inspect;
 mod serve;
+mod unix_socket;
 
 /// kvstore: a content-addressed KV block store under an MLX generation engine.
 #[derive(Parser)]

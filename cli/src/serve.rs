@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use engine::server::{self, ServerConfig};
+use engine::server::{self, ConnectionLimits, ServerConfig};
 use engine::{Engine, EngineConfig};
 
 use crate::cache_args::{parse_size, CacheArgs};
@@ -49,6 +49,19 @@ pub struct Args {
     /// On SIGINT/SIGTERM, how long in-flight requests may run before they are cancelled.
     #[arg(long, value_name = "DURATION", default_value = "30s")]
     shutdown_grace: humantime::Duration,
+    /// Close a keep-alive connection after this long without a request or a byte.
+    #[arg(long, value_name = "DURATION", default_value = "5s")]
+    keep_alive_timeout: humantime::Duration,
+    /// Close a connection whose request headers have not all arrived after this long.
+    #[arg(long, value_name = "DURATION", default_value = "30s")]
+    header_read_timeout: humantime::Duration,
+    /// Answer 408 to a request whose body has not all arrived this long after its headers.
+    #[arg(long, value_name = "DURATION", default_value = "60s")]
+    body_read_timeout: humantime::Duration,
+    /// Most connections open at once; more get 503 and are closed (keep it below the
+    /// process's file-descriptor limit, `ulimit -n`).
+    #[arg(long, value_name = "N", default_value_t = 1024)]
+    max_connections: usize,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -66,6 +79,40 @@ pub fn run(args: Args) -> Result<()> {
     if args.max_tokens_limit == 0 {
         bail!("--max-tokens-limit must be at least 1");
     }
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    let limits = ConnectionLimits {
+        keep_alive_timeout: args.keep_alive_timeout.into(),
+        header_read_timeout: args.header_read_timeout.into(),
+        body_read_timeout: args.body_read_timeout.into(),
+        max_connections: args.max_connections,
+        ..ConnectionLimits::default()
+    };
+    for (flag, d) in [
+        ("--keep-alive-timeout", limits.keep_alive_timeout),
+        ("--header-read-timeout", limits.header_read_timeout),
+        ("--body-read-timeout", limits.body_read_timeout),
+    ] {
+        if d.is_zero() {
+            bail!("{flag} must be more than 0");
+        }
+    }
+    let api_key = match args.api_key.clone() {
+        Some(k) => Some(k),
+        None => std::env::var("KVSTORE_API_KEY").ok(),
+    };
+    if api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+        bail!(
+            "the API key is empty (--api-key or $KVSTORE_API_KEY): an empty key would leave \
+             the API open; give a real key, or leave both unset to serve without one"
+        );
+    }
+    // Claim the socket path before the (slow) model load: a second server fails at once.
+    let unix = match &args.unix {
+        Some(path) => Some(crate::unix_socket::SocketClaim::take(path)?),
+        None => None,
+    };
     let path = args.model.path()?;
     let model_id = args.served_model_name.clone().unwrap_or_else(|| {
         path.file_name()
@@ -80,11 +127,6 @@ pub fn run(args: Args) -> Result<()> {
         context_limit: None,
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);
-    let api_key = args
-        .api_key
-        .clone()
-        .or_else(|| std::env::var("KVSTORE_API_KEY").ok())
-        .filter(|k| !k.is_empty());
     let server_config = ServerConfig {
         model_id,
         api_key,
@@ -106,30 +148,40 @@ pub fn run(args: Args) -> Result<()> {
                 let _ = rx.wait_for(|s| *s).await;
             }
         };
-        // On the first signal: stop accepting; after the grace period cancel what is left.
+        // On the first signal: drain. /health answers 503 and new requests are refused
+        // while open ones finish; when none is left (or the grace period ends, or a second
+        // signal comes, and what is left is cancelled: those requests end with an error),
+        // the listener closes.
         let engine_sig = engine.clone();
         tokio::spawn(async move {
             signal().await;
-            tracing::info!("shutting down: no new connections, finishing open requests");
+            tracing::info!("shutting down: /health answers 503, open requests finish");
             engine_sig.stop_accepting();
+            let drained = async {
+                loop {
+                    let m = engine_sig.metrics();
+                    if m.active_rows == 0 && m.queue_depth == 0 {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            };
+            let cut = tokio::select! {
+                _ = drained => false,
+                _ = tokio::time::sleep(grace) => true,
+                _ = signal() => true,
+            };
+            if cut {
+                tracing::warn!("cancelling requests still running");
+                let e = engine_sig.clone();
+                let _ = tokio::task::spawn_blocking(move || e.shutdown(true)).await;
+            }
             let _ = stop_tx.send(true);
-            tokio::select! {
-                _ = tokio::time::sleep(grace) => {}
-                _ = signal() => {}
-            }
-            tracing::warn!("cancelling requests still running");
-            let _ = tokio::task::spawn_blocking(move || engine_sig.shutdown(true)).await;
         });
-        if let Some(sock) = &args.unix {
-            if sock.exists() {
-                std::fs::remove_file(sock)
-                    .with_context(|| format!("removing the old socket {}", sock.display()))?;
-            }
-            let listener = tokio::net::UnixListener::bind(sock)
-                .with_context(|| format!("listening on {}", sock.display()))?;
-            tracing::info!(socket = %sock.display(), "kvstore serve listening");
-            server::serve_unix(listener, app, shutdown).await?;
-            let _ = std::fs::remove_file(sock);
+        if let Some(claim) = &unix {
+            let listener = claim.bind()?;
+            tracing::info!(socket = %store::escape_path(claim.path()), "kvstore serve listening");
+            server::serve_with_limits(listener, app, limits, shutdown).await?;
         } else {
             let addr = format!("{}:{}", args.host, args.port);
             let listener = tokio::net::TcpListener::bind(&addr)
@@ -138,7 +190,7 @@ pub fn run(args: Args) -> Result<()> {
             let local = listener.local_addr()?;
             tracing::info!(address = %local, "kvstore serve listening");
             eprintln!("kvstore serve: listening on http://{local}");
-            server::serve_tcp(listener, app, shutdown).await?;
+            server::serve_with_limits(listener, app, limits, shutdown).await?;
         }
         anyhow::Ok(())
     });
