@@ -5,7 +5,8 @@
 #
 #   FUZZ_SMOKE_SECS   seconds per target (default 30)
 #   FUZZ_TARGETS      targets to run (default: all of `cargo fuzz list`); the engine targets
-#                     (chat_template, http_request) build the engine and libmlx bindings first
+#                     (chat_template, http_request) build the engine and libmlx bindings first,
+#                     model_file only the libmlx bindings
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 secs=${FUZZ_SMOKE_SECS:-30}
@@ -21,7 +22,10 @@ export LSAN_OPTIONS="suppressions=$PWD/fuzz/lsan.supp"
 cd fuzz
 targets=${FUZZ_TARGETS:-$(cargo fuzz list)}
 features() {
-    case $1 in chat_template | http_request) echo --features=engine ;; esac
+    case $1 in
+    chat_template | http_request) echo --features=engine ;;
+    model_file) echo --features=model ;;
+    esac
 }
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT

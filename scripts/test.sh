@@ -5,7 +5,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
-# Fuzz smoke over the committed corpora. The store targets build in a few minutes; the engine
-# targets (a much longer instrumented build) run when FUZZ_TARGETS names them; their
-# corpora replay in `cargo test` above either way.
-FUZZ_TARGETS=${FUZZ_TARGETS:-"block_file journal store_key"} bash scripts/fuzz_smoke.sh
+# Fuzz smoke over the committed corpora. The store targets build in a few minutes and the
+# model-file target adds about 40 s of CPU (the MLX binding); the engine targets (a much
+# longer instrumented build) run when FUZZ_TARGETS names them; their corpora replay in
+# `cargo test` above either way.
+FUZZ_TARGETS=${FUZZ_TARGETS:-"block_file journal store_key model_file"} bash scripts/fuzz_smoke.sh

@@ -21,6 +21,8 @@ mod device;
 mod dtype;
 mod error;
 pub mod fast;
+#[doc(hidden)]
+pub mod fuzzing;
 // The bridge file holds exactly one `ffi` module, as cxx_build expects.
 #[allow(clippy::module_inception)]
 mod ffi;

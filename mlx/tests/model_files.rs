@@ -89,3 +89,31 @@ fn fifos_and_devices_are_refused_before_they_are_opened() {
     let err = mlx::io::load_safetensors(&link).unwrap_err();
     assert!(err.to_string().contains("not a regular file"), "{err}");
 }
+
+/// The committed corpus and seeds of the `model_file` fuzz target, replayed on stable.
+#[test]
+fn model_file_corpus_replays() {
+    let files = mlx::fuzzing::committed_inputs("model_file");
+    assert!(files.len() >= 10, "no committed inputs for model_file");
+    let scratch = tempfile::tempdir().unwrap();
+    for path in files {
+        let data = std::fs::read(&path).unwrap();
+        let ok = std::panic::catch_unwind(|| {
+            mlx::fuzzing::check_model_file(&data, &scratch.path().join("model"))
+        });
+        assert!(ok.is_ok(), "{} fails", path.display());
+    }
+}
+
+#[test]
+fn the_valid_seeds_load() {
+    let seeds = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/seeds/model_file");
+    let g = mlx::io::load_gguf(&seeds.join("valid_tiny.gguf")).unwrap();
+    assert!(
+        g.tensors.contains_key("q41.biases"),
+        "{:?}",
+        g.tensors.keys()
+    );
+    let st = mlx::io::load_safetensors(&seeds.join("valid_tiny.safetensors")).unwrap();
+    assert_eq!(st.tensors.len(), 3);
+}
