@@ -91,8 +91,6 @@ pub struct GgufLayout {
     pub version: u32,
     /// Number of metadata entries.
     pub metadata_entries: u64,
-    /// Unsigned integer metadata values by key (for bounds checks before loading).
-    pub integers: Vec<(String, u64)>,
     /// Tensors in file order.
     pub tensors: Vec<GgufTensor>,
     /// Where the tensor data starts.
@@ -219,7 +217,6 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
     }
 
     let mut keys = HashSet::new();
-    let mut integers = Vec::new();
     let mut alignment: u64 = 32;
     for _ in 0..kv_count {
         let key = utf8(
@@ -233,7 +230,9 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
         let t = c.u32(&what)?;
         match t {
             8 => {
-                c.string(c.left(), &what)?;
+                // Skipped, not read: a value may be as long as the file.
+                let n = c.u64(&what)?;
+                c.skip(n, &what)?;
             }
             9 => {
                 let et = c.u32(&what)?;
@@ -274,18 +273,6 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
                 let mut a = [0u8; 8];
                 a[..b.len()].copy_from_slice(&b);
                 let v = u64::from_le_bytes(a);
-                // Unsigned types and non-negative signed ones, for the caller's bounds checks.
-                let unsigned = match t {
-                    0 | 2 | 4 | 10 => Some(v),
-                    1 => (b[0] as i8 >= 0).then_some(v),
-                    3 => (i16::from_le_bytes([b[0], b[1]]) >= 0).then_some(v),
-                    5 => (i32::from_le_bytes([b[0], b[1], b[2], b[3]]) >= 0).then_some(v),
-                    11 => (v as i64 >= 0).then_some(v),
-                    _ => None,
-                };
-                if let Some(v) = unsigned {
-                    integers.push((key.clone(), v));
-                }
                 if key == "general.alignment" {
                     if t != 4 || v == 0 || !v.is_power_of_two() || v > 1 << 16 {
                         return Err(bad(format!(
@@ -395,7 +382,6 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
     Ok(GgufLayout {
         version,
         metadata_entries: kv_count,
-        integers,
         tensors: infos,
         data_offset,
     })
@@ -573,7 +559,7 @@ mod tests {
         let l = check(&b).unwrap();
         assert_eq!(l.tensors.len(), 2);
         assert_eq!(l.tensors[1].bytes, 18);
-        assert_eq!(l.integers, vec![("llama.block_count".to_string(), 2)]);
+        assert_eq!(l.metadata_entries, 1);
     }
 
     #[test]
