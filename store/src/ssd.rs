@@ -1062,11 +1062,7 @@ impl SsdTier {
     /// it is a regular file (never a symlink) and at most [`format::MAX_COSTS_LEN`] bytes.
     pub fn read_costs(&self, ns: NamespaceId) -> Option<Vec<u8>> {
         let path = self.root.join(ns.to_string()).join(format::COSTS_FILE);
-        let meta = fs::symlink_metadata(&path).ok()?;
-        if !meta.is_file() || meta.len() > format::MAX_COSTS_LEN {
-            return None;
-        }
-        fs::read(&path).ok()
+        nofollow::read(&path, format::MAX_COSTS_LEN).ok()
     }
 
     /// Saves namespace `ns`'s cost model atomically (temp file, fsync, rename); a no-op on a

@@ -1,4 +1,5 @@
-//! A symbolic link planted under each name the store opens, pointing outside the store: the
+//! A symbolic link planted under each name the store opens (LOCK, journal, marker,
+//! namespace.json, costs.json, blocks, tmp, quarantine), pointing outside the store: the
 //! store never reads, truncates, writes or moves anything through it, and says what it found.
 
 use std::path::{Path, PathBuf};
@@ -116,6 +117,29 @@ fn namespace_json_symlink_is_not_read() {
     assert!(ns.description.is_none(), "read through the link");
     let why = ns.description_error.as_deref().unwrap_or_default();
     assert!(why.contains("symbolic link"), "{why}");
+}
+
+#[test]
+fn costs_json_symlink_is_not_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let (root, blocks, _) = populated(dir.path());
+    let ns = blocks[0].meta.namespace;
+    let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+    s.save_costs(ns, b"{\"saved\": true}").unwrap();
+    assert!(s.costs(ns).is_some());
+    let path = root.join(ns.to_string()).join(format::COSTS_FILE);
+    let outside = dir.path().join("costs.json");
+    std::fs::copy(&path, &outside).unwrap();
+    plant(&path, &outside);
+    assert_eq!(s.costs(ns), None, "read through the link");
+    // A FIFO there does not block the read either.
+    std::fs::remove_file(&path).unwrap();
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&path)
+        .status()
+        .unwrap()
+        .success());
+    assert_eq!(s.costs(ns), None);
 }
 
 #[test]
