@@ -58,10 +58,10 @@ pub struct Args {
     /// Answer 408 to a request whose body has not all arrived this long after its headers.
     #[arg(long, value_name = "DURATION", default_value = "60s")]
     body_read_timeout: humantime::Duration,
-    /// Most connections open at once; more get 503 and are closed (keep it below the
-    /// process's file-descriptor limit, `ulimit -n`).
-    #[arg(long, value_name = "N", default_value_t = 1024)]
-    max_connections: usize,
+    /// Most connections open at once; more get 503 and are closed. Default: 1024, or less
+    /// where the file-descriptor limit (`ulimit -n`) would run out first.
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
 }
 
 /// Runs the server until SIGINT or SIGTERM.
@@ -79,14 +79,16 @@ pub fn run(args: Args) -> Result<()> {
     if args.max_tokens_limit == 0 {
         bail!("--max-tokens-limit must be at least 1");
     }
-    if args.max_connections == 0 {
-        bail!("--max-connections must be at least 1");
-    }
+    let max_connections = match args.max_connections {
+        Some(0) => bail!("--max-connections must be at least 1"),
+        Some(n) => n,
+        None => default_max_connections(),
+    };
     let limits = ConnectionLimits {
         keep_alive_timeout: args.keep_alive_timeout.into(),
         header_read_timeout: args.header_read_timeout.into(),
         body_read_timeout: args.body_read_timeout.into(),
-        max_connections: args.max_connections,
+        max_connections,
         ..ConnectionLimits::default()
     };
     for (flag, d) in [
@@ -200,6 +202,26 @@ pub fn run(args: Args) -> Result<()> {
         .context("flushing the block store at shutdown")?;
     tracing::info!("store flushed; bye");
     served
+}
+
+/// 1024 connections, or fewer when the soft limit on open files leaves less room: the
+/// model, the store and the runtime keep up to a few dozen descriptors of their own, and a
+/// connection past the limit would fail `accept` instead of getting a 503.
+fn default_max_connections() -> usize {
+    const DEFAULT: usize = 1024;
+    const RESERVED: usize = 128;
+    let soft = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("Max open files"))
+                .and_then(|l| l.split_whitespace().nth(3))
+                .and_then(|v| v.parse::<usize>().ok())
+        });
+    match soft {
+        Some(n) => DEFAULT.min(n.saturating_sub(RESERVED)).max(1),
+        None => DEFAULT,
+    }
 }
 
 async fn signal() {

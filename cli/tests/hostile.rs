@@ -351,3 +351,72 @@ fn a_stream_cut_off_by_the_grace_period_ends_with_an_error() {
     assert!(error_at < done_at && error_at.is_some(), "{rest}");
     assert!(child.wait().unwrap().success());
 }
+
+#[test]
+fn the_default_connection_cap_stays_below_the_file_descriptor_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("s.log");
+    // 256 descriptors: the default cap becomes 256 - 128 = 128 connections.
+    let script = format!(
+        "ulimit -n 256 && exec '{}' serve --no-cache --port 0 --keep-alive-timeout 600s \
+         --model '{}'",
+        env!("CARGO_BIN_EXE_kvstore"),
+        tiny().display()
+    );
+    let mut child = Command::new("sh")
+        .args(["-c", &script])
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let port: u16 = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if let Some(rest) = text.split("listening on http://127.0.0.1:").nth(1) {
+            break rest
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .unwrap();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "never listened: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut held = Vec::new();
+    let mut refused = None;
+    for _ in 0..300 {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let mut buf = [0u8; 512];
+        match s.read(&mut buf) {
+            Ok(n) if n > 0 => {
+                refused = Some(String::from_utf8_lossy(&buf[..n]).into_owned());
+                break;
+            }
+            _ => held.push(s),
+        }
+    }
+    let refused = refused.expect("300 connections and none was refused with a 503");
+    assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+    assert!(
+        held.len() >= 100 && held.len() <= 128,
+        "{} held",
+        held.len()
+    );
+    drop(held);
+    let t = Instant::now();
+    while !read_all(http(port, "GET", "/health", "")).starts_with("HTTP/1.1 200") {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "never answered again"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    sigterm(&child);
+    assert!(child.wait().unwrap().success());
+}
