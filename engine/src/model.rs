@@ -323,14 +323,37 @@ impl Model {
     /// Prefills `tokens` in steps of at most `chunk` tokens, evaluating each step so memory
     /// stays bounded by the chunk, and returns the logits of the last token.
     pub fn prefill(&self, tokens: &[u32], cache: &mut dyn KvCache, chunk: usize) -> Result<Array> {
+        self.prefill_while(tokens, cache, chunk, &mut || true)?
+            .ok_or_else(|| EngineError::InvalidParameter {
+                name: "prefill",
+                message: "stopped without a reason".into(),
+            })
+    }
+
+    /// [`Model::prefill`] that asks `keep_going` before every chunk and stops at that chunk
+    /// boundary when it says no (a client that went away): `None`, with the cache holding
+    /// the chunks computed so far.
+    pub fn prefill_while(
+        &self,
+        tokens: &[u32],
+        cache: &mut dyn KvCache,
+        chunk: usize,
+        keep_going: &mut dyn FnMut() -> bool,
+    ) -> Result<Option<Array>> {
         let chunk = chunk.max(1);
         let mut rest = tokens;
         while rest.len() > chunk {
+            if !keep_going() {
+                return Ok(None);
+            }
             let (head, tail) = rest.split_at(chunk);
             let h = self.decoder.hidden(&self.ids(head)?, cache)?;
             h.eval()?;
             rest = tail;
         }
-        self.forward(rest, cache)
+        if !keep_going() {
+            return Ok(None);
+        }
+        self.forward(rest, cache).map(Some)
     }
 }

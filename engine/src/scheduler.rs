@@ -927,9 +927,41 @@ impl Worker {
         };
         let cached = cache.offset();
         let t = Instant::now();
-        let logits = self
-            .model
-            .prefill(&prompt[cached..], &mut cache, params.prefill_chunk)?;
+        // A client that goes away stops the prefill at the next chunk boundary; what was
+        // computed is published and kept, so a retry of the same prompt reuses it.
+        let (cancel, tx) = (p.cancel.clone(), p.tx.clone());
+        let mut keep_going = || !(cancel.is_cancelled() || tx.is_closed());
+        let Some(logits) = self.model.prefill_while(
+            &prompt[cached..],
+            &mut cache,
+            params.prefill_chunk,
+            &mut keep_going,
+        )?
+        else {
+            if let (Some(pc), Some(chain)) = (&self.prefix, chain) {
+                let held = cache.offset().min(prompt.len());
+                if let Err(e) = pc.retire(chain, cache, &prompt[..held]) {
+                    tracing::warn!(request = p.id, error = %e, "publishing a cut-off prefill failed");
+                }
+                if let Ok(mut r) = pc.resident() {
+                    r.release(p.reserve);
+                }
+            }
+            tracing::debug!(request = p.id, "client gone during prefill: stopped");
+            self.counters().cancelled.fetch_add(1, Ordering::Relaxed);
+            let _ = p.tx.send(Event::Finished(Completion {
+                finish_reason: FinishReason::Cancelled,
+                prompt_tokens: prompt.len(),
+                cached_tokens: cached,
+                completion_tokens: 0,
+                text: String::new(),
+                queue_s,
+                ttft_s: 0.0,
+                total_s: p.submitted.elapsed().as_secs_f64(),
+                reuse: report,
+            }));
+            return Ok(());
+        };
         let logits: Vec<f32> = logits.to_vec()?;
         let first = sampler.sample(&logits, &prompt, &[])?;
         report.prefill_s = t.elapsed().as_secs_f64();

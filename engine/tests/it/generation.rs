@@ -219,3 +219,39 @@ fn a_seed_reproduces_sampled_text_and_stop_strings_cut_it() {
         assert_eq!(streamed, out.text);
     }
 }
+
+#[test]
+fn a_prefill_told_to_stop_ends_at_a_chunk_boundary_and_keeps_what_it_computed() {
+    let (model, _) = tiny();
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 7) % 200).collect();
+    let mut asked = 0;
+    let mut cache = model.new_cache();
+    let got = model
+        .prefill_while(&prompt, &mut cache, 8, &mut || {
+            asked += 1;
+            asked <= 2
+        })
+        .unwrap();
+    assert!(
+        got.is_none(),
+        "the prefill went on after being told to stop"
+    );
+    assert_eq!(
+        cache.offset(),
+        16,
+        "two chunks of 8 computed, then it stopped"
+    );
+    // Told nothing, it computes everything and gives prefill's logits.
+    let mut a = model.new_cache();
+    let mut b = model.new_cache();
+    let all = model
+        .prefill_while(&prompt, &mut a, 8, &mut || true)
+        .unwrap()
+        .unwrap();
+    let reference = model.prefill(&prompt, &mut b, 8).unwrap();
+    assert_eq!(a.offset(), 40);
+    assert_eq!(
+        all.to_vec::<f32>().unwrap(),
+        reference.to_vec::<f32>().unwrap()
+    );
+}
