@@ -209,6 +209,8 @@ fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -
         costs.ssd_s_per_block.map(|s| s + import),
         &mut plan,
     );
+    // An SSD block costs at least its import: when that alone loses, no probe is needed.
+    cut(Tier::Ssd, costs.import_s_per_block, &mut plan);
     if costs.ssd_s_per_block.is_none() {
         // No SSD speed measured yet (on this device): read a few blocks to measure it and
         // recompute the rest, so a first SSD hit can never cost much more than recomputing.
@@ -227,12 +229,18 @@ fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -
 }
 
 /// Seconds to move one block of `block_bytes` from host bytes to the device, measured on a
-/// run of blocks (up to 64 MiB) in one transfer, as a restore moves them: the prior of the
-/// import estimate on a device that never restored (real restores refine it; larger
-/// transfers can run slower, docs/benchmarks.md "Device tier").
+/// run of blocks in one transfer, as a restore moves them: the prior of the import estimate
+/// on a device that never restored (real restores refine it). A GPU gets a 256 MiB run: MLX
+/// moves large host buffers to a CUDA device markedly slower than small ones
+/// (docs/benchmarks.md, "Device tier"); on unified memory 64 MiB is plenty.
 fn calibrate_import(block_bytes: u64) -> Option<f64> {
     let block_bytes = block_bytes.max(1);
-    let blocks = ((64u64 << 20) / block_bytes).clamp(1, 256);
+    let run: u64 = if mlx::gpu_available().unwrap_or(false) {
+        256 << 20
+    } else {
+        64 << 20
+    };
+    let blocks = (run / block_bytes).clamp(1, 1024);
     let host = vec![0u8; (blocks * block_bytes) as usize];
     let once = || -> Option<f64> {
         let t = Instant::now();
@@ -1029,6 +1037,19 @@ mod tests {
         assert_eq!(
             plan_restore(&run, &costs(1e-3, 1e-4, 1e-6), 16, false).usable,
             9
+        );
+    }
+
+    #[test]
+    fn an_unmeasured_ssd_is_not_probed_when_the_import_alone_loses() {
+        let slow_import = Costs {
+            ssd_s_per_block: None,
+            import_s_per_block: Some(20e-3),
+            ..costs(1e-3, 0.0, 0.0)
+        };
+        assert_eq!(
+            plan_restore(&[S, S, S, S, S, S], &slow_import, 16, false).usable,
+            0
         );
     }
 
