@@ -21,6 +21,9 @@ fn generate(model: &Path, store: &Path, prompt: &str, extra: &[&str]) -> Value {
             "--json",
             "--block-size",
             "8",
+            // These tests check what each tier serves: no estimate may skip a tier.
+            "--restore",
+            "always",
         ])
         .args(extra)
         .env("KVSTORE_QUIET", "1")

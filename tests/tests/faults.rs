@@ -92,6 +92,9 @@ fn start(store: &Path, extra: &[&str]) -> Result<Serve, String> {
         ["--ram-budget", "64KiB"],
         ["--ssd-budget", budget.as_str()],
         ["--max-batch", "4"],
+        // The faults are in the host tiers: every block found must be read, not skipped by
+        // the restore-or-recompute estimate.
+        ["--restore", "always"],
     ];
     let mut args: Vec<&str> = defaults
         .iter()
