@@ -27,6 +27,13 @@ pub struct Args {
     /// Small sizes and few repetitions (a smoke run, numbers not meaningful).
     #[arg(long)]
     quick: bool,
+    /// Directory on the disk for the SSD → device restore (a scratch subdirectory is
+    /// created and removed). Default: the system temp directory.
+    #[arg(long, value_name = "DIR")]
+    dir: Option<std::path::PathBuf>,
+    /// Tokens of the prefix restored from SSD.
+    #[arg(long, default_value_t = 32768)]
+    ssd_tokens: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -63,9 +70,117 @@ struct BlockRow {
 }
 
 #[derive(Serialize)]
+struct SsdRow {
+    tokens: usize,
+    bytes: u64,
+    /// Whether the page cache was dropped before each read (needs root).
+    cold: bool,
+    /// Store load (read, checksum, verify) + bulk import into a fresh cache, GB/s.
+    restore_gb_s: f64,
+    /// `dd iflag=direct` of a file of the same size on the same disk, GB/s.
+    dd_gb_s: f64,
+    /// restore / dd (target ≥ 0.7).
+    ratio: f64,
+}
+
+#[derive(Serialize)]
 struct Report {
     decode: Vec<DecodeRow>,
     blocks: Vec<BlockRow>,
+    ssd: SsdRow,
+}
+
+/// A prefix of `tokens` SmolLM2-shaped tokens (30 layers, f32) published to a store on
+/// disk, then restored from SSD into a fresh cache in a new store handle, against `dd`
+/// reading a file of the same size with direct I/O.
+fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
+    use store::{NamespaceDescription, StoreConfig};
+    let (layers, bs) = (30usize, 32usize);
+    let tokens = tokens.div_ceil(bs) * bs;
+    let scratch = tempfile::Builder::new()
+        .prefix("kvstore-bench-cache-")
+        .tempdir_in(dir)?;
+    let root = scratch.path().join("store");
+    let config = PagedConfig {
+        block_size: bs,
+        format: KvFormat::Float,
+        initial_blocks: tokens / bs,
+        max_blocks: tokens / bs + 1,
+    };
+    let shape = cache::BlockShape {
+        kv_heads: HKV as usize,
+        block_size: bs,
+        head_dim: D as usize,
+        dtype: Dtype::F32,
+    };
+    let mut desc = NamespaceDescription::new("bench-cache-ssd", store::Dtype::F32, bs as u32);
+    desc.planes = cache::plane_specs(layers, shape, KvFormat::Float)?;
+    let ids: Vec<u32> = (0..tokens as u32).collect();
+    let (keys, total) = {
+        let mut live = PagedKvCache::new(layers, config)?;
+        for l in 0..layers {
+            let k = random(&[1, HKV, tokens as i32, D], 1000 + l as u64)?;
+            let v = random(&[1, HKV, tokens as i32, D], 2000 + l as u64)?;
+            live.update_and_fetch(l, &k, &v)?;
+        }
+        let s: store::Store<store::Block> = store::Store::open(
+            StoreConfig::default()
+                .root(&root)
+                .ram_budget(64 << 30)
+                .ssd_budget(64 << 30),
+        )?;
+        let ns = s.register_namespace(&desc)?;
+        let blocks = live.publish(&mut Chain::new(ns, bs), &ids)?;
+        let keys: Vec<store::BlockKey> = blocks.iter().map(|b| b.meta.key).collect();
+        let total: u64 = blocks.iter().map(|b| b.data_len()).sum();
+        for b in blocks {
+            s.insert(Arc::new(b))?;
+        }
+        s.flush()?;
+        s.close()?;
+        (keys, total)
+    };
+    let ddfile = scratch.path().join("dd.bin");
+    let mib = 1u64 << 20;
+    crate::bench::store::dd_write(&ddfile, mib, total.div_ceil(mib))?;
+    let cold = crate::bench::store::drop_caches();
+    let dd_gb_s = crate::bench::store::dd_read(&ddfile, mib, total.div_ceil(mib))?;
+    crate::bench::store::drop_caches();
+    let t = Instant::now();
+    let s: store::Store<store::Block> = store::Store::open(
+        StoreConfig::default()
+            .root(&root)
+            .ram_budget(64 << 30)
+            .ssd_budget(64 << 30),
+    )?;
+    let ns = s.register_namespace(&desc)?;
+    let per_block: Vec<&[u32]> = ids.chunks(bs).collect();
+    let loaded = s.load_prefix(ns, &keys, &per_block);
+    if loaded.blocks.len() != keys.len() {
+        anyhow::bail!(
+            "only {} of {} blocks loaded: {:?}",
+            loaded.blocks.len(),
+            keys.len(),
+            loaded.stopped
+        );
+    }
+    let blocks: Vec<Arc<store::Block>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
+    let restored = PagedKvCache::restore(layers, config, &blocks)?;
+    let mut all = Vec::new();
+    for l in 0..layers {
+        all.extend(restored.cache.pool(l).into_iter().flat_map(|p| p.arrays()));
+    }
+    mlx::eval(&all)?;
+    let secs = t.elapsed().as_secs_f64();
+    let restore_gb_s = total as f64 / secs / 1e9;
+    Ok(SsdRow {
+        tokens,
+        bytes: total,
+        cold,
+        restore_gb_s,
+        dd_gb_s,
+        ratio: restore_gb_s / dd_gb_s,
+    })
 }
 
 fn median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
@@ -265,9 +380,11 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
 
 /// Runs the cache benchmark and prints a table or JSON.
 pub fn run(args: Args) -> Result<()> {
+    let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let report = Report {
         decode: decode_rows(args.quick)?,
         blocks: block_rows(args.quick)?,
+        ssd: ssd_row(if args.quick { 512 } else { args.ssd_tokens }, &dir)?,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -311,5 +428,15 @@ pub fn run(args: Args) -> Result<()> {
             r.restore_share
         );
     }
+    let r = &report.ssd;
+    println!(
+        "\nSSD → device: {} tokens ({:.0} MB, 30 layers, f32), store load + bulk import {:.2} GB/s; dd iflag=direct {:.2} GB/s; ratio {:.2}{}",
+        r.tokens,
+        r.bytes as f64 / 1e6,
+        r.restore_gb_s,
+        r.dd_gb_s,
+        r.ratio,
+        if r.cold { "" } else { " (page cache not dropped: not root, reads may be warm)" }
+    );
     Ok(())
 }

@@ -76,7 +76,7 @@ fn blocks(d: &NamespaceDescription, n: usize, payload: &[u8]) -> Vec<Block> {
 }
 
 /// Drops the page cache so reads come from the disk; false if not permitted.
-fn drop_caches() -> bool {
+pub(crate) fn drop_caches() -> bool {
     Command::new("sync").status().is_ok_and(|s| s.success())
         && std::fs::write("/proc/sys/vm/drop_caches", "3").is_ok()
 }
@@ -99,7 +99,7 @@ fn dd(args: &[String], bytes: u64) -> Result<f64> {
     Ok(gbps(bytes, secs))
 }
 
-fn dd_write(path: &Path, bs: u64, count: u64) -> Result<f64> {
+pub(crate) fn dd_write(path: &Path, bs: u64, count: u64) -> Result<f64> {
     dd(
         &[
             "if=/dev/zero".into(),
@@ -113,7 +113,7 @@ fn dd_write(path: &Path, bs: u64, count: u64) -> Result<f64> {
     )
 }
 
-fn dd_read(path: &Path, bs: u64, count: u64) -> Result<f64> {
+pub(crate) fn dd_read(path: &Path, bs: u64, count: u64) -> Result<f64> {
     dd(
         &[
             format!("if={}", path.display()),
