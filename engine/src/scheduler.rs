@@ -329,6 +329,8 @@ struct Pending {
 enum Prefetch {
     /// No prefix cache, or the I/O thread is gone: the engine loads at admission.
     None,
+    /// Not asked for yet (the request is far from the head of the queue).
+    NotYet,
     /// Being loaded.
     Waiting(mpsc::Receiver<Result<HostPrefix>>),
     /// Loaded (`None`: it failed; the engine loads again at admission, and reports why).
@@ -391,8 +393,6 @@ struct Shared {
 pub struct Engine {
     tx: Mutex<mpsc::Sender<Command>>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Jobs for the I/O thread (with a prefix cache); it ends when this is dropped.
-    io: Option<Mutex<mpsc::Sender<IoJob>>>,
     shared: Arc<Shared>,
     tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
@@ -459,7 +459,21 @@ impl Engine {
             accepting: AtomicBool::new(true),
         });
         let (tx, rx) = mpsc::channel();
+        // The I/O thread (with a prefix cache) ends when the worker drops its sender.
+        let io = match &prefix {
+            Some(pc) => {
+                let (io_tx, io_rx) = mpsc::channel();
+                let pc = pc.clone();
+                std::thread::Builder::new()
+                    .name("kvstore-io".into())
+                    .spawn(move || io_loop(pc, io_rx))
+                    .map_err(|e| EngineError::io("kvstore-io thread", e))?;
+                Some(io_tx)
+            }
+            None => None,
+        };
         let mut worker = Worker {
+            io,
             model,
             tokenizer: tokenizer.clone(),
             prefix: prefix.clone(),
@@ -477,22 +491,9 @@ impl Engine {
             .name("kvstore-engine".into())
             .spawn(move || worker.run())
             .map_err(|e| EngineError::io("kvstore-engine thread", e))?;
-        let io = match &prefix {
-            Some(pc) => {
-                let (io_tx, io_rx) = mpsc::channel();
-                let pc = pc.clone();
-                std::thread::Builder::new()
-                    .name("kvstore-io".into())
-                    .spawn(move || io_loop(pc, io_rx))
-                    .map_err(|e| EngineError::io("kvstore-io thread", e))?;
-                Some(Mutex::new(io_tx))
-            }
-            None => None,
-        };
         Ok(Engine {
             tx: Mutex::new(tx),
             thread: Mutex::new(Some(thread)),
-            io,
             shared,
             tokenizer,
             info,
@@ -586,20 +587,10 @@ impl Engine {
         let (tx, rx) = chan::unbounded_channel();
         let cancel = CancelHandle::default();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        // The I/O thread loads the cached prefix while the request waits for admission.
-        let prefetch = match self.io.as_ref().and_then(|io| io.lock().ok()) {
-            Some(io) => {
-                let (reply, done) = mpsc::sync_channel(1);
-                let job = IoJob {
-                    salt: request.cache_salt.clone(),
-                    prompt: request.prompt.clone(),
-                    reply,
-                };
-                match io.send(job) {
-                    Ok(()) => Prefetch::Waiting(done),
-                    Err(_) => Prefetch::None,
-                }
-            }
+        // The engine thread asks its I/O thread for the cached prefix once the request is
+        // near the head of the queue (see `Worker::prefetch`).
+        let prefetch = match self.prefix {
+            Some(_) => Prefetch::NotYet,
             None => Prefetch::None,
         };
         let pending = Pending {
@@ -729,6 +720,8 @@ struct Row {
 }
 
 struct Worker {
+    /// Jobs for the I/O thread, with a prefix cache.
+    io: Option<mpsc::Sender<IoJob>>,
     model: Model,
     tokenizer: Arc<Tokenizer>,
     prefix: Option<Arc<PrefixCache>>,
@@ -841,6 +834,7 @@ impl Worker {
         for p in gone {
             self.refuse_cancelled(p);
         }
+        self.prefetch();
         while self.active.len() < self.config.max_batch {
             let fits = match self.queue.front() {
                 Some(p) => {
@@ -886,6 +880,30 @@ impl Worker {
             }
         }
         self.set_gauges();
+    }
+
+    /// Asks the I/O thread for the cached prefix of the queued requests near the head of
+    /// the queue (two batches' worth): loaded host blocks stay in memory until admission,
+    /// so a long queue must not pin them all.
+    fn prefetch(&mut self) {
+        let Some(io) = &self.io else {
+            return;
+        };
+        for p in self.queue.iter_mut().take(2 * self.config.max_batch) {
+            if !matches!(p.prefetch, Prefetch::NotYet) {
+                continue;
+            }
+            let (reply, done) = mpsc::sync_channel(1);
+            let job = IoJob {
+                salt: p.request.cache_salt.clone(),
+                prompt: p.request.prompt.clone(),
+                reply,
+            };
+            p.prefetch = match io.send(job) {
+                Ok(()) => Prefetch::Waiting(done),
+                Err(_) => Prefetch::None,
+            };
+        }
     }
 
     /// Restores the cached prefix, prefills the rest, samples the first token, and adds
