@@ -227,6 +227,11 @@ impl<P> std::fmt::Debug for LoadedPrefix<P> {
 
 enum Job<P> {
     Write(Arc<P>),
+    /// A block that left the RAM tier while the SSD held it: written only if the SSD no
+    /// longer does when the job runs (its SSD recency is left as it is). The worker decides,
+    /// not the evicting thread: the SSD copy seen at eviction time may be evicted by writes
+    /// still queued before this job, and the block would be lost from both tiers.
+    Spill(Arc<P>),
     Touch(NamespaceId, BlockKey),
     /// Re-applies a chain's recency after the writes queued before it.
     TouchChain(NamespaceId, Vec<BlockKey>),
@@ -492,14 +497,28 @@ impl<P: Payload> Store<P> {
             let m = p.meta();
             // A block already on SSD keeps its SSD recency: every use (load, touch_chain,
             // re-insert) has refreshed it there too, and touching it now, leaves first,
-            // would rank a chain's evicted leaves above its ancestors.
+            // would rank a chain's evicted leaves above its ancestors. Whether it is still
+            // there is for the worker to see when the job runs (`Job::Spill`).
             let on_ssd = self
                 .shared
                 .ssd
                 .as_ref()
                 .is_some_and(|s| s.contains(m.namespace, m.key));
-            if !on_ssd && self.enqueue(p) {
+            if on_ssd {
+                self.enqueue_spill_check(p);
+            } else if self.enqueue(p) {
                 Counters::inc(&self.shared.counters.spills);
+            }
+        }
+    }
+
+    /// Queues a [`Job::Spill`] without blocking: the block left RAM while the SSD held it,
+    /// and the worker writes it only if the SSD no longer does when the job runs. It is not
+    /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
+    fn enqueue_spill_check(&self, p: Arc<P>) {
+        if let Some(tx) = &self.tx {
+            if tx.try_send(Job::Spill(p)).is_err() {
+                Counters::inc(&self.shared.counters.skipped_queue_full);
             }
         }
     }
@@ -931,36 +950,48 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
         return;
     };
     for job in rx {
-        match job {
-            Job::Write(p) => {
-                let m = p.meta();
-                let k = (m.namespace, m.key);
-                if ssd.contains(k.0, k.1) {
-                    ssd.touch(k.0, k.1);
-                    lock(&shared.pending).remove(&k);
-                    continue;
-                }
-                let result = p
-                    .to_block()
-                    .map_err(|e| WriteError::Payload {
-                        key: k.1,
-                        source: Box::new(e),
-                    })
-                    .and_then(|b| ssd.put(&b));
-                lock(&shared.pending).remove(&k);
-                if let Err(e) = result {
-                    Counters::inc(&shared.counters.write_errors);
-                    tracing::warn!(key = %k.1, error = %e, "write-behind failed");
-                    let mut f = lock(&shared.failures);
-                    f.count += 1;
-                    f.last = Some(e.to_string());
-                }
+        let (p, refresh) = match job {
+            Job::Write(p) => (p, true),
+            Job::Spill(p) => (p, false),
+            Job::Touch(ns, key) => {
+                ssd.touch(ns, key);
+                continue;
             }
-            Job::Touch(ns, key) => ssd.touch(ns, key),
-            Job::TouchChain(ns, keys) => ssd.touch_chain(ns, &keys),
+            Job::TouchChain(ns, keys) => {
+                ssd.touch_chain(ns, &keys);
+                continue;
+            }
             Job::Flush(ack) => {
                 let _ = ack.send(());
+                continue;
             }
+        };
+        // `refresh`: a Write job (its block is in `pending`); a Spill job is not.
+        let m = p.meta();
+        let k = (m.namespace, m.key);
+        if ssd.contains(k.0, k.1) {
+            if refresh {
+                ssd.touch(k.0, k.1);
+                lock(&shared.pending).remove(&k);
+            }
+            continue;
+        }
+        let result = p
+            .to_block()
+            .map_err(|e| WriteError::Payload {
+                key: k.1,
+                source: Box::new(e),
+            })
+            .and_then(|b| ssd.put(&b));
+        if refresh {
+            lock(&shared.pending).remove(&k);
+        }
+        if let Err(e) = result {
+            Counters::inc(&shared.counters.write_errors);
+            tracing::warn!(key = %k.1, error = %e, "write-behind failed");
+            let mut f = lock(&shared.failures);
+            f.count += 1;
+            f.last = Some(e.to_string());
         }
     }
 }
