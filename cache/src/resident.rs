@@ -86,7 +86,7 @@ pub struct ResidentPool {
 }
 
 /// Device bytes of a cache's arenas (capacity, not just the tokens held).
-pub fn device_bytes(cache: &PagedKvCache) -> u64 {
+fn device_bytes(cache: &PagedKvCache) -> u64 {
     (0..cache.layers())
         .filter_map(|l| cache.pool(l))
         .flat_map(|p| p.arrays())
@@ -287,14 +287,6 @@ impl ResidentPool {
     /// Returns a reservation made by [`Self::reserve`].
     pub fn release(&mut self, bytes: u64) {
         self.live = self.live.saturating_sub(bytes);
-    }
-
-    /// Drops every resident sequence.
-    pub fn clear(&mut self) {
-        let ids: Vec<u64> = self.entries.keys().copied().collect();
-        for id in ids {
-            self.remove(id);
-        }
     }
 
     fn evict_to(&mut self, budget: u64) -> usize {

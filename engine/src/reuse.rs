@@ -326,11 +326,6 @@ impl HostPrefix {
         self.tiers.drain(..n);
         self.first += n;
     }
-
-    /// Blocks loaded.
-    pub fn blocks(&self) -> usize {
-        self.blocks.len()
-    }
 }
 
 /// What [`PrefixCache::prepare_in`] returns: a cache holding the reused prefix, the

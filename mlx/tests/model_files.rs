@@ -58,8 +58,19 @@ fn a_gguf_on_a_read_only_volume_loads() {
             .unwrap();
         assert!(ok.success());
     } else {
-        // Not root: a read-only file is the same test (root would bypass its mode).
-        eprintln!("no tmpfs mount here; testing a 0444 file instead");
+        // Root bypasses a file's mode, so only a read-only mount tests anything for root;
+        // CI runs as root with mount rights.
+        let root = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+        assert!(
+            !root,
+            "running as root, but `mount -t tmpfs` failed: this test needs it (a 0444 file \
+             would prove nothing for root)"
+        );
+        // Not root: a read-only file is the same test.
+        eprintln!("not root: no tmpfs mount; testing a 0444 file instead");
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o444)).unwrap();
     }

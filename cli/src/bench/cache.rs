@@ -116,6 +116,11 @@ fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
     let mut desc = NamespaceDescription::new("bench-cache-ssd", store::Dtype::F32, bs as u32);
     desc.planes = cache::plane_specs(layers, shape, KvFormat::Float)?;
     let ids: Vec<u32> = (0..tokens as u32).collect();
+    // Everything stays in RAM until the flush writes it; the reader is a new handle.
+    let store_config = StoreConfig::default()
+        .root(&root)
+        .ram_budget(64 << 30)
+        .ssd_budget(64 << 30);
     let (keys, total) = {
         let mut live = PagedKvCache::new(layers, config)?;
         for l in 0..layers {
@@ -123,12 +128,7 @@ fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
             let v = random(&[1, HKV, tokens as i32, D], 2000 + l as u64)?;
             live.update_and_fetch(l, &k, &v)?;
         }
-        let s: store::Store<store::Block> = store::Store::open(
-            StoreConfig::default()
-                .root(&root)
-                .ram_budget(64 << 30)
-                .ssd_budget(64 << 30),
-        )?;
+        let s: store::Store<store::Block> = store::Store::open(store_config.clone())?;
         let ns = s.register_namespace(&desc)?;
         let blocks = live.publish(&mut Chain::new(ns, bs), &ids)?;
         let keys: Vec<store::BlockKey> = blocks.iter().map(|b| b.meta.key).collect();
@@ -147,12 +147,7 @@ fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
     let dd_gb_s = crate::bench::store::dd_read(&ddfile, mib, total.div_ceil(mib))?;
     crate::bench::store::drop_caches();
     let t = Instant::now();
-    let s: store::Store<store::Block> = store::Store::open(
-        StoreConfig::default()
-            .root(&root)
-            .ram_budget(64 << 30)
-            .ssd_budget(64 << 30),
-    )?;
+    let s: store::Store<store::Block> = store::Store::open(store_config)?;
     let ns = s.register_namespace(&desc)?;
     let per_block: Vec<&[u32]> = ids.chunks(bs).collect();
     let loaded = s.load_prefix(ns, &keys, &per_block);
