@@ -71,18 +71,6 @@ impl Dtype {
             Dtype::U8 => safetensors::Dtype::U8,
         }
     }
-
-    pub(crate) fn from_safetensors(d: safetensors::Dtype) -> Option<Dtype> {
-        Some(match d {
-            safetensors::Dtype::F32 => Dtype::F32,
-            safetensors::Dtype::F16 => Dtype::F16,
-            safetensors::Dtype::BF16 => Dtype::BF16,
-            safetensors::Dtype::I32 => Dtype::I32,
-            safetensors::Dtype::U32 => Dtype::U32,
-            safetensors::Dtype::U8 => Dtype::U8,
-            _ => return None,
-        })
-    }
 }
 
 impl fmt::Display for Dtype {

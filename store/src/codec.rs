@@ -7,7 +7,7 @@ use std::io::Read;
 use std::path::Path;
 
 use bytes::Bytes;
-use safetensors::tensor::{SafeTensors, TensorView};
+use safetensors::tensor::TensorView;
 
 use crate::block::{check_lengths, Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
 use crate::format;
@@ -394,74 +394,50 @@ fn parse_meta(map: Option<&HashMap<String, String>>) -> Result<ParsedMeta, Decod
 /// A block file's parsed header: metadata and, in block order, each plane's layout and the
 /// range of its bytes in the file.
 struct Layout {
-    parsed: ParsedMeta,
+    header: BlockHeader,
     planes: Vec<(PlaneSpec, std::ops::Range<usize>)>,
 }
 
 /// Parses and checks the header of a block file whose whole length is `bytes.len()`; only
-/// the first `8 + header length` bytes are read (the rest may not be filled in yet).
+/// the first `8 + header length` bytes are read (the rest may not be filled in yet). The
+/// checks are [`parse_header`]'s, so a file gives the same verdict whichever way it is read.
 fn layout(bytes: &[u8]) -> Result<Layout, DecodeError> {
+    let file_len = bytes.len() as u64;
     if bytes.len() < 8 {
         return Err(DecodeError::Truncated {
             needed: 8,
-            found: bytes.len() as u64,
+            found: file_len,
         });
     }
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8]));
-    if n > format::MAX_HEADER_LEN || n + 8 > bytes.len() as u64 {
-        return Err(DecodeError::Truncated {
-            needed: n.saturating_add(8),
-            found: bytes.len() as u64,
-        });
-    }
-    // Checks the JSON, that the regions are contiguous, match dtype and shape, and exactly
-    // fill the rest of the file.
-    let (n, header) = SafeTensors::read_metadata(bytes)
-        .map_err(|e| DecodeError::Safetensors(format!("{e:?}")))?;
-    let parsed = parse_meta(header.metadata().as_ref())?;
-    let tensors = header.tensors();
-    if parsed.plane_names.len() != tensors.len() {
-        return Err(DecodeError::Planes(format!(
-            "metadata lists {} planes, the file holds {} tensors",
-            parsed.plane_names.len(),
-            tensors.len()
-        )));
-    }
-    let data_start = 8 + n;
-    let mut planes = Vec::with_capacity(parsed.plane_names.len());
-    for name in &parsed.plane_names {
-        let info = tensors
-            .get(name)
-            .ok_or_else(|| DecodeError::Planes(format!("plane {name:?} is not in the file")))?;
-        let dtype =
-            Dtype::from_safetensors(info.dtype).ok_or_else(|| DecodeError::UnsupportedDtype {
-                plane: name.clone(),
-                dtype: format!("{:?}", info.dtype),
-            })?;
-        let spec = PlaneSpec::new(
-            name.clone(),
-            dtype,
-            info.shape.iter().map(|&d| d as u64).collect(),
-        );
-        let (s, e) = info.data_offsets;
-        planes.push((spec, data_start + s..data_start + e));
-    }
-    Ok(Layout { parsed, planes })
+    let n = header_len(
+        u64::from_le_bytes(bytes[..8].try_into().unwrap_or([0; 8])),
+        file_len,
+    )?;
+    let data_start = 8 + n as usize;
+    let (header, ranges) = parse_header_and_ranges(&bytes[8..data_start], file_len)?;
+    let planes = header
+        .planes
+        .iter()
+        .cloned()
+        .zip(ranges)
+        .map(|(spec, (s, e))| (spec, data_start + s as usize..data_start + e as usize))
+        .collect();
+    Ok(Layout { header, planes })
 }
 
 /// The checksum input before any plane byte.
 fn layout_hasher(layout: &Layout) -> blake3::Hasher {
     let specs: Vec<PlaneSpec> = layout.planes.iter().map(|(s, _)| s.clone()).collect();
-    checksum_meta(&layout.parsed.meta, &specs)
+    checksum_meta(&layout.header.meta, &specs)
 }
 
 /// Checks the finished checksum and hands out the planes as slices of `file`, which holds
 /// the whole file (no copy).
 fn finish(layout: Layout, h: blake3::Hasher, file: Bytes) -> Result<Block, DecodeError> {
     let computed = *h.finalize().as_bytes();
-    if computed != layout.parsed.checksum {
+    if computed != layout.header.checksum {
         return Err(DecodeError::Checksum {
-            stored: hex(&layout.parsed.checksum),
+            stored: hex(&layout.header.checksum),
             computed: hex(&computed),
         });
     }
@@ -477,7 +453,7 @@ fn finish(layout: Layout, h: blake3::Hasher, file: Bytes) -> Result<Block, Decod
         .collect();
     check_lengths(&planes)?;
     Ok(Block {
-        meta: layout.parsed.meta,
+        meta: layout.header.meta,
         planes,
     })
 }
@@ -657,9 +633,19 @@ pub(crate) fn header_len(n: u64, file_len: u64) -> Result<u64, DecodeError> {
 /// Parses the header JSON `raw` (the `n` bytes after the length) of a block file of
 /// `file_len` bytes: [`read_header`] without the I/O.
 pub(crate) fn parse_header(raw: &[u8], file_len: u64) -> Result<BlockHeader, DecodeError> {
+    parse_header_and_ranges(raw, file_len).map(|(header, _)| header)
+}
+
+/// [`parse_header`], with each plane's byte range in the data section, in block order.
+fn parse_header_and_ranges(
+    raw: &[u8],
+    file_len: u64,
+) -> Result<(BlockHeader, Vec<(u64, u64)>), DecodeError> {
     let n = raw.len() as u64;
-    let mut map: HashMap<String, serde_json::Value> = serde_json::from_slice(raw)
-        .map_err(|e| DecodeError::Safetensors(format!("header JSON: {e}")))?;
+    // Ordered maps: the first bad tensor reported is the same on every read.
+    let mut map: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(raw)
+            .map_err(|e| DecodeError::Safetensors(format!("header JSON: {e}")))?;
     let meta_map: Option<HashMap<String, String>> = match map.remove("__metadata__") {
         None => None,
         Some(v) => Some(
@@ -668,7 +654,7 @@ pub(crate) fn parse_header(raw: &[u8], file_len: u64) -> Result<BlockHeader, Dec
         ),
     };
     let parsed = parse_meta(meta_map.as_ref())?;
-    let mut tensors: HashMap<String, RawTensor> = HashMap::new();
+    let mut tensors: std::collections::BTreeMap<String, RawTensor> = Default::default();
     for (name, v) in map {
         let t: RawTensor = serde_json::from_value(v)
             .map_err(|e| DecodeError::Safetensors(format!("tensor {name:?}: {e}")))?;
@@ -701,9 +687,10 @@ pub(crate) fn parse_header(raw: &[u8], file_len: u64) -> Result<BlockHeader, Dec
         ranges.push((start, end));
         planes.push(spec);
     }
-    ranges.sort_unstable();
+    let mut sorted = ranges.clone();
+    sorted.sort_unstable();
     let mut expect = 0;
-    for (start, end) in ranges {
+    for (start, end) in sorted {
         if start != expect {
             return Err(DecodeError::Planes(
                 "tensor data has gaps or overlaps".into(),
@@ -720,13 +707,14 @@ pub(crate) fn parse_header(raw: &[u8], file_len: u64) -> Result<BlockHeader, Dec
             found: file_len,
         });
     }
-    Ok(BlockHeader {
+    let header = BlockHeader {
         meta: parsed.meta,
         planes,
         checksum: parsed.checksum,
         data_len,
         file_len,
-    })
+    };
+    Ok((header, ranges))
 }
 
 #[cfg(test)]
