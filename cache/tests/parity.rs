@@ -316,7 +316,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
         // Published: the same appends, publishing after each step, into a real store.
         let ns;
         {
-            let store: Store<Block> = Store::open(
+            let store: Store = Store::open(
                 StoreConfig::default()
                     .root(dir.path())
                     .ram_budget(64 << 20)
@@ -364,7 +364,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
         }
 
         // A new process: empty RAM tier, blocks come from SSD and are verified.
-        let store: Store<Block> = Store::open(
+        let store: Store = Store::open(
             StoreConfig::default()
                 .root(dir.path())
                 .ram_budget(64 << 20)

@@ -85,14 +85,14 @@ fn an_empty_api_key_is_refused() {
 
 #[test]
 fn inspect_escapes_salts_model_names_and_planted_file_names() {
-    use store::{Block, Dtype, NamespaceDescription, PlaneSpec, Store, StoreConfig};
+    use store::{Dtype, NamespaceDescription, PlaneSpec, Store, StoreConfig};
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("store");
     let mut d = NamespaceDescription::new("model\x1b[31mred", Dtype::F32, 2);
     d.planes = vec![PlaneSpec::new("k", Dtype::F32, vec![2, 4])];
     d.salt = Some("tenant\x1b]0;owned\x07\nnamespace 0000fake".into());
     let ns = {
-        let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+        let s: Store = Store::open(StoreConfig::default().root(&root)).unwrap();
         let ns = s.register_namespace(&d).unwrap();
         s.close().unwrap();
         ns

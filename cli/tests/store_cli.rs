@@ -28,7 +28,7 @@ fn json(out: &Output) -> serde_json::Value {
 fn make_store(root: &Path, n: usize) -> Vec<std::path::PathBuf> {
     let mut d = NamespaceDescription::new("cli-test", Dtype::F32, 2);
     d.planes = vec![PlaneSpec::new("k", Dtype::F32, vec![2, 4])];
-    let s: Store<Block> = Store::open(StoreConfig::default().root(root)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(root)).unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let mut parent = ns.0;
     let mut paths = Vec::new();
@@ -154,7 +154,7 @@ fn gc_sizes_durations_dry_run_and_bad_input() {
     assert!(!err.contains("panicked"));
 
     // A running writer holds the lock: gc is refused, inspect still works.
-    let _w: Store<Block> = Store::open(StoreConfig::default().root(dir.path())).unwrap();
+    let _w: Store = Store::open(StoreConfig::default().root(dir.path())).unwrap();
     let out = kvstore(&["gc", "--store", root]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("already open for writing"));

@@ -265,7 +265,7 @@ fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
 /// The engine's connection to its KV tiers for one model: the device tier (resident
 /// sequences, one budget) and the block store (host RAM, SSD, remote; host bytes only).
 pub struct PrefixCache {
-    store: Store<Block>,
+    store: Store,
     namespace: NamespaceId,
     description: NamespaceDescription,
     /// Namespaces of per-request cache salts, registered on first use.
@@ -555,7 +555,7 @@ impl PrefixCache {
     }
 
     /// The store.
-    pub fn store(&self) -> &Store<Block> {
+    pub fn store(&self) -> &Store {
         &self.store
     }
 

@@ -1,5 +1,5 @@
-//! The block model: ordered, typed byte planes plus metadata, and the [`Payload`] trait that
-//! lets the RAM tier hold something other than host bytes.
+//! The block model: ordered, typed byte planes plus metadata. Every tier of the store holds
+//! blocks as host bytes; device arrays live in cache/'s pool, never here.
 
 use std::fmt;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -185,7 +185,7 @@ impl BlockMeta {
     }
 }
 
-/// A block: metadata plus ordered planes in host memory. The store's own payload type.
+/// A block: metadata plus ordered planes in host memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Block {
     /// Identity and provenance.
@@ -204,6 +204,11 @@ impl Block {
     /// Sum of the plane lengths.
     pub fn data_len(&self) -> u64 {
         self.planes.iter().map(|p| p.data.len() as u64).sum()
+    }
+
+    /// Plane layout, in order, without the bytes.
+    pub fn plane_specs(&self) -> Vec<PlaneSpec> {
+        self.planes.iter().map(Plane::spec).collect()
     }
 }
 
@@ -274,65 +279,6 @@ pub(crate) fn check_lengths(planes: &[Plane]) -> Result<(), LayoutError> {
         }
     }
     Ok(())
-}
-
-/// What the RAM tier holds. The store stays free of MLX: `cache/` implements this for blocks
-/// kept as device arrays, and [`Block`] implements it for host bytes.
-///
-/// Contract. The caller (the store) guarantees that it never mutates a payload (payloads are
-/// shared as `Arc<Self>`), calls [`to_block`](Payload::to_block) only from its write-behind
-/// worker or a flush, and passes [`from_block`](Payload::from_block) only blocks whose checksum,
-/// key, tokens and plane layout it has already verified.
-///
-/// Implementations MUST:
-/// - be immutable once built: every method returns the same answer for the payload's life;
-/// - return from [`meta`](Payload::meta) the metadata the payload was built with, and from
-///   [`plane_specs`](Payload::plane_specs) the layout [`to_block`](Payload::to_block) produces;
-/// - make [`to_block`](Payload::to_block) and [`from_block`](Payload::from_block) inverses
-///   (same metadata, same plane bytes), and fail with an error rather than produce a partial
-///   block;
-/// - report in [`byte_size`](Payload::byte_size) the memory the payload pins (the RAM budget
-///   is counted in it), and keep it constant.
-pub trait Payload: Send + Sync + 'static {
-    /// Error of the conversions.
-    type Error: std::error::Error + Send + Sync + 'static;
-
-    /// The block's metadata.
-    fn meta(&self) -> &BlockMeta;
-    /// Bytes this payload keeps resident (counted against the RAM budget).
-    fn byte_size(&self) -> u64;
-    /// Plane layout, in order, without touching the bytes.
-    fn plane_specs(&self) -> Vec<PlaneSpec>;
-    /// Host bytes for the SSD tier.
-    fn to_block(&self) -> Result<Block, Self::Error>;
-    /// Rebuilds a payload from verified host bytes (an SSD hit being promoted).
-    fn from_block(block: Block) -> Result<Self, Self::Error>
-    where
-        Self: Sized;
-}
-
-impl Payload for Block {
-    type Error = std::convert::Infallible;
-
-    fn meta(&self) -> &BlockMeta {
-        &self.meta
-    }
-
-    fn byte_size(&self) -> u64 {
-        self.data_len()
-    }
-
-    fn plane_specs(&self) -> Vec<PlaneSpec> {
-        self.planes.iter().map(Plane::spec).collect()
-    }
-
-    fn to_block(&self) -> Result<Block, Self::Error> {
-        Ok(self.clone())
-    }
-
-    fn from_block(block: Block) -> Result<Self, Self::Error> {
-        Ok(block)
-    }
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).

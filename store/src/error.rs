@@ -110,14 +110,6 @@ pub enum WriteError {
         /// What is wrong.
         reason: String,
     },
-    /// The payload could not be turned into host bytes.
-    #[error("payload of block {key} could not be converted to host bytes: {source}")]
-    Payload {
-        /// The block's key.
-        key: BlockKey,
-        /// The payload's error.
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
     /// The store has no SSD tier (no root configured).
     #[error("the store has no SSD tier; set a root directory to persist blocks")]
     NoSsdTier,

@@ -11,8 +11,8 @@
 //!   hash over a canonical, versioned encoding. A [`BlockKey`] is
 //!   `blake3(parent || token ids)` with the namespace id as the root parent, so a block is
 //!   named by its whole prefix: [`chain_keys`] turns token ids into the keys to look up.
-//! - [`Store`] is the facade: a [`RamTier`] (byte-bounded LRU over any [`Payload`], so a
-//!   caller may keep device arrays there) over an [`SsdTier`] (one safetensors file per
+//! - [`Store`] is the facade: a [`RamTier`] (byte-bounded LRU of host-byte blocks; the
+//!   store never calls MLX) over an [`SsdTier`] (one safetensors file per
 //!   block, checksummed, crash safe, byte-budgeted, LRU order persisted), joined by a
 //!   write-behind worker, and optionally a [`remote`] tier on Redis shared between engines
 //!   (lookups in one pipelined round trip, verified fetches, asynchronous publication).
@@ -27,7 +27,7 @@
 //!             Store, StoreConfig};
 //!
 //! let dir = tempfile::tempdir().unwrap();
-//! let store: Store<Block> = Store::open(
+//! let store: Store = Store::open(
 //!     StoreConfig::default().root(dir.path()).ram_budget(1 << 20).ssd_budget(1 << 24),
 //! ).unwrap();
 //! let mut desc = NamespaceDescription::new("tiny", Dtype::F32, 4);
@@ -67,7 +67,7 @@ mod stats;
 mod store;
 mod text;
 
-pub use block::{Block, BlockMeta, Dtype, LayoutError, Payload, Plane, PlaneSpec};
+pub use block::{Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
 pub use codec::{BlockHeader, DecodeError};
 pub use error::{InsertError, OpenError, RegisterError, WriteError};
 pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
@@ -78,5 +78,6 @@ pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
 pub use stats::StoreStats;
 pub use store::{
     BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier, WritePolicy,
+    WritesPaused,
 };
 pub use text::{escape_control, escape_path};

@@ -1,4 +1,4 @@
-//! The RAM tier: shared immutable payloads under a byte budget, evicted leaves first.
+//! The RAM tier: shared immutable blocks under a byte budget, evicted leaves first.
 //!
 //! Blocks form chains (each names its parent), and a block is only reachable through its
 //! ancestors: evicting a root makes every descendant useless. So the tier never evicts a
@@ -12,7 +12,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crate::block::Payload;
+use crate::block::Block;
 use crate::key::{BlockKey, NamespaceId};
 
 type Id = (NamespaceId, BlockKey);
@@ -21,8 +21,8 @@ type Id = (NamespaceId, BlockKey);
 /// parent is not resident (evicted before any attached leaf), 1 otherwise.
 type Rank = (u8, u64, Id);
 
-struct Slot<P> {
-    payload: Arc<P>,
+struct Slot {
+    block: Arc<Block>,
     /// The parent's id, `None` for the first block of a chain.
     parent: Option<Id>,
     stamp: u64,
@@ -30,10 +30,10 @@ struct Slot<P> {
     rank: Option<Rank>,
 }
 
-/// A byte-bounded store of `Arc<P>` that evicts chains leaves first. Not synchronized: the
+/// A byte-bounded store of `Arc<Block>` that evicts chains leaves first. Not synchronized: the
 /// [`Store`](crate::Store) wraps it in a mutex.
-pub struct RamTier<P> {
-    slots: HashMap<Id, Slot<P>>,
+pub struct RamTier {
+    slots: HashMap<Id, Slot>,
     /// Resident children of each id (resident or not).
     children: HashMap<Id, Vec<BlockKey>>,
     evictable: BTreeSet<Rank>,
@@ -46,8 +46,8 @@ fn parent_of(meta: &crate::BlockMeta) -> Option<Id> {
     (meta.parent != meta.namespace.0).then_some((meta.namespace, BlockKey(meta.parent)))
 }
 
-impl<P: Payload> RamTier<P> {
-    /// An empty tier holding at most `budget` bytes (by [`Payload::byte_size`]).
+impl RamTier {
+    /// An empty tier holding at most `budget` bytes (by [`Block::data_len`]).
     pub fn new(budget: u64) -> Self {
         RamTier {
             slots: HashMap::new(),
@@ -102,12 +102,12 @@ impl<P: Payload> RamTier<P> {
         }
     }
 
-    fn take(&mut self, id: Id) -> Option<Arc<P>> {
+    fn take(&mut self, id: Id) -> Option<Arc<Block>> {
         let slot = self.slots.remove(&id)?;
         if let Some(rank) = slot.rank {
             self.evictable.remove(&rank);
         }
-        self.used -= slot.payload.byte_size();
+        self.used -= slot.block.data_len();
         if let Some(parent) = slot.parent {
             if let Some(c) = self.children.get_mut(&parent) {
                 c.retain(|k| *k != id.1);
@@ -121,30 +121,30 @@ impl<P: Payload> RamTier<P> {
         for child in self.children.get(&id).cloned().unwrap_or_default() {
             self.rerank((id.0, child));
         }
-        Some(slot.payload)
+        Some(slot.block)
     }
 
-    /// Inserts `payload` as most recently used and returns what had to leave to keep the
-    /// budget, in eviction order. A payload larger than the whole budget is not admitted and
+    /// Inserts `block` as most recently used and returns what had to leave to keep the
+    /// budget, in eviction order. A block larger than the whole budget is not admitted and
     /// comes back as the only element. Re-inserting a present key replaces and refreshes it.
-    pub fn insert(&mut self, payload: Arc<P>) -> Vec<Arc<P>> {
-        let size = payload.byte_size();
+    pub fn insert(&mut self, block: Arc<Block>) -> Vec<Arc<Block>> {
+        let size = block.data_len();
         if size > self.budget {
-            return vec![payload];
+            return vec![block];
         }
-        let meta = payload.meta();
+        let meta = &block.meta;
         let id = (meta.namespace, meta.key);
         let parent = parent_of(meta);
         if let Some(slot) = self.slots.get_mut(&id) {
-            self.used = self.used - slot.payload.byte_size() + size;
-            slot.payload = payload;
+            self.used = self.used - slot.block.data_len() + size;
+            slot.block = block;
             self.refresh(id);
         } else {
             let stamp = self.stamp();
             self.slots.insert(
                 id,
                 Slot {
-                    payload,
+                    block,
                     parent,
                     stamp,
                     rank: None,
@@ -173,9 +173,9 @@ impl<P: Payload> RamTier<P> {
         evicted
     }
 
-    /// The payload, marked most recently used.
-    pub fn get(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<P>> {
-        let p = self.slots.get(&(ns, key))?.payload.clone();
+    /// The block, marked most recently used.
+    pub fn get(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<Block>> {
+        let p = self.slots.get(&(ns, key))?.block.clone();
         self.refresh((ns, key));
         Some(p)
     }
@@ -195,8 +195,8 @@ impl<P: Payload> RamTier<P> {
         self.slots.contains_key(&(ns, key))
     }
 
-    /// Removes a payload.
-    pub fn remove(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<P>> {
+    /// Removes a block.
+    pub fn remove(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<Block>> {
         self.take((ns, key))
     }
 
@@ -220,9 +220,9 @@ impl<P: Payload> RamTier<P> {
         self.budget
     }
 
-    /// Every payload, last to be evicted first: the reverse of the order in which the tier
+    /// Every block, last to be evicted first: the reverse of the order in which the tier
     /// would evict them all (recency unchanged).
-    pub fn snapshot(&self) -> Vec<Arc<P>> {
+    pub fn snapshot(&self) -> Vec<Arc<Block>> {
         // Replay eviction on a copy of the bookkeeping: leaves leave first, and a parent
         // becomes evictable once its last resident child has gone.
         let mut remaining: HashMap<Id, usize> = self
@@ -239,7 +239,7 @@ impl<P: Payload> RamTier<P> {
                 continue;
             };
             gone.insert(id);
-            order.push(slot.payload.clone());
+            order.push(slot.block.clone());
             let Some(parent) = slot.parent else {
                 continue;
             };

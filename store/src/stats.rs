@@ -55,7 +55,7 @@ impl Counters {
 pub struct StoreStats {
     /// Blocks in the RAM tier.
     pub ram_blocks: u64,
-    /// Bytes in the RAM tier (sum of `Payload::byte_size`).
+    /// Bytes in the RAM tier (sum of `Block::data_len`).
     pub ram_bytes: u64,
     /// RAM budget in bytes.
     pub ram_budget: u64,
@@ -85,7 +85,7 @@ pub struct StoreStats {
     pub bytes_written: u64,
     /// Block files written.
     pub blocks_written: u64,
-    /// Block writes that failed (I/O, payload conversion, budget).
+    /// Block writes that failed (I/O, budget).
     pub write_errors: u64,
     /// Reads whose verification failed (checksum, header, truncation).
     pub verify_failures: u64,

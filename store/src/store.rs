@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 
 use serde::{Deserialize, Serialize};
 
-use crate::block::{check_specs, BlockMeta, LayoutError, Payload};
+use crate::block::{check_specs, Block, BlockMeta, LayoutError};
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::key::{block_key, BlockKey, NamespaceId};
@@ -170,9 +170,6 @@ pub enum BlockProblem {
     /// The planes do not match the namespace's layout.
     #[error(transparent)]
     Layout(LayoutError),
-    /// The payload could not be rebuilt from host bytes.
-    #[error("payload conversion failed: {0}")]
-    Payload(String),
 }
 
 /// Why a load stopped before the last requested key.
@@ -203,9 +200,9 @@ pub enum StopReason {
 }
 
 /// The valid prefix a load returned.
-pub struct LoadedPrefix<P> {
+pub struct LoadedPrefix {
     /// Validated blocks in order, each with the tier it came from.
-    pub blocks: Vec<(Arc<P>, Tier)>,
+    pub blocks: Vec<(Arc<Block>, Tier)>,
     /// Why the load stopped early; `None` when every requested block was returned.
     pub stopped: Option<StopReason>,
     /// Seconds spent fetching from the remote tier (the pipelined round trip and the
@@ -213,7 +210,7 @@ pub struct LoadedPrefix<P> {
     pub remote_s: f64,
 }
 
-impl<P> std::fmt::Debug for LoadedPrefix<P> {
+impl std::fmt::Debug for LoadedPrefix {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LoadedPrefix")
             .field(
@@ -225,21 +222,21 @@ impl<P> std::fmt::Debug for LoadedPrefix<P> {
     }
 }
 
-enum Job<P> {
-    Write(Arc<P>),
+enum Job {
+    Write(Arc<Block>),
     /// A block that left the RAM tier while the SSD held it: written only if the SSD no
     /// longer does when the job runs (its SSD recency is left as it is). The worker decides,
     /// not the evicting thread: the SSD copy seen at eviction time may be evicted by writes
     /// still queued before this job, and the block would be lost from both tiers.
-    Spill(Arc<P>),
+    Spill(Arc<Block>),
     Touch(NamespaceId, BlockKey),
     /// Re-applies a chain's recency after the writes queued before it.
     TouchChain(NamespaceId, Vec<BlockKey>),
     Flush(SyncSender<()>),
 }
 
-enum RemoteJob<P> {
-    Put(Arc<P>),
+enum RemoteJob {
+    Put(Arc<Block>),
     Flush(SyncSender<()>),
 }
 
@@ -249,35 +246,42 @@ struct Failures {
     last: Option<String>,
 }
 
-struct Shared<P> {
+struct Shared {
     config: StoreConfig,
-    ram: Mutex<RamTier<P>>,
+    ram: Mutex<RamTier>,
     ssd: Option<SsdTier>,
     remote: Option<RemoteTier>,
     namespaces: RwLock<HashMap<NamespaceId, NamespaceDescription>>,
     /// Blocks queued for the SSD tier and not yet written; served as RAM hits meanwhile.
-    pending: Mutex<HashMap<(NamespaceId, BlockKey), Arc<P>>>,
+    pending: Mutex<HashMap<(NamespaceId, BlockKey), Arc<Block>>>,
     failures: Mutex<Failures>,
     counters: Arc<Counters>,
     /// When "write-behind queue full" was last logged (unix ms): at most one line per 10 s.
     queue_full_logged_ms: AtomicU64,
+    /// Held by the write-behind worker for each job, and by [`Store::pause_writes`].
+    write_gate: Mutex<()>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The block store: a byte-bounded RAM tier of `Arc<P>` over an optional SSD tier, with a
+/// The SSD writer held between jobs; see [`Store::pause_writes`].
+pub struct WritesPaused<'a> {
+    _gate: MutexGuard<'a, ()>,
+}
+
+/// The block store: a byte-bounded RAM tier of `Arc<Block>` over an optional SSD tier, with a
 /// write-behind worker between them. All methods take `&self`; share it across threads.
-pub struct Store<P: Payload> {
-    shared: Arc<Shared<P>>,
-    tx: Option<SyncSender<Job<P>>>,
+pub struct Store {
+    shared: Arc<Shared>,
+    tx: Option<SyncSender<Job>>,
     worker: Option<JoinHandle<()>>,
-    remote_tx: Option<SyncSender<RemoteJob<P>>>,
+    remote_tx: Option<SyncSender<RemoteJob>>,
     remote_worker: Option<JoinHandle<()>>,
 }
 
-impl<P: Payload> Store<P> {
+impl Store {
     /// Opens the store: the SSD tier at `config.root` (created if missing unless read-only),
     /// enforcing its budget, loading namespace descriptions, and starting the write-behind
     /// worker.
@@ -337,6 +341,7 @@ impl<P: Payload> Store<P> {
             counters,
             config,
             queue_full_logged_ms: AtomicU64::new(0),
+            write_gate: Mutex::new(()),
         });
         let (tx, worker) = if shared.ssd.is_some() && !shared.config.read_only {
             let (tx, rx) = mpsc::sync_channel(shared.config.queue_capacity.max(1));
@@ -432,8 +437,8 @@ impl<P: Payload> Store<P> {
     /// Inserts a published block into the RAM tier. Checks the namespace, key derivation,
     /// token count and plane layout first. RAM evictions are queued for the SSD tier
     /// without blocking; with [`WritePolicy::WriteThrough`] the block itself is queued too.
-    pub fn insert(&self, payload: Arc<P>) -> Result<(), InsertError> {
-        let meta = payload.meta();
+    pub fn insert(&self, payload: Arc<Block>) -> Result<(), InsertError> {
+        let meta = &payload.meta;
         let (ns, key) = (meta.namespace, meta.key);
         let desc = self
             .namespace(ns)
@@ -482,7 +487,7 @@ impl<P: Payload> Store<P> {
     }
 
     /// Queues a block for the remote tier without blocking; a full queue skips it.
-    fn publish_remote(&self, p: Arc<P>) {
+    fn publish_remote(&self, p: Arc<Block>) {
         if let Some(tx) = &self.remote_tx {
             if tx.try_send(RemoteJob::Put(p)).is_err() {
                 Counters::inc(&self.shared.counters.remote_skipped);
@@ -491,10 +496,10 @@ impl<P: Payload> Store<P> {
         }
     }
 
-    fn spill(&self, evicted: Vec<Arc<P>>) {
+    fn spill(&self, evicted: Vec<Arc<Block>>) {
         for p in evicted {
             Counters::inc(&self.shared.counters.ram_evictions);
-            let m = p.meta();
+            let m = &p.meta;
             // A block already on SSD keeps its SSD recency: every use (load, touch_chain,
             // re-insert) has refreshed it there too, and touching it now, leaves first,
             // would rank a chain's evicted leaves above its ancestors. Whether it is still
@@ -515,7 +520,7 @@ impl<P: Payload> Store<P> {
     /// Queues a [`Job::Spill`] without blocking: the block left RAM while the SSD held it,
     /// and the worker writes it only if the SSD no longer does when the job runs. It is not
     /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
-    fn enqueue_spill_check(&self, p: Arc<P>) {
+    fn enqueue_spill_check(&self, p: Arc<Block>) {
         if let Some(tx) = &self.tx {
             if tx.try_send(Job::Spill(p)).is_err() {
                 Counters::inc(&self.shared.counters.skipped_queue_full);
@@ -524,11 +529,11 @@ impl<P: Payload> Store<P> {
     }
 
     /// Queues a write without blocking; returns whether it was queued.
-    fn enqueue(&self, p: Arc<P>) -> bool {
+    fn enqueue(&self, p: Arc<Block>) -> bool {
         let Some(tx) = &self.tx else {
             return false;
         };
-        let k = (p.meta().namespace, p.meta().key);
+        let k = (p.meta.namespace, p.meta.key);
         lock(&self.shared.pending).insert(k, p.clone());
         match tx.try_send(Job::Write(p)) {
             Ok(()) => true,
@@ -630,7 +635,7 @@ impl<P: Payload> Store<P> {
         ns: NamespaceId,
         keys: &[BlockKey],
         tokens_per_block: &[T],
-    ) -> LoadedPrefix<P> {
+    ) -> LoadedPrefix {
         let mut out = LoadedPrefix {
             blocks: Vec::with_capacity(keys.len()),
             stopped: None,
@@ -665,7 +670,7 @@ impl<P: Payload> Store<P> {
                 .get(ns, key)
                 .or_else(|| lock(&self.shared.pending).get(&(ns, key)).cloned());
             if let Some(p) = in_ram {
-                if let Err(problem) = check(p.meta(), &p.plane_specs()) {
+                if let Err(problem) = check(&p.meta, &p.plane_specs()) {
                     lock(&self.shared.ram).remove(ns, key);
                     out.stopped = Some(StopReason::Invalid {
                         index,
@@ -675,7 +680,7 @@ impl<P: Payload> Store<P> {
                     break;
                 }
                 Counters::inc(&c.ram_hits);
-                first_position.get_or_insert(p.meta().position);
+                first_position.get_or_insert(p.meta.position);
                 out.blocks.push((p, Tier::Ram));
                 continue;
             }
@@ -731,17 +736,7 @@ impl<P: Payload> Store<P> {
                 Counters::add(&c.remote_bytes_read, block.data_len());
             }
             let position = block.meta.position;
-            let p = match P::from_block(block) {
-                Ok(p) => Arc::new(p),
-                Err(e) => {
-                    out.stopped = Some(StopReason::Invalid {
-                        index,
-                        tier,
-                        problem: BlockProblem::Payload(e.to_string()),
-                    });
-                    break;
-                }
-            };
+            let p = Arc::new(block);
             first_position.get_or_insert(position);
             let evicted = lock(&self.shared.ram).insert(p.clone());
             Counters::inc(&c.promotions);
@@ -807,6 +802,18 @@ impl<P: Payload> Store<P> {
         }
     }
 
+    /// Stops the write-behind worker between two jobs until the guard is dropped: once this
+    /// returns no SSD write is in progress and none starts, so the store directory can be
+    /// copied consistently (call [`flush`](Self::flush) first for a complete copy). Inserts
+    /// and lookups go on; new writes queue, and those beyond the queue are skipped and
+    /// counted as with a slow disk. A [`flush`](Self::flush) made while paused waits for
+    /// the guard.
+    pub fn pause_writes(&self) -> WritesPaused<'_> {
+        WritesPaused {
+            _gate: lock(&self.shared.write_gate),
+        }
+    }
+
     /// Returns once everything accepted so far is durable on SSD: with write-back, every
     /// RAM block not yet on SSD is queued (this may block), then the queue is drained and
     /// the access journal synced. Fails if any write since the previous flush failed.
@@ -827,7 +834,7 @@ impl<P: Payload> Store<P> {
             // tier's LRU order follows it.
             let resident = lock(&self.shared.ram).snapshot();
             for p in resident.into_iter().rev() {
-                let k = (p.meta().namespace, p.meta().key);
+                let k = (p.meta.namespace, p.meta.key);
                 // The worker decides: it is the only thread that writes or evicts, so it
                 // sees whether the block is still stored when the job runs.
                 lock(&self.shared.pending).insert(k, p.clone());
@@ -904,7 +911,7 @@ impl<P: Payload> Store<P> {
     }
 }
 
-impl<P: Payload> Drop for Store<P> {
+impl Drop for Store {
     /// Drains the queue (blocks already accepted for writing are written) and joins the
     /// worker. RAM-only blocks are not written: call [`Store::flush`] first to keep them.
     fn drop(&mut self) {
@@ -945,11 +952,12 @@ fn validate(
     Ok(())
 }
 
-fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
+fn worker_loop(shared: Arc<Shared>, rx: Receiver<Job>) {
     let Some(ssd) = &shared.ssd else {
         return;
     };
     for job in rx {
+        let _gate = lock(&shared.write_gate);
         let (p, refresh) = match job {
             Job::Write(p) => (p, true),
             Job::Spill(p) => (p, false),
@@ -967,7 +975,7 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
             }
         };
         // `refresh`: a Write job (its block is in `pending`); a Spill job is not.
-        let m = p.meta();
+        let m = &p.meta;
         let k = (m.namespace, m.key);
         if ssd.contains(k.0, k.1) {
             if refresh {
@@ -976,13 +984,7 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
             }
             continue;
         }
-        let result = p
-            .to_block()
-            .map_err(|e| WriteError::Payload {
-                key: k.1,
-                source: Box::new(e),
-            })
-            .and_then(|b| ssd.put(&b));
+        let result = ssd.put(&p);
         if refresh {
             lock(&shared.pending).remove(&k);
         }
@@ -998,7 +1000,7 @@ fn worker_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<Job<P>>) {
 
 /// Publishes queued blocks to the remote tier. While Redis is unreachable (in backoff) the
 /// puts fail fast and are counted as skipped; nothing waits for Redis but this thread.
-fn remote_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<RemoteJob<P>>) {
+fn remote_loop(shared: Arc<Shared>, rx: Receiver<RemoteJob>) {
     let Some(remote) = &shared.remote else {
         return;
     };
@@ -1006,17 +1008,11 @@ fn remote_loop<P: Payload>(shared: Arc<Shared<P>>, rx: Receiver<RemoteJob<P>>) {
     for job in rx {
         match job {
             RemoteJob::Put(p) => {
-                let m = p.meta();
-                let bytes = match p.to_block().map(|b| crate::codec::encode(&b)) {
-                    Ok(Ok(bytes)) => bytes,
-                    Ok(Err(e)) => {
-                        tracing::warn!(key = %m.key, error = %e, "block not encodable for the remote tier");
-                        Counters::inc(&c.remote_skipped);
-                        Counters::inc(&c.remote_publish_errors);
-                        continue;
-                    }
+                let m = &p.meta;
+                let bytes = match crate::codec::encode(&p) {
+                    Ok(bytes) => bytes,
                     Err(e) => {
-                        tracing::warn!(key = %m.key, error = %e, "block not published to the remote tier");
+                        tracing::warn!(key = %m.key, error = %e, "block not encodable for the remote tier");
                         Counters::inc(&c.remote_skipped);
                         Counters::inc(&c.remote_publish_errors);
                         continue;

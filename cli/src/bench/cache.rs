@@ -128,7 +128,7 @@ fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
             let v = random(&[1, HKV, tokens as i32, D], 2000 + l as u64)?;
             live.update_and_fetch(l, &k, &v)?;
         }
-        let s: store::Store<store::Block> = store::Store::open(store_config.clone())?;
+        let s: store::Store = store::Store::open(store_config.clone())?;
         let ns = s.register_namespace(&desc)?;
         let blocks = live.publish(&mut Chain::new(ns, bs), &ids)?;
         let keys: Vec<store::BlockKey> = blocks.iter().map(|b| b.meta.key).collect();
@@ -147,7 +147,7 @@ fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
     let dd_gb_s = crate::bench::store::dd_read(&ddfile, mib, total.div_ceil(mib))?;
     crate::bench::store::drop_caches();
     let t = Instant::now();
-    let s: store::Store<store::Block> = store::Store::open(store_config)?;
+    let s: store::Store = store::Store::open(store_config)?;
     let ns = s.register_namespace(&desc)?;
     let per_block: Vec<&[u32]> = ids.chunks(bs).collect();
     let loaded = s.load_prefix(ns, &keys, &per_block);

@@ -165,7 +165,7 @@ impl Bench<'_> {
         let probe = tempfile::tempdir()?;
         let desc = self.open(probe.path(), None, salt)?.description().clone();
         let dir = tempfile::tempdir()?;
-        let s: Store<store::Block> = Store::open(
+        let s: Store = Store::open(
             StoreConfig::default()
                 .root(dir.path())
                 .ram_budget(4 << 30)

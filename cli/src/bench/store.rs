@@ -189,7 +189,7 @@ pub fn run(args: Args) -> Result<()> {
         // RAM tier: publish (copy into an owned block) + insert; restore (lookup + copy out).
         let t = Instant::now();
         let bl = blocks(&d, n, &payload);
-        let mut ram: RamTier<Block> = RamTier::new(bytes);
+        let mut ram: RamTier = RamTier::new(bytes);
         for b in &bl {
             ram.insert(Arc::new(b.clone()));
         }
@@ -283,7 +283,7 @@ pub fn run(args: Args) -> Result<()> {
     let bl = blocks(&d, n, &payload);
     let root = dir.join("store-restore");
     {
-        let s: Store<Block> = Store::open(
+        let s: Store = Store::open(
             StoreConfig::default()
                 .root(&root)
                 .ram_budget(2 * bytes)
@@ -295,7 +295,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         s.flush()?;
     }
-    let s: Store<Block> = Store::open(
+    let s: Store = Store::open(
         StoreConfig::default()
             .root(&root)
             .ram_budget(2 * bytes)

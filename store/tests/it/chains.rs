@@ -63,7 +63,7 @@ fn eviction_keeps_chain_roots_longer_than_their_leaves() {
         .ram_budget(half as u64 * 256)
         .ssd_budget(half as u64 * file + file / 2)
         .queue_capacity(4 * n);
-    let s: Store<Block> = Store::open(cfg.clone()).unwrap();
+    let s: Store = Store::open(cfg.clone()).unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let (chain, toks) = common::chain(&d, n, 1);
     let all = keys(&chain);
@@ -99,8 +99,7 @@ fn eviction_keeps_chain_roots_longer_than_their_leaves() {
     // Reopen with room for a quarter: the access journal kept the order, so the SSD keeps
     // the chain's first quarter.
     let quarter = n / 4;
-    let s: Store<Block> =
-        Store::open(cfg.clone().ssd_budget(quarter as u64 * file + file / 2)).unwrap();
+    let s: Store = Store::open(cfg.clone().ssd_budget(quarter as u64 * file + file / 2)).unwrap();
     assert_prefix(&on_disk(dir.path(), &chain), quarter, "SSD after reopen");
     let loaded = s.load_prefix(ns, &all, &toks);
     assert_eq!(loaded.blocks.len(), quarter, "{:?}", loaded.stopped);

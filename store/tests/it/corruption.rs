@@ -13,7 +13,7 @@ fn filled_store(
     n: usize,
 ) -> (store::NamespaceDescription, Vec<Block>, Vec<Vec<u32>>) {
     let d = common::desc("corrupt", 4);
-    let s: Store<Block> = Store::open(StoreConfig::default().root(dir)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(dir)).unwrap();
     s.register_namespace(&d).unwrap();
     let (blocks, toks) = common::chain(&d, n, 21);
     for b in &blocks {
@@ -61,7 +61,7 @@ fn random_bit_flips_and_truncations_are_always_detected() {
         assert_eq!(report.corrupt[0].path, path);
 
         // Detected on load: the valid prefix comes back, the file goes to quarantine.
-        let s: Store<Block> = Store::open(StoreConfig::default().root(dir.path())).unwrap();
+        let s: Store = Store::open(StoreConfig::default().root(dir.path())).unwrap();
         let keys: Vec<_> = blocks.iter().map(|b| b.meta.key).collect();
         let loaded = s.load_prefix(d.id(), &keys, &toks);
         assert_eq!(loaded.blocks.len(), 2, "trial {trial} {what}");

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
-use store::{Block, ReadOutcome, Store, StoreConfig, WritePolicy};
+use store::{ReadOutcome, Store, StoreConfig, WritePolicy};
 
 use crate::common;
 
@@ -36,7 +36,7 @@ fn child_writer() {
         .unwrap()
         .parse()
         .unwrap();
-    let s: Store<Block> = Store::open(config(dir.as_ref())).unwrap();
+    let s: Store = Store::open(config(dir.as_ref())).unwrap();
     let d = common::desc("crash", 512); // 2 x 16 KiB planes per block
     s.register_namespace(&d).unwrap();
     let start = Instant::now();
@@ -73,7 +73,7 @@ fn sigkill_during_writes() {
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
 
-        let s: Store<Block> = Store::open(config(dir.path())).unwrap();
+        let s: Store = Store::open(config(dir.path())).unwrap();
         assert!(
             common::temp_files(dir.path()).is_empty(),
             "kill {kill}: temp files left: {:?}",

@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use store::{Block, ReadOutcome, Store, StoreConfig, Tier, WritePolicy};
+use store::{ReadOutcome, Store, StoreConfig, Tier, WritePolicy};
 
 use crate::common;
 
@@ -35,7 +35,7 @@ fn enospc_shrinks_the_ssd_tier_and_ram_keeps_serving() {
     let root = mnt.join("store");
 
     let d = common::desc("enospc", 2048); // 2 x 64 KiB planes: 128 KiB per block
-    let s: Store<Block> = Store::open(
+    let s: Store = Store::open(
         StoreConfig::default()
             .root(&root)
             .ram_budget(64 << 20)

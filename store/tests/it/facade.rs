@@ -1,12 +1,9 @@
 //! The facade: lookup, load with validation, promotion, write-behind, flush, queue-full.
 
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use store::{
-    Block, BlockMeta, BlockProblem, InsertError, Payload, PlaneSpec, StopReason, Store,
-    StoreConfig, Tier, WritePolicy,
-};
+use store::{Block, BlockProblem, InsertError, StopReason, Store, StoreConfig, Tier, WritePolicy};
 
 use crate::common;
 
@@ -18,7 +15,7 @@ fn keys(blocks: &[Block]) -> Vec<store::BlockKey> {
 fn ram_evictions_spill_to_ssd_and_hits_promote_back() {
     let dir = tempfile::tempdir().unwrap();
     let d = common::desc("spill", 4); // 2 planes x 4x8 f32 = 256 bytes per block
-    let s: Store<Block> = Store::open(
+    let s: Store = Store::open(
         StoreConfig::default()
             .root(dir.path())
             .ram_budget(3 * 256)
@@ -63,7 +60,7 @@ fn ram_evictions_spill_to_ssd_and_hits_promote_back() {
 
     // Reopen: everything comes back from SSD alone.
     drop(s);
-    let s: Store<Block> = Store::open(StoreConfig::default().root(dir.path())).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(dir.path())).unwrap();
     let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
     assert_eq!(loaded.blocks.len(), 6);
     assert!(loaded.blocks.iter().all(|(_, t)| *t == Tier::Ssd));
@@ -72,7 +69,7 @@ fn ram_evictions_spill_to_ssd_and_hits_promote_back() {
 #[test]
 fn lookup_stops_at_the_first_gap() {
     let d = common::desc("gap", 1);
-    let s: Store<Block> = Store::open(StoreConfig::default()).unwrap();
+    let s: Store = Store::open(StoreConfig::default()).unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let (blocks, toks) = common::chain(&d, 4, 1);
     for i in [0, 1, 3] {
@@ -87,7 +84,7 @@ fn lookup_stops_at_the_first_gap() {
 #[test]
 fn load_validates_tokens_and_returns_the_valid_prefix() {
     let d = common::desc("val", 1);
-    let s: Store<Block> = Store::open(StoreConfig::default()).unwrap();
+    let s: Store = Store::open(StoreConfig::default()).unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let (blocks, mut toks) = common::chain(&d, 3, 2);
     for b in &blocks {
@@ -114,7 +111,7 @@ fn load_validates_tokens_and_returns_the_valid_prefix() {
 #[test]
 fn insert_rejects_wrong_layout_key_and_namespace() {
     let d = common::desc("rej", 1);
-    let s: Store<Block> = Store::open(StoreConfig::default()).unwrap();
+    let s: Store = Store::open(StoreConfig::default()).unwrap();
     let (blocks, _) = common::chain(&d, 1, 3);
     let err = s.insert(Arc::new(blocks[0].clone())).unwrap_err();
     assert!(matches!(err, InsertError::UnknownNamespace(_)), "{err}");
@@ -132,41 +129,11 @@ fn insert_rejects_wrong_layout_key_and_namespace() {
     assert_eq!(s.stats().ram_blocks, 0);
 }
 
-/// A payload whose conversion to host bytes waits for a gate, to hold the worker busy.
-struct Gated {
-    block: Block,
-}
-
-static GATE: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
-
-impl Payload for Gated {
-    type Error = std::convert::Infallible;
-    fn meta(&self) -> &BlockMeta {
-        &self.block.meta
-    }
-    fn byte_size(&self) -> u64 {
-        self.block.data_len()
-    }
-    fn plane_specs(&self) -> Vec<PlaneSpec> {
-        self.block.plane_specs()
-    }
-    fn to_block(&self) -> Result<Block, Self::Error> {
-        let mut open = GATE.0.lock().unwrap();
-        while !*open {
-            open = GATE.1.wait(open).unwrap();
-        }
-        Ok(self.block.clone())
-    }
-    fn from_block(block: Block) -> Result<Self, Self::Error> {
-        Ok(Gated { block })
-    }
-}
-
 #[test]
 fn a_full_queue_never_blocks_insert_and_counts_what_it_skips() {
     let dir = tempfile::tempdir().unwrap();
     let d = common::desc("queue", 4);
-    let s: Store<Gated> = Store::open(
+    let s = Store::open(
         StoreConfig::default()
             .root(dir.path())
             .ram_budget(256)
@@ -176,9 +143,11 @@ fn a_full_queue_never_blocks_insert_and_counts_what_it_skips() {
     .unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let (blocks, toks) = common::chain(&d, 8, 5);
+    // The worker takes the first write and waits at the paused gate.
+    let paused = s.pause_writes();
     let t = Instant::now();
     for b in &blocks {
-        s.insert(Arc::new(Gated { block: b.clone() })).unwrap();
+        s.insert(Arc::new(b.clone())).unwrap();
     }
     assert!(
         t.elapsed() < Duration::from_secs(2),
@@ -194,8 +163,7 @@ fn a_full_queue_never_blocks_insert_and_counts_what_it_skips() {
     // Blocks queued but not yet written still serve as RAM hits.
     let hit = s.lookup(ns, &keys(&blocks[..1]));
     assert_eq!(hit.blocks(), 1);
-    *GATE.0.lock().unwrap() = true;
-    GATE.1.notify_all();
+    drop(paused);
     s.flush().unwrap();
     let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
     // Every spilled block and the RAM-resident one reached SSD; the skipped ones did not.
@@ -215,7 +183,7 @@ fn write_through_persists_without_eviction_and_flush_is_durable() {
     let cfg = StoreConfig::default()
         .root(dir.path())
         .write_policy(WritePolicy::WriteThrough);
-    let s: Store<Block> = Store::open(cfg.clone()).unwrap();
+    let s: Store = Store::open(cfg.clone()).unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let (blocks, toks) = common::chain(&d, 5, 9);
     for b in &blocks {
@@ -235,7 +203,7 @@ fn write_through_persists_without_eviction_and_flush_is_durable() {
         std::fs::create_dir_all(dir2.path().join(rel).parent().unwrap()).unwrap();
         std::fs::copy(&f, dir2.path().join(rel)).unwrap();
     }
-    let s: Store<Block> = Store::open(StoreConfig::default().root(dir2.path())).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(dir2.path())).unwrap();
     let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
     assert_eq!(loaded.blocks.len(), 5);
 }

@@ -12,7 +12,7 @@ fn store_with_chains(
     dir: &std::path::Path,
 ) -> (store::NamespaceDescription, Vec<Block>, Vec<Block>) {
     let d = common::desc("gc", 4);
-    let s: Store<Block> = Store::open(StoreConfig::default().root(dir)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(dir)).unwrap();
     s.register_namespace(&d).unwrap();
     let (a, _) = common::chain(&d, 5, 1);
     let (b, _) = common::chain(&d, 3, 2);

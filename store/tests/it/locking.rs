@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use store::{Block, OpenError, Store, StoreConfig};
+use store::{OpenError, Store, StoreConfig};
 
 use crate::common;
 
@@ -10,7 +10,7 @@ use crate::common;
 fn second_writer_is_refused_and_a_reader_works_meanwhile() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = StoreConfig::default().root(dir.path()).ssd_budget(1 << 24);
-    let w: Store<Block> = Store::open(cfg.clone()).unwrap();
+    let w: Store = Store::open(cfg.clone()).unwrap();
     let d = common::desc("lock", 2);
     let ns = w.register_namespace(&d).unwrap();
     let (blocks, toks) = common::chain(&d, 3, 1);
@@ -19,7 +19,7 @@ fn second_writer_is_refused_and_a_reader_works_meanwhile() {
     }
     w.flush().unwrap();
 
-    let err = Store::<Block>::open(cfg.clone())
+    let err = Store::open(cfg.clone())
         .err()
         .expect("second writer refused");
     assert!(matches!(err, OpenError::Locked { .. }), "{err:?}");
@@ -31,7 +31,7 @@ fn second_writer_is_refused_and_a_reader_works_meanwhile() {
     );
     assert!(msg.contains("read-only"), "message suggests the fix: {msg}");
 
-    let r: Store<Block> = Store::open(cfg.clone().read_only(true)).unwrap();
+    let r: Store = Store::open(cfg.clone().read_only(true)).unwrap();
     let keys: Vec<_> = blocks.iter().map(|b| b.meta.key).collect();
     let loaded = r.load_prefix(ns, &keys, &toks);
     assert_eq!(loaded.blocks.len(), 3, "{:?}", loaded.stopped);
@@ -45,7 +45,7 @@ fn second_writer_is_refused_and_a_reader_works_meanwhile() {
     assert!(matches!(gc, Err(OpenError::Locked { .. })));
 
     drop(w);
-    let again: Store<Block> = Store::open(cfg).unwrap();
+    let again: Store = Store::open(cfg).unwrap();
     assert_eq!(again.stats().ssd_blocks, 3);
 }
 
@@ -53,7 +53,7 @@ fn second_writer_is_refused_and_a_reader_works_meanwhile() {
 fn foreign_directories_and_versions_are_refused_with_the_path() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("notes.txt"), "mine").unwrap();
-    let err = Store::<Block>::open(StoreConfig::default().root(dir.path()))
+    let err = Store::open(StoreConfig::default().root(dir.path()))
         .err()
         .unwrap();
     assert!(matches!(err, OpenError::NotAStore { .. }), "{err}");
@@ -64,18 +64,18 @@ fn foreign_directories_and_versions_are_refused_with_the_path() {
     );
 
     let dir = tempfile::tempdir().unwrap();
-    drop(Store::<Block>::open(StoreConfig::default().root(dir.path())).unwrap());
+    drop(Store::open(StoreConfig::default().root(dir.path())).unwrap());
     let marker = dir.path().join(store::format::STORE_FILE);
     let text = std::fs::read_to_string(&marker).unwrap();
     std::fs::write(&marker, text.replace("\"version\": 1", "\"version\": 99")).unwrap();
-    let err = Store::<Block>::open(StoreConfig::default().root(dir.path()))
+    let err = Store::open(StoreConfig::default().root(dir.path()))
         .err()
         .unwrap();
     assert!(matches!(err, OpenError::IncompatibleFormat { .. }), "{err}");
     assert!(err.to_string().contains("version 99"), "{err}");
 
     let missing = dir.path().join("nope");
-    let err = Store::<Block>::open(StoreConfig::default().root(&missing).read_only(true))
+    let err = Store::open(StoreConfig::default().root(&missing).read_only(true))
         .err()
         .unwrap();
     assert!(matches!(err, OpenError::NotFound { .. }), "{err}");
@@ -86,7 +86,7 @@ fn files_and_directories_are_private() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path().join("s");
-    let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(&root)).unwrap();
     let d = common::desc("perm", 1);
     s.register_namespace(&d).unwrap();
     for b in common::chain(&d, 2, 3).0 {

@@ -16,7 +16,7 @@ fn populated(dir: &Path) -> (PathBuf, Vec<Block>, Vec<Vec<u32>>) {
     let root = dir.join("store");
     let d = common::desc("planted", 4);
     let (blocks, toks) = common::chain(&d, 2, 9);
-    let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(&root)).unwrap();
     s.register_namespace(&d).unwrap();
     for b in &blocks {
         s.insert(Arc::new(b.clone())).unwrap();
@@ -41,7 +41,7 @@ fn open_within(root: &Path, read_only: bool) -> Result<(), String> {
     let (tx, rx) = mpsc::channel();
     let root = root.to_owned();
     std::thread::spawn(move || {
-        let r = Store::<Block>::open(StoreConfig::default().root(&root).read_only(read_only))
+        let r = Store::open(StoreConfig::default().root(&root).read_only(read_only))
             .map(drop)
             .map_err(|e| e.to_string());
         let _ = tx.send(r);
@@ -124,7 +124,7 @@ fn costs_json_symlink_is_not_read() {
     let dir = tempfile::tempdir().unwrap();
     let (root, blocks, _) = populated(dir.path());
     let ns = blocks[0].meta.namespace;
-    let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(&root)).unwrap();
     s.save_costs(ns, b"{\"saved\": true}").unwrap();
     assert!(s.costs(ns).is_some());
     let path = root.join(ns.to_string()).join(format::COSTS_FILE);
@@ -157,7 +157,7 @@ fn block_symlink_is_not_read_by_a_read_only_store() {
     plant(&path, &outside);
     // A read-only store reads by path (another process may have written the block since
     // the scan): the link must still not be followed.
-    let s: Store<Block> = Store::open(StoreConfig::default().root(&root).read_only(true)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(&root).read_only(true)).unwrap();
     let keys: Vec<_> = blocks.iter().map(|b| b.meta.key).collect();
     let loaded = s.load_prefix(b.meta.namespace, &keys, &toks);
     assert_eq!(

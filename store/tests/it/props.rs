@@ -114,7 +114,7 @@ proptest! {
             .ram_budget(20_000)
             .ssd_budget(48 * 1024)
             .write_policy(if through { WritePolicy::WriteThrough } else { WritePolicy::WriteBack });
-        let mut s: Store<Block> = Store::open(cfg.clone()).unwrap();
+        let mut s: Store = Store::open(cfg.clone()).unwrap();
         let ds = [common::desc("p1", 64), common::desc("p2", 128), common::desc("p3", 192)];
         for d in &ds { s.register_namespace(d).unwrap(); }
         let mut inserted: HashMap<usize, ()> = HashMap::new();

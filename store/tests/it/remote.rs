@@ -12,11 +12,11 @@ use store::{
 use crate::common;
 use crate::redis_server::{dead_url, RedisCluster, RedisServer, ServerOptions, TestCerts};
 
-fn open(dir: &std::path::Path, url: &str) -> Store<Block> {
+fn open(dir: &std::path::Path, url: &str) -> Store {
     open_with(dir, RemoteConfig::new(url).io_timeout_ms(500))
 }
 
-fn open_with(dir: &std::path::Path, remote: RemoteConfig) -> Store<Block> {
+fn open_with(dir: &std::path::Path, remote: RemoteConfig) -> Store {
     Store::open(
         StoreConfig::default()
             .root(dir)
@@ -227,8 +227,7 @@ fn redis_down_at_start_or_killed_leaves_the_local_tiers_working() {
 
 #[test]
 fn an_invalid_remote_url_is_an_open_error() {
-    let r =
-        Store::<Block>::open(StoreConfig::default().remote(Some(RemoteConfig::new("http://nope"))));
+    let r = Store::open(StoreConfig::default().remote(Some(RemoteConfig::new("http://nope"))));
     assert!(r.is_err());
 }
 
@@ -365,7 +364,7 @@ fn tls_with_a_custom_ca_shares_blocks_and_an_untrusted_server_is_refused() {
     assert!(s.stats().remote_errors >= 1);
 
     // A CA file that does not exist is an open error naming it.
-    let bad = Store::<Block>::open(StoreConfig::default().remote(Some(
+    let bad = Store::open(StoreConfig::default().remote(Some(
         RemoteConfig::new(redis.url()).ca_cert(Some(dir.path().join("missing.pem"))),
     )));
     let msg = bad
@@ -404,11 +403,11 @@ fn cluster_urls_are_parsed_and_bad_ones_refused() {
         "redis+cluster://:pw@",
         "redis+cluster://h:1/0",
     ] {
-        let r = Store::<Block>::open(StoreConfig::default().remote(Some(RemoteConfig::new(bad))));
+        let r = Store::open(StoreConfig::default().remote(Some(RemoteConfig::new(bad))));
         assert!(r.is_err(), "{bad}");
     }
     // Seeds are not contacted at open.
-    let ok = Store::<Block>::open(StoreConfig::default().remote(Some(RemoteConfig::new(
+    let ok = Store::open(StoreConfig::default().remote(Some(RemoteConfig::new(
         "redis+cluster://:pw@127.0.0.1:1,127.0.0.1:2",
     ))));
     assert!(ok.is_ok());

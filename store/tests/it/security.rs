@@ -20,7 +20,7 @@ fn only_canonical_regular_block_files_are_indexed_and_everything_is_private() {
     let d = common::desc("security", 4);
     let (blocks, toks) = common::chain(&d, 3, 5);
     {
-        let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+        let s: Store = Store::open(StoreConfig::default().root(&root)).unwrap();
         s.register_namespace(&d).unwrap();
         for b in &blocks {
             s.insert(Arc::new(b.clone())).unwrap();
@@ -61,7 +61,7 @@ fn only_canonical_regular_block_files_are_indexed_and_everything_is_private() {
     .unwrap();
     std::fs::write(first_shard.join("..%2f..%2fetc.safetensors"), b"x").unwrap();
 
-    let s: Store<Block> = Store::open(StoreConfig::default().root(&root)).unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(&root)).unwrap();
     let ns = s.register_namespace(&d).unwrap();
     let ssd = s.ssd().unwrap();
     let indexed: Vec<_> = ssd.entries().into_iter().map(|e| e.key).collect();
