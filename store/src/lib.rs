@@ -61,6 +61,7 @@ mod key;
 mod namespace;
 mod nofollow;
 mod ram;
+mod read_ahead;
 pub mod remote;
 mod ssd;
 mod stats;

@@ -16,6 +16,7 @@ use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::ram::RamTier;
+use crate::read_ahead::{ReadAhead, ReadPlan};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::ssd::{is_storage_full, ReadOutcome, SsdOptions, SsdTier};
 use crate::stats::{Counters, StoreStats};
@@ -48,6 +49,9 @@ pub struct StoreConfig {
     pub read_only: bool,
     /// A remote tier (Redis) behind RAM and SSD; `None` keeps the store local.
     pub remote: Option<RemoteConfig>,
+    /// Threads that read and verify SSD block files ahead of a prefix load; 1 reads them
+    /// one at a time on the loading thread.
+    pub ssd_readers: usize,
 }
 
 impl Default for StoreConfig {
@@ -60,6 +64,7 @@ impl Default for StoreConfig {
             queue_capacity: 64,
             read_only: false,
             remote: None,
+            ssd_readers: crate::read_ahead::SSD_READERS,
         }
     }
 }
@@ -92,6 +97,13 @@ impl StoreConfig {
     /// Capacity of the write-behind queue, in blocks (at least 1). Default: 64.
     pub fn queue_capacity(mut self, blocks: usize) -> Self {
         self.queue_capacity = blocks;
+        self
+    }
+
+    /// Threads reading SSD block files ahead of a prefix load (at least 1; 1 reads on the
+    /// loading thread, one file at a time, as a rotating disk prefers). Default: 8.
+    pub fn ssd_readers(mut self, threads: usize) -> Self {
+        self.ssd_readers = threads.max(1);
         self
     }
 
@@ -645,6 +657,49 @@ impl Store {
             out.stopped = (!keys.is_empty()).then_some(StopReason::UnknownNamespace);
             return out;
         };
+        // The SSD files this load will read, in order: every key up to the first that no
+        // local tier holds, less those in RAM. Readers fetch and verify them in parallel.
+        let plan = ReadPlan::new(self.ssd_read_plan(ns, keys), self.shared.config.ssd_readers);
+        std::thread::scope(|scope| {
+            let mut ahead = ReadAhead::start(scope, self.shared.ssd.as_ref(), ns, keys, &plan);
+            self.load_in_order(ns, &desc, keys, tokens_per_block, &mut ahead, &mut out);
+        });
+        self.touch_chain(ns, &keys[..out.blocks.len()]);
+        out
+    }
+
+    /// Indices of the `keys` a load will read from SSD: those not in RAM, up to the first
+    /// key in no local tier.
+    fn ssd_read_plan(&self, ns: NamespaceId, keys: &[BlockKey]) -> Vec<usize> {
+        let Some(ssd) = &self.shared.ssd else {
+            return Vec::new();
+        };
+        let mut plan = Vec::new();
+        for (index, &key) in keys.iter().enumerate() {
+            let in_ram = lock(&self.shared.ram).contains(ns, key)
+                || lock(&self.shared.pending).contains_key(&(ns, key));
+            if in_ram {
+                continue;
+            }
+            if !ssd.contains(ns, key) {
+                break;
+            }
+            plan.push(index);
+        }
+        plan
+    }
+
+    /// [`load_prefix`](Self::load_prefix)'s walk over the chain: each block from RAM, the
+    /// read-ahead (SSD) or the remote tier, checked in order, promoted into RAM.
+    fn load_in_order<T: AsRef<[u32]>>(
+        &self,
+        ns: NamespaceId,
+        desc: &NamespaceDescription,
+        keys: &[BlockKey],
+        tokens_per_block: &[T],
+        ahead: &mut ReadAhead<'_>,
+        out: &mut LoadedPrefix,
+    ) {
         let c = &self.shared.counters;
         let mut first_position = None;
         let mut remote_batch = None;
@@ -685,9 +740,10 @@ impl Store {
                 continue;
             }
             Counters::inc(&c.ram_misses);
-            let local = match &self.shared.ssd {
-                Some(ssd) => ssd.read(ns, key, false),
-                None => ReadOutcome::Miss,
+            let local = match (ahead.take(index), &self.shared.ssd) {
+                (Some(outcome), _) => outcome,
+                (None, Some(ssd)) => ssd.read(ns, key, false),
+                (None, None) => ReadOutcome::Miss,
             };
             let (block, tier) = match local {
                 ReadOutcome::Hit(b) => (b, Tier::Ssd),
@@ -743,8 +799,6 @@ impl Store {
             self.spill(evicted);
             out.blocks.push((p, tier));
         }
-        self.touch_chain(ns, &keys[..out.blocks.len()]);
-        out
     }
 
     /// The verified-by-codec block `keys[index]` from the remote tier, fetching every key

@@ -34,9 +34,23 @@ pub struct Args {
     /// Tokens of the prefix restored from SSD.
     #[arg(long, default_value_t = 32768)]
     ssd_tokens: usize,
+    /// Run only these parts (repeatable; default: all).
+    #[arg(long, value_enum, value_name = "PART")]
+    only: Vec<Part>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// A part of `bench cache`.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Part {
+    /// Paged vs contiguous decode step.
+    Decode,
+    /// Publish and bulk restore per block vs host → device.
+    Blocks,
+    /// SSD → device restore vs `dd`.
+    Ssd,
 }
 
 const HQ: i32 = 9;
@@ -75,8 +89,14 @@ struct SsdRow {
     bytes: u64,
     /// Whether the page cache was dropped before each read (needs root).
     cold: bool,
+    /// The store's SSD reader threads (`StoreConfig::ssd_readers`).
+    readers: usize,
     /// Store load (read, checksum, verify) + bulk import into a fresh cache, GB/s.
     restore_gb_s: f64,
+    /// The store load alone (open the store, read and verify every block), GB/s.
+    load_gb_s: f64,
+    /// The bulk import alone (verified host blocks into the cache's device arrays), GB/s.
+    import_gb_s: f64,
     /// `dd iflag=direct` of a file of the same size on the same disk, GB/s.
     dd_gb_s: f64,
     /// restore / dd (target ≥ 0.7).
@@ -87,13 +107,13 @@ struct SsdRow {
 struct Report {
     decode: Vec<DecodeRow>,
     blocks: Vec<BlockRow>,
-    ssd: SsdRow,
+    ssd: Vec<SsdRow>,
 }
 
 /// A prefix of `tokens` SmolLM2-shaped tokens (30 layers, f32) published to a store on
 /// disk, then restored from SSD into a fresh cache in a new store handle, against `dd`
 /// reading a file of the same size with direct I/O.
-fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
+fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
     use store::{NamespaceDescription, StoreConfig};
     let (layers, bs) = (30usize, 32usize);
     let tokens = tokens.div_ceil(bs) * bs;
@@ -145,37 +165,48 @@ fn ssd_row(tokens: usize, dir: &std::path::Path) -> Result<SsdRow> {
     crate::bench::store::dd_write(&ddfile, mib, total.div_ceil(mib))?;
     let cold = crate::bench::store::drop_caches();
     let dd_gb_s = crate::bench::store::dd_read(&ddfile, mib, total.div_ceil(mib))?;
-    crate::bench::store::drop_caches();
-    let t = Instant::now();
-    let s: store::Store = store::Store::open(store_config)?;
-    let ns = s.register_namespace(&desc)?;
-    let per_block: Vec<&[u32]> = ids.chunks(bs).collect();
-    let loaded = s.load_prefix(ns, &keys, &per_block);
-    if loaded.blocks.len() != keys.len() {
-        anyhow::bail!(
-            "only {} of {} blocks loaded: {:?}",
-            loaded.blocks.len(),
-            keys.len(),
-            loaded.stopped
-        );
+    let mut rows = Vec::new();
+    // One reader (the load reads file after file) against the default read-ahead.
+    for readers in [1, StoreConfig::default().ssd_readers] {
+        crate::bench::store::drop_caches();
+        let t = Instant::now();
+        let s: store::Store = store::Store::open(store_config.clone().ssd_readers(readers))?;
+        let ns = s.register_namespace(&desc)?;
+        let per_block: Vec<&[u32]> = ids.chunks(bs).collect();
+        let loaded = s.load_prefix(ns, &keys, &per_block);
+        if loaded.blocks.len() != keys.len() {
+            anyhow::bail!(
+                "only {} of {} blocks loaded: {:?}",
+                loaded.blocks.len(),
+                keys.len(),
+                loaded.stopped
+            );
+        }
+        let blocks: Vec<Arc<store::Block>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
+        let load_secs = t.elapsed().as_secs_f64();
+        let restored = PagedKvCache::restore(layers, config, &blocks)?;
+        let mut all = Vec::new();
+        for l in 0..layers {
+            all.extend(restored.cache.pool(l).into_iter().flat_map(|p| p.arrays()));
+        }
+        mlx::eval(&all)?;
+        let secs = t.elapsed().as_secs_f64();
+        let restore_gb_s = total as f64 / secs / 1e9;
+        let load_gb_s = total as f64 / load_secs / 1e9;
+        let import_gb_s = total as f64 / (secs - load_secs) / 1e9;
+        rows.push(SsdRow {
+            tokens,
+            bytes: total,
+            cold,
+            readers,
+            restore_gb_s,
+            load_gb_s,
+            import_gb_s,
+            dd_gb_s,
+            ratio: restore_gb_s / dd_gb_s,
+        });
     }
-    let blocks: Vec<Arc<store::Block>> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
-    let restored = PagedKvCache::restore(layers, config, &blocks)?;
-    let mut all = Vec::new();
-    for l in 0..layers {
-        all.extend(restored.cache.pool(l).into_iter().flat_map(|p| p.arrays()));
-    }
-    mlx::eval(&all)?;
-    let secs = t.elapsed().as_secs_f64();
-    let restore_gb_s = total as f64 / secs / 1e9;
-    Ok(SsdRow {
-        tokens,
-        bytes: total,
-        cold,
-        restore_gb_s,
-        dd_gb_s,
-        ratio: restore_gb_s / dd_gb_s,
-    })
+    Ok(rows)
 }
 
 fn median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
@@ -376,10 +407,23 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
 /// Runs the cache benchmark and prints a table or JSON.
 pub fn run(args: Args) -> Result<()> {
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let part = |p: Part| args.only.is_empty() || args.only.contains(&p);
     let report = Report {
-        decode: decode_rows(args.quick)?,
-        blocks: block_rows(args.quick)?,
-        ssd: ssd_row(if args.quick { 512 } else { args.ssd_tokens }, &dir)?,
+        decode: if part(Part::Decode) {
+            decode_rows(args.quick)?
+        } else {
+            Vec::new()
+        },
+        blocks: if part(Part::Blocks) {
+            block_rows(args.quick)?
+        } else {
+            Vec::new()
+        },
+        ssd: if part(Part::Ssd) {
+            ssd_rows(if args.quick { 512 } else { args.ssd_tokens }, &dir)?
+        } else {
+            Vec::new()
+        },
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -423,15 +467,19 @@ pub fn run(args: Args) -> Result<()> {
             r.restore_share
         );
     }
-    let r = &report.ssd;
-    println!(
-        "\nSSD → device: {} tokens ({:.0} MB, 30 layers, f32), store load + bulk import {:.2} GB/s; dd iflag=direct {:.2} GB/s; ratio {:.2}{}",
-        r.tokens,
-        r.bytes as f64 / 1e6,
-        r.restore_gb_s,
-        r.dd_gb_s,
-        r.ratio,
-        if r.cold { "" } else { " (page cache not dropped: not root, reads may be warm)" }
-    );
+    for r in &report.ssd {
+        println!(
+            "\nSSD → device: {} tokens ({:.0} MB, 30 layers, f32), {} reader(s): store load + bulk import {:.2} GB/s (load {:.2}, import {:.2}); dd iflag=direct {:.2} GB/s; ratio {:.2}{}",
+            r.tokens,
+            r.bytes as f64 / 1e6,
+            r.readers,
+            r.restore_gb_s,
+            r.load_gb_s,
+            r.import_gb_s,
+            r.dd_gb_s,
+            r.ratio,
+            if r.cold { "" } else { " (page cache not dropped: not root, reads may be warm)" }
+        );
+    }
     Ok(())
 }

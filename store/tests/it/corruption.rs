@@ -127,3 +127,55 @@ fn gc_removes_corrupt_files_nobody_has_read_yet() {
     assert!(gc.deleted[0].detail.as_ref().unwrap().contains("checksum"));
     assert!(!path.exists());
 }
+
+/// A long chain read with parallel SSD readers: blocks come back in chain order, bit for bit,
+/// from the tier that holds each (some promoted into RAM by an earlier load, the rest read
+/// ahead from SSD), and a corrupt file in the middle ends the prefix there even though the
+/// readers have already read past it.
+#[test]
+fn a_long_mixed_chain_loads_in_order_and_stops_at_a_corrupt_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 64;
+    let (d, blocks, toks) = filled_store(dir.path(), n);
+    let keys: Vec<_> = blocks.iter().map(|b| b.meta.key).collect();
+    let victim = 41;
+    let path = path_of(dir.path(), &blocks[victim]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&path, &bytes).unwrap();
+
+    let s: Store = Store::open(StoreConfig::default().root(dir.path())).unwrap();
+    // Loads of growing prefixes promote blocks 0..=27 into RAM.
+    for i in (0..30).step_by(3) {
+        let one = s.load_prefix(d.id(), &keys[..=i], &toks[..=i]);
+        assert_eq!(one.blocks.len(), i + 1, "{:?}", one.stopped);
+    }
+    let st = s.stats();
+    let reads_before = st.ssd_hits;
+    let loaded = s.load_prefix(d.id(), &keys, &toks);
+    assert_eq!(loaded.blocks.len(), victim, "{:?}", loaded.stopped);
+    assert!(
+        matches!(
+            loaded.stopped,
+            Some(StopReason::Invalid {
+                index,
+                tier: Tier::Ssd,
+                problem: BlockProblem::Corrupt(_)
+            }) if index == victim
+        ),
+        "{:?}",
+        loaded.stopped
+    );
+    for (i, (b, tier)) in loaded.blocks.iter().enumerate() {
+        assert_eq!(**b, blocks[i], "block {i}");
+        // The earlier loads promoted blocks 0..=27 (each load takes the whole prefix).
+        let expect = if i <= 27 { Tier::Ram } else { Tier::Ssd };
+        assert_eq!(*tier, expect, "block {i}");
+    }
+    // The blocks after the corrupt one that readers may have read are intact on disk.
+    assert!(path_of(dir.path(), &blocks[victim + 1]).is_file());
+    assert!(s.stats().ssd_hits > reads_before);
+    let report = store::inspect::inspect(dir.path(), true).unwrap();
+    assert!(report.corrupt.is_empty(), "{:?}", report.corrupt);
+}
