@@ -64,4 +64,25 @@ impl KvCache for ContiguousKvCache {
         *slot = Some((k.clone(), v.clone()));
         Ok((k, v))
     }
+
+    fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        let mut trimmed = 0;
+        for slot in &mut self.layers {
+            let Some((k, v)) = slot.take() else {
+                continue;
+            };
+            let len = seq_len(&k);
+            let n = tokens.min(len);
+            trimmed = trimmed.max(n);
+            if n < len {
+                let keep = |a: &Array| {
+                    let mut stop = a.shape().to_vec();
+                    stop[2] = (len - n) as i32;
+                    a.slice(&[0, 0, 0, 0], &stop)
+                };
+                *slot = Some((keep(&k)?, keep(&v)?));
+            }
+        }
+        Ok(trimmed)
+    }
 }

@@ -69,4 +69,9 @@ pub trait KvCache {
         keys: &Array,
         values: &Array,
     ) -> Result<(Array, Array), CacheError>;
+
+    /// Drops the last `tokens` tokens of every layer (all of them if fewer are held) and
+    /// returns how many were dropped; the next append goes where they began. A generation
+    /// loop that computed one step ahead uses it to forget a step it did not need.
+    fn trim(&mut self, tokens: usize) -> Result<usize, CacheError>;
 }

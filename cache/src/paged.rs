@@ -504,4 +504,8 @@ impl KvCache for PagedKvCache {
         self.fetch(layer)?
             .ok_or_else(|| CacheError::Config(format!("layer {layer} has no pool after an append")))
     }
+
+    fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        Ok(PagedKvCache::trim(self, tokens))
+    }
 }

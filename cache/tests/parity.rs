@@ -150,6 +150,29 @@ impl KvCache for QuantizedReference {
         *slot = Some(next);
         Ok(out)
     }
+
+    fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        let mut trimmed = 0;
+        for slot in &mut self.layers {
+            let Some(parts) = slot.take() else { continue };
+            let len = parts[0][0].shape()[2] as usize;
+            let n = tokens.min(len);
+            trimmed = trimmed.max(n);
+            if n < len {
+                let keep = |p: &Vec<Array>| -> Vec<Array> {
+                    p.iter()
+                        .map(|a| {
+                            let mut stop = a.shape().to_vec();
+                            stop[2] = (len - n) as i32;
+                            a.slice(&[0, 0, 0, 0], &stop).unwrap()
+                        })
+                        .collect()
+                };
+                *slot = Some([keep(&parts[0]), keep(&parts[1])]);
+            }
+        }
+        Ok(trimmed)
+    }
 }
 
 #[test]

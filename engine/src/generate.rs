@@ -7,9 +7,10 @@ use std::time::Instant;
 use cache::KvCache;
 use serde::Serialize;
 
+use crate::device_sampler::DeviceSampler;
 use crate::error::{EngineError, Result};
 use crate::model::{Model, DEFAULT_PREFILL_CHUNK};
-use crate::sampler::{Sampled, Sampler, SamplingParams};
+use crate::sampler::{Sampled, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 /// What to generate and when to stop.
@@ -155,7 +156,6 @@ pub fn generate(
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<Generation> {
     let start = Instant::now();
-    let mut sampler = Sampler::new(params.sampling.clone())?;
     let context = params
         .context_limit
         .unwrap_or(usize::MAX)
@@ -183,11 +183,12 @@ pub fn generate(
         });
     }
     mlx::reset_peak_memory()?;
+    let mut sampler = DeviceSampler::new(params.sampling.clone(), model.info().vocab_size, prompt)?;
 
-    // 1. Prefill what the cache lacks; sample the first token.
+    // 1. Prefill what the cache lacks; pick the first token on the device.
     let logits = model.prefill(&prompt[cached..], cache, params.prefill_chunk)?;
-    let logits: Vec<f32> = logits.to_vec()?;
-    let prefill_done = Instant::now();
+    let mut pick = sampler.select(&logits)?;
+    pick.start()?;
     let mut tokens: Vec<u32> = Vec::new();
     let mut logprobs = Vec::new();
     let mut stream = TextStream {
@@ -195,47 +196,65 @@ pub fn generate(
         stop: &params.stop,
         emitted: 0,
     };
-    let mut text = String::new();
+    let mut text;
     let mut finish = FinishReason::Length;
-    let mut next = sampler.sample(&logits, prompt, &tokens)?;
-    let ttft = start.elapsed();
+    let mut prefill_done = None;
+    let mut ttft = std::time::Duration::ZERO;
     let mut first_token_at = Instant::now();
 
-    // 2. Decode one token per step.
+    // 2. Decode, one step ahead: step n+1 is built from step n's pick, still on the device,
+    // and queued before the host waits for that pick, so the device never idles while the
+    // host reads, detokenizes and streams. A step queued for a token that turns out to end
+    // the generation is dropped from the cache.
     loop {
-        if tokens.len() >= params.max_tokens {
-            break;
+        let n = tokens.len() + 1;
+        let last = n >= params.max_tokens || prompt.len() + n >= context;
+        let ahead = if last {
+            None
+        } else {
+            sampler.observe(&pick.token, prompt, &tokens)?;
+            let logits = model.forward_token(&pick.token, cache)?;
+            let next = sampler.select(&logits)?;
+            next.start()?;
+            Some(next)
+        };
+        let sampled = pick.read()?;
+        if tokens.is_empty() {
+            prefill_done = Some(Instant::now());
+            ttft = start.elapsed();
+            first_token_at = Instant::now();
         }
-        let sampled = next;
         tokens.push(sampled.token);
         let is_eos = params.stop_at_eos && tokenizer.eos_ids().contains(&sampled.token);
-        let at_limit = tokens.len() >= params.max_tokens || prompt.len() + tokens.len() >= context;
-        let (delta, stopped, full) = stream.update(&tokens, is_eos || at_limit)?;
+        let (delta, stopped, full) = stream.update(&tokens, is_eos || last)?;
         text = full;
         let keep_going = on_token(TokenEvent {
             sampled: &sampled,
             text: &delta,
         });
         if params.sampling.logprobs.is_some() {
-            logprobs.push(sampled.clone());
+            logprobs.push(sampled);
         }
-        if tokens.len() == 1 {
-            first_token_at = Instant::now();
+        let end = if is_eos || stopped {
+            Some(FinishReason::Stop)
+        } else if !keep_going {
+            Some(FinishReason::Cancelled)
+        } else {
+            None
+        };
+        match (end, ahead) {
+            (Some(reason), ahead) => {
+                finish = reason;
+                if ahead.is_some() {
+                    cache.trim(1)?;
+                }
+                break;
+            }
+            (None, Some(next)) => pick = next,
+            (None, None) => break,
         }
-        if is_eos || stopped {
-            finish = FinishReason::Stop;
-            break;
-        }
-        if !keep_going {
-            finish = FinishReason::Cancelled;
-            break;
-        }
-        if at_limit {
-            break;
-        }
-        let logits: Vec<f32> = model.forward(&[sampled.token], cache)?.to_vec()?;
-        next = sampler.sample(&logits, prompt, &tokens)?;
     }
+    let prefill_done = prefill_done.unwrap_or_else(Instant::now);
     let end = Instant::now();
     let prefill_s = (prefill_done - start).as_secs_f64();
     let decode_s = (end - first_token_at).as_secs_f64();

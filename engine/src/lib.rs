@@ -25,6 +25,7 @@
 
 #![deny(unsafe_code)]
 
+mod device_sampler;
 mod error;
 #[doc(hidden)]
 pub mod fuzzing;

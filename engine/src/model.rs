@@ -289,6 +289,14 @@ impl Model {
         Ok(logits.astype(Dtype::F32)?)
     }
 
+    /// [`Model::forward`] of one token held on the device (`[1]` u32, possibly not computed
+    /// yet: a pick of the previous step), so the step is built before the host reads it.
+    pub(crate) fn forward_token(&self, token: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        let h = self.decoder.hidden(&token.reshape(&[1, 1])?, cache)?;
+        let logits = self.decoder.logits(&h)?.reshape(&[-1])?;
+        Ok(logits.astype(Dtype::F32)?)
+    }
+
     /// One decode step of a batch: `tokens[b]` runs after what row `b` of `rows` holds, at
     /// that row's own position (per-row RoPE offsets, left padding masked). Returns the
     /// logits `[B, vocab]` in f32. See docs/server.md for how this compares numerically to
