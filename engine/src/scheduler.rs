@@ -12,7 +12,7 @@
 //!    rows that finished, were cancelled or lost their receiver; their caches are published
 //!    to the prefix cache and freed;
 //! 4. runs one batched decode step over every remaining row ([`Model::forward_rows`]), each
-//!    row sampling with its own [`Sampler`].
+//!    row picking its next token on the device with its own sampler (as [`crate::generate`]).
 //!
 //! [`generate`]: crate::generate
 
@@ -32,7 +32,8 @@ use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream};
 use crate::model::{Model, ModelInfo};
 use crate::reuse::{HostPrefix, PrefixCache, ReuseConfig, ReuseReport};
-use crate::sampler::{Sampled, Sampler};
+use crate::device_sampler::DeviceSampler;
+use crate::sampler::Sampled;
 use crate::tokenizer::Tokenizer;
 
 /// Settings of an [`Engine`].
@@ -699,7 +700,7 @@ struct Row {
     id: u64,
     prompt: Vec<u32>,
     params: GenerateParams,
-    sampler: Sampler,
+    sampler: DeviceSampler,
     tokens: Vec<u32>,
     text: String,
     emitted: usize,
@@ -917,7 +918,8 @@ impl Worker {
             Some(pc) => Some(pc.namespace_for(p.request.cache_salt.as_deref())?),
             None => None,
         };
-        let mut sampler = Sampler::new(params.sampling.clone())?;
+        let vocab = self.model.info().vocab_size;
+        let mut sampler = DeviceSampler::new(params.sampling.clone(), vocab, &prompt)?;
         let context = params
             .context_limit
             .unwrap_or(usize::MAX)
@@ -980,8 +982,9 @@ impl Worker {
             }));
             return Ok(());
         };
-        let logits: Vec<f32> = logits.to_vec()?;
-        let first = sampler.sample(&logits, &prompt, &[])?;
+        let pick = sampler.select(&logits)?;
+        pick.start()?;
+        let first = pick.read()?;
         report.prefill_s = t.elapsed().as_secs_f64();
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
         if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
@@ -1192,14 +1195,28 @@ impl Worker {
             .iter()
             .map(|r| r.tokens.last().copied().unwrap_or_default())
             .collect();
-        let logits: Vec<f32> = self.model.forward_rows(&last, &mut self.rows)?.to_vec()?;
-        let vocab = logits.len() / self.active.len().max(1);
+        let logits = self.model.forward_rows(&last, &mut self.rows)?;
+        let vocab = self.model.info().vocab_size as i32;
         let c = &self.shared.counters;
         c.decode_steps.fetch_add(1, Ordering::Relaxed);
         c.decode_rows
             .fetch_add(self.active.len() as u64, Ordering::Relaxed);
-        for (row, l) in self.active.iter_mut().zip(logits.chunks(vocab)) {
-            row.next = Some(row.sampler.sample(l, &row.prompt, &row.tokens)?);
+        // Every row's pick on the device, computed together; the host reads only the ids.
+        let mut picks = Vec::with_capacity(self.active.len());
+        for (i, row) in self.active.iter_mut().enumerate() {
+            let i = i as i32;
+            let l = logits.slice(&[i, 0], &[i + 1, vocab])?.reshape(&[vocab])?;
+            if let Some((&t, before)) = row.tokens.split_last() {
+                let token = mlx::Array::from_slice(&[t], &[1])?;
+                row.sampler.observe(&token, &row.prompt, before)?;
+            }
+            picks.push(row.sampler.select(&l)?);
+        }
+        for pick in &picks {
+            pick.start()?;
+        }
+        for (row, pick) in self.active.iter_mut().zip(&picks) {
+            row.next = Some(pick.read()?);
         }
         Ok(())
     }
