@@ -4,13 +4,15 @@
 
 use std::path::PathBuf;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 
 mod parse;
 mod scale;
+mod sim;
 
 use parse::{TraceRequest, Window};
 use scale::TokenScale;
+use sim::{Policy, SimTrace};
 
 /// Arguments of `kvstore bench trace`.
 #[derive(clap::Args)]
@@ -31,6 +33,17 @@ pub struct Args {
     /// Multiplies every length and the 512-token block by F (512 × F must be whole).
     #[arg(long, value_name = "F", default_value_t = 1.0)]
     token_scale: f64,
+    /// Run no model: print the hit share of prompt tokens an unbounded cache (ideal), and
+    /// caches of each `--budget-tokens` under every eviction policy, would get.
+    #[arg(long)]
+    simulate: bool,
+    /// A cache size in (scaled) tokens for the simulated policies; repeatable. It holds
+    /// N / block whole blocks.
+    #[arg(long = "budget-tokens", value_name = "N")]
+    budget_tokens: Vec<u64>,
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
 }
 
 /// Validated settings of a run.
@@ -83,7 +96,77 @@ impl Settings {
 pub fn run(args: Args) -> Result<()> {
     let s = Settings::new(&args)?;
     summary(&s);
+    if args.simulate {
+        let json = simulate(&s, &args.budget_tokens)?;
+        if let Some(path) = &args.json {
+            write_json(path, &json)?;
+        }
+        return Ok(());
+    }
+    bail!("only --simulate is implemented so far")
+}
+
+fn write_json(path: &std::path::Path, json: &serde_json::Value) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(json)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
     Ok(())
+}
+
+/// `--simulate`: the ideal and every policy at every budget, as a table and as JSON.
+fn simulate(s: &Settings, budgets: &[u64]) -> Result<serde_json::Value> {
+    if budgets.is_empty() {
+        bail!("--simulate needs at least one --budget-tokens N");
+    }
+    let t = SimTrace::new(&s.requests, &s.scale);
+    let total = t.prompt_tokens() as f64;
+    let share = |hits: &[usize]| hits.iter().sum::<usize>() as f64 / total;
+    let ideal = share(&sim::ideal(&t));
+    println!(
+        "ideal (unbounded cache): {:.2} % of {} prompt tokens",
+        100.0 * ideal,
+        t.prompt_tokens()
+    );
+    println!(
+        "{:>14} {:>9} {}   (% of prompt tokens hit; in brackets: share of the ideal)",
+        "budget tokens",
+        "blocks",
+        Policy::ALL
+            .iter()
+            .map(|p| format!("{:>17}", p.name()))
+            .collect::<String>()
+    );
+    let mut rows = Vec::new();
+    for &b in budgets {
+        let blocks = usize::try_from(b / t.block as u64).unwrap_or(usize::MAX);
+        let mut row = serde_json::Map::new();
+        row.insert("budget_tokens".into(), b.into());
+        row.insert("blocks".into(), blocks.into());
+        let mut cells = String::new();
+        for p in Policy::ALL {
+            let h = share(&sim::simulate(&t, p, blocks));
+            row.insert(p.name().into(), h.into());
+            cells += &format!(
+                "{:>9.2} ({:>5.3})",
+                100.0 * h,
+                if ideal > 0.0 { h / ideal } else { 0.0 }
+            );
+        }
+        println!("{b:>14} {blocks:>9} {cells}");
+        rows.push(serde_json::Value::Object(row));
+    }
+    Ok(serde_json::json!({
+        "schema": "kvstore.bench.trace.simulate.v1",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "requests": t.requests.len(),
+        "prompt_tokens": t.prompt_tokens(),
+        "block_tokens": t.block,
+        "ideal": ideal,
+        "budgets": rows,
+    }))
 }
 
 /// One line on what the window holds.
