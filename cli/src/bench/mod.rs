@@ -32,7 +32,7 @@ enum Which {
     /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
     Store(store::Args),
     /// Replay a Mooncake-format request trace: hit share against ideal, LRU and Belady, TTFT.
-    Trace(trace::Args),
+    Trace(Box<trace::Args>),
 }
 
 /// Runs the chosen benchmark.
@@ -44,6 +44,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Which::Mlx(a) => mlx::run(a),
         Which::Remote(a) => remote::run(a),
         Which::Store(a) => store::run(a),
-        Which::Trace(a) => trace::run(a),
+        Which::Trace(a) => trace::run(*a),
     }
 }

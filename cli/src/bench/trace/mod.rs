@@ -6,13 +6,23 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
+mod dispatch;
+mod http;
+mod inprocess;
 mod parse;
+mod plot;
+mod replay;
+mod report;
 mod scale;
 mod sim;
+mod tokens;
 
 use parse::{TraceRequest, Window};
 use scale::TokenScale;
 use sim::{Policy, SimTrace};
+
+use crate::cache_args::CacheArgs;
+use crate::generate::ModelArgs;
 
 /// Arguments of `kvstore bench trace`.
 #[derive(clap::Args)]
@@ -44,6 +54,31 @@ pub struct Args {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Write the replay's plot here (SVG: hit share per minute against the ideal and the
+    /// simulated LRU, TTFT CDF).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// Replay against a running server (`http://host:port`) instead of an engine in this
+    /// process. Its `/v1/completions` must take token-id prompts.
+    #[arg(long, value_name = "URL")]
+    url: Option<String>,
+    /// With `--url`: the server model's vocabulary size (token ids are drawn below it).
+    #[arg(long, value_name = "N", requires = "url")]
+    vocab: Option<u32>,
+    /// With `--url`: the `model` field of every request. Default: none sent.
+    #[arg(long, value_name = "ID", requires = "url")]
+    served_model: Option<String>,
+    /// With `--url`: `Authorization: Bearer KEY` (default: $KVSTORE_API_KEY).
+    #[arg(long, value_name = "KEY", requires = "url")]
+    api_key: Option<String>,
+    /// In process: most requests decoding together (as `serve --max-batch`).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// In process: the prefix cache (a fresh temporary store unless `--store` is given).
+    #[command(flatten)]
+    cache: CacheArgs,
 }
 
 /// Validated settings of a run.
@@ -59,6 +94,9 @@ impl Settings {
     fn new(args: &Args) -> Result<Settings> {
         if !(args.speed.is_finite() && args.speed > 0.0) {
             bail!("--speed must be a number above 0, not {}", args.speed);
+        }
+        if args.max_batch == 0 {
+            bail!("--max-batch must be at least 1");
         }
         if args.max_concurrency == 0 {
             bail!("--max-concurrency must be at least 1");
@@ -103,7 +141,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         return Ok(());
     }
-    bail!("only --simulate is implemented so far")
+    replay::run(&args, &s)
 }
 
 fn write_json(path: &std::path::Path, json: &serde_json::Value) -> Result<()> {
