@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 
 mod dispatch;
+#[cfg(test)]
+mod exact_tests;
 mod http;
 mod inprocess;
 mod parse;

@@ -6,7 +6,7 @@
 use std::io::BufRead;
 use std::path::Path;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use serde::Deserialize;
 
 /// Tokens per hash id in a Mooncake trace (before `--token-scale`).
@@ -41,7 +41,7 @@ pub fn parse(reader: impl BufRead) -> Result<Vec<TraceRequest>> {
                  \"output_length\": tokens, \"hash_ids\": [ids]}})"
             )
         })?;
-        check(&r).with_context(|| format!("line {n}"))?;
+        check(&r).map_err(|e| anyhow!("line {n}: {e}"))?;
         if let Some(prev) = out.last() {
             if r.timestamp < prev.timestamp {
                 bail!(
