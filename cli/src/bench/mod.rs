@@ -8,6 +8,7 @@ mod generate;
 mod mlx;
 mod remote;
 mod store;
+mod trace;
 
 /// Arguments of `kvstore bench`.
 #[derive(clap::Args)]
@@ -30,6 +31,8 @@ enum Which {
     Remote(remote::Args),
     /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
     Store(store::Args),
+    /// Replay a Mooncake-format request trace: hit share against ideal, LRU and Belady, TTFT.
+    Trace(Box<trace::Args>),
 }
 
 /// Runs the chosen benchmark.
@@ -41,5 +44,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Which::Mlx(a) => mlx::run(a),
         Which::Remote(a) => remote::run(a),
         Which::Store(a) => store::run(a),
+        Which::Trace(a) => trace::run(*a),
     }
 }

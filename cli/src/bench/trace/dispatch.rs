@@ -1,0 +1,173 @@
+//! Sending a trace's requests at their (compressed) arrival times to a [`Target`], with at
+//! most `max_concurrency` in flight: a request whose slot is not free yet waits and is sent
+//! late (its lateness is recorded; TTFT counts from the actual send, as a client sees it).
+
+use std::sync::{Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// What one request got back. Tier counts are `None` where the target does not report them
+/// (the HTTP API reports only the total).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Outcome {
+    /// Prompt tokens (as the target counted them).
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the cache.
+    pub cached_tokens: usize,
+    /// Of those, resident on the device.
+    pub cached_device_tokens: Option<usize>,
+    /// Of those, restored from host RAM.
+    pub cached_ram_tokens: Option<usize>,
+    /// Of those, restored from SSD.
+    pub cached_ssd_tokens: Option<usize>,
+    /// Of those, fetched from the remote tier.
+    pub cached_remote_tokens: Option<usize>,
+    /// Tokens generated.
+    pub completion_tokens: usize,
+    /// Seconds from sending to the first generated token.
+    pub ttft_s: Option<f64>,
+    /// Seconds from sending to the last byte of the answer.
+    pub e2e_s: Option<f64>,
+    /// Why the request failed, if it did.
+    pub error: Option<String>,
+}
+
+impl Outcome {
+    /// A failed request.
+    pub fn failed(why: impl Into<String>) -> Outcome {
+        Outcome {
+            error: Some(why.into()),
+            ..Outcome::default()
+        }
+    }
+}
+
+/// Something requests can be sent to: the engine in this process, or a server.
+pub trait Target: Sync {
+    /// Sends one prompt with `max_tokens` to generate and waits for the whole answer.
+    /// MUST NOT panic on a failed request: it returns [`Outcome::failed`].
+    fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome;
+}
+
+/// One request as sent.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sent {
+    /// Seconds after the start when the trace says to send it.
+    pub scheduled_s: f64,
+    /// Seconds after the start when it was sent.
+    pub sent_s: f64,
+    /// What came back.
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+/// Sends request `i` at `times[i]` seconds after the start (`make(i)` gives its prompt and
+/// `max_tokens`), at most `max_concurrency` at once; returns them in trace order.
+pub fn replay<T: Target>(
+    times: &[f64],
+    make: &(dyn Fn(usize) -> (Vec<u32>, usize) + Sync),
+    target: &T,
+    max_concurrency: usize,
+) -> Vec<Sent> {
+    let start = Instant::now();
+    let busy = Mutex::new(0usize);
+    let freed = Condvar::new();
+    let results: Mutex<Vec<Option<Sent>>> = Mutex::new(vec![None; times.len()]);
+    let report_every = (times.len() / 20).max(1);
+    std::thread::scope(|scope| {
+        for (i, &at) in times.iter().enumerate() {
+            let due = start + Duration::from_secs_f64(at.max(0.0));
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            {
+                let mut n = busy.lock().unwrap_or_else(PoisonError::into_inner);
+                while *n >= max_concurrency.max(1) {
+                    n = freed.wait(n).unwrap_or_else(PoisonError::into_inner);
+                }
+                *n += 1;
+            }
+            let (prompt, max_tokens) = make(i);
+            let sent_s = start.elapsed().as_secs_f64();
+            if i % report_every == 0 {
+                eprintln!(
+                    "request {}/{} at {sent_s:.1} s ({:.1} s late)",
+                    i + 1,
+                    times.len(),
+                    (sent_s - at).max(0.0)
+                );
+            }
+            let (busy, freed, results) = (&busy, &freed, &results);
+            scope.spawn(move || {
+                let outcome = target.send(prompt, max_tokens);
+                results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(Sent {
+                    scheduled_s: at,
+                    sent_s,
+                    outcome,
+                });
+                *busy.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+                freed.notify_one();
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner)
+        .into_iter()
+        .zip(times)
+        .map(|(s, &at)| {
+            s.unwrap_or_else(|| Sent {
+                scheduled_s: at,
+                sent_s: f64::NAN,
+                outcome: Outcome::failed("the sending thread ended without a result"),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts how many sends overlap; answers with the prompt's length as cached tokens.
+    struct Probe {
+        now: AtomicUsize,
+        max: AtomicUsize,
+    }
+
+    impl Target for Probe {
+        fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
+            let n = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+            self.max.fetch_max(n, Ordering::SeqCst);
+            std::thread::sleep(Duration::from_millis(5));
+            self.now.fetch_sub(1, Ordering::SeqCst);
+            Outcome {
+                prompt_tokens: prompt.len(),
+                cached_tokens: prompt.len() / 2,
+                completion_tokens: max_tokens,
+                ..Outcome::default()
+            }
+        }
+    }
+
+    #[test]
+    fn results_come_back_in_trace_order_within_the_concurrency_limit() {
+        let probe = Probe {
+            now: AtomicUsize::new(0),
+            max: AtomicUsize::new(0),
+        };
+        let times = vec![0.0; 12];
+        let make = |i: usize| (vec![7; i + 1], i + 100);
+        let out = replay(&times, &make, &probe, 3);
+        assert_eq!(out.len(), 12);
+        for (i, s) in out.iter().enumerate() {
+            assert_eq!(s.outcome.prompt_tokens, i + 1);
+            assert_eq!(s.outcome.completion_tokens, i + 100);
+            assert!(s.sent_s >= s.scheduled_s);
+        }
+        let max = probe.max.load(Ordering::SeqCst);
+        assert!((1..=3).contains(&max), "{max} in flight");
+    }
+}

@@ -1,0 +1,164 @@
+//! A small trace replayed in process on the tiny random-weight qwen3 test model gives exactly
+//! the hits the simulator predicts for an unbounded cache, once the engine's own rules are
+//! applied: at least one prompt token is always computed (a hit is at most `len - 1`), and a
+//! hit restored from the store counts whole kvstore blocks only.
+//!
+//! Trace blocks are 8 tokens (`--token-scale 1/64`), kvstore blocks 4: every trace block
+//! boundary is a kvstore block boundary, so a hit that ends at a trace block ends at a
+//! kvstore block too, and only a partial trace block (a prompt that ended inside it) or the
+//! one-token rule can end a hit inside a kvstore block. Requests go one at a time
+//! (`--max-concurrency 1`), so each finds every earlier request published; nothing is timed.
+
+use std::path::Path;
+
+use engine::{Engine, EngineConfig, PrefixCache, ReuseConfig};
+use store::StoreConfig;
+
+use super::dispatch::{self, Outcome};
+use super::inprocess::EngineTarget;
+use super::parse::TraceRequest;
+use super::scale::TokenScale;
+use super::sim::{self, SimTrace};
+use super::tokens;
+
+/// Tokens per kvstore block in these tests.
+const KV_BLOCK: usize = 4;
+/// Prompt + generated tokens of every request (each reserves the same device bytes).
+const TOTAL: usize = 40;
+
+/// Scaled prompt lengths (input_length / 64, rounded up) and the ideal hit by hand
+/// (trace blocks of 8 tokens):
+///   r0 [0 1 2]    19 tokens (8 8 3)   nothing cached                                  ->  0
+///   r1 [0 1 3 4]  29 tokens (8 8 8 5) blocks 0 1 from r0                              -> 16
+///   r2 [0 5]      11 tokens (8 3)     block 0                                         ->  8
+///   r3 [0 1 3 6]  32 tokens           blocks 0 1 3 from r1 (which held all of 3)      -> 24
+///   r4 [7 8]      16 tokens           another root                                    ->  0
+///   r5 [0 1 3 6]  32 tokens           all of r3                                       -> 32
+///   r6 [0 1 2 9]  29 tokens           blocks 0 1, then the 3 tokens of 2 r0 held      -> 19
+/// Each generates TOTAL - prompt tokens (output_length × 64).
+fn fixture() -> Vec<TraceRequest> {
+    [
+        (&[0u64, 1, 2][..], 1200usize),
+        (&[0, 1, 3, 4], 1800),
+        (&[0, 5], 700),
+        (&[0, 1, 3, 6], 2000),
+        (&[7, 8], 1000),
+        (&[0, 1, 3, 6], 2000),
+        (&[0, 1, 2, 9], 1800),
+    ]
+    .iter()
+    .map(|(ids, len)| {
+        let prompt = len.div_ceil(64);
+        TraceRequest {
+            timestamp: 0,
+            input_length: *len,
+            output_length: (TOTAL - prompt) * 64,
+            hash_ids: ids.to_vec(),
+        }
+    })
+    .collect()
+}
+
+fn scale() -> TokenScale {
+    TokenScale::new(1.0 / 64.0).unwrap()
+}
+
+/// Replays the fixture on an engine whose device KV budget is `kv_budget` bytes.
+fn replay(kv_budget: u64) -> (Vec<Outcome>, Vec<Vec<u32>>) {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
+    let (model, tok) = engine::load(&model_dir, &engine::LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(dir.path()),
+        block_size: KV_BLOCK,
+        kv_budget_bytes: kv_budget,
+        // The cost model would recompute host blocks where that is faster (it is, for this
+        // model): the test is about which blocks are found, not about that choice.
+        restore_always: true,
+        ..ReuseConfig::default()
+    };
+    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let config = EngineConfig {
+        max_batch: 1,
+        kv_budget_bytes: kv_budget,
+        max_queue: 16,
+        context_limit: None,
+    };
+    let engine = Engine::open(model, tok, Some(prefix), config).unwrap();
+    let vocab = engine
+        .info()
+        .vocab_size
+        .min(engine.tokenizer().vocab_size()) as u32;
+    let (trace, s) = (fixture(), scale());
+    let prompts: Vec<Vec<u32>> = trace.iter().map(|r| tokens::prompt(r, &s, vocab)).collect();
+    let make = |i: usize| (prompts[i].clone(), s.output_len(&trace[i]));
+    let times = vec![0.0; trace.len()];
+    let sent = dispatch::replay(&times, &make, &EngineTarget { engine: &engine }, 1);
+    engine.shutdown(false).unwrap();
+    let out = sent.into_iter().map(|x| x.outcome).collect();
+    (out, prompts)
+}
+
+fn ideal() -> (Vec<usize>, Vec<usize>) {
+    let t = SimTrace::new(&fixture(), &scale());
+    (sim::ideal(&t), t.requests.iter().map(|r| r.len).collect())
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[test]
+fn the_fixture_is_what_the_comments_say() {
+    let (ideal, lens) = ideal();
+    assert_eq!(lens, vec![19, 29, 11, 32, 16, 32, 29]);
+    assert_eq!(ideal, vec![0, 16, 8, 24, 0, 32, 19]);
+}
+
+/// Device KV for every request at once: every finished request stays resident, and the
+/// device tier matches token by token (the partial block r0 left counts for r6). A hit is
+/// the ideal, at most len - 1 (r5: 31 of its 32 tokens).
+#[test]
+fn unbounded_replay_hits_what_the_simulator_predicts() {
+    let (ideal, lens) = ideal();
+    let (out, prompts) = replay(1 << 30);
+    // What would make token-granular matching find more than whole trace blocks: two
+    // prompts whose tokens agree past the blocks they share. r6 reads on past r0's last
+    // prompt token into r0's first generated token, which differs from r6's token 19 (the
+    // hit below would be 20 otherwise).
+    for (j, b) in prompts.iter().enumerate() {
+        for a in &prompts[..j] {
+            let tokens = common_prefix(a, b);
+            let blocks = tokens / 8;
+            assert!(
+                tokens == blocks * 8 || tokens == a.len().min(b.len()),
+                "r{j}: tokens agree past a shared block ({tokens}): choose other ids"
+            );
+        }
+    }
+    for (i, o) in out.iter().enumerate() {
+        assert_eq!(o.error, None, "r{i}");
+        assert_eq!(o.prompt_tokens, lens[i], "r{i}");
+        assert_eq!(o.cached_tokens, ideal[i].min(lens[i] - 1), "r{i}: {o:?}");
+        assert_eq!(o.cached_device_tokens, Some(o.cached_tokens), "r{i}: {o:?}");
+    }
+}
+
+/// Device KV for one request only (every request reserves TOTAL tokens, the whole budget):
+/// admitting a request evicts every resident sequence, so every hit is restored from the
+/// RAM tier, in whole kvstore blocks: the ideal rounded down to a multiple of 4, at most
+/// len - 1 (r5: 28 of 32; r6: 16 of 19, since r0's block 16..20 holds a generated token).
+#[test]
+fn store_only_replay_hits_the_ideal_in_whole_kvstore_blocks() {
+    let (ideal, lens) = ideal();
+    // tiny-qwen3 keeps 1,024 bytes of f32 KV per token (2 layers × K,V × 2 heads × 32 × 4).
+    let (out, _) = replay((TOTAL * 1024) as u64);
+    for (i, o) in out.iter().enumerate() {
+        assert_eq!(o.error, None, "r{i}");
+        let want = ideal[i].min(lens[i] - 1) / KV_BLOCK * KV_BLOCK;
+        assert_eq!(o.cached_tokens, want, "r{i}: {o:?}");
+        assert_eq!(o.cached_device_tokens, Some(0), "r{i}: {o:?}");
+        assert_eq!(o.cached_ram_tokens, Some(want), "r{i}: {o:?}");
+    }
+}

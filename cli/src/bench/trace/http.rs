@@ -1,0 +1,235 @@
+//! A running `kvstore serve` (or any OpenAI-compatible server that takes token-id prompts)
+//! as a replay target: `POST /v1/completions` with the prompt as token ids, streamed (SSE)
+//! so the first token's arrival is seen, `logprobs: 0` so that every token gets its own
+//! event (the server holds back tokens whose text is not complete yet otherwise), and
+//! `stream_options.include_usage` for the cached-token count. Plain HTTP/1.1 over one
+//! connection per request (`Connection: close`), so no client library is needed.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+
+use super::dispatch::{Outcome, Target};
+
+/// Where the server is and how to talk to it.
+pub struct HttpTarget {
+    /// `host:port`.
+    authority: String,
+    /// Path before `/v1/...` (empty, or `/prefix`).
+    base: String,
+    /// The `model` field, if given.
+    model: Option<String>,
+    /// Bearer key, if the server needs one.
+    api_key: Option<String>,
+}
+
+impl HttpTarget {
+    /// A target for `url` (`http://host:port[/base]`; TLS is not supported).
+    pub fn new(url: &str, model: Option<String>, api_key: Option<String>) -> Result<HttpTarget> {
+        let Some(rest) = url.strip_prefix("http://") else {
+            bail!("--url {url:?}: only http://host:port[/path] is supported");
+        };
+        let (authority, base) = match rest.find('/') {
+            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
+            None => (rest, ""),
+        };
+        if authority.is_empty() {
+            bail!("--url {url:?} names no host");
+        }
+        Ok(HttpTarget {
+            authority: authority.to_string(),
+            base: base.to_string(),
+            model,
+            api_key,
+        })
+    }
+
+    /// Sends one request; returns the status and a reader over the (de-chunked) body.
+    fn request(&self, method: &str, path: &str, body: &[u8]) -> Result<(u16, Body)> {
+        let stream = TcpStream::connect(&self.authority)
+            .with_context(|| format!("connecting to {}", self.authority))?;
+        stream.set_read_timeout(Some(Duration::from_secs(3600)))?;
+        let mut head = format!(
+            "{method} {}{path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n",
+            self.base,
+            self.authority,
+            body.len()
+        );
+        if let Some(k) = &self.api_key {
+            head += &format!("Authorization: Bearer {k}\r\n");
+        }
+        head += "\r\n";
+        let mut w = &stream;
+        w.write_all(head.as_bytes())?;
+        w.write_all(body)?;
+        let mut r = BufReader::new(stream);
+        let mut line = String::new();
+        r.read_line(&mut line)?;
+        let status = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse::<u16>().ok())
+            .with_context(|| format!("not an HTTP status line: {line:?}"))?;
+        let mut chunked = false;
+        loop {
+            line.clear();
+            if r.read_line(&mut line)? == 0 || line.trim().is_empty() {
+                break;
+            }
+            if let Some((k, v)) = line.split_once(':') {
+                if k.trim().eq_ignore_ascii_case("transfer-encoding")
+                    && v.trim().eq_ignore_ascii_case("chunked")
+                {
+                    chunked = true;
+                }
+            }
+        }
+        Ok((
+            status,
+            Body {
+                r,
+                chunked,
+                done: false,
+            },
+        ))
+    }
+
+    /// The counters of the server's Prometheus `/metrics` whose names start with `prefix`,
+    /// by their full name with labels (`kvstore_cached_prompt_tokens_total{tier="ram"}`).
+    pub fn metrics(&self, prefix: &str) -> Result<Vec<(String, f64)>> {
+        let (status, mut body) = self.request("GET", "/metrics", b"")?;
+        let text = String::from_utf8_lossy(&body.read_all()?).into_owned();
+        if status != 200 {
+            bail!("GET /metrics: HTTP {status}: {text}");
+        }
+        Ok(text
+            .lines()
+            .filter(|l| l.starts_with(prefix))
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                Some((k.to_string(), v.parse().ok()?))
+            })
+            .collect())
+    }
+
+    fn try_send(&self, prompt: Vec<u32>, max_tokens: usize) -> Result<Outcome> {
+        let mut body = json!({
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "logprobs": 0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        if let Some(m) = &self.model {
+            body["model"] = json!(m);
+        }
+        let bytes = serde_json::to_vec(&body)?;
+        let t0 = Instant::now();
+        let (status, mut body) = self.request("POST", "/v1/completions", &bytes)?;
+        if status != 200 {
+            let text = String::from_utf8_lossy(&body.read_all()?).into_owned();
+            bail!("HTTP {status}: {}", text.trim());
+        }
+        let mut out = Outcome::default();
+        let mut pending = Vec::new();
+        let mut tokens = 0;
+        while let Some(chunk) = body.next_chunk()? {
+            pending.extend_from_slice(&chunk);
+            while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = pending.drain(..=nl).collect();
+                let line = String::from_utf8_lossy(&line);
+                let Some(data) = line.trim().strip_prefix("data:") else {
+                    continue;
+                };
+                let data = data.trim();
+                if data == "[DONE]" {
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data)
+                    .with_context(|| format!("a stream event is not JSON: {data:?}"))?;
+                if let Some(e) = v.get("error") {
+                    bail!("the server ended the stream with an error: {e}");
+                }
+                let text = v["choices"][0]["text"].as_str().unwrap_or("");
+                let has_token = v["choices"][0]["logprobs"].is_object() || !text.is_empty();
+                if has_token {
+                    tokens += 1;
+                    out.ttft_s.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                }
+                if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+                    let n = |x: &Value| x.as_u64().unwrap_or(0) as usize;
+                    out.prompt_tokens = n(&u["prompt_tokens"]);
+                    out.completion_tokens = n(&u["completion_tokens"]);
+                    out.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+                }
+            }
+        }
+        out.e2e_s = Some(t0.elapsed().as_secs_f64());
+        if out.completion_tokens == 0 {
+            out.completion_tokens = tokens;
+        }
+        Ok(out)
+    }
+}
+
+impl Target for HttpTarget {
+    fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
+        self.try_send(prompt, max_tokens)
+            .unwrap_or_else(|e| Outcome::failed(format!("{e:#}")))
+    }
+}
+
+/// A response body, de-chunked when the server chunks it, else read to the end.
+struct Body {
+    r: BufReader<TcpStream>,
+    chunked: bool,
+    done: bool,
+}
+
+impl Body {
+    /// The next piece of the body as it arrives; `None` at its end.
+    fn next_chunk(&mut self) -> Result<Option<Vec<u8>>> {
+        if self.done {
+            return Ok(None);
+        }
+        if !self.chunked {
+            let mut buf = vec![0u8; 16 << 10];
+            let n = self.r.read(&mut buf)?;
+            if n == 0 {
+                self.done = true;
+                return Ok(None);
+            }
+            buf.truncate(n);
+            return Ok(Some(buf));
+        }
+        let mut line = String::new();
+        if self.r.read_line(&mut line)? == 0 {
+            bail!("the connection closed inside a chunked body");
+        }
+        let size = line.trim().split(';').next().unwrap_or("");
+        let size = usize::from_str_radix(size, 16)
+            .with_context(|| format!("bad chunk size line {line:?}"))?;
+        if size == 0 {
+            self.done = true;
+            return Ok(None);
+        }
+        let mut buf = vec![0u8; size];
+        self.r.read_exact(&mut buf)?;
+        let mut crlf = [0u8; 2];
+        self.r.read_exact(&mut crlf)?;
+        Ok(Some(buf))
+    }
+
+    fn read_all(&mut self) -> Result<Vec<u8>> {
+        let mut all = Vec::new();
+        while let Some(c) = self.next_chunk()? {
+            all.extend(c);
+        }
+        Ok(all)
+    }
+}

@@ -1,0 +1,57 @@
+//! The engine in this process as a replay target: the same `Engine` (continuous batching,
+//! prefix reuse over the device pool, RAM, SSD and remote tiers) that `kvstore serve` runs,
+//! without HTTP. Every request generates exactly its `max_tokens` (EOS does not stop it), so
+//! the load matches the trace's output lengths.
+
+use std::time::Instant;
+
+use engine::{Engine, Event, GenerateParams, Request};
+
+use super::dispatch::{Outcome, Target};
+
+/// Sends requests to an engine.
+pub struct EngineTarget<'a> {
+    /// The engine requests go to.
+    pub engine: &'a Engine,
+}
+
+impl Target for EngineTarget<'_> {
+    fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
+        let t0 = Instant::now();
+        let params = GenerateParams {
+            max_tokens,
+            stop_at_eos: false,
+            ..GenerateParams::default()
+        };
+        let mut handle = match self.engine.submit(Request::new(prompt, params)) {
+            Ok(h) => h,
+            Err(e) => return Outcome::failed(format!("refused: {e}")),
+        };
+        let mut ttft_s = None;
+        while let Some(event) = handle.recv_blocking() {
+            match event {
+                Event::Token { .. } => {
+                    ttft_s.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                }
+                Event::Finished(c) => {
+                    let r = &c.reuse;
+                    return Outcome {
+                        prompt_tokens: c.prompt_tokens,
+                        cached_tokens: c.cached_tokens,
+                        cached_device_tokens: Some(r.cached_device_tokens),
+                        cached_ram_tokens: Some(r.cached_ram_tokens),
+                        cached_ssd_tokens: Some(r.cached_ssd_tokens),
+                        cached_remote_tokens: Some(r.cached_remote_tokens),
+                        completion_tokens: c.completion_tokens,
+                        ttft_s,
+                        e2e_s: Some(t0.elapsed().as_secs_f64()),
+                        error: None,
+                    };
+                }
+                Event::Failed(e) => return Outcome::failed(e.to_string()),
+                _ => {}
+            }
+        }
+        Outcome::failed("the engine closed the request's stream without an end")
+    }
+}

@@ -1,0 +1,229 @@
+//! `kvstore bench trace FILE`: replays a Mooncake-format request trace (docs/benchmarks.md,
+//! "Trace replay"). Flags are read in two stages: [`Args`] as clap gives them, then
+//! [`Settings`], validated.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+
+mod dispatch;
+#[cfg(test)]
+mod exact_tests;
+mod http;
+mod inprocess;
+mod parse;
+mod plot;
+mod replay;
+mod report;
+mod scale;
+mod sim;
+mod tokens;
+
+use parse::{TraceRequest, Window};
+use scale::TokenScale;
+use sim::{Policy, SimTrace};
+
+use crate::cache_args::CacheArgs;
+use crate::generate::ModelArgs;
+
+/// Arguments of `kvstore bench trace`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The trace: JSON lines with `timestamp` (ms), `input_length`, `output_length` and
+    /// `hash_ids` (one id per 512-token block), as published by Mooncake.
+    file: PathBuf,
+    /// Take only the requests arriving in `[START, END)` seconds of trace time
+    /// (`0..600`, `..300`, `900..`). Default: the whole trace.
+    #[arg(long, value_name = "START..END", value_parser = Window::parse)]
+    window: Option<Window>,
+    /// Time compression: a request at trace second t is sent at t / X after the start.
+    #[arg(long, value_name = "X", default_value_t = 1.0)]
+    speed: f64,
+    /// Most requests in flight at once; later ones wait for a slot (and are sent late).
+    #[arg(long, value_name = "N", default_value_t = 16)]
+    max_concurrency: usize,
+    /// Multiplies every length and the 512-token block by F (512 × F must be whole).
+    #[arg(long, value_name = "F", default_value_t = 1.0)]
+    token_scale: f64,
+    /// Run no model: print the hit share of prompt tokens an unbounded cache (ideal), and
+    /// caches of each `--budget-tokens` under every eviction policy, would get.
+    #[arg(long)]
+    simulate: bool,
+    /// A cache size in (scaled) tokens for the simulated policies; repeatable. It holds
+    /// N / block whole blocks.
+    #[arg(long = "budget-tokens", value_name = "N")]
+    budget_tokens: Vec<u64>,
+    /// Also write the results as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Write the replay's plot here (SVG: hit share per minute against the ideal and the
+    /// simulated LRU, TTFT CDF).
+    #[arg(long, value_name = "FILE")]
+    svg: Option<PathBuf>,
+    /// Replay against a running server (`http://host:port`) instead of an engine in this
+    /// process. Its `/v1/completions` must take token-id prompts.
+    #[arg(long, value_name = "URL")]
+    url: Option<String>,
+    /// With `--url`: the server model's vocabulary size (token ids are drawn below it).
+    #[arg(long, value_name = "N", requires = "url")]
+    vocab: Option<u32>,
+    /// With `--url`: the `model` field of every request. Default: none sent.
+    #[arg(long, value_name = "ID", requires = "url")]
+    served_model: Option<String>,
+    /// With `--url`: `Authorization: Bearer KEY` (default: $KVSTORE_API_KEY).
+    #[arg(long, value_name = "KEY", requires = "url")]
+    api_key: Option<String>,
+    /// In process: most requests decoding together (as `serve --max-batch`).
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    #[command(flatten)]
+    model: ModelArgs,
+    /// In process: the prefix cache (a fresh temporary store unless `--store` is given).
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+/// Validated settings of a run.
+struct Settings {
+    requests: Vec<TraceRequest>,
+    window: Window,
+    speed: f64,
+    max_concurrency: usize,
+    scale: TokenScale,
+}
+
+impl Settings {
+    fn new(args: &Args) -> Result<Settings> {
+        if !(args.speed.is_finite() && args.speed > 0.0) {
+            bail!("--speed must be a number above 0, not {}", args.speed);
+        }
+        if args.max_batch == 0 {
+            bail!("--max-batch must be at least 1");
+        }
+        if args.max_concurrency == 0 {
+            bail!("--max-concurrency must be at least 1");
+        }
+        let scale = TokenScale::new(args.token_scale)?;
+        let window = args.window.unwrap_or(Window {
+            start_s: 0.0,
+            end_s: f64::INFINITY,
+        });
+        let requests = window.select(&parse::read(&args.file)?);
+        if requests.is_empty() {
+            bail!(
+                "no request of {} arrives in the window {}..{} s",
+                args.file.display(),
+                window.start_s,
+                window.end_s
+            );
+        }
+        Ok(Settings {
+            requests,
+            window,
+            speed: args.speed,
+            max_concurrency: args.max_concurrency,
+            scale,
+        })
+    }
+
+    /// Seconds from the window's start to request `r`'s send time (after `--speed`).
+    fn send_at_s(&self, r: &TraceRequest) -> f64 {
+        (r.timestamp as f64 / 1000.0 - self.window.start_s).max(0.0) / self.speed
+    }
+}
+
+/// Runs the trace benchmark.
+pub fn run(args: Args) -> Result<()> {
+    let s = Settings::new(&args)?;
+    summary(&s);
+    if args.simulate {
+        let json = simulate(&s, &args.budget_tokens)?;
+        if let Some(path) = &args.json {
+            write_json(path, &json)?;
+        }
+        return Ok(());
+    }
+    replay::run(&args, &s)
+}
+
+fn write_json(path: &std::path::Path, json: &serde_json::Value) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(json)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+/// `--simulate`: the ideal and every policy at every budget, as a table and as JSON.
+fn simulate(s: &Settings, budgets: &[u64]) -> Result<serde_json::Value> {
+    if budgets.is_empty() {
+        bail!("--simulate needs at least one --budget-tokens N");
+    }
+    let t = SimTrace::new(&s.requests, &s.scale);
+    let total = t.prompt_tokens() as f64;
+    let share = |hits: &[usize]| hits.iter().sum::<usize>() as f64 / total;
+    let ideal = share(&sim::ideal(&t));
+    println!(
+        "ideal (unbounded cache): {:.2} % of {} prompt tokens",
+        100.0 * ideal,
+        t.prompt_tokens()
+    );
+    println!(
+        "{:>14} {:>9} {}   (% of prompt tokens hit; in brackets: share of the ideal)",
+        "budget tokens",
+        "blocks",
+        Policy::ALL
+            .iter()
+            .map(|p| format!("{:>17}", p.name()))
+            .collect::<String>()
+    );
+    let mut rows = Vec::new();
+    for &b in budgets {
+        let blocks = usize::try_from(b / t.block as u64).unwrap_or(usize::MAX);
+        let mut row = serde_json::Map::new();
+        row.insert("budget_tokens".into(), b.into());
+        row.insert("blocks".into(), blocks.into());
+        let mut cells = String::new();
+        for p in Policy::ALL {
+            let h = share(&sim::simulate(&t, p, blocks));
+            row.insert(p.name().into(), h.into());
+            cells += &format!(
+                "{:>9.2} ({:>5.3})",
+                100.0 * h,
+                if ideal > 0.0 { h / ideal } else { 0.0 }
+            );
+        }
+        println!("{b:>14} {blocks:>9} {cells}");
+        rows.push(serde_json::Value::Object(row));
+    }
+    Ok(serde_json::json!({
+        "schema": "kvstore.bench.trace.simulate.v1",
+        "command": std::env::args().collect::<Vec<_>>().join(" "),
+        "requests": t.requests.len(),
+        "prompt_tokens": t.prompt_tokens(),
+        "block_tokens": t.block,
+        "ideal": ideal,
+        "budgets": rows,
+    }))
+}
+
+/// One line on what the window holds.
+fn summary(s: &Settings) {
+    let prompt: usize = s.requests.iter().map(|r| s.scale.prompt_len(r)).sum();
+    let output: usize = s.requests.iter().map(|r| s.scale.output_len(r)).sum();
+    let last = s.requests.last().map_or(0.0, |r| s.send_at_s(r));
+    println!(
+        "{} requests over {:.1} s (after --speed {}), {} prompt and {} completion tokens, \
+         trace blocks of {} tokens (--token-scale {}), at most {} in flight",
+        s.requests.len(),
+        last,
+        s.speed,
+        prompt,
+        output,
+        s.scale.block(),
+        s.scale.factor(),
+        s.max_concurrency
+    );
+}

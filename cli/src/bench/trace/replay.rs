@@ -1,0 +1,356 @@
+//! A replay run: sets up the target (the engine in this process, or a server at `--url`),
+//! sends the window's requests at their times, then reports overall and per minute beside
+//! the ideal and the simulated LRU of the same requests, as text, JSON and SVG.
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use engine::{Engine, EngineConfig};
+use serde_json::json;
+
+use super::dispatch::{self, Sent};
+use super::http::HttpTarget;
+use super::inprocess::EngineTarget;
+use super::plot::{self, Series};
+use super::report::{self, pct, Row, Summary};
+use super::sim::{self, Policy, SimTrace};
+use super::{tokens, Args, Settings};
+
+/// A block id no Mooncake trace uses (ids count up from 0): the warm-up prompt's tokens.
+const WARMUP_ID: u64 = u64::MAX;
+
+/// What the target side of a run gave back.
+struct Ran {
+    /// Describes the target for the report.
+    target: serde_json::Value,
+    sent: Vec<Sent>,
+    wall_s: f64,
+    /// The comparison budget of the simulated LRU, in (scaled) tokens.
+    lru_budget: Option<u64>,
+    /// Store or server counters before and after, for evictions and bytes moved.
+    counters: serde_json::Value,
+    /// Shares by tier over the whole run where only the server's counters know them.
+    tier_note: Option<String>,
+}
+
+/// Runs the replay and writes its report.
+pub fn run(args: &Args, s: &Settings) -> Result<()> {
+    let times: Vec<f64> = s.requests.iter().map(|r| s.send_at_s(r)).collect();
+    let mut ran = match &args.url {
+        Some(url) => http(args, s, url, &times)?,
+        None => in_process(args, s, &times)?,
+    };
+    let t = SimTrace::new(&s.requests, &s.scale);
+    let ideal = sim::ideal(&t);
+    let lru = ran
+        .lru_budget
+        .map(|b| sim::simulate(&t, Policy::Lru, (b / t.block as u64) as usize));
+    let rows: Vec<Row> = std::mem::take(&mut ran.sent)
+        .into_iter()
+        .enumerate()
+        .map(|(i, sent)| Row {
+            index: i,
+            timestamp_ms: s.requests[i].timestamp,
+            prompt_len: t.requests[i].len,
+            ideal_tokens: ideal[i],
+            lru_tokens: lru.as_ref().map(|l| l[i]),
+            sent,
+        })
+        .collect();
+    let start_ms = (s.window.start_s * 1000.0) as u64;
+    let overall = report::summarize(&rows.iter().collect::<Vec<_>>());
+    let minutes = report::per_minute(&rows, start_ms);
+    print(&overall, &minutes, &ran, s);
+    for r in rows
+        .iter()
+        .filter(|r| r.sent.outcome.error.is_some())
+        .take(3)
+    {
+        eprintln!(
+            "request {} failed: {}",
+            r.index,
+            r.sent.outcome.error.as_deref().unwrap_or("")
+        );
+    }
+    let throughput = json!({
+        "requests_per_s": overall.requests as f64 / ran.wall_s,
+        "prompt_tokens_per_s": overall.prompt_tokens as f64 / ran.wall_s,
+        "completion_tokens_per_s": overall.completion_tokens as f64 / ran.wall_s,
+    });
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "schema": "kvstore.bench.trace.replay.v1",
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "trace": args.file.display().to_string(),
+            "window_s": [s.window.start_s, s.window.end_s],
+            "speed": s.speed,
+            "token_scale": s.scale.factor(),
+            "block_tokens": s.scale.block(),
+            "max_concurrency": s.max_concurrency,
+            "target": ran.target,
+            "lru_budget_tokens": ran.lru_budget,
+            "wall_s": ran.wall_s,
+            "throughput": throughput,
+            "overall": overall,
+            "per_minute": minutes,
+            "counters": ran.counters,
+            "requests": rows,
+        });
+        super::write_json(path, &doc)?;
+    }
+    if let Some(path) = &args.svg {
+        let per = |f: &dyn Fn(&Summary) -> Option<f64>| -> Vec<Option<f64>> {
+            minutes
+                .iter()
+                .map(|m| if m.requests > m.failed { f(m) } else { None })
+                .collect()
+        };
+        let mut series = vec![
+            Series {
+                name: "measured".into(),
+                per_minute: per(&|m| Some(m.hit_share)),
+            },
+            Series {
+                name: "ideal (unbounded)".into(),
+                per_minute: per(&|m| Some(m.ideal_share)),
+            },
+        ];
+        if let Some(b) = ran.lru_budget {
+            series.push(Series {
+                name: format!("LRU, {b} tokens (simulated)"),
+                per_minute: per(&|m| m.lru_share),
+            });
+        }
+        let ttft: Vec<f64> = rows.iter().filter_map(|r| r.sent.outcome.ttft_s).collect();
+        let name = ran.target["name"].as_str().unwrap_or("run").to_string();
+        let svg = plot::svg(
+            &format!("kvstore bench trace: {}", args.file.display()),
+            &series,
+            &[(name, ttft)],
+        );
+        std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
+    println!("target: {}", ran.target);
+    println!(
+        "{:>6} {:>5} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
+        "minute",
+        "reqs",
+        "failed",
+        "hit",
+        "device",
+        "ram",
+        "ssd",
+        "ideal",
+        "lru",
+        "ttft p50",
+        "ttft p99",
+        "e2e p50"
+    );
+    let line = |label: String, m: &Summary| {
+        println!(
+            "{label:>6} {:>5} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8.3}s {:>8.3}s {:>8.3}s",
+            m.requests,
+            m.failed,
+            pct(Some(m.hit_share)),
+            pct(m.tiers.device),
+            pct(m.tiers.ram),
+            pct(m.tiers.ssd),
+            pct(Some(m.ideal_share)),
+            pct(m.lru_share),
+            m.ttft_s.p50,
+            m.ttft_s.p99,
+            m.e2e_s.p50
+        );
+    };
+    for (i, m) in minutes.iter().enumerate() {
+        if m.requests > 0 {
+            line(i.to_string(), m);
+        }
+    }
+    line("all".into(), overall);
+    println!(
+        "hit share {} of prompt tokens = {:.3} of the ideal {}{}; TTFT p50/p90/p99 \
+         {:.3}/{:.3}/{:.3} s; e2e p50/p90/p99 {:.3}/{:.3}/{:.3} s; sent late p50/p99 \
+         {:.2}/{:.2} s",
+        pct(Some(overall.hit_share)),
+        overall.of_ideal,
+        pct(Some(overall.ideal_share)),
+        match (ran.lru_budget, overall.lru_share) {
+            (Some(b), Some(l)) => format!(", LRU of {b} tokens {}", pct(Some(l))),
+            _ => String::new(),
+        },
+        overall.ttft_s.p50,
+        overall.ttft_s.p90,
+        overall.ttft_s.p99,
+        overall.e2e_s.p50,
+        overall.e2e_s.p90,
+        overall.e2e_s.p99,
+        overall.late_s.p50,
+        overall.late_s.p99
+    );
+    if let Some(note) = &ran.tier_note {
+        println!("{note}");
+    }
+    println!(
+        "{} requests in {:.1} s: {:.2} req/s, {:.0} prompt tok/s, {:.1} completion tok/s \
+         (trace time compressed {}x)",
+        overall.requests,
+        ran.wall_s,
+        overall.requests as f64 / ran.wall_s,
+        overall.prompt_tokens as f64 / ran.wall_s,
+        overall.completion_tokens as f64 / ran.wall_s,
+        s.speed
+    );
+}
+
+/// The engine in this process, built as `kvstore serve` builds it.
+fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
+    let (model, tokenizer) = args.model.load()?;
+    let scratch = tempfile::tempdir().context("creating a scratch store directory")?;
+    let mut cache = args.cache.clone();
+    if cache.store.is_none() {
+        cache.store = Some(scratch.path().to_path_buf());
+    }
+    let prefix = cache.open(&model, &tokenizer)?;
+    let info = model.info().clone();
+    let kv_format = cache.reuse_config(info.kv.head_dim)?.kv_format;
+    let bytes_per_token = (info.kv.layers
+        * 2
+        * info.kv.kv_heads
+        * kv_format.bytes_per_head_token(info.kv.head_dim, info.kv.dtype.size()))
+        as u64;
+    let kv_budget = cache.kv_budget_bytes()?;
+    let size = |s: &str, flag: &str| crate::cache_args::parse_size(s).context(flag.to_string());
+    let lru_budget = match (args.budget_tokens.first(), cache.no_cache) {
+        (Some(&b), _) => Some(b),
+        (None, true) => None,
+        // Every tier's bytes as distinct tokens: an upper bound of what the tiers hold
+        // (a block spilled to SSD may still be in RAM or on the device).
+        (None, false) => Some(
+            (kv_budget
+                + size(&cache.ram_budget, "--ram-budget")?
+                + size(&cache.ssd_budget, "--ssd-budget")?)
+                / bytes_per_token.max(1),
+        ),
+    };
+    let engine = Engine::open(
+        model,
+        tokenizer,
+        prefix,
+        EngineConfig {
+            max_batch: args.max_batch,
+            kv_budget_bytes: kv_budget,
+            max_queue: s.max_concurrency.max(256),
+            context_limit: None,
+        },
+    )?;
+    let vocab = engine
+        .info()
+        .vocab_size
+        .min(engine.tokenizer().vocab_size()) as u32;
+    let target = EngineTarget { engine: &engine };
+    // Kernels compiled and weights paged in before the clock starts; the warm-up prompt
+    // shares no block with the trace.
+    let warm = tokens::block_tokens(WARMUP_ID, s.scale.block().min(64), vocab);
+    if let Some(e) = dispatch::Target::send(&target, warm, 2).error {
+        bail!("the warm-up request failed: {e}");
+    }
+    let before = engine.cache_stats();
+    let make = |i: usize| {
+        let r = &s.requests[i];
+        (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
+    };
+    let t0 = Instant::now();
+    let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
+    let wall_s = t0.elapsed().as_secs_f64();
+    let after = engine.cache_stats();
+    engine.shutdown(false).context("shutting the engine down")?;
+    Ok(Ran {
+        target: json!({
+            "name": if cache.no_cache { "in process, no cache" } else { "in process" },
+            "model": args.model.path()?.display().to_string(),
+            "vocab": vocab,
+            "block_size": cache.block_size,
+            "kv_budget": cache.kv_budget,
+            "ram_budget": cache.ram_budget,
+            "ssd_budget": cache.ssd_budget,
+            "restore": format!("{:?}", cache.restore).to_lowercase(),
+            "no_cache": cache.no_cache,
+            "max_batch": args.max_batch,
+            "kv_bytes_per_token": bytes_per_token,
+        }),
+        sent,
+        wall_s,
+        lru_budget,
+        counters: json!({"store_before": before, "store_after": after}),
+        tier_note: None,
+    })
+}
+
+/// Counters of a server's `/metrics` that a replay reports the change of.
+const METRICS: &str = "kvstore_";
+
+/// A running server.
+fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
+    let Some(vocab) = args.vocab else {
+        bail!("--url needs --vocab N: the token ids sent must be below the server's vocabulary");
+    };
+    if vocab == 0 {
+        bail!("--vocab must be at least 1");
+    }
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("KVSTORE_API_KEY").ok());
+    let target = HttpTarget::new(url, args.served_model.clone(), api_key)?;
+    // Not every server has kvstore's counters; the replay goes on without them.
+    let before = target.metrics(METRICS).unwrap_or_default();
+    let make = |i: usize| {
+        let r = &s.requests[i];
+        (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
+    };
+    let t0 = Instant::now();
+    let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
+    let wall_s = t0.elapsed().as_secs_f64();
+    let after = target.metrics(METRICS).unwrap_or_default();
+    let delta: serde_json::Map<String, serde_json::Value> = after
+        .iter()
+        .map(|(k, v)| {
+            let b = before.iter().find(|(bk, _)| bk == k).map_or(0.0, |x| x.1);
+            (k.clone(), json!(v - b))
+        })
+        .collect();
+    let prompt: f64 = sent
+        .iter()
+        .filter(|x| x.outcome.error.is_none())
+        .map(|x| x.outcome.prompt_tokens as f64)
+        .sum();
+    let tiers: Vec<String> = ["device", "ram", "ssd", "remote"]
+        .iter()
+        .filter_map(|t| {
+            let k = format!("kvstore_cached_prompt_tokens_total{{tier=\"{t}\"}}");
+            delta
+                .get(&k)
+                .and_then(|v| v.as_f64())
+                .map(|v| format!("{t} {}", pct(Some(v / prompt.max(1.0)))))
+        })
+        .collect();
+    Ok(Ran {
+        target: json!({"name": url, "url": url, "vocab": vocab, "model": args.served_model}),
+        sent,
+        wall_s,
+        lru_budget: args.budget_tokens.first().copied(),
+        counters: json!({"server_metrics_delta": delta}),
+        tier_note: (!tiers.is_empty()).then(|| {
+            format!(
+                "by tier, from the server's counters over the run: {}",
+                tiers.join(", ")
+            )
+        }),
+    })
+}

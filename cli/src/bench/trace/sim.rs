@@ -1,0 +1,318 @@
+//! Cache simulations over a trace's blocks, with prefix semantics: a request's hit is the
+//! longest prefix of its blocks all present in the cache, counted in (scaled) tokens.
+//!
+//! Blocks are named by their chain (the block's id after its parent's chain), as kvstore
+//! names its own blocks, so equal ids at different positions never alias. A block remembers
+//! how many of its tokens it holds: a request whose prompt ends inside a block caches only
+//! that part, and a later request sharing the block hits only that part (and no further).
+//! After a request, every one of its blocks is in the cache (admitted or refreshed), as a
+//! prefill publishes all of them; a capacity of `C` blocks holds `C` of them whatever their
+//! fill. The ideal is a cache without a capacity.
+
+use std::collections::{BTreeSet, HashMap};
+
+use serde::Serialize;
+
+use super::parse::TraceRequest;
+use super::scale::TokenScale;
+
+/// A request as the simulator sees it: its blocks' chain ids and its (scaled) length.
+#[derive(Debug, Clone)]
+pub struct SimRequest {
+    /// Chain id of each block, first block first.
+    pub chain: Vec<u32>,
+    /// Prompt tokens.
+    pub len: usize,
+}
+
+/// The requests with their blocks named by chain; `block` tokens per block.
+#[derive(Debug, Clone)]
+pub struct SimTrace {
+    /// Requests in arrival order.
+    pub requests: Vec<SimRequest>,
+    /// Tokens per block.
+    pub block: usize,
+}
+
+impl SimTrace {
+    /// Names every block of `requests` by its chain (parent chain, hash id).
+    pub fn new(requests: &[TraceRequest], scale: &TokenScale) -> SimTrace {
+        let mut ids: HashMap<(u32, u64), u32> = HashMap::new();
+        let requests = requests
+            .iter()
+            .map(|r| {
+                let mut parent = u32::MAX;
+                let chain = r
+                    .hash_ids
+                    .iter()
+                    .map(|&h| {
+                        let next = ids.len() as u32;
+                        parent = *ids.entry((parent, h)).or_insert(next);
+                        parent
+                    })
+                    .collect();
+                SimRequest {
+                    chain,
+                    len: scale.prompt_len(r),
+                }
+            })
+            .collect();
+        SimTrace {
+            requests,
+            block: scale.block(),
+        }
+    }
+
+    /// Prompt tokens of every request together.
+    pub fn prompt_tokens(&self) -> usize {
+        self.requests.iter().map(|r| r.len).sum()
+    }
+
+    /// Tokens of request `r` inside its block `i`.
+    fn tokens_in(&self, r: &SimRequest, i: usize) -> usize {
+        self.block.min(r.len - i * self.block)
+    }
+
+    /// For each request and block: the index of the next request holding that block
+    /// (`u64::MAX`: none). What Belady's rule looks ahead at.
+    fn next_uses(&self) -> Vec<Vec<u64>> {
+        let mut next: HashMap<u32, u64> = HashMap::new();
+        let mut out = vec![Vec::new(); self.requests.len()];
+        for (j, r) in self.requests.iter().enumerate().rev() {
+            out[j] = r
+                .chain
+                .iter()
+                .map(|c| next.insert(*c, j as u64).unwrap_or(u64::MAX))
+                .collect();
+        }
+        out
+    }
+}
+
+/// Which block leaves a full cache.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Least recently used, blocks touched in prompt order: a request's first block is its
+    /// least recent, as in a store tier that publishes blocks in order.
+    Lru,
+    /// Least recently used, touched leaf first: a request's last block is its least recent
+    /// (vLLM's free queue order, SGLang's leaf eviction), so a cached set stays
+    /// prefix-closed.
+    LruLeaf,
+    /// Least frequently used while cached (ties: leaf-first recency).
+    Lfu,
+    /// Belady's rule, offline: evict the block whose next use is furthest away, and admit
+    /// no block used later than every cached one. A block is never used before its parent,
+    /// and ties go leaf first, so the cached set stays prefix-closed and prefix hits equal
+    /// block hits: the optimum for block hits at this capacity (up to partial blocks
+    /// counting fewer tokens), the ceiling for the other policies.
+    Belady,
+}
+
+impl Policy {
+    /// Every policy, in report order.
+    pub const ALL: [Policy; 4] = [Policy::Lru, Policy::LruLeaf, Policy::Lfu, Policy::Belady];
+
+    /// The name used in reports and on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Lru => "lru",
+            Policy::LruLeaf => "lru-leaf",
+            Policy::Lfu => "lfu",
+            Policy::Belady => "belady",
+        }
+    }
+}
+
+/// Eviction order: the smallest key leaves first.
+type Prio = (u64, u64);
+
+struct Slot {
+    fill: usize,
+    prio: Prio,
+    count: u64,
+}
+
+/// Hit tokens of every request with an unbounded cache.
+pub fn ideal(t: &SimTrace) -> Vec<usize> {
+    simulate(t, Policy::Lru, usize::MAX)
+}
+
+/// Hit tokens of every request with a cache of `capacity` blocks under `policy`.
+pub fn simulate(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
+    let next = match policy {
+        Policy::Belady => t.next_uses(),
+        _ => Vec::new(),
+    };
+    let mut slots: HashMap<u32, Slot> = HashMap::new();
+    let mut order: BTreeSet<(Prio, u32)> = BTreeSet::new();
+    let mut clock = 0u64;
+    let mut hits = Vec::with_capacity(t.requests.len());
+    for (j, r) in t.requests.iter().enumerate() {
+        // 1. The hit: the longest run of present blocks, each held as far as the request
+        //    reads it; a block held only in part ends the run.
+        let mut hit = 0;
+        for (i, c) in r.chain.iter().enumerate() {
+            let want = t.tokens_in(r, i);
+            let got = slots.get(c).map_or(0, |s| s.fill.min(want));
+            hit += got;
+            if got < want {
+                break;
+            }
+        }
+        hits.push(hit);
+        // 2. Every block of the request is refreshed or admitted.
+        let n = r.chain.len() as u64;
+        for (i, &c) in r.chain.iter().enumerate() {
+            let root_first = clock + i as u64;
+            let leaf_first = clock + (n - 1 - i as u64);
+            let count = slots.get(&c).map_or(1, |s| s.count + 1);
+            let prio = match policy {
+                Policy::Lru => (root_first, 0),
+                Policy::LruLeaf => (leaf_first, 0),
+                Policy::Lfu => (count, leaf_first),
+                Policy::Belady => (u64::MAX - next[j][i], leaf_first),
+            };
+            let fill = t.tokens_in(r, i);
+            if let Some(s) = slots.get_mut(&c) {
+                order.remove(&(s.prio, c));
+                s.fill = s.fill.max(fill);
+                s.prio = prio;
+                s.count = count;
+                order.insert((prio, c));
+                continue;
+            }
+            if capacity == 0 {
+                continue;
+            }
+            if slots.len() >= capacity {
+                let Some(&(victim_prio, victim)) = order.first() else {
+                    continue;
+                };
+                if policy == Policy::Belady && prio <= victim_prio {
+                    continue;
+                }
+                order.remove(&(victim_prio, victim));
+                slots.remove(&victim);
+            }
+            slots.insert(c, Slot { fill, prio, count });
+            order.insert((prio, c));
+        }
+        clock += n;
+    }
+    hits
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request of `tokens` scaled tokens (the trace length is tokens × 1/F).
+    fn req(ids: &[u64], tokens: usize, scale: &TokenScale) -> TraceRequest {
+        TraceRequest {
+            timestamp: 0,
+            input_length: (tokens as f64 / scale.factor()).round() as usize,
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    fn trace(reqs: &[(&[u64], usize)], factor: f64) -> SimTrace {
+        let s = TokenScale::new(factor).unwrap();
+        let r: Vec<TraceRequest> = reqs.iter().map(|(i, n)| req(i, *n, &s)).collect();
+        let t = SimTrace::new(&r, &s);
+        for (a, b) in t.requests.iter().zip(reqs) {
+            assert_eq!(a.len, b.1);
+        }
+        t
+    }
+
+    /// Blocks of 2 tokens; ids A=1, B=2, C=3, D=4.
+    ///   r0 [A B]   4 tokens: nothing cached                          -> 0
+    ///   r1 [A C]   3 tokens: A (2); C is new                         -> 2 (C cached with 1 token)
+    ///   r2 [A B D] 6 tokens: A, B (4); D is new                      -> 4
+    ///   r3 [A C]   4 tokens: A (2), then C holds 1 of the 2 wanted   -> 3
+    ///   r4 [C]     2 tokens: a C at the root is another chain        -> 0
+    /// Ideal: 9 of 19 prompt tokens.
+    #[test]
+    fn ideal_counts_prefixes_and_partial_blocks() {
+        let t = trace(
+            &[
+                (&[1, 2], 4),
+                (&[1, 3], 3),
+                (&[1, 2, 4], 6),
+                (&[1, 3], 4),
+                (&[3], 2),
+            ],
+            1.0 / 256.0,
+        );
+        assert_eq!(t.block, 2);
+        assert_eq!(ideal(&t), vec![0, 2, 4, 3, 0]);
+        assert_eq!(t.prompt_tokens(), 19);
+        // With room for every block, every policy is the ideal.
+        for p in Policy::ALL {
+            assert_eq!(simulate(&t, p, 100), ideal(&t), "{p:?}");
+        }
+        // No room at all: no hits.
+        for p in Policy::ALL {
+            assert_eq!(simulate(&t, p, 0), vec![0; 5], "{p:?}");
+        }
+    }
+
+    /// Blocks of 1 token, capacity 2 blocks; A=1, B=2 (a two-block conversation), X=3.
+    ///   requests: [A B], [X], [A B], [X], [A B]           ideal: 0, 0, 2, 1, 2 = 5 of 7
+    /// lru (root first): r0 caches A(t0) B(t1); r1 X evicts A (oldest); r2 misses A, so
+    ///   nothing; re-admitting A evicts B, B evicts X; r3 misses X (evicts A); r4 misses A.
+    ///   = 0 of 7: the first block leaves first and every later block is useless.
+    /// lru-leaf: r0 caches B(t0) A(t1); X(t2) evicts B; r2 hits A only (1), B evicts X;
+    ///   r3 misses X (evicts B: A was refreshed at r2); r4 hits A (1) = 2 of 7.
+    /// lfu: the same as lru-leaf here (every count is 1 or 2 and A's is highest) = 2 of 7.
+    /// belady: r1's X is next used at r3, after A and B (r2): not admitted; r2 hits A B (2);
+    ///   r3's X is never used again: not admitted; r4 hits A B (2) = 4 of 7.
+    #[test]
+    fn lru_leaf_lfu_belady_by_hand() {
+        let t = trace(
+            &[
+                (&[1, 2], 2),
+                (&[3], 1),
+                (&[1, 2], 2),
+                (&[3], 1),
+                (&[1, 2], 2),
+            ],
+            1.0 / 512.0,
+        );
+        assert_eq!(ideal(&t), vec![0, 0, 2, 1, 2]);
+        assert_eq!(simulate(&t, Policy::Lru, 2), vec![0, 0, 0, 0, 0]);
+        assert_eq!(simulate(&t, Policy::LruLeaf, 2), vec![0, 0, 1, 0, 1]);
+        assert_eq!(simulate(&t, Policy::Lfu, 2), vec![0, 0, 1, 0, 1]);
+        assert_eq!(simulate(&t, Policy::Belady, 2), vec![0, 0, 2, 0, 2]);
+    }
+
+    /// Blocks of 1 token, capacity 2; requests [A], [A], [B], [C], [A].
+    ///   lru: A is hit at r1; B and C fill the cache, C evicts A (older than B); r4 misses
+    ///   = 1 of 5.
+    ///   lfu: A has count 2, B count 1: C evicts B; r4 hits A = 2 of 5 (= belady = ideal).
+    #[test]
+    fn lfu_keeps_the_popular_block_that_lru_drops() {
+        let t = trace(
+            &[(&[1], 1), (&[1], 1), (&[2], 1), (&[3], 1), (&[1], 1)],
+            1.0 / 512.0,
+        );
+        assert_eq!(ideal(&t), vec![0, 1, 0, 0, 1]);
+        assert_eq!(simulate(&t, Policy::Lru, 2), vec![0, 1, 0, 0, 0]);
+        assert_eq!(simulate(&t, Policy::LruLeaf, 2), vec![0, 1, 0, 0, 0]);
+        assert_eq!(simulate(&t, Policy::Lfu, 2), vec![0, 1, 0, 0, 1]);
+        assert_eq!(simulate(&t, Policy::Belady, 2), vec![0, 1, 0, 0, 1]);
+    }
+
+    /// The same id under different parents is a different block.
+    #[test]
+    fn chains_do_not_alias_equal_ids() {
+        let t = trace(&[(&[1, 2], 2), (&[2], 1), (&[5, 2], 2)], 1.0 / 512.0);
+        assert_eq!(t.requests[0].chain[1], 1);
+        assert_ne!(t.requests[0].chain[1], t.requests[1].chain[0]);
+        assert_ne!(t.requests[0].chain[1], t.requests[2].chain[1]);
+        assert_eq!(ideal(&t), vec![0, 0, 0]);
+    }
+}
