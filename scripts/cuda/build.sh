@@ -31,5 +31,8 @@ fi
 cd "$SRC"
 export CARGO_TARGET_DIR=$ROOT/target/cuda MLX_DIR=/opt/kvmlx/mlx CARGO_PROFILE_RELEASE_DEBUG=0
 export RUSTFLAGS="-C link-arg=-Wl,--allow-shlib-undefined"
+# NOTESTS=1: the kvstore binary only (benchmark runs; pack.sh with NOTESTS=1 too).
 { cargo build --release -j2 -p kvstore &&
-  cargo test --release --no-run -j2 -p kvstore-mlx -p kvstore-store -p kvstore-cache -p kvstore-engine -p kvstore-tests; } 2>&1 | tee "$C/build.log"
+  if [ -z "${NOTESTS:-}" ]; then
+    cargo test --release --no-run -j2 -p kvstore-mlx -p kvstore-store -p kvstore-cache -p kvstore-engine -p kvstore-tests
+  fi; } 2>&1 | tee "$C/build.log"

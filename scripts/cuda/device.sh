@@ -14,7 +14,9 @@
 # its own process); pb / pc: the device-tier measurements (docs/benchmarks.md, "Device
 # tier"): pb bench cache + the 8B-shaped bf16 32K prefix + 64 tokens; pc the 13-turn
 # session, then the 32K session (device arm, then mlx-lm, each its own process, GPU memory
-# sampled); both after x1 and x2 only, on SmolLM2's shape with random weights.
+# sampled); both after x1 and x2 only, on SmolLM2's shape with random weights; pd: bench
+# cache's SSD read-ahead rows and bench generate (SmolLM2's shape, the 8B-shaped bf16) with
+# the device sampler, after x1 and x2.
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -221,6 +223,24 @@ case "$step" in
           --arms mlx-lm --turns "${TURNS:-75}" --out "$OUT/agent32k-mlxlm" 2>&1; } > "$OUT/agent32k-mlxlm.log"
       kill $s; tail -n 6 "$OUT/agent32k-mlxlm.log"; peak mlxlm
     fi
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pd) # SSD read-ahead and the pipelined device-sampled decode, after x1 and x2 (no GGUF)
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    py=$(command -v python3)
+    { timeout 120 "$BIN/kvstore" bench cache --only ssd --dir "$K" 2>&1; } | tee "$OUT/bench-cache-ssd.log"
+    d=$K/smollm2-rand
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" .cuda/x1/tok
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    { timeout 200 "$BIN/kvstore" bench generate --model "$d" --python "$py" --prompt-lens 512,2048,8000 \
+        --decode-tokens 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log" | tail -n 12
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+    { timeout 240 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+        --prompt-lens 512,2048,8192 --decode-tokens 64 2>&1;
+      timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } \
+        | tee "$OUT/bench-generate-llama8b.log" | tail -n 20
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   v) # every test binary, with redis-server and the openai client that some tests need
