@@ -33,6 +33,10 @@ pub struct Args {
     /// Requests waiting for admission before new ones get 429.
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
+    /// Most prompt tokens prefilled per engine step while other requests decode: a long
+    /// prompt delays running streams by one such chunk per step, not by its whole prefill.
+    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    prefill_chunk: usize,
     /// Require `Authorization: Bearer KEY` on /v1/* and /admin/* (default: $KVSTORE_API_KEY).
     #[arg(long, value_name = "KEY")]
     api_key: Option<String>,
@@ -127,6 +131,8 @@ pub fn run(args: Args) -> Result<()> {
         kv_budget_bytes: args.cache.kv_budget_bytes()?,
         max_queue: args.max_queue,
         context_limit: None,
+        prefill_chunk: args.prefill_chunk,
+        ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);
     let server_config = ServerConfig {

@@ -53,7 +53,7 @@ pub use reuse::{
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{
     CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, Request, RequestHandle,
-    SubmitError, TTFT_BUCKETS,
+    StepRecord, SubmitError, TTFT_BUCKETS,
 };
 pub use tokenizer::{
     chat_request_parts, render_template, Tokenizer, MAX_RENDER_BYTES, RENDER_FUEL_BASE,

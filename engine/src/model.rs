@@ -338,6 +338,14 @@ impl Model {
             })
     }
 
+    /// Runs `tokens` after what `cache` holds and computes their keys and values now,
+    /// without the logits: a prefill chunk that is not the prompt's last.
+    pub(crate) fn prefill_chunk(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<()> {
+        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
+        h.eval()?;
+        Ok(())
+    }
+
     /// [`Model::prefill`] that asks `keep_going` before every chunk and stops at that chunk
     /// boundary when it says no (a client that went away): `None`, with the cache holding
     /// the chunks computed so far.

@@ -4,15 +4,18 @@
 //!
 //! Each loop of the engine thread:
 //! 1. takes new submissions into a FIFO queue;
-//! 2. admits queued requests while the batch has room (`max_batch`) and their KV
-//!    reservation fits the budget: prefix reuse restores the longest cached prefix into a
-//!    fresh [`PagedKvCache`], the rest of the prompt is prefilled, the first token sampled,
-//!    and the row joins the batch;
+//! 2. admits queued requests while the batch has room (`max_batch`, counting rows still
+//!    prefilling) and their KV reservation fits the budget: prefix reuse restores the
+//!    longest cached prefix into a fresh [`PagedKvCache`] and the request starts prefilling;
 //! 3. emits each row's pending token (text deltas held back as [`generate`] does) and drops
 //!    rows that finished, were cancelled or lost their receiver; their caches are published
 //!    to the prefix cache and freed;
-//! 4. runs one batched decode step over every remaining row ([`Model::forward_rows`]), each
-//!    row picking its next token on the device with its own sampler (as [`crate::generate`]).
+//! 4. runs one batched decode step over every decoding row ([`Model::forward_rows`]), each
+//!    row picking its next token on the device with its own sampler (as [`crate::generate`]);
+//! 5. prefills one chunk (at most `prefill_chunk` tokens) of the oldest prefilling request;
+//!    its last chunk picks the first token and the row joins the decode batch. So a long
+//!    prompt delays running streams by one chunk per step, never by its whole prefill (as
+//!    vLLM's and SGLang's chunked prefill). With no row decoding, chunks run back to back.
 //!
 //! [`generate`]: crate::generate
 
@@ -28,11 +31,11 @@ use serde::Serialize;
 use store::StoreStats;
 use tokio::sync::mpsc as chan;
 
+use crate::device_sampler::DeviceSampler;
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream};
 use crate::model::{Model, ModelInfo};
 use crate::reuse::{HostPrefix, PrefixCache, ReuseConfig, ReuseReport};
-use crate::device_sampler::DeviceSampler;
 use crate::sampler::Sampled;
 use crate::tokenizer::Tokenizer;
 
@@ -50,6 +53,11 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Per-request context limit (prompt + output), capped by the model's. Default: None.
     pub context_limit: Option<usize>,
+    /// Most prompt tokens prefilled in one engine step while other rows decode (a request's
+    /// own `prefill_chunk` may be smaller). Default: [`crate::DEFAULT_PREFILL_CHUNK`].
+    pub prefill_chunk: usize,
+    /// Engine steps kept in [`Engine::step_log`] (the most recent; 0 keeps none). Default: 0.
+    pub step_log: usize,
 }
 
 impl Default for EngineConfig {
@@ -59,6 +67,8 @@ impl Default for EngineConfig {
             kv_budget_bytes: 2 << 30,
             max_queue: 256,
             context_limit: None,
+            prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
+            step_log: 0,
         }
     }
 }
@@ -384,9 +394,19 @@ fn io_loop(prefix: Arc<PrefixCache>, jobs: mpsc::Receiver<IoJob>) {
     }
 }
 
+/// What one engine step computed (see [`EngineConfig::step_log`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StepRecord {
+    /// Requests whose rows ran in the step's batched decode (empty: no decode).
+    pub decoded: Vec<u64>,
+    /// The request prefilled in the step and how many prompt tokens it ran.
+    pub prefilled: Option<(u64, usize)>,
+}
+
 struct Shared {
     counters: Counters,
     accepting: AtomicBool,
+    steps: Mutex<VecDeque<StepRecord>>,
 }
 
 /// The engine: a model on its own thread, continuous batching, prefix reuse. See the
@@ -455,9 +475,16 @@ impl Engine {
         }
         let tokenizer = Arc::new(tokenizer);
         let prefix = prefix.map(Arc::new);
+        if config.prefill_chunk == 0 {
+            return Err(EngineError::InvalidParameter {
+                name: "prefill_chunk",
+                message: "must be at least 1".into(),
+            });
+        }
         let shared = Arc::new(Shared {
             counters: Counters::default(),
             accepting: AtomicBool::new(true),
+            steps: Mutex::new(VecDeque::new()),
         });
         let (tx, rx) = mpsc::channel();
         // The I/O thread (with a prefix cache) ends when the worker drops its sender.
@@ -485,6 +512,7 @@ impl Engine {
             queue: VecDeque::new(),
             rows: PagedKvRows::new(),
             active: Vec::new(),
+            prefilling: VecDeque::new(),
             reserved: 0,
             draining: None,
         };
@@ -527,6 +555,15 @@ impl Engine {
             .context_limit
             .unwrap_or(usize::MAX)
             .min(self.info.max_position_embeddings)
+    }
+
+    /// The most recent engine steps, oldest first (kept when [`EngineConfig::step_log`] is
+    /// set): which rows decoded and how many prompt tokens were prefilled in each.
+    pub fn step_log(&self) -> Vec<StepRecord> {
+        match self.shared.steps.lock() {
+            Ok(s) => s.iter().cloned().collect(),
+            Err(e) => e.into_inner().iter().cloned().collect(),
+        }
     }
 
     /// The prefix cache, when the engine has one.
@@ -720,6 +757,22 @@ struct Row {
     chain: Option<Chain>,
 }
 
+/// An admitted request whose prompt is being prefilled, a chunk per engine step.
+struct Prefilling {
+    p: Pending,
+    admitted: Instant,
+    queue_s: f64,
+    sampler: DeviceSampler,
+    context: usize,
+    cache: PagedKvCache,
+    chain: Option<Chain>,
+    report: ReuseReport,
+    /// Prompt tokens the cache held at admission (restored).
+    cached: usize,
+    /// Seconds spent computing chunks.
+    prefill_s: f64,
+}
+
 struct Worker {
     /// Jobs for the I/O thread, with a prefix cache.
     io: Option<mpsc::Sender<IoJob>>,
@@ -733,6 +786,8 @@ struct Worker {
     queue: VecDeque<Pending>,
     rows: PagedKvRows,
     active: Vec<Row>,
+    /// Admitted requests still prefilling, oldest first; one chunk per engine step.
+    prefilling: VecDeque<Prefilling>,
     reserved: u64,
     /// Set by a shutdown command: whether to cancel what is left.
     draining: Option<bool>,
@@ -743,7 +798,8 @@ impl Worker {
         let mut open = true;
         loop {
             // 1. Take submissions: wait when there is nothing to do.
-            if open && self.active.is_empty() && self.queue.is_empty() {
+            if open && self.active.is_empty() && self.prefilling.is_empty() && self.queue.is_empty()
+            {
                 if self.draining.is_some() {
                     break;
                 }
@@ -769,18 +825,30 @@ impl Worker {
                 for r in &self.active {
                     r.cancel.cancel();
                 }
+                for r in &self.prefilling {
+                    r.p.cancel.cancel();
+                }
             }
             // 2. Admit.
             self.admit();
             // 3. Emit pending tokens, retire finished rows.
             self.emit_and_retire();
             // 4. One batched decode step.
+            let mut record = StepRecord::default();
             if !self.active.is_empty() {
+                record.decoded = self.active.iter().map(|r| r.id).collect();
                 if let Err(e) = self.step() {
                     self.fail_all(e);
                 }
             }
-            if self.draining.is_some() && self.active.is_empty() && self.queue.is_empty() {
+            // 5. One chunk of the oldest prefill (back to back while nothing decodes).
+            record.prefilled = self.prefill_step();
+            self.log_step(record);
+            if self.draining.is_some()
+                && self.active.is_empty()
+                && self.prefilling.is_empty()
+                && self.queue.is_empty()
+            {
                 break;
             }
         }
@@ -836,10 +904,10 @@ impl Worker {
             self.refuse_cancelled(p);
         }
         self.prefetch();
-        while self.active.len() < self.config.max_batch {
+        while self.active.len() + self.prefilling.len() < self.config.max_batch {
             let fits = match self.queue.front() {
                 Some(p) => {
-                    self.active.is_empty()
+                    (self.active.is_empty() && self.prefilling.is_empty())
                         || self.reserved + p.reserve <= self.config.kv_budget_bytes
                 }
                 None => false,
@@ -849,7 +917,7 @@ impl Worker {
             }
             // The front request's cached prefix comes from the I/O thread: rows decoding
             // now never wait for it; with none decoding, waiting for it is all there is.
-            let idle = self.active.is_empty();
+            let idle = self.active.is_empty() && self.prefilling.is_empty();
             if !self
                 .queue
                 .front_mut()
@@ -869,15 +937,12 @@ impl Worker {
             self.set_gauges();
             let (id, tx) = (p.id, p.tx.clone());
             let reserve = p.reserve;
-            if let Err(e) = self.start(p) {
-                if let Some(pc) = &self.prefix {
-                    if let Ok(mut r) = pc.resident() {
-                        r.release(reserve);
-                    }
+            match self.begin(p) {
+                Ok(r) => {
+                    self.reserved += reserve;
+                    self.prefilling.push_back(r);
                 }
-                tracing::warn!(request = id, error = %e, "request failed at prefill");
-                self.counters().failed.fetch_add(1, Ordering::Relaxed);
-                let _ = tx.send(Event::Failed(e));
+                Err(e) => self.fail_prefill(id, &tx, reserve, e),
             }
         }
         self.set_gauges();
@@ -907,34 +972,34 @@ impl Worker {
         }
     }
 
-    /// Restores the cached prefix, prefills the rest, samples the first token, and adds
-    /// the row to the batch.
-    fn start(&mut self, mut p: Pending) -> Result<()> {
+    /// Admits `p`: checks its context, restores its cached prefix into a fresh cache, and
+    /// returns it ready to prefill the rest.
+    fn begin(&mut self, mut p: Pending) -> Result<Prefilling> {
         let queue_s = p.submitted.elapsed().as_secs_f64();
         let admitted = Instant::now();
-        let prompt = p.request.prompt;
-        let params = p.request.params;
+        let params = &p.request.params;
         let namespace = match &self.prefix {
             Some(pc) => Some(pc.namespace_for(p.request.cache_salt.as_deref())?),
             None => None,
         };
         let vocab = self.model.info().vocab_size;
-        let mut sampler = DeviceSampler::new(params.sampling.clone(), vocab, &prompt)?;
+        let sampler = DeviceSampler::new(params.sampling.clone(), vocab, &p.request.prompt)?;
         let context = params
             .context_limit
             .unwrap_or(usize::MAX)
             .min(self.config.context_limit.unwrap_or(usize::MAX))
             .min(self.model.info().max_position_embeddings);
+        let prompt = &p.request.prompt;
         if prompt.len() >= context {
             return Err(EngineError::PromptTooLong {
                 prompt: prompt.len(),
                 context,
             });
         }
-        let (mut cache, mut chain, mut report) = match (&self.prefix, namespace) {
+        let (cache, chain, report) = match (&self.prefix, namespace) {
             (Some(pc), Some(ns)) => {
-                let p = pc.prepare_with(ns, &prompt, p.prefetch.take())?;
-                (p.cache, Some(p.chain), p.report)
+                let r = pc.prepare_with(ns, prompt, p.prefetch.take())?;
+                (r.cache, Some(r.chain), r.report)
             }
             _ => (
                 PagedKvCache::new(self.model.info().kv.layers, self.paged)?,
@@ -946,46 +1011,157 @@ impl Worker {
             ),
         };
         let cached = cache.offset();
-        let t = Instant::now();
-        // A client that goes away stops the prefill at the next chunk boundary; what was
-        // computed is published and kept, so a retry of the same prompt reuses it.
-        let (cancel, tx) = (p.cancel.clone(), p.tx.clone());
-        let mut keep_going = || !(cancel.is_cancelled() || tx.is_closed());
-        let Some(logits) = self.model.prefill_while(
-            &prompt[cached..],
-            &mut cache,
-            params.prefill_chunk,
-            &mut keep_going,
-        )?
-        else {
-            if let (Some(pc), Some(chain)) = (&self.prefix, chain) {
+        Ok(Prefilling {
+            p,
+            admitted,
+            queue_s,
+            sampler,
+            context,
+            cache,
+            chain,
+            report,
+            cached,
+            prefill_s: 0.0,
+        })
+    }
+
+    /// Runs one chunk of the oldest prefill, or, while no row decodes, every chunk of it.
+    /// Returns the request and the prompt tokens computed.
+    fn prefill_step(&mut self) -> Option<(u64, usize)> {
+        let mut r = self.prefilling.pop_front()?;
+        let id = r.p.id;
+        let mut computed = 0;
+        loop {
+            // A client that goes away stops the prefill at a chunk boundary; what was
+            // computed is published and kept, so a retry of the same prompt reuses it.
+            if r.p.cancel.is_cancelled() || r.p.tx.is_closed() {
+                self.cut_off(r);
+                return Some((id, computed));
+            }
+            let chunk =
+                r.p.request
+                    .params
+                    .prefill_chunk
+                    .clamp(1, self.config.prefill_chunk);
+            let held = r.cache.offset();
+            let rest = &r.p.request.prompt[held..];
+            let t = Instant::now();
+            let result = if rest.len() > chunk {
+                self.model
+                    .prefill_chunk(&rest[..chunk], &mut r.cache)
+                    .map(|()| None)
+            } else {
+                self.model.forward(rest, &mut r.cache).map(Some)
+            };
+            r.prefill_s += t.elapsed().as_secs_f64();
+            computed += rest.len().min(chunk);
+            match result {
+                Ok(None) if self.active.is_empty() => continue,
+                Ok(None) => {
+                    self.prefilling.push_front(r);
+                    return Some((id, computed));
+                }
+                Ok(Some(logits)) => {
+                    let reserve = r.p.reserve;
+                    let tx = r.p.tx.clone();
+                    if let Err(e) = self.join_batch(r, &logits) {
+                        self.fail_prefill(id, &tx, reserve, e);
+                        self.reserved = self.reserved.saturating_sub(reserve);
+                    }
+                    return Some((id, computed));
+                }
+                Err(e) => {
+                    let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
+                    self.fail_prefill(id, &tx, reserve, e);
+                    self.reserved = self.reserved.saturating_sub(reserve);
+                    return Some((id, computed));
+                }
+            }
+        }
+    }
+
+    /// A request whose client went away while it prefilled: what was computed is
+    /// published and kept for a retry, and the request ends as cancelled.
+    fn cut_off(&mut self, r: Prefilling) {
+        let Prefilling {
+            p,
+            cache,
+            chain,
+            report,
+            cached,
+            queue_s,
+            ..
+        } = r;
+        self.reserved = self.reserved.saturating_sub(p.reserve);
+        let prompt = &p.request.prompt;
+        if let Some(pc) = &self.prefix {
+            if let Some(chain) = chain {
                 let held = cache.offset().min(prompt.len());
                 if let Err(e) = pc.retire(chain, cache, &prompt[..held]) {
                     tracing::warn!(request = p.id, error = %e, "publishing a cut-off prefill failed");
                 }
-                if let Ok(mut r) = pc.resident() {
-                    r.release(p.reserve);
-                }
             }
-            tracing::debug!(request = p.id, "client gone during prefill: stopped");
-            self.counters().cancelled.fetch_add(1, Ordering::Relaxed);
-            let _ = p.tx.send(Event::Finished(Completion {
-                finish_reason: FinishReason::Cancelled,
-                prompt_tokens: prompt.len(),
-                cached_tokens: cached,
-                completion_tokens: 0,
-                text: String::new(),
-                queue_s,
-                ttft_s: 0.0,
-                total_s: p.submitted.elapsed().as_secs_f64(),
-                reuse: report,
-            }));
-            return Ok(());
-        };
-        let pick = sampler.select(&logits)?;
+            if let Ok(mut r) = pc.resident() {
+                r.release(p.reserve);
+            }
+        }
+        tracing::debug!(request = p.id, "client gone during prefill: stopped");
+        self.counters().cancelled.fetch_add(1, Ordering::Relaxed);
+        let _ = p.tx.send(Event::Finished(Completion {
+            finish_reason: FinishReason::Cancelled,
+            prompt_tokens: prompt.len(),
+            cached_tokens: cached,
+            completion_tokens: 0,
+            text: String::new(),
+            queue_s,
+            ttft_s: 0.0,
+            total_s: p.submitted.elapsed().as_secs_f64(),
+            reuse: report,
+        }));
+        self.set_gauges();
+    }
+
+    /// A request that failed before it decoded: its reservation is released and the
+    /// client told why.
+    fn fail_prefill(
+        &self,
+        id: u64,
+        tx: &chan::UnboundedSender<Event>,
+        reserve: u64,
+        e: EngineError,
+    ) {
+        if let Some(pc) = &self.prefix {
+            if let Ok(mut r) = pc.resident() {
+                r.release(reserve);
+            }
+        }
+        tracing::warn!(request = id, error = %e, "request failed at prefill");
+        self.counters().failed.fetch_add(1, Ordering::Relaxed);
+        let _ = tx.send(Event::Failed(e));
+    }
+
+    /// A finished prefill: picks the first token from `logits`, publishes the prompt's
+    /// blocks, and adds the row to the decode batch.
+    fn join_batch(&mut self, r: Prefilling, logits: &mlx::Array) -> Result<()> {
+        let Prefilling {
+            p,
+            admitted,
+            queue_s,
+            mut sampler,
+            context,
+            mut cache,
+            mut chain,
+            mut report,
+            cached,
+            prefill_s,
+        } = r;
+        let prompt = p.request.prompt;
+        let params = p.request.params;
+        let t = Instant::now();
+        let pick = sampler.select(logits)?;
         pick.start()?;
         let first = pick.read()?;
-        report.prefill_s = t.elapsed().as_secs_f64();
+        report.prefill_s = prefill_s + t.elapsed().as_secs_f64();
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
         if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
             pc.record_prefill(prompt.len() - cached, report.prefill_s);
@@ -1024,7 +1200,6 @@ impl Worker {
             cached_tokens: cached,
         });
         self.rows.push(cache)?;
-        self.reserved += p.reserve;
         self.active.push(Row {
             id: p.id,
             prompt,
@@ -1045,7 +1220,24 @@ impl Worker {
             chain,
             finish: None,
         });
+        self.set_gauges();
         Ok(())
+    }
+
+    /// Keeps `record` in the step log when one is kept.
+    fn log_step(&self, record: StepRecord) {
+        let keep = self.config.step_log;
+        if keep == 0 || (record.decoded.is_empty() && record.prefilled.is_none()) {
+            return;
+        }
+        let mut steps = match self.shared.steps.lock() {
+            Ok(s) => s,
+            Err(e) => e.into_inner(),
+        };
+        if steps.len() == keep {
+            steps.pop_front();
+        }
+        steps.push_back(record);
     }
 
     /// Emits every row's pending token as [`crate::generate`] does, then removes the rows

@@ -691,6 +691,86 @@ fn the_library_api_streams_cancels_and_shuts_down() {
     ));
 }
 
+/// Chunked prefill: a long prompt that arrives while two rows decode is prefilled a chunk
+/// per engine step, and both rows decode in every one of those steps (from the engine's
+/// step log, not from timing).
+#[test]
+fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let chunk = 16;
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            max_batch: 4,
+            prefill_chunk: chunk,
+            step_log: 100_000,
+            ..EngineConfig::default()
+        },
+    );
+    // Prompts with nothing in common (their first tokens differ).
+    let ids = |n: u32, seed: u32| -> Vec<u32> {
+        (0..n)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed << 20) >> 7) % 250 + 3)
+            .collect()
+    };
+    let params = |max_tokens| GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    };
+    let first_token = |h: &mut engine::RequestHandle| loop {
+        match h.recv_blocking() {
+            Some(Event::Token { .. }) => break,
+            Some(Event::Failed(e)) => panic!("{e}"),
+            Some(_) => {}
+            None => panic!("no token"),
+        }
+    };
+    let mut a = engine
+        .submit(Request::new(ids(12, 1), params(100_000)))
+        .unwrap();
+    let mut b = engine
+        .submit(Request::new(ids(9, 2), params(100_000)))
+        .unwrap();
+    first_token(&mut a);
+    first_token(&mut b);
+    let long = 300;
+    let c = engine
+        .submit(Request::new(ids(long, 3), params(2)))
+        .unwrap();
+    let c_id = c.id();
+    let done = c.wait().unwrap();
+    assert_eq!(done.completion_tokens, 2);
+    assert_eq!(done.cached_tokens, 0);
+    a.cancel();
+    b.cancel();
+
+    let log = engine.step_log();
+    let c_steps: Vec<_> = log
+        .iter()
+        .filter(|s| s.prefilled.is_some_and(|(id, _)| id == c_id))
+        .collect();
+    let prefilled: usize = c_steps.iter().map(|s| s.prefilled.unwrap().1).sum();
+    assert_eq!(
+        prefilled, long as usize,
+        "every prompt token prefilled once"
+    );
+    assert_eq!(
+        c_steps.len(),
+        (long as usize).div_ceil(chunk),
+        "{c_steps:?}"
+    );
+    for s in &c_steps {
+        assert!(s.prefilled.unwrap().1 <= chunk, "{s:?}");
+        for row in [a.id(), b.id()] {
+            assert!(
+                s.decoded.contains(&row),
+                "row {row} did not advance in {s:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_kv_budget_queues_requests_and_refuses_oversized_ones() {
     let dir = tempfile::tempdir().unwrap();

@@ -84,6 +84,7 @@ fn replay(kv_budget: u64) -> (Vec<Outcome>, Vec<Vec<u32>>) {
         kv_budget_bytes: kv_budget,
         max_queue: 16,
         context_limit: None,
+        ..EngineConfig::default()
     };
     let engine = Engine::open(model, tok, Some(prefix), config).unwrap();
     let vocab = engine

@@ -247,6 +247,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
             kv_budget_bytes: kv_budget,
             max_queue: s.max_concurrency.max(256),
             context_limit: None,
+            ..EngineConfig::default()
         },
     )?;
     let vocab = engine
