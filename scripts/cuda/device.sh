@@ -234,8 +234,9 @@ case "$step" in
     d=$K/smollm2-rand
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" .cuda/x1/tok
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
-    { timeout 200 "$BIN/kvstore" bench generate --model "$d" --python "$py" --prompt-lens 512,2048,8000 \
+    { timeout 200 "$BIN/kvstore" bench generate --model "$d" --python "$py" --prompt-lens ${LENS:-512,2048,8000} \
         --decode-tokens 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log" | tail -n 12
+    [ -n "${SKIP8B:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
     [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
     { timeout 240 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens 512,2048,8192 --decode-tokens 64 2>&1;
