@@ -110,8 +110,17 @@ fn append_parts(
     let mut written = 0;
     while written < count {
         let pos = len + written;
-        let (block, start) = (table[pos / bs], pos % bs);
-        let n = (bs - start).min(count - written);
+        let (first, start) = (pos / bs, pos % bs);
+        // Blocks with consecutive ids are one run of the arena: one write covers them all
+        // (a fresh sequence's blocks are consecutive, so a prefill chunk is one write).
+        let mut last = first;
+        while (last + 1 - first) * bs - start < count - written
+            && table.get(last + 1) == Some(&(table[last] + 1))
+        {
+            last += 1;
+        }
+        let block = table[first];
+        let n = ((last + 1 - first) * bs - start).min(count - written);
         let cut = |parts: &[Array]| -> Result<Vec<Array>, CacheError> {
             parts
                 .iter()

@@ -225,6 +225,8 @@ impl BlockPool {
     }
 
     /// Writes encoded K and V parts (each `[1, H, n, width]`) into `block` at token `start`.
+    /// A write longer than the rest of the block runs on into the blocks with the next ids
+    /// (`block + 1`, ...), which the caller must hold: the arena stores them contiguously.
     pub fn write(
         &mut self,
         block: u32,
@@ -250,13 +252,14 @@ impl BlockPool {
                 || ps[0] != 1
                 || ps[1] != heads
                 || ps[3] != as_[2]
-                || start + ps[2] as usize > bs
+                || (block as usize * bs + start + ps[2] as usize) > self.capacity * bs
                 || part.dtype() != arena.dtype()
             {
                 return Err(CacheError::Shape(format!(
-                    "cannot write {:?} {} at token {start} of a block [{heads}, {bs}, {}] {}",
+                    "cannot write {:?} {} at token {start} of block {block} of a pool of {} blocks [{heads}, {bs}, {}] {}",
                     ps,
                     part.dtype(),
+                    self.capacity,
                     as_[2],
                     arena.dtype()
                 )));
