@@ -32,13 +32,18 @@ pub(crate) struct Selection {
 }
 
 impl Selection {
-    /// Starts computing everything the host will read, without waiting.
-    pub(crate) fn start(&self) -> Result<()> {
+    /// Everything the host will read.
+    pub(crate) fn arrays(&self) -> Vec<&Array> {
         let mut arrays = vec![&self.token, &self.logprob];
         if let Some((ids, lps)) = &self.top {
             arrays.extend([ids, lps]);
         }
-        mlx::async_eval(&arrays)?;
+        arrays
+    }
+
+    /// Starts computing everything the host will read, without waiting.
+    pub(crate) fn start(&self) -> Result<()> {
+        mlx::async_eval(&self.arrays())?;
         Ok(())
     }
 

@@ -319,6 +319,30 @@ impl Model {
         Ok(logits.astype(Dtype::F32)?)
     }
 
+    /// [`Model::forward_rows`] of tokens held on the device, `[B]` u32 (possibly not
+    /// computed yet: the picks of the previous step), so the step is built before the host
+    /// reads them.
+    pub(crate) fn forward_rows_tokens(
+        &self,
+        tokens: &Array,
+        rows: &mut PagedKvRows,
+    ) -> Result<Array> {
+        let b = rows.len() as i32;
+        if b == 0 || tokens.size() != rows.len() {
+            return Err(EngineError::InvalidParameter {
+                name: "tokens",
+                message: format!(
+                    "a batched step needs one token per row: {} tokens for {} rows",
+                    tokens.size(),
+                    rows.len()
+                ),
+            });
+        }
+        let h = self.decoder.hidden_rows(&tokens.reshape(&[b, 1])?, rows)?;
+        let logits = self.decoder.logits(&h)?.reshape(&[b, -1])?;
+        Ok(logits.astype(Dtype::F32)?)
+    }
+
     /// Like [`Model::forward`] but returns logits for every position, `[L, vocab]` (tests).
     pub fn forward_all(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<Array> {
         let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;

@@ -31,7 +31,7 @@ use serde::Serialize;
 use store::StoreStats;
 use tokio::sync::mpsc as chan;
 
-use crate::device_sampler::DeviceSampler;
+use crate::device_sampler::{DeviceSampler, Selection};
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream};
 use crate::model::{Model, ModelInfo};
@@ -743,6 +743,10 @@ struct Row {
     emitted: usize,
     /// The sampled token not yet emitted (and not yet in the cache).
     next: Option<Sampled>,
+    /// The pick of the last decode step, still on the device and not yet read.
+    unread: Option<Selection>,
+    /// The pick of the step queued this loop, which consumed `unread` (or `next`).
+    launched: Option<Selection>,
     tx: chan::UnboundedSender<Event>,
     cancel: CancelHandle,
     context: usize,
@@ -831,15 +835,20 @@ impl Worker {
             }
             // 2. Admit.
             self.admit();
-            // 3. Emit pending tokens, retire finished rows.
-            self.emit_and_retire();
-            // 4. One batched decode step.
+            // 3. Queue one batched decode step, fed with the previous step's picks while
+            //    they are still on the device.
             let mut record = StepRecord::default();
             if !self.active.is_empty() {
                 record.decoded = self.active.iter().map(|r| r.id).collect();
-                if let Err(e) = self.step() {
+                if let Err(e) = self.launch() {
                     self.fail_all(e);
                 }
+            }
+            // 4. Read the previous step's picks, emit them, retire finished rows; the step
+            //    just queued becomes the one to read next.
+            self.emit_and_retire();
+            for row in &mut self.active {
+                row.unread = row.launched.take();
             }
             // 5. One chunk of the oldest prefill (back to back while nothing decodes).
             record.prefilled = self.prefill_step();
@@ -1209,6 +1218,8 @@ impl Worker {
             text: String::new(),
             emitted: 0,
             next: Some(first),
+            unread: None,
+            launched: None,
             tx: p.tx,
             cancel: p.cancel,
             context,
@@ -1256,6 +1267,17 @@ impl Worker {
             if row.tokens.len() >= row.params.max_tokens {
                 row.finish = Some(FinishReason::Length);
                 continue;
+            }
+            if row.next.is_none() {
+                if let Some(pick) = row.unread.take() {
+                    match pick.read() {
+                        Ok(sampled) => row.next = Some(sampled),
+                        Err(e) => {
+                            failed.push((i, e));
+                            continue;
+                        }
+                    }
+                }
             }
             let Some(sampled) = row.next.take() else {
                 continue;
@@ -1337,8 +1359,15 @@ impl Worker {
         self.set_gauges();
     }
 
-    fn finish(&mut self, row: Row, cache: PagedKvCache) {
+    fn finish(&mut self, row: Row, mut cache: PagedKvCache) {
         self.reserved = self.reserved.saturating_sub(row.reserve);
+        // A step queued before the row's end was read may have fed a token the row never
+        // emitted: keep only the KV of the prompt and the emitted tokens.
+        let emitted = row.prompt.len() + row.tokens.len();
+        let fed = cache.offset();
+        if fed > emitted {
+            cache.trim(fed - emitted);
+        }
         let mut report = row.report;
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
@@ -1380,36 +1409,46 @@ impl Worker {
         let _ = row.tx.send(Event::Finished(completion));
     }
 
-    /// One decode step over every row: feed each row's last token, sample its next.
-    fn step(&mut self) -> Result<()> {
-        let last: Vec<u32> = self
-            .active
-            .iter()
-            .map(|r| r.tokens.last().copied().unwrap_or_default())
-            .collect();
-        let logits = self.model.forward_rows(&last, &mut self.rows)?;
+    /// Queues one decode step over every row, fed with each row's latest token: the pick
+    /// of the previous step, still on the device (or a first token the prefill picked), so
+    /// the device computes while the host reads and emits the previous picks. Each row's
+    /// next pick is computed on the device from its slice of the logits.
+    fn launch(&mut self) -> Result<()> {
+        let mut tokens = Vec::with_capacity(self.active.len());
+        for row in &mut self.active {
+            let token = match (&row.unread, &row.next) {
+                (Some(pick), _) => pick.token.clone(),
+                (None, Some(sampled)) => mlx::Array::from_slice(&[sampled.token], &[1])?,
+                (None, None) => {
+                    return Err(EngineError::InvalidParameter {
+                        name: "batch",
+                        message: format!("row {} has no token to decode", row.id),
+                    })
+                }
+            };
+            row.sampler.observe(&token, &row.prompt, &row.tokens)?;
+            tokens.push(token);
+        }
+        let refs: Vec<&mlx::Array> = tokens.iter().collect();
+        let ids = mlx::ops::concatenate(&refs, 0)?;
+        let logits = self.model.forward_rows_tokens(&ids, &mut self.rows)?;
         let vocab = self.model.info().vocab_size as i32;
         let c = &self.shared.counters;
         c.decode_steps.fetch_add(1, Ordering::Relaxed);
         c.decode_rows
             .fetch_add(self.active.len() as u64, Ordering::Relaxed);
-        // Every row's pick on the device, computed together; the host reads only the ids.
-        let mut picks = Vec::with_capacity(self.active.len());
+        let mut arrays = Vec::new();
         for (i, row) in self.active.iter_mut().enumerate() {
             let i = i as i32;
             let l = logits.slice(&[i, 0], &[i + 1, vocab])?.reshape(&[vocab])?;
-            if let Some((&t, before)) = row.tokens.split_last() {
-                let token = mlx::Array::from_slice(&[t], &[1])?;
-                row.sampler.observe(&token, &row.prompt, before)?;
+            row.launched = Some(row.sampler.select(&l)?);
+        }
+        for row in &self.active {
+            if let Some(pick) = &row.launched {
+                arrays.extend(pick.arrays());
             }
-            picks.push(row.sampler.select(&l)?);
         }
-        for pick in &picks {
-            pick.start()?;
-        }
-        for (row, pick) in self.active.iter_mut().zip(&picks) {
-            row.next = Some(pick.read()?);
-        }
+        mlx::async_eval(&arrays)?;
         Ok(())
     }
 
