@@ -771,6 +771,84 @@ fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
     }
 }
 
+/// Token ids and the completion of a request run to its end.
+fn run_to_end(
+    engine: &Engine,
+    req: Request,
+    cancel_after: Option<usize>,
+) -> (Vec<u32>, engine::Completion) {
+    let mut h = engine.submit(req).unwrap();
+    let mut tokens = Vec::new();
+    loop {
+        match h.recv_blocking() {
+            Some(Event::Token { sampled, .. }) => {
+                tokens.push(sampled.token);
+                if Some(tokens.len()) == cancel_after {
+                    h.cancel_handle().cancel();
+                }
+            }
+            Some(Event::Finished(c)) => return (tokens, c),
+            Some(Event::Failed(e)) => panic!("{e}"),
+            Some(_) => {}
+            None => panic!("no completion"),
+        }
+    }
+}
+
+/// The batched decode runs a step ahead of what it has read: a row that ends (at its token
+/// budget, or cancelled with a step already queued) must leave only the KV of what it
+/// emitted. The next turn, which extends the previous prompt and reply, then reuses that
+/// KV and decodes exactly what a cold engine decodes.
+#[test]
+fn a_turn_after_a_pipelined_reply_reuses_it_and_decodes_as_cold() {
+    let ids = |n: u32, seed: u32| -> Vec<u32> {
+        (0..n)
+            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed << 20) >> 7) % 250 + 3)
+            .collect()
+    };
+    let params = |max_tokens| GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    };
+    for cancel_after in [None, Some(3)] {
+        let warm_dir = tempfile::tempdir().unwrap();
+        let warm = open_engine(warm_dir.path(), EngineConfig::default());
+        let prompt = ids(21, 7);
+        let (reply, first) = run_to_end(
+            &warm,
+            Request::new(prompt.clone(), params(12)),
+            cancel_after,
+        );
+        match cancel_after {
+            None => assert_eq!(reply.len(), 12),
+            Some(n) => {
+                assert_eq!(first.finish_reason, FinishReason::Cancelled);
+                assert!(reply.len() >= n, "{reply:?}");
+            }
+        }
+        let next: Vec<u32> = prompt
+            .iter()
+            .chain(&reply)
+            .copied()
+            .chain(ids(5, 9))
+            .collect();
+        let (warm_out, warm_done) = run_to_end(&warm, Request::new(next.clone(), params(10)), None);
+        assert!(
+            warm_done.cached_tokens >= prompt.len() + reply.len() - 1,
+            "{cancel_after:?}: cached {} of {} + {}",
+            warm_done.cached_tokens,
+            prompt.len(),
+            reply.len()
+        );
+        let cold_dir = tempfile::tempdir().unwrap();
+        let cold = open_engine(cold_dir.path(), EngineConfig::default());
+        let (cold_out, cold_done) = run_to_end(&cold, Request::new(next, params(10)), None);
+        assert_eq!(cold_done.cached_tokens, 0);
+        assert_eq!(warm_out, cold_out, "{cancel_after:?}");
+    }
+}
+
 #[test]
 fn a_kv_budget_queues_requests_and_refuses_oversized_ones() {
     let dir = tempfile::tempdir().unwrap();
