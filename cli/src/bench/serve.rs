@@ -1,0 +1,451 @@
+//! `kvstore bench serve`: the serving engine under concurrent load, in process (the engine
+//! `kvstore serve` runs, without HTTP). Two parts, each against a baseline in the same run:
+//!
+//! - **interleave**: `--streams` requests decode while one `--long-prompt`-token prompt
+//!   arrives. Reports the streams' inter-token latency (ITL) P50/P99 before the long prompt
+//!   and while it is prefilled, with chunked prefill (`--prefill-chunk`) and with the whole
+//!   prompt prefilled in one step (the engine before chunked prefill): the ratio of the two
+//!   P99s is how much a long prompt stalls running streams.
+//! - **sessions**: `--sessions` concurrent multi-turn sessions of `--turns` turns; each turn
+//!   sends the previous prompt, its reply and `--new-tokens` new tokens. Reports throughput,
+//!   TTFT and ITL P50/P99 and the share of prompt tokens served from the prefix cache from
+//!   turn 2 on.
+//!
+//! Prompts are token ids (deterministic, distinct per stream and session), not chat text:
+//! the load shape is what is measured, not a template.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use engine::{Engine, EngineConfig, Event, GenerateParams, Request};
+use serde::Serialize;
+
+use crate::cache_args::CacheArgs;
+use crate::generate::ModelArgs;
+
+/// Arguments of `kvstore bench serve`.
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Decoding streams of the interleave part.
+    #[arg(long, default_value_t = 8)]
+    streams: usize,
+    /// Tokens each stream decodes.
+    #[arg(long, default_value_t = 128)]
+    stream_tokens: usize,
+    /// Prompt tokens of the request that arrives while the streams decode.
+    #[arg(long, default_value_t = 8192)]
+    long_prompt: usize,
+    /// Prompt tokens prefilled per engine step while rows decode (the chunked arm).
+    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK)]
+    prefill_chunk: usize,
+    /// Concurrent sessions of the sessions part (0 skips it).
+    #[arg(long, default_value_t = 16)]
+    sessions: usize,
+    /// Turns per session.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// Tokens of a session's first prompt.
+    #[arg(long, default_value_t = 256)]
+    first_prompt: usize,
+    /// New tokens each later turn adds after the previous reply.
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// Tokens each turn's reply decodes.
+    #[arg(long, default_value_t = 32)]
+    reply_tokens: usize,
+    /// Rows decoding together.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Write the report as JSON here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// P50 and P99 of a sample, seconds.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+struct Quantiles {
+    n: usize,
+    p50: f64,
+    p99: f64,
+}
+
+/// Nearest-rank quantiles of `xs`.
+fn quantiles(xs: &[f64]) -> Quantiles {
+    if xs.is_empty() {
+        return Quantiles::default();
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    Quantiles {
+        n: v.len(),
+        p50: at(0.50),
+        p99: at(0.99),
+    }
+}
+
+/// One interleave arm.
+#[derive(Debug, Serialize)]
+struct InterleaveArm {
+    prefill_chunk: usize,
+    /// ITL of the streams before the long prompt arrived.
+    itl_before: Quantiles,
+    /// ITL of the streams' tokens that arrived while the long prompt was prefilled.
+    itl_during: Quantiles,
+    /// itl_during.p99 / itl_before.p99.
+    p99_ratio: f64,
+    /// TTFT of the long prompt, seconds.
+    long_ttft_s: f64,
+}
+
+/// The sessions part.
+#[derive(Debug, Serialize)]
+struct Sessions {
+    sessions: usize,
+    turns: usize,
+    wall_s: f64,
+    completion_tok_per_s: f64,
+    ttft: Quantiles,
+    itl: Quantiles,
+    /// Prompt tokens served from the prefix cache / prompt tokens, turns 2 and later.
+    hit_share: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    interleave: Vec<InterleaveArm>,
+    sessions: Option<Sessions>,
+}
+
+/// Deterministic token ids for stream or session `seed`, distinct from every other seed's
+/// from the first token on.
+fn ids(n: usize, seed: u32, vocab: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| {
+            let x = (i ^ seed.wrapping_mul(0x9E37_79B9))
+                .wrapping_mul(2_654_435_761)
+                .rotate_left(13)
+                .wrapping_add(seed);
+            // Ids above 3 leave the usual special tokens alone.
+            x % (vocab - 4) + 4
+        })
+        .collect()
+}
+
+/// What one request gave: its token arrival times and completion.
+struct Timed {
+    submitted: Instant,
+    arrivals: Vec<Instant>,
+    tokens: Vec<u32>,
+    cached_tokens: usize,
+    prompt_tokens: usize,
+}
+
+fn run_request(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    prefill_chunk: usize,
+) -> Result<Timed> {
+    let params = GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        prefill_chunk,
+        ..GenerateParams::default()
+    };
+    let submitted = Instant::now();
+    let mut h = engine
+        .submit(Request::new(prompt, params))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut t = Timed {
+        submitted,
+        arrivals: Vec::new(),
+        tokens: Vec::new(),
+        cached_tokens: 0,
+        prompt_tokens: 0,
+    };
+    while let Some(e) = h.recv_blocking() {
+        match e {
+            Event::Token { sampled, .. } => {
+                t.arrivals.push(Instant::now());
+                t.tokens.push(sampled.token);
+            }
+            Event::Finished(c) => {
+                t.cached_tokens = c.cached_tokens;
+                t.prompt_tokens = c.prompt_tokens;
+                return Ok(t);
+            }
+            Event::Failed(e) => bail!("request failed: {e}"),
+            _ => {}
+        }
+    }
+    bail!("the engine ended the request without finishing it")
+}
+
+fn open_engine(args: &Args, prefill_chunk: usize, max_batch: usize) -> Result<(Engine, u32)> {
+    let (model, tokenizer) = args.model.load()?;
+    let prefix = args.cache.open(&model, &tokenizer)?;
+    let engine = Engine::open(
+        model,
+        tokenizer,
+        prefix,
+        EngineConfig {
+            max_batch,
+            kv_budget_bytes: args.cache.kv_budget_bytes()?,
+            prefill_chunk,
+            ..EngineConfig::default()
+        },
+    )?;
+    let vocab = engine
+        .info()
+        .vocab_size
+        .min(engine.tokenizer().vocab_size()) as u32;
+    // Kernels compiled and weights paged in before anything is timed.
+    run_request(&engine, ids(64, 0xFFFF, vocab), 4, prefill_chunk)?;
+    Ok((engine, vocab))
+}
+
+/// Streams decode; once each has produced a few tokens the long prompt arrives.
+fn interleave(args: &Args, prefill_chunk: usize) -> Result<InterleaveArm> {
+    let (engine, vocab) = open_engine(args, prefill_chunk, args.streams + 1)?;
+    let engine = Arc::new(engine);
+    let warm = Arc::new(Barrier::new(args.streams + 1));
+    let mut threads = Vec::new();
+    for s in 0..args.streams {
+        let (engine, warm) = (engine.clone(), warm.clone());
+        let n = args.stream_tokens;
+        threads.push(std::thread::spawn(move || -> Result<Timed> {
+            let params = GenerateParams {
+                max_tokens: n,
+                stop_at_eos: false,
+                ..GenerateParams::default()
+            };
+            let submitted = Instant::now();
+            let mut h = engine
+                .submit(Request::new(ids(64, 1 + s as u32, vocab), params))
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut t = Timed {
+                submitted,
+                arrivals: Vec::new(),
+                tokens: Vec::new(),
+                cached_tokens: 0,
+                prompt_tokens: 0,
+            };
+            let mut waited = false;
+            while let Some(e) = h.recv_blocking() {
+                match e {
+                    Event::Token { sampled, .. } => {
+                        t.arrivals.push(Instant::now());
+                        t.tokens.push(sampled.token);
+                        if t.arrivals.len() == 4 && !waited {
+                            warm.wait();
+                            waited = true;
+                        }
+                    }
+                    Event::Finished(_) => break,
+                    Event::Failed(e) => bail!("stream failed: {e}"),
+                    _ => {}
+                }
+            }
+            if !waited {
+                warm.wait();
+            }
+            Ok(t)
+        }));
+    }
+    warm.wait();
+    let long = run_request(
+        &engine,
+        ids(args.long_prompt, 0xABCD, vocab),
+        1,
+        prefill_chunk,
+    )?;
+    let (start, end) = (long.submitted, long.arrivals.first().copied());
+    let Some(end) = end else {
+        bail!("the long prompt produced no token");
+    };
+    let (mut before, mut during) = (Vec::new(), Vec::new());
+    for t in threads {
+        let t = t
+            .join()
+            .map_err(|_| anyhow::anyhow!("a stream thread panicked"))??;
+        for w in t.arrivals.windows(2) {
+            let gap = (w[1] - w[0]).as_secs_f64();
+            if w[1] <= start {
+                before.push(gap);
+            } else if w[1] <= end || w[0] < end {
+                during.push(gap);
+            }
+        }
+    }
+    if let Ok(engine) = Arc::try_unwrap(engine) {
+        engine.shutdown(false).context("shutting the engine down")?;
+    }
+    let (itl_before, itl_during) = (quantiles(&before), quantiles(&during));
+    Ok(InterleaveArm {
+        prefill_chunk,
+        itl_before,
+        itl_during,
+        p99_ratio: itl_during.p99 / itl_before.p99.max(1e-9),
+        long_ttft_s: (end - start).as_secs_f64(),
+    })
+}
+
+/// Concurrent multi-turn sessions.
+fn sessions(args: &Args) -> Result<Sessions> {
+    let (engine, vocab) = open_engine(args, args.prefill_chunk, args.max_batch)?;
+    let engine = Arc::new(engine);
+    let t0 = Instant::now();
+    let mut threads = Vec::new();
+    for s in 0..args.sessions {
+        let engine = engine.clone();
+        let (turns, first, new, reply, chunk) = (
+            args.turns,
+            args.first_prompt,
+            args.new_tokens,
+            args.reply_tokens,
+            args.prefill_chunk,
+        );
+        threads.push(std::thread::spawn(move || -> Result<Vec<Timed>> {
+            let seed = 1000 + s as u32;
+            let mut prompt = ids(first, seed, vocab);
+            let mut out = Vec::new();
+            for turn in 0..turns {
+                let t = run_request(&engine, prompt.clone(), reply, chunk)?;
+                prompt.extend(&t.tokens);
+                prompt.extend(ids(new, seed + 7919 * (turn as u32 + 1), vocab));
+                out.push(t);
+            }
+            Ok(out)
+        }));
+    }
+    let mut all = Vec::new();
+    for t in threads {
+        all.push(
+            t.join()
+                .map_err(|_| anyhow::anyhow!("a session thread panicked"))??,
+        );
+    }
+    let wall_s = t0.elapsed().as_secs_f64();
+    if let Ok(engine) = Arc::try_unwrap(engine) {
+        engine.shutdown(false).context("shutting the engine down")?;
+    }
+    let (mut ttft, mut itl) = (Vec::new(), Vec::new());
+    let (mut completion, mut cached, mut prompted) = (0usize, 0usize, 0usize);
+    for session in &all {
+        for (turn, t) in session.iter().enumerate() {
+            completion += t.tokens.len();
+            if let Some(first) = t.arrivals.first() {
+                ttft.push((*first - t.submitted).as_secs_f64());
+            }
+            itl.extend(t.arrivals.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()));
+            if turn > 0 {
+                cached += t.cached_tokens;
+                prompted += t.prompt_tokens;
+            }
+        }
+    }
+    Ok(Sessions {
+        sessions: args.sessions,
+        turns: args.turns,
+        wall_s,
+        completion_tok_per_s: completion as f64 / wall_s,
+        ttft: quantiles(&ttft),
+        itl: quantiles(&itl),
+        hit_share: cached as f64 / prompted.max(1) as f64,
+    })
+}
+
+/// Runs the benchmark.
+pub fn run(mut args: Args) -> Result<()> {
+    if args.streams == 0 || args.stream_tokens < 8 || args.long_prompt == 0 {
+        bail!("--streams must be at least 1, --stream-tokens at least 8, --long-prompt at least 1");
+    }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    // A fresh store unless one is named, removed at the end: every run starts cold.
+    let scratch = tempfile::tempdir().context("creating a scratch store directory")?;
+    if args.cache.store.is_none() {
+        args.cache.store = Some(scratch.path().to_path_buf());
+    }
+    let model = args.model.path()?.display().to_string();
+    // The whole prompt in one step is what the engine did before chunked prefill.
+    let mut interleave_arms = Vec::new();
+    for chunk in [args.prefill_chunk, usize::MAX] {
+        let arm = interleave(&args, chunk)?;
+        eprintln!(
+            "interleave, prefill chunk {}: {} streams' ITL P99 {:.1} ms before, {:.1} ms while a {}-token prompt prefills ({:.2}x); its TTFT {:.2} s",
+            if chunk == usize::MAX { "whole prompt".to_string() } else { chunk.to_string() },
+            args.streams,
+            arm.itl_before.p99 * 1e3,
+            arm.itl_during.p99 * 1e3,
+            args.long_prompt,
+            arm.p99_ratio,
+            arm.long_ttft_s
+        );
+        interleave_arms.push(arm);
+    }
+    let sessions = if args.sessions > 0 {
+        let s = sessions(&args)?;
+        eprintln!(
+            "sessions: {} x {} turns in {:.1} s: {:.1} completion tok/s, TTFT P50 {:.3} s P99 {:.3} s, ITL P50 {:.1} ms P99 {:.1} ms, cached {:.1} % of prompt tokens from turn 2",
+            s.sessions,
+            s.turns,
+            s.wall_s,
+            s.completion_tok_per_s,
+            s.ttft.p50,
+            s.ttft.p99,
+            s.itl.p50 * 1e3,
+            s.itl.p99 * 1e3,
+            s.hit_share * 100.0
+        );
+        Some(s)
+    } else {
+        None
+    };
+    let report = Report {
+        model,
+        interleave: interleave_arms,
+        sessions,
+    };
+    let text = serde_json::to_string_pretty(&report)?;
+    match &args.json {
+        Some(path) => {
+            std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_nearest_rank() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        let q = quantiles(&xs);
+        assert_eq!((q.n, q.p50, q.p99), (100, 50.0, 99.0));
+        let q = quantiles(&[3.0, 1.0, 2.0]);
+        assert_eq!((q.p50, q.p99), (2.0, 3.0));
+        assert_eq!(quantiles(&[]).n, 0);
+    }
+
+    #[test]
+    fn prompts_of_different_seeds_differ_from_the_first_token() {
+        for (a, b) in [(1, 2), (0xABCD, 1), (1000, 1001)] {
+            assert_ne!(ids(8, a, 49152)[0], ids(8, b, 49152)[0], "{a} {b}");
+        }
+        assert!(ids(500, 3, 300).iter().all(|&t| (4..300).contains(&t)));
+        assert_eq!(ids(16, 5, 1000), ids(16, 5, 1000));
+    }
+}
