@@ -16,7 +16,8 @@
 # session, then the 32K session (device arm, then mlx-lm, each its own process, GPU memory
 # sampled); both after x1 and x2 only, on SmolLM2's shape with random weights; pd: bench
 # cache's SSD read-ahead rows and bench generate (SmolLM2's shape, the 8B-shaped bf16) with
-# the device sampler, after x1 and x2.
+# the device sampler, after x1 and x2; pe: bench serve and the SmolLM2-shape prefill, after
+# an x1 call that made $K/smollm2-rand and x2.
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -242,6 +243,18 @@ case "$step" in
         --prompt-lens 512,2048,8192 --decode-tokens 64 2>&1;
       timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } \
         | tee "$OUT/bench-generate-llama8b.log" | tail -n 20
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pe) # the serving engine under load (bench serve) and SmolLM2-shape prefill, after x1 and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    { timeout 60 "$BIN/kvstore" bench generate --model "$d" --skip-mlx-lm --prompt-lens 2048,8000 \
+        --decode-tokens 32 2>&1; } | tail -n 4
+    { timeout 200 "$BIN/kvstore" bench serve --model "$d" --streams 8 --stream-tokens 256 \
+        --long-prompt 8192 --sessions 16 --turns 4 --json "$OUT/bench-serve.json" 2>&1; } | tail -n 6
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   v) # every test binary, with redis-server and the openai client that some tests need
