@@ -154,6 +154,17 @@ fn run_request(
     max_tokens: usize,
     prefill_chunk: usize,
 ) -> Result<Timed> {
+    run_request_with(engine, prompt, max_tokens, prefill_chunk, |_| {})
+}
+
+/// [`run_request`] that calls `on_token(n)` after the n-th token arrives.
+fn run_request_with(
+    engine: &Engine,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    prefill_chunk: usize,
+    mut on_token: impl FnMut(usize),
+) -> Result<Timed> {
     let params = GenerateParams {
         max_tokens,
         stop_at_eos: false,
@@ -176,6 +187,7 @@ fn run_request(
             Event::Token { sampled, .. } => {
                 t.arrivals.push(Instant::now());
                 t.tokens.push(sampled.token);
+                on_token(t.tokens.len());
             }
             Event::Finished(c) => {
                 t.cached_tokens = c.cached_tokens;
@@ -241,38 +253,14 @@ fn round(
         let n = args.stream_tokens;
         let seed = 1 + s as u32 + 100 * round;
         threads.push(std::thread::spawn(move || -> Result<Timed> {
-            let params = GenerateParams {
-                max_tokens: n,
-                stop_at_eos: false,
-                ..GenerateParams::default()
-            };
-            let submitted = Instant::now();
-            let mut h = engine
-                .submit(Request::new(ids(64, seed, vocab), params))
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            let mut t = Timed {
-                submitted,
-                arrivals: Vec::new(),
-                tokens: Vec::new(),
-                cached_tokens: 0,
-                prompt_tokens: 0,
-            };
+            // Eight tokens in, the stream waits for the others; then the long prompt comes.
             let mut waited = false;
-            while let Some(e) = h.recv_blocking() {
-                match e {
-                    Event::Token { sampled, .. } => {
-                        t.arrivals.push(Instant::now());
-                        t.tokens.push(sampled.token);
-                        if t.arrivals.len() == 8 && !waited {
-                            warm.wait();
-                            waited = true;
-                        }
-                    }
-                    Event::Finished(_) => break,
-                    Event::Failed(e) => bail!("stream failed: {e}"),
-                    _ => {}
+            let t = run_request_with(&engine, ids(64, seed, vocab), n, prefill_chunk, |k| {
+                if k == 8 {
+                    warm.wait();
+                    waited = true;
                 }
-            }
+            })?;
             if !waited {
                 warm.wait();
             }

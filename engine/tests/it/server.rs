@@ -691,6 +691,22 @@ fn the_library_api_streams_cancels_and_shuts_down() {
     ));
 }
 
+/// Prompt ids for `seed` sharing nothing with another seed's (their first tokens differ).
+fn distinct_ids(n: u32, seed: u32) -> Vec<u32> {
+    (0..n)
+        .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed << 20) >> 7) % 250 + 3)
+        .collect()
+}
+
+/// Greedy decoding of exactly `max_tokens` tokens (EOS ignored).
+fn no_eos(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    }
+}
+
 /// Chunked prefill: a long prompt that arrives while two rows decode is prefilled a chunk
 /// per engine step, and both rows decode in every one of those steps (from the engine's
 /// step log, not from timing).
@@ -707,17 +723,7 @@ fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
             ..EngineConfig::default()
         },
     );
-    // Prompts with nothing in common (their first tokens differ).
-    let ids = |n: u32, seed: u32| -> Vec<u32> {
-        (0..n)
-            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed << 20) >> 7) % 250 + 3)
-            .collect()
-    };
-    let params = |max_tokens| GenerateParams {
-        max_tokens,
-        stop_at_eos: false,
-        ..GenerateParams::default()
-    };
+    let (ids, params) = (distinct_ids, no_eos);
     let first_token = |h: &mut engine::RequestHandle| loop {
         match h.recv_blocking() {
             Some(Event::Token { .. }) => break,
@@ -801,16 +807,7 @@ fn run_to_end(
 /// KV and decodes exactly what a cold engine decodes.
 #[test]
 fn a_turn_after_a_pipelined_reply_reuses_it_and_decodes_as_cold() {
-    let ids = |n: u32, seed: u32| -> Vec<u32> {
-        (0..n)
-            .map(|i| (i.wrapping_mul(2_654_435_761).wrapping_add(seed << 20) >> 7) % 250 + 3)
-            .collect()
-    };
-    let params = |max_tokens| GenerateParams {
-        max_tokens,
-        stop_at_eos: false,
-        ..GenerateParams::default()
-    };
+    let (ids, params) = (distinct_ids, no_eos);
     for cancel_after in [None, Some(3)] {
         let warm_dir = tempfile::tempdir().unwrap();
         let warm = open_engine(warm_dir.path(), EngineConfig::default());
