@@ -110,6 +110,9 @@ pub enum WriteError {
         /// What is wrong.
         reason: String,
     },
+    /// The remote tier did not take or answer a write.
+    #[error("remote tier: {0}")]
+    Remote(String),
     /// The store has no SSD tier (no root configured).
     #[error("the store has no SSD tier; set a root directory to persist blocks")]
     NoSsdTier,

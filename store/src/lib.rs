@@ -67,6 +67,7 @@ mod ssd;
 mod stats;
 mod store;
 mod text;
+pub mod tier;
 
 pub use block::{Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
 pub use codec::{BlockHeader, DecodeError};
@@ -82,3 +83,4 @@ pub use store::{
     WritesPaused,
 };
 pub use text::{escape_control, escape_path};
+pub use tier::{remote_tier, BlockTier, TierRead};

@@ -441,6 +441,31 @@ impl RemoteTier {
         self.per_key("GET", ns, keys)
     }
 
+    /// Deletes a block's value; whether Redis held it (`None` when unreachable).
+    pub(crate) fn delete(&self, ns: NamespaceId, key: BlockKey) -> Option<bool> {
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(redis_key(ns, key));
+        self.with_conn(Role::Write, |c| c.query::<u64>(&cmd))
+            .map(|n| n > 0)
+    }
+
+    /// Every block Redis holds (namespace, key, value bytes); keys of another format under
+    /// the prefix are skipped.
+    pub(crate) fn scan(&self) -> RedisResult<Vec<(NamespaceId, BlockKey, u64)>> {
+        let mut out = Vec::new();
+        scan_all(&self.config, &mut |k, len| {
+            let mut parts = k.split(':').skip(1);
+            if let (Some(Ok(ns)), Some(Ok(key)), None) = (
+                parts.next().map(str::parse::<NamespaceId>),
+                parts.next().map(str::parse::<BlockKey>),
+                parts.next(),
+            ) {
+                out.push((ns, key, len));
+            }
+        })?;
+        Ok(out)
+    }
+
     /// Stores a block's file bytes (with the configured TTL); whether it was stored.
     pub(crate) fn put(&self, ns: NamespaceId, key: BlockKey, bytes: &[u8]) -> bool {
         let mut cmd = redis::cmd("SET");
@@ -468,20 +493,13 @@ pub struct RemoteNamespaceUsage {
 /// master's) with SCAN and a pipelined STRLEN per batch, and sums blocks and bytes per
 /// namespace, largest first.
 pub fn inspect_remote(config: &RemoteConfig) -> RedisResult<Vec<RemoteNamespaceUsage>> {
-    let certs = read_certs(config)?;
     let mut by_ns: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
-    match cluster_parts(&config.url)? {
-        None => scan_node(&single_client(&config.url, certs)?, config, &mut by_ns)?,
-        Some((scheme, auth, seeds)) => {
-            let cluster = cluster_client(config, scheme, auth, &seeds, certs.clone())?;
-            let mut c = cluster.get_connection()?;
-            let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(&mut c)?;
-            for master in cluster_masters(&nodes) {
-                let client = single_client(&format!("{scheme}://{auth}{master}"), certs.clone())?;
-                scan_node(&client, config, &mut by_ns)?;
-            }
-        }
-    }
+    scan_all(config, &mut |key, len| {
+        let ns = key.split(':').nth(1).unwrap_or_default().to_string();
+        let e = by_ns.entry(ns).or_default();
+        e.0 += 1;
+        e.1 += len;
+    })?;
     let mut out: Vec<RemoteNamespaceUsage> = by_ns
         .into_iter()
         .map(|(namespace, (blocks, bytes))| RemoteNamespaceUsage {
@@ -492,6 +510,25 @@ pub fn inspect_remote(config: &RemoteConfig) -> RedisResult<Vec<RemoteNamespaceU
         .collect();
     out.sort_by_key(|n| std::cmp::Reverse(n.bytes));
     Ok(out)
+}
+
+/// Calls `visit(key, value length)` for every `kvstore:*` key the remote tier of `config`
+/// holds (on a cluster, every master's), with SCAN and a pipelined STRLEN per batch.
+fn scan_all(config: &RemoteConfig, visit: &mut dyn FnMut(&str, u64)) -> RedisResult<()> {
+    let certs = read_certs(config)?;
+    match cluster_parts(&config.url)? {
+        None => scan_node(&single_client(&config.url, certs)?, config, visit),
+        Some((scheme, auth, seeds)) => {
+            let cluster = cluster_client(config, scheme, auth, &seeds, certs.clone())?;
+            let mut c = cluster.get_connection()?;
+            let nodes: String = redis::cmd("CLUSTER").arg("NODES").query(&mut c)?;
+            for master in cluster_masters(&nodes) {
+                let client = single_client(&format!("{scheme}://{auth}{master}"), certs.clone())?;
+                scan_node(&client, config, visit)?;
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `host:port` of every master `CLUSTER NODES` lists.
@@ -509,11 +546,11 @@ fn cluster_masters(nodes: &str) -> Vec<String> {
         .collect()
 }
 
-/// Adds one node's `kvstore:*` keys to `by_ns` (namespace → blocks, bytes).
+/// Calls `visit(key, value length)` for each of one node's `kvstore:*` keys.
 fn scan_node(
     client: &redis::Client,
     config: &RemoteConfig,
-    by_ns: &mut std::collections::BTreeMap<String, (u64, u64)>,
+    visit: &mut dyn FnMut(&str, u64),
 ) -> RedisResult<()> {
     let mut c = client.get_connection_with_timeout(config.connect_timeout())?;
     c.set_read_timeout(Some(Duration::from_secs(5).max(config.io_timeout())))?;
@@ -533,10 +570,7 @@ fn scan_node(
             }
             let lens: Vec<u64> = p.query(&mut c)?;
             for (k, len) in keys.iter().zip(lens) {
-                let ns = k.split(':').nth(1).unwrap_or_default().to_string();
-                let e = by_ns.entry(ns).or_default();
-                e.0 += 1;
-                e.1 += len;
+                visit(k, len);
             }
         }
         cursor = next;

@@ -15,4 +15,5 @@ mod props;
 mod redis_server;
 mod remote;
 mod security;
+mod tier_contract;
 mod vectors;
