@@ -29,7 +29,8 @@ struct Ran {
     lru_budget: Option<u64>,
     /// Store or server counters before and after, for evictions and bytes moved.
     counters: serde_json::Value,
-    /// Shares by tier over the whole run where only the server's counters know them.
+    /// Lines on the tiers' counters over the run (hit shares by tier where only the
+    /// server's counters know them, evictions, bytes written).
     tier_note: Option<String>,
 }
 
@@ -287,8 +288,21 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget,
+        tier_note: match (&before, &after) {
+            (Some(b), Some(a)) => Some(format!(
+                "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD \
+                 evictions, {} spills to SSD, {} RAM and {} SSD hits",
+                a.blocks_written.saturating_sub(b.blocks_written),
+                (a.bytes_written.saturating_sub(b.bytes_written)) as f64 / 1048576.0,
+                a.ram_evictions.saturating_sub(b.ram_evictions),
+                a.ssd_evictions.saturating_sub(b.ssd_evictions),
+                a.spills.saturating_sub(b.spills),
+                a.ram_hits.saturating_sub(b.ram_hits),
+                a.ssd_hits.saturating_sub(b.ssd_hits)
+            )),
+            _ => None,
+        },
         counters: json!({"store_before": before, "store_after": after}),
-        tier_note: None,
     })
 }
 
@@ -347,9 +361,15 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({"server_metrics_delta": delta}),
         tier_note: (!tiers.is_empty()).then(|| {
+            let n = |k: &str| delta.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
             format!(
-                "by tier, from the server's counters over the run: {}",
-                tiers.join(", ")
+                "by tier, from the server's counters over the run: {}; {} device evictions; \
+                 store block hits: RAM {}, SSD {}; {:.1} MiB written to the store",
+                tiers.join(", "),
+                n("kvstore_device_evictions_total"),
+                n("kvstore_cache_hits_total{tier=\"ram\"}"),
+                n("kvstore_cache_hits_total{tier=\"ssd\"}"),
+                n("kvstore_cache_bytes_written_total") / 1048576.0
             )
         }),
     })
