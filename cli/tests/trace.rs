@@ -214,3 +214,73 @@ fn replay_over_http_reads_the_servers_cached_tokens() {
         30.0
     );
 }
+
+/// In process, the same fixture gets the same hits as over HTTP (the same engine, found the
+/// same way); a second arm without the cache draws both arms in one plot (`--compare`).
+#[test]
+fn in_process_arms_share_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
+    let f = fixture();
+    let (first, second, svg) = (
+        dir.path().join("a.json"),
+        dir.path().join("b.json"),
+        dir.path().join("ab.svg"),
+    );
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "trace",
+            f.to_str().unwrap(),
+            "--speed",
+            "1000",
+            "--max-concurrency",
+            "1",
+            "--token-scale",
+            "0.015625",
+            "--block-size",
+            "8",
+            "--model",
+            tiny.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = kvstore(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["--label", "cached", "--json", first.to_str().unwrap()]);
+    run(&[
+        "--no-cache",
+        "--label",
+        "cold",
+        "--compare",
+        first.to_str().unwrap(),
+        "--json",
+        second.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let hits = |p: &Path| -> Vec<u64> {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        v["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["cached_tokens"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(hits(&first), vec![0, 0, 15, 0, 15]);
+    assert_eq!(hits(&second), vec![0; 5]);
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    for name in [
+        ">cached<",
+        ">cold<",
+        ">cached (5 requests)<",
+        ">cold (5 requests)<",
+    ] {
+        assert!(svg.contains(name), "{name} missing: {svg}");
+    }
+}
