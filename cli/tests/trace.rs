@@ -126,3 +126,161 @@ fn a_malformed_line_fails_with_its_number_and_no_panic() {
         assert!(stderr.contains(what), "{flags:?}: {stderr}");
     }
 }
+
+/// `kvstore serve` on the tiny model at an ephemeral port; returns it and its address.
+fn serve(dir: &Path) -> (std::process::Child, String) {
+    use std::io::{BufRead, BufReader};
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvstore"))
+        .args(["serve", "--block-size", "8", "--port", "0", "--model"])
+        .arg(tiny)
+        .arg("--store")
+        .arg(dir)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("serve ended before listening").unwrap();
+        if let Some(a) = line.strip_prefix("kvstore serve: listening on ") {
+            break a.trim().to_string();
+        }
+    };
+    // Keep reading its log so that it never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    (child, addr)
+}
+
+/// Over HTTP, one request at a time, the server's `cached_tokens` are the ideal up to
+/// `len - 1` (the device tier, token by token), found through a whole kvstore block: at 8
+/// tokens a block (trace and kvstore) the fixture's prompts are [A B] 16, [X] 8, [A B] 16,
+/// [X] 8, [A B] 16 tokens, ideal 0, 0, 16, 8, 16, served 0, 0, 15, 0, 15. The second [X]
+/// could reuse at most 7 tokens, less than one kvstore block, and the device tier finds a
+/// resident sequence by the keys of the prompt's whole blocks: none. Every request
+/// generates its 16 / 64 -> 1 token.
+#[test]
+fn replay_over_http_reads_the_servers_cached_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, url) = serve(&dir.path().join("store"));
+    let json = dir.path().join("http.json");
+    let f = fixture();
+    let out = kvstore(&[
+        "bench",
+        "trace",
+        f.to_str().unwrap(),
+        "--speed",
+        "1000",
+        "--max-concurrency",
+        "1",
+        "--token-scale",
+        "0.015625",
+        "--url",
+        &url,
+        "--vocab",
+        "320",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let _ = server.kill();
+    let _ = server.wait();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["schema"], "kvstore.bench.trace.replay.v1");
+    let rows = v["requests"].as_array().unwrap();
+    let col = |k: &str| -> Vec<u64> { rows.iter().map(|r| r[k].as_u64().unwrap()).collect() };
+    assert_eq!(col("prompt_len"), vec![16, 8, 16, 8, 16]);
+    assert_eq!(col("prompt_tokens"), vec![16, 8, 16, 8, 16]);
+    assert_eq!(col("ideal_tokens"), vec![0, 0, 16, 8, 16]);
+    assert_eq!(col("cached_tokens"), vec![0, 0, 15, 0, 15]);
+    assert_eq!(col("completion_tokens"), vec![1; 5]);
+    for r in rows {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(
+            r["ttft_s"].as_f64().unwrap() <= r["e2e_s"].as_f64().unwrap(),
+            "{r}"
+        );
+    }
+    assert_eq!(v["overall"]["cached_tokens"], 30);
+    // The server's counters say where the hits came from: all from the device tier.
+    let delta = &v["counters"]["server_metrics_delta"];
+    assert_eq!(
+        delta["kvstore_cached_prompt_tokens_total{tier=\"device\"}"],
+        30.0
+    );
+}
+
+/// In process, the same fixture gets the same hits as over HTTP (the same engine, found the
+/// same way); a second arm without the cache draws both arms in one plot (`--compare`).
+#[test]
+fn in_process_arms_share_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
+    let f = fixture();
+    let (first, second, svg) = (
+        dir.path().join("a.json"),
+        dir.path().join("b.json"),
+        dir.path().join("ab.svg"),
+    );
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "trace",
+            f.to_str().unwrap(),
+            "--speed",
+            "1000",
+            "--max-concurrency",
+            "1",
+            "--token-scale",
+            "0.015625",
+            "--block-size",
+            "8",
+            "--model",
+            tiny.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let out = kvstore(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["--label", "cached", "--json", first.to_str().unwrap()]);
+    run(&[
+        "--no-cache",
+        "--label",
+        "cold",
+        "--compare",
+        first.to_str().unwrap(),
+        "--json",
+        second.to_str().unwrap(),
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let hits = |p: &Path| -> Vec<u64> {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        v["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["cached_tokens"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(hits(&first), vec![0, 0, 15, 0, 15]);
+    assert_eq!(hits(&second), vec![0; 5]);
+    let svg = std::fs::read_to_string(&svg).unwrap();
+    for name in [
+        ">cached<",
+        ">cold<",
+        ">cached (5 requests)<",
+        ">cold (5 requests)<",
+    ] {
+        assert!(svg.contains(name), "{name} missing: {svg}");
+    }
+}

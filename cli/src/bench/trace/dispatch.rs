@@ -23,6 +23,9 @@ pub struct Outcome {
     pub cached_ssd_tokens: Option<usize>,
     /// Of those, fetched from the remote tier.
     pub cached_remote_tokens: Option<usize>,
+    /// Cached host blocks (RAM, SSD, remote) left unrestored because the cost model
+    /// estimated recomputing them faster.
+    pub blocks_skipped: Option<usize>,
     /// Tokens generated.
     pub completion_tokens: usize,
     /// Seconds from sending to the first generated token.

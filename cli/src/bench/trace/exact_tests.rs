@@ -161,5 +161,6 @@ fn store_only_replay_hits_the_ideal_in_whole_kvstore_blocks() {
         assert_eq!(o.cached_tokens, want, "r{i}: {o:?}");
         assert_eq!(o.cached_device_tokens, Some(0), "r{i}: {o:?}");
         assert_eq!(o.cached_ram_tokens, Some(want), "r{i}: {o:?}");
+        assert_eq!(o.blocks_skipped, Some(0), "r{i}: {o:?}");
     }
 }

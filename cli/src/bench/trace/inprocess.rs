@@ -42,6 +42,9 @@ impl Target for EngineTarget<'_> {
                         cached_ram_tokens: Some(r.cached_ram_tokens),
                         cached_ssd_tokens: Some(r.cached_ssd_tokens),
                         cached_remote_tokens: Some(r.cached_remote_tokens),
+                        blocks_skipped: Some(
+                            r.ram_blocks_skipped + r.ssd_blocks_skipped + r.remote_blocks_skipped,
+                        ),
                         completion_tokens: c.completion_tokens,
                         ttft_s,
                         e2e_s: Some(t0.elapsed().as_secs_f64()),

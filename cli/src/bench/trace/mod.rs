@@ -60,6 +60,13 @@ pub struct Args {
     /// simulated LRU, TTFT CDF).
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// The replay's name in its JSON and plot. Default: the target (`in process`, the URL).
+    #[arg(long, value_name = "NAME")]
+    label: Option<String>,
+    /// Also draw an earlier replay's `--json` in the plot (hit share per minute, TTFT CDF);
+    /// repeatable, for arms run one after another on the same window.
+    #[arg(long, value_name = "FILE")]
+    compare: Vec<PathBuf>,
     /// Replay against a running server (`http://host:port`) instead of an engine in this
     /// process. Its `/v1/completions` must take token-id prompts.
     #[arg(long, value_name = "URL")]

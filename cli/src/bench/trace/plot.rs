@@ -3,7 +3,9 @@
 
 use std::fmt::Write;
 
-const COLORS: [&str; 4] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"];
+const COLORS: [&str; 6] = [
+    "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+];
 
 /// A plot area and its data ranges.
 struct Panel {
@@ -104,6 +106,8 @@ pub struct Series {
     pub name: String,
     /// One value per minute.
     pub per_minute: Vec<Option<f64>>,
+    /// Drawn dashed (the simulated references).
+    pub dashed: bool,
 }
 
 /// The whole figure: `shares` per minute on the left, the TTFT CDF of each named sample of
@@ -145,7 +149,7 @@ pub fn svg(title: &str, shares: &[Series], ttfts: &[(String, Vec<f64>)]) -> Stri
             .enumerate()
             .filter_map(|(m, v)| v.map(|v| (m as f64, v)))
             .collect();
-        left.line(&mut s, &pts, color, k > 0);
+        left.line(&mut s, &pts, color, x.dashed);
         legend.push((x.name.clone(), color));
     }
     left.legend(&mut s, &legend);
@@ -193,14 +197,17 @@ mod tests {
             Series {
                 name: "kvstore".into(),
                 per_minute: vec![Some(0.1), None, Some(0.3)],
+                dashed: false,
             },
             Series {
                 name: "ideal".into(),
                 per_minute: vec![Some(0.2), Some(0.2), Some(0.4)],
+                dashed: true,
             },
         ];
         let out = svg("t", &shares, &[("run".into(), vec![0.5, 1.0, 2.0])]);
         assert_eq!(out.matches("<polyline").count(), 3);
+        assert_eq!(out.matches("stroke-dasharray").count(), 1);
         assert!(out.contains(">kvstore<") && out.contains(">ideal<"));
         assert!(out.contains("run (3 requests)"));
         // Minute 1 of the first series is absent: two points, not three.

@@ -29,7 +29,8 @@ struct Ran {
     lru_budget: Option<u64>,
     /// Store or server counters before and after, for evictions and bytes moved.
     counters: serde_json::Value,
-    /// Shares by tier over the whole run where only the server's counters know them.
+    /// Lines on the tiers' counters over the run (hit shares by tier where only the
+    /// server's counters know them, evictions, bytes written).
     tier_note: Option<String>,
 }
 
@@ -57,6 +58,12 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             sent,
         })
         .collect();
+    let label = args.label.clone().unwrap_or_else(|| {
+        ran.target["name"]
+            .as_str()
+            .unwrap_or("this run")
+            .to_string()
+    });
     let start_ms = (s.window.start_s * 1000.0) as u64;
     let overall = report::summarize(&rows.iter().collect::<Vec<_>>());
     let minutes = report::per_minute(&rows, start_ms);
@@ -87,6 +94,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "token_scale": s.scale.factor(),
             "block_tokens": s.scale.block(),
             "max_concurrency": s.max_concurrency,
+            "label": label,
             "target": ran.target,
             "lru_budget_tokens": ran.lru_budget,
             "wall_s": ran.wall_s,
@@ -105,33 +113,82 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
                 .map(|m| if m.requests > m.failed { f(m) } else { None })
                 .collect()
         };
-        let mut series = vec![
-            Series {
-                name: "measured".into(),
-                per_minute: per(&|m| Some(m.hit_share)),
-            },
-            Series {
-                name: "ideal (unbounded)".into(),
-                per_minute: per(&|m| Some(m.ideal_share)),
-            },
-        ];
+        let mut series = vec![Series {
+            name: label.clone(),
+            per_minute: per(&|m| Some(m.hit_share)),
+            dashed: false,
+        }];
+        let mut ttfts = vec![(
+            label.clone(),
+            rows.iter().filter_map(|r| r.sent.outcome.ttft_s).collect(),
+        )];
+        for file in &args.compare {
+            let (name, hits, ttft) = earlier_run(file)?;
+            series.push(Series {
+                name: name.clone(),
+                per_minute: hits,
+                dashed: false,
+            });
+            ttfts.push((name, ttft));
+        }
+        series.push(Series {
+            name: "ideal (unbounded, simulated)".into(),
+            per_minute: per(&|m| Some(m.ideal_share)),
+            dashed: true,
+        });
         if let Some(b) = ran.lru_budget {
             series.push(Series {
-                name: format!("LRU, {b} tokens (simulated)"),
+                name: format!("LRU of {b} tokens (simulated)"),
                 per_minute: per(&|m| m.lru_share),
+                dashed: true,
             });
         }
-        let ttft: Vec<f64> = rows.iter().filter_map(|r| r.sent.outcome.ttft_s).collect();
-        let name = ran.target["name"].as_str().unwrap_or("run").to_string();
         let svg = plot::svg(
             &format!("kvstore bench trace: {}", args.file.display()),
             &series,
-            &[(name, ttft)],
+            &ttfts,
         );
         std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
     Ok(())
+}
+
+/// An earlier replay's `--json`: its label, hit share per minute and TTFTs.
+type Earlier = (String, Vec<Option<f64>>, Vec<f64>);
+
+/// Reads an earlier replay's `--json` for `--compare`.
+fn earlier_run(path: &std::path::Path) -> Result<Earlier> {
+    let text = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if v["schema"] != "kvstore.bench.trace.replay.v1" {
+        bail!(
+            "{} is not the --json of a bench trace replay (schema {})",
+            path.display(),
+            v["schema"]
+        );
+    }
+    let name = v["label"]
+        .as_str()
+        .unwrap_or_else(|| v["target"]["name"].as_str().unwrap_or("earlier run"))
+        .to_string();
+    let hits = v["per_minute"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|m| {
+                    let ran = m["requests"].as_u64() > m["failed"].as_u64();
+                    m["hit_share"].as_f64().filter(|_| ran)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ttft = v["requests"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|r| r["ttft_s"].as_f64()).collect())
+        .unwrap_or_default();
+    Ok((name, hits, ttft))
 }
 
 fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
@@ -288,8 +345,21 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget,
+        tier_note: match (&before, &after) {
+            (Some(b), Some(a)) => Some(format!(
+                "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD \
+                 evictions, {} spills to SSD, {} RAM and {} SSD hits",
+                a.blocks_written.saturating_sub(b.blocks_written),
+                (a.bytes_written.saturating_sub(b.bytes_written)) as f64 / 1048576.0,
+                a.ram_evictions.saturating_sub(b.ram_evictions),
+                a.ssd_evictions.saturating_sub(b.ssd_evictions),
+                a.spills.saturating_sub(b.spills),
+                a.ram_hits.saturating_sub(b.ram_hits),
+                a.ssd_hits.saturating_sub(b.ssd_hits)
+            )),
+            _ => None,
+        },
         counters: json!({"store_before": before, "store_after": after}),
-        tier_note: None,
     })
 }
 
@@ -348,9 +418,15 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({"server_metrics_delta": delta}),
         tier_note: (!tiers.is_empty()).then(|| {
+            let n = |k: &str| delta.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
             format!(
-                "by tier, from the server's counters over the run: {}",
-                tiers.join(", ")
+                "by tier, from the server's counters over the run: {}; {} device evictions; \
+                 store block hits: RAM {}, SSD {}; {:.1} MiB written to the store",
+                tiers.join(", "),
+                n("kvstore_device_evictions_total"),
+                n("kvstore_cache_hits_total{tier=\"ram\"}"),
+                n("kvstore_cache_hits_total{tier=\"ssd\"}"),
+                n("kvstore_cache_bytes_written_total") / 1048576.0
             )
         }),
     })

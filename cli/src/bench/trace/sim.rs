@@ -11,8 +11,6 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use serde::Serialize;
-
 use super::parse::TraceRequest;
 use super::scale::TokenScale;
 
@@ -90,8 +88,7 @@ impl SimTrace {
 }
 
 /// Which block leaves a full cache.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "kebab-case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
     /// Least recently used, blocks touched in prompt order: a request's first block is its
     /// least recent, as in a store tier that publishes blocks in order.
