@@ -19,10 +19,20 @@ use crate::common::goldens;
 const MODEL: &str = "tiny-qwen3";
 
 fn open_engine(dir: &std::path::Path, config: EngineConfig) -> Arc<Engine> {
+    open_salted_engine(dir, None, config)
+}
+
+/// An engine on the store at `dir` configured with cache salt `salt` (`--cache-salt`).
+fn open_salted_engine(
+    dir: &std::path::Path,
+    salt: Option<&str>,
+    config: EngineConfig,
+) -> Arc<Engine> {
     let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
     let reuse = ReuseConfig {
         store: StoreConfig::default().root(dir),
         block_size: 8,
+        salt: salt.map(String::from),
         ..ReuseConfig::default()
     };
     let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
@@ -35,7 +45,17 @@ struct Server {
     engine: Arc<Engine>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// The server settings of these tests, guarded by `api_key` when given.
+fn server_config(api_key: Option<&str>) -> ServerConfig {
+    ServerConfig {
+        model_id: MODEL.into(),
+        api_key: api_key.map(String::from),
+        max_body_bytes: 64 << 10,
+        max_tokens_limit: 4096,
+    }
 }
 
 impl Server {
@@ -46,15 +66,14 @@ impl Server {
     fn start_with(api_key: Option<&str>, config: EngineConfig, limits: ConnectionLimits) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let engine = open_engine(dir.path(), config);
-        let app = router(
-            engine.clone(),
-            ServerConfig {
-                model_id: MODEL.into(),
-                api_key: api_key.map(String::from),
-                max_body_bytes: 64 << 10,
-                max_tokens_limit: 4096,
-            },
-        );
+        let mut srv = Self::serve(engine, server_config(api_key), limits);
+        srv._dir = Some(dir);
+        srv
+    }
+
+    /// A server over `engine` with `config` (the caller owns the engine's store).
+    fn serve(engine: Arc<Engine>, config: ServerConfig, limits: ConnectionLimits) -> Server {
+        let app = router(engine.clone(), config);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -78,7 +97,7 @@ impl Server {
             engine,
             stop: Some(stop),
             thread: Some(thread),
-            _dir: dir,
+            _dir: None,
         }
     }
 
@@ -412,6 +431,93 @@ fn requests_with_different_cache_salts_never_share_blocks() {
         assert_eq!(r.status, 400, "{}", r.body);
         assert_eq!(r.error()["param"], "cache_salt");
     }
+}
+
+/// The collision of issue 19: a server configured with `--cache-salt "request:8:tenant-a"`
+/// used to put its unsalted requests in the namespace of requests salted `tenant-a` on a
+/// server without one, since the configured salt went into the namespace verbatim.
+#[test]
+fn a_configured_salt_never_shares_a_namespace_with_a_request_salt_on_another_server() {
+    let lookalike = "request:8:tenant-a";
+    assert_ne!(
+        engine::combined_salt(Some(lookalike), None),
+        engine::combined_salt(None, Some("tenant-a"))
+    );
+    // Distinct (configured, request) pairs never encode alike; equal pairs always do.
+    let salts = [
+        None,
+        Some("a"),
+        Some("b"),
+        Some("a;request=1:b"),
+        Some("-"),
+        Some("1:a"),
+        Some(lookalike),
+        Some("kvstore.salt/2;server=-;request=1:a"),
+    ];
+    let mut seen = std::collections::HashMap::new();
+    for c in salts {
+        for r in salts {
+            let e = engine::combined_salt(c, r);
+            assert_eq!(e, engine::combined_salt(c, r));
+            assert_eq!(e.is_none(), c.is_none() && r.is_none());
+            if let Some(prev) = seen.insert(e.clone(), (c, r)) {
+                panic!("{prev:?} and {:?} both encode as {e:?}", (c, r));
+            }
+        }
+    }
+
+    // Through two servers sharing one store, one after the other (one writer per store).
+    let dir = tempfile::tempdir().unwrap();
+    let serve = |salt: Option<&str>| {
+        let engine = open_salted_engine(dir.path(), salt, EngineConfig::default());
+        Server::serve(engine, server_config(None), ConnectionLimits::default())
+    };
+    let body = |salt: Option<&str>| {
+        let mut b = chat("Name the tiers of the block store, fastest first.", 4);
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    let cached = |srv: &Server, salt: Option<&str>| {
+        let r = srv.post("/v1/chat/completions", &body(salt));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let configured = serve(Some(lookalike));
+    assert_eq!(cached(&configured, None), 0);
+    assert!(cached(&configured, None) > 0, "equal pairs must share");
+    let configured_ns = configured.engine.prefix_cache().unwrap().namespace();
+    drop(configured);
+
+    let plain = serve(None);
+    assert_eq!(
+        cached(&plain, Some("tenant-a")),
+        0,
+        "a request salted tenant-a hit the blocks of a server configured with {lookalike:?}"
+    );
+    assert!(
+        cached(&plain, Some("tenant-a")) > 0,
+        "equal pairs must share"
+    );
+    let tenant_ns = plain
+        .engine
+        .prefix_cache()
+        .unwrap()
+        .namespace_for(Some("tenant-a"))
+        .unwrap();
+    assert_ne!(tenant_ns, configured_ns);
+    drop(plain);
+
+    // The derivation is reproducible: the configured server, restarted, finds its blocks.
+    let again = serve(Some(lookalike));
+    assert_eq!(
+        again.engine.prefix_cache().unwrap().namespace(),
+        configured_ns
+    );
+    assert!(cached(&again, None) > 0, "a restart lost the namespace");
 }
 
 #[test]
