@@ -55,6 +55,7 @@ fn server_config(api_key: Option<&str>) -> ServerConfig {
         api_key: api_key.map(String::from),
         max_body_bytes: 64 << 10,
         max_tokens_limit: 4096,
+        ..ServerConfig::default()
     }
 }
 
@@ -673,6 +674,8 @@ fn an_api_key_guards_the_api_but_not_health() {
     let r = srv.request("POST", "/v1/chat/completions", Some("sk-test"), &body);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(srv.request("GET", "/health", None, "").status, 200);
+    // /metrics stays open by default, as vLLM's does (`metrics_need_key` closes it).
+    assert_eq!(srv.request("GET", "/metrics", None, "").status, 200);
     let r = srv.request("GET", "/v1/models", Some("sk-test"), "");
     assert_eq!(r.json()["data"][0]["id"], MODEL);
 }
