@@ -30,7 +30,7 @@ pub struct Args {
     /// Most requests decoding together.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Requests waiting for admission before new ones get 429.
+    /// Requests waiting for admission before new ones get 503 (`queue_full`).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Most prompt tokens prefilled per engine step while other requests decode: a long

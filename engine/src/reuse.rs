@@ -889,10 +889,7 @@ fn not_writable(e: &std::io::Error) -> bool {
 }
 
 fn poisoned() -> EngineError {
-    EngineError::InvalidParameter {
-        name: "prefix cache",
-        message: "a thread panicked while holding the prefix cache lock".into(),
-    }
+    EngineError::Poisoned("prefix cache")
 }
 
 /// Generates after `prompt` reusing cached prefixes: restore, prefill the rest, generate,

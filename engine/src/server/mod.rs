@@ -208,15 +208,19 @@ fn now() -> u64 {
 }
 
 async fn health(State(s): State<Shared>) -> Response {
-    if s.engine.is_accepting() {
-        Json(json!({"status": "ok"})).into_response()
+    let status = if !s.engine.is_accepting() {
+        "shutting_down"
+    } else if !s.engine.is_running() {
+        // The engine thread died (a bug): every request would fail; take this server out.
+        "engine_stopped"
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "shutting_down"})),
-        )
-            .into_response()
-    }
+        return Json(json!({"status": "ok"})).into_response();
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": status})),
+    )
+        .into_response()
 }
 
 async fn models(State(s): State<Shared>) -> Json<Value> {
@@ -260,8 +264,8 @@ async fn flush(State(s): State<Shared>) -> Result<Json<Value>, ApiError> {
     let t = std::time::Instant::now();
     tokio::task::spawn_blocking(move || engine.flush())
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(format!("flush failed: {e}")))?;
+        .map_err(|e| ApiError::internal(format!("the flush task failed: {e}")))?
+        .map_err(ApiError::from)?;
     Ok(Json(json!({
         "flushed": true,
         "seconds": t.elapsed().as_secs_f64(),
@@ -663,10 +667,10 @@ async fn generate_endpoint(
         }
     })
     .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
     let context = s.engine.context_limit();
     if prompt.len() >= context {
-        return Err(ApiError::invalid(crate::EngineError::PromptTooLong {
+        return Err(ApiError::from(crate::EngineError::PromptTooLong {
             prompt: prompt.len(),
             context,
         }));
@@ -743,13 +747,11 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
                 }))
                 .into_response());
             }
-            Event::Failed(e) => return Err(ApiError::internal(e.to_string())),
+            Event::Failed(e) => return Err(e.into()),
             _ => {}
         }
     }
-    Err(ApiError::internal(
-        "the engine stopped before the request finished",
-    ))
+    Err(crate::EngineError::EngineStopped.into())
 }
 
 /// The error a request cut off before its end gets: its partial output is not a reply, and
@@ -879,14 +881,19 @@ impl StreamState {
                 self.out.push_back(SseEvent::default().data("[DONE]"));
                 false
             }
-            Some(Event::Failed(e)) => {
-                let err = ApiError::internal(e.to_string());
+            // Events end with Finished or Failed; a stream that ends without one lost its
+            // engine thread.
+            e @ (Some(Event::Failed(_)) | None) => {
+                let e = match e {
+                    Some(Event::Failed(e)) => e,
+                    _ => crate::EngineError::EngineStopped,
+                };
+                let err = ApiError::from(e);
                 self.out
                     .push_back(SseEvent::default().data(err.body().to_string()));
                 self.out.push_back(SseEvent::default().data("[DONE]"));
                 false
             }
-            None => false,
         }
     }
 }

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use engine::server::{router, serve_with_limits, ConnectionLimits, ServerConfig};
 use engine::{
-    generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, LoadOptions,
-    PrefixCache, Request, ReuseConfig, SubmitError,
+    generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, InjectedFault,
+    LoadOptions, PrefixCache, Request, ReuseConfig, SubmitError,
 };
 use serde_json::{json, Value};
 use store::StoreConfig;
@@ -1217,8 +1217,10 @@ fn json_endpoints_need_a_json_content_type() {
     assert_eq!(Response::parse(&raw).status, 200);
 }
 
+/// Overload is the server's passing condition, not the client's mistake: 503 with
+/// `Retry-After`, as OpenAI answers "the engine is currently overloaded".
 #[test]
-fn a_full_queue_answers_429_with_retry_after() {
+fn a_full_queue_answers_503_with_retry_after() {
     let srv = Server::start(
         None,
         EngineConfig {
@@ -1235,8 +1237,134 @@ fn a_full_queue_answers_429_with_retry_after() {
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
     let text = String::from_utf8_lossy(&raw).to_ascii_lowercase();
-    assert!(text.starts_with("http/1.1 429"), "{text}");
+    assert!(text.starts_with("http/1.1 503"), "{text}");
     assert!(text.contains("retry-after: 1\r\n"), "{text}");
+    let e = Response::parse(&raw).error();
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "queue_full");
+}
+
+/// Asserts the OpenAI error shape with all four fields, and returns the error object.
+fn openai_error(r: &Response, status: u16) -> Value {
+    assert_eq!(r.status, status, "{}", r.body);
+    let e = r.error();
+    for field in ["message", "type", "param", "code"] {
+        assert!(e.get(field).is_some(), "no {field} in {e}");
+    }
+    e
+}
+
+/// A 4xx condition met only at admission (the engine's cap on cache salts) is the client's,
+/// not a 500 as it was when every failure after submission became a 500.
+#[test]
+fn a_refusal_at_admission_is_a_400_naming_the_parameter() {
+    let srv = Server::start(None, EngineConfig::default());
+    let prefix = srv.engine.prefix_cache().unwrap();
+    // Fill the engine's table of salted namespaces (4,096) through the library.
+    let mut n = 0;
+    while prefix.namespace_for(Some(&format!("filler-{n}"))).is_ok() {
+        n += 1;
+        assert!(n <= 100_000, "the cache salt cap never came");
+    }
+    assert_eq!(n, 4096);
+    let mut body = chat("hi", 2);
+    body["cache_salt"] = json!("one-too-many");
+    let e = openai_error(&srv.post("/v1/chat/completions", &body), 400);
+    assert_eq!(e["type"], "invalid_request_error");
+    assert_eq!(e["param"], "cache_salt");
+    assert!(e["message"].as_str().unwrap().contains("4096"), "{e}");
+    // A known salt is still served.
+    body["cache_salt"] = json!("filler-7");
+    assert_eq!(srv.post("/v1/chat/completions", &body).status, 200);
+}
+
+#[test]
+fn a_poisoned_lock_is_a_500_not_the_clients_fault() {
+    let srv = Server::start(None, EngineConfig::default());
+    let prefix = srv.engine.prefix_cache().unwrap();
+    std::thread::scope(|s| {
+        let poisoner = s.spawn(|| {
+            let _held = prefix.resident().unwrap();
+            panic!("a thread dies holding the device tier's lock (expected in this test)");
+        });
+        assert!(poisoner.join().is_err());
+    });
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 2)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "internal_error");
+    assert!(e["param"].is_null(), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("prefix cache lock"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_failed_batch_step_is_a_500_streamed_or_not() {
+    let srv = Server::start(None, EngineConfig::default());
+    srv.engine.inject_fault(InjectedFault::FailNextStep);
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 8)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "internal_error");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("generation step failed"),
+        "{e}"
+    );
+    // Streamed: the status is already sent, so the error object is the last event.
+    srv.engine.inject_fault(InjectedFault::FailNextStep);
+    let mut body = chat("hi", 8);
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["type"], "server_error", "{events:?}");
+    assert_eq!(last["error"]["code"], "internal_error", "{events:?}");
+    // The engine goes on serving.
+    assert_eq!(srv.post("/v1/chat/completions", &chat("hi", 2)).status, 200);
+    assert_eq!(srv.engine.metrics().requests_failed, 2);
+}
+
+#[test]
+fn a_vanished_engine_thread_is_a_500_and_fails_the_health_check() {
+    let srv = Server::start(None, EngineConfig::default());
+    // A request in flight when the engine thread dies.
+    let body = chat("Tell me a very long story.", 2000).to_string();
+    let mut s = srv.send("POST", "/v1/chat/completions", None, &body);
+    let t = Instant::now();
+    while srv.engine.metrics().generated_tokens < 3 {
+        assert!(t.elapsed() < Duration::from_secs(60), "never decoded");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    srv.engine.inject_fault(InjectedFault::PanicEngineThread);
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let e = openai_error(&Response::parse(&raw), 500);
+    assert_eq!(e["code"], "engine_stopped");
+    // The thread ends once it has unwound (its channels close first).
+    let t = Instant::now();
+    while srv.engine.is_running() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the engine thread never ended"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // New requests: the engine's failure (500), not a shutdown (503) or a bad request (400).
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 2)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "engine_stopped");
+    let health = srv.request("GET", "/health", None, "");
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.json()["status"], "engine_stopped");
 }
 
 #[test]
