@@ -226,8 +226,11 @@ fn api_key(args: &Args) -> Result<Option<String>> {
         (k.clone(), "--api-key".to_string())
     } else if let Some(path) = &args.api_key_file {
         let shown = store::escape_path(path);
-        let bytes = std::fs::read(path)
+        let bytes = read_capped(path, MAX_KEY_FILE_BYTES)
             .with_context(|| format!("reading the API key from {shown} (--api-key-file)"))?;
+        let Some(bytes) = bytes else {
+            bail!("the API key file {shown} is over {MAX_KEY_FILE_BYTES} bytes: not a key");
+        };
         let Ok(key) = String::from_utf8(bytes) else {
             bail!("the API key file {shown} is not UTF-8 text");
         };
@@ -255,6 +258,19 @@ fn api_key(args: &Args) -> Result<Option<String>> {
         );
     }
     Ok(Some(key.to_string()))
+}
+
+/// Largest API key file read; a longer one (or `/dev/zero`) is refused, not read whole.
+const MAX_KEY_FILE_BYTES: u64 = 64 << 10;
+
+/// The contents of `path` when at most `max` bytes long, else `None`.
+fn read_capped(path: &std::path::Path, max: u64) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_end(&mut bytes)?;
+    Ok((bytes.len() as u64 <= max).then_some(bytes))
 }
 
 /// Warns when a key file is readable by other users (as ssh does for private keys).

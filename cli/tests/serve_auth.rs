@@ -157,6 +157,10 @@ fn unusable_key_settings_are_refused_at_start_up() {
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(text(&out).contains("API key is empty"), "{}", text(&out));
 
+    let out = run(serve().args(["--api-key-file", "/dev/zero"]));
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("not a key"), "{}", text(&out));
+
     let missing = dir.path().join("no-such-key");
     let out = run(serve().arg("--api-key-file").arg(&missing));
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
