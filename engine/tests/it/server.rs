@@ -1258,7 +1258,16 @@ fn openai_error(r: &Response, status: u16) -> Value {
 /// not a 500 as it was when every failure after submission became a 500.
 #[test]
 fn a_refusal_at_admission_is_a_400_naming_the_parameter() {
-    let srv = Server::start(None, EngineConfig::default());
+    // 4,096 namespaces are 4,096 fsync'd registrations: on tmpfs where there is one
+    // (37 s on the development VM's disk, under a second on /dev/shm).
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    };
+    let engine = open_engine(dir.path(), EngineConfig::default());
+    let srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
     let prefix = srv.engine.prefix_cache().unwrap();
     // Fill the engine's table of salted namespaces (4,096) through the library.
     let mut n = 0;
@@ -1336,19 +1345,33 @@ fn a_failed_batch_step_is_a_500_streamed_or_not() {
 #[test]
 fn a_vanished_engine_thread_is_a_500_and_fails_the_health_check() {
     let srv = Server::start(None, EngineConfig::default());
-    // A request in flight when the engine thread dies.
-    let body = chat("Tell me a very long story.", 2000).to_string();
-    let mut s = srv.send("POST", "/v1/chat/completions", None, &body);
+    // Two requests in flight when the engine thread dies, one of them streamed.
+    let mut body = chat("Tell me a very long story.", 2000);
+    let mut whole = srv.send("POST", "/v1/chat/completions", None, &body.to_string());
+    body["stream"] = json!(true);
+    let mut streamed = srv.send("POST", "/v1/chat/completions", None, &body.to_string());
     let t = Instant::now();
-    while srv.engine.metrics().generated_tokens < 3 {
+    while srv.engine.metrics().active_rows < 2 || srv.engine.metrics().generated_tokens < 6 {
         assert!(t.elapsed() < Duration::from_secs(60), "never decoded");
         std::thread::sleep(Duration::from_millis(5));
     }
     srv.engine.inject_fault(InjectedFault::PanicEngineThread);
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
+    whole.read_to_end(&mut raw).unwrap();
     let e = openai_error(&Response::parse(&raw), 500);
     assert_eq!(e["code"], "engine_stopped");
+    let mut raw = Vec::new();
+    streamed.read_to_end(&mut raw).unwrap();
+    let r = Response::parse(&raw);
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["code"], "engine_stopped", "{events:?}");
     // The thread ends once it has unwound (its channels close first).
     let t = Instant::now();
     while srv.engine.is_running() {
