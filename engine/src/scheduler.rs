@@ -347,6 +347,9 @@ pub enum InjectedFault {
     FailNextStep,
     /// The engine thread panics when it reads this command.
     PanicEngineThread,
+    /// The next prefill chunk fails with an error whose type reads like a bad argument
+    /// (as the model's checks on its inputs would raise on an engine bug).
+    FailNextPrefill,
 }
 
 struct Pending {
@@ -539,6 +542,7 @@ impl Engine {
             reserved: 0,
             draining: None,
             fail_next_step: false,
+            fail_next_prefill: false,
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
@@ -844,6 +848,8 @@ struct Worker {
     draining: Option<bool>,
     /// Set by [`InjectedFault::FailNextStep`].
     fail_next_step: bool,
+    /// Set by [`InjectedFault::FailNextPrefill`].
+    fail_next_prefill: bool,
 }
 
 impl Worker {
@@ -921,6 +927,7 @@ impl Worker {
                 self.draining = Some(d);
             }
             Command::Fault(InjectedFault::FailNextStep) => self.fail_next_step = true,
+            Command::Fault(InjectedFault::FailNextPrefill) => self.fail_next_prefill = true,
             Command::Fault(InjectedFault::PanicEngineThread) => {
                 panic!("engine thread panicked: fault injected by a test")
             }
@@ -1108,7 +1115,12 @@ impl Worker {
             let held = r.cache.offset();
             let rest = &r.p.request.prompt[held..];
             let t = Instant::now();
-            let result = if rest.len() > chunk {
+            let result = if std::mem::take(&mut self.fail_next_prefill) {
+                Err(EngineError::InvalidParameter {
+                    name: "tokens",
+                    message: "fault injected by a test".into(),
+                })
+            } else if rest.len() > chunk {
                 self.model
                     .prefill_chunk(&rest[..chunk], &mut r.cache)
                     .map(|()| None)
@@ -1127,14 +1139,14 @@ impl Worker {
                     let reserve = r.p.reserve;
                     let tx = r.p.tx.clone();
                     if let Err(e) = self.join_batch(r, &logits) {
-                        self.fail_prefill(id, &tx, reserve, e);
+                        self.fail_prefill(id, &tx, reserve, ours(e));
                         self.reserved = self.reserved.saturating_sub(reserve);
                     }
                     return Some((id, computed));
                 }
                 Err(e) => {
                     let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
-                    self.fail_prefill(id, &tx, reserve, e);
+                    self.fail_prefill(id, &tx, reserve, ours(e));
                     self.reserved = self.reserved.saturating_sub(reserve);
                     return Some((id, computed));
                 }
@@ -1532,6 +1544,16 @@ impl Worker {
         }
         self.reserved = 0;
         self.set_gauges();
+    }
+}
+
+/// An error of work the engine does for a request it admitted (a prefill chunk, the first
+/// pick): the request was checked at submission and admission, so this is the engine's
+/// failure even when its type reads like a bad argument (a model's check on its inputs).
+fn ours(e: EngineError) -> EngineError {
+    match e.class() {
+        ErrorClass::Invalid => EngineError::StepFailed(e.to_string()),
+        _ => e,
     }
 }
 

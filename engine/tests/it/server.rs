@@ -1342,6 +1342,23 @@ fn a_failed_batch_step_is_a_500_streamed_or_not() {
     assert_eq!(srv.engine.metrics().requests_failed, 2);
 }
 
+/// A prefill that fails after admission is the engine's failure even when the error's
+/// type reads like a bad argument (the model's checks on its inputs raise those).
+#[test]
+fn a_failed_prefill_is_a_500_whatever_the_errors_type() {
+    let srv = Server::start(None, EngineConfig::default());
+    srv.engine.inject_fault(InjectedFault::FailNextPrefill);
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 4)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "internal_error");
+    assert!(e["param"].is_null(), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("fault injected"),
+        "{e}"
+    );
+    assert_eq!(srv.post("/v1/chat/completions", &chat("hi", 2)).status, 200);
+}
+
 #[test]
 fn a_vanished_engine_thread_is_a_500_and_fails_the_health_check() {
     let srv = Server::start(None, EngineConfig::default());
