@@ -1338,7 +1338,7 @@ impl Worker {
                     match pick.read() {
                         Ok(sampled) => row.next = Some(sampled),
                         Err(e) => {
-                            failed.push((i, e));
+                            failed.push((i, ours(e)));
                             continue;
                         }
                     }
