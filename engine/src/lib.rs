@@ -40,20 +40,20 @@ pub mod server;
 mod tokenizer;
 mod weights;
 
-pub use error::{EngineError, Result};
+pub use error::{EngineError, ErrorClass, Result};
 pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
 };
 pub use layers::RopeScaling;
 pub use model::{KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
 pub use reuse::{
-    generate_with_reuse, namespace_description, HostPrefix, PrefixCache, Prepared, ReuseConfig,
-    ReuseReport,
+    combined_salt, generate_with_reuse, namespace_description, HostPrefix, PrefixCache, Prepared,
+    ReuseConfig, ReuseReport,
 };
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{
-    CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, Request, RequestHandle,
-    StepRecord, SubmitError, TTFT_BUCKETS,
+    CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, InjectedFault, Request,
+    RequestHandle, StepRecord, SubmitError, TTFT_BUCKETS,
 };
 pub use tokenizer::{
     chat_request_parts, render_template, Tokenizer, MAX_RENDER_BYTES, RENDER_FUEL_BASE,

@@ -268,6 +268,8 @@ pub struct PrefixCache {
     store: Store,
     namespace: NamespaceId,
     description: NamespaceDescription,
+    /// The engine's configured salt ([`ReuseConfig::salt`]), combined with each request's.
+    salt: Option<String>,
     /// Namespaces of per-request cache salts, registered on first use.
     salted: Mutex<HashMap<String, NamespaceId>>,
     layers: usize,
@@ -360,17 +362,30 @@ pub fn check_cache_salt(salt: &str) -> Result<()> {
     Ok(())
 }
 
-/// The namespace salt of a request with `request` salt on an engine configured with
-/// `configured`: the configured salt alone when the request has none (so namespaces made
-/// before per-request salts existed stay valid), else both, length-prefixed so that no two
-/// different pairs give the same string.
+/// The salt field of the namespace of a request salted `request` on an engine configured
+/// with salt `configured`: `None` when neither is set (the model's plain namespace), else an
+/// unambiguous encoding of the pair, `kvstore.salt/2;server=F;request=F` where each `F` is
+/// `-` (absent) or `<byte length>:<salt>`. Distinct pairs never give the same string, so a
+/// server configured with a salt that looks like an encoded request salt cannot share a
+/// namespace with that request on another server (docs/store-format.md, "Salts").
 pub fn combined_salt(configured: Option<&str>, request: Option<&str>) -> Option<String> {
-    match (configured, request) {
-        (c, None) => c.map(str::to_string),
-        (None, Some(r)) => Some(format!("request:{}:{r}", r.len())),
-        (Some(c), Some(r)) => Some(format!("engine:{}:{c}|request:{}:{r}", c.len(), r.len())),
+    if configured.is_none() && request.is_none() {
+        return None;
     }
+    let field = |salt: Option<&str>| match salt {
+        None => "-".to_string(),
+        Some(s) => format!("{}:{s}", s.len()),
+    };
+    Some(format!(
+        "{SALT_ENCODING};server={};request={}",
+        field(configured),
+        field(request)
+    ))
 }
+
+/// Domain tag and version of [`combined_salt`]'s encoding; version 1 put a configured salt
+/// in verbatim.
+const SALT_ENCODING: &str = "kvstore.salt/2";
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -420,7 +435,7 @@ pub fn namespace_description(
     }
     d.layers = model.layer_kinds().iter().map(|k| k.to_string()).collect();
     d.rope = format!("theta={} arch={}", info.rope_theta, info.architecture);
-    d.salt = config.salt.clone();
+    d.salt = combined_salt(config.salt.as_deref(), None);
     let shape = BlockShape {
         kv_heads: kv.kv_heads,
         block_size: config.block_size,
@@ -477,6 +492,7 @@ impl PrefixCache {
             store,
             namespace,
             description,
+            salt: config.salt.clone(),
             salted: Mutex::new(HashMap::new()),
             layers: model.info().kv.layers,
             paged: PagedConfig {
@@ -538,7 +554,7 @@ impl PrefixCache {
             });
         }
         let mut d = self.description.clone();
-        d.salt = combined_salt(self.description.salt.as_deref(), Some(salt));
+        d.salt = combined_salt(self.salt.as_deref(), Some(salt));
         let ns = self.store.register_namespace(&d)?;
         salted.insert(salt.to_string(), ns);
         Ok(ns)
@@ -873,10 +889,7 @@ fn not_writable(e: &std::io::Error) -> bool {
 }
 
 fn poisoned() -> EngineError {
-    EngineError::InvalidParameter {
-        name: "prefix cache",
-        message: "a thread panicked while holding the prefix cache lock".into(),
-    }
+    EngineError::Poisoned("prefix cache")
 }
 
 /// Generates after `prompt` reusing cached prefixes: restore, prefill the rest, generate,

@@ -32,7 +32,7 @@ use store::StoreStats;
 use tokio::sync::mpsc as chan;
 
 use crate::device_sampler::{DeviceSampler, Selection};
-use crate::error::{EngineError, Result};
+use crate::error::{EngineError, ErrorClass, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream};
 use crate::model::{Model, ModelInfo};
 use crate::reuse::{HostPrefix, PrefixCache, ReuseConfig, ReuseReport};
@@ -91,9 +91,23 @@ pub enum SubmitError {
         /// The engine's budget.
         budget: u64,
     },
-    /// The engine is shutting down or its thread has stopped.
+    /// The engine is shutting down.
     #[error("the engine is shutting down")]
     ShuttingDown,
+    /// The engine could not take the request: its thread stopped, or a lock was poisoned.
+    #[error(transparent)]
+    Failed(EngineError),
+}
+
+impl SubmitError {
+    /// Whose fault the refusal is (see [`ErrorClass`]).
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            SubmitError::Invalid(e) | SubmitError::Failed(e) => e.class(),
+            SubmitError::OverBudget { .. } => ErrorClass::Invalid,
+            SubmitError::QueueFull(_) | SubmitError::ShuttingDown => ErrorClass::Unavailable,
+        }
+    }
 }
 
 /// A generation request: prompt token ids and how to generate after them.
@@ -240,10 +254,7 @@ impl Drop for RequestHandle {
 }
 
 fn engine_gone() -> EngineError {
-    EngineError::InvalidParameter {
-        name: "engine",
-        message: "the engine thread stopped before the request finished".into(),
-    }
+    EngineError::EngineStopped
 }
 
 /// TTFT histogram bucket bounds, in seconds (Prometheus `le`).
@@ -324,6 +335,21 @@ pub struct EngineMetrics {
 enum Command {
     Submit(Box<Pending>),
     Shutdown { cancel: bool },
+    Fault(InjectedFault),
+}
+
+/// A failure [`Engine::inject_fault`] makes happen. Not a stable API.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum InjectedFault {
+    /// The next batched decode step fails (as when MLX raises an error).
+    FailNextStep,
+    /// The engine thread panics when it reads this command.
+    PanicEngineThread,
+    /// The next prefill chunk fails with an error whose type reads like a bad argument
+    /// (as the model's checks on its inputs would raise on an engine bug).
+    FailNextPrefill,
 }
 
 struct Pending {
@@ -515,6 +541,8 @@ impl Engine {
             prefilling: VecDeque::new(),
             reserved: 0,
             draining: None,
+            fail_next_step: false,
+            fail_next_prefill: false,
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
@@ -641,14 +669,20 @@ impl Engine {
             prefetch,
         };
         c.queue_depth.fetch_add(1, Ordering::Relaxed);
-        let sent = self
-            .tx
-            .lock()
-            .map_err(|_| SubmitError::ShuttingDown)?
-            .send(Command::Submit(Box::new(pending)));
-        if sent.is_err() {
+        let sent = match self.tx.lock() {
+            Ok(tx) => tx
+                .send(Command::Submit(Box::new(pending)))
+                .map_err(|_| engine_gone()),
+            Err(_) => Err(EngineError::Poisoned("submission")),
+        };
+        if let Err(e) = sent {
             c.queue_depth.fetch_sub(1, Ordering::Relaxed);
-            return Err(SubmitError::ShuttingDown);
+            // A shutdown ends the thread on purpose; anything else is the engine's failure.
+            return Err(if self.is_accepting() {
+                SubmitError::Failed(e)
+            } else {
+                SubmitError::ShuttingDown
+            });
         }
         c.submitted.fetch_add(1, Ordering::Relaxed);
         Ok(RequestHandle {
@@ -708,6 +742,23 @@ impl Engine {
     /// Whether [`Engine::submit`] still accepts requests.
     pub fn is_accepting(&self) -> bool {
         self.shared.accepting.load(Ordering::SeqCst)
+    }
+
+    /// Whether the engine thread is running (false once it ended: after
+    /// [`Engine::shutdown`], or when it panicked).
+    pub fn is_running(&self) -> bool {
+        self.thread
+            .lock()
+            .is_ok_and(|t| t.as_ref().is_some_and(|t| !t.is_finished()))
+    }
+
+    /// Makes the running engine fail as a bug or a device error would, so tests can check
+    /// what clients are told. Not a stable API.
+    #[doc(hidden)]
+    pub fn inject_fault(&self, fault: InjectedFault) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Command::Fault(fault));
+        }
     }
 
     /// Stops accepting requests, then either finishes (`cancel = false`) or cancels every
@@ -795,6 +846,10 @@ struct Worker {
     reserved: u64,
     /// Set by a shutdown command: whether to cancel what is left.
     draining: Option<bool>,
+    /// Set by [`InjectedFault::FailNextStep`].
+    fail_next_step: bool,
+    /// Set by [`InjectedFault::FailNextPrefill`].
+    fail_next_prefill: bool,
 }
 
 impl Worker {
@@ -870,6 +925,11 @@ impl Worker {
             Command::Shutdown { cancel } => {
                 let d = self.draining.unwrap_or(false) || cancel;
                 self.draining = Some(d);
+            }
+            Command::Fault(InjectedFault::FailNextStep) => self.fail_next_step = true,
+            Command::Fault(InjectedFault::FailNextPrefill) => self.fail_next_prefill = true,
+            Command::Fault(InjectedFault::PanicEngineThread) => {
+                panic!("engine thread panicked: fault injected by a test")
             }
         }
     }
@@ -1055,7 +1115,12 @@ impl Worker {
             let held = r.cache.offset();
             let rest = &r.p.request.prompt[held..];
             let t = Instant::now();
-            let result = if rest.len() > chunk {
+            let result = if std::mem::take(&mut self.fail_next_prefill) {
+                Err(EngineError::InvalidParameter {
+                    name: "tokens",
+                    message: "fault injected by a test".into(),
+                })
+            } else if rest.len() > chunk {
                 self.model
                     .prefill_chunk(&rest[..chunk], &mut r.cache)
                     .map(|()| None)
@@ -1074,14 +1139,14 @@ impl Worker {
                     let reserve = r.p.reserve;
                     let tx = r.p.tx.clone();
                     if let Err(e) = self.join_batch(r, &logits) {
-                        self.fail_prefill(id, &tx, reserve, e);
+                        self.fail_prefill(id, &tx, reserve, ours(e));
                         self.reserved = self.reserved.saturating_sub(reserve);
                     }
                     return Some((id, computed));
                 }
                 Err(e) => {
                     let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
-                    self.fail_prefill(id, &tx, reserve, e);
+                    self.fail_prefill(id, &tx, reserve, ours(e));
                     self.reserved = self.reserved.saturating_sub(reserve);
                     return Some((id, computed));
                 }
@@ -1273,7 +1338,7 @@ impl Worker {
                     match pick.read() {
                         Ok(sampled) => row.next = Some(sampled),
                         Err(e) => {
-                            failed.push((i, e));
+                            failed.push((i, ours(e)));
                             continue;
                         }
                     }
@@ -1293,8 +1358,10 @@ impl Worker {
             };
             let (delta, stopped, full) = match stream.update(&row.tokens, is_eos || at_limit) {
                 Ok(x) => x,
+                // The tokens are the engine's own: failing to decode them is not the
+                // request's fault.
                 Err(e) => {
-                    failed.push((i, e));
+                    failed.push((i, EngineError::StepFailed(e.to_string())));
                     continue;
                 }
             };
@@ -1414,6 +1481,9 @@ impl Worker {
     /// the device computes while the host reads and emits the previous picks. Each row's
     /// next pick is computed on the device from its slice of the logits.
     fn launch(&mut self) -> Result<()> {
+        if std::mem::take(&mut self.fail_next_step) {
+            return Err(EngineError::StepFailed("fault injected by a test".into()));
+        }
         let mut tokens = Vec::with_capacity(self.active.len());
         for row in &mut self.active {
             let token = match (&row.unread, &row.next) {
@@ -1456,7 +1526,10 @@ impl Worker {
     /// partly updated, so none of them is published).
     fn fail_all(&mut self, e: EngineError) {
         tracing::error!(error = %e, rows = self.active.len(), "batched step failed");
-        let msg = e.to_string();
+        let msg = match e {
+            EngineError::StepFailed(m) => m,
+            e => e.to_string(),
+        };
         self.rows = PagedKvRows::new();
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
@@ -1465,13 +1538,22 @@ impl Worker {
         }
         for row in std::mem::take(&mut self.active) {
             self.counters().failed.fetch_add(1, Ordering::Relaxed);
-            let _ = row.tx.send(Event::Failed(EngineError::InvalidParameter {
-                name: "batch",
-                message: msg.clone(),
-            }));
+            let _ = row
+                .tx
+                .send(Event::Failed(EngineError::StepFailed(msg.clone())));
         }
         self.reserved = 0;
         self.set_gauges();
+    }
+}
+
+/// An error of work the engine does for a request it admitted (a prefill chunk, the first
+/// pick): the request was checked at submission and admission, so this is the engine's
+/// failure even when its type reads like a bad argument (a model's check on its inputs).
+fn ours(e: EngineError) -> EngineError {
+    match e.class() {
+        ErrorClass::Invalid => EngineError::StepFailed(e.to_string()),
+        _ => e,
     }
 }
 

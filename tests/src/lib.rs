@@ -46,6 +46,8 @@ pub fn smollm2() -> PathBuf {
 #[path = "../../store/tests/it/redis_server.rs"]
 pub mod redis_server;
 
+pub mod prerequisite;
+
 pub mod serve;
 
 pub mod turns;

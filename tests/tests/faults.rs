@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvstore_tests::prerequisite;
 use kvstore_tests::serve::{files, Serve};
 use kvstore_tests::tiny_model;
 use rand::{Rng, SeedableRng};
@@ -312,8 +313,9 @@ fn median(xs: &mut [f64]) -> f64 {
     xs.get(xs.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Mounts a tmpfs of `size` at `dir` (root only); `None` (and a printed reason) when the
-/// sandbox does not allow it.
+/// Mounts a tmpfs of `size` at `dir` (root only); `None`, after
+/// [`prerequisite::missing`] said why, when the sandbox does not allow it (under CI, which
+/// runs as root on a fresh VM, the test fails instead).
 struct Tmpfs(PathBuf);
 
 impl Tmpfs {
@@ -332,8 +334,9 @@ impl Tmpfs {
         match status {
             Ok(o) if o.status.success() => Some(Tmpfs(dir.to_path_buf())),
             other => {
-                println!(
-                    "SKIPPED: `mount -t tmpfs` is not permitted here ({other:?}); run as root"
+                prerequisite::missing(
+                    &format!("`mount -t tmpfs` is not permitted here ({other:?})"),
+                    "run it as root where mounts are allowed",
                 );
                 None
             }

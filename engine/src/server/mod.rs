@@ -3,7 +3,9 @@
 //! Endpoints (see docs/server.md): `POST /v1/chat/completions`, `POST /v1/completions`
 //! (both SSE-streaming or not), `GET /v1/models`, `GET /health`, `GET /metrics`
 //! (Prometheus text), `GET /v1/cache` (store stats JSON), `POST /admin/cache/flush`.
-//! With an API key, `/v1/*` and `/admin/*` need `Authorization: Bearer KEY`.
+//! With an API key, `/v1/*` and `/admin/*` need `Authorization: Bearer KEY` (and
+//! `/metrics` too when [`ServerConfig::metrics_need_key`] is set); keys are compared in
+//! constant time.
 //!
 //! A streaming response reads the request's [`RequestHandle`] as it goes; when the client
 //! disconnects, the response body is dropped, the handle with it, and the engine cancels
@@ -43,6 +45,9 @@ pub struct ServerConfig {
     pub model_id: String,
     /// When set, `/v1/*` and `/admin/*` need `Authorization: Bearer <key>`. Default: None.
     pub api_key: Option<String>,
+    /// Whether `/metrics` needs the API key too (when there is one). Off, as in vLLM: a
+    /// Prometheus scraper then needs no credentials. Default: false.
+    pub metrics_need_key: bool,
     /// Largest request body in bytes; larger ones get 413. Default: 4 MiB.
     pub max_body_bytes: usize,
     /// Most tokens one request may generate: a larger `max_tokens` gets 400, and a request
@@ -56,6 +61,7 @@ impl Default for ServerConfig {
         Self {
             model_id: "default".into(),
             api_key: None,
+            metrics_need_key: false,
             max_body_bytes: 4 << 20,
             max_tokens_limit: 4096,
         }
@@ -65,6 +71,8 @@ impl Default for ServerConfig {
 struct AppState {
     engine: Arc<Engine>,
     config: ServerConfig,
+    /// blake3 of the API key: what a presented key's hash is compared with.
+    key_hash: Option<[u8; 32]>,
     responses: Mutex<BTreeMap<u16, u64>>,
 }
 
@@ -73,22 +81,32 @@ type Shared = Arc<AppState>;
 /// The axum router of the server over `engine`.
 pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
     let limit = config.max_body_bytes;
+    let metrics_need_key = config.metrics_need_key;
     let state = Arc::new(AppState {
         engine,
+        key_hash: config
+            .api_key
+            .as_deref()
+            .map(|k| *blake3::hash(k.as_bytes()).as_bytes()),
         config,
         responses: Mutex::new(BTreeMap::new()),
     });
-    let protected = Router::new()
+    let mut protected = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/cache", get(cache_stats))
-        .route("/admin/cache/flush", post(flush))
-        .route_layer(middleware::from_fn_with_state(state.clone(), auth));
+        .route("/admin/cache/flush", post(flush));
+    let mut open = Router::new().route("/health", get(health));
+    if metrics_need_key {
+        protected = protected.route("/metrics", get(metrics));
+    } else {
+        open = open.route("/metrics", get(metrics));
+    }
+    let protected = protected.route_layer(middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .merge(protected)
-        .route("/health", get(health))
-        .route("/metrics", get(metrics))
+        .merge(open)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
@@ -135,13 +153,13 @@ async fn auth(
     req: HttpRequest,
     next: Next,
 ) -> Response {
-    if let Some(key) = &s.config.api_key {
+    if let Some(want) = &s.key_hash {
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim);
-        if given != Some(key.as_str()) {
+        if !key_matches(want, given) {
             return ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",
@@ -152,6 +170,18 @@ async fn auth(
         }
     }
     next.run(req).await
+}
+
+/// Whether the presented key is the one whose blake3 is `want`. The hashes are compared in
+/// constant time, so neither the key's bytes nor its length show in the time a wrong guess
+/// takes (a `==` on the keys stops at the first differing byte).
+fn key_matches(want: &[u8; 32], given: Option<&str>) -> bool {
+    use subtle::ConstantTimeEq;
+    let Some(given) = given else {
+        return false;
+    };
+    let given = blake3::hash(given.as_bytes());
+    bool::from(want.as_slice().ct_eq(given.as_bytes().as_slice()))
 }
 
 async fn not_found() -> ApiError {
@@ -178,15 +208,19 @@ fn now() -> u64 {
 }
 
 async fn health(State(s): State<Shared>) -> Response {
-    if s.engine.is_accepting() {
-        Json(json!({"status": "ok"})).into_response()
+    let status = if !s.engine.is_accepting() {
+        "shutting_down"
+    } else if !s.engine.is_running() {
+        // The engine thread died (a bug): every request would fail; take this server out.
+        "engine_stopped"
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "shutting_down"})),
-        )
-            .into_response()
-    }
+        return Json(json!({"status": "ok"})).into_response();
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": status})),
+    )
+        .into_response()
 }
 
 async fn models(State(s): State<Shared>) -> Json<Value> {
@@ -230,8 +264,8 @@ async fn flush(State(s): State<Shared>) -> Result<Json<Value>, ApiError> {
     let t = std::time::Instant::now();
     tokio::task::spawn_blocking(move || engine.flush())
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::internal(format!("flush failed: {e}")))?;
+        .map_err(|e| ApiError::internal(format!("the flush task failed: {e}")))?
+        .map_err(ApiError::from)?;
     Ok(Json(json!({
         "flushed": true,
         "seconds": t.elapsed().as_secs_f64(),
@@ -633,10 +667,10 @@ async fn generate_endpoint(
         }
     })
     .await
-    .map_err(|e| ApiError::internal(e.to_string()))??;
+    .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
     let context = s.engine.context_limit();
     if prompt.len() >= context {
-        return Err(ApiError::invalid(crate::EngineError::PromptTooLong {
+        return Err(ApiError::from(crate::EngineError::PromptTooLong {
             prompt: prompt.len(),
             context,
         }));
@@ -713,13 +747,11 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
                 }))
                 .into_response());
             }
-            Event::Failed(e) => return Err(ApiError::internal(e.to_string())),
+            Event::Failed(e) => return Err(e.into()),
             _ => {}
         }
     }
-    Err(ApiError::internal(
-        "the engine stopped before the request finished",
-    ))
+    Err(crate::EngineError::EngineStopped.into())
 }
 
 /// The error a request cut off before its end gets: its partial output is not a reply, and
@@ -849,14 +881,19 @@ impl StreamState {
                 self.out.push_back(SseEvent::default().data("[DONE]"));
                 false
             }
-            Some(Event::Failed(e)) => {
-                let err = ApiError::internal(e.to_string());
+            // Events end with Finished or Failed; a stream that ends without one lost its
+            // engine thread.
+            e @ (Some(Event::Failed(_)) | None) => {
+                let e = match e {
+                    Some(Event::Failed(e)) => e,
+                    _ => crate::EngineError::EngineStopped,
+                };
+                let err = ApiError::from(e);
                 self.out
                     .push_back(SseEvent::default().data(err.body().to_string()));
                 self.out.push_back(SseEvent::default().data("[DONE]"));
                 false
             }
-            None => false,
         }
     }
 }

@@ -296,11 +296,11 @@ pub(crate) fn chat_prompt(
             .map(Value::to_string);
         (Value::Array(flat).to_string(), tools)
     } else {
-        crate::tokenizer::chat_request_parts(raw).map_err(ApiError::invalid)?
+        crate::tokenizer::chat_request_parts(raw).map_err(ApiError::from)?
     };
     tokenizer
         .encode_chat(&messages_json, tools_json.as_deref(), true)
-        .map_err(ApiError::invalid)
+        .map_err(ApiError::from)
 }
 
 /// The prompt of a completions request: a string, or an array of token ids.
@@ -313,7 +313,7 @@ pub(crate) fn completion_prompt(
             if s.is_empty() {
                 return Err(ApiError::param("prompt", "prompt must not be empty"));
             }
-            tokenizer.encode(s, true).map_err(ApiError::invalid)
+            tokenizer.encode(s, true).map_err(ApiError::from)
         }
         Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => a
             .iter()

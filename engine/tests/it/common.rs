@@ -3,6 +3,8 @@ use std::path::PathBuf;
 use engine::{greedy_ids, load, LoadOptions, Model};
 use serde_json::Value;
 
+use crate::prerequisite;
+
 pub fn goldens() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/goldens")
 }
@@ -12,19 +14,19 @@ pub fn golden(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
 }
 
-/// The default model, when `scripts/setup.sh` has fetched it.
+/// The default model, when `scripts/setup.sh` has fetched it; else `None`, after
+/// [`prerequisite::missing`] said so (under CI: the test fails).
 pub fn smollm2() -> Option<PathBuf> {
     let p =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if p.is_file() {
-        Some(p)
-    } else {
-        eprintln!(
-            "skipped: {} is missing (run bash scripts/setup.sh)",
-            p.display()
-        );
-        None
+        return Some(p);
     }
+    prerequisite::missing(
+        &format!("{} is missing", p.display()),
+        "run bash scripts/setup.sh",
+    );
+    None
 }
 
 pub fn ids(v: &Value) -> Vec<u32> {

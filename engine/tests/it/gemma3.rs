@@ -13,6 +13,7 @@ use engine::{
 use store::StoreConfig;
 
 use crate::common::{assert_greedy_under_cold, check_against_mlx_lm, goldens, logit_tol, near_tie};
+use crate::prerequisite;
 
 /// f32 on both sides, same libmlx: differences come from evaluation order only (the goldens
 /// were made on the CPU; on a CUDA GPU `logit_tol` adds the TF32 term, docs/cuda.md).
@@ -25,18 +26,18 @@ fn tiny() -> PathBuf {
     goldens().join("tiny-gemma3")
 }
 
-/// The converted 270M folder, when set up.
+/// The converted 270M folder, when set up; else `None`, after [`prerequisite::missing`]
+/// said so (CI fetches it: `scripts/test.sh` passes `--with-gemma` under `CI=1`).
 fn gemma_270m() -> Option<PathBuf> {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma3-270m");
     if p.join("model.safetensors").is_file() {
-        Some(p)
-    } else {
-        eprintln!(
-            "skipped: {} is missing (run bash scripts/setup.sh --with-gemma)",
-            p.display()
-        );
-        None
+        return Some(p);
     }
+    prerequisite::missing(
+        &format!("{} is missing", p.display()),
+        "run bash scripts/setup.sh --with-gemma",
+    );
+    None
 }
 
 fn check_parity(name: &str, path: &Path, tol: f32) {
@@ -289,7 +290,15 @@ fn gemma3_270m_restored_prefix_longer_than_two_windows_matches_cold_output() {
     );
     let want = cold(&model, &tok, &turn2, 8);
     let (got, r) = cached(&model, &tok, &pc, &turn2, 8);
-    assert_eq!(r.cached_tokens, 1_088, "{r:?}");
+    // Turn 1 stayed resident on the device and is handed over whole (token-granular).
+    assert_eq!(r.cached_device_tokens, 1_100, "{r:?}");
+    assert_eq!(got, want);
+    pc.flush().unwrap();
+    drop(pc);
+    // After a restart only the store has it: the 34 full blocks (1,088 tokens), from SSD.
+    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 32)).unwrap();
+    let (got, r) = cached(&model, &tok, &pc, &turn2, 8);
+    assert_eq!(r.cached_ssd_tokens, 1_088, "{r:?}");
     assert_eq!(got, want);
 }
 

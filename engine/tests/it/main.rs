@@ -9,5 +9,7 @@ mod gemma3;
 mod generation;
 mod hostile_models;
 mod parity;
+#[path = "../../../tests/src/prerequisite.rs"]
+mod prerequisite;
 mod server;
 mod templates;

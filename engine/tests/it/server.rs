@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use engine::server::{router, serve_with_limits, ConnectionLimits, ServerConfig};
 use engine::{
-    generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, LoadOptions,
-    PrefixCache, Request, ReuseConfig, SubmitError,
+    generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, InjectedFault,
+    LoadOptions, PrefixCache, Request, ReuseConfig, SubmitError,
 };
 use serde_json::{json, Value};
 use store::StoreConfig;
@@ -19,10 +19,20 @@ use crate::common::goldens;
 const MODEL: &str = "tiny-qwen3";
 
 fn open_engine(dir: &std::path::Path, config: EngineConfig) -> Arc<Engine> {
+    open_salted_engine(dir, None, config)
+}
+
+/// An engine on the store at `dir` configured with cache salt `salt` (`--cache-salt`).
+fn open_salted_engine(
+    dir: &std::path::Path,
+    salt: Option<&str>,
+    config: EngineConfig,
+) -> Arc<Engine> {
     let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
     let reuse = ReuseConfig {
         store: StoreConfig::default().root(dir),
         block_size: 8,
+        salt: salt.map(String::from),
         ..ReuseConfig::default()
     };
     let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
@@ -35,7 +45,18 @@ struct Server {
     engine: Arc<Engine>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
-    _dir: tempfile::TempDir,
+    _dir: Option<tempfile::TempDir>,
+}
+
+/// The server settings of these tests, guarded by `api_key` when given.
+fn server_config(api_key: Option<&str>) -> ServerConfig {
+    ServerConfig {
+        model_id: MODEL.into(),
+        api_key: api_key.map(String::from),
+        max_body_bytes: 64 << 10,
+        max_tokens_limit: 4096,
+        ..ServerConfig::default()
+    }
 }
 
 impl Server {
@@ -46,15 +67,14 @@ impl Server {
     fn start_with(api_key: Option<&str>, config: EngineConfig, limits: ConnectionLimits) -> Server {
         let dir = tempfile::tempdir().unwrap();
         let engine = open_engine(dir.path(), config);
-        let app = router(
-            engine.clone(),
-            ServerConfig {
-                model_id: MODEL.into(),
-                api_key: api_key.map(String::from),
-                max_body_bytes: 64 << 10,
-                max_tokens_limit: 4096,
-            },
-        );
+        let mut srv = Self::serve(engine, server_config(api_key), limits);
+        srv._dir = Some(dir);
+        srv
+    }
+
+    /// A server over `engine` with `config` (the caller owns the engine's store).
+    fn serve(engine: Arc<Engine>, config: ServerConfig, limits: ConnectionLimits) -> Server {
+        let app = router(engine.clone(), config);
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -78,7 +98,7 @@ impl Server {
             engine,
             stop: Some(stop),
             thread: Some(thread),
-            _dir: dir,
+            _dir: None,
         }
     }
 
@@ -414,6 +434,93 @@ fn requests_with_different_cache_salts_never_share_blocks() {
     }
 }
 
+/// The collision of issue 19: a server configured with `--cache-salt "request:8:tenant-a"`
+/// used to put its unsalted requests in the namespace of requests salted `tenant-a` on a
+/// server without one, since the configured salt went into the namespace verbatim.
+#[test]
+fn a_configured_salt_never_shares_a_namespace_with_a_request_salt_on_another_server() {
+    let lookalike = "request:8:tenant-a";
+    assert_ne!(
+        engine::combined_salt(Some(lookalike), None),
+        engine::combined_salt(None, Some("tenant-a"))
+    );
+    // Distinct (configured, request) pairs never encode alike; equal pairs always do.
+    let salts = [
+        None,
+        Some("a"),
+        Some("b"),
+        Some("a;request=1:b"),
+        Some("-"),
+        Some("1:a"),
+        Some(lookalike),
+        Some("kvstore.salt/2;server=-;request=1:a"),
+    ];
+    let mut seen = std::collections::HashMap::new();
+    for c in salts {
+        for r in salts {
+            let e = engine::combined_salt(c, r);
+            assert_eq!(e, engine::combined_salt(c, r));
+            assert_eq!(e.is_none(), c.is_none() && r.is_none());
+            if let Some(prev) = seen.insert(e.clone(), (c, r)) {
+                panic!("{prev:?} and {:?} both encode as {e:?}", (c, r));
+            }
+        }
+    }
+
+    // Through two servers sharing one store, one after the other (one writer per store).
+    let dir = tempfile::tempdir().unwrap();
+    let serve = |salt: Option<&str>| {
+        let engine = open_salted_engine(dir.path(), salt, EngineConfig::default());
+        Server::serve(engine, server_config(None), ConnectionLimits::default())
+    };
+    let body = |salt: Option<&str>| {
+        let mut b = chat("Name the tiers of the block store, fastest first.", 4);
+        if let Some(s) = salt {
+            b["cache_salt"] = json!(s);
+        }
+        b
+    };
+    let cached = |srv: &Server, salt: Option<&str>| {
+        let r = srv.post("/v1/chat/completions", &body(salt));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    let configured = serve(Some(lookalike));
+    assert_eq!(cached(&configured, None), 0);
+    assert!(cached(&configured, None) > 0, "equal pairs must share");
+    let configured_ns = configured.engine.prefix_cache().unwrap().namespace();
+    drop(configured);
+
+    let plain = serve(None);
+    assert_eq!(
+        cached(&plain, Some("tenant-a")),
+        0,
+        "a request salted tenant-a hit the blocks of a server configured with {lookalike:?}"
+    );
+    assert!(
+        cached(&plain, Some("tenant-a")) > 0,
+        "equal pairs must share"
+    );
+    let tenant_ns = plain
+        .engine
+        .prefix_cache()
+        .unwrap()
+        .namespace_for(Some("tenant-a"))
+        .unwrap();
+    assert_ne!(tenant_ns, configured_ns);
+    drop(plain);
+
+    // The derivation is reproducible: the configured server, restarted, finds its blocks.
+    let again = serve(Some(lookalike));
+    assert_eq!(
+        again.engine.prefix_cache().unwrap().namespace(),
+        configured_ns
+    );
+    assert!(cached(&again, None) > 0, "a restart lost the namespace");
+}
+
 #[test]
 fn oversized_headers_and_bodies_are_refused_before_any_work() {
     let srv = Server::start(None, EngineConfig::default());
@@ -567,6 +674,8 @@ fn an_api_key_guards_the_api_but_not_health() {
     let r = srv.request("POST", "/v1/chat/completions", Some("sk-test"), &body);
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(srv.request("GET", "/health", None, "").status, 200);
+    // /metrics stays open by default, as vLLM's does (`metrics_need_key` closes it).
+    assert_eq!(srv.request("GET", "/metrics", None, "").status, 200);
     let r = srv.request("GET", "/v1/models", Some("sk-test"), "");
     assert_eq!(r.json()["data"][0]["id"], MODEL);
 }
@@ -1108,8 +1217,10 @@ fn json_endpoints_need_a_json_content_type() {
     assert_eq!(Response::parse(&raw).status, 200);
 }
 
+/// Overload is the server's passing condition, not the client's mistake: 503 with
+/// `Retry-After`, as OpenAI answers "the engine is currently overloaded".
 #[test]
-fn a_full_queue_answers_429_with_retry_after() {
+fn a_full_queue_answers_503_with_retry_after() {
     let srv = Server::start(
         None,
         EngineConfig {
@@ -1126,8 +1237,174 @@ fn a_full_queue_answers_429_with_retry_after() {
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).unwrap();
     let text = String::from_utf8_lossy(&raw).to_ascii_lowercase();
-    assert!(text.starts_with("http/1.1 429"), "{text}");
+    assert!(text.starts_with("http/1.1 503"), "{text}");
     assert!(text.contains("retry-after: 1\r\n"), "{text}");
+    let e = Response::parse(&raw).error();
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "queue_full");
+}
+
+/// Asserts the OpenAI error shape with all four fields, and returns the error object.
+fn openai_error(r: &Response, status: u16) -> Value {
+    assert_eq!(r.status, status, "{}", r.body);
+    let e = r.error();
+    for field in ["message", "type", "param", "code"] {
+        assert!(e.get(field).is_some(), "no {field} in {e}");
+    }
+    e
+}
+
+/// A 4xx condition met only at admission (the engine's cap on cache salts) is the client's,
+/// not a 500 as it was when every failure after submission became a 500.
+#[test]
+fn a_refusal_at_admission_is_a_400_naming_the_parameter() {
+    // 4,096 namespaces are 4,096 fsync'd registrations: on tmpfs where there is one
+    // (37 s on the development VM's disk, under a second on /dev/shm).
+    let shm = std::path::Path::new("/dev/shm");
+    let dir = if shm.is_dir() {
+        tempfile::tempdir_in(shm).unwrap()
+    } else {
+        tempfile::tempdir().unwrap()
+    };
+    let engine = open_engine(dir.path(), EngineConfig::default());
+    let srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
+    let prefix = srv.engine.prefix_cache().unwrap();
+    // Fill the engine's table of salted namespaces (4,096) through the library.
+    let mut n = 0;
+    while prefix.namespace_for(Some(&format!("filler-{n}"))).is_ok() {
+        n += 1;
+        assert!(n <= 100_000, "the cache salt cap never came");
+    }
+    assert_eq!(n, 4096);
+    let mut body = chat("hi", 2);
+    body["cache_salt"] = json!("one-too-many");
+    let e = openai_error(&srv.post("/v1/chat/completions", &body), 400);
+    assert_eq!(e["type"], "invalid_request_error");
+    assert_eq!(e["param"], "cache_salt");
+    assert!(e["message"].as_str().unwrap().contains("4096"), "{e}");
+    // A known salt is still served.
+    body["cache_salt"] = json!("filler-7");
+    assert_eq!(srv.post("/v1/chat/completions", &body).status, 200);
+}
+
+#[test]
+fn a_poisoned_lock_is_a_500_not_the_clients_fault() {
+    let srv = Server::start(None, EngineConfig::default());
+    let prefix = srv.engine.prefix_cache().unwrap();
+    std::thread::scope(|s| {
+        let poisoner = s.spawn(|| {
+            let _held = prefix.resident().unwrap();
+            panic!("a thread dies holding the device tier's lock (expected in this test)");
+        });
+        assert!(poisoner.join().is_err());
+    });
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 2)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "internal_error");
+    assert!(e["param"].is_null(), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("prefix cache lock"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_failed_batch_step_is_a_500_streamed_or_not() {
+    let srv = Server::start(None, EngineConfig::default());
+    srv.engine.inject_fault(InjectedFault::FailNextStep);
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 8)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "internal_error");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("generation step failed"),
+        "{e}"
+    );
+    // Streamed: the status is already sent, so the error object is the last event.
+    srv.engine.inject_fault(InjectedFault::FailNextStep);
+    let mut body = chat("hi", 8);
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["type"], "server_error", "{events:?}");
+    assert_eq!(last["error"]["code"], "internal_error", "{events:?}");
+    // The engine goes on serving.
+    assert_eq!(srv.post("/v1/chat/completions", &chat("hi", 2)).status, 200);
+    assert_eq!(srv.engine.metrics().requests_failed, 2);
+}
+
+/// A prefill that fails after admission is the engine's failure even when the error's
+/// type reads like a bad argument (the model's checks on its inputs raise those).
+#[test]
+fn a_failed_prefill_is_a_500_whatever_the_errors_type() {
+    let srv = Server::start(None, EngineConfig::default());
+    srv.engine.inject_fault(InjectedFault::FailNextPrefill);
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 4)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "internal_error");
+    assert!(e["param"].is_null(), "{e}");
+    assert!(
+        e["message"].as_str().unwrap().contains("fault injected"),
+        "{e}"
+    );
+    assert_eq!(srv.post("/v1/chat/completions", &chat("hi", 2)).status, 200);
+}
+
+#[test]
+fn a_vanished_engine_thread_is_a_500_and_fails_the_health_check() {
+    let srv = Server::start(None, EngineConfig::default());
+    // Two requests in flight when the engine thread dies, one of them streamed.
+    let mut body = chat("Tell me a very long story.", 2000);
+    let mut whole = srv.send("POST", "/v1/chat/completions", None, &body.to_string());
+    body["stream"] = json!(true);
+    let mut streamed = srv.send("POST", "/v1/chat/completions", None, &body.to_string());
+    let t = Instant::now();
+    while srv.engine.metrics().active_rows < 2 || srv.engine.metrics().generated_tokens < 6 {
+        assert!(t.elapsed() < Duration::from_secs(60), "never decoded");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    srv.engine.inject_fault(InjectedFault::PanicEngineThread);
+    let mut raw = Vec::new();
+    whole.read_to_end(&mut raw).unwrap();
+    let e = openai_error(&Response::parse(&raw), 500);
+    assert_eq!(e["code"], "engine_stopped");
+    let mut raw = Vec::new();
+    streamed.read_to_end(&mut raw).unwrap();
+    let r = Response::parse(&raw);
+    assert_eq!(r.status, 200);
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["error"]["code"], "engine_stopped", "{events:?}");
+    // The thread ends once it has unwound (its channels close first).
+    let t = Instant::now();
+    while srv.engine.is_running() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the engine thread never ended"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // New requests: the engine's failure (500), not a shutdown (503) or a bad request (400).
+    let e = openai_error(&srv.post("/v1/chat/completions", &chat("hi", 2)), 500);
+    assert_eq!(e["type"], "server_error");
+    assert_eq!(e["code"], "engine_stopped");
+    let health = srv.request("GET", "/health", None, "");
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.json()["status"], "engine_stopped");
 }
 
 #[test]

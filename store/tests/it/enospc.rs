@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use store::{ReadOutcome, Store, StoreConfig, Tier, WritePolicy};
 
-use crate::common;
+use crate::{common, prerequisite};
 
 #[test]
 fn enospc_shrinks_the_ssd_tier_and_ram_keeps_serving() {
     if !common::is_root() {
-        println!("SKIPPED enospc test: mounting a 2 MiB tmpfs needs root");
+        prerequisite::missing("mounting a 2 MiB tmpfs needs root", "run it as root");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -22,7 +22,10 @@ fn enospc_shrinks_the_ssd_tier_and_ram_keeps_serving() {
         .arg(&mnt)
         .status();
     if !matches!(status, Ok(s) if s.success()) {
-        println!("SKIPPED enospc test: `mount -t tmpfs` failed ({status:?}); no permission in this sandbox");
+        prerequisite::missing(
+            &format!("`mount -t tmpfs` failed ({status:?})"),
+            "run it as root where mounts are allowed (not in an unprivileged container)",
+        );
         return;
     }
     struct Unmount(std::path::PathBuf);

@@ -11,6 +11,8 @@ mod fuzz_corpus;
 mod gc_inspect;
 mod locking;
 mod planted_links;
+#[path = "../../../tests/src/prerequisite.rs"]
+mod prerequisite;
 mod props;
 mod redis_server;
 mod remote;
