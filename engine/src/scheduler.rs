@@ -1490,10 +1490,10 @@ impl Worker {
                 (Some(pick), _) => pick.token.clone(),
                 (None, Some(sampled)) => mlx::Array::from_slice(&[sampled.token], &[1])?,
                 (None, None) => {
-                    return Err(EngineError::InvalidParameter {
-                        name: "batch",
-                        message: format!("row {} has no token to decode", row.id),
-                    })
+                    return Err(EngineError::StepFailed(format!(
+                        "row {} has no token to decode",
+                        row.id
+                    )))
                 }
             };
             row.sampler.observe(&token, &row.prompt, &row.tokens)?;
