@@ -177,6 +177,26 @@ fn simulate(s: &Settings, budgets: &[u64]) -> Result<serde_json::Value> {
         100.0 * ideal,
         t.prompt_tokens()
     );
+    let times: Vec<u64> = s.requests.iter().map(|r| r.timestamp).collect();
+    let mut gaps = sim::reuse_gaps(&t, &times);
+    if !gaps.is_empty() {
+        let q = |g: &mut Vec<(usize, u64)>, at: f64| {
+            let k = ((at * g.len() as f64) as usize).min(g.len() - 1);
+            let n = *g.select_nth_unstable_by_key(k, |x| x.0).1;
+            let ms = g.select_nth_unstable_by_key(k, |x| x.1).1 .1;
+            (n.0, ms as f64 / 1000.0)
+        };
+        let (m, p10) = (q(&mut gaps, 0.5), q(&mut gaps, 0.1));
+        println!(
+            "{} requests reuse two blocks or more; their deepest reused block was last used \
+             {} requests ({:.0} s) earlier at the median, {} requests ({:.0} s) at P10",
+            gaps.len(),
+            m.0,
+            m.1,
+            p10.0,
+            p10.1
+        );
+    }
     println!(
         "{:>14} {:>9} {}   (% of prompt tokens hit; in brackets: share of the ideal)",
         "budget tokens",

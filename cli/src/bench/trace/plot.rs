@@ -7,6 +7,15 @@ const COLORS: [&str; 6] = [
     "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
 ];
 
+/// `text` with the characters XML gives a meaning escaped (labels and paths come from the
+/// user).
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
 /// A plot area and its data ranges.
 struct Panel {
     x0: f64,
@@ -31,12 +40,13 @@ impl Panel {
         let (l, b, r) = (self.x0, self.y0 + self.h, self.x0 + self.w);
         let _ = write!(
             s,
-            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"13\">{title}</text>\n\
+            "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\" font-size=\"13\">{}</text>\n\
              <line x1=\"{l}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
              <line x1=\"{l}\" y1=\"{}\" x2=\"{l}\" y2=\"{b}\" stroke=\"black\"/>\n\
              <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{xlabel}</text>\n",
             l + self.w / 2.0,
             self.y0 - 10.0,
+            escape(title),
             self.y0,
             l + self.w / 2.0,
             b + 34.0
@@ -90,11 +100,12 @@ impl Panel {
             let _ = writeln!(
                 s,
                 "<rect x=\"{}\" y=\"{}\" width=\"12\" height=\"4\" fill=\"{color}\"/>\
-                 <text x=\"{}\" y=\"{}\">{name}</text>",
+                 <text x=\"{}\" y=\"{}\">{}</text>",
                 self.x0 + 10.0,
                 ly - 4.0,
                 self.x0 + 28.0,
-                ly
+                ly,
+                escape(name)
             );
         }
     }
@@ -118,8 +129,9 @@ pub fn svg(title: &str, shares: &[Series], ttfts: &[(String, Vec<f64>)]) -> Stri
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" \
          font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">{title}</text>\n",
-        w / 2.0
+         <text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">{}</text>\n",
+        w / 2.0,
+        escape(title)
     );
     let minutes = shares.iter().map(|x| x.per_minute.len()).max().unwrap_or(1);
     let top = shares
@@ -205,7 +217,12 @@ mod tests {
                 dashed: true,
             },
         ];
-        let out = svg("t", &shares, &[("run".into(), vec![0.5, 1.0, 2.0])]);
+        let out = svg(
+            "a <b> & \"c\"",
+            &shares,
+            &[("run".into(), vec![0.5, 1.0, 2.0])],
+        );
+        assert!(out.contains(">a &lt;b&gt; &amp; &quot;c&quot;<"), "{out}");
         assert_eq!(out.matches("<polyline").count(), 3);
         assert_eq!(out.matches("stroke-dasharray").count(), 1);
         assert!(out.contains(">kvstore<") && out.contains(">ideal<"));

@@ -87,6 +87,25 @@ impl SimTrace {
     }
 }
 
+/// For every request that an unbounded cache serves two blocks or more: how long ago, in
+/// requests and in ms of trace time (`times_ms`, one per request), the deepest of those
+/// blocks was last used. What a recency cache must span to get the hit.
+pub fn reuse_gaps(t: &SimTrace, times_ms: &[u64]) -> Vec<(usize, u64)> {
+    let mut last: HashMap<u32, usize> = HashMap::new();
+    let mut out = Vec::new();
+    for (j, r) in t.requests.iter().enumerate() {
+        let held = r.chain.iter().take_while(|c| last.contains_key(c)).count();
+        if held >= 2 {
+            let i = last[&r.chain[held - 1]];
+            out.push((j - i, times_ms[j].saturating_sub(times_ms[i])));
+        }
+        for c in &r.chain {
+            last.insert(*c, j);
+        }
+    }
+    out
+}
+
 /// Which block leaves a full cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
@@ -301,6 +320,25 @@ mod tests {
         assert_eq!(simulate(&t, Policy::LruLeaf, 2), vec![0, 1, 0, 0, 0]);
         assert_eq!(simulate(&t, Policy::Lfu, 2), vec![0, 1, 0, 0, 1]);
         assert_eq!(simulate(&t, Policy::Belady, 2), vec![0, 1, 0, 0, 1]);
+    }
+
+    /// Requests [A B] at 0 ms, [A C] at 10, [X] at 20, [A B D] at 50, [A C] at 70: the
+    /// fourth is served A B, last used by the first (3 requests, 50 ms ago); the fifth A C,
+    /// last used by the second (3 requests, 60 ms); the second is served A only (not
+    /// counted).
+    #[test]
+    fn reuse_gaps_by_hand() {
+        let t = trace(
+            &[
+                (&[1, 2], 2),
+                (&[1, 3], 2),
+                (&[9], 1),
+                (&[1, 2, 4], 3),
+                (&[1, 3], 2),
+            ],
+            1.0 / 512.0,
+        );
+        assert_eq!(reuse_gaps(&t, &[0, 10, 20, 50, 70]), vec![(3, 50), (3, 60)]);
     }
 
     /// The same id under different parents is a different block.
