@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::server::{router, serve_with_limits, ConnectionLimits, ServerConfig};
+use engine::server::{router, scripted_router, serve_with_limits, ConnectionLimits, ServerConfig};
 use engine::{
     generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, InjectedFault,
     LoadOptions, PrefixCache, Request, ReuseConfig, SubmitError,
@@ -75,6 +75,11 @@ impl Server {
     /// A server over `engine` with `config` (the caller owns the engine's store).
     fn serve(engine: Arc<Engine>, config: ServerConfig, limits: ConnectionLimits) -> Server {
         let app = router(engine.clone(), config);
+        Self::serve_app(engine, app, limits)
+    }
+
+    /// A server of `app` over `engine`.
+    fn serve_app(engine: Arc<Engine>, app: axum::Router, limits: ConnectionLimits) -> Server {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -1470,4 +1475,384 @@ fn a_stream_cut_off_by_shutdown_ends_with_an_error_object() {
         let reason = &v["choices"][0]["finish_reason"];
         assert!(reason.is_null(), "a cut-off stream claims {reason}: {e}");
     }
+}
+
+// Tool calls. The tiny random models never write a call, so these servers script the reply's
+// text (`engine::server::scripted_router`, test-only): the model still runs and the engine, the
+// cache and the streaming are real; each generated token's text is replaced by the next
+// piece, and the pieces left over when generation ends come at the end.
+
+/// A tool call as the Qwen-style template teaches it, cut where a streamed reply may cut it.
+const SCRIPTED_CALL: [&str; 5] = [
+    "Let me check. ",
+    "<tool_",
+    "call>\n{\"name\": \"get_weather\", ",
+    "\"arguments\": {\"city\": \"Paris\", \"days\": 2}}",
+    "\n</tool_call>",
+];
+
+/// What the model "wrote": the pieces of [`SCRIPTED_CALL`] after the text before the call.
+const CALL_TEXT: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>";
+
+fn scripted_server(script: &[&str]) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(dir.path(), EngineConfig::default());
+    let script = script.iter().map(|s| s.to_string()).collect();
+    let app = scripted_router(engine.clone(), server_config(None), script);
+    let mut srv = Server::serve_app(engine, app, ConnectionLimits::default());
+    srv._dir = Some(dir);
+    srv
+}
+
+fn weather_tools() -> Value {
+    // Short: the tiny model's context is 512 tokens, and its tokenizer is byte-level.
+    json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "parameters": {"properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "search"}},
+    ])
+}
+
+fn tool_chat(max_tokens: usize) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": "Weather in Paris?"},
+        ],
+        "tools": weather_tools(),
+        "max_tokens": max_tokens,
+    })
+}
+
+fn chunks(r: &Response) -> Vec<Value> {
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        r.body
+    );
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_reply_holding_a_tool_call_is_answered_with_tool_calls() {
+    let srv = scripted_server(&SCRIPTED_CALL);
+    let r = srv.post("/v1/chat/completions", &tool_chat(16));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["message"]["content"], "Let me check.");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(
+        calls[0]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+
+    // Only calls: content is null. Two requests never share a call id.
+    let srv = scripted_server(&[CALL_TEXT]);
+    let ids: Vec<Value> = (0..2)
+        .map(|_| {
+            let v = srv.post("/v1/chat/completions", &tool_chat(4)).json();
+            assert_eq!(v["choices"][0]["message"]["content"], Value::Null, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+            v["choices"][0]["message"]["tool_calls"][0]["id"].clone()
+        })
+        .collect();
+    assert_ne!(ids[0], ids[1]);
+}
+
+#[test]
+fn a_streamed_tool_call_arrives_as_tool_call_deltas() {
+    let srv = scripted_server(&SCRIPTED_CALL);
+    let mut body = tool_chat(16);
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let chunks = chunks(&r);
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let text: String = deltas
+        .iter()
+        .filter_map(|d| d["content"].as_str())
+        .collect();
+    // The opener was held back: no part of the call leaks into content.
+    assert_eq!(text, "Let me check. ", "{deltas:?}");
+    let calls: Vec<&Value> = deltas
+        .iter()
+        .filter_map(|d| d["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls.len(), 2, "{deltas:?}");
+    assert_eq!(calls[0]["index"], 0);
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(calls[0]["function"]["arguments"], "");
+    assert_eq!(calls[1]["index"], 0);
+    assert_eq!(
+        calls[1]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("tool_calls")]);
+}
+
+#[test]
+fn calls_that_are_not_valid_or_not_asked_for_stay_content() {
+    let unknown = "<tool_call>\n{\"name\": \"launch\", \"arguments\": {}}\n</tool_call>";
+    let broken = "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": }\n</tool_call>";
+    for (text, tool_choice) in [
+        (unknown, json!("auto")),
+        (broken, json!("auto")),
+        (CALL_TEXT, json!("none")),
+    ] {
+        let srv = scripted_server(&[text]);
+        let mut body = tool_chat(4);
+        body["tool_choice"] = tool_choice.clone();
+        let v = srv.post("/v1/chat/completions", &body).json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["message"]["content"], text, "{tool_choice}: {v}");
+        assert!(choice["message"].get("tool_calls").is_none(), "{v}");
+        assert_ne!(choice["finish_reason"], "tool_calls", "{v}");
+        body["stream"] = json!(true);
+        let r = srv.post("/v1/chat/completions", &body);
+        let chunks = chunks(&r);
+        let streamed: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(streamed, text, "{tool_choice}");
+        assert!(!r.body.contains("\"tool_calls\""), "{}", r.body);
+    }
+}
+
+#[test]
+fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
+    let srv = Server::start(None, EngineConfig::default());
+    let with = |key: &str, value: Value| {
+        let mut b = tool_chat(2);
+        b[key] = value;
+        b
+    };
+    let cases = [
+        (
+            with("tool_choice", json!("required")),
+            "tool_choice",
+            "auto",
+        ),
+        (
+            with(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "search"}}),
+            ),
+            "tool_choice",
+            "constrained decoding",
+        ),
+        (
+            with(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "nope"}}),
+            ),
+            "tool_choice",
+            "not in tools",
+        ),
+        (
+            with("tool_choice", json!("sometimes")),
+            "tool_choice",
+            "must be",
+        ),
+        (with("tools", json!({"name": "f"})), "tools", "array"),
+        (
+            with("tools", json!([{"type": "function"}])),
+            "tools",
+            "tools[0]",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "retrieval", "function": {"name": "f"}}]),
+            ),
+            "tools",
+            "tools[0]",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": ""}}]),
+            ),
+            "tools",
+            "non-empty",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}},
+                       {"type": "function", "function": {"name": "f"}}]),
+            ),
+            "tools",
+            "twice",
+        ),
+    ];
+    for (body, param, says) in cases {
+        let e = openai_error(&srv.post("/v1/chat/completions", &body), 400);
+        assert_eq!(e["param"], param, "{e}");
+        assert_eq!(e["type"], "invalid_request_error", "{e}");
+        let msg = e["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{msg:?} should say {says:?}");
+    }
+    let e = openai_error(
+        &srv.post(
+            "/v1/chat/completions",
+            &with("tool_choice", json!("required")),
+        ),
+        400,
+    );
+    assert!(e["message"]
+        .as_str()
+        .unwrap()
+        .contains("constrained decoding"));
+}
+
+#[test]
+fn a_tool_call_round_trip_reuses_the_whole_first_prompt() {
+    let srv = scripted_server(&[CALL_TEXT]);
+    let first = tool_chat(4);
+    let r = srv.post("/v1/chat/completions", &first);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let message = v["choices"][0]["message"].clone();
+    assert_eq!(
+        message["tool_calls"][0]["function"]["name"], "get_weather",
+        "{v}"
+    );
+    let first_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    srv.idle();
+
+    // The client sends back the assistant message as it got it, and the tool's result.
+    let mut second = first.clone();
+    let call_id = message["tool_calls"][0]["id"].clone();
+    second["messages"].as_array_mut().unwrap().extend([
+        message,
+        json!({"role": "tool", "tool_call_id": call_id, "content": "{\"c\": 18, \"sky\": \"clear\"}"}),
+    ]);
+
+    // The template renders that history as the first prompt plus exactly what the model
+    // wrote, closed by its end-of-turn token.
+    let tok = srv.engine.tokenizer();
+    let render = |b: &Value, gen: bool| {
+        tok.apply_chat_template(
+            &b["messages"].to_string(),
+            Some(&b["tools"].to_string()),
+            gen,
+            None,
+        )
+        .unwrap()
+    };
+    let (a, b) = (render(&first, true), render(&second, true));
+    assert!(
+        b.starts_with(&format!("{a}{CALL_TEXT}<|im_end|>")),
+        "the history does not render the call as the model wrote it:\n{a}\n---\n{b}"
+    );
+
+    let r = srv.post("/v1/chat/completions", &second);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let block = 8;
+    assert!(
+        cached >= first_prompt / block * block,
+        "the second turn reused {cached} tokens of a first prompt of {first_prompt}: {v}"
+    );
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > first_prompt);
+}
+
+#[test]
+fn the_openai_client_reads_tool_calls_streamed_or_not() {
+    let python =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/python");
+    if !python.is_file() {
+        crate::prerequisite::missing(
+            &format!("{} is missing", python.display()),
+            "run bash scripts/setup.sh (it makes .venv-test with the openai client)",
+        );
+        return;
+    }
+    let srv = scripted_server(&SCRIPTED_CALL);
+    let script = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused")
+tools = json.loads(sys.argv[2])
+messages = [{"role": "user", "content": "Weather in Paris for two days?"}]
+r = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools, max_tokens=16)
+m = r.choices[0].message
+out = {"finish": r.choices[0].finish_reason, "content": m.content,
+       "calls": [{"id": c.id, "type": c.type, "name": c.function.name,
+                  "arguments": json.loads(c.function.arguments)} for c in m.tool_calls]}
+stream = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools,
+                                        max_tokens=16, stream=True)
+calls, text, finish = {}, "", None
+for chunk in stream:
+    d = chunk.choices[0].delta
+    text += d.content or ""
+    for c in d.tool_calls or []:
+        acc = calls.setdefault(c.index, {"id": None, "name": "", "arguments": ""})
+        acc["id"] = c.id or acc["id"]
+        if c.function is not None:
+            acc["name"] += c.function.name or ""
+            acc["arguments"] += c.function.arguments or ""
+    finish = chunk.choices[0].finish_reason or finish
+out["stream"] = {"finish": finish, "content": text,
+                 "calls": [dict(c, arguments=json.loads(c["arguments"])) for c in calls.values()]}
+messages += [m.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C"}]
+r = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools, max_tokens=2)
+out["second_cached"] = r.usage.prompt_tokens_details.cached_tokens
+print(json.dumps(out))
+"#;
+    let out = std::process::Command::new(python)
+        .args(["-c", script])
+        .arg(format!("http://{}/v1", srv.addr))
+        .arg(weather_tools().to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the openai client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let args = json!({"city": "Paris", "days": 2});
+    assert_eq!(v["finish"], "tool_calls", "{v}");
+    assert_eq!(v["content"], "Let me check.", "{v}");
+    assert_eq!(v["calls"][0]["type"], "function", "{v}");
+    assert_eq!(v["calls"][0]["name"], "get_weather", "{v}");
+    assert_eq!(v["calls"][0]["arguments"], args, "{v}");
+    assert_eq!(v["stream"]["finish"], "tool_calls", "{v}");
+    assert_eq!(v["stream"]["content"], "Let me check. ", "{v}");
+    assert_eq!(v["stream"]["calls"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["stream"]["calls"][0]["name"], "get_weather", "{v}");
+    assert_eq!(v["stream"]["calls"][0]["arguments"], args, "{v}");
+    assert!(v["stream"]["calls"][0]["id"]
+        .as_str()
+        .unwrap()
+        .starts_with("call_"));
+    assert!(v["second_cached"].as_u64().unwrap() > 0, "{v}");
 }
