@@ -1729,61 +1729,6 @@ fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
 }
 
 #[test]
-fn a_tool_call_round_trip_reuses_the_whole_first_prompt() {
-    let srv = scripted_server(&[CALL_TEXT]);
-    let first = tool_chat(4);
-    let r = srv.post("/v1/chat/completions", &first);
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v = r.json();
-    let message = v["choices"][0]["message"].clone();
-    assert_eq!(
-        message["tool_calls"][0]["function"]["name"], "get_weather",
-        "{v}"
-    );
-    let first_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
-    srv.idle();
-
-    // The client sends back the assistant message as it got it, and the tool's result.
-    let mut second = first.clone();
-    let call_id = message["tool_calls"][0]["id"].clone();
-    second["messages"].as_array_mut().unwrap().extend([
-        message,
-        json!({"role": "tool", "tool_call_id": call_id, "content": "{\"c\": 18, \"sky\": \"clear\"}"}),
-    ]);
-
-    // The template renders that history as the first prompt plus exactly what the model
-    // wrote, closed by its end-of-turn token.
-    let tok = srv.engine.tokenizer();
-    let render = |b: &Value, gen: bool| {
-        tok.apply_chat_template(
-            &b["messages"].to_string(),
-            Some(&b["tools"].to_string()),
-            gen,
-            None,
-        )
-        .unwrap()
-    };
-    let (a, b) = (render(&first, true), render(&second, true));
-    assert!(
-        b.starts_with(&format!("{a}{CALL_TEXT}<|im_end|>")),
-        "the history does not render the call as the model wrote it:\n{a}\n---\n{b}"
-    );
-
-    let r = srv.post("/v1/chat/completions", &second);
-    assert_eq!(r.status, 200, "{}", r.body);
-    let v = r.json();
-    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap();
-    let block = 8;
-    assert!(
-        cached >= first_prompt / block * block,
-        "the second turn reused {cached} tokens of a first prompt of {first_prompt}: {v}"
-    );
-    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > first_prompt);
-}
-
-#[test]
 fn the_openai_client_reads_tool_calls_streamed_or_not() {
     let python =
         std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/python");
@@ -1794,15 +1739,16 @@ fn the_openai_client_reads_tool_calls_streamed_or_not() {
         );
         return;
     }
-    let srv = scripted_server(&SCRIPTED_CALL);
+    let (srv, first) = tool_writing_server();
     let script = r#"
 import json, sys
 from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1], api_key="unused")
 tools = json.loads(sys.argv[2])
-messages = [{"role": "user", "content": "Weather in Paris for two days?"}]
+messages = json.loads(sys.argv[3])
 r = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools, max_tokens=16)
 m = r.choices[0].message
+first_prompt = r.usage.prompt_tokens
 out = {"finish": r.choices[0].finish_reason, "content": m.content,
        "calls": [{"id": c.id, "type": c.type, "name": c.function.name,
                   "arguments": json.loads(c.function.arguments)} for c in m.tool_calls]}
@@ -1825,12 +1771,14 @@ messages += [m.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C"}]
 r = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools, max_tokens=2)
 out["second_cached"] = r.usage.prompt_tokens_details.cached_tokens
+out["first_prompt"] = first_prompt
 print(json.dumps(out))
 "#;
     let out = std::process::Command::new(python)
         .args(["-c", script])
         .arg(format!("http://{}/v1", srv.addr))
-        .arg(weather_tools().to_string())
+        .arg(first["tools"].to_string())
+        .arg(first["messages"].to_string())
         .output()
         .unwrap();
     assert!(
@@ -1841,12 +1789,12 @@ print(json.dumps(out))
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let args = json!({"city": "Paris", "days": 2});
     assert_eq!(v["finish"], "tool_calls", "{v}");
-    assert_eq!(v["content"], "Let me check.", "{v}");
+    assert_eq!(v["content"], Value::Null, "{v}");
     assert_eq!(v["calls"][0]["type"], "function", "{v}");
     assert_eq!(v["calls"][0]["name"], "get_weather", "{v}");
     assert_eq!(v["calls"][0]["arguments"], args, "{v}");
     assert_eq!(v["stream"]["finish"], "tool_calls", "{v}");
-    assert_eq!(v["stream"]["content"], "Let me check. ", "{v}");
+    assert_eq!(v["stream"]["content"], "", "{v}");
     assert_eq!(v["stream"]["calls"].as_array().unwrap().len(), 1, "{v}");
     assert_eq!(v["stream"]["calls"][0]["name"], "get_weather", "{v}");
     assert_eq!(v["stream"]["calls"][0]["arguments"], args, "{v}");
@@ -1854,5 +1802,199 @@ print(json.dumps(out))
         .as_str()
         .unwrap()
         .starts_with("call_"));
-    assert!(v["second_cached"].as_u64().unwrap() > 0, "{v}");
+    // The client's own rendering of the history (model_dump of the message) still reuses
+    // the first prompt and the call token.
+    let replied = v["first_prompt"].as_u64().unwrap() + 1;
+    assert!(
+        v["second_cached"].as_u64().unwrap() >= replied / 8 * 8,
+        "{v}"
+    );
+}
+
+/// Copies the tiny qwen3 model into `dir` with a tokenizer under which the model, its
+/// weights untouched, greedily writes [`CALL_TEXT`] and ends its turn. Returns the request.
+///
+/// The model's greedy first token after the request's prompt is renamed to `CALL_TEXT`
+/// (an added token: the same text in a later prompt encodes to that one id again, as a real
+/// model's reply does), and its second token becomes a special end-of-turn token. The renamed token is
+/// not in the prompt and the merges that made or used it are dropped; the prompt's ids are
+/// checked unchanged, so the model computes exactly what it computed before.
+fn tool_writing_model(dir: &std::path::Path) -> Value {
+    let src = goldens().join(MODEL);
+    for f in ["config.json", "model.safetensors", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let (model, tok) = load(&src, &LoadOptions::default()).unwrap();
+    let raw: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let vocab = raw["model"]["vocab"].as_object().unwrap();
+    let added: Vec<u64> = raw["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect();
+    let pair = |m: &Value| -> (String, String) {
+        match m {
+            Value::String(s) => {
+                let (a, b) = s.split_once(' ').unwrap();
+                (a.into(), b.into())
+            }
+            m => (m[0].as_str().unwrap().into(), m[1].as_str().unwrap().into()),
+        }
+    };
+    for i in 0..64 {
+        let mut body = tool_chat(4);
+        body["messages"][1]["content"] = json!(format!("Weather in Paris, case {i}"));
+        let (messages, tools) = (body["messages"].to_string(), body["tools"].to_string());
+        let prompt = tok.encode_chat(&messages, Some(&tools), true).unwrap();
+        let params = GenerateParams {
+            max_tokens: 2,
+            ..GenerateParams::default()
+        };
+        let mut cache = model.new_cache();
+        let out = generate(&model, &tok, &mut cache, &prompt, &params, &mut |_| true).unwrap();
+        let [g1, g2] = out.tokens[..] else { continue };
+        if g1 == g2
+            || prompt.contains(&g1)
+            || prompt.contains(&g2)
+            || added.contains(&u64::from(g2))
+            || added.contains(&u64::from(g1))
+            || tok.eos_ids().contains(&g1)
+        {
+            continue;
+        }
+        let name = |g: u32| {
+            vocab
+                .iter()
+                .find(|(_, id)| id.as_u64() == Some(u64::from(g)))
+                .map(|(k, _)| k.clone())
+        };
+        let (Some(old), Some(end)) = (name(g1), name(g2)) else {
+            continue;
+        };
+        let mut t = raw.clone();
+        let v = t["model"]["vocab"].as_object_mut().unwrap();
+        v.remove(&old);
+        v.insert(CALL_TEXT.into(), json!(g1));
+        t["model"]["merges"].as_array_mut().unwrap().retain(|m| {
+            let (a, b) = pair(m);
+            a != old && b != old && format!("{a}{b}") != old
+        });
+        t["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": g1, "content": CALL_TEXT, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false,
+        }));
+        // A special token, as an end of turn is: its text is not part of the reply.
+        t["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": g2, "content": end, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true,
+        }));
+        std::fs::write(dir.join("tokenizer.json"), t.to_string()).unwrap();
+        let mut eos = tok.eos_ids().to_vec();
+        eos.push(g2);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            json!({"eos_token_id": eos}).to_string(),
+        )
+        .unwrap();
+        let renamed = engine::Tokenizer::from_folder(dir).unwrap();
+        assert_eq!(
+            renamed.encode_chat(&messages, Some(&tools), true).unwrap(),
+            prompt,
+            "renaming token {g1} ({old:?}) changed the prompt's ids"
+        );
+        assert_eq!(renamed.decode(&[g1], true).unwrap(), CALL_TEXT);
+        return body;
+    }
+    panic!("none of 64 prompts makes the tiny model start with two distinct new tokens");
+}
+
+/// A server of [`tool_writing_model`] (block size 8) and the request it answers with a call.
+fn tool_writing_server() -> (Server, Value) {
+    let model_dir = tempfile::tempdir().unwrap();
+    let first = tool_writing_model(model_dir.path());
+    let store = tempfile::tempdir().unwrap();
+    let (model, tok) = load(model_dir.path(), &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(store.path()),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
+    let mut srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
+    srv._dir = Some(store);
+    (srv, first)
+}
+
+#[test]
+fn a_model_that_writes_a_tool_call_gets_it_parsed_and_its_next_turn_reuses_prompt_and_reply() {
+    let (srv, first) = tool_writing_server();
+
+    let r = srv.post("/v1/chat/completions", &first);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let message = v["choices"][0]["message"].clone();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(message["content"], Value::Null, "{v}");
+    assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
+    assert_eq!(
+        message["tool_calls"][0]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+    // The call token, then the end of turn.
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    let first_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+
+    // Streamed, the same reply arrives as tool-call deltas.
+    let mut body = first.clone();
+    body["stream"] = json!(true);
+    let chunks = chunks(&srv.post("/v1/chat/completions", &body));
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls[0]["function"]["name"], "get_weather", "{chunks:?}");
+    assert_eq!(
+        calls[1]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "tool_calls"));
+    srv.idle();
+
+    // The next turn: the history renders the call as the model wrote it, so the prompt
+    // extends the first prompt and its reply, and every full block of both is reused.
+    let mut second = first.clone();
+    second["messages"].as_array_mut().unwrap().extend([
+        message.clone(),
+        json!({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "18 C"}),
+    ]);
+    let tok = srv.engine.tokenizer();
+    let render = |b: &Value| {
+        let (messages, tools) = (b["messages"].to_string(), b["tools"].to_string());
+        tok.apply_chat_template(&messages, Some(&tools), true, None)
+            .unwrap()
+    };
+    let (a, b) = (render(&first), render(&second));
+    assert!(
+        b.starts_with(&format!("{a}{CALL_TEXT}<|im_end|>")),
+        "the history does not render the call as the model wrote it:\n{a}\n---\n{b}"
+    );
+    let r = srv.post("/v1/chat/completions", &second);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let replied = first_prompt + 1;
+    assert!(
+        cached >= replied / 8 * 8,
+        "the second turn reused {cached} tokens; the first prompt and reply are {replied}: {v}"
+    );
+    eprintln!("first prompt + reply: {replied} tokens; the next turn reused {cached}");
 }
