@@ -1496,8 +1496,20 @@ const CALL_TEXT: &str =
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>";
 
 fn scripted_server(script: &[&str]) -> Server {
+    scripted_server_of(MODEL, script)
+}
+
+/// [`scripted_server`] over the golden model `model`.
+fn scripted_server_of(model: &str, script: &[&str]) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(dir.path(), EngineConfig::default());
+    let (model, tok) = load(&goldens().join(model), &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(dir.path()),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     let script = script.iter().map(|s| s.to_string()).collect();
     let app = scripted_router(engine.clone(), server_config(None), script);
     let mut srv = Server::serve_app(engine, app, ConnectionLimits::default());
@@ -1610,6 +1622,56 @@ fn a_streamed_tool_call_arrives_as_tool_call_deltas() {
         .filter(|f| !f.is_null())
         .collect();
     assert_eq!(finish, [&json!("tool_calls")]);
+}
+
+#[test]
+fn a_llama_template_gets_llama_json_calls_parsed_whole_and_streamed() {
+    let script = [
+        "<|python_tag|>",
+        "{\"name\": \"get_weather\", ",
+        "\"parameters\": {\"city\": \"Paris\"}}",
+    ];
+    let srv = scripted_server_of("tiny-llama", &script);
+    let mut body = tool_chat(8);
+    body.as_object_mut().unwrap().remove("model");
+    let v = srv.post("/v1/chat/completions", &body).json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["content"], Value::Null, "{v}");
+    assert_eq!(
+        choice["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    assert_eq!(
+        choice["message"]["tool_calls"][0]["function"]["arguments"],
+        r#"{"city": "Paris"}"#
+    );
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    let streamed = chunks(&r);
+    let calls: Vec<&Value> = streamed
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls.len(), 2, "{}", r.body);
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(calls[1]["function"]["arguments"], r#"{"city": "Paris"}"#);
+    assert!(!r.body.contains("python_tag"), "{}", r.body);
+
+    // A reply that is text streams as text, as it comes.
+    let srv = scripted_server_of("tiny-llama", &["It is ", "sunny."]);
+    let r = srv.post("/v1/chat/completions", &body);
+    let text: Vec<String> = chunks(&r)
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(text, ["It is ", "sunny."], "{}", r.body);
 }
 
 #[test]
