@@ -307,10 +307,11 @@ pub(crate) fn chat_prompt(
 }
 
 /// Whether a template writes a call's `arguments` through `tojson` without first checking
-/// for a string (Llama 3's): OpenAI's string `arguments` would then render as a quoted
-/// string, not as the object the model wrote.
+/// for a string (Llama 3's, Qwen2.5's): OpenAI's string `arguments` would then render as a
+/// quoted string, not as the object the model wrote.
 fn tojsons_arguments(template: &str) -> bool {
-    template.contains("arguments | tojson") && !template.contains("arguments is string")
+    let t: String = template.chars().filter(|c| !c.is_whitespace()).collect();
+    t.contains("arguments|tojson") && !t.contains("argumentsisstring")
 }
 
 /// `messages` (a JSON array) with each assistant tool call's `function.arguments` string
@@ -563,6 +564,21 @@ mod tests {
             out,
             r#"[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":{"z":1,"a":{"y":2,"b":3}}}},{"id":"c2","type":"function","function":{"name":"g","arguments":"not json"}}]}]"#
         );
+    }
+
+    #[test]
+    fn templates_that_tojson_string_arguments_are_recognised() {
+        let chatml = include_str!("../../tests/goldens/chatml_tools.jinja");
+        let header = include_str!("../../tests/goldens/header_tools.jinja");
+        assert!(
+            !tojsons_arguments(chatml),
+            "it renders string arguments verbatim"
+        );
+        assert!(tojsons_arguments(header));
+        // Qwen2.5's, spaced differently.
+        assert!(tojsons_arguments(
+            "{{- '\", \"arguments\": ' }}{{- tool_call.arguments|tojson }}"
+        ));
     }
 
     #[test]
