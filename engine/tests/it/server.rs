@@ -1704,6 +1704,26 @@ fn calls_that_are_not_valid_or_not_asked_for_stay_content() {
 }
 
 #[test]
+fn tool_choice_none_keeps_the_tools_in_the_prompt() {
+    let srv = Server::start(None, EngineConfig::default());
+    let prompt_tokens = |choice: Option<&str>| {
+        let mut b = tool_chat(1);
+        if let Some(c) = choice {
+            b["tool_choice"] = json!(c);
+        }
+        let v = srv.post("/v1/chat/completions", &b).json();
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let auto = prompt_tokens(None);
+    assert_eq!(prompt_tokens(Some("none")), auto);
+    assert_eq!(prompt_tokens(Some("auto")), auto);
+    let mut without = tool_chat(1);
+    without.as_object_mut().unwrap().remove("tools");
+    let v = srv.post("/v1/chat/completions", &without).json();
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() < auto, "{v}");
+}
+
+#[test]
 fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
     let srv = Server::start(None, EngineConfig::default());
     let with = |key: &str, value: Value| {
