@@ -5,7 +5,8 @@
 //! (Prometheus text), `GET /v1/cache` (store stats JSON), `POST /admin/cache/flush`.
 //! With an API key, `/v1/*` and `/admin/*` need `Authorization: Bearer KEY` (and
 //! `/metrics` too when [`ServerConfig::metrics_need_key`] is set); keys are compared in
-//! constant time.
+//! constant time. A chat with `tools` gets the model's tool calls parsed into OpenAI
+//! `tool_calls`, whole or streamed (`tool_calls.rs`, one parser per template family).
 //!
 //! A streaming response reads the request's [`RequestHandle`] as it goes; when the client
 //! disconnects, the response body is dropped, the handle with it, and the engine cancels
@@ -14,6 +15,7 @@
 mod conn;
 mod error;
 pub(crate) mod openai;
+mod tool_calls;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
@@ -36,6 +38,8 @@ use crate::generate::FinishReason;
 use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle, TTFT_BUCKETS};
 pub use conn::{serve_with_limits, ConnectionLimits};
 pub(crate) use error::ApiError;
+use openai::ToolParsing;
+use tool_calls::{CallStream, Piece};
 
 /// Settings of the HTTP layer.
 #[derive(Clone, Debug)]
@@ -74,12 +78,27 @@ struct AppState {
     /// blake3 of the API key: what a presented key's hash is compared with.
     key_hash: Option<[u8; 32]>,
     responses: Mutex<BTreeMap<u16, u64>>,
+    /// [`scripted_router`]'s script.
+    script: Option<Vec<String>>,
 }
 
 type Shared = Arc<AppState>;
 
 /// The axum router of the server over `engine`.
 pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
+    build_router(engine, config, None)
+}
+
+/// Test-only: [`router`], with each generated token's text replaced by the next piece of
+/// `script` (the pieces left when generation ends come at the end), so that HTTP tests can
+/// drive tool-call parsing with tiny random models that never write a call. The model still
+/// runs; the engine, the cache and the streaming are real. Never for a real server.
+#[doc(hidden)]
+pub fn scripted_router(engine: Arc<Engine>, config: ServerConfig, script: Vec<String>) -> Router {
+    build_router(engine, config, Some(script))
+}
+
+fn build_router(engine: Arc<Engine>, config: ServerConfig, script: Option<Vec<String>>) -> Router {
     let limit = config.max_body_bytes;
     let metrics_need_key = config.metrics_need_key;
     let state = Arc::new(AppState {
@@ -90,6 +109,7 @@ pub fn router(engine: Arc<Engine>, config: ServerConfig) -> Router {
             .map(|k| *blake3::hash(k.as_bytes()).as_bytes()),
         config,
         responses: Mutex::new(BTreeMap::new()),
+        script,
     });
     let mut protected = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -634,6 +654,46 @@ struct Meta {
     chat: bool,
     logprobs: bool,
     include_usage: bool,
+    /// How the reply is parsed for tool calls (chat requests with tools only).
+    tools: Option<ToolParsing>,
+    /// Makes the ids of this response's tool calls unique across requests and restarts.
+    nonce: u128,
+    /// [`scripted_router`]'s script.
+    script: Option<Vec<String>>,
+}
+
+impl Meta {
+    /// The id of this response's `i`th tool call.
+    fn call_id(&self, i: usize) -> String {
+        let h = blake3::hash(format!("{}:{}:{i}", self.id, self.nonce).as_bytes());
+        format!("call_{}", &h.to_hex()[..24])
+    }
+
+    /// The chat `message` of a whole reply and its `finish_reason` (`tool_calls` when the
+    /// reply held calls).
+    fn message(&self, text: String, reason: &'static str) -> (Value, &'static str) {
+        let Some(t) = &self.tools else {
+            return (json!({"role": "assistant", "content": text}), reason);
+        };
+        let p = tool_calls::parse(t.format, &t.names, &text);
+        if p.calls.is_empty() {
+            return (json!({"role": "assistant", "content": p.content}), reason);
+        }
+        let calls: Vec<Value> = p
+            .calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({
+                    "id": self.call_id(i),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                })
+            })
+            .collect();
+        let message = json!({"role": "assistant", "content": p.content, "tool_calls": calls});
+        (message, "tool_calls")
+    }
 }
 
 async fn generate_endpoint(
@@ -643,6 +703,11 @@ async fn generate_endpoint(
 ) -> Result<Response, ApiError> {
     let (raw, body) = parse_body(body)?;
     let mut opts = openai::options(&body, chat)?;
+    let tools = if chat {
+        openai::tool_parsing(&body, s.engine.tokenizer().chat_template())?
+    } else {
+        None
+    };
     if let Some(m) = &opts.model {
         if *m != s.config.model_id {
             return Err(ApiError::new(
@@ -698,6 +763,11 @@ async fn generate_endpoint(
         chat,
         logprobs: opts.logprobs,
         include_usage: opts.include_usage,
+        tools,
+        nonce: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+        script: s.script.clone(),
     };
     if opts.stream {
         Ok(stream(s, handle, meta).into_response())
@@ -718,20 +788,25 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
             Event::Finished(c) => {
                 let tok = s.engine.tokenizer();
                 let reason = openai::finish_reason(&c);
+                let text = match &meta.script {
+                    Some(pieces) => pieces.concat(),
+                    None => c.text.clone(),
+                };
                 let choice = if meta.chat {
                     let lp = meta.logprobs.then(|| {
                         json!({"content": logprobs.iter().map(|l| openai::chat_logprob(tok, l)).collect::<Vec<_>>()})
                     });
+                    let (message, reason) = meta.message(text, reason);
                     json!({
                         "index": 0,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": message,
                         "logprobs": lp,
                         "finish_reason": reason,
                     })
                 } else {
                     json!({
                         "index": 0,
-                        "text": c.text,
+                        "text": text,
                         "logprobs": meta.logprobs.then(|| completion_logprobs(tok, &logprobs)),
                         "finish_reason": reason,
                     })
@@ -800,6 +875,12 @@ struct StreamState {
     handle: Option<RequestHandle>,
     meta: Meta,
     out: VecDeque<SseEvent>,
+    /// The tool-call parser of a chat with tools.
+    calls: Option<CallStream>,
+    /// Tool calls sent so far.
+    calls_sent: usize,
+    /// What is left of [`scripted_router`]'s script.
+    script: Option<VecDeque<String>>,
 }
 
 impl StreamState {
@@ -826,6 +907,60 @@ impl StreamState {
         SseEvent::default().data(body.to_string())
     }
 
+    /// Pushes the chunks of released reply pieces; `lp` (the token's log-probabilities)
+    /// goes with the first, or with an empty chunk of its own.
+    fn emit(&mut self, pieces: Vec<Piece>, mut lp: Value) {
+        for p in pieces {
+            match p {
+                Piece::Text(t) if t.is_empty() => {}
+                Piece::Text(t) => {
+                    let delta = if self.meta.chat {
+                        json!({"content": t})
+                    } else {
+                        json!(t)
+                    };
+                    let ev = self.chunk(delta, std::mem::take(&mut lp), None);
+                    self.out.push_back(ev);
+                }
+                Piece::Call(c) => {
+                    let i = self.calls_sent;
+                    self.calls_sent += 1;
+                    let head = json!({"tool_calls": [{
+                        "index": i,
+                        "id": self.meta.call_id(i),
+                        "type": "function",
+                        "function": {"name": c.name, "arguments": ""},
+                    }]});
+                    let ev = self.chunk(head, std::mem::take(&mut lp), None);
+                    self.out.push_back(ev);
+                    let args = json!({"tool_calls": [{
+                        "index": i,
+                        "function": {"arguments": c.arguments},
+                    }]});
+                    let ev = self.chunk(args, Value::Null, None);
+                    self.out.push_back(ev);
+                }
+            }
+        }
+        if !lp.is_null() {
+            let delta = if self.meta.chat {
+                json!({"content": ""})
+            } else {
+                json!("")
+            };
+            let ev = self.chunk(delta, lp, None);
+            self.out.push_back(ev);
+        }
+    }
+
+    /// The pieces of the reply's next text that can be released now.
+    fn pieces(&mut self, text: &str) -> Vec<Piece> {
+        match &mut self.calls {
+            Some(p) => p.push(text),
+            None => vec![Piece::Text(text.to_string())],
+        }
+    }
+
     /// Turns one engine event into SSE events; false once the stream is over.
     fn on(&mut self, e: Option<Event>) -> bool {
         match e {
@@ -841,6 +976,10 @@ impl StreamState {
                 true
             }
             Some(Event::Token { sampled, text }) => {
+                let text = match &mut self.script {
+                    Some(script) => script.pop_front().unwrap_or_default(),
+                    None => text,
+                };
                 if text.is_empty() && !self.meta.logprobs {
                     return true;
                 }
@@ -852,13 +991,8 @@ impl StreamState {
                 } else {
                     completion_logprobs(tok, std::slice::from_ref(&sampled))
                 };
-                let delta = if self.meta.chat {
-                    json!({"content": text})
-                } else {
-                    json!(text)
-                };
-                let ev = self.chunk(delta, lp, None);
-                self.out.push_back(ev);
+                let pieces = self.pieces(&text);
+                self.emit(pieces, lp);
                 true
             }
             Some(Event::Finished(c)) if c.finish_reason == FinishReason::Cancelled => {
@@ -870,8 +1004,23 @@ impl StreamState {
             }
             Some(Event::Finished(c)) => {
                 {
+                    let rest: String = self
+                        .script
+                        .take()
+                        .map(|s| s.into_iter().collect())
+                        .unwrap_or_default();
+                    let mut pieces = self.pieces(&rest);
+                    if let Some(p) = &mut self.calls {
+                        pieces.extend(p.finish());
+                    }
+                    self.emit(pieces, Value::Null);
+                    let reason = if self.calls_sent > 0 {
+                        "tool_calls"
+                    } else {
+                        openai::finish_reason(&c)
+                    };
                     let delta = if self.meta.chat { json!({}) } else { json!("") };
-                    let ev = self.chunk(delta, Value::Null, Some(openai::finish_reason(&c)));
+                    let ev = self.chunk(delta, Value::Null, Some(reason));
                     self.out.push_back(ev);
                     if self.meta.include_usage {
                         let ev = self.event(json!([]), Some(openai::usage(&c)));
@@ -905,11 +1054,19 @@ fn stream(
     handle: RequestHandle,
     meta: Meta,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let calls = meta
+        .tools
+        .as_ref()
+        .map(|t| CallStream::new(t.format, t.names.clone()));
+    let script = meta.script.clone().map(VecDeque::from);
     let state = StreamState {
         s,
         handle: Some(handle),
         meta,
         out: VecDeque::new(),
+        calls,
+        calls_sent: 0,
+        script,
     };
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {

@@ -4,6 +4,7 @@ use axum::http::StatusCode;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
+use super::tool_calls::ToolFormat;
 use crate::generate::GenerateParams;
 use crate::sampler::{Sampled, SamplingParams};
 use crate::scheduler::Completion;
@@ -270,10 +271,6 @@ pub(crate) fn chat_prompt(
             }
         }
     }
-    match body.get("tools") {
-        None | Some(Value::Null) | Some(Value::Array(_)) => {}
-        Some(_) => return Err(ApiError::param("tools", "tools must be an array")),
-    }
     // The template sees messages and tools with their keys in the order the client sent.
     let (messages_json, tools_json) = if flatten {
         let flat: Vec<Value> = messages
@@ -298,9 +295,76 @@ pub(crate) fn chat_prompt(
     } else {
         crate::tokenizer::chat_request_parts(raw).map_err(ApiError::from)?
     };
+    let messages_json = match tokenizer.chat_template() {
+        Some(t) if tojsons_arguments(t) && messages_json.contains("tool_calls") => {
+            objectify_arguments(&messages_json)?
+        }
+        _ => messages_json,
+    };
     tokenizer
         .encode_chat(&messages_json, tools_json.as_deref(), true)
         .map_err(ApiError::from)
+}
+
+/// Whether a template writes a call's `arguments` through `tojson` without first checking
+/// for a string (Llama 3's, Qwen2.5's): OpenAI's string `arguments` would then render as a
+/// quoted string, not as the object the model wrote.
+fn tojsons_arguments(template: &str) -> bool {
+    let t: String = template.chars().filter(|c| !c.is_whitespace()).collect();
+    t.contains("arguments|tojson") && !t.contains("argumentsisstring")
+}
+
+/// `messages` (a JSON array) with each assistant tool call's `function.arguments` string
+/// replaced by the JSON object it holds, keys in their order; arguments that are not a JSON
+/// object's text stay as they are.
+fn objectify_arguments(messages: &str) -> Result<String, ApiError> {
+    use minijinja::value::{Value as J, ValueKind};
+    /// `v` (a map) with `key` set to `new`, the other entries and their order kept.
+    fn with(v: &J, key: &str, new: J) -> J {
+        let keys: Vec<J> = v.try_iter().map(Iterator::collect).unwrap_or_default();
+        J::from_iter(keys.into_iter().map(|k| {
+            let value = if k.as_str() == Some(key) {
+                new.clone()
+            } else {
+                v.get_item(&k).unwrap_or_default()
+            };
+            (k, value)
+        }))
+    }
+    let call = |c: J| -> J {
+        let Ok(f) = c.get_attr("function") else {
+            return c;
+        };
+        let parsed = f
+            .get_attr("arguments")
+            .ok()
+            .and_then(|a| a.as_str().map(serde_json::from_str::<J>))
+            .and_then(Result::ok)
+            .filter(|a| a.kind() == ValueKind::Map);
+        match parsed {
+            Some(args) if f.kind() == ValueKind::Map => {
+                with(&c, "function", with(&f, "arguments", args))
+            }
+            _ => c,
+        }
+    };
+    let v: J = serde_json::from_str(messages)
+        .map_err(|e| ApiError::param("messages", format!("messages are not valid JSON: {e}")))?;
+    let Ok(items) = v.try_iter() else {
+        return Ok(messages.to_string());
+    };
+    let fixed = J::from_iter(items.map(|m| match m.get_attr("tool_calls") {
+        Ok(calls) if m.kind() == ValueKind::Map && calls.kind() == ValueKind::Seq => {
+            let calls: Vec<J> = calls
+                .try_iter()
+                .map(|it| it.map(call).collect())
+                .unwrap_or_default();
+            with(&m, "tool_calls", J::from(calls))
+        }
+        _ => m,
+    }));
+    serde_json::to_string(&fixed)
+        .map_err(|e| ApiError::internal(format!("re-encoding messages: {e}")))
 }
 
 /// The prompt of a completions request: a string, or an array of token ids.
@@ -376,4 +440,178 @@ pub(crate) fn chat_logprob(tokenizer: &Tokenizer, s: &Sampled) -> Value {
         })
         .collect();
     json!({"token": tok, "logprob": s.logprob, "bytes": bytes(&tok), "top_logprobs": top})
+}
+
+/// How a chat request's reply is searched for tool calls: the template's format and the
+/// names of the request's functions.
+#[derive(Clone, Debug)]
+pub(crate) struct ToolParsing {
+    pub format: ToolFormat,
+    pub names: Vec<String>,
+}
+
+/// Validates `tools` and `tool_choice`; returns how to parse the reply for calls (None:
+/// plain content, for `tool_choice: "none"`, no tools, or a template without a known
+/// tool-call format). `required` and a named function need constrained decoding, which
+/// this server does not do: they are refused, never silently ignored.
+pub(crate) fn tool_parsing(
+    body: &Map<String, Value>,
+    template: Option<&str>,
+) -> Result<Option<ToolParsing>, ApiError> {
+    let tools = match body.get("tools") {
+        None | Some(Value::Null) => &[][..],
+        Some(Value::Array(a)) => a.as_slice(),
+        Some(_) => return Err(ApiError::param("tools", "tools must be an array")),
+    };
+    let mut names = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let name = (t.get("type").and_then(Value::as_str) == Some("function"))
+            .then(|| t.get("function"))
+            .flatten()
+            .filter(|f| f.is_object())
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty());
+        let Some(name) = name else {
+            return Err(ApiError::param(
+                "tools",
+                format!(
+                    "tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": \
+                     ..., ...}}}} with a non-empty name"
+                ),
+            ));
+        };
+        if names.iter().any(|n| n == name) {
+            return Err(ApiError::param(
+                "tools",
+                format!("tools[{i}]: the function {name:?} is defined twice"),
+            ));
+        }
+        names.push(name.to_string());
+    }
+    let unsupported = |what: &str| {
+        ApiError::param(
+            "tool_choice",
+            format!(
+                "tool_choice {what} needs constrained decoding, which this server does not do \
+                 yet; use \"auto\" (the model decides, and its calls are parsed) or \"none\""
+            ),
+        )
+    };
+    let parse = match body.get("tool_choice") {
+        None | Some(Value::Null) => !names.is_empty(),
+        Some(Value::String(s)) if s == "auto" => !names.is_empty(),
+        Some(Value::String(s)) if s == "none" => false,
+        Some(Value::String(s)) if s == "required" => return Err(unsupported("\"required\"")),
+        Some(Value::Object(o)) => {
+            let name = (o.get("type").and_then(Value::as_str) == Some("function"))
+                .then(|| o.get("function"))
+                .flatten()
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::param(
+                        "tool_choice",
+                        "tool_choice must be \"none\", \"auto\", \"required\" or \
+                         {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            if !names.iter().any(|n| n == name) {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!("tool_choice names the function {name:?}, which is not in tools"),
+                ));
+            }
+            return Err(unsupported("naming a function"));
+        }
+        Some(_) => {
+            return Err(ApiError::param(
+                "tool_choice",
+                "tool_choice must be \"none\", \"auto\", \"required\" or \
+                 {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            ))
+        }
+    };
+    let format = template.and_then(ToolFormat::detect);
+    Ok(match format {
+        Some(format) if parse => Some(ToolParsing { format, names }),
+        _ => None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::tool_calls::{self, ToolFormat};
+
+    fn tokenizer(model: &str) -> Tokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/goldens")
+            .join(model);
+        Tokenizer::from_folder(&dir).unwrap()
+    }
+
+    fn prompt(tok: &Tokenizer, body: &Value) -> Vec<u32> {
+        let raw = body.to_string();
+        chat_prompt(tok, body.as_object().unwrap(), &raw).unwrap()
+    }
+
+    #[test]
+    fn objectified_arguments_keep_their_key_order_and_everything_else() {
+        let messages = r#"[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"z\": 1, \"a\": {\"y\": 2, \"b\": 3}}"}}, {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}]"#;
+        let out = objectify_arguments(messages).unwrap();
+        assert_eq!(
+            out,
+            r#"[{"role":"user","content":"x"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":{"z":1,"a":{"y":2,"b":3}}}},{"id":"c2","type":"function","function":{"name":"g","arguments":"not json"}}]}]"#
+        );
+    }
+
+    #[test]
+    fn templates_that_tojson_string_arguments_are_recognised() {
+        let chatml = include_str!("../../tests/goldens/chatml_tools.jinja");
+        let header = include_str!("../../tests/goldens/header_tools.jinja");
+        assert!(
+            !tojsons_arguments(chatml),
+            "it renders string arguments verbatim"
+        );
+        assert!(tojsons_arguments(header));
+        // Qwen2.5's, spaced differently.
+        assert!(tojsons_arguments(
+            "{{- '\", \"arguments\": ' }}{{- tool_call.arguments|tojson }}"
+        ));
+    }
+
+    #[test]
+    fn a_llama_call_sent_back_renders_as_the_model_wrote_it() {
+        let tok = tokenizer("tiny-llama");
+        let tools = json!([{"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let mut messages = json!([{"role": "user", "content": "Weather in Paris?"}]);
+        let first = json!({"messages": messages, "tools": tools});
+        let reply = r#"{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}"#;
+        let format = ToolFormat::detect(tok.chat_template().unwrap()).unwrap();
+        let parsed = tool_calls::parse(format, &["get_weather".into()], reply);
+        assert_eq!(parsed.content, None);
+        let call = &parsed.calls[0];
+        messages.as_array_mut().unwrap().extend([
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+                "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}),
+            json!({"role": "tool", "tool_call_id": "call_1", "content": "18 C"}),
+        ]);
+        let second = json!({"messages": messages, "tools": tools});
+        let (a, b) = (prompt(&tok, &first), prompt(&tok, &second));
+        let (ta, tb) = (
+            tok.decode(&a, false).unwrap(),
+            tok.decode(&b, false).unwrap(),
+        );
+        assert!(
+            tb.starts_with(&format!("{ta}{reply}<|eot_id|>")),
+            "the history does not render the reply as written:\n{ta}\n---\n{tb}"
+        );
+        assert_eq!(
+            &b[..a.len()],
+            &a[..],
+            "the second prompt does not extend the first"
+        );
+    }
 }

@@ -6,7 +6,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::server::{router, serve_with_limits, ConnectionLimits, ServerConfig};
+use engine::server::{router, scripted_router, serve_with_limits, ConnectionLimits, ServerConfig};
 use engine::{
     generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, InjectedFault,
     LoadOptions, PrefixCache, Request, ReuseConfig, SubmitError,
@@ -75,6 +75,11 @@ impl Server {
     /// A server over `engine` with `config` (the caller owns the engine's store).
     fn serve(engine: Arc<Engine>, config: ServerConfig, limits: ConnectionLimits) -> Server {
         let app = router(engine.clone(), config);
+        Self::serve_app(engine, app, limits)
+    }
+
+    /// A server of `app` over `engine`.
+    fn serve_app(engine: Arc<Engine>, app: axum::Router, limits: ConnectionLimits) -> Server {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (addr_tx, addr_rx) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -1470,4 +1475,608 @@ fn a_stream_cut_off_by_shutdown_ends_with_an_error_object() {
         let reason = &v["choices"][0]["finish_reason"];
         assert!(reason.is_null(), "a cut-off stream claims {reason}: {e}");
     }
+}
+
+// Tool calls. The tiny random models never write a call, so these servers script the reply's
+// text (`engine::server::scripted_router`, test-only): the model still runs and the engine, the
+// cache and the streaming are real; each generated token's text is replaced by the next
+// piece, and the pieces left over when generation ends come at the end.
+
+/// A tool call as the Qwen-style template teaches it, cut where a streamed reply may cut it.
+const SCRIPTED_CALL: [&str; 5] = [
+    "Let me check. ",
+    "<tool_",
+    "call>\n{\"name\": \"get_weather\", ",
+    "\"arguments\": {\"city\": \"Paris\", \"days\": 2}}",
+    "\n</tool_call>",
+];
+
+/// What the model "wrote": the pieces of [`SCRIPTED_CALL`] after the text before the call.
+const CALL_TEXT: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>";
+
+fn scripted_server(script: &[&str]) -> Server {
+    scripted_server_of(MODEL, script)
+}
+
+/// [`scripted_server`] over the golden model `model`.
+fn scripted_server_of(model: &str, script: &[&str]) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tok) = load(&goldens().join(model), &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(dir.path()),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
+    let script = script.iter().map(|s| s.to_string()).collect();
+    let app = scripted_router(engine.clone(), server_config(None), script);
+    let mut srv = Server::serve_app(engine, app, ConnectionLimits::default());
+    srv._dir = Some(dir);
+    srv
+}
+
+fn weather_tools() -> Value {
+    // Short: the tiny model's context is 512 tokens, and its tokenizer is byte-level.
+    json!([
+        {"type": "function", "function": {"name": "get_weather",
+            "parameters": {"properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "search"}},
+    ])
+}
+
+fn tool_chat(max_tokens: usize) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "Use the tools."},
+            {"role": "user", "content": "Weather in Paris?"},
+        ],
+        "tools": weather_tools(),
+        "max_tokens": max_tokens,
+    })
+}
+
+fn chunks(r: &Response) -> Vec<Value> {
+    let events = r.events();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{}",
+        r.body
+    );
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_reply_holding_a_tool_call_is_answered_with_tool_calls() {
+    let srv = scripted_server(&SCRIPTED_CALL);
+    let r = srv.post("/v1/chat/completions", &tool_chat(16));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["message"]["content"], "Let me check.");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["type"], "function");
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(
+        calls[0]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+
+    // Only calls: content is null. Two requests never share a call id.
+    let srv = scripted_server(&[CALL_TEXT]);
+    let ids: Vec<Value> = (0..2)
+        .map(|_| {
+            let v = srv.post("/v1/chat/completions", &tool_chat(4)).json();
+            assert_eq!(v["choices"][0]["message"]["content"], Value::Null, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+            v["choices"][0]["message"]["tool_calls"][0]["id"].clone()
+        })
+        .collect();
+    assert_ne!(ids[0], ids[1]);
+}
+
+#[test]
+fn a_streamed_tool_call_arrives_as_tool_call_deltas() {
+    let srv = scripted_server(&SCRIPTED_CALL);
+    let mut body = tool_chat(16);
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let chunks = chunks(&r);
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["delta"]).collect();
+    let text: String = deltas
+        .iter()
+        .filter_map(|d| d["content"].as_str())
+        .collect();
+    // The opener was held back: no part of the call leaks into content.
+    assert_eq!(text, "Let me check. ", "{deltas:?}");
+    let calls: Vec<&Value> = deltas
+        .iter()
+        .filter_map(|d| d["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls.len(), 2, "{deltas:?}");
+    assert_eq!(calls[0]["index"], 0);
+    assert!(calls[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(calls[0]["type"], "function");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(calls[0]["function"]["arguments"], "");
+    assert_eq!(calls[1]["index"], 0);
+    assert_eq!(
+        calls[1]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, [&json!("tool_calls")]);
+}
+
+#[test]
+fn a_llama_template_gets_llama_json_calls_parsed_whole_and_streamed() {
+    let script = [
+        "<|python_tag|>",
+        "{\"name\": \"get_weather\", ",
+        "\"parameters\": {\"city\": \"Paris\"}}",
+    ];
+    let srv = scripted_server_of("tiny-llama", &script);
+    let mut body = tool_chat(8);
+    body.as_object_mut().unwrap().remove("model");
+    let v = srv.post("/v1/chat/completions", &body).json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(choice["message"]["content"], Value::Null, "{v}");
+    assert_eq!(
+        choice["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    assert_eq!(
+        choice["message"]["tool_calls"][0]["function"]["arguments"],
+        r#"{"city": "Paris"}"#
+    );
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    let streamed = chunks(&r);
+    let calls: Vec<&Value> = streamed
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls.len(), 2, "{}", r.body);
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_eq!(calls[1]["function"]["arguments"], r#"{"city": "Paris"}"#);
+    assert!(!r.body.contains("python_tag"), "{}", r.body);
+
+    // A reply that is text streams as text, as it comes.
+    let srv = scripted_server_of("tiny-llama", &["It is ", "sunny."]);
+    let r = srv.post("/v1/chat/completions", &body);
+    let text: Vec<String> = chunks(&r)
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(text, ["It is ", "sunny."], "{}", r.body);
+}
+
+#[test]
+fn calls_that_are_not_valid_or_not_asked_for_stay_content() {
+    let unknown = "<tool_call>\n{\"name\": \"launch\", \"arguments\": {}}\n</tool_call>";
+    let broken = "<tool_call>\n{\"name\": \"search\", \"arguments\": {\"q\": }\n</tool_call>";
+    for (text, tool_choice) in [
+        (unknown, json!("auto")),
+        (broken, json!("auto")),
+        (CALL_TEXT, json!("none")),
+    ] {
+        let srv = scripted_server(&[text]);
+        let mut body = tool_chat(4);
+        body["tool_choice"] = tool_choice.clone();
+        let v = srv.post("/v1/chat/completions", &body).json();
+        let choice = &v["choices"][0];
+        assert_eq!(choice["message"]["content"], text, "{tool_choice}: {v}");
+        assert!(choice["message"].get("tool_calls").is_none(), "{v}");
+        assert_ne!(choice["finish_reason"], "tool_calls", "{v}");
+        body["stream"] = json!(true);
+        let r = srv.post("/v1/chat/completions", &body);
+        let chunks = chunks(&r);
+        let streamed: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect();
+        assert_eq!(streamed, text, "{tool_choice}");
+        assert!(!r.body.contains("\"tool_calls\""), "{}", r.body);
+    }
+}
+
+#[test]
+fn tool_choice_none_keeps_the_tools_in_the_prompt() {
+    let srv = Server::start(None, EngineConfig::default());
+    let prompt_tokens = |choice: Option<&str>| {
+        let mut b = tool_chat(1);
+        if let Some(c) = choice {
+            b["tool_choice"] = json!(c);
+        }
+        let v = srv.post("/v1/chat/completions", &b).json();
+        v["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let auto = prompt_tokens(None);
+    assert_eq!(prompt_tokens(Some("none")), auto);
+    assert_eq!(prompt_tokens(Some("auto")), auto);
+    let mut without = tool_chat(1);
+    without.as_object_mut().unwrap().remove("tools");
+    let v = srv.post("/v1/chat/completions", &without).json();
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() < auto, "{v}");
+}
+
+#[test]
+fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
+    let srv = Server::start(None, EngineConfig::default());
+    let with = |key: &str, value: Value| {
+        let mut b = tool_chat(2);
+        b[key] = value;
+        b
+    };
+    let cases = [
+        (
+            with("tool_choice", json!("required")),
+            "tool_choice",
+            "auto",
+        ),
+        (
+            with(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "search"}}),
+            ),
+            "tool_choice",
+            "constrained decoding",
+        ),
+        (
+            with(
+                "tool_choice",
+                json!({"type": "function", "function": {"name": "nope"}}),
+            ),
+            "tool_choice",
+            "not in tools",
+        ),
+        (
+            with("tool_choice", json!("sometimes")),
+            "tool_choice",
+            "must be",
+        ),
+        (with("tools", json!({"name": "f"})), "tools", "array"),
+        (
+            with("tools", json!([{"type": "function"}])),
+            "tools",
+            "tools[0]",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "retrieval", "function": {"name": "f"}}]),
+            ),
+            "tools",
+            "tools[0]",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": ""}}]),
+            ),
+            "tools",
+            "non-empty",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f"}},
+                       {"type": "function", "function": {"name": "f"}}]),
+            ),
+            "tools",
+            "twice",
+        ),
+    ];
+    for (body, param, says) in cases {
+        let e = openai_error(&srv.post("/v1/chat/completions", &body), 400);
+        assert_eq!(e["param"], param, "{e}");
+        assert_eq!(e["type"], "invalid_request_error", "{e}");
+        let msg = e["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{msg:?} should say {says:?}");
+    }
+    let e = openai_error(
+        &srv.post(
+            "/v1/chat/completions",
+            &with("tool_choice", json!("required")),
+        ),
+        400,
+    );
+    assert!(e["message"]
+        .as_str()
+        .unwrap()
+        .contains("constrained decoding"));
+}
+
+#[test]
+fn the_openai_client_reads_tool_calls_streamed_or_not() {
+    let python =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv-test/bin/python");
+    if !python.is_file() {
+        crate::prerequisite::missing(
+            &format!("{} is missing", python.display()),
+            "run bash scripts/setup.sh (it makes .venv-test with the openai client)",
+        );
+        return;
+    }
+    let (srv, first) = tool_writing_server();
+    let script = r#"
+import json, sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused")
+tools = json.loads(sys.argv[2])
+messages = json.loads(sys.argv[3])
+r = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools, max_tokens=16)
+m = r.choices[0].message
+first_prompt = r.usage.prompt_tokens
+out = {"finish": r.choices[0].finish_reason, "content": m.content,
+       "calls": [{"id": c.id, "type": c.type, "name": c.function.name,
+                  "arguments": json.loads(c.function.arguments)} for c in m.tool_calls]}
+stream = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools,
+                                        max_tokens=16, stream=True)
+calls, text, finish = {}, "", None
+for chunk in stream:
+    d = chunk.choices[0].delta
+    text += d.content or ""
+    for c in d.tool_calls or []:
+        acc = calls.setdefault(c.index, {"id": None, "name": "", "arguments": ""})
+        acc["id"] = c.id or acc["id"]
+        if c.function is not None:
+            acc["name"] += c.function.name or ""
+            acc["arguments"] += c.function.arguments or ""
+    finish = chunk.choices[0].finish_reason or finish
+out["stream"] = {"finish": finish, "content": text,
+                 "calls": [dict(c, arguments=json.loads(c["arguments"])) for c in calls.values()]}
+messages += [m.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C"}]
+r = client.chat.completions.create(model="tiny-qwen3", messages=messages, tools=tools, max_tokens=2)
+out["second_cached"] = r.usage.prompt_tokens_details.cached_tokens
+out["first_prompt"] = first_prompt
+print(json.dumps(out))
+"#;
+    let out = std::process::Command::new(python)
+        .args(["-c", script])
+        .arg(format!("http://{}/v1", srv.addr))
+        .arg(first["tools"].to_string())
+        .arg(first["messages"].to_string())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "the openai client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let args = json!({"city": "Paris", "days": 2});
+    assert_eq!(v["finish"], "tool_calls", "{v}");
+    assert_eq!(v["content"], Value::Null, "{v}");
+    assert_eq!(v["calls"][0]["type"], "function", "{v}");
+    assert_eq!(v["calls"][0]["name"], "get_weather", "{v}");
+    assert_eq!(v["calls"][0]["arguments"], args, "{v}");
+    assert_eq!(v["stream"]["finish"], "tool_calls", "{v}");
+    assert_eq!(v["stream"]["content"], "", "{v}");
+    assert_eq!(v["stream"]["calls"].as_array().unwrap().len(), 1, "{v}");
+    assert_eq!(v["stream"]["calls"][0]["name"], "get_weather", "{v}");
+    assert_eq!(v["stream"]["calls"][0]["arguments"], args, "{v}");
+    assert!(v["stream"]["calls"][0]["id"]
+        .as_str()
+        .unwrap()
+        .starts_with("call_"));
+    // The client's own rendering of the history (model_dump of the message) still reuses
+    // the first prompt and the call token.
+    let replied = v["first_prompt"].as_u64().unwrap() + 1;
+    assert!(
+        v["second_cached"].as_u64().unwrap() >= replied / 8 * 8,
+        "{v}"
+    );
+}
+
+/// Copies the tiny qwen3 model into `dir` with a tokenizer under which the model, its
+/// weights untouched, greedily writes [`CALL_TEXT`] and ends its turn. Returns the request.
+///
+/// The model's greedy first token after the request's prompt is renamed to `CALL_TEXT`
+/// (an added token: the same text in a later prompt encodes to that one id again, as a real
+/// model's reply does), and its second token becomes a special end-of-turn token. The renamed token is
+/// not in the prompt and the merges that made or used it are dropped; the prompt's ids are
+/// checked unchanged, so the model computes exactly what it computed before.
+fn tool_writing_model(dir: &std::path::Path) -> Value {
+    let src = goldens().join(MODEL);
+    for f in ["config.json", "model.safetensors", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let (model, tok) = load(&src, &LoadOptions::default()).unwrap();
+    let raw: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let vocab = raw["model"]["vocab"].as_object().unwrap();
+    let added: Vec<u64> = raw["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["id"].as_u64().unwrap())
+        .collect();
+    let pair = |m: &Value| -> (String, String) {
+        match m {
+            Value::String(s) => {
+                let (a, b) = s.split_once(' ').unwrap();
+                (a.into(), b.into())
+            }
+            m => (m[0].as_str().unwrap().into(), m[1].as_str().unwrap().into()),
+        }
+    };
+    for i in 0..64 {
+        let mut body = tool_chat(4);
+        body["messages"][1]["content"] = json!(format!("Weather in Paris, case {i}"));
+        let (messages, tools) = (body["messages"].to_string(), body["tools"].to_string());
+        let prompt = tok.encode_chat(&messages, Some(&tools), true).unwrap();
+        let params = GenerateParams {
+            max_tokens: 2,
+            ..GenerateParams::default()
+        };
+        let mut cache = model.new_cache();
+        let out = generate(&model, &tok, &mut cache, &prompt, &params, &mut |_| true).unwrap();
+        let [g1, g2] = out.tokens[..] else { continue };
+        if g1 == g2
+            || prompt.contains(&g1)
+            || prompt.contains(&g2)
+            || added.contains(&u64::from(g2))
+            || added.contains(&u64::from(g1))
+            || tok.eos_ids().contains(&g1)
+        {
+            continue;
+        }
+        let name = |g: u32| {
+            vocab
+                .iter()
+                .find(|(_, id)| id.as_u64() == Some(u64::from(g)))
+                .map(|(k, _)| k.clone())
+        };
+        let (Some(old), Some(end)) = (name(g1), name(g2)) else {
+            continue;
+        };
+        let mut t = raw.clone();
+        let v = t["model"]["vocab"].as_object_mut().unwrap();
+        v.remove(&old);
+        v.insert(CALL_TEXT.into(), json!(g1));
+        t["model"]["merges"].as_array_mut().unwrap().retain(|m| {
+            let (a, b) = pair(m);
+            a != old && b != old && format!("{a}{b}") != old
+        });
+        t["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": g1, "content": CALL_TEXT, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": false,
+        }));
+        // A special token, as an end of turn is: its text is not part of the reply.
+        t["added_tokens"].as_array_mut().unwrap().push(json!({
+            "id": g2, "content": end, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true,
+        }));
+        std::fs::write(dir.join("tokenizer.json"), t.to_string()).unwrap();
+        let mut eos = tok.eos_ids().to_vec();
+        eos.push(g2);
+        std::fs::write(
+            dir.join("generation_config.json"),
+            json!({"eos_token_id": eos}).to_string(),
+        )
+        .unwrap();
+        let renamed = engine::Tokenizer::from_folder(dir).unwrap();
+        assert_eq!(
+            renamed.encode_chat(&messages, Some(&tools), true).unwrap(),
+            prompt,
+            "renaming token {g1} ({old:?}) changed the prompt's ids"
+        );
+        assert_eq!(renamed.decode(&[g1], true).unwrap(), CALL_TEXT);
+        return body;
+    }
+    panic!("none of 64 prompts makes the tiny model start with two distinct new tokens");
+}
+
+/// A server of [`tool_writing_model`] (block size 8) and the request it answers with a call.
+fn tool_writing_server() -> (Server, Value) {
+    let model_dir = tempfile::tempdir().unwrap();
+    let first = tool_writing_model(model_dir.path());
+    let store = tempfile::tempdir().unwrap();
+    let (model, tok) = load(model_dir.path(), &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(store.path()),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
+    let mut srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
+    srv._dir = Some(store);
+    (srv, first)
+}
+
+#[test]
+fn a_model_that_writes_a_tool_call_gets_it_parsed_and_its_next_turn_reuses_prompt_and_reply() {
+    let (srv, first) = tool_writing_server();
+
+    let r = srv.post("/v1/chat/completions", &first);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let message = v["choices"][0]["message"].clone();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    assert_eq!(message["content"], Value::Null, "{v}");
+    assert_eq!(message["tool_calls"][0]["function"]["name"], "get_weather");
+    assert_eq!(
+        message["tool_calls"][0]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+    // The call token, then the end of turn.
+    assert_eq!(v["usage"]["completion_tokens"], 2, "{v}");
+    let first_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+
+    // Streamed, the same reply arrives as tool-call deltas.
+    let mut body = first.clone();
+    body["stream"] = json!(true);
+    let chunks = chunks(&srv.post("/v1/chat/completions", &body));
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls[0]["function"]["name"], "get_weather", "{chunks:?}");
+    assert_eq!(
+        calls[1]["function"]["arguments"],
+        r#"{"city": "Paris", "days": 2}"#
+    );
+    assert!(chunks
+        .iter()
+        .any(|c| c["choices"][0]["finish_reason"] == "tool_calls"));
+    srv.idle();
+
+    // The next turn: the history renders the call as the model wrote it, so the prompt
+    // extends the first prompt and its reply, and every full block of both is reused.
+    let mut second = first.clone();
+    second["messages"].as_array_mut().unwrap().extend([
+        message.clone(),
+        json!({"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "18 C"}),
+    ]);
+    let tok = srv.engine.tokenizer();
+    let render = |b: &Value| {
+        let (messages, tools) = (b["messages"].to_string(), b["tools"].to_string());
+        tok.apply_chat_template(&messages, Some(&tools), true, None)
+            .unwrap()
+    };
+    let (a, b) = (render(&first), render(&second));
+    assert!(
+        b.starts_with(&format!("{a}{CALL_TEXT}<|im_end|>")),
+        "the history does not render the call as the model wrote it:\n{a}\n---\n{b}"
+    );
+    let r = srv.post("/v1/chat/completions", &second);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let replied = first_prompt + 1;
+    assert!(
+        cached >= replied / 8 * 8,
+        "the second turn reused {cached} tokens; the first prompt and reply are {replied}: {v}"
+    );
+    eprintln!("first prompt + reply: {replied} tokens; the next turn reused {cached}");
 }
