@@ -54,7 +54,10 @@ pub enum EngineError {
         message: String,
     },
     /// The architecture is not one the engine implements.
-    #[error("unsupported architecture {0:?}: this engine runs llama, qwen2, qwen3 and gemma3")]
+    #[error(
+        "unsupported architecture {0:?}: this engine runs {families}",
+        families = crate::models::supported()
+    )]
     UnsupportedArchitecture(String),
     /// A tensor the architecture needs is absent from the checkpoint.
     #[error("tensor {0} is missing from the checkpoint")]

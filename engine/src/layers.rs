@@ -397,10 +397,8 @@ pub(crate) struct Decoder {
     pub(crate) rope: RotaryEmbedding,
 }
 
-impl Decoder {
-    /// Hidden states after the final norm, `[1, L, hidden]`, for `tokens` placed after what
-    /// `cache` holds.
-    pub(crate) fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+impl crate::models::Network for Decoder {
+    fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
         let offset = cache.offset();
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -409,9 +407,7 @@ impl Decoder {
         self.norm.forward(&h)
     }
 
-    /// Hidden states after the final norm, `[B, 1, hidden]`, for one token per row of
-    /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
-    pub(crate) fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
+    fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
         let offsets = rows.offsets()?;
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
@@ -420,11 +416,14 @@ impl Decoder {
         self.norm.forward(&h)
     }
 
-    /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
-    pub(crate) fn logits(&self, h: &Array) -> Result<Array> {
+    fn logits(&self, h: &Array) -> Result<Array> {
         match &self.lm_head {
             Some(head) => head.forward(h),
             None => self.embed_tokens.as_linear(h),
         }
+    }
+
+    fn layer_kinds(&self) -> Vec<crate::model::LayerKind> {
+        vec![crate::model::LayerKind::Global; self.layers.len()]
     }
 }

@@ -10,9 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{EngineError, Result};
-use crate::layers::Decoder;
-use crate::models::gemma3::{self, Gemma3};
-use crate::models::{llama, qwen2, qwen3};
+use crate::models::{self, Network};
 use crate::weights::{Checkpoint, LoadOptions};
 
 /// The shape of a model's KV cache: what a stored block of it holds.
@@ -71,39 +69,9 @@ impl std::fmt::Display for LayerKind {
     }
 }
 
-/// The forward pass of a family: the shared llama-style decoder, or Gemma 3's.
-#[derive(Debug)]
-enum Network {
-    Decoder(Decoder),
-    Gemma3(Gemma3),
-}
-
-impl Network {
-    fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
-        match self {
-            Network::Decoder(d) => d.hidden(tokens, cache),
-            Network::Gemma3(g) => g.hidden(tokens, cache),
-        }
-    }
-
-    fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
-        match self {
-            Network::Decoder(d) => d.hidden_rows(tokens, rows),
-            Network::Gemma3(g) => g.hidden_rows(tokens, rows),
-        }
-    }
-
-    fn logits(&self, h: &Array) -> Result<Array> {
-        match self {
-            Network::Decoder(d) => d.logits(h),
-            Network::Gemma3(g) => g.logits(h),
-        }
-    }
-}
-
 /// A loaded model: weights in MLX arrays and the forward pass of its family.
 pub struct Model {
-    decoder: Network,
+    decoder: Box<dyn Network>,
     info: ModelInfo,
     config: Value,
     files: Vec<PathBuf>,
@@ -126,75 +94,16 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 impl Model {
     /// Builds the model of a checkpoint (its tensors are consumed by the layers).
     pub(crate) fn from_checkpoint(ck: &Checkpoint) -> Result<Model> {
-        let arch = ck
+        let model_type = ck
             .config
             .get("model_type")
             .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        let parse = |v: &Value| -> Result<llama::Config> {
-            serde_json::from_value(v.clone())
-                .map_err(|e| EngineError::config(&ck.source, e.to_string()))
-        };
-        if arch == "gemma3_text" {
-            let cfg = gemma3::Config::parse(&ck.config, &ck.source)?;
-            let g = Gemma3::new(&cfg, &ck.weights, &ck.source)?;
-            let info = ModelInfo {
-                architecture: arch,
-                vocab_size: cfg.vocab_size,
-                hidden_size: cfg.hidden_size,
-                num_heads: cfg.num_attention_heads,
-                max_position_embeddings: cfg.max_position_embeddings,
-                rope_theta: cfg.global_theta(),
-                kv: KvLayout {
-                    layers: cfg.num_hidden_layers,
-                    kv_heads: cfg.num_key_value_heads,
-                    head_dim: cfg.head_dim,
-                    dtype: g.dtype(),
-                },
-            };
-            return Ok(Model {
-                decoder: Network::Gemma3(g),
-                info,
-                config: ck.config.clone(),
-                files: ck.files.clone(),
-                fingerprint: OnceLock::new(),
-            });
-        }
-        let (cfg, decoder) = match arch.as_str() {
-            "llama" => {
-                let cfg = parse(&ck.config)?;
-                let d = llama::new(&cfg, &ck.weights, &ck.source)?;
-                (cfg, d)
-            }
-            "qwen2" => {
-                let cfg = qwen2::Config(parse(&ck.config)?);
-                let d = qwen2::new(&cfg, &ck.weights, &ck.source)?;
-                (cfg.0, d)
-            }
-            "qwen3" => {
-                let cfg = qwen3::Config(parse(&ck.config)?);
-                let d = qwen3::new(&cfg, &ck.weights, &ck.source)?;
-                (cfg.0, d)
-            }
-            other => return Err(EngineError::UnsupportedArchitecture(other.to_string())),
-        };
-        let info = ModelInfo {
-            architecture: arch,
-            vocab_size: cfg.vocab_size,
-            hidden_size: cfg.hidden_size,
-            num_heads: cfg.num_attention_heads,
-            max_position_embeddings: cfg.max_position_embeddings,
-            rope_theta: cfg.rope_theta,
-            kv: KvLayout {
-                layers: cfg.num_hidden_layers,
-                kv_heads: cfg.kv_heads(),
-                head_dim: cfg.head_dim(),
-                dtype: decoder.embed_tokens.dtype(),
-            },
-        };
+            .unwrap_or_default();
+        let family = models::family(model_type)
+            .ok_or_else(|| EngineError::UnsupportedArchitecture(model_type.to_string()))?;
+        let (decoder, info) = (family.build)(ck)?;
         Ok(Model {
-            decoder: Network::Decoder(decoder),
+            decoder,
             info,
             config: ck.config.clone(),
             files: ck.files.clone(),
@@ -220,10 +129,7 @@ impl Model {
     /// How each layer attends, in order: all global except in families with
     /// sliding-window layers (gemma3).
     pub fn layer_kinds(&self) -> Vec<LayerKind> {
-        match &self.decoder {
-            Network::Gemma3(g) => g.layer_kinds().to_vec(),
-            Network::Decoder(_) => vec![LayerKind::Global; self.info.kv.layers],
-        }
+        self.decoder.layer_kinds()
     }
 
     /// The Hugging Face config (rebuilt from metadata for GGUF), as loaded.

@@ -270,13 +270,17 @@ impl Checkpoint {
         check_config_bounds(&config, &source, Some(&arch))?;
         let heads = config["num_attention_heads"].as_i64().unwrap_or(1) as i32;
         let kv_heads = config["num_key_value_heads"].as_i64().unwrap_or(1) as i32;
+        // Which families' conversion permuted Q/K is the registry's (gguf_config already
+        // refused a family without a GGUF layout).
+        let permuted = crate::models::family(&arch)
+            .and_then(|f| f.gguf)
+            .is_some_and(|g| g.permuted_qk);
         let mut tensors = HashMap::new();
         for (name, t) in gguf.tensors {
             let hf = gguf_to_hf_name(&name);
-            // Only llama's conversion permutes Q/K (qwen uses NeoX RoPE in llama.cpp too).
-            let t = if arch == "llama" && hf.contains(".self_attn.q_proj.") {
+            let t = if permuted && hf.contains(".self_attn.q_proj.") {
                 unpermute_rows(&t, heads)?
-            } else if arch == "llama" && hf.contains(".self_attn.k_proj.") {
+            } else if permuted && hf.contains(".self_attn.k_proj.") {
                 unpermute_rows(&t, kv_heads)?
             } else {
                 t
@@ -446,7 +450,7 @@ fn gguf_config(
         Some(GgufValue::String(s)) => s.clone(),
         _ => return Err(EngineError::config(source, "no general.architecture")),
     };
-    if !["llama", "qwen2", "qwen3"].contains(&arch.as_str()) {
+    if crate::models::family(&arch).and_then(|f| f.gguf).is_none() {
         return Err(EngineError::UnsupportedArchitecture(arch));
     }
     let get = |k: &str| meta_f64(meta, &format!("{arch}.{k}"));

@@ -24,8 +24,9 @@ use serde_json::Value;
 
 use crate::error::{EngineError, Result};
 use crate::layers::{Embedding, Linear, RmsNorm, RopeScaling, RotaryEmbedding};
-use crate::model::LayerKind;
-use crate::weights::Weights;
+use crate::model::{KvLayout, LayerKind, ModelInfo};
+use crate::models::{Built, Family, Network};
+use crate::weights::{Checkpoint, Weights};
 
 fn default_heads() -> usize {
     4
@@ -528,4 +529,50 @@ impl Gemma3 {
             None => logits,
         })
     }
+}
+
+impl Network for Gemma3 {
+    fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        Gemma3::hidden(self, tokens, cache)
+    }
+
+    fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
+        Gemma3::hidden_rows(self, tokens, rows)
+    }
+
+    fn logits(&self, h: &Array) -> Result<Array> {
+        Gemma3::logits(self, h)
+    }
+
+    fn layer_kinds(&self) -> Vec<LayerKind> {
+        Gemma3::layer_kinds(self).to_vec()
+    }
+}
+
+/// Gemma 3 text models, from Hugging Face folders (its K-quant GGUFs are converted by
+/// `setup.sh --with-gemma`).
+pub(crate) const FAMILY: Family = Family {
+    model_type: "gemma3_text",
+    gguf: None,
+    build,
+};
+
+fn build(ck: &Checkpoint) -> Result<Built> {
+    let cfg = Config::parse(&ck.config, &ck.source)?;
+    let g = Gemma3::new(&cfg, &ck.weights, &ck.source)?;
+    let info = ModelInfo {
+        architecture: FAMILY.model_type.to_string(),
+        vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden_size,
+        num_heads: cfg.num_attention_heads,
+        max_position_embeddings: cfg.max_position_embeddings,
+        rope_theta: cfg.global_theta(),
+        kv: KvLayout {
+            layers: cfg.num_hidden_layers,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            dtype: g.dtype(),
+        },
+    };
+    Ok((Box::new(g), info))
 }

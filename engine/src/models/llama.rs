@@ -5,7 +5,9 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 use crate::layers::{Attention, Decoder, DecoderLayer, Mlp, RopeScaling, RotaryEmbedding};
-use crate::weights::Weights;
+use crate::model::{KvLayout, ModelInfo};
+use crate::models::{Built, Family, GgufLayout};
+use crate::weights::{Checkpoint, Weights};
 
 fn default_theta() -> f64 {
     10_000.0
@@ -191,4 +193,44 @@ pub(crate) fn new(cfg: &Config, w: &Weights, source: &str) -> Result<Decoder> {
         qk_norm: false,
     };
     build(cfg, w, &variant, source)
+}
+
+/// Llama (SmolLM2, Llama 2/3.x), from folders and GGUFs (llama.cpp permuted Q and K).
+pub(crate) const FAMILY: Family = Family {
+    model_type: "llama",
+    gguf: Some(GgufLayout { permuted_qk: true }),
+    build: |ck| {
+        let cfg = parse(ck)?;
+        let d = new(&cfg, &ck.weights, &ck.source)?;
+        Ok(decoder_model(FAMILY.model_type, &cfg, d))
+    },
+};
+
+/// A family config read as llama's (qwen2 and qwen3 use the same fields).
+pub(crate) fn parse(ck: &Checkpoint) -> Result<Config> {
+    serde_json::from_value(ck.config.clone())
+        .map_err(|e| EngineError::config(&ck.source, e.to_string()))
+}
+
+/// The network and description of a model built on the shared [`Decoder`].
+pub(crate) fn decoder_model(
+    model_type: &str,
+    cfg: &Config,
+    decoder: Decoder,
+) -> Built {
+    let info = ModelInfo {
+        architecture: model_type.to_string(),
+        vocab_size: cfg.vocab_size,
+        hidden_size: cfg.hidden_size,
+        num_heads: cfg.num_attention_heads,
+        max_position_embeddings: cfg.max_position_embeddings,
+        rope_theta: cfg.rope_theta,
+        kv: KvLayout {
+            layers: cfg.num_hidden_layers,
+            kv_heads: cfg.kv_heads(),
+            head_dim: cfg.head_dim(),
+            dtype: decoder.embed_tokens.dtype(),
+        },
+    };
+    (Box::new(decoder), info)
 }

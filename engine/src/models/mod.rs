@@ -1,6 +1,70 @@
 //! One file per architecture family; the layers they share live in `layers`.
+//!
+//! Each family file declares its [`Family`] (its `model_type`, how its GGUF files load, how
+//! its network is built); [`FAMILIES`] is the registry the loader reads. Adding a family is
+//! its file, its line in [`FAMILIES`], and its tests.
+
+use cache::{KvCache, PagedKvRows};
+use mlx::Array;
+
+use crate::error::Result;
+use crate::model::{LayerKind, ModelInfo};
+use crate::weights::Checkpoint;
 
 pub mod gemma3;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+
+/// A family's forward pass, as the engine calls it.
+pub(crate) trait Network: Send + std::fmt::Debug {
+    /// Hidden states after the final norm, `[1, L, hidden]`, for `tokens` `[1, L]` placed
+    /// after what `cache` holds.
+    fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array>;
+    /// Hidden states after the final norm, `[B, 1, hidden]`, for one token per row of
+    /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
+    fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array>;
+    /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
+    fn logits(&self, h: &Array) -> Result<Array>;
+    /// What each layer attends to.
+    fn layer_kinds(&self) -> Vec<LayerKind>;
+}
+
+/// How a family's GGUF files (llama.cpp's conversion) map to its Hugging Face tensors.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GgufLayout {
+    /// llama.cpp permuted the rows of Q and K for its interleaved RoPE (llama does, qwen
+    /// does not): they are permuted back at load.
+    pub(crate) permuted_qk: bool,
+}
+
+/// A family's network and the model's description, built from a checkpoint.
+pub(crate) type Built = (Box<dyn Network>, ModelInfo);
+
+/// One architecture family the engine runs.
+pub(crate) struct Family {
+    /// The `model_type` of its `config.json`, and the `general.architecture` of its GGUFs.
+    pub(crate) model_type: &'static str,
+    /// How its GGUF files load; `None`: only Hugging Face folders.
+    pub(crate) gguf: Option<GgufLayout>,
+    /// Builds the network and the model's description from a checkpoint.
+    pub(crate) build: fn(&Checkpoint) -> Result<Built>,
+}
+
+/// Every family the engine runs.
+pub(crate) const FAMILIES: &[Family] =
+    &[llama::FAMILY, qwen2::FAMILY, qwen3::FAMILY, gemma3::FAMILY];
+
+/// The family of a `model_type`.
+pub(crate) fn family(model_type: &str) -> Option<&'static Family> {
+    FAMILIES.iter().find(|f| f.model_type == model_type)
+}
+
+/// The `model_type`s the engine runs, for messages: `llama, qwen2, qwen3, gemma3_text`.
+pub(crate) fn supported() -> String {
+    FAMILIES
+        .iter()
+        .map(|f| f.model_type)
+        .collect::<Vec<_>>()
+        .join(", ")
+}

@@ -5,6 +5,7 @@ use serde::Deserialize;
 use crate::error::Result;
 use crate::layers::Decoder;
 use crate::models::llama::{self, Variant};
+use crate::models::{Family, GgufLayout};
 use crate::weights::Weights;
 
 /// A qwen2 `config.json`: llama's fields (sliding-window options are ignored, as mlx-lm does:
@@ -23,3 +24,14 @@ pub(crate) fn new(cfg: &Config, w: &Weights, source: &str) -> Result<Decoder> {
     };
     llama::build(&cfg.0, w, &variant, source)
 }
+
+/// Qwen2 / Qwen2.5, from folders and GGUFs.
+pub(crate) const FAMILY: Family = Family {
+    model_type: "qwen2",
+    gguf: Some(GgufLayout { permuted_qk: false }),
+    build: |ck| {
+        let cfg = Config(llama::parse(ck)?);
+        let d = new(&cfg, &ck.weights, &ck.source)?;
+        Ok(llama::decoder_model(FAMILY.model_type, &cfg.0, d))
+    },
+};

@@ -6,6 +6,7 @@ use serde::Deserialize;
 use crate::error::{EngineError, Result};
 use crate::layers::Decoder;
 use crate::models::llama::{self, Variant};
+use crate::models::{Family, GgufLayout};
 use crate::weights::Weights;
 
 /// A qwen3 `config.json`: llama's fields; `head_dim` is required.
@@ -26,3 +27,14 @@ pub(crate) fn new(cfg: &Config, w: &Weights, source: &str) -> Result<Decoder> {
     };
     llama::build(&cfg.0, w, &variant, source)
 }
+
+/// Qwen3, from folders and GGUFs.
+pub(crate) const FAMILY: Family = Family {
+    model_type: "qwen3",
+    gguf: Some(GgufLayout { permuted_qk: false }),
+    build: |ck| {
+        let cfg = Config(llama::parse(ck)?);
+        let d = new(&cfg, &ck.weights, &ck.source)?;
+        Ok(llama::decoder_model(FAMILY.model_type, &cfg.0, d))
+    },
+};
