@@ -67,6 +67,18 @@ impl Selection {
     }
 }
 
+impl Drop for Selection {
+    /// A pick dropped unread (a step queued for a generation that then ended) is waited
+    /// for: no MLX work of a request outlives it, so none is still running on MLX's stream
+    /// threads when its engine stops or the process exits. Waiting on a pick already read
+    /// costs nothing.
+    fn drop(&mut self) {
+        if let Err(e) = mlx::eval(&self.arrays()) {
+            tracing::debug!(error = %e, "a dropped pick failed to compute");
+        }
+    }
+}
+
 /// Picks tokens under [`SamplingParams`] on the device; holds one request's PRNG key and
 /// penalty counts.
 pub(crate) struct DeviceSampler {

@@ -213,11 +213,7 @@ pub(crate) fn parse(ck: &Checkpoint) -> Result<Config> {
 }
 
 /// The network and description of a model built on the shared [`Decoder`].
-pub(crate) fn decoder_model(
-    model_type: &str,
-    cfg: &Config,
-    decoder: Decoder,
-) -> Built {
+pub(crate) fn decoder_model(model_type: &str, cfg: &Config, decoder: Decoder) -> Built {
     let info = ModelInfo {
         architecture: model_type.to_string(),
         vocab_size: cfg.vocab_size,
