@@ -783,8 +783,14 @@ impl Drop for Engine {
     }
 }
 
-/// A row of the batch: one admitted request.
+/// A row of the batch: one admitted request. Fields drop in order: the picks first, so a
+/// step still in flight is waited for (`Selection`'s drop) before the sampler whose arrays
+/// it reads goes.
 struct Row {
+    /// The pick of the last decode step, still on the device and not yet read.
+    unread: Option<Selection>,
+    /// The pick of the step queued this loop, which consumed `unread` (or `next`).
+    launched: Option<Selection>,
     id: u64,
     prompt: Vec<u32>,
     params: GenerateParams,
@@ -794,10 +800,6 @@ struct Row {
     emitted: usize,
     /// The sampled token not yet emitted (and not yet in the cache).
     next: Option<Sampled>,
-    /// The pick of the last decode step, still on the device and not yet read.
-    unread: Option<Selection>,
-    /// The pick of the step queued this loop, which consumed `unread` (or `next`).
-    launched: Option<Selection>,
     tx: chan::UnboundedSender<Event>,
     cancel: CancelHandle,
     context: usize,
