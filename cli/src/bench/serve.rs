@@ -227,11 +227,13 @@ fn open_engine(args: &Args, prefill_chunk: usize, max_batch: usize) -> Result<(E
 /// Streams decode; once each has produced a few tokens the long prompt arrives. The round
 /// runs twice in one engine and the first is thrown away: every batch size and prefill
 /// shape is compiled by then (MLX compiles kernels on first use of a shape).
-fn interleave(args: &Args, prefill_chunk: usize) -> Result<InterleaveArm> {
+fn interleave(args: &Args, prefill_chunk: usize, arm: u32) -> Result<InterleaveArm> {
     let (engine, vocab) = open_engine(args, prefill_chunk, args.streams + 1)?;
     let engine = Arc::new(engine);
-    round(args, &engine, vocab, prefill_chunk, 0)?;
-    let arm = round(args, &engine, vocab, prefill_chunk, 1)?;
+    // The arms share the store: their prompts must differ, or a later arm restores what an
+    // earlier one prefilled.
+    round(args, &engine, vocab, prefill_chunk, 2 * arm)?;
+    let arm = round(args, &engine, vocab, prefill_chunk, 2 * arm + 1)?;
     if let Ok(engine) = Arc::try_unwrap(engine) {
         engine.shutdown(false).context("shutting the engine down")?;
     }
@@ -396,8 +398,8 @@ pub fn run(mut args: Args) -> Result<()> {
     let model = args.model.path()?.display().to_string();
     // The whole prompt in one step is what the engine did before chunked prefill.
     let mut interleave_arms = Vec::new();
-    for chunk in [args.prefill_chunk, usize::MAX] {
-        let arm = interleave(&args, chunk)?;
+    for (i, chunk) in [args.prefill_chunk, usize::MAX].into_iter().enumerate() {
+        let arm = interleave(&args, chunk, i as u32)?;
         eprintln!(
             "interleave, prefill chunk {}: {} streams' ITL P99 {:.1} ms before, {:.1} ms while a {}-token prompt prefills ({:.2}x); its TTFT {:.2} s",
             if chunk == usize::MAX { "whole prompt".to_string() } else { chunk.to_string() },
