@@ -238,6 +238,8 @@ pub(crate) fn chat_prompt(
         _ => return Err(ApiError::param("messages", "messages must be an array")),
     };
     let mut flatten = false;
+    // Ids of the tool calls earlier assistant messages made: a tool message answers one.
+    let mut call_ids = std::collections::HashSet::new();
     for (i, m) in messages.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
         match role {
@@ -247,6 +249,32 @@ pub(crate) fn chat_prompt(
                     "messages",
                     format!("messages[{i}].role must be one of {}", ROLES.join(", ")),
                 ))
+            }
+        }
+        if role == Some("assistant") {
+            if let Some(Value::Array(calls)) = m.get("tool_calls") {
+                call_ids.extend(calls.iter().filter_map(|c| c.get("id")?.as_str()));
+            }
+        }
+        if role == Some("tool") {
+            match m.get("tool_call_id").and_then(Value::as_str) {
+                None => {
+                    return Err(ApiError::param(
+                        "messages",
+                        format!("messages[{i}]: a tool message needs the tool_call_id it answers"),
+                    ))
+                }
+                Some(id) if !call_ids.contains(id) => {
+                    return Err(ApiError::param(
+                        "messages",
+                        format!(
+                            "messages[{i}].tool_call_id {:?} answers no tool call of an earlier \
+                             assistant message",
+                            id.chars().take(80).collect::<String>()
+                        ),
+                    ))
+                }
+                Some(_) => {}
             }
         }
         match m.get("content") {
@@ -554,6 +582,46 @@ mod tests {
     fn prompt(tok: &Tokenizer, body: &Value) -> Vec<u32> {
         let raw = body.to_string();
         chat_prompt(tok, body.as_object().unwrap(), &raw).unwrap()
+    }
+
+    #[test]
+    fn a_tool_message_must_answer_an_earlier_call() {
+        let tok = tokenizer("tiny-qwen3");
+        let call = json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1",
+            "type": "function", "function": {"name": "f", "arguments": "{}"}}]});
+        let user = json!({"role": "user", "content": "x"});
+        let answer = |id: Value| json!({"role": "tool", "tool_call_id": id, "content": "ok"});
+        let ask = |messages: Vec<Value>| {
+            let body = json!({"messages": messages});
+            chat_prompt(&tok, body.as_object().unwrap(), &body.to_string())
+        };
+        assert!(ask(vec![user.clone(), call.clone(), answer(json!("call_1"))]).is_ok());
+        for (messages, says) in [
+            (
+                vec![user.clone(), answer(json!("call_1"))],
+                "answers no tool call",
+            ),
+            (
+                vec![user.clone(), call.clone(), answer(json!("call_2"))],
+                "answers no tool call",
+            ),
+            (
+                vec![
+                    user.clone(),
+                    call.clone(),
+                    json!({"role": "tool", "content": "ok"}),
+                ],
+                "needs the tool_call_id",
+            ),
+            (
+                vec![user.clone(), call.clone(), answer(json!(7))],
+                "needs the tool_call_id",
+            ),
+        ] {
+            let e = ask(messages).unwrap_err();
+            assert_eq!(e.status, axum::http::StatusCode::BAD_REQUEST);
+            assert!(e.message.contains(says), "{}", e.message);
+        }
     }
 
     #[test]
