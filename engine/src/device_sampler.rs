@@ -99,13 +99,7 @@ impl DeviceSampler {
         params.validate()?;
         let ids = mlx::ops::arange(0.0, vocab as f64, 1.0, Dtype::U32)?;
         let key = if params.temperature > 0.0 {
-            let seed = params.seed.unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map(|d| d.as_nanos() as u64)
-                    .unwrap_or(0)
-            });
-            Some(mlx::random::key(seed)?)
+            Some(mlx::random::key(params.seed_or_clock())?)
         } else {
             None
         };

@@ -208,21 +208,8 @@ impl Model {
     /// logits `[B, vocab]` in f32. See docs/server.md for how this compares numerically to
     /// [`Model::forward`] on each row alone.
     pub fn forward_rows(&self, tokens: &[u32], rows: &mut PagedKvRows) -> Result<Array> {
-        if tokens.is_empty() || tokens.len() != rows.len() {
-            return Err(EngineError::InvalidParameter {
-                name: "tokens",
-                message: format!(
-                    "a batched step needs one token per row: {} tokens for {} rows",
-                    tokens.len(),
-                    rows.len()
-                ),
-            });
-        }
-        let b = tokens.len() as i32;
-        let ids = self.ids(tokens)?.reshape(&[b, 1])?;
-        let h = self.decoder.hidden_rows(&ids, rows)?;
-        let logits = self.decoder.logits(&h)?.reshape(&[b, -1])?;
-        Ok(logits.astype(Dtype::F32)?)
+        let ids = self.ids(tokens)?.reshape(&[-1])?;
+        self.forward_rows_tokens(&ids, rows)
     }
 
     /// [`Model::forward_rows`] of tokens held on the device, `[B]` u32 (possibly not
@@ -268,17 +255,10 @@ impl Model {
             })
     }
 
-    /// Runs `tokens` after what `cache` holds and computes their keys and values now,
-    /// without the logits: a prefill chunk that is not the prompt's last.
-    pub(crate) fn prefill_chunk(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<()> {
-        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
-        h.eval()?;
-        Ok(())
-    }
-
     /// [`Model::prefill`] that asks `keep_going` before every chunk and stops at that chunk
-    /// boundary when it says no (a client that went away): `None`, with the cache holding
-    /// the chunks computed so far.
+    /// boundary when it says no (a caller whose client went away): `None`, with the cache
+    /// holding the chunks computed so far. (`serve` runs one chunk per engine step instead,
+    /// with the same check between chunks.)
     pub fn prefill_while(
         &self,
         tokens: &[u32],
@@ -286,20 +266,26 @@ impl Model {
         chunk: usize,
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<Option<Array>> {
-        let chunk = chunk.max(1);
         let mut rest = tokens;
-        while rest.len() > chunk {
+        while rest.len() > chunk.max(1) {
             if !keep_going() {
                 return Ok(None);
             }
-            let (head, tail) = rest.split_at(chunk);
-            let h = self.decoder.hidden(&self.ids(head)?, cache)?;
-            h.eval()?;
+            let (head, tail) = rest.split_at(chunk.max(1));
+            self.prefill_chunk(head, cache)?;
             rest = tail;
         }
         if !keep_going() {
             return Ok(None);
         }
         self.forward(rest, cache).map(Some)
+    }
+
+    /// Runs `tokens` after what `cache` holds and computes their keys and values now,
+    /// without the logits: a prefill chunk that is not the prompt's last.
+    pub(crate) fn prefill_chunk(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<()> {
+        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
+        h.eval()?;
+        Ok(())
     }
 }

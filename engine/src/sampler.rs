@@ -51,6 +51,16 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// The seed, or one from the clock when none was given.
+    pub(crate) fn seed_or_clock(&self) -> u64 {
+        self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0)
+        })
+    }
+
     /// Rejects values outside their ranges.
     pub fn validate(&self) -> Result<()> {
         let bad = |name: &'static str, message: String| {
@@ -127,12 +137,7 @@ impl Sampler {
     /// A sampler; the parameters are validated.
     pub fn new(params: SamplingParams) -> Result<Sampler> {
         params.validate()?;
-        let seed = params.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0)
-        });
+        let seed = params.seed_or_clock();
         Ok(Sampler {
             params,
             rng: Rng(seed),

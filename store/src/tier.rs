@@ -87,7 +87,8 @@ impl BlockTier for Mutex<RamTier> {
     }
 
     fn put(&self, block: Arc<Block>) -> Result<(), WriteError> {
-        let budget = lock(self).budget();
+        let mut ram = lock(self);
+        let budget = ram.budget();
         if block.data_len() > budget {
             return Err(WriteError::TooLarge {
                 bytes: block.data_len(),
@@ -95,7 +96,7 @@ impl BlockTier for Mutex<RamTier> {
             });
         }
         // What leaves to make room is dropped: the store spills it to the next tier.
-        lock(self).insert(block);
+        ram.insert(block);
         Ok(())
     }
 

@@ -67,7 +67,7 @@ pub struct Args {
     json: Option<PathBuf>,
 }
 
-/// P50 and P99 of a sample, seconds.
+/// P50 and P99 of a sample, seconds (not a number for an empty sample).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 struct Quantiles {
     n: usize,
@@ -75,18 +75,13 @@ struct Quantiles {
     p99: f64,
 }
 
-/// Nearest-rank quantiles of `xs`.
+/// Nearest-rank quantiles of `xs` (`bench trace`'s percentiles) with the sample size.
 fn quantiles(xs: &[f64]) -> Quantiles {
-    if xs.is_empty() {
-        return Quantiles::default();
-    }
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    let p = super::trace::report::Percentiles::of(xs);
     Quantiles {
-        n: v.len(),
-        p50: at(0.50),
-        p99: at(0.99),
+        n: xs.len(),
+        p50: p.p50,
+        p99: p.p99,
     }
 }
 

@@ -14,7 +14,7 @@ mod inprocess;
 mod parse;
 mod plot;
 mod replay;
-mod report;
+pub(crate) mod report;
 mod scale;
 mod sim;
 mod tokens;
