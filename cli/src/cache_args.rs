@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use cache::KvFormat;
-use engine::{Model, PrefixCache, ReuseConfig, Tokenizer};
+use engine::{KvTiers, Model, ReuseConfig, Tokenizer};
 use store::StoreConfig;
 
 /// How KV is kept in the live cache and in stored blocks.
@@ -192,14 +192,14 @@ impl CacheArgs {
 
     /// Opens the prefix cache for `model`, or `None` with `--no-cache`. Applies
     /// `--mlx-cache-limit` either way.
-    pub fn open(&self, model: &Model, tokenizer: &Tokenizer) -> Result<Option<PrefixCache>> {
+    pub fn open(&self, model: &Model, tokenizer: &Tokenizer) -> Result<Option<KvTiers>> {
         self.apply_mlx_cache_limit()?;
         if self.no_cache {
             return Ok(None);
         }
         let config = self.reuse_config(model.info().kv.head_dim)?;
         let dir = config.store.root.clone();
-        PrefixCache::open(model, tokenizer, config)
+        KvTiers::open(model, tokenizer, config)
             .map(Some)
             .with_context(|| match dir {
                 Some(d) => format!("opening the block store at {}", d.display()),

@@ -9,8 +9,7 @@
 use std::io::Write;
 
 use engine::{
-    load, Engine, EngineConfig, Event, GenerateParams, LoadOptions, PrefixCache, Request,
-    ReuseConfig,
+    load, Engine, EngineConfig, Event, GenerateParams, KvTiers, LoadOptions, Request, ReuseConfig,
 };
 use store::StoreConfig;
 
@@ -30,7 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         store: StoreConfig::default().root(store_dir),
         ..ReuseConfig::default()
     };
-    let prefix = PrefixCache::open(&model, &tokenizer, reuse)?;
+    let prefix = KvTiers::open(&model, &tokenizer, reuse)?;
     let engine = Engine::open(model, tokenizer, Some(prefix), EngineConfig::default())?;
 
     // 2. Submit a chat request and stream its text as it is generated.

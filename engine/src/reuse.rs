@@ -13,7 +13,7 @@
 //! layer layout, RoPE, and an optional salt; a model never sees another model's blocks.
 //!
 //! Restoring is not always cheaper than recomputing (a small model on a fast GPU prefills
-//! faster than a disk reads). [`PrefixCache`] keeps running estimates of the prefill cost
+//! faster than a disk reads). [`KvTiers`] keeps running estimates of the prefill cost
 //! per token and the restore cost per block by tier, and cuts the restored prefix at the
 //! first SSD block whenever reading the SSD part is estimated slower than recomputing it,
 //! and at the first remote block whenever fetching from the remote tier is. The estimates
@@ -264,7 +264,7 @@ fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
 
 /// The engine's connection to its KV tiers for one model: the device tier (resident
 /// sequences, one budget) and the block store (host RAM, SSD, remote; host bytes only).
-pub struct PrefixCache {
+pub struct KvTiers {
     store: Store,
     namespace: NamespaceId,
     description: NamespaceDescription,
@@ -285,7 +285,7 @@ pub struct PrefixCache {
 
 const RECENT_SEQUENCES: usize = 8;
 
-/// The host half of a restore ([`PrefixCache::load_host`]): verified host blocks of a
+/// The host half of a restore ([`KvTiers::load_host`]): verified host blocks of a
 /// prompt's chain from block `first` on, loaded without touching the device.
 #[derive(Debug)]
 pub struct HostPrefix {
@@ -330,7 +330,7 @@ impl HostPrefix {
     }
 }
 
-/// What [`PrefixCache::prepare_in`] returns: a cache holding the reused prefix, the
+/// What [`KvTiers::prepare_in`] returns: a cache holding the reused prefix, the
 /// prompt's chain keys (derived once, extended at publication) and the report.
 #[derive(Debug)]
 pub struct Prepared {
@@ -446,7 +446,7 @@ pub fn namespace_description(
     Ok(d)
 }
 
-impl PrefixCache {
+impl KvTiers {
     /// Opens (or creates) the store and registers `model`'s namespace in it.
     pub fn open(model: &Model, tokenizer: &Tokenizer, config: ReuseConfig) -> Result<Self> {
         let description = namespace_description(model, tokenizer, &config)?;
@@ -897,7 +897,7 @@ fn poisoned() -> EngineError {
 pub fn generate_with_reuse(
     model: &Model,
     tokenizer: &Tokenizer,
-    prefix: Option<&PrefixCache>,
+    prefix: Option<&KvTiers>,
     prompt: &[u32],
     params: &GenerateParams,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,

@@ -35,7 +35,7 @@ use crate::device_sampler::{DeviceSampler, Selection};
 use crate::error::{EngineError, ErrorClass, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream};
 use crate::model::{Model, ModelInfo};
-use crate::reuse::{HostPrefix, PrefixCache, ReuseConfig, ReuseReport};
+use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
 use crate::tokenizer::Tokenizer;
 
@@ -411,7 +411,7 @@ struct IoJob {
 }
 
 /// The I/O thread's loop: one job at a time, in submission order.
-fn io_loop(prefix: Arc<PrefixCache>, jobs: mpsc::Receiver<IoJob>) {
+fn io_loop(prefix: Arc<KvTiers>, jobs: mpsc::Receiver<IoJob>) {
     for job in jobs {
         let result = prefix
             .namespace_for(job.salt.as_deref())
@@ -443,7 +443,7 @@ pub struct Engine {
     shared: Arc<Shared>,
     tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
-    prefix: Option<Arc<PrefixCache>>,
+    prefix: Option<Arc<KvTiers>>,
     config: EngineConfig,
     bytes_per_token: u64,
     block_size: usize,
@@ -465,7 +465,7 @@ impl Engine {
     pub fn open(
         model: Model,
         tokenizer: Tokenizer,
-        prefix: Option<PrefixCache>,
+        prefix: Option<KvTiers>,
         config: EngineConfig,
     ) -> Result<Engine> {
         if config.max_batch == 0 {
@@ -595,7 +595,7 @@ impl Engine {
     }
 
     /// The prefix cache, when the engine has one.
-    pub fn prefix_cache(&self) -> Option<&PrefixCache> {
+    pub fn kv_tiers(&self) -> Option<&KvTiers> {
         self.prefix.as_deref()
     }
 
@@ -835,7 +835,7 @@ struct Worker {
     io: Option<mpsc::Sender<IoJob>>,
     model: Model,
     tokenizer: Arc<Tokenizer>,
-    prefix: Option<Arc<PrefixCache>>,
+    prefix: Option<Arc<KvTiers>>,
     shared: Arc<Shared>,
     config: EngineConfig,
     paged: PagedConfig,

@@ -1,7 +1,7 @@
 //! Greedy generation with and without prefix reuse, and seeded token streams: what the
 //! reuse and remote-tier tests compare.
 
-use engine::{generate_with_reuse, GenerateParams, Model, PrefixCache, ReuseReport, Tokenizer};
+use engine::{generate_with_reuse, GenerateParams, KvTiers, Model, ReuseReport, Tokenizer};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -26,7 +26,7 @@ pub fn cold(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32
 pub fn cached(
     model: &Model,
     tok: &Tokenizer,
-    pc: &PrefixCache,
+    pc: &KvTiers,
     prompt: &[u32],
     n: usize,
 ) -> (Vec<u32>, ReuseReport) {

@@ -5,13 +5,13 @@
 //! Each trial restores the pristine store, damages one block file (a flipped bit anywhere,
 //! a flipped bit in the header, or a truncation), opens the prefix cache as a fresh process
 //! would, and serves the conversation's next prompt through the same path the server uses
-//! (`PrefixCache::prepare` then generation). `KVSTORE_FAULT_FLIPS` sets the trial count
+//! (`KvTiers::prepare` then generation). `KVSTORE_FAULT_FLIPS` sets the trial count
 //! (default 1000); `KVSTORE_FAULT_SEED` replays a run.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use engine::{generate, load, LoadOptions, Model, PrefixCache, ReuseConfig, Tokenizer};
+use engine::{generate, load, KvTiers, LoadOptions, Model, ReuseConfig, Tokenizer};
 use kvstore_tests::tiny_model;
 use kvstore_tests::turns::params;
 use rand::{Rng, SeedableRng};
@@ -20,7 +20,7 @@ use store::StoreConfig;
 
 const BLOCK: usize = 8;
 
-fn open(model: &Model, tok: &Tokenizer, root: &Path) -> PrefixCache {
+fn open(model: &Model, tok: &Tokenizer, root: &Path) -> KvTiers {
     let config = ReuseConfig {
         store: StoreConfig::default().root(root),
         block_size: BLOCK,
@@ -28,7 +28,7 @@ fn open(model: &Model, tok: &Tokenizer, root: &Path) -> PrefixCache {
         restore_always: true,
         ..ReuseConfig::default()
     };
-    PrefixCache::open(model, tok, config).unwrap()
+    KvTiers::open(model, tok, config).unwrap()
 }
 
 fn copy_dir(from: &Path, to: &Path) {

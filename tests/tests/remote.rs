@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use engine::{LoadOptions, Model, PrefixCache, ReuseConfig, Tokenizer};
+use engine::{KvTiers, LoadOptions, Model, ReuseConfig, Tokenizer};
 use kvstore_tests::prerequisite;
 use kvstore_tests::redis_server::{dead_url, RedisCluster, RedisServer};
 use kvstore_tests::tiny_model;
@@ -14,7 +14,7 @@ use store::{RemoteConfig, StoreConfig};
 
 const BS: usize = 8;
 
-fn engine(model: &Model, tok: &Tokenizer, dir: &Path, url: &str) -> PrefixCache {
+fn engine(model: &Model, tok: &Tokenizer, dir: &Path, url: &str) -> KvTiers {
     let config = ReuseConfig {
         store: StoreConfig::default()
             .root(dir)
@@ -26,11 +26,11 @@ fn engine(model: &Model, tok: &Tokenizer, dir: &Path, url: &str) -> PrefixCache 
         restore_always: true,
         ..ReuseConfig::default()
     };
-    PrefixCache::open(model, tok, config).unwrap()
+    KvTiers::open(model, tok, config).unwrap()
 }
 
 /// The tiny model and two engines with separate local stores sharing the remote `url`.
-fn two_engines(url: &str) -> (Model, Tokenizer, [PrefixCache; 2], [tempfile::TempDir; 2]) {
+fn two_engines(url: &str) -> (Model, Tokenizer, [KvTiers; 2], [tempfile::TempDir; 2]) {
     let (model, tok) = engine::load(&tiny_model("tiny-llama"), &LoadOptions::default()).unwrap();
     let stores = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
     let engines = stores

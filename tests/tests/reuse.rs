@@ -3,9 +3,7 @@
 
 use std::path::Path;
 
-use engine::{
-    Engine, EngineConfig, LoadOptions, Model, PrefixCache, Request, ReuseConfig, Tokenizer,
-};
+use engine::{Engine, EngineConfig, KvTiers, LoadOptions, Model, Request, ReuseConfig, Tokenizer};
 use kvstore_tests::tiny_model;
 use kvstore_tests::turns::{cached, cold, params, random_tokens, rng};
 use store::StoreConfig;
@@ -52,7 +50,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     let out2_cold = cold(&model, &tok, &turn2, 20);
 
     {
-        let pc = PrefixCache::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+        let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
         let (out1, rep1) = cached(&model, &tok, &pc, &turn1, 20);
         assert_eq!(out1, out1_cold);
         assert_eq!(rep1.cached_tokens, 0);
@@ -74,7 +72,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
 
     // A restart: a new store handle, nothing on the device or in RAM; the blocks come
     // from SSD.
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
     assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
@@ -88,7 +86,7 @@ fn device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output
         rng("device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output");
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
     let turn1 = random_tokens(&mut r, 77, 320);
     let out1 = cold(&model, &tok, &turn1, 20);
     assert_eq!(cached(&model, &tok, &pc, &turn1, 20).0, out1);
@@ -154,7 +152,7 @@ fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
     let want = cold(&model, &tok, &follow, 12);
     let ns;
     {
-        let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+        let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
         ns = pc.namespace();
         cached(&model, &tok, &pc, &prompt, 1);
         pc.flush().unwrap();
@@ -172,7 +170,7 @@ fn a_corrupt_block_in_the_middle_ends_the_prefix_and_output_stays_correct() {
     bytes[at] ^= 0x40;
     std::fs::write(&path, bytes).unwrap();
 
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
     let (got, rep) = cached(&model, &tok, &pc, &follow, 12);
     assert_eq!(
         rep.cached_tokens, 24,
@@ -198,7 +196,7 @@ fn tiny_budgets_still_give_correct_output() {
         .root(dir.path())
         .ram_budget(5 << 10)
         .ssd_budget(24 << 10);
-    let pc = PrefixCache::open(&model, &tok, cfg).unwrap();
+    let pc = KvTiers::open(&model, &tok, cfg).unwrap();
     let mut prompt = random_tokens(&mut r, 40, 320);
     for _ in 0..3 {
         let want = cold(&model, &tok, &prompt, 8);
@@ -220,12 +218,12 @@ fn other_models_and_other_salts_never_share_blocks() {
     let (qwen, qwen_tok) = load(&tiny_model("tiny-qwen2"));
     let dir = tempfile::tempdir().unwrap();
     let prompt = random_tokens(&mut r, 50, 300);
-    let pc = PrefixCache::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
     cached(&llama, &llama_tok, &pc, &prompt, 2);
     pc.flush().unwrap();
     drop(pc);
 
-    let other = PrefixCache::open(&qwen, &qwen_tok, config(dir.path(), 8)).unwrap();
+    let other = KvTiers::open(&qwen, &qwen_tok, config(dir.path(), 8)).unwrap();
     let (got, rep) = cached(&qwen, &qwen_tok, &other, &prompt, 6);
     assert_eq!(rep.cached_tokens, 0, "another model hit llama's blocks");
     assert_eq!(got, cold(&qwen, &qwen_tok, &prompt, 6));
@@ -233,11 +231,11 @@ fn other_models_and_other_salts_never_share_blocks() {
 
     let mut salted = config(dir.path(), 8);
     salted.salt = Some("tenant-b".into());
-    let pc = PrefixCache::open(&llama, &llama_tok, salted).unwrap();
+    let pc = KvTiers::open(&llama, &llama_tok, salted).unwrap();
     let (_, rep) = cached(&llama, &llama_tok, &pc, &prompt, 2);
     assert_eq!(rep.cached_tokens, 0, "a different salt hit unsalted blocks");
     drop(pc);
-    let pc = PrefixCache::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&llama, &llama_tok, config(dir.path(), 8)).unwrap();
     let (_, rep) = cached(&llama, &llama_tok, &pc, &prompt, 2);
     assert_eq!(
         rep.cached_tokens, 48,
@@ -250,7 +248,7 @@ fn a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it() {
     let mut r = rng("a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it");
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
     let prompt = random_tokens(&mut r, 64, 320);
     cached(&model, &tok, &pc, &prompt, 1);
     let mut edited = prompt.clone();
@@ -266,7 +264,7 @@ fn a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it() {
 
     // Through the host tiers only whole blocks are stored: blocks 0-4 end before token 45.
     let dir = tempfile::tempdir().unwrap();
-    let pc = PrefixCache::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
     cached(&model, &tok, &pc, &prompt, 1);
     let (got, rep) = cached(&model, &tok, &pc, &edited, 10);
     assert_eq!(got, want);
@@ -282,7 +280,7 @@ fn the_io_thread_loads_a_queued_requests_ssd_prefix_and_the_output_matches_cold(
     let turn1 = random_tokens(&mut r, 77, 320);
     let out1 = cold(&model, &tok, &turn1, 20);
     {
-        let pc = PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap();
+        let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
         cached(&model, &tok, &pc, &turn1, 20);
         pc.flush().unwrap();
     }
@@ -292,7 +290,7 @@ fn the_io_thread_loads_a_queued_requests_ssd_prefix_and_the_output_matches_cold(
         .copied()
         .chain(random_tokens(&mut r, 29, 320))
         .collect();
-    let serve = |prefix: Option<PrefixCache>| {
+    let serve = |prefix: Option<KvTiers>| {
         let (model, tok) = load(&path);
         let engine = Engine::open(model, tok, prefix, EngineConfig::default()).unwrap();
         engine
@@ -305,7 +303,7 @@ fn the_io_thread_loads_a_queued_requests_ssd_prefix_and_the_output_matches_cold(
     // A new engine on the same store: nothing on the device or in RAM, so the prefix is on
     // SSD; the I/O thread loads it while the request is queued.
     let got = serve(Some(
-        PrefixCache::open(&model, &tok, config(dir.path(), 8)).unwrap(),
+        KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap(),
     ));
     assert_eq!(
         got.text, want.text,

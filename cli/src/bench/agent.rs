@@ -10,7 +10,7 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 use engine::{
-    generate_with_reuse, GenerateParams, Model, PrefixCache, ReuseConfig, ReuseReport, Tokenizer,
+    generate_with_reuse, GenerateParams, KvTiers, Model, ReuseConfig, ReuseReport, Tokenizer,
 };
 use serde::Serialize;
 use store::StoreConfig;
@@ -148,7 +148,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn turn(&self, prefix: Option<&PrefixCache>, prompt: &[u32]) -> Result<ReuseReport> {
+    fn turn(&self, prefix: Option<&KvTiers>, prompt: &[u32]) -> Result<ReuseReport> {
         Ok(generate_with_reuse(
             self.model,
             self.tokenizer,
@@ -168,9 +168,9 @@ impl Ctx<'_> {
             tempfile::tempdir()?,
             tempfile::tempdir()?,
         ];
-        let open = |on: bool, dir: &Path, budget: u64| -> Result<Option<PrefixCache>> {
+        let open = |on: bool, dir: &Path, budget: u64| -> Result<Option<KvTiers>> {
             Ok(match on {
-                true => Some(PrefixCache::open(
+                true => Some(KvTiers::open(
                     self.model,
                     self.tokenizer,
                     self.config(dir, budget),
@@ -197,7 +197,7 @@ impl Ctx<'_> {
             if ssd {
                 // A new store handle each turn: nothing on the device or in RAM, as after a
                 // restart (the cost model is read back from the store, as after a restart).
-                let pc = PrefixCache::open(
+                let pc = KvTiers::open(
                     self.model,
                     self.tokenizer,
                     self.config(dirs[2].path(), self.kv_budget),

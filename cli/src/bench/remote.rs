@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use engine::{generate_with_reuse, GenerateParams, Model, PrefixCache, ReuseConfig, Tokenizer};
+use engine::{generate_with_reuse, GenerateParams, KvTiers, Model, ReuseConfig, Tokenizer};
 use serde::Serialize;
 use store::{chain_keys, RemoteConfig, Store, StoreConfig};
 
@@ -122,8 +122,8 @@ impl Bench<'_> {
         }
     }
 
-    fn open(&self, dir: &std::path::Path, remote: Option<&str>, salt: &str) -> Result<PrefixCache> {
-        Ok(PrefixCache::open(
+    fn open(&self, dir: &std::path::Path, remote: Option<&str>, salt: &str) -> Result<KvTiers> {
+        Ok(KvTiers::open(
             self.model,
             self.tokenizer,
             self.config(dir, remote, salt),
@@ -131,7 +131,7 @@ impl Bench<'_> {
     }
 
     /// TTFT and restore time of one request; `None` serves it without a cache.
-    fn request(&self, pc: Option<&PrefixCache>) -> Result<(f64, f64, usize)> {
+    fn request(&self, pc: Option<&KvTiers>) -> Result<(f64, f64, usize)> {
         let (_, r) = generate_with_reuse(
             self.model,
             self.tokenizer,

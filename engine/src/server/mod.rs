@@ -266,7 +266,7 @@ async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
         "cached_ssd_tokens": m.cached_ssd_tokens,
         "cached_remote_tokens": m.cached_remote_tokens,
     });
-    Json(match s.engine.prefix_cache() {
+    Json(match s.engine.kv_tiers() {
         Some(p) => json!({
             "enabled": true,
             "namespace": p.namespace().to_string(),
@@ -403,7 +403,7 @@ async fn metrics(State(s): State<Shared>) -> Response {
         "Time to first token (queue + restore + prefill), seconds.",
         &ttft,
     );
-    if let Some(d) = s.engine.prefix_cache().map(|p| p.resident_stats()) {
+    if let Some(d) = s.engine.kv_tiers().map(|p| p.resident_stats()) {
         metric(
             "kvstore_device_resident_bytes",
             "gauge",

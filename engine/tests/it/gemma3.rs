@@ -7,8 +7,8 @@
 use std::path::{Path, PathBuf};
 
 use engine::{
-    generate_with_reuse, greedy_ids, load, namespace_description, GenerateParams, LayerKind,
-    LoadOptions, Model, PrefixCache, ReuseConfig, ReuseReport, Tokenizer,
+    generate_with_reuse, greedy_ids, load, namespace_description, GenerateParams, KvTiers,
+    LayerKind, LoadOptions, Model, ReuseConfig, ReuseReport, Tokenizer,
 };
 use store::StoreConfig;
 
@@ -181,7 +181,7 @@ fn cold(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32> {
 fn cached(
     model: &Model,
     tok: &Tokenizer,
-    pc: &PrefixCache,
+    pc: &KvTiers,
     prompt: &[u32],
     n: usize,
 ) -> (Vec<u32>, ReuseReport) {
@@ -201,7 +201,7 @@ fn restored_matches_cold(model: &Model, tok: &Tokenizer, block: usize, prefixes:
     for &p in prefixes {
         let dir = tempfile::tempdir().unwrap();
         {
-            let pc = PrefixCache::open(model, tok, config(dir.path(), block)).unwrap();
+            let pc = KvTiers::open(model, tok, config(dir.path(), block)).unwrap();
             // Shares the first p tokens, then diverges.
             let mut other = prompt[..p].to_vec();
             other.extend(tokens(p as u64 + 99, 2 * block, vocab));
@@ -216,7 +216,7 @@ fn restored_matches_cold(model: &Model, tok: &Tokenizer, block: usize, prefixes:
             pc.flush().unwrap();
         }
         // A restart: the RAM tier is empty, blocks come from disk.
-        let pc = PrefixCache::open(model, tok, config(dir.path(), block)).unwrap();
+        let pc = KvTiers::open(model, tok, config(dir.path(), block)).unwrap();
         let (got, r) = cached(model, tok, &pc, &prompt, n);
         assert!(
             r.cached_ssd_tokens >= p / block * block,
@@ -246,7 +246,7 @@ fn gemma3_multi_turn_reuse_matches_cold_output_at_every_turn() {
     let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
     let vocab = model.info().vocab_size;
     let dir = tempfile::tempdir().unwrap();
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 16)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 16)).unwrap();
     let mut convo = tokens(5, 700, vocab);
     for turn in 0..4 {
         let want = cold(&model, &tok, &convo, 6);
@@ -280,7 +280,7 @@ fn gemma3_270m_restored_prefix_longer_than_two_windows_matches_cold_output() {
     prompt.truncate(1_100);
     assert!(prompt.len() >= 1_100);
     let dir = tempfile::tempdir().unwrap();
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 32)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 32)).unwrap();
     // Turn 1 publishes the prompt's blocks; turn 2 extends it by a question.
     cached(&model, &tok, &pc, &prompt, 1);
     let mut turn2 = prompt.clone();
@@ -296,7 +296,7 @@ fn gemma3_270m_restored_prefix_longer_than_two_windows_matches_cold_output() {
     pc.flush().unwrap();
     drop(pc);
     // After a restart only the store has it: the 34 full blocks (1,088 tokens), from SSD.
-    let pc = PrefixCache::open(&model, &tok, config(dir.path(), 32)).unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 32)).unwrap();
     let (got, r) = cached(&model, &tok, &pc, &turn2, 8);
     assert_eq!(r.cached_ssd_tokens, 1_088, "{r:?}");
     assert_eq!(got, want);

@@ -187,7 +187,7 @@ fn a_store_whose_parent_is_not_writable_says_why_not_that_it_does_not_exist() {
         block_size: 8,
         ..engine::ReuseConfig::default()
     };
-    let result = engine::PrefixCache::open(&model, &tok, reuse);
+    let result = engine::KvTiers::open(&model, &tok, reuse);
     if mounted {
         let _ = Command::new("umount").arg(&parent).status();
     }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use engine::server::{router, scripted_router, serve_with_limits, ConnectionLimits, ServerConfig};
 use engine::{
     generate, load, Engine, EngineConfig, Event, FinishReason, GenerateParams, InjectedFault,
-    LoadOptions, PrefixCache, Request, ReuseConfig, SubmitError,
+    KvTiers, LoadOptions, Request, ReuseConfig, SubmitError,
 };
 use serde_json::{json, Value};
 use store::StoreConfig;
@@ -35,7 +35,7 @@ fn open_salted_engine(
         salt: salt.map(String::from),
         ..ReuseConfig::default()
     };
-    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     Arc::new(Engine::open(model, tok, Some(prefix), config).unwrap())
 }
 
@@ -424,7 +424,7 @@ fn requests_with_different_cache_salts_never_share_blocks() {
     }
     // Each salt is its own namespace in the store.
     srv.idle();
-    let prefix = srv.engine.prefix_cache().unwrap();
+    let prefix = srv.engine.kv_tiers().unwrap();
     let a = prefix.namespace_for(Some("tenant-a")).unwrap();
     let b = prefix.namespace_for(Some("tenant-b")).unwrap();
     assert_ne!(a, b);
@@ -495,7 +495,7 @@ fn a_configured_salt_never_shares_a_namespace_with_a_request_salt_on_another_ser
     let configured = serve(Some(lookalike));
     assert_eq!(cached(&configured, None), 0);
     assert!(cached(&configured, None) > 0, "equal pairs must share");
-    let configured_ns = configured.engine.prefix_cache().unwrap().namespace();
+    let configured_ns = configured.engine.kv_tiers().unwrap().namespace();
     drop(configured);
 
     let plain = serve(None);
@@ -510,7 +510,7 @@ fn a_configured_salt_never_shares_a_namespace_with_a_request_salt_on_another_ser
     );
     let tenant_ns = plain
         .engine
-        .prefix_cache()
+        .kv_tiers()
         .unwrap()
         .namespace_for(Some("tenant-a"))
         .unwrap();
@@ -519,10 +519,7 @@ fn a_configured_salt_never_shares_a_namespace_with_a_request_salt_on_another_ser
 
     // The derivation is reproducible: the configured server, restarted, finds its blocks.
     let again = serve(Some(lookalike));
-    assert_eq!(
-        again.engine.prefix_cache().unwrap().namespace(),
-        configured_ns
-    );
+    assert_eq!(again.engine.kv_tiers().unwrap().namespace(), configured_ns);
     assert!(cached(&again, None) > 0, "a restart lost the namespace");
 }
 
@@ -1273,7 +1270,7 @@ fn a_refusal_at_admission_is_a_400_naming_the_parameter() {
     };
     let engine = open_engine(dir.path(), EngineConfig::default());
     let srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
-    let prefix = srv.engine.prefix_cache().unwrap();
+    let prefix = srv.engine.kv_tiers().unwrap();
     // Fill the engine's table of salted namespaces (4,096) through the library.
     let mut n = 0;
     while prefix.namespace_for(Some(&format!("filler-{n}"))).is_ok() {
@@ -1295,7 +1292,7 @@ fn a_refusal_at_admission_is_a_400_naming_the_parameter() {
 #[test]
 fn a_poisoned_lock_is_a_500_not_the_clients_fault() {
     let srv = Server::start(None, EngineConfig::default());
-    let prefix = srv.engine.prefix_cache().unwrap();
+    let prefix = srv.engine.kv_tiers().unwrap();
     std::thread::scope(|s| {
         let poisoner = s.spawn(|| {
             let _held = prefix.resident().unwrap();
@@ -1508,7 +1505,7 @@ fn scripted_server_of(model: &str, script: &[&str]) -> Server {
         block_size: 8,
         ..ReuseConfig::default()
     };
-    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     let script = script.iter().map(|s| s.to_string()).collect();
     let app = scripted_router(engine.clone(), server_config(None), script);
@@ -2004,7 +2001,7 @@ fn tool_writing_server() -> (Server, Value) {
         block_size: 8,
         ..ReuseConfig::default()
     };
-    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     let mut srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
     srv._dir = Some(store);

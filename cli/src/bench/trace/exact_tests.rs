@@ -11,7 +11,7 @@
 
 use std::path::Path;
 
-use engine::{Engine, EngineConfig, PrefixCache, ReuseConfig};
+use engine::{Engine, EngineConfig, KvTiers, ReuseConfig};
 use store::StoreConfig;
 
 use super::dispatch::{self, Outcome};
@@ -78,7 +78,7 @@ fn replay(kv_budget: u64) -> (Vec<Outcome>, Vec<Vec<u32>>) {
         restore_always: true,
         ..ReuseConfig::default()
     };
-    let prefix = PrefixCache::open(&model, &tok, reuse).unwrap();
+    let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let config = EngineConfig {
         max_batch: 1,
         kv_budget_bytes: kv_budget,
