@@ -8,6 +8,8 @@ with_gemma=""
 case "${CI:-}" in "" | 0 | false) ;; *) with_gemma=--with-gemma ;; esac
 # shellcheck disable=SC2086
 bash scripts/setup.sh $with_gemma
+# mlx_lm.server, the serving peer `kvstore bench serve --peer-python` is tested against.
+bash scripts/bench/setup_peer.sh
 cargo test --workspace --all-targets "$@"
 cargo test --workspace --doc
 # Fuzz smoke over the committed corpora. The store targets build in a few minutes and the

@@ -69,3 +69,93 @@ fn bench_serve_reports_both_arms_and_the_sessions_hit_share() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--streams must be at least 1"));
 }
+
+#[path = "../../tests/src/prerequisite.rs"]
+mod prerequisite;
+
+/// The peer comparison: the same text sessions over HTTP against `kvstore serve` and
+/// mlx-lm's `mlx_lm.server`, each started by the benchmark on the tiny model; both arms
+/// report every turn, the same completion token count (greedy, no EOS in 6 tokens is not
+/// assumed: the counts come from each server's usage), and the throughput ratio.
+#[test]
+fn bench_serve_runs_the_same_http_sessions_against_kvstore_and_mlx_lm_server() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join(".venv-peer/bin/python");
+    if !python.exists() {
+        prerequisite::missing(
+            "no .venv-peer (mlx_lm.server, the serving peer)",
+            "bash scripts/bench/setup_peer.sh",
+        );
+        return;
+    }
+    let model = root.join("engine/tests/goldens/tiny-qwen3");
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("serve.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvstore"))
+        .args(["bench", "serve", "--http-only", "--model"])
+        .arg(&model)
+        .arg("--peer-python")
+        .arg(&python)
+        .args([
+            "--sessions",
+            "2",
+            "--turns",
+            "2",
+            "--first-prompt",
+            "40",
+            "--new-tokens",
+            "8",
+            "--reply-tokens",
+            "6",
+            "--json",
+        ])
+        .arg(&json)
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert!(r["interleave"].as_array().unwrap().is_empty(), "{r}");
+    assert!(r["sessions"].is_null(), "{r}");
+    let arms = r["http_sessions"].as_array().unwrap();
+    let servers: Vec<_> = arms.iter().map(|a| a["server"].as_str().unwrap()).collect();
+    assert_eq!(servers, ["kvstore serve", "mlx_lm.server"]);
+    for arm in arms {
+        // 2 sessions x 2 turns, each with a first token.
+        assert_eq!(arm["ttft"]["n"], 4, "{arm}");
+        let tokens = arm["completion_tokens"].as_u64().unwrap();
+        assert!((4..=24).contains(&tokens), "{arm}");
+        assert!(arm["completion_tok_per_s"].as_f64().unwrap() > 0.0, "{arm}");
+    }
+    // kvstore reports cached prompt tokens: turn 2 extends turn 1's prompt and reply.
+    assert!(arms[0]["hit_share"].as_f64().unwrap() > 0.3, "{}", arms[0]);
+    let ratio = r["http_throughput_ratio"].as_f64().unwrap();
+    let expect = arms[0]["completion_tok_per_s"].as_f64().unwrap()
+        / arms[1]["completion_tok_per_s"].as_f64().unwrap();
+    assert!(
+        (ratio - expect).abs() < 1e-9 * expect,
+        "{ratio} vs {expect}"
+    );
+}
+
+/// Without a Hugging Face folder for mlx_lm.server the peer comparison says what to pass.
+#[test]
+fn bench_serve_peer_needs_a_model_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = dir.path().join("model.gguf");
+    std::fs::write(&gguf, b"not a model").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvstore"))
+        .args(["bench", "serve", "--http-only", "--model"])
+        .arg(&gguf)
+        .args(["--peer-python", "python3"])
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--peer-model"), "{err}");
+}

@@ -4,6 +4,7 @@ use clap::Subcommand;
 
 mod agent;
 mod cache;
+mod child_server;
 mod generate;
 mod mlx;
 mod remote;
@@ -31,8 +32,9 @@ enum Which {
     /// TTFT of a prefix from the Redis remote tier vs local SSD vs recompute; chain fetch blocks/s.
     Remote(remote::Args),
     /// The serving engine under load: streams' ITL while a long prompt prefills (chunked vs
-    /// whole), and concurrent multi-turn sessions (throughput, TTFT/ITL P50/P99, hit share).
-    Serve(serve::Args),
+    /// whole), and concurrent multi-turn sessions (throughput, TTFT/ITL P50/P99, hit share),
+    /// in process and, with `--peer-python`, over HTTP beside mlx_lm.server.
+    Serve(Box<serve::Args>),
     /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
     Store(store::Args),
     /// Replay a Mooncake-format request trace: hit share against ideal, LRU and Belady, TTFT.
@@ -47,7 +49,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Which::Generate(a) => generate::run(a),
         Which::Mlx(a) => mlx::run(a),
         Which::Remote(a) => remote::run(a),
-        Which::Serve(a) => serve::run(a),
+        Which::Serve(a) => serve::run(*a),
         Which::Store(a) => store::run(a),
         Which::Trace(a) => trace::run(*a),
     }

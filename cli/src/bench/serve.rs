@@ -11,8 +11,14 @@
 //!   TTFT and ITL P50/P99 and the share of prompt tokens served from the prefix cache from
 //!   turn 2 on.
 //!
+//! - **http sessions** (with `--peer-python`): the sessions part over HTTP, against a
+//!   `kvstore serve` and mlx-lm's `mlx_lm.server` started as child processes on the same
+//!   model, one after the other, with the same text prompts: the peer comparison.
+//!
 //! Prompts are token ids (deterministic, distinct per stream and session), not chat text:
-//! the load shape is what is measured, not a template.
+//! the load shape is what is measured, not a template. Over HTTP they are sent as the text
+//! those ids decode to (mlx_lm.server takes no token ids), to `/v1/completions` (no chat
+//! template on either side).
 
 use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
@@ -22,6 +28,8 @@ use anyhow::{bail, Context, Result};
 use engine::{Engine, EngineConfig, Event, GenerateParams, Request};
 use serde::Serialize;
 
+use super::child_server::ChildServer;
+use super::trace::http::HttpTarget;
 use crate::cache_args::CacheArgs;
 use crate::generate::ModelArgs;
 
@@ -65,6 +73,16 @@ pub struct Args {
     /// Write the report as JSON here.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// Python with mlx-lm: also run the sessions part over HTTP against `kvstore serve` and
+    /// `mlx_lm.server` (the peer), same model, same prompts.
+    #[arg(long, value_name = "PYTHON")]
+    peer_python: Option<String>,
+    /// The model folder mlx_lm.server loads (Hugging Face layout). Default: --model.
+    #[arg(long, value_name = "DIR")]
+    peer_model: Option<PathBuf>,
+    /// Skip the in-process parts (interleave and sessions): only the HTTP peer comparison.
+    #[arg(long, requires = "peer_python")]
+    http_only: bool,
 }
 
 /// P50 and P99 of a sample, seconds (not a number for an empty sample).
@@ -112,11 +130,42 @@ struct Sessions {
     hit_share: f64,
 }
 
+/// The sessions part over HTTP against one server.
+#[derive(Debug, Serialize)]
+struct HttpSessions {
+    /// `kvstore serve` or `mlx_lm.server`.
+    server: &'static str,
+    #[serde(flatten)]
+    sessions: Sessions,
+    /// Completion tokens the server reported.
+    completion_tokens: usize,
+}
+
+impl Sessions {
+    /// One line: sessions, wall time, throughput, TTFT and ITL.
+    fn summary(&self) -> String {
+        format!(
+            "{} x {} turns in {:.1} s: {:.1} completion tok/s, TTFT P50 {:.3} s P99 {:.3} s, ITL P50 {:.1} ms P99 {:.1} ms",
+            self.sessions,
+            self.turns,
+            self.wall_s,
+            self.completion_tok_per_s,
+            self.ttft.p50,
+            self.ttft.p99,
+            self.itl.p50 * 1e3,
+            self.itl.p99 * 1e3,
+        )
+    }
+}
+
 #[derive(Debug, Serialize)]
 struct Report {
     model: String,
     interleave: Vec<InterleaveArm>,
     sessions: Option<Sessions>,
+    http_sessions: Vec<HttpSessions>,
+    /// kvstore's completion tok/s over mlx_lm.server's, same load.
+    http_throughput_ratio: Option<f64>,
 }
 
 /// Deterministic token ids for stream or session `seed`, distinct from every other seed's
@@ -139,6 +188,8 @@ struct Timed {
     submitted: Instant,
     arrivals: Vec<Instant>,
     tokens: Vec<u32>,
+    /// Tokens generated (as the server counted them over HTTP).
+    completion_tokens: usize,
     cached_tokens: usize,
     prompt_tokens: usize,
 }
@@ -174,6 +225,7 @@ fn run_request_with(
         submitted,
         arrivals: Vec::new(),
         tokens: Vec::new(),
+        completion_tokens: 0,
         cached_tokens: 0,
         prompt_tokens: 0,
     };
@@ -185,6 +237,7 @@ fn run_request_with(
                 on_token(t.tokens.len());
             }
             Event::Finished(c) => {
+                t.completion_tokens = t.tokens.len();
                 t.cached_tokens = c.cached_tokens;
                 t.prompt_tokens = c.prompt_tokens;
                 return Ok(t);
@@ -351,11 +404,16 @@ fn sessions(args: &Args) -> Result<Sessions> {
     if let Ok(engine) = Arc::try_unwrap(engine) {
         engine.shutdown(false).context("shutting the engine down")?;
     }
+    Ok(summarize(args, &all, wall_s))
+}
+
+/// Throughput, TTFT, ITL and hit share of finished sessions.
+fn summarize(args: &Args, all: &[Vec<Timed>], wall_s: f64) -> Sessions {
     let (mut ttft, mut itl) = (Vec::new(), Vec::new());
     let (mut completion, mut cached, mut prompted) = (0usize, 0usize, 0usize);
-    for session in &all {
+    for session in all {
         for (turn, t) in session.iter().enumerate() {
-            completion += t.tokens.len();
+            completion += t.completion_tokens;
             if let Some(first) = t.arrivals.first() {
                 ttft.push((*first - t.submitted).as_secs_f64());
             }
@@ -366,7 +424,7 @@ fn sessions(args: &Args) -> Result<Sessions> {
             }
         }
     }
-    Ok(Sessions {
+    Sessions {
         sessions: args.sessions,
         turns: args.turns,
         wall_s,
@@ -374,7 +432,141 @@ fn sessions(args: &Args) -> Result<Sessions> {
         ttft: quantiles(&ttft),
         itl: quantiles(&itl),
         hit_share: cached as f64 / prompted.max(1) as f64,
+    }
+}
+
+/// The text prompts of the HTTP sessions: what the in-process part's token ids decode to.
+struct SessionTexts {
+    /// Per session (the first is the unmeasured warm-up session): its first prompt, then
+    /// the new text each later turn adds.
+    sessions: Vec<(String, Vec<String>)>,
+}
+
+impl SessionTexts {
+    fn new(args: &Args, tokenizer: &engine::Tokenizer) -> Result<SessionTexts> {
+        let vocab = tokenizer.vocab_size() as u32;
+        let text = |n: usize, seed: u32| -> Result<String> {
+            tokenizer
+                .decode(&ids(n, seed, vocab), true)
+                .map_err(|e| anyhow::anyhow!("decoding a synthetic prompt: {e}"))
+        };
+        let mut sessions = Vec::new();
+        for s in 0..=args.sessions {
+            let seed = if s == 0 { 999 } else { 1000 + s as u32 - 1 };
+            let first = text(args.first_prompt, seed)?;
+            let news = (0..args.turns)
+                .map(|turn| text(args.new_tokens, seed + 7919 * (turn as u32 + 1)))
+                .collect::<Result<Vec<_>>>()?;
+            sessions.push((first, news));
+        }
+        Ok(SessionTexts { sessions })
+    }
+}
+
+/// One session over HTTP: each turn sends the previous prompt, its reply and new text.
+fn http_session(
+    target: &HttpTarget,
+    first: &str,
+    news: &[String],
+    reply_tokens: usize,
+) -> Result<Vec<Timed>> {
+    let mut prompt = first.to_string();
+    let mut out = Vec::new();
+    for new in news {
+        let s = target.stream_completion(serde_json::json!(prompt), reply_tokens, false)?;
+        prompt.push_str(&s.text);
+        prompt.push_str(new);
+        out.push(Timed {
+            submitted: s.sent,
+            arrivals: s.arrivals,
+            tokens: Vec::new(),
+            completion_tokens: s.outcome.completion_tokens,
+            cached_tokens: s.outcome.cached_tokens,
+            prompt_tokens: s.outcome.prompt_tokens,
+        });
+    }
+    Ok(out)
+}
+
+/// The sessions part over HTTP against the server at `url`, after one unmeasured session.
+fn http_sessions(
+    args: &Args,
+    server: &'static str,
+    url: &str,
+    texts: &SessionTexts,
+) -> Result<HttpSessions> {
+    let target = HttpTarget::new(url, None, None)?;
+    let (first, news) = &texts.sessions[0];
+    http_session(&target, first, news, args.reply_tokens)
+        .with_context(|| format!("the warm-up session against {server}"))?;
+    let t0 = Instant::now();
+    let all = std::thread::scope(|scope| -> Result<Vec<Vec<Timed>>> {
+        let threads: Vec<_> = texts.sessions[1..]
+            .iter()
+            .map(|(first, news)| {
+                let target = &target;
+                scope.spawn(move || http_session(target, first, news, args.reply_tokens))
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| {
+                t.join()
+                    .map_err(|_| anyhow::anyhow!("a session thread panicked"))?
+            })
+            .collect()
     })
+    .with_context(|| format!("the sessions against {server}"))?;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let completion_tokens = all.iter().flatten().map(|t| t.completion_tokens).sum();
+    Ok(HttpSessions {
+        server,
+        sessions: summarize(args, &all, wall_s),
+        completion_tokens,
+    })
+}
+
+/// The peer comparison: the same HTTP sessions against `kvstore serve` and mlx_lm.server,
+/// each started here, one after the other (never both loaded at once).
+fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
+    let model = args.model.path()?;
+    let peer_model = args.peer_model.clone().unwrap_or_else(|| model.clone());
+    if !peer_model.is_dir() {
+        bail!(
+            "mlx_lm.server loads Hugging Face folders; {} is not one: pass --peer-model DIR",
+            peer_model.display()
+        );
+    }
+    let tokenizer = engine::Tokenizer::from_folder(&peer_model)
+        .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", peer_model.display()))?;
+    let texts = SessionTexts::new(args, &tokenizer)?;
+    let store = tempfile::tempdir().context("creating a scratch store for kvstore serve")?;
+    let mut serve_args = vec![
+        "--store".to_string(),
+        store.path().display().to_string(),
+        "--max-batch".into(),
+        args.max_batch.to_string(),
+        "--prefill-chunk".into(),
+        args.prefill_chunk.to_string(),
+        "--kv-budget".into(),
+        args.cache.kv_budget.clone(),
+    ];
+    if args.model.keep_quantized {
+        serve_args.push("--keep-quantized".into());
+    }
+    let mut out = Vec::new();
+    for server in ["kvstore serve", "mlx_lm.server"] {
+        let child = if server == "kvstore serve" {
+            ChildServer::kvstore(&model, &serve_args)?
+        } else {
+            ChildServer::mlx_lm(python, &peer_model)?
+        };
+        let arm = http_sessions(args, server, &child.url, &texts)?;
+        eprintln!("http sessions, {server}: {}", arm.sessions.summary());
+        out.push(arm);
+        drop(child);
+    }
+    Ok(out)
 }
 
 /// Runs the benchmark.
@@ -393,7 +585,12 @@ pub fn run(mut args: Args) -> Result<()> {
     let model = args.model.path()?.display().to_string();
     // The whole prompt in one step is what the engine did before chunked prefill.
     let mut interleave_arms = Vec::new();
-    for (i, chunk) in [args.prefill_chunk, usize::MAX].into_iter().enumerate() {
+    let in_process = if args.http_only {
+        vec![]
+    } else {
+        vec![args.prefill_chunk, usize::MAX]
+    };
+    for (i, chunk) in in_process.into_iter().enumerate() {
         let arm = interleave(&args, chunk, i as u32)?;
         eprintln!(
             "interleave, prefill chunk {}: {} streams' ITL P99 {:.1} ms before, {:.1} ms while a {}-token prompt prefills ({:.2}x); its TTFT {:.2} s",
@@ -407,28 +604,36 @@ pub fn run(mut args: Args) -> Result<()> {
         );
         interleave_arms.push(arm);
     }
-    let sessions = if args.sessions > 0 {
+    let sessions = if args.sessions > 0 && !args.http_only {
         let s = sessions(&args)?;
         eprintln!(
-            "sessions: {} x {} turns in {:.1} s: {:.1} completion tok/s, TTFT P50 {:.3} s P99 {:.3} s, ITL P50 {:.1} ms P99 {:.1} ms, cached {:.1} % of prompt tokens from turn 2",
-            s.sessions,
-            s.turns,
-            s.wall_s,
-            s.completion_tok_per_s,
-            s.ttft.p50,
-            s.ttft.p99,
-            s.itl.p50 * 1e3,
-            s.itl.p99 * 1e3,
+            "sessions: {}, cached {:.1} % of prompt tokens from turn 2",
+            s.summary(),
             s.hit_share * 100.0
         );
         Some(s)
     } else {
         None
     };
+    let http_sessions = match (&args.peer_python, args.sessions) {
+        (Some(python), 1..) => peer_comparison(&args, python)?,
+        _ => Vec::new(),
+    };
+    let http_throughput_ratio = match http_sessions.as_slice() {
+        [ours, peer] => {
+            Some(ours.sessions.completion_tok_per_s / peer.sessions.completion_tok_per_s)
+        }
+        _ => None,
+    };
+    if let Some(r) = http_throughput_ratio {
+        eprintln!("http sessions: kvstore serve / mlx_lm.server completion throughput {r:.2}x");
+    }
     let report = Report {
         model,
         interleave: interleave_arms,
         sessions,
+        http_sessions,
+        http_throughput_ratio,
     };
     let text = serde_json::to_string_pretty(&report)?;
     match &args.json {

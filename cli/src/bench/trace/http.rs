@@ -116,28 +116,52 @@ impl HttpTarget {
             .collect())
     }
 
-    fn try_send(&self, prompt: Vec<u32>, max_tokens: usize) -> Result<Outcome> {
+    /// `GET path`: the status and the body as text.
+    pub fn get(&self, path: &str) -> Result<(u16, String)> {
+        let (status, mut body) = self.request("GET", path, b"")?;
+        Ok((
+            status,
+            String::from_utf8_lossy(&body.read_all()?).into_owned(),
+        ))
+    }
+
+    /// Streams one greedy `POST /v1/completions` of `prompt` (token ids or text) and
+    /// records when each piece arrived. `per_token` asks for `logprobs: 0` so that a
+    /// kvstore server sends every token as its own event (a server that rejects the field,
+    /// as mlx_lm.server does, must be called without it).
+    pub fn stream_completion(
+        &self,
+        prompt: Value,
+        max_tokens: usize,
+        per_token: bool,
+    ) -> Result<Streamed> {
         let mut body = json!({
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
-            "logprobs": 0,
             "stream": true,
             "stream_options": {"include_usage": true},
         });
+        if per_token {
+            body["logprobs"] = json!(0);
+        }
         if let Some(m) = &self.model {
             body["model"] = json!(m);
         }
         let bytes = serde_json::to_vec(&body)?;
-        let t0 = Instant::now();
+        let sent = Instant::now();
         let (status, mut body) = self.request("POST", "/v1/completions", &bytes)?;
         if status != 200 {
             let text = String::from_utf8_lossy(&body.read_all()?).into_owned();
             bail!("HTTP {status}: {}", text.trim());
         }
-        let mut out = Outcome::default();
+        let mut out = Streamed {
+            sent,
+            arrivals: Vec::new(),
+            text: String::new(),
+            outcome: Outcome::default(),
+        };
         let mut pending = Vec::new();
-        let mut tokens = 0;
         while let Some(chunk) = body.next_chunk()? {
             pending.extend_from_slice(&chunk);
             while let Some(nl) = pending.iter().position(|&b| b == b'\n') {
@@ -156,30 +180,44 @@ impl HttpTarget {
                     bail!("the server ended the stream with an error: {e}");
                 }
                 let text = v["choices"][0]["text"].as_str().unwrap_or("");
-                let has_token = v["choices"][0]["logprobs"].is_object() || !text.is_empty();
-                if has_token {
-                    tokens += 1;
-                    out.ttft_s.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+                if v["choices"][0]["logprobs"].is_object() || !text.is_empty() {
+                    out.arrivals.push(Instant::now());
+                    out.text.push_str(text);
                 }
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     let n = |x: &Value| x.as_u64().unwrap_or(0) as usize;
-                    out.prompt_tokens = n(&u["prompt_tokens"]);
-                    out.completion_tokens = n(&u["completion_tokens"]);
-                    out.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
+                    out.outcome.prompt_tokens = n(&u["prompt_tokens"]);
+                    out.outcome.completion_tokens = n(&u["completion_tokens"]);
+                    out.outcome.cached_tokens = n(&u["prompt_tokens_details"]["cached_tokens"]);
                 }
             }
         }
-        out.e2e_s = Some(t0.elapsed().as_secs_f64());
-        if out.completion_tokens == 0 {
-            out.completion_tokens = tokens;
+        let o = &mut out.outcome;
+        o.ttft_s = out.arrivals.first().map(|t| (*t - sent).as_secs_f64());
+        o.e2e_s = Some(sent.elapsed().as_secs_f64());
+        if o.completion_tokens == 0 {
+            o.completion_tokens = out.arrivals.len();
         }
         Ok(out)
     }
 }
 
+/// One streamed completion: when it was sent, when each piece of it arrived, its text.
+pub struct Streamed {
+    /// When the request was sent.
+    pub sent: Instant,
+    /// When each event carrying a token (or a piece of text) arrived.
+    pub arrivals: Vec<Instant>,
+    /// The completion's text.
+    pub text: String,
+    /// Token counts and latencies.
+    pub outcome: Outcome,
+}
+
 impl Target for HttpTarget {
     fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
-        self.try_send(prompt, max_tokens)
+        self.stream_completion(json!(prompt), max_tokens, true)
+            .map(|s| s.outcome)
             .unwrap_or_else(|e| Outcome::failed(format!("{e:#}")))
     }
 }

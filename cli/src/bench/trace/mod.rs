@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
-mod dispatch;
+pub(crate) mod dispatch;
 #[cfg(test)]
 mod exact_tests;
-mod http;
+pub(crate) mod http;
 mod inprocess;
 mod parse;
 mod plot;

@@ -1,0 +1,102 @@
+//! A server a benchmark starts as a child process on a free loopback port: `kvstore serve`
+//! (this executable) or the peer, mlx-lm's `mlx_lm.server`. Dropped, it is killed.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use super::trace::http::HttpTarget;
+
+/// A running server child.
+pub struct ChildServer {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+/// A port nothing listens on right now (the OS picks it; another process could take it
+/// before the child binds it, which the child then reports).
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+impl ChildServer {
+    /// `kvstore serve --model MODEL --port P ARGS...` from this executable.
+    pub fn kvstore(model: &Path, args: &[String]) -> Result<ChildServer> {
+        let exe = std::env::current_exe().context("locating the kvstore executable")?;
+        let port = free_port()?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args(["--port", &port.to_string()])
+            .args(args);
+        ChildServer::start(cmd, port, "kvstore serve")
+    }
+
+    /// `PYTHON -m mlx_lm.server --model MODEL --port P` (greedy by default, as kvstore).
+    pub fn mlx_lm(python: &str, model: &Path) -> Result<ChildServer> {
+        let port = free_port()?;
+        let mut cmd = Command::new(python);
+        cmd.args(["-m", "mlx_lm.server", "--model"])
+            .arg(model)
+            .args(["--port", &port.to_string(), "--log-level", "WARNING"]);
+        ChildServer::start(cmd, port, "mlx_lm.server")
+    }
+
+    fn start(mut cmd: Command, port: u16, what: &str) -> Result<ChildServer> {
+        let dir = tempfile::tempdir().context("creating a directory for the server's log")?;
+        let log = dir.path().join("server.log");
+        let file = std::fs::File::create(&log)?;
+        let child = cmd
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(file))
+            .spawn()
+            .with_context(|| format!("starting {what}"))?;
+        let mut server = ChildServer {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            log,
+            _dir: dir,
+        };
+        let client = HttpTarget::new(&server.url, None, None)?;
+        let t0 = Instant::now();
+        loop {
+            if let Ok((200, _)) = client.get("/health") {
+                return Ok(server);
+            }
+            if let Some(status) = server.child.try_wait()? {
+                bail!(
+                    "{what} exited with {status} before it listened:\n{}",
+                    server.log_tail()
+                );
+            }
+            if t0.elapsed() > Duration::from_secs(300) {
+                bail!(
+                    "{what} did not answer /health within 300 s:\n{}",
+                    server.log_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The last lines of the child's log, for an error message.
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+impl Drop for ChildServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
