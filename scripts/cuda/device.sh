@@ -17,7 +17,8 @@
 # sampled); both after x1 and x2 only, on SmolLM2's shape with random weights; pd: bench
 # cache's SSD read-ahead rows and bench generate (SmolLM2's shape, the 8B-shaped bf16) with
 # the device sampler, after x1 and x2; pe: bench serve and the SmolLM2-shape prefill, after
-# an x1 call that made $K/smollm2-rand and x2.
+# an x1 call that made $K/smollm2-rand and x2; pf: bench serve beside mlx_lm.server (peer
+# wheels in x3); pg: bench trace, cache vs no cache (the trace in x3).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -255,6 +256,39 @@ case "$step" in
         --decode-tokens 32 2>&1; } | tail -n 4
     { timeout 200 "$BIN/kvstore" bench serve --model "$d" --streams 8 --stream-tokens 256 \
         --long-prompt 8192 --sessions 16 --turns 4 --json "$OUT/bench-serve.json" 2>&1; } | tail -n 6
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pf) # bench serve, in process and over HTTP beside mlx_lm.server (mlx-lm 0.32.2 and its
+      # dependencies carried as .cuda/x3/peer.tar: 0.28.4's server fails on MLX 0.32.4),
+      # after x1 (which made $K/smollm2-rand) and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    if [ ! -d "$K/peersite/mlx_lm" ]; then
+      mkdir -p "$K/peerwhl" && tar -xf "$K/peer.tar" -C "$K/peerwhl" &&
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$K/peersite" "$K"/peerwhl/*.whl 2>&1 | tail -2
+    fi
+    printf '#!/bin/sh\nPYTHONPATH=/opt/kvmlx:%s exec python3 "$@"\n' "$K/peersite" > "$K/peer-python"
+    chmod +x "$K/peer-python"
+    "$K/peer-python" -c 'import mlx_lm, mlx.core as mx; print("peer mlx-lm", mlx_lm.__version__, mx.default_device())' || exit 1
+    { timeout ${LIMIT:-480} "$BIN/kvstore" bench serve --model "$d" --peer-python "$K/peer-python" \
+        --streams 8 --stream-tokens 256 --long-prompt 8192 --sessions 16 --turns 4 \
+        --json "$OUT/bench-serve.json" 2>&1; } | grep -v '^ ' | tail -n 12
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pg) # bench trace on the Mooncake slice (trace carried in x3), cache vs no cache, after pf
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    T=$K/mooncake-conversation-part1.jsonl
+    S="--window ${WINDOW:-0..120} --speed ${SPEED:-1} --token-scale ${SCALE:-0.25} --max-concurrency 16 --max-batch 16"
+    { timeout 280 "$BIN/kvstore" bench trace "$T" --model "$d" $S --budget-tokens 1000000 \
+        --label cache --json "$OUT/trace-cache.json" 2>&1; } | tail -n 14
+    { timeout 280 "$BIN/kvstore" bench trace "$T" --model "$d" $S --no-cache \
+        --label "no cache" --json "$OUT/trace-nocache.json" 2>&1; } | tail -n 8
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   v) # every test binary, with redis-server and the openai client that some tests need

@@ -39,13 +39,17 @@ impl ChildServer {
         ChildServer::start(cmd, port, "kvstore serve")
     }
 
-    /// `PYTHON -m mlx_lm.server --model MODEL --port P` (greedy by default, as kvstore).
-    pub fn mlx_lm(python: &str, model: &Path) -> Result<ChildServer> {
+    /// `PYTHON -m mlx_lm.server --model MODEL --port P --prompt-cache-size N` (greedy by
+    /// default, as kvstore). `N` prompt caches are kept: mlx-lm's default (10) would make
+    /// more concurrent sessions than that evict each other, which a user serving them would
+    /// not configure.
+    pub fn mlx_lm(python: &str, model: &Path, prompt_caches: usize) -> Result<ChildServer> {
         let port = free_port()?;
         let mut cmd = Command::new(python);
         cmd.args(["-m", "mlx_lm.server", "--model"])
             .arg(model)
-            .args(["--port", &port.to_string(), "--log-level", "WARNING"]);
+            .args(["--port", &port.to_string(), "--log-level", "WARNING"])
+            .args(["--prompt-cache-size", &prompt_caches.max(10).to_string()]);
         ChildServer::start(cmd, port, "mlx_lm.server")
     }
 

@@ -559,7 +559,7 @@ fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
         let child = if server == "kvstore serve" {
             ChildServer::kvstore(&model, &serve_args)?
         } else {
-            ChildServer::mlx_lm(python, &peer_model)?
+            ChildServer::mlx_lm(python, &peer_model, 2 * (args.sessions + 1))?
         };
         let arm = http_sessions(args, server, &child.url, &texts)?;
         eprintln!("http sessions, {server}: {}", arm.sessions.summary());
