@@ -139,6 +139,8 @@ struct HttpSessions {
     sessions: Sessions,
     /// Completion tokens the server reported.
     completion_tokens: usize,
+    /// Requests sent again because the server refused or reset their connection.
+    retries: usize,
 }
 
 impl Sessions {
@@ -192,6 +194,8 @@ struct Timed {
     completion_tokens: usize,
     cached_tokens: usize,
     prompt_tokens: usize,
+    /// Times the request was sent again (over HTTP: connection refused or reset).
+    retries: usize,
 }
 
 fn run_request(
@@ -228,6 +232,7 @@ fn run_request_with(
         completion_tokens: 0,
         cached_tokens: 0,
         prompt_tokens: 0,
+        retries: 0,
     };
     while let Some(e) = h.recv_blocking() {
         match e {
@@ -483,6 +488,7 @@ fn http_session(
             completion_tokens: s.outcome.completion_tokens,
             cached_tokens: s.outcome.cached_tokens,
             prompt_tokens: s.outcome.prompt_tokens,
+            retries: s.retries,
         });
     }
     Ok(out)
@@ -523,6 +529,7 @@ fn http_sessions(
         server,
         sessions: summarize(args, &all, wall_s),
         completion_tokens,
+        retries: all.iter().flatten().map(|t| t.retries).sum(),
     })
 }
 
@@ -562,7 +569,11 @@ fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
             ChildServer::mlx_lm(python, &peer_model, 2 * (args.sessions + 1))?
         };
         let arm = http_sessions(args, server, &child.url, &texts)?;
-        eprintln!("http sessions, {server}: {}", arm.sessions.summary());
+        eprintln!(
+            "http sessions, {server}: {}, {} requests resent",
+            arm.sessions.summary(),
+            arm.retries
+        );
         out.push(arm);
         drop(child);
     }

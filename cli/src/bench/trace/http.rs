@@ -150,13 +150,26 @@ impl HttpTarget {
         }
         let bytes = serde_json::to_vec(&body)?;
         let sent = Instant::now();
-        let (status, mut body) = self.request("POST", "/v1/completions", &bytes)?;
+        // A server with a short listen backlog (mlx_lm.server's is Python's default, 5)
+        // resets connections beyond it under load: such a request never reached it and is
+        // sent again, as client libraries do; the time counts from the first attempt.
+        let mut retries = 0;
+        let (status, mut body) = loop {
+            match self.request("POST", "/v1/completions", &bytes) {
+                Err(e) if retries < MAX_RETRIES && never_reached_the_server(&e) => {
+                    retries += 1;
+                    std::thread::sleep(Duration::from_millis(20 * retries as u64));
+                }
+                r => break r?,
+            }
+        };
         if status != 200 {
             let text = String::from_utf8_lossy(&body.read_all()?).into_owned();
             bail!("HTTP {status}: {}", text.trim());
         }
         let mut out = Streamed {
             sent,
+            retries,
             arrivals: Vec::new(),
             text: String::new(),
             outcome: Outcome::default(),
@@ -204,8 +217,11 @@ impl HttpTarget {
 
 /// One streamed completion: when it was sent, when each piece of it arrived, its text.
 pub struct Streamed {
-    /// When the request was sent.
+    /// When the request was first sent.
     pub sent: Instant,
+    /// Times it was sent again because the connection was refused or reset before the
+    /// server answered.
+    pub retries: usize,
     /// When each event carrying a token (or a piece of text) arrived.
     pub arrivals: Vec<Instant>,
     /// The completion's text.
@@ -220,6 +236,24 @@ impl Target for HttpTarget {
             .map(|s| s.outcome)
             .unwrap_or_else(|e| Outcome::failed(format!("{e:#}")))
     }
+}
+
+/// Attempts after the first for a request whose connection failed before any answer.
+const MAX_RETRIES: usize = 8;
+
+/// Whether `e` is a refused or reset connection, met before a status line arrived.
+fn never_reached_the_server(e: &anyhow::Error) -> bool {
+    e.chain()
+        .filter_map(|c| c.downcast_ref::<std::io::Error>())
+        .any(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionRefused
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::ConnectionAborted
+                    | std::io::ErrorKind::BrokenPipe
+            )
+        })
 }
 
 /// A response body, de-chunked when the server chunks it, else read to the end.
