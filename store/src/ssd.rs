@@ -25,6 +25,7 @@ use crate::journal::{self, Journal, Record};
 use crate::key::{BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::nofollow;
+use crate::pins::Pins;
 use crate::stats::{Counters, StoreStats};
 
 /// How to open an SSD tier.
@@ -113,6 +114,8 @@ pub struct SsdTier {
     poison: Mutex<Option<String>>,
     counters: Arc<Counters>,
     tmp_seq: AtomicU64,
+    /// Keys eviction skips ([`crate::Pins`]); empty until the store sets its pins.
+    pins: Arc<Pins>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> OpenError + '_ {
@@ -207,7 +210,9 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
         let path = e.path();
         let ft = e.file_type()?;
         match name.as_ref() {
-            format::STORE_FILE | format::LOCK_FILE | format::JOURNAL_FILE => continue,
+            format::STORE_FILE | format::LOCK_FILE | format::JOURNAL_FILE | format::PINS_FILE => {
+                continue
+            }
             format::TMP_DIR if ft.is_dir() => {
                 for t in read_dir_sorted(&path)? {
                     s.temps.push(t.path());
@@ -297,7 +302,7 @@ pub(crate) fn read_marker(root: &Path) -> Result<Option<Marker>, OpenError> {
 }
 
 /// Writes `bytes` to `dir/name` atomically: temp file in `tmp_dir`, fsync, rename, fsync dir.
-fn write_atomic(tmp_dir: &Path, dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+pub(crate) fn write_atomic(tmp_dir: &Path, dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
     let tmp = tmp_dir.join(format!(
         "{name}.{}.{}.{}",
         std::process::id(),
@@ -475,6 +480,7 @@ impl SsdTier {
             poison: Mutex::new(None),
             counters,
             tmp_seq: AtomicU64::new(0),
+            pins: Arc::new(Pins::new()),
         })
     }
 
@@ -796,7 +802,24 @@ impl SsdTier {
         WriteError::Poisoned { cause }
     }
 
-    /// Evicts least recently used files until `used <= limit`, sparing `keep`.
+    /// Sets the pins eviction spares (the store's, shared with its other tiers).
+    pub(crate) fn set_pins(&mut self, pins: Arc<Pins>) {
+        self.pins = pins;
+    }
+
+    /// Physical bytes of the blocks pinned now.
+    pub fn pinned_bytes(&self) -> u64 {
+        let pinned = self.pins.pinned();
+        let st = lock(&self.state);
+        pinned
+            .iter()
+            .filter_map(|k| st.index.peek(k))
+            .map(|e| e.phys)
+            .sum()
+    }
+
+    /// Evicts least recently used files until `used <= limit`, sparing `keep` and pinned
+    /// blocks (which keep their place in the LRU order).
     fn evict_until(
         &self,
         limit: u64,
@@ -804,16 +827,16 @@ impl SsdTier {
     ) -> Result<u64, WriteError> {
         let mut evicted = 0;
         let mut st = lock(&self.state);
-        while st.used > limit {
+        let mut spared = Vec::new();
+        let result = loop {
+            if st.used <= limit {
+                break Ok(evicted);
+            }
             let Some((k, e)) = st.index.pop_lru() else {
-                break;
+                break Ok(evicted);
             };
-            if Some(k) == keep {
-                // Back to most recent; stop once nothing else is left to evict.
-                st.index.push(k, e);
-                if st.index.len() == 1 {
-                    break;
-                }
+            if Some(k) == keep || self.pins.is_pinned(k.0, k.1) {
+                spared.push((k, e));
                 continue;
             }
             let path = block_path(&self.root, k.0, k.1);
@@ -823,14 +846,19 @@ impl SsdTier {
                 Err(source) => {
                     st.index.push(k, e);
                     st.index.demote(&k);
-                    return Err(WriteError::Io { path, source });
+                    break Err(WriteError::Io { path, source });
                 }
             }
             st.used -= e.phys;
             evicted += 1;
             Counters::inc(&self.counters.ssd_evictions);
+        };
+        // Back where they were: the least recent spared one ends least recent again.
+        for (k, e) in spared.into_iter().rev() {
+            st.index.push(k, e);
+            st.index.demote(&k);
         }
-        Ok(evicted)
+        result
     }
 
     /// Evicts least recently used blocks until the physical bytes fit the budget; returns
@@ -888,6 +916,16 @@ impl SsdTier {
             });
         }
         self.evict_until(budget - estimate, None)?;
+        let used = lock(&self.state).used;
+        if used + estimate > budget {
+            // Only pinned blocks (or a write racing this one) are left: refuse rather than
+            // evict a pin or overrun the budget.
+            return Err(WriteError::Pinned {
+                bytes: estimate,
+                pinned: self.pinned_bytes(),
+                budget,
+            });
+        }
 
         let ns_dir = self.root.join(ns.to_string());
         let final_path = block_path(&self.root, ns, key);
