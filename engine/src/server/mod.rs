@@ -12,6 +12,7 @@
 //! disconnects, the response body is dropped, the handle with it, and the engine cancels
 //! the request at its next step boundary and frees its blocks.
 
+mod anthropic;
 mod conn;
 mod error;
 pub(crate) mod openai;
@@ -80,6 +81,10 @@ struct AppState {
     responses: Mutex<BTreeMap<u16, u64>>,
     /// [`scripted_router`]'s script.
     script: Option<Vec<String>>,
+    /// The arguments text of the tool calls answered through the Anthropic API.
+    tool_inputs: anthropic::ToolInputs,
+    /// Per-`prompt_cache_key` accounting.
+    cache_keys: openai::CacheKeys,
 }
 
 type Shared = Arc<AppState>;
@@ -110,10 +115,14 @@ fn build_router(engine: Arc<Engine>, config: ServerConfig, script: Option<Vec<St
         config,
         responses: Mutex::new(BTreeMap::new()),
         script,
+        tool_inputs: anthropic::ToolInputs::default(),
+        cache_keys: openai::CacheKeys::default(),
     });
     let mut protected = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/cache", get(cache_stats))
         .route("/admin/cache/flush", post(flush));
@@ -174,19 +183,24 @@ async fn auth(
     next: Next,
 ) -> Response {
     if let Some(want) = &s.key_hash {
+        // Bearer (OpenAI) or x-api-key (Anthropic): the same key, the same check.
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
             .map(str::trim);
         if !key_matches(want, given) {
-            return ApiError::new(
+            let e = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",
-                "Incorrect or missing API key: send Authorization: Bearer <key>",
+                "Incorrect or missing API key: send Authorization: Bearer <key> or x-api-key: <key>",
             )
-            .with_code("invalid_api_key")
-            .into_response();
+            .with_code("invalid_api_key");
+            if req.uri().path().starts_with("/v1/messages") {
+                return anthropic::error_response(e);
+            }
+            return e.into_response();
         }
     }
     next.run(req).await
@@ -273,9 +287,15 @@ async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
             "block_size": p.paged_config().block_size,
             "device": p.resident_stats(),
             "store": p.stats(),
+            "pinned": p.pinned(),
+            "prompt_cache_keys": s.cache_keys.snapshot(),
             "engine": engine,
         }),
-        None => json!({"enabled": false, "engine": engine}),
+        None => json!({
+            "enabled": false,
+            "prompt_cache_keys": s.cache_keys.snapshot(),
+            "engine": engine,
+        }),
     })
 }
 
@@ -660,9 +680,18 @@ struct Meta {
     nonce: u128,
     /// [`scripted_router`]'s script.
     script: Option<Vec<String>>,
+    /// `prompt_cache_key`, and when its pin ends (Unix ms) if the request pinned.
+    cache_key: Option<(String, Option<u64>)>,
 }
 
 impl Meta {
+    /// Counts a finished request under its `prompt_cache_key`.
+    fn account(&self, s: &Shared, c: &Completion) {
+        if let Some((key, until)) = &self.cache_key {
+            s.cache_keys.record(key, c, *until);
+        }
+    }
+
     /// The id of this response's `i`th tool call.
     fn call_id(&self, i: usize) -> String {
         let h = blake3::hash(format!("{}:{}:{i}", self.id, self.nonce).as_bytes());
@@ -751,6 +780,15 @@ async fn generate_endpoint(
     }
     let room = context - prompt.len();
     opts.params.max_tokens = opts.max_tokens.unwrap_or(limit).min(room);
+    // Retention 24h: the whole prompt stays in every tier for a day, across restarts.
+    let pinned_until = match s.engine.kv_tiers() {
+        Some(kv) if opts.retain_24h => {
+            let ttl = openai::RETENTION_24H;
+            kv.pin_prefix(opts.cache_salt.as_deref(), &prompt, ttl, true)?;
+            Some(now() * 1000 + ttl.as_millis() as u64)
+        }
+        _ => None,
+    };
     let handle = s.engine.submit(Request {
         prompt,
         params: opts.params,
@@ -768,6 +806,7 @@ async fn generate_endpoint(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos()),
         script: s.script.clone(),
+        cache_key: opts.prompt_cache_key.map(|k| (k, pinned_until)),
     };
     if opts.stream {
         Ok(stream(s, handle, meta).into_response())
@@ -786,6 +825,7 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
                 return Err(cut_off(&s, &c));
             }
             Event::Finished(c) => {
+                meta.account(&s, &c);
                 let tok = s.engine.tokenizer();
                 let reason = openai::finish_reason(&c);
                 let text = match &meta.script {
@@ -1003,6 +1043,7 @@ impl StreamState {
                 false
             }
             Some(Event::Finished(c)) => {
+                self.meta.account(&self.s, &c);
                 {
                     let rest: String = self
                         .script
