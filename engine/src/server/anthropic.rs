@@ -10,7 +10,8 @@
 //! block. Replies are parsed for tool calls by the template's format (`tool_calls.rs`);
 //! each call becomes a `tool_use` block.
 //!
-//! `cache_control` breakpoints pin the prompt's blocks up to the breakpoint in every tier
+//! `cache_control` breakpoints (on blocks and tools, or top-level: after the last block)
+//! pin the prompt's blocks up to the breakpoint in every tier
 //! for the breakpoint's TTL ([`KvTiers::pin_prefix`](crate::KvTiers::pin_prefix)), and
 //! `usage` splits the prompt into what was read from the cache, what was written to it up
 //! to the last breakpoint, and the rest (docs/server.md).
@@ -26,7 +27,7 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use minijinja::value::Value as J;
@@ -35,7 +36,7 @@ use serde_json::{json, Map, Value};
 use super::error::ApiError;
 use super::openai::{self, ToolParsing};
 use super::tool_calls::{self, CallStream, Piece};
-use super::{cut_off, json_content_type, parse_body, Shared};
+use super::{cut_off, json_content_type, parse_body, sse, token_budget, EventStream, Shared};
 use crate::generate::FinishReason;
 use crate::scheduler::{Completion, Event, Request, RequestHandle};
 use crate::tokenizer::Tokenizer;
@@ -611,6 +612,13 @@ pub(crate) fn translate(
         }
         chat.extend(whole);
     }
+    // The top-level cache_control marks the last block of the conversation.
+    if let Some(ttl) = cache_control(&Value::Object(body.clone()), "the request")? {
+        breakpoints.push(Breakpoint {
+            ttl,
+            messages: chat.clone(),
+        });
+    }
     if breakpoints.len() > MAX_BREAKPOINTS {
         return Err(bad(
             "cache_control",
@@ -890,23 +898,7 @@ async fn messages_endpoint(
     })
     .await
     .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
-    let context = s.engine.context_limit();
-    if prompt.len() >= context {
-        return Err(ApiError::from(crate::EngineError::PromptTooLong {
-            prompt: prompt.len(),
-            context,
-        }));
-    }
-    let limit = s.config.max_tokens_limit;
-    if let Some(m) = opts.max_tokens.filter(|m| *m > limit) {
-        return Err(bad(
-            "max_tokens",
-            format!(
-                "max_tokens = {m} is above this server's limit of {limit} (--max-tokens-limit)"
-            ),
-        ));
-    }
-    opts.params.max_tokens = opts.max_tokens.unwrap_or(limit).min(context - prompt.len());
+    opts.params.max_tokens = token_budget(&s, prompt.len(), opts.max_tokens)?;
     if let Some(kv) = s.engine.kv_tiers() {
         for &(at, ttl) in &marks {
             kv.pin_prefix(None, &prompt[..at], ttl.duration(), ttl == Ttl::OneHour)?;
@@ -1177,7 +1169,7 @@ fn stream(
         .as_ref()
         .map(|t| CallStream::new(t.format, t.names.clone()));
     let script = reply.script.clone().map(VecDeque::from);
-    let state = StreamState {
+    sse(StreamState {
         s,
         handle: Some(handle),
         reply,
@@ -1188,32 +1180,28 @@ fn stream(
         text_open: false,
         tokens: Vec::new(),
         script,
-    };
-    let events = futures_util::stream::unfold(state, |mut st| async move {
-        loop {
-            if let Some(ev) = st.out.pop_front() {
-                return Some((Ok(ev), st));
-            }
-            let handle = st.handle.as_mut()?;
-            let e = handle.recv().await;
-            if !st.on(e) {
-                st.handle = None;
-            }
-        }
-    });
-    Sse::new(events).keep_alive(KeepAlive::default())
+    })
+}
+
+impl EventStream for StreamState {
+    fn out(&mut self) -> &mut VecDeque<SseEvent> {
+        &mut self.out
+    }
+
+    fn handle(&mut self) -> &mut Option<RequestHandle> {
+        &mut self.handle
+    }
+
+    fn on(&mut self, e: Option<Event>) -> bool {
+        StreamState::on(self, e)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn tokenizer(model: &str) -> Tokenizer {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/goldens")
-            .join(model);
-        Tokenizer::from_folder(&dir).unwrap()
-    }
+    use crate::server::openai::tests::tokenizer;
 
     fn tr(body: &Value) -> Result<Translated, ApiError> {
         translate(
@@ -1330,6 +1318,22 @@ mod tests {
             text(marks[1].0)
         );
         assert!(marks[1].0 < prompt.len());
+
+        // Top-level: the whole conversation, up to the generation prompt.
+        let mut top = body.clone();
+        top["cache_control"] = json!({"type": "ephemeral"});
+        let (prompt, marks) = render(&tok, &tr(&top).unwrap()).unwrap();
+        let last = marks.last().unwrap().0;
+        let (before, after) = (
+            text_of(&tok, &prompt[..last]),
+            text_of(&tok, &prompt[last..]),
+        );
+        assert!(before.ends_with("Question?<|im_end|>\n"), "{before}");
+        assert_eq!(after, "<|im_start|>assistant\n");
+    }
+
+    fn text_of(tok: &Tokenizer, ids: &[u32]) -> String {
+        tok.decode(ids, false).unwrap()
     }
 
     #[test]

@@ -762,24 +762,7 @@ async fn generate_endpoint(
     })
     .await
     .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
-    let context = s.engine.context_limit();
-    if prompt.len() >= context {
-        return Err(ApiError::from(crate::EngineError::PromptTooLong {
-            prompt: prompt.len(),
-            context,
-        }));
-    }
-    let limit = s.config.max_tokens_limit;
-    if let Some(m) = opts.max_tokens.filter(|m| *m > limit) {
-        return Err(ApiError::param(
-            "max_tokens",
-            format!(
-                "max_tokens = {m} is above this server's limit of {limit} (--max-tokens-limit)"
-            ),
-        ));
-    }
-    let room = context - prompt.len();
-    opts.params.max_tokens = opts.max_tokens.unwrap_or(limit).min(room);
+    opts.params.max_tokens = token_budget(&s, prompt.len(), opts.max_tokens)?;
     // Retention 24h: the whole prompt stays in every tier for a day, across restarts.
     let pinned_until = match s.engine.kv_tiers() {
         Some(kv) if opts.retain_24h => {
@@ -813,6 +796,28 @@ async fn generate_endpoint(
     } else {
         whole(s, handle, meta).await
     }
+}
+
+/// The tokens a request with a prompt of `prompt` tokens and `max_tokens` (as asked) may
+/// generate: at most `--max-tokens-limit` (more is a 400) and what the context leaves.
+fn token_budget(s: &Shared, prompt: usize, max_tokens: Option<usize>) -> Result<usize, ApiError> {
+    let context = s.engine.context_limit();
+    if prompt >= context {
+        return Err(ApiError::from(crate::EngineError::PromptTooLong {
+            prompt,
+            context,
+        }));
+    }
+    let limit = s.config.max_tokens_limit;
+    if let Some(m) = max_tokens.filter(|m| *m > limit) {
+        return Err(ApiError::param(
+            "max_tokens",
+            format!(
+                "max_tokens = {m} is above this server's limit of {limit} (--max-tokens-limit)"
+            ),
+        ));
+    }
+    Ok(max_tokens.unwrap_or(limit).min(context - prompt))
 }
 
 /// A non-streaming response: collect every token, then answer once.
@@ -1100,7 +1105,7 @@ fn stream(
         .as_ref()
         .map(|t| CallStream::new(t.format, t.names.clone()));
     let script = meta.script.clone().map(VecDeque::from);
-    let state = StreamState {
+    sse(StreamState {
         s,
         handle: Some(handle),
         meta,
@@ -1108,16 +1113,48 @@ fn stream(
         calls,
         calls_sent: 0,
         script,
-    };
+    })
+}
+
+impl EventStream for StreamState {
+    fn out(&mut self) -> &mut VecDeque<SseEvent> {
+        &mut self.out
+    }
+
+    fn handle(&mut self) -> &mut Option<RequestHandle> {
+        &mut self.handle
+    }
+
+    fn on(&mut self, e: Option<Event>) -> bool {
+        StreamState::on(self, e)
+    }
+}
+
+/// A streamed response's state: it turns its request's events into SSE events.
+trait EventStream: Send + 'static {
+    /// SSE events ready to send.
+    fn out(&mut self) -> &mut VecDeque<SseEvent>;
+    /// The request's handle, `None` once its last event was read.
+    fn handle(&mut self) -> &mut Option<RequestHandle>;
+    /// Queues the SSE events of one engine event (`None`: the engine thread is gone);
+    /// false once the response is complete.
+    fn on(&mut self, e: Option<Event>) -> bool;
+}
+
+/// An SSE response that reads the request's events as they come. Dropping it (the client
+/// went away) drops the handle, which cancels the request.
+fn sse<S: EventStream>(
+    state: S,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {
-            if let Some(ev) = st.out.pop_front() {
+            if let Some(ev) = st.out().pop_front() {
                 return Some((Ok(ev), st));
             }
-            let handle = st.handle.as_mut()?;
+            let handle = st.handle().as_mut()?;
             let e = handle.recv().await;
             if !st.on(e) {
-                st.handle = None;
+                *st.handle() = None;
             }
         }
     });

@@ -682,11 +682,12 @@ pub(crate) fn tool_parsing(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::server::tool_calls::{self, ToolFormat};
 
-    fn tokenizer(model: &str) -> Tokenizer {
+    /// The tokenizer of a golden test model.
+    pub(crate) fn tokenizer(model: &str) -> Tokenizer {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/goldens")
             .join(model);

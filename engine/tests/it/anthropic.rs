@@ -1,5 +1,6 @@
 //! The Anthropic Messages API over HTTP (tiny qwen3 model, temp store): response and event
-//! shapes, tool_use blocks, cache usage and pins, stop reasons, errors and x-api-key.
+//! shapes, tool_use blocks, cache usage and pins, stop reasons, errors and x-api-key; and
+//! OpenAI's per-request cache controls (`prompt_cache_key`, `prompt_cache_retention`).
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -356,4 +357,58 @@ fn x_api_key_is_checked_like_a_bearer_key() {
     assert_eq!(r.status, 200, "{}", r.body);
     let r = with_header(&srv, ("Authorization", "Bearer sk-ant"), &body);
     assert_eq!(r.status, 200, "{}", r.body);
+}
+
+#[test]
+fn prompt_cache_retention_24h_pins_the_prompt_and_keys_are_accounted() {
+    let srv = Server::start(None, EngineConfig::default());
+    let chat = |user: &str, retention: Value| {
+        json!({"model": MODEL, "max_tokens": 3, "prompt_cache_key": "session-1",
+            "prompt_cache_retention": retention, "messages": [
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]})
+    };
+    let r = srv.post(
+        "/v1/chat/completions",
+        &chat("First question?", json!("24h")),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let prompt = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let c = srv.request("GET", "/v1/cache", None, "").json();
+    assert_eq!(c["pinned"]["keys"].as_u64().unwrap(), prompt / 8, "{c}");
+    let key = &c["prompt_cache_keys"]["session-1"];
+    assert_eq!(key["requests"], 1, "{c}");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let until = key["pinned_until_unix_ms"].as_u64().unwrap();
+    assert!(until > now_ms + 23 * 3600 * 1000, "{key}");
+
+    let r = srv.post(
+        "/v1/chat/completions",
+        &chat("Second one?", json!("in_memory")),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0);
+    let c = srv.request("GET", "/v1/cache", None, "").json();
+    let key = &c["prompt_cache_keys"]["session-1"];
+    assert_eq!(key["requests"], 2, "{c}");
+    assert_eq!(key["last_cached_tokens"].as_u64(), Some(cached));
+    // in_memory pinned nothing more.
+    assert_eq!(c["pinned"]["keys"].as_u64().unwrap(), prompt / 8, "{c}");
+
+    for (field, value) in [
+        ("prompt_cache_retention", json!("7d")),
+        ("prompt_cache_key", json!(5)),
+        ("prompt_cache_key", json!("k".repeat(300))),
+    ] {
+        let mut body = chat("x", json!(null));
+        body[field] = value;
+        let r = srv.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(r.json()["error"]["param"], field);
+    }
 }

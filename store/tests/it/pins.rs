@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use store::{Block, BlockKey, SsdOptions, SsdTier, Store, StoreConfig, Tier, WriteError};
+use store::{Block, BlockKey, Store, StoreConfig, Tier, WriteError};
 
 use crate::common;
 
@@ -13,25 +13,9 @@ fn keys(blocks: &[Block]) -> Vec<BlockKey> {
     blocks.iter().map(|b| b.meta.key).collect()
 }
 
-/// Physical bytes one small block file takes here (file systems differ).
-fn per_block(d: &store::NamespaceDescription) -> u64 {
-    let dir = tempfile::tempdir().unwrap();
-    let ssd = SsdTier::open(
-        dir.path(),
-        SsdOptions {
-            read_only: false,
-            budget: 1 << 30,
-        },
-    )
-    .unwrap();
-    let (blocks, _) = common::chain(d, 1, 99);
-    ssd.put(&blocks[0]).unwrap();
-    ssd.used_bytes()
-}
-
 /// A store with room for `ram` blocks in RAM and `ssd` block files on SSD.
 fn open(root: &std::path::Path, d: &store::NamespaceDescription, ram: u64, ssd: u64) -> Store {
-    let file = per_block(d);
+    let file = common::per_block(d);
     Store::open(
         StoreConfig::default()
             .root(root)
@@ -110,7 +94,7 @@ fn an_expired_pin_does_not_protect() {
 fn a_block_that_does_not_fit_beside_the_pins_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let d = common::desc("pins-full", 4);
-    let file = per_block(&d);
+    let file = common::per_block(&d);
     let s = open(dir.path(), &d, 0, 2);
     let ns = s.register_namespace(&d).unwrap();
     let (pinned, _) = common::chain(&d, 2, 1);
