@@ -36,7 +36,10 @@ use serde_json::{json, Map, Value};
 use super::error::ApiError;
 use super::openai::{self, ToolParsing};
 use super::tool_calls::{self, CallStream, Piece};
-use super::{cut_off, json_content_type, parse_body, sse, token_budget, EventStream, Shared};
+use super::{
+    cut_off, json_content_type, parse_body, sse, stream_failure, stream_parsers, token_budget,
+    EventStream, Shared,
+};
 use crate::generate::FinishReason;
 use crate::scheduler::{Completion, Event, Request, RequestHandle};
 use crate::tokenizer::Tokenizer;
@@ -204,14 +207,26 @@ fn valid_tool_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// A request's tools in the OpenAI form.
+struct Functions {
+    /// `{"type": "function", "function": {...}}` each.
+    functions: Vec<J>,
+    names: Vec<String>,
+    /// The TTL of a breakpoint on a tool.
+    mark: Option<Ttl>,
+}
+
 /// Validates `tools`; returns them as OpenAI functions (key order of each schema kept), their
 /// names, and the index of the last tool carrying a breakpoint.
-fn tools(
-    body: &Map<String, Value>,
-    ordered: &J,
-) -> Result<(Vec<J>, Vec<String>, Option<Ttl>), ApiError> {
+fn tools(body: &Map<String, Value>, ordered: &J) -> Result<Functions, ApiError> {
     let tools = match body.get("tools") {
-        None | Some(Value::Null) => return Ok((Vec::new(), Vec::new(), None)),
+        None | Some(Value::Null) => {
+            return Ok(Functions {
+                functions: Vec::new(),
+                names: Vec::new(),
+                mark: None,
+            })
+        }
         Some(Value::Array(a)) => a,
         Some(other) => {
             return Err(bad(
@@ -310,7 +325,11 @@ fn tools(
         ]));
         names.push(name.clone());
     }
-    Ok((out, names, mark))
+    Ok(Functions {
+        functions: out,
+        names,
+        mark,
+    })
 }
 
 /// `tool_choice` in the OpenAI form.
@@ -554,7 +573,11 @@ pub(crate) fn translate(
 ) -> Result<Translated, ApiError> {
     let ordered: J = serde_json::from_str(raw)
         .map_err(|e| bad("messages", format!("the body is not valid JSON: {e}")))?;
-    let (tools, names, tools_mark) = tools(body, &ordered)?;
+    let Functions {
+        functions: tools,
+        names,
+        mark: tools_mark,
+    } = tools(body, &ordered)?;
     let choice = tool_choice(body, &names)?;
     let mut breakpoints = Vec::new();
     if let Some(ttl) = tools_mark {
@@ -646,9 +669,11 @@ pub(crate) fn translate(
     })
 }
 
-/// The prompt of a translated request, and where each breakpoint ends in it (tokens) with
-/// its TTL, in prompt order.
-fn render(tok: &Tokenizer, t: &Translated) -> Result<(Vec<u32>, Vec<(usize, Ttl)>), ApiError> {
+/// Where a breakpoint ends in the prompt (tokens), and its TTL.
+type Mark = (usize, Ttl);
+
+/// The prompt of a translated request, and its breakpoints' [`Mark`]s in prompt order.
+fn render(tok: &Tokenizer, t: &Translated) -> Result<(Vec<u32>, Vec<Mark>), ApiError> {
     let prompt = openai::chat_prompt(tok, &t.chat, &t.chat_raw)?;
     let mut marks = Vec::with_capacity(t.breakpoints.len());
     for b in &t.breakpoints {
@@ -684,7 +709,7 @@ fn render(tok: &Tokenizer, t: &Translated) -> Result<(Vec<u32>, Vec<(usize, Ttl)
 /// `cache_read_input_tokens` = `read`; `cache_creation_input_tokens` = the tokens after
 /// `read` up to the last breakpoint (written to the cache and pinned), split by TTL;
 /// `input_tokens` = the rest, so the three add up to the prompt.
-pub(crate) fn usage(prompt: usize, read: usize, marks: &[(usize, Ttl)], output: usize) -> Value {
+pub(crate) fn usage(prompt: usize, read: usize, marks: &[Mark], output: usize) -> Value {
     let (mut five, mut hour) = (0, 0);
     let mut from = read;
     for &(at, ttl) in marks {
@@ -847,7 +872,7 @@ struct Reply {
     model: String,
     tools: Option<ToolParsing>,
     stop: Vec<String>,
-    marks: Vec<(usize, Ttl)>,
+    marks: Vec<Mark>,
     nonce: u128,
     script: Option<Vec<String>>,
 }
@@ -1146,11 +1171,7 @@ impl StreamState {
                 false
             }
             e @ (Some(Event::Failed(_)) | None) => {
-                let e = match e {
-                    Some(Event::Failed(e)) => e,
-                    _ => crate::EngineError::EngineStopped,
-                };
-                self.fail(ApiError::from(e));
+                self.fail(stream_failure(e));
                 false
             }
         }
@@ -1164,11 +1185,7 @@ fn stream(
     handle: RequestHandle,
     reply: Reply,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let calls = reply
-        .tools
-        .as_ref()
-        .map(|t| CallStream::new(t.format, t.names.clone()));
-    let script = reply.script.clone().map(VecDeque::from);
+    let (calls, script) = stream_parsers(reply.tools.as_ref(), reply.script.as_ref());
     sse(StreamState {
         s,
         handle: Some(handle),

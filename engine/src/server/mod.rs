@@ -1079,11 +1079,7 @@ impl StreamState {
             // Events end with Finished or Failed; a stream that ends without one lost its
             // engine thread.
             e @ (Some(Event::Failed(_)) | None) => {
-                let e = match e {
-                    Some(Event::Failed(e)) => e,
-                    _ => crate::EngineError::EngineStopped,
-                };
-                let err = ApiError::from(e);
+                let err = stream_failure(e);
                 self.out
                     .push_back(SseEvent::default().data(err.body().to_string()));
                 self.out.push_back(SseEvent::default().data("[DONE]"));
@@ -1100,11 +1096,7 @@ fn stream(
     handle: RequestHandle,
     meta: Meta,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let calls = meta
-        .tools
-        .as_ref()
-        .map(|t| CallStream::new(t.format, t.names.clone()));
-    let script = meta.script.clone().map(VecDeque::from);
+    let (calls, script) = stream_parsers(meta.tools.as_ref(), meta.script.as_ref());
     sse(StreamState {
         s,
         handle: Some(handle),
@@ -1127,6 +1119,27 @@ impl EventStream for StreamState {
 
     fn on(&mut self, e: Option<Event>) -> bool {
         StreamState::on(self, e)
+    }
+}
+
+/// The tool-call parser of a streamed reply with tools, and what is left of
+/// [`scripted_router`]'s script.
+fn stream_parsers(
+    tools: Option<&ToolParsing>,
+    script: Option<&Vec<String>>,
+) -> (Option<CallStream>, Option<VecDeque<String>>) {
+    (
+        tools.map(|t| CallStream::new(t.format, t.names.clone())),
+        script.cloned().map(VecDeque::from),
+    )
+}
+
+/// The error of a stream whose events ended without `Finished`: a failure, or (`None`)
+/// the engine thread gone.
+fn stream_failure(e: Option<Event>) -> ApiError {
+    match e {
+        Some(Event::Failed(e)) => e.into(),
+        _ => crate::EngineError::EngineStopped.into(),
     }
 }
 
