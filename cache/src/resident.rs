@@ -131,6 +131,9 @@ impl ResidentPool {
     }
 
     fn is_pinned(&self, e: &Entry) -> bool {
+        if !self.pins.any() {
+            return false;
+        }
         let ns = e.chain.namespace();
         e.chain.keys().iter().any(|k| self.pins.is_pinned(ns, *k))
     }

@@ -37,6 +37,10 @@ pub const PERSIST_SLACK: Duration = Duration::from_secs(60);
 /// Most pins the file may hold when read back; more is a damaged or foreign file.
 const MAX_PERSISTED: usize = 1 << 20;
 
+/// Expired pins nobody looks at again are swept when the set has doubled since the last
+/// sweep (and holds at least this many).
+const SWEEP_MIN: usize = 4096;
+
 #[derive(Clone, Copy, Debug)]
 struct Pin {
     until_ms: u64,
@@ -47,6 +51,8 @@ struct Pin {
 #[derive(Debug, Default)]
 pub struct Pins {
     map: Mutex<HashMap<Id, Pin>>,
+    /// Size of the set at which [`Pins::pin`] sweeps expired pins next.
+    sweep_at: std::sync::atomic::AtomicUsize,
     /// Where durable pins persist; `None` without a writable SSD tier.
     root: Option<PathBuf>,
 }
@@ -89,6 +95,7 @@ impl Pins {
     pub fn open(root: &Path) -> Self {
         Self {
             map: Mutex::new(read_file(root)),
+            sweep_at: SWEEP_MIN.into(),
             root: Some(root.to_path_buf()),
         }
     }
@@ -97,6 +104,7 @@ impl Pins {
     pub fn read_only(root: &Path) -> Self {
         Self {
             map: Mutex::new(read_file(root)),
+            sweep_at: SWEEP_MIN.into(),
             root: None,
         }
     }
@@ -116,6 +124,15 @@ impl Pins {
         let mut persist = false;
         let snapshot = {
             let mut map = self.lock();
+            let sweep_at = self.sweep_at.load(std::sync::atomic::Ordering::Relaxed);
+            if map.len() + keys.len() > sweep_at.max(SWEEP_MIN) {
+                let now = now_unix_ms();
+                map.retain(|_, p| p.until_ms > now);
+                self.sweep_at.store(
+                    2 * (map.len() + keys.len()),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            }
             for &key in keys {
                 let pin = map.entry((ns, key)).or_insert(Pin {
                     until_ms: 0,
@@ -162,6 +179,11 @@ impl Pins {
         let mut map = self.lock();
         map.retain(|_, p| p.until_ms > now);
         map.keys().copied().collect()
+    }
+
+    /// Whether any pin is held, expired or not (a cheap check before looking keys up).
+    pub fn any(&self) -> bool {
+        !self.lock().is_empty()
     }
 
     /// How many keys are pinned now.
@@ -283,6 +305,24 @@ mod tests {
         assert!(pins.is_pinned(ns, a), "a 24 h pin was lost on reopen");
         assert!(!pins.is_pinned(ns, b), "an in-memory pin persisted");
         assert!(!pins.is_pinned(ns, c), "an expired durable pin came back");
+    }
+
+    #[test]
+    fn expired_pins_nobody_looks_at_are_swept() {
+        let pins = Pins::new();
+        let ns = NamespaceId([9; 32]);
+        let keys = |from: u32, n: usize| -> Vec<BlockKey> {
+            (from..from + n as u32)
+                .map(|i| BlockKey(*blake3::hash(&i.to_le_bytes()).as_bytes()))
+                .collect()
+        };
+        pins.pin(ns, &keys(0, SWEEP_MIN), Duration::from_millis(20), false);
+        std::thread::sleep(Duration::from_millis(40));
+        // The set doubles: the expired pins go, the new ones stay.
+        let fresh = keys(1 << 20, SWEEP_MIN + 1);
+        pins.pin(ns, &fresh, Duration::from_secs(60), false);
+        assert_eq!(pins.lock().len(), fresh.len());
+        assert!(pins.is_pinned(ns, fresh[0]));
     }
 
     #[test]
