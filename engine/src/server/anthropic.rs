@@ -116,6 +116,8 @@ pub(crate) struct Translated {
     /// The chat form's `tools`, key order kept (breakpoint renders take them too).
     tools: Option<J>,
     breakpoints: Vec<Breakpoint>,
+    /// The text of a final assistant message, which the reply continues.
+    prefill: Option<String>,
 }
 
 /// A 400 naming the request field at fault.
@@ -609,6 +611,41 @@ pub(crate) fn translate(
         Some(Value::Array(_)) => return Err(bad("messages", "messages must not be empty")),
         _ => return Err(bad("messages", "messages must be an array")),
     };
+    // A final assistant turn of text is a prefill: the reply continues it.
+    let (messages, prefill) = match messages.split_last() {
+        Some((last, rest))
+            if last.get("role").and_then(Value::as_str) == Some("assistant")
+                && !rest.is_empty() =>
+        {
+            let mut marks = Vec::new();
+            let text = match last.get("content") {
+                Some(c) => text_blocks(
+                    c,
+                    "messages",
+                    "the final assistant message's content",
+                    &mut marks,
+                )
+                .map_err(|e| {
+                    bad(
+                        "messages",
+                        format!(
+                            "{}: a final assistant message (a prefill the reply continues) \
+                                 takes text only",
+                            e.message
+                        ),
+                    )
+                })?,
+                None => {
+                    return Err(bad(
+                        "messages",
+                        "the final assistant message has no content",
+                    ))
+                }
+            };
+            (rest, Some(text))
+        }
+        _ => (&messages[..], None),
+    };
     let ordered_messages = ordered.get_attr("messages").unwrap_or_default();
     let mut calls = HashSet::new();
     for (i, m) in messages.iter().enumerate() {
@@ -666,6 +703,7 @@ pub(crate) fn translate(
         chat,
         tools,
         breakpoints,
+        prefill,
     })
 }
 
@@ -674,7 +712,10 @@ type Mark = (usize, Ttl);
 
 /// The prompt of a translated request, and its breakpoints' [`Mark`]s in prompt order.
 fn render(tok: &Tokenizer, t: &Translated) -> Result<(Vec<u32>, Vec<Mark>), ApiError> {
-    let prompt = openai::chat_prompt(tok, &t.chat, &t.chat_raw)?;
+    let mut prompt = openai::chat_prompt(tok, &t.chat, &t.chat_raw)?;
+    if let Some(text) = &t.prefill {
+        prompt.extend(tok.encode(text, false).map_err(ApiError::from)?);
+    }
     let mut marks = Vec::with_capacity(t.breakpoints.len());
     for b in &t.breakpoints {
         // Templates render tools ahead of the messages: every breakpoint's part has them.
@@ -857,7 +898,7 @@ pub(crate) async fn count_tokens(
         let n = tokio::task::spawn_blocking(move || {
             let t = translate(&body, &raw, &state.tool_inputs)?;
             openai::tool_parsing(&t.chat, engine.tokenizer().chat_template())?;
-            openai::chat_prompt(engine.tokenizer(), &t.chat, &t.chat_raw).map(|p| p.len())
+            render(engine.tokenizer(), &t).map(|(p, _)| p.len())
         })
         .await
         .map_err(|e| ApiError::internal(format!("counting tokens failed: {e}")))??;
@@ -1470,6 +1511,30 @@ mod tests {
         .err()
         .unwrap();
         assert_eq!(e.param, Some("cache_control"));
+    }
+
+    #[test]
+    fn a_final_assistant_message_is_continued() {
+        let tok = tokenizer("tiny-qwen3");
+        let ask = json!({"model": "m", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Pick a letter."}]});
+        let mut prefilled = ask.clone();
+        prefilled["messages"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"role": "assistant", "content": "The letter is"}));
+        let (a, _) = render(&tok, &tr(&ask).unwrap()).unwrap();
+        let (b, _) = render(&tok, &tr(&prefilled).unwrap()).unwrap();
+        assert_eq!(&b[..a.len()], &a[..]);
+        assert_eq!(text_of(&tok, &b[a.len()..]), "The letter is");
+        let mut bad_prefill = ask.clone();
+        bad_prefill["messages"]
+            .as_array_mut()
+            .unwrap()
+            .push(json!({"role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}));
+        let e = tr(&bad_prefill).err().unwrap();
+        assert!(e.message.contains("takes text only"), "{}", e.message);
     }
 
     #[test]
