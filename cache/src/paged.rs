@@ -6,6 +6,7 @@ use store::{Block, BlockMeta};
 
 use crate::host;
 use crate::pool::{BlockPool, BlockShape};
+use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 use crate::{CacheError, Chain, KvCache, KvFormat};
 
 /// Settings of a paged cache.
@@ -41,7 +42,8 @@ struct Layer {
 }
 
 /// A sequence's KV cache in blocks: per layer, a [`BlockPool`] created lazily from the
-/// first keys and values (their shape and dtype), a block table and a length.
+/// first keys and values (their shape and dtype), a block table and a length; beside it,
+/// for hybrid models, the state of each non-attention layer ([`LayerStates`]).
 ///
 /// `Clone` is cheap and gives an independent cache (shared buffers, copy on write).
 #[derive(Clone, Debug)]
@@ -49,6 +51,7 @@ pub struct PagedKvCache {
     config: PagedConfig,
     layers: Vec<Layer>,
     published: usize,
+    states: LayerStates,
 }
 
 /// The outcome of [`PagedKvCache::restore`].
@@ -178,6 +181,7 @@ impl PagedKvCache {
             config,
             layers: vec![Layer::default(); layers],
             published: 0,
+            states: LayerStates::default(),
         })
     }
 
@@ -187,7 +191,35 @@ impl PagedKvCache {
             config: PagedConfig::default(),
             layers: vec![Layer::default(); layers],
             published: 0,
+            states: LayerStates::default(),
         }
+    }
+
+    /// This empty cache with `layers` state layers (a hybrid model's non-attention
+    /// layers), each keeping [`DEFAULT_STATE_HISTORY`] earlier states for trimming.
+    pub fn with_state_layers(mut self, layers: usize) -> Self {
+        let every = self.states.snapshot_every().unwrap_or(0);
+        self.states = LayerStates::new(layers, DEFAULT_STATE_HISTORY).with_snapshots(every);
+        self
+    }
+
+    /// This cache keeping a snapshot of every state layer each `blocks` blocks (none for
+    /// 0), so the device tier can resume it at those points ([`LayerStates`]).
+    pub fn with_state_snapshots(mut self, blocks: usize) -> Self {
+        let every = blocks * self.config.block_size;
+        self.states = std::mem::take(&mut self.states).with_snapshots(every);
+        self
+    }
+
+    /// The states of the non-attention layers.
+    pub fn states(&self) -> &LayerStates {
+        &self.states
+    }
+
+    /// The most tokens, at most `max`, this cache can be trimmed back to: `max` for an
+    /// attention-only cache, else the latest point where every state layer kept its state.
+    pub fn rewind_point(&self, max: usize) -> usize {
+        self.states.rewind_point(max.min(self.offset()))
     }
 
     /// The settings.
@@ -290,8 +322,11 @@ impl PagedKvCache {
     }
 
     /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
-    /// Published blocks are not affected (they own their buffers).
-    pub fn trim(&mut self, tokens: usize) -> usize {
+    /// Published blocks are not affected (they own their buffers). State layers go back to
+    /// the state they kept there; where one kept none, the trim is refused with
+    /// [`CacheError::Rewind`] and nothing changes (see [`PagedKvCache::rewind_point`]).
+    pub fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        self.states.rewind(tokens)?;
         let bs = self.config.block_size;
         let mut trimmed = 0;
         for l in &mut self.layers {
@@ -306,7 +341,7 @@ impl PagedKvCache {
             }
         }
         self.published = self.published.min(self.offset() / bs);
-        trimmed
+        Ok(trimmed)
     }
 
     /// Bytes the cache would take for `tokens` tokens (whole blocks, all layers), once the
@@ -347,6 +382,13 @@ impl PagedKvCache {
     /// blocks are read from the device in one transfer per layer part and split on the
     /// host; the partial last block stays private.
     pub fn publish(&mut self, chain: &mut Chain, tokens: &[u32]) -> Result<Vec<Block>, CacheError> {
+        if self.states.layers() > 0 {
+            return Err(CacheError::Publish(
+                "blocks do not carry the state of non-attention layers: a hybrid model's \
+                 cache is not published"
+                    .into(),
+            ));
+        }
         let offset = self.offset();
         if tokens.len() != offset {
             return Err(CacheError::Publish(format!(
@@ -414,6 +456,14 @@ impl PagedKvCache {
             });
         }
         let first = offset / bs;
+        if self.states.layers() > 0 && !blocks.is_empty() {
+            return Err(CacheError::Restore {
+                position: first,
+                reason: "blocks do not carry the state of non-attention layers: a hybrid \
+                         model's cache cannot resume from them"
+                    .into(),
+            });
+        }
         let mut valid = 0;
         let mut stopped = None;
         let mut shape = self
@@ -515,6 +565,27 @@ impl KvCache for PagedKvCache {
     }
 
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
-        Ok(PagedKvCache::trim(self, tokens))
+        PagedKvCache::trim(self, tokens)
+    }
+
+    fn state_layers(&self) -> usize {
+        self.states.layers()
+    }
+
+    fn state_snapshot_every(&self) -> Option<usize> {
+        self.states.snapshot_every()
+    }
+
+    fn layer_state(&self, layer: usize) -> Result<Option<LayerState>, CacheError> {
+        Ok(self.states.get(layer)?.cloned())
+    }
+
+    fn set_layer_state(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+        state: LayerState,
+    ) -> Result<(), CacheError> {
+        self.states.update(layer, tokens, state)
     }
 }

@@ -64,6 +64,10 @@ pub struct CacheArgs {
     /// everything found (for checking the tiers).
     #[arg(long, value_enum, default_value = "auto")]
     pub restore: RestoreChoice,
+    /// Hybrid models (LFM2): keep a snapshot of the convolution states every N blocks, so
+    /// a resident sequence can be resumed at it (0: only where it ended).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub state_every: usize,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
@@ -170,6 +174,7 @@ impl CacheArgs {
             kv_format,
             salt: self.cache_salt.clone(),
             restore_always: self.restore == RestoreChoice::Always,
+            state_every: self.state_every,
             ..ReuseConfig::default()
         })
     }

@@ -54,6 +54,9 @@ pub struct ReuseConfig {
     /// Restore every cached block found, even where the cost model estimates recomputing
     /// faster (for checking the tiers; users want the estimate). Default: false.
     pub restore_always: bool,
+    /// Blocks between snapshots of a hybrid model's non-attention layer states (a resident
+    /// sequence resumes at a snapshot; 0: only where it ended). Default: 1 (docs/cache.md).
+    pub state_every: usize,
 }
 
 impl Default for ReuseConfig {
@@ -66,6 +69,7 @@ impl Default for ReuseConfig {
             max_blocks: 8192,
             kv_budget_bytes: 2 << 30,
             restore_always: false,
+            state_every: 1,
         }
     }
 }
@@ -273,6 +277,10 @@ pub struct KvTiers {
     /// Namespaces of per-request cache salts, registered on first use.
     salted: Mutex<HashMap<String, NamespaceId>>,
     layers: usize,
+    /// A hybrid's non-attention layers: their state lives only on the device (blocks do
+    /// not carry it yet), so the host tiers are neither written nor read for it.
+    state_layers: usize,
+    state_every: usize,
     paged: PagedConfig,
     resident: Mutex<ResidentPool>,
     /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
@@ -513,6 +521,8 @@ impl KvTiers {
             salt: config.salt.clone(),
             salted: Mutex::new(HashMap::new()),
             layers: model.info().kv.layers,
+            state_layers: model.info().kv.state_layers,
+            state_every: config.state_every,
             paged: PagedConfig {
                 block_size: config.block_size,
                 format: config.kv_format,
@@ -695,7 +705,7 @@ impl KvTiers {
             ..HostPrefix::new(chain)
         };
         let rest = &host.chain.keys()[first.min(host.chain.keys().len())..];
-        if rest.is_empty() {
+        if rest.is_empty() || self.state_layers > 0 {
             return Ok(host);
         }
         let t = Instant::now();
@@ -823,13 +833,15 @@ impl KvTiers {
                 report.device_handover = h.handed_over;
                 h.cache
             }
-            None => PagedKvCache::new(self.layers, self.paged)?,
+            None => PagedKvCache::new(self.layers, self.paged)?
+                .with_state_layers(self.state_layers)
+                .with_state_snapshots(self.state_every),
         };
         let mut tiers = host.tiers;
         if (first + host.blocks.len()) * bs > device_tokens {
             // The store holds more than the device: continue from the device's last whole
             // block (its partial block, if any, is dropped and comes back from the store).
-            cache.trim(device_tokens - first * bs);
+            cache.trim(device_tokens - first * bs)?;
             let restored = cache.restore_onto(&host.blocks)?;
             if let Some(e) = &restored.stopped {
                 report.stopped = Some(e.to_string());
@@ -877,7 +889,12 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let blocks = cache.publish(chain, held)?;
+        let blocks = if self.state_layers > 0 {
+            chain.extend(held);
+            Vec::new()
+        } else {
+            cache.publish(chain, held)?
+        };
         let n = blocks.len();
         for b in blocks {
             self.store.insert(std::sync::Arc::new(b))?;
@@ -960,7 +977,7 @@ pub fn generate_with_reuse(
                 initial_blocks: 16,
                 max_blocks: cfg.max_blocks,
             };
-            let cache = PagedKvCache::new(model.info().kv.layers, paged)?;
+            let cache = model.empty_cache(paged)?;
             let report = ReuseReport {
                 prompt_tokens: prompt.len(),
                 ..ReuseReport::default()

@@ -12,6 +12,7 @@ use crate::model::{LayerKind, ModelInfo};
 use crate::weights::Checkpoint;
 
 pub mod gemma3;
+pub mod lfm2;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
@@ -19,14 +20,15 @@ pub mod qwen3;
 /// A family's forward pass, as the engine calls it.
 pub(crate) trait Network: Send + std::fmt::Debug {
     /// Hidden states after the final norm, `[1, L, hidden]`, for `tokens` `[1, L]` placed
-    /// after what `cache` holds.
+    /// after what `cache` holds. A hybrid reads and sets its non-attention layers' state in
+    /// the cache's state layers (once per layer per step) and refuses a cache without them.
     fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array>;
     /// Hidden states after the final norm, `[B, 1, hidden]`, for one token per row of
     /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array>;
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
     fn logits(&self, h: &Array) -> Result<Array>;
-    /// What each layer attends to.
+    /// What each layer mixes tokens with (attention, windowed, a convolution), in order.
     fn layer_kinds(&self) -> Vec<LayerKind>;
 }
 
@@ -52,8 +54,13 @@ pub(crate) struct Family {
 }
 
 /// Every family the engine runs.
-pub(crate) const FAMILIES: &[Family] =
-    &[llama::FAMILY, qwen2::FAMILY, qwen3::FAMILY, gemma3::FAMILY];
+pub(crate) const FAMILIES: &[Family] = &[
+    llama::FAMILY,
+    qwen2::FAMILY,
+    qwen3::FAMILY,
+    gemma3::FAMILY,
+    lfm2::FAMILY,
+];
 
 /// The family of a `model_type`.
 pub(crate) fn family(model_type: &str) -> Option<&'static Family> {

@@ -1,0 +1,262 @@
+//! Hybrid models (non-attention layers whose state the cache carries beside its KV): LFM2's
+//! parity with mlx-lm (goldens by scripts/goldens/make_hybrid_goldens.py), chunked prefill,
+//! the one-step-ahead trim of a convolution state, the device tier's state-exact hits, and
+//! serving (batched decode, chunked prefill) through the engine.
+
+use std::path::{Path, PathBuf};
+
+use cache::{KvCache, PagedKvCache};
+use engine::{
+    generate_with_reuse, load, namespace_description, Engine, EngineConfig, Event, GenerateParams,
+    KvTiers, LayerKind, LoadOptions, Model, Request, ReuseConfig, ReuseReport, Tokenizer,
+};
+use store::StoreConfig;
+
+use crate::common::{check_against_mlx_lm, goldens, logit_tol, max_diff, no_eos, tokens};
+
+/// f32 on both sides, same libmlx. The convolution is three multiply-adds here and one
+/// `conv1d` in mlx-lm: only the summation order differs. Measured max 9.1e-6.
+const LFM2_TOL: f32 = 1e-4;
+
+fn lfm2() -> PathBuf {
+    goldens().join("tiny-lfm2")
+}
+
+#[test]
+fn tiny_lfm2_with_short_convolutions_matches_mlx_lm() {
+    check_against_mlx_lm(
+        "hybrid.json",
+        "tiny-lfm2",
+        &lfm2(),
+        &LoadOptions::default(),
+        LFM2_TOL,
+    );
+}
+
+fn logits(model: &Model, prompt: &[u32], cache: &mut PagedKvCache, chunk: usize) -> Vec<f32> {
+    model
+        .prefill(prompt, cache, chunk)
+        .unwrap()
+        .to_vec()
+        .unwrap()
+}
+
+#[test]
+fn lfm2_layers_are_convolutions_and_attention_and_name_the_namespace() {
+    let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let c = LayerKind::Conv(3);
+    assert_eq!(
+        model.layer_kinds(),
+        vec![c, LayerKind::Global, c, LayerKind::Global]
+    );
+    let kv = model.kv_layout();
+    assert_eq!(
+        (kv.layers, kv.state_layers, kv.kv_heads, kv.head_dim),
+        (2, 2, 2, 16)
+    );
+    let cache = model.new_cache();
+    assert_eq!((cache.layers(), cache.state_layers()), (2, 2));
+    let dir = tempfile::tempdir().unwrap();
+    let d = namespace_description(&model, &tok, &config(dir.path())).unwrap();
+    assert_eq!(d.layers, ["conv(3)", "global", "conv(3)", "global"]);
+}
+
+#[test]
+fn lfm2_prefill_in_chunks_carries_the_convolution_state_across_them() {
+    let (model, _) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let prompt = tokens(7, 150, model.info().vocab_size);
+    let whole = logits(&model, &prompt, &mut model.new_cache(), 4096);
+    let tol = logit_tol(1e-4, &whole);
+    // 1 and 2 are shorter than the 3-tap window; 37 ends mid-block.
+    for chunk in [1, 2, 3, 37, 64] {
+        let d = max_diff(
+            &whole,
+            &logits(&model, &prompt, &mut model.new_cache(), chunk),
+        );
+        assert!(
+            d < tol,
+            "chunk {chunk}: logits differ by {d} (allowed {tol})"
+        );
+    }
+}
+
+#[test]
+fn lfm2_steps_end_at_state_snapshots_without_changing_the_logits() {
+    let (model, _) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let prompt = tokens(8, 100, model.info().vocab_size);
+    let whole = logits(&model, &prompt, &mut model.new_cache(), 4096);
+    let tol = logit_tol(1e-4, &whole);
+    let paged = cache::PagedConfig {
+        block_size: 16,
+        ..cache::PagedConfig::default()
+    };
+    let mut snap = model.empty_cache(paged).unwrap().with_state_snapshots(2);
+    let d = max_diff(&whole, &logits(&model, &prompt, &mut snap, 45));
+    assert!(d < tol, "logits differ by {d} (allowed {tol})");
+    // Snapshots at 32, 64 and 96 tokens though the chunks end at 45 and 90.
+    for at in [32, 64, 96] {
+        assert!(
+            snap.states().state_at(0, at).is_some(),
+            "no snapshot at {at}"
+        );
+    }
+    // The steps ended at 90 and 96 (kept for a one-step-ahead trim), then snapshots.
+    assert_eq!(snap.rewind_point(95), 90);
+    assert_eq!(snap.rewind_point(89), 64);
+    snap.trim(100 - 64).unwrap();
+    let resumed: Vec<f32> = logits(&model, &prompt[64..], &mut snap, 4096);
+    let d = max_diff(&whole, &resumed);
+    assert!(
+        d < tol,
+        "resumed at a snapshot: logits differ by {d} (allowed {tol})"
+    );
+}
+
+#[test]
+fn lfm2_trim_of_a_step_ahead_returns_the_state_before_it_and_further_trims_are_refused() {
+    let (model, _) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let prompt = tokens(3, 40, model.info().vocab_size);
+    let mut cache = model.new_cache();
+    logits(&model, &prompt, &mut cache, 16);
+    // A step computed ahead (token 5), then dropped; token 9 instead.
+    model.forward(&[5], &mut cache).unwrap();
+    assert_eq!(cache.trim(1).unwrap(), 1);
+    let got: Vec<f32> = model.forward(&[9], &mut cache).unwrap().to_vec().unwrap();
+    let mut fresh = model.new_cache();
+    logits(&model, &prompt, &mut fresh, 16);
+    let want: Vec<f32> = model.forward(&[9], &mut fresh).unwrap().to_vec().unwrap();
+    assert_eq!(
+        got, want,
+        "the rewound state computes what a fresh one does"
+    );
+    // Into the prompt's last 16-token chunk: no state was kept there.
+    let before = cache.offset();
+    let err = cache.trim(3).unwrap_err();
+    assert!(matches!(err, cache::CacheError::Rewind { .. }), "{err}");
+    assert_eq!(cache.offset(), before, "a refused trim changes nothing");
+}
+
+#[test]
+fn lfm2_refuses_a_cache_without_its_convolution_states() {
+    let (model, _) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let mut plain = PagedKvCache::with_default_config(2);
+    let err = model.forward(&[5, 6], &mut plain).unwrap_err();
+    assert!(err.to_string().contains("layer states"), "{err}");
+}
+
+fn config(dir: &Path) -> ReuseConfig {
+    config_every(dir, 1)
+}
+
+/// 16-token blocks, a state snapshot every `state_every` blocks.
+fn config_every(dir: &Path, state_every: usize) -> ReuseConfig {
+    ReuseConfig {
+        state_every,
+        store: StoreConfig::default()
+            .root(dir)
+            .ram_budget(64 << 20)
+            .ssd_budget(256 << 20),
+        block_size: 16,
+        restore_always: true,
+        ..ReuseConfig::default()
+    }
+}
+
+fn run(
+    model: &Model,
+    tok: &Tokenizer,
+    pc: Option<&KvTiers>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, ReuseReport) {
+    let (g, r) = generate_with_reuse(model, tok, pc, prompt, &no_eos(n), &mut |_| true).unwrap();
+    (g.tokens, r)
+}
+
+/// The device tier hands a finished LFM2 sequence's KV and convolution states to the next
+/// turn that extends it, whose output is then the cold output; a prompt that leaves the
+/// sequence mid-way resumes at the latest state snapshot before that point (none kept:
+/// no hit, never a hit with a wrong state). Blocks carry no layer state yet, so nothing is
+/// published and a restart starts cold.
+#[test]
+fn lfm2_device_tier_hits_are_state_exact_and_nothing_reaches_the_host_tiers() {
+    let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    // Snapshots every 0 (none), 1 and 2 blocks of 16: a fork at token 50 resumes at 0, 48
+    // and 32.
+    for (every, resumed) in [(0, 0), (1, 48), (2, 32)] {
+        device_tier_round(&model, &tok, every, resumed);
+    }
+}
+
+fn device_tier_round(model: &Model, tok: &Tokenizer, every: usize, resumed: usize) {
+    let vocab = model.info().vocab_size;
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(model, tok, config_every(dir.path(), every)).unwrap();
+    let first = tokens(1, 70, vocab);
+    let (reply, r1) = run(model, tok, Some(&pc), &first, 6);
+    assert_eq!(r1.published_blocks, 0);
+    let mut second: Vec<u32> = first.iter().chain(&reply).copied().collect();
+    // The last token of a reply ended by its budget was never fed to the model.
+    let held = second.len() - 1;
+    second.extend(tokens(2, 20, vocab));
+    let (got, r2) = run(model, tok, Some(&pc), &second, 8);
+    assert_eq!(r2.cached_device_tokens, held, "{r2:?}");
+    assert_eq!(got, run(model, tok, None, &second, 8).0);
+    // Leaves the resident sequence at token 50: resumes at the snapshot before it.
+    let mut fork = second[..50].to_vec();
+    fork.extend(tokens(3, 10, vocab));
+    let (got, r3) = run(model, tok, Some(&pc), &fork, 8);
+    assert_eq!(r3.cached_tokens, resumed, "snapshots every {every}: {r3:?}");
+    assert_eq!(got, run(model, tok, None, &fork, 8).0);
+    assert_eq!(pc.stats().ram_blocks, 0);
+    drop(pc);
+    let pc = KvTiers::open(model, tok, config(dir.path())).unwrap();
+    let (got, r4) = run(model, tok, Some(&pc), &second, 8);
+    assert_eq!(r4.cached_tokens, 0);
+    assert_eq!(got, run(model, tok, None, &second, 8).0);
+}
+
+/// Serving: LFM2 requests decode together in one batch (the convolution states stacked per
+/// row) and a long prompt is prefilled in chunks between their steps; every request's
+/// tokens are the cold greedy tokens.
+#[test]
+fn lfm2_serves_batched_decode_and_chunked_prefill_with_cold_output() {
+    let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let vocab = model.info().vocab_size;
+    let prompts = [
+        tokens(4, 9, vocab),
+        tokens(5, 33, vocab),
+        tokens(6, 120, vocab),
+    ];
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| run(&model, &tok, None, p, 10).0)
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path())).unwrap();
+    let engine = Engine::open(model, tok, Some(pc), EngineConfig::default()).unwrap();
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let params = GenerateParams {
+                prefill_chunk: 16,
+                ..no_eos(10)
+            };
+            engine.submit(Request::new(p.clone(), params)).unwrap()
+        })
+        .collect();
+    for (mut h, want) in handles.into_iter().zip(want) {
+        let mut got = Vec::new();
+        loop {
+            match h.recv_blocking() {
+                Some(Event::Token { sampled, .. }) => got.push(sampled.token),
+                Some(Event::Finished(_)) => break,
+                Some(Event::Failed(e)) => panic!("{e}"),
+                Some(_) => {}
+                None => panic!("no completion"),
+            }
+        }
+        assert_eq!(got, want);
+    }
+    engine.shutdown(false).unwrap();
+}

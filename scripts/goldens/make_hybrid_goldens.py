@@ -1,0 +1,93 @@
+"""Hybrid-model parity goldens (engine/tests/goldens/hybrid.json and tiny-<family>/) with
+mlx-lm.
+
+Run through `make_goldens.sh --hybrid`. Deterministic (fixed seeds).
+
+Each tiny checkpoint is made from mlx-lm's own model class for the family: the class is
+built from the config, and every parameter it declares gets seeded random values of its
+own shape and name (norm weights near 1, projections scaled by fan-in), so the names and
+layouts are mlx-lm's. Written as a Hugging Face folder (bf16 safetensors, config.json) with
+the tiny byte-level BPE tokenizer. The oracle loads the folder with `mlx_lm.load` and
+computes in f32: greedy ids for 32 tokens and last-position logits, for a short prompt and
+one longer than several blocks of 32 tokens.
+
+1. tiny-lfm2 (`lfm2`): 4 layers (conv, attention, conv, attention), hidden 64, 4 heads /
+   2 KV heads, 3-tap convolutions, auto-adjusted feed-forward width.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_goldens import CONVERSATIONS, CORPUS, OUT, TEMPLATES, oracle, tiny_tokenizer  # noqa: E402
+
+
+def random_like(name: str, shape):
+    """Seeded values for parameter `name`: norms near 1, biases small, the rest by fan-in."""
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return 1.0 + 0.2 * mx.random.normal(shape)
+    if name.endswith(".bias"):
+        return 0.1 * mx.random.normal(shape)
+    if name.endswith("embed_tokens.weight"):
+        return mx.random.normal(shape)
+    fan_in = 1
+    for d in shape[1:]:
+        fan_in *= d
+    return mx.random.normal(shape) * (1.5 / max(fan_in, 1) ** 0.5)
+
+
+def tiny_from_mlx_lm(name: str, module, config: dict, seed: int):
+    """A checkpoint of mlx-lm's `module.Model` for `config`, random weights."""
+    folder = OUT / name
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    template = (TEMPLATES / "chatml_tools.jinja").read_text()
+    vocab = tiny_tokenizer(folder, template, None, "<|im_end|>")
+    config = dict(config, vocab_size=vocab, torch_dtype="bfloat16")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    weights = {k: random_like(k, v.shape).astype(mx.bfloat16)
+               for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def tiny_lfm2():
+    from mlx_lm.models import lfm2
+
+    return tiny_from_mlx_lm("tiny-lfm2", lfm2, {
+        "model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"],
+        "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 2048, "norm_eps": 1e-5,
+        "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128,
+        "block_multiple_of": 32, "block_ffn_dim_multiplier": None,
+        "block_auto_adjust_ff_dim": True, "rope_theta": 1e6,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+        "tie_embedding": True,
+    }, seed=20)
+
+
+def main():
+    from transformers import AutoTokenizer
+
+    goldens = {"n_tokens": 32, "models": {}}
+    for name, make in [("tiny-lfm2", tiny_lfm2)]:
+        folder = make()
+        tok = AutoTokenizer.from_pretrained(str(folder))
+        prompts = [tok.encode("The quick brown fox", add_special_tokens=False),
+                   tok.apply_chat_template(CONVERSATIONS["multi_turn"]["messages"],
+                                           add_generation_prompt=True, tokenize=True),
+                   tok.encode(CORPUS[:400], add_special_tokens=False)]
+        goldens["models"][name] = {"path": name, "cases": oracle(folder, prompts, True)}
+        print(name, "ok", [len(p) for p in prompts], file=sys.stderr)
+    (OUT / "hybrid.json").write_text(json.dumps(goldens))
+
+
+if __name__ == "__main__":
+    main()
