@@ -63,6 +63,9 @@ pub struct Restored {
     pub blocks: usize,
     /// Why restoring stopped before the end, if it did.
     pub stopped: Option<CacheError>,
+    /// Valid blocks after the last snapshot block that a hybrid's cache left out (their
+    /// tokens are recomputed, which also recomputes the layer states); 0 otherwise.
+    pub state_cut: usize,
 }
 
 fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, usize), CacheError> {
@@ -382,13 +385,6 @@ impl PagedKvCache {
     /// blocks are read from the device in one transfer per layer part and split on the
     /// host; the partial last block stays private.
     pub fn publish(&mut self, chain: &mut Chain, tokens: &[u32]) -> Result<Vec<Block>, CacheError> {
-        if self.states.layers() > 0 {
-            return Err(CacheError::Publish(
-                "blocks do not carry the state of non-attention layers: a hybrid model's \
-                 cache is not published"
-                    .into(),
-            ));
-        }
         let offset = self.offset();
         if tokens.len() != offset {
             return Err(CacheError::Publish(format!(
@@ -425,7 +421,20 @@ impl PagedKvCache {
         let metas = (from..full)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
-        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas)?;
+        // A hybrid's block whose end is a snapshot point carries the layer states there.
+        let states = (from..full)
+            .map(|p| {
+                let at = (p + 1) * bs;
+                (self.states.layers() > 0)
+                    .then(|| {
+                        (0..self.states.layers())
+                            .map(|j| self.states.state_at(j, at).cloned())
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .flatten()
+            })
+            .collect();
+        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas, states)?;
         self.published = full;
         Ok(blocks)
     }
@@ -456,14 +465,6 @@ impl PagedKvCache {
             });
         }
         let first = offset / bs;
-        if self.states.layers() > 0 && !blocks.is_empty() {
-            return Err(CacheError::Restore {
-                position: first,
-                reason: "blocks do not carry the state of non-attention layers: a hybrid \
-                         model's cache cannot resume from them"
-                    .into(),
-            });
-        }
         let mut valid = 0;
         let mut stopped = None;
         let mut shape = self
@@ -492,11 +493,38 @@ impl PagedKvCache {
                 }
             }
         }
+        // A hybrid resumes only where a block carries its layer states: the run is cut
+        // after the last snapshot block; the blocks after it are recomputed.
+        let mut states = None;
+        let mut state_cut = 0;
+        if self.states.layers() > 0 {
+            let kv_planes = layers * self.config.format.parts() * 2;
+            let mut last = None;
+            for (i, b) in blocks[..valid].iter().enumerate() {
+                match host::block_states(b.as_ref(), kv_planes, self.states.layers()) {
+                    Ok(Some(s)) => last = Some((i, s)),
+                    Ok(None) => {}
+                    Err(reason) => {
+                        stopped = Some(CacheError::Restore {
+                            position: first + i,
+                            reason,
+                        });
+                        valid = i;
+                        break;
+                    }
+                }
+            }
+            let keep = last.as_ref().map_or(0, |(i, _)| i + 1);
+            state_cut = valid - keep;
+            valid = keep;
+            states = last.map(|(_, s)| s);
+        }
         let (Some(shape), true) = (shape, valid > 0) else {
             return Ok(Restored {
                 cache: self,
                 blocks: 0,
                 stopped,
+                state_cut,
             });
         };
         let run = &blocks[..valid];
@@ -528,11 +556,15 @@ impl PagedKvCache {
             }
             layer.len = offset + valid * bs;
         }
+        if let Some(states) = states {
+            self.states.restore(offset + valid * bs, states)?;
+        }
         self.published = first + valid;
         Ok(Restored {
             cache: self,
             blocks: valid,
             stopped,
+            state_cut,
         })
     }
 

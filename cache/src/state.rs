@@ -196,6 +196,29 @@ impl LayerStates {
         Ok(())
     }
 
+    /// Sets every layer's state after its first `tokens` tokens (a restore from a snapshot
+    /// block): earlier history goes, the state is kept as a snapshot there.
+    pub fn restore(&mut self, tokens: usize, states: Vec<LayerState>) -> Result<(), CacheError> {
+        if states.len() != self.slots.len() {
+            return Err(CacheError::Restore {
+                position: 0,
+                reason: format!(
+                    "{} layer states for {} state layers",
+                    states.len(),
+                    self.slots.len()
+                ),
+            });
+        }
+        for (s, state) in self.slots.iter_mut().zip(states) {
+            s.history.clear();
+            s.snapshots.split_off(&tokens);
+            s.snapshots.insert(tokens, state.clone());
+            s.len = tokens;
+            s.current = Some(state);
+        }
+        Ok(())
+    }
+
     /// Device bytes of the current states and snapshots (the short history shares most of
     /// its arrays with them and is not counted).
     pub fn nbytes(&self) -> u64 {
@@ -327,9 +350,41 @@ mod tests {
         assert_eq!((c.offset(), value(c.states(), 0)), (42, Some(3.0)));
         assert_eq!(c.trim(1).unwrap(), 1);
         assert_eq!((c.offset(), value(c.states(), 0)), (41, Some(2.0)));
-        // Hybrid caches are neither published nor restored until blocks carry state.
-        let mut chain = crate::Chain::new(store::NamespaceId([0; 32]), 32);
-        assert!(c.publish(&mut chain, &[0; 41]).is_err());
+    }
+
+    #[test]
+    fn snapshot_blocks_carry_the_states_and_a_restore_resumes_at_the_last_one() {
+        let config = crate::PagedConfig {
+            block_size: 4,
+            ..crate::PagedConfig::default()
+        };
+        let fresh = || {
+            crate::PagedKvCache::new(1, config)
+                .unwrap()
+                .with_state_layers(1)
+        };
+        let mut c = fresh().with_state_snapshots(2);
+        // 13 one-token steps; the state's value is the tokens folded in.
+        for t in 1..=13 {
+            step(&mut c, 1, t as f32);
+        }
+        let mut chain = crate::Chain::new(store::NamespaceId([0; 32]), 4);
+        let blocks = c.publish(&mut chain, &[7; 13]).unwrap();
+        // Snapshots every 8 tokens: block 1 (tokens 4..8) carries the state, 0 and 2 not.
+        let planes: Vec<usize> = blocks.iter().map(|b| b.planes.len()).collect();
+        assert_eq!(planes, vec![2, 3, 2]);
+        assert_eq!(blocks[1].planes[2].name, "states.0.0");
+        let r = fresh().restore_onto(&blocks).unwrap();
+        assert_eq!((r.blocks, r.state_cut), (2, 1));
+        assert_eq!(r.cache.offset(), 8);
+        assert_eq!(value(r.cache.states(), 0), Some(8.0));
+        // Without a snapshot block nothing resumes.
+        let r = fresh().restore_onto(&blocks[..1]).unwrap();
+        assert_eq!((r.blocks, r.state_cut, r.cache.offset()), (0, 1, 0));
+        // The K/V planes are a plain block's: a cache without state layers reads them (the
+        // store keeps namespaces apart, so only tests mix them).
+        let plain = crate::PagedKvCache::new(1, config).unwrap();
+        assert_eq!(plain.restore_onto(&blocks).unwrap().blocks, 3);
     }
 
     #[test]

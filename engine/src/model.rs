@@ -140,6 +140,12 @@ impl Model {
         self.decoder.layer_kinds()
     }
 
+    /// Shapes of each non-attention layer's state parts for one sequence (`[1, ..]`), in
+    /// state-layer order; empty for attention-only models.
+    pub fn state_shapes(&self) -> Vec<Vec<Vec<usize>>> {
+        self.decoder.state_shapes()
+    }
+
     /// The Hugging Face config (rebuilt from metadata for GGUF), as loaded.
     pub fn config(&self) -> &Value {
         &self.config

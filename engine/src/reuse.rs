@@ -24,8 +24,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool,
-    ResidentStats,
+    plane_specs, state_plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig,
+    PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::{Deserialize, Serialize};
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
@@ -117,6 +117,15 @@ pub struct ReuseReport {
     pub remote_blocks_skipped: usize,
     /// Why the cached prefix ended early (a corrupt or refused block), if it did.
     pub stopped: Option<String>,
+    /// Hybrid models: of the cached tokens, those whose non-attention layer states
+    /// (convolution, recurrent) were restored with the attention layers' K/V (from a
+    /// snapshot block, or resident on the device). A hybrid resumes only where its states
+    /// are known, so this is `cached_tokens` for hybrids and 0 for attention-only models.
+    pub state_restored_tokens: usize,
+    /// Hybrid models: tokens of cached blocks found in the store whose K/V was not restored
+    /// because no state snapshot follows them (`--state-every`): every layer recomputes
+    /// them, from the last snapshot on.
+    pub state_recomputed_tokens: usize,
     /// New full blocks published after the request.
     pub published_blocks: usize,
 }
@@ -277,8 +286,8 @@ pub struct KvTiers {
     /// Namespaces of per-request cache salts, registered on first use.
     salted: Mutex<HashMap<String, NamespaceId>>,
     layers: usize,
-    /// A hybrid's non-attention layers: their state lives only on the device (blocks do
-    /// not carry it yet), so the host tiers are neither written nor read for it.
+    /// A hybrid's non-attention layers, whose states live in the caches beside the KV and
+    /// in snapshot blocks.
     state_layers: usize,
     state_every: usize,
     paged: PagedConfig,
@@ -468,6 +477,20 @@ pub fn namespace_description(
         dtype: kv.dtype,
     };
     d.planes = plane_specs(kv.layers, shape, config.kv_format)?;
+    let states: Vec<Vec<mlx::Array>> = model
+        .state_shapes()
+        .iter()
+        .map(|parts| {
+            parts
+                .iter()
+                .map(|s| {
+                    let s: Vec<i32> = s.iter().map(|&d| d as i32).collect();
+                    mlx::ops::zeros(&s, kv.dtype)
+                })
+                .collect::<std::result::Result<_, _>>()
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    d.state_planes = state_plane_specs(&states)?;
     Ok(d)
 }
 
@@ -705,7 +728,7 @@ impl KvTiers {
             ..HostPrefix::new(chain)
         };
         let rest = &host.chain.keys()[first.min(host.chain.keys().len())..];
-        if rest.is_empty() || self.state_layers > 0 {
+        if rest.is_empty() {
             return Ok(host);
         }
         let t = Instant::now();
@@ -838,14 +861,17 @@ impl KvTiers {
                 .with_state_snapshots(self.state_every),
         };
         let mut tiers = host.tiers;
-        if (first + host.blocks.len()) * bs > device_tokens {
-            // The store holds more than the device: continue from the device's last whole
-            // block (its partial block, if any, is dropped and comes back from the store).
-            cache.trim(device_tokens - first * bs)?;
+        // The store holds more than the device: continue from the device's last whole
+        // block (its partial block, if any, is dropped and comes back from the store). A
+        // hybrid's device hit that kept no layer state at that block keeps the device hit.
+        if (first + host.blocks.len()) * bs > device_tokens
+            && cache.trim(device_tokens - first * bs).is_ok()
+        {
             let restored = cache.restore_onto(&host.blocks)?;
             if let Some(e) = &restored.stopped {
                 report.stopped = Some(e.to_string());
             }
+            report.state_recomputed_tokens = restored.state_cut * bs;
             tiers.truncate(restored.blocks);
             let restored_blocks = restored.blocks;
             cache = restored.cache;
@@ -872,6 +898,9 @@ impl KvTiers {
         report.cached_ssd_tokens = count(Tier::Ssd) * bs;
         report.cached_remote_tokens = count(Tier::Remote) * bs;
         report.cached_tokens = cache.offset();
+        if self.state_layers > 0 {
+            report.state_restored_tokens = report.cached_tokens;
+        }
         Ok(Prepared {
             cache,
             chain: host.chain,
@@ -889,12 +918,7 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let blocks = if self.state_layers > 0 {
-            chain.extend(held);
-            Vec::new()
-        } else {
-            cache.publish(chain, held)?
-        };
+        let blocks = cache.publish(chain, held)?;
         let n = blocks.len();
         for b in blocks {
             self.store.insert(std::sync::Arc::new(b))?;

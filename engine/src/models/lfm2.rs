@@ -397,6 +397,11 @@ impl Network for Lfm2 {
         self.embed_tokens.as_linear(h)
     }
 
+    fn state_shapes(&self) -> Vec<Vec<Vec<usize>>> {
+        let hidden = self.embedding_norm.weight.shape()[0] as usize;
+        vec![vec![vec![1, self.kernel - 1, hidden]]; self.conv_layers]
+    }
+
     fn layer_kinds(&self) -> Vec<LayerKind> {
         self.layers
             .iter()

@@ -28,6 +28,11 @@ pub(crate) trait Network: Send + std::fmt::Debug {
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array>;
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
     fn logits(&self, h: &Array) -> Result<Array>;
+    /// Shapes of each non-attention layer's state parts for one sequence (batch axis first,
+    /// 1), in state-layer order; empty for attention-only families.
+    fn state_shapes(&self) -> Vec<Vec<Vec<usize>>> {
+        Vec::new()
+    }
     /// What each layer mixes tokens with (attention, windowed, a convolution), in order.
     fn layer_kinds(&self) -> Vec<LayerKind>;
 }

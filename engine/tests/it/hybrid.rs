@@ -176,44 +176,99 @@ fn run(
 /// The device tier hands a finished LFM2 sequence's KV and convolution states to the next
 /// turn that extends it, whose output is then the cold output; a prompt that leaves the
 /// sequence mid-way resumes at the latest state snapshot before that point (none kept:
-/// no hit, never a hit with a wrong state). Blocks carry no layer state yet, so nothing is
-/// published and a restart starts cold.
+/// no hit, never a hit with a wrong state). After a restart the snapshot blocks serve the
+/// conversation from SSD.
 #[test]
-fn lfm2_device_tier_hits_are_state_exact_and_nothing_reaches_the_host_tiers() {
+fn lfm2_device_tier_hits_are_state_exact_and_resume_at_snapshots() {
     let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
     // Snapshots every 0 (none), 1 and 2 blocks of 16: a fork at token 50 resumes at 0, 48
-    // and 32.
-    for (every, resumed) in [(0, 0), (1, 48), (2, 32)] {
-        device_tier_round(&model, &tok, every, resumed);
+    // and 32; after a restart the 96-token turn (80 tokens in whole blocks) at 0, 80, 64.
+    for (every, fork_at, restart_at) in [(0, 0, 0), (1, 48, 80), (2, 32, 64)] {
+        device_tier_round(&model, &tok, every, fork_at, restart_at);
     }
 }
 
-fn device_tier_round(model: &Model, tok: &Tokenizer, every: usize, resumed: usize) {
+fn device_tier_round(
+    model: &Model,
+    tok: &Tokenizer,
+    every: usize,
+    fork_at: usize,
+    restart_at: usize,
+) {
     let vocab = model.info().vocab_size;
     let dir = tempfile::tempdir().unwrap();
     let pc = KvTiers::open(model, tok, config_every(dir.path(), every)).unwrap();
     let first = tokens(1, 70, vocab);
-    let (reply, r1) = run(model, tok, Some(&pc), &first, 6);
-    assert_eq!(r1.published_blocks, 0);
+    let (reply, _) = run(model, tok, Some(&pc), &first, 6);
     let mut second: Vec<u32> = first.iter().chain(&reply).copied().collect();
     // The last token of a reply ended by its budget was never fed to the model.
     let held = second.len() - 1;
     second.extend(tokens(2, 20, vocab));
     let (got, r2) = run(model, tok, Some(&pc), &second, 8);
     assert_eq!(r2.cached_device_tokens, held, "{r2:?}");
+    assert_eq!(r2.state_restored_tokens, held);
     assert_eq!(got, run(model, tok, None, &second, 8).0);
     // Leaves the resident sequence at token 50: resumes at the snapshot before it.
     let mut fork = second[..50].to_vec();
     fork.extend(tokens(3, 10, vocab));
     let (got, r3) = run(model, tok, Some(&pc), &fork, 8);
-    assert_eq!(r3.cached_tokens, resumed, "snapshots every {every}: {r3:?}");
+    assert_eq!(r3.cached_tokens, fork_at, "snapshots every {every}: {r3:?}");
     assert_eq!(got, run(model, tok, None, &fork, 8).0);
-    assert_eq!(pc.stats().ram_blocks, 0);
+    pc.flush().unwrap();
     drop(pc);
-    let pc = KvTiers::open(model, tok, config(dir.path())).unwrap();
+    let pc = KvTiers::open(model, tok, config_every(dir.path(), every)).unwrap();
     let (got, r4) = run(model, tok, Some(&pc), &second, 8);
-    assert_eq!(r4.cached_tokens, 0);
+    assert_eq!(
+        r4.cached_ssd_tokens, restart_at,
+        "snapshots every {every}: {r4:?}"
+    );
+    assert_eq!(r4.state_recomputed_tokens, 80 - restart_at);
     assert_eq!(got, run(model, tok, None, &second, 8).0);
+}
+
+/// Host tiers without the device tier: a cached prefix that ends between state snapshots
+/// restores up to the last snapshot block and recomputes the rest; the output is the cold
+/// output, from RAM and, after a restart, from SSD.
+#[test]
+fn lfm2_restored_prefixes_between_snapshots_match_cold_output_from_ram_and_ssd() {
+    let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
+    let vocab = model.info().vocab_size;
+    let prompt = tokens(11, 200, vocab);
+    let want = run(&model, &tok, None, &prompt, 10).0;
+    // (snapshot every k blocks of 16, shared prefix): 40 and 150 end mid-block; with
+    // snapshots every 48 tokens, 90 and 130 end two blocks after one (48, 96) and 16 before
+    // the first.
+    for (every, p) in [(1, 40), (1, 150), (3, 90), (3, 130), (3, 16)] {
+        let span = every * 16;
+        let restored = p / span * span;
+        let found = p / 16 * 16;
+        let dir = tempfile::tempdir().unwrap();
+        let host_only = |d: &Path| ReuseConfig {
+            kv_budget_bytes: 0,
+            ..config_every(d, every)
+        };
+        {
+            let pc = KvTiers::open(&model, &tok, host_only(dir.path())).unwrap();
+            let mut other = prompt[..p].to_vec();
+            other.extend(tokens(p as u64 + 99, 40, vocab));
+            run(&model, &tok, Some(&pc), &other, 1);
+            let (got, r) = run(&model, &tok, Some(&pc), &prompt, 10);
+            let what = format!("every {every}, prefix {p}: {r:?}");
+            assert_eq!(r.cached_ram_tokens, restored, "{what}");
+            assert_eq!(r.state_restored_tokens, restored, "{what}");
+            assert_eq!(r.state_recomputed_tokens, found - restored, "{what}");
+            assert_eq!(got, want, "{what}: RAM restore differs");
+            pc.flush().unwrap();
+        }
+        let pc = KvTiers::open(&model, &tok, host_only(dir.path())).unwrap();
+        let (got, r) = run(&model, &tok, Some(&pc), &prompt, 10);
+        // The first request's own blocks (all of the prompt's) were published too.
+        assert!(
+            r.cached_ssd_tokens >= restored,
+            "every {every}, prefix {p}: {r:?}"
+        );
+        assert_eq!(got, want, "every {every}, prefix {p}: SSD restore differs");
+    }
 }
 
 /// Serving: LFM2 requests decode together in one batch (the convolution states stacked per
