@@ -65,6 +65,8 @@ pub enum LayerKind {
     Window(usize),
     /// A causal short convolution of `n` taps: its state is the last `n - 1` inputs.
     Conv(usize),
+    /// A recurrent layer (gated DeltaNet): a fixed-size state matrix folds every token in.
+    Recurrent,
 }
 
 impl std::fmt::Display for LayerKind {
@@ -73,6 +75,7 @@ impl std::fmt::Display for LayerKind {
             LayerKind::Global => f.write_str("global"),
             LayerKind::Window(n) => write!(f, "window({n})"),
             LayerKind::Conv(n) => write!(f, "conv({n})"),
+            LayerKind::Recurrent => f.write_str("recurrent"),
         }
     }
 }

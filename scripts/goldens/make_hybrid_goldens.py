@@ -13,6 +13,9 @@ one longer than several blocks of 32 tokens.
 
 1. tiny-lfm2 (`lfm2`): 4 layers (conv, attention, conv, attention), hidden 64, 4 heads /
    2 KV heads, 3-tap convolutions, auto-adjusted feed-forward width.
+2. tiny-qwen3-next (`qwen3_next`, dense): 4 layers (DeltaNet, attention, DeltaNet,
+   attention), hidden 64; attention 4 heads / 2 KV heads of 16 with half of each head
+   rotated; DeltaNet 2 key heads of 16, 4 value heads of 8, 4-tap convolution.
 """
 
 import json
@@ -64,7 +67,7 @@ def tiny_lfm2():
     return tiny_from_mlx_lm("tiny-lfm2", lfm2, {
         "model_type": "lfm2", "architectures": ["Lfm2ForCausalLM"],
         "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 2048, "norm_eps": 1e-5,
+        "num_key_value_heads": 2, "max_position_embeddings": 16384, "norm_eps": 1e-5,
         "conv_bias": False, "conv_L_cache": 3, "block_dim": 64, "block_ff_dim": 128,
         "block_multiple_of": 32, "block_ffn_dim_multiplier": None,
         "block_auto_adjust_ff_dim": True, "rope_theta": 1e6,
@@ -73,11 +76,28 @@ def tiny_lfm2():
     }, seed=20)
 
 
+def tiny_qwen3_next():
+    from mlx_lm.models import qwen3_next
+
+    return tiny_from_mlx_lm("tiny-qwen3-next", qwen3_next, {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 0,
+        "num_experts_per_tok": 0, "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 0, "mlp_only_layers": [],
+        "moe_intermediate_size": 0, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "partial_rotary_factor": 0.5, "max_position_embeddings": 16384,
+        "tie_word_embeddings": True, "full_attention_interval": 2,
+    }, seed=21)
+
+
 def main():
     from transformers import AutoTokenizer
 
     goldens = {"n_tokens": 32, "models": {}}
-    for name, make in [("tiny-lfm2", tiny_lfm2)]:
+    for name, make in [("tiny-lfm2", tiny_lfm2), ("tiny-qwen3-next", tiny_qwen3_next)]:
         folder = make()
         tok = AutoTokenizer.from_pretrained(str(folder))
         prompts = [tok.encode("The quick brown fox", add_special_tokens=False),

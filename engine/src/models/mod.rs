@@ -16,6 +16,7 @@ pub mod lfm2;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_next;
 
 /// A family's forward pass, as the engine calls it.
 pub(crate) trait Network: Send + std::fmt::Debug {
@@ -65,6 +66,7 @@ pub(crate) const FAMILIES: &[Family] = &[
     qwen3::FAMILY,
     gemma3::FAMILY,
     lfm2::FAMILY,
+    qwen3_next::FAMILY,
 ];
 
 /// The family of a `model_type`.

@@ -22,6 +22,62 @@ fn lfm2() -> PathBuf {
     goldens().join("tiny-lfm2")
 }
 
+fn qwen3_next() -> PathBuf {
+    goldens().join("tiny-qwen3-next")
+}
+
+/// f32 on both sides; the DeltaNet recurrence is the same ops in the same order as
+/// mlx-lm's `gated_delta_ops`. Measured max 2.6e-5.
+const QWEN3_NEXT_TOL: f32 = 1e-4;
+
+#[test]
+fn tiny_qwen3_next_with_gated_deltanet_matches_mlx_lm() {
+    check_against_mlx_lm(
+        "hybrid.json",
+        "tiny-qwen3-next",
+        &qwen3_next(),
+        &LoadOptions::default(),
+        QWEN3_NEXT_TOL,
+    );
+}
+
+#[test]
+fn qwen3_next_layers_alternate_deltanet_and_attention_and_carry_two_state_arrays() {
+    let (model, tok) = load(&qwen3_next(), &LoadOptions::default()).unwrap();
+    let r = LayerKind::Recurrent;
+    assert_eq!(
+        model.layer_kinds(),
+        vec![r, LayerKind::Global, r, LayerKind::Global]
+    );
+    assert_eq!(
+        model.state_shapes(),
+        vec![vec![vec![1, 3, 96], vec![1, 4, 8, 16]]; 2]
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let d = namespace_description(&model, &tok, &config(dir.path())).unwrap();
+    assert_eq!(d.state_planes.len(), 4);
+    assert_eq!(d.state_planes[3].name, "states.1.1");
+    assert_eq!(d.state_planes[3].shape, vec![4, 8, 16]);
+}
+
+#[test]
+fn qwen3_next_prefill_in_chunks_carries_the_recurrent_state_across_them() {
+    let (model, _) = load(&qwen3_next(), &LoadOptions::default()).unwrap();
+    let prompt = tokens(9, 90, model.info().vocab_size);
+    let whole = logits(&model, &prompt, &mut model.new_cache(), 4096);
+    let tol = logit_tol(1e-4, &whole);
+    for chunk in [1, 3, 37] {
+        let d = max_diff(
+            &whole,
+            &logits(&model, &prompt, &mut model.new_cache(), chunk),
+        );
+        assert!(
+            d < tol,
+            "chunk {chunk}: logits differ by {d} (allowed {tol})"
+        );
+    }
+}
+
 #[test]
 fn tiny_lfm2_with_short_convolutions_matches_mlx_lm() {
     check_against_mlx_lm(
@@ -231,14 +287,23 @@ fn device_tier_round(
 /// output, from RAM and, after a restart, from SSD.
 #[test]
 fn lfm2_restored_prefixes_between_snapshots_match_cold_output_from_ram_and_ssd() {
-    let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
-    let vocab = model.info().vocab_size;
-    let prompt = tokens(11, 200, vocab);
-    let want = run(&model, &tok, None, &prompt, 10).0;
     // (snapshot every k blocks of 16, shared prefix): 40 and 150 end mid-block; with
     // snapshots every 48 tokens, 90 and 130 end two blocks after one (48, 96) and 16 before
     // the first.
-    for (every, p) in [(1, 40), (1, 150), (3, 90), (3, 130), (3, 16)] {
+    restored_between_snapshots(&lfm2(), &[(1, 40), (1, 150), (3, 90), (3, 130), (3, 16)]);
+}
+
+#[test]
+fn qwen3_next_restored_prefixes_between_snapshots_match_cold_output_from_ram_and_ssd() {
+    restored_between_snapshots(&qwen3_next(), &[(1, 40), (3, 90)]);
+}
+
+fn restored_between_snapshots(path: &Path, cases: &[(usize, usize)]) {
+    let (model, tok) = load(path, &LoadOptions::default()).unwrap();
+    let vocab = model.info().vocab_size;
+    let prompt = tokens(11, 200, vocab);
+    let want = run(&model, &tok, None, &prompt, 10).0;
+    for &(every, p) in cases {
         let span = every * 16;
         let restored = p / span * span;
         let found = p / 16 * 16;
