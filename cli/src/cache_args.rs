@@ -64,13 +64,24 @@ pub struct CacheArgs {
     /// everything found (for checking the tiers).
     #[arg(long, value_enum, default_value = "auto")]
     pub restore: RestoreChoice,
-    /// Hybrid models (LFM2): keep a snapshot of the convolution states every N blocks, so
-    /// a resident sequence can be resumed at it (0: only where it ended).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub state_every: usize,
+    /// Hybrid models (LFM2, Qwen3-Next): store the non-attention layers' state with every
+    /// N-th block, where a restore can resume (0: only where a sequence ended); `auto`: the
+    /// fewest blocks whose K/V outweighs one snapshot.
+    #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = parse_state_every)]
+    pub state_every: Option<usize>,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
+}
+
+/// `--state-every`: a block count, or `auto` (`None`).
+pub fn parse_state_every(s: &str) -> std::result::Result<Option<usize>, String> {
+    if s == "auto" {
+        return Ok(None);
+    }
+    s.parse::<usize>()
+        .map(Some)
+        .map_err(|e| format!("{s:?}: a number of blocks or auto ({e})"))
 }
 
 /// Remote-tier flags (shared with `kvstore inspect --remote`).

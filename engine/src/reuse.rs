@@ -54,9 +54,11 @@ pub struct ReuseConfig {
     /// Restore every cached block found, even where the cost model estimates recomputing
     /// faster (for checking the tiers; users want the estimate). Default: false.
     pub restore_always: bool,
-    /// Blocks between snapshots of a hybrid model's non-attention layer states (a resident
-    /// sequence resumes at a snapshot; 0: only where it ended). Default: 1 (docs/cache.md).
-    pub state_every: usize,
+    /// Blocks between snapshots of a hybrid model's non-attention layer states, which a
+    /// restore resumes from (0: only where a sequence ended). `None`: the fewest blocks whose
+    /// K/V takes at least the bytes of one snapshot ([`auto_state_every`]). Default: `None`
+    /// (docs/cache.md).
+    pub state_every: Option<usize>,
 }
 
 impl Default for ReuseConfig {
@@ -69,7 +71,7 @@ impl Default for ReuseConfig {
             max_blocks: 8192,
             kv_budget_bytes: 2 << 30,
             restore_always: false,
-            state_every: 1,
+            state_every: None,
         }
     }
 }
@@ -494,10 +496,25 @@ pub fn namespace_description(
     Ok(d)
 }
 
+/// The `--state-every auto` choice for a namespace: the fewest blocks whose K/V planes take
+/// at least the bytes of one snapshot's state planes, so snapshots at most double what a
+/// hybrid stores, and a restore recomputes fewer than that many blocks after the last one.
+/// LFM2 (a few convolution inputs per layer) gets 1; a large recurrent state (Qwen3-Next's
+/// DeltaNet matrices) gets tens. 0 for attention-only namespaces.
+pub fn auto_state_every(d: &NamespaceDescription) -> usize {
+    let bytes =
+        |specs: &[store::PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
+    let (state, block) = (bytes(&d.state_planes), bytes(&d.planes).max(1));
+    state.div_ceil(block) as usize
+}
+
 impl KvTiers {
     /// Opens (or creates) the store and registers `model`'s namespace in it.
     pub fn open(model: &Model, tokenizer: &Tokenizer, config: ReuseConfig) -> Result<Self> {
         let description = namespace_description(model, tokenizer, &config)?;
+        let state_every = config
+            .state_every
+            .unwrap_or_else(|| auto_state_every(&description));
         let store = match Store::open(config.store.clone()) {
             Ok(s) => s,
             // A store on a read-only file system (a pre-warmed volume) or one this user may
@@ -545,7 +562,7 @@ impl KvTiers {
             salted: Mutex::new(HashMap::new()),
             layers: model.info().kv.layers,
             state_layers: model.info().kv.state_layers,
-            state_every: config.state_every,
+            state_every,
             paged: PagedConfig {
                 block_size: config.block_size,
                 format: config.kv_format,
@@ -576,6 +593,12 @@ impl KvTiers {
     pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
         *self.resident()? = pinned_pool(bytes, &self.store);
         Ok(())
+    }
+
+    /// Blocks between a hybrid's state snapshots (`auto` resolved; 0 for attention-only
+    /// models under `auto`).
+    pub fn state_every(&self) -> usize {
+        self.state_every
     }
 
     /// The model's namespace in the store (requests without a cache salt).

@@ -43,8 +43,13 @@ pub struct Args {
     arms: Vec<String>,
     /// Hybrid models: blocks between layer-state snapshots in the reuse arms (the
     /// ssd-no-snapshots arm uses 0).
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    state_every: usize,
+    #[arg(
+        long,
+        value_name = "N|auto",
+        default_value = "auto",
+        value_parser = crate::cache_args::parse_state_every
+    )]
+    state_every: Option<usize>,
     /// Device memory for all KV of the device arm (live and resident).
     #[arg(long, value_name = "SIZE", default_value = "4GiB")]
     kv_budget: String,
@@ -139,7 +144,7 @@ struct Ctx<'a> {
     params: GenerateParams,
     block_size: usize,
     kv_budget: u64,
-    state_every: usize,
+    state_every: Option<usize>,
 }
 
 /// Which arms run in process.
@@ -157,7 +162,7 @@ impl Ctx<'_> {
         self.config_every(dir, kv_budget, self.state_every)
     }
 
-    fn config_every(&self, dir: &Path, kv_budget: u64, state_every: usize) -> ReuseConfig {
+    fn config_every(&self, dir: &Path, kv_budget: u64, state_every: Option<usize>) -> ReuseConfig {
         ReuseConfig {
             store: StoreConfig::default()
                 .root(dir)
@@ -227,7 +232,7 @@ impl Ctx<'_> {
             }
             for (on, dir, every, out) in [
                 (ssd, &dirs[2], self.state_every, &mut s),
-                (ssd_no_snapshots, &dirs[3], 0, &mut s0),
+                (ssd_no_snapshots, &dirs[3], Some(0), &mut s0),
             ] {
                 if on {
                     // A new store handle each turn: nothing on the device or in RAM, as after
@@ -517,7 +522,7 @@ pub fn run(args: Args) -> Result<()> {
         "turns": prompts.len(),
         "max_tokens": args.max_tokens,
         "block_size": args.block_size,
-        "state_every": args.state_every,
+        "state_every": args.state_every.map_or("auto".into(), |k| k.to_string()),
         "kv_budget": args.kv_budget,
         "peak_device_bytes": peak_device_bytes,
         "baseline_bytes": baseline_bytes,

@@ -60,6 +60,26 @@ fn qwen3_next_layers_alternate_deltanet_and_attention_and_carry_two_state_arrays
     assert_eq!(d.state_planes[3].shape, vec![4, 8, 16]);
 }
 
+/// `--state-every auto`: the fewest blocks whose K/V outweighs one snapshot. tiny-lfm2's
+/// snapshot is 1 KiB (2 layers of 2 × 64 inputs), a 4-token block's K/V 2 KiB: every block.
+/// tiny-qwen3-next's is 6.25 KiB (2 × (3 × 96 + 4 × 8 × 16) floats): every 4th block.
+#[test]
+fn auto_state_snapshots_cost_at_most_the_kv_of_the_blocks_between_them() {
+    for (path, every) in [(lfm2(), 1), (qwen3_next(), 4)] {
+        let (model, tok) = load(&path, &LoadOptions::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let config = ReuseConfig {
+            block_size: 4,
+            state_every: None,
+            ..config(dir.path())
+        };
+        let d = namespace_description(&model, &tok, &config).unwrap();
+        assert_eq!(engine::auto_state_every(&d), every, "{}", path.display());
+        let pc = KvTiers::open(&model, &tok, config).unwrap();
+        assert_eq!(pc.state_every(), every);
+    }
+}
+
 #[test]
 fn qwen3_next_prefill_in_chunks_carries_the_recurrent_state_across_them() {
     let (model, _) = load(&qwen3_next(), &LoadOptions::default()).unwrap();
@@ -207,7 +227,7 @@ fn config(dir: &Path) -> ReuseConfig {
 /// 16-token blocks, a state snapshot every `state_every` blocks.
 fn config_every(dir: &Path, state_every: usize) -> ReuseConfig {
     ReuseConfig {
-        state_every,
+        state_every: Some(state_every),
         store: StoreConfig::default()
             .root(dir)
             .ram_budget(64 << 20)
