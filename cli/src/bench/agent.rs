@@ -49,7 +49,7 @@ pub struct Args {
         default_value = "auto",
         value_parser = crate::cache_args::parse_state_every
     )]
-    state_every: Option<usize>,
+    state_every: crate::cache_args::StateEvery,
     /// Device memory for all KV of the device arm (live and resident).
     #[arg(long, value_name = "SIZE", default_value = "4GiB")]
     kv_budget: String,
@@ -420,7 +420,7 @@ pub fn run(args: Args) -> Result<()> {
         },
         block_size: args.block_size,
         kv_budget: crate::cache_args::parse_size(&args.kv_budget).context("--kv-budget")?,
-        state_every: args.state_every,
+        state_every: args.state_every.0,
     };
     let limit =
         crate::cache_args::parse_size(&args.mlx_cache_limit).context("--mlx-cache-limit")?;
@@ -522,7 +522,7 @@ pub fn run(args: Args) -> Result<()> {
         "turns": prompts.len(),
         "max_tokens": args.max_tokens,
         "block_size": args.block_size,
-        "state_every": args.state_every.map_or("auto".into(), |k| k.to_string()),
+        "state_every": args.state_every.0.map_or("auto".into(), |k| k.to_string()),
         "kv_budget": args.kv_budget,
         "peak_device_bytes": peak_device_bytes,
         "baseline_bytes": baseline_bytes,
