@@ -65,8 +65,10 @@ pub enum LayerKind {
     Window(usize),
     /// A causal short convolution of `n` taps: its state is the last `n - 1` inputs.
     Conv(usize),
-    /// A recurrent layer (gated DeltaNet): a fixed-size state matrix folds every token in.
+    /// A recurrent layer (gated DeltaNet, Mamba-2): a fixed-size state folds every token in.
     Recurrent,
+    /// A feed-forward layer that mixes no tokens (Nemotron-H's `-` layers).
+    Mlp,
 }
 
 impl std::fmt::Display for LayerKind {
@@ -76,6 +78,7 @@ impl std::fmt::Display for LayerKind {
             LayerKind::Window(n) => write!(f, "window({n})"),
             LayerKind::Conv(n) => write!(f, "conv({n})"),
             LayerKind::Recurrent => f.write_str("recurrent"),
+            LayerKind::Mlp => f.write_str("mlp"),
         }
     }
 }

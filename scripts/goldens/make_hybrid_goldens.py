@@ -16,6 +16,9 @@ one longer than several blocks of 32 tokens.
 2. tiny-qwen3-next (`qwen3_next`, dense): 4 layers (DeltaNet, attention, DeltaNet,
    attention), hidden 64; attention 4 heads / 2 KV heads of 16 with half of each head
    rotated; DeltaNet 2 key heads of 16, 4 value heads of 8, 4-tap convolution.
+3. tiny-nemotron-h (`nemotron_h`): 4 layers `M*M-` (Mamba-2, attention, Mamba-2, MLP),
+   hidden 64; Mamba-2 4 heads of 16, 2 groups, state 16, 4-tap convolution with a bias;
+   attention 4 heads / 2 KV heads of 16.
 """
 
 import json
@@ -93,11 +96,28 @@ def tiny_qwen3_next():
     }, seed=21)
 
 
+def tiny_nemotron_h():
+    from mlx_lm.models import nemotron_h
+
+    return tiny_from_mlx_lm("tiny-nemotron-h", nemotron_h, {
+        "model_type": "nemotron_h", "architectures": ["NemotronHForCausalLM"],
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "max_position_embeddings": 16384, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "attention_bias": False,
+        "mamba_num_heads": 4, "mamba_head_dim": 16, "mamba_proj_bias": False,
+        "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 2,
+        "time_step_limit": [0.001, 100.0], "mlp_bias": False, "layer_norm_epsilon": 1e-5,
+        "rms_norm_eps": 1e-5, "use_bias": False, "use_conv_bias": True,
+        "residual_in_fp32": True, "hybrid_override_pattern": "M*M-",
+    }, seed=22)
+
+
 def main():
     from transformers import AutoTokenizer
 
     goldens = {"n_tokens": 32, "models": {}}
-    for name, make in [("tiny-lfm2", tiny_lfm2), ("tiny-qwen3-next", tiny_qwen3_next)]:
+    for name, make in [("tiny-lfm2", tiny_lfm2), ("tiny-qwen3-next", tiny_qwen3_next),
+                       ("tiny-nemotron-h", tiny_nemotron_h)]:
         folder = make()
         tok = AutoTokenizer.from_pretrained(str(folder))
         prompts = [tok.encode("The quick brown fox", add_special_tokens=False),

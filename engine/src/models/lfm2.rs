@@ -14,9 +14,11 @@ use mlx::Array;
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
-use crate::layers::{Attention, Embedding, Linear, Mlp, RmsNorm, RotaryEmbedding};
+use crate::layers::{Attention, CausalConv, Embedding, Linear, Mlp, RmsNorm, RotaryEmbedding};
 use crate::model::{KvLayout, LayerKind, ModelInfo};
-use crate::models::{Built, Family, Network};
+use crate::models::{
+    check_cache_states, check_rows_states, mix_cache, mix_rows, Built, Family, Network, StateMixer,
+};
 use crate::weights::{Checkpoint, Weights};
 
 fn default_theta() -> f64 {
@@ -168,52 +170,25 @@ impl Config {
 #[derive(Debug)]
 struct ShortConv {
     in_proj: Linear,
+    conv: CausalConv,
     out_proj: Linear,
-    /// The depthwise taps, `[K, hidden]`: tap `k` weighs the input `K-1-k` steps back.
-    taps: Array,
-    bias: Option<Array>,
-    kernel: i32,
 }
 
-impl ShortConv {
+impl StateMixer for ShortConv {
     /// `x` `[B, L, C]` after the inputs in `state` (`[B, K-1, C]`, zeros before the first
     /// token) → the output `[B, L, C]` and the state after `x`.
-    fn forward(&self, x: &Array, state: Option<&Array>) -> Result<(Array, Array)> {
+    fn mix(&self, x: &Array, state: Option<&[Array]>) -> Result<(Array, Vec<Array>)> {
         let s = x.shape();
         let (b, l, c) = (s[0], s[1], s[2]);
-        let k = self.kernel;
         // 1. (B, L, C) -> (B, L, 3C) = gate b | gate c | input.
         let bcx = self.in_proj.forward(x)?;
         let part = |i: i32| bcx.slice(&[0, 0, i * c], &[b, l, (i + 1) * c]);
         let (gb, gc, input) = (part(0)?, part(1)?, part(2)?);
-        let bx = gb.mul(&input)?;
-        // 2. The K-1 inputs before this step, then this step's: (B, K-1+L, C).
-        let before = match state {
-            Some(st) => st.clone(),
-            None => mlx::ops::zeros(&[b, k - 1, c], bx.dtype())?,
-        };
-        let padded = mlx::ops::concatenate(&[&before, &bx], 1)?;
-        let next = padded.slice(&[0, l, 0], &[b, l + k - 1, c])?;
-        // 3. Causal depthwise convolution: out[t] = Σ_k padded[t + k] · taps[k].
-        let mut out: Option<Array> = None;
-        for j in 0..k {
-            let tap = self.taps.slice(&[j, 0], &[j + 1, c])?;
-            let term = padded.slice(&[0, j, 0], &[b, j + l, c])?.mul(&tap)?;
-            out = Some(match out {
-                None => term,
-                Some(o) => o.add(&term)?,
-            });
-        }
-        let mut out = out.ok_or_else(|| EngineError::InvalidParameter {
-            name: "conv_L_cache",
-            message: "a convolution needs at least one tap".into(),
-        })?;
-        if let Some(bias) = &self.bias {
-            out = out.add(bias)?;
-        }
-        // 4. Gate by c, project out.
+        // 2. The causal convolution of b·x after the kept inputs.
+        let (out, next) = self.conv.forward(&gb.mul(&input)?, state.map(|s| &s[0]))?;
+        // 3. Gate by c, project out.
         let y = self.out_proj.forward(&gc.mul(&out)?)?;
-        Ok((y, next))
+        Ok((y, vec![next]))
     }
 }
 
@@ -278,14 +253,8 @@ impl Lfm2 {
                 let op = Operator::Conv(
                     ShortConv {
                         in_proj: w.linear(&format!("{c}.in_proj"), 3 * h, h, cfg.conv_bias)?,
+                        conv: CausalConv::load(w, &format!("{c}.conv"), h, k, cfg.conv_bias)?,
                         out_proj: w.linear(&format!("{c}.out_proj"), h, h, cfg.conv_bias)?,
-                        taps: w.depthwise_conv(&format!("{c}.conv"), h, k)?,
-                        bias: if cfg.conv_bias {
-                            Some(w.vector(&format!("{c}.conv.bias"), h)?)
-                        } else {
-                            None
-                        },
-                        kernel: k as i32,
                     },
                     conv,
                 );
@@ -314,29 +283,6 @@ impl Lfm2 {
         })
     }
 
-    /// Refuses a cache that does not carry this model's convolution states, or that holds
-    /// tokens without them (KV restored without the state would look like a hit and
-    /// compute garbage).
-    fn check_states(&self, states: usize, offset: usize, has_state: bool) -> Result<()> {
-        if states != self.conv_layers {
-            return Err(EngineError::InvalidParameter {
-                name: "cache",
-                message: format!(
-                    "the cache carries {states} layer states; this LFM2 model has {} \
-                     convolution layers (make caches with Model::new_cache)",
-                    self.conv_layers
-                ),
-            });
-        }
-        if offset > 0 && !has_state {
-            return Err(EngineError::InvalidParameter {
-                name: "cache",
-                message: format!("the cache holds {offset} tokens of KV but no convolution state"),
-            });
-        }
-        Ok(())
-    }
-
     /// The residual around the operator, then the feed-forward block.
     fn block(&self, layer: &Layer, x: &Array, r: Array) -> Result<Array> {
         let h = x.add(&r)?;
@@ -347,21 +293,14 @@ impl Lfm2 {
 
 impl Network for Lfm2 {
     fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        check_cache_states("LFM2", self.conv_layers, cache)?;
         let offset = cache.offset();
-        let has_state = self.conv_layers == 0 || cache.layer_state(0).ok().flatten().is_some();
-        self.check_states(cache.state_layers(), offset, has_state)?;
-        let l = tokens.shape()[1] as usize;
         let mut h = self.embed_tokens.forward(tokens)?;
         for layer in &self.layers {
             let x = layer.operator_norm.forward(&h)?;
             let r = match &layer.operator {
                 Operator::Attention(a, kv) => a.forward(&x, *kv, offset, &self.rope, cache)?,
-                Operator::Conv(c, slot) => {
-                    let state = cache.layer_state(*slot)?;
-                    let (y, next) = c.forward(&x, state.as_ref().and_then(|s| s.first()))?;
-                    cache.set_layer_state(*slot, l, vec![next])?;
-                    y
-                }
+                Operator::Conv(c, slot) => mix_cache(c, &x, *slot, cache)?,
             };
             h = self.block(layer, &h, r)?;
         }
@@ -369,10 +308,7 @@ impl Network for Lfm2 {
     }
 
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
-        let states = rows.row(0).map_or(0, |r| r.state_layers());
-        let offset = rows.row(0).map_or(0, |r| r.offset());
-        let has_state = self.conv_layers == 0 || rows.layer_states(0)?.is_some();
-        self.check_states(states, offset, has_state)?;
+        check_rows_states("LFM2", self.conv_layers, rows)?;
         let offsets = rows.offsets()?;
         let mut h = self.embed_tokens.forward(tokens)?;
         for layer in &self.layers {
@@ -381,12 +317,7 @@ impl Network for Lfm2 {
                 Operator::Attention(a, kv) => {
                     a.forward_rows(&x, *kv, &offsets, &self.rope, rows)?
                 }
-                Operator::Conv(c, slot) => {
-                    let state = rows.layer_states(*slot)?;
-                    let (y, next) = c.forward(&x, state.as_ref().and_then(|s| s.first()))?;
-                    rows.set_layer_states(*slot, 1, &[next])?;
-                    y
-                }
+                Operator::Conv(c, slot) => mix_rows(c, &x, *slot, rows)?,
             };
             h = self.block(layer, &h, r)?;
         }

@@ -23,9 +23,13 @@ use mlx::Array;
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
-use crate::layers::{Embedding, Linear, Mlp, RmsNorm, RopeScaling, RotaryEmbedding};
+use crate::layers::{
+    softplus, step, CausalConv, Embedding, Linear, Mlp, RmsNorm, RopeScaling, RotaryEmbedding,
+};
 use crate::model::{KvLayout, LayerKind, ModelInfo};
-use crate::models::{Built, Family, Network};
+use crate::models::{
+    check_cache_states, check_rows_states, mix_cache, mix_rows, Built, Family, Network, StateMixer,
+};
 use crate::weights::{Checkpoint, Weights};
 
 fn default_interval() -> usize {
@@ -156,13 +160,6 @@ impl Config {
     }
 }
 
-/// `log(1 + exp(x))`, without overflow: `max(x, 0) + log(1 + exp(-|x|))`.
-fn softplus(x: &Array) -> Result<Array> {
-    let zero = mlx::ops::zeros(&[], x.dtype())?;
-    let tail = x.abs()?.neg()?.exp()?.add_scalar(1.0)?.log()?;
-    Ok(x.maximum(&zero)?.add(&tail)?)
-}
-
 /// `[B, L, heads, d]` with each head repeated `factor` times in place: `[B, L, heads ·
 /// factor, d]` (mlx's `repeat` along the head axis).
 fn repeat_heads(x: &Array, factor: i32) -> Result<Array> {
@@ -264,8 +261,7 @@ impl GatedAttention {
 struct GatedDeltaNet {
     in_proj_qkvz: Linear,
     in_proj_ba: Linear,
-    /// Depthwise taps `[K, conv_dim]`.
-    taps: Array,
+    conv1d: CausalConv,
     a_log: Array,
     dt_bias: Array,
     norm: RmsNorm,
@@ -274,13 +270,12 @@ struct GatedDeltaNet {
     value_heads: i32,
     key_dim: i32,
     value_dim: i32,
-    kernel: i32,
 }
 
-impl GatedDeltaNet {
+impl StateMixer for GatedDeltaNet {
     /// `x` `[B, S, hidden]` after `state` (convolution inputs, recurrent matrix; zeros
     /// before the first token) → output `[B, S, hidden]` and the state after `x`.
-    fn forward(&self, x: &Array, state: Option<&[Array]>) -> Result<(Array, Vec<Array>)> {
+    fn mix(&self, x: &Array, state: Option<&[Array]>) -> Result<(Array, Vec<Array>)> {
         let (b, s) = (x.shape()[0], x.shape()[1]);
         let (nk, nv, dk, dv) = (
             self.key_heads,
@@ -313,27 +308,8 @@ impl GatedDeltaNet {
             ],
             2,
         )?;
-        let before = match state {
-            Some(st) => st[0].clone(),
-            None => mlx::ops::zeros(&[b, self.kernel - 1, conv_dim], mixed.dtype())?,
-        };
-        let padded = mlx::ops::concatenate(&[&before, &mixed], 1)?;
-        let next_conv = padded.slice(&[0, s, 0], &[b, s + self.kernel - 1, conv_dim])?;
-        let mut conv: Option<Array> = None;
-        for j in 0..self.kernel {
-            let tap = self.taps.slice(&[j, 0], &[j + 1, conv_dim])?;
-            let term = padded.slice(&[0, j, 0], &[b, j + s, conv_dim])?.mul(&tap)?;
-            conv = Some(match conv {
-                None => term,
-                Some(c) => c.add(&term)?,
-            });
-        }
-        let conv = conv
-            .ok_or_else(|| EngineError::InvalidParameter {
-                name: "linear_conv_kernel_dim",
-                message: "a convolution needs at least one tap".into(),
-            })?
-            .silu()?;
+        let (conv, next_conv) = self.conv1d.forward(&mixed, state.map(|st| &st[0]))?;
+        let conv = conv.silu()?;
         let q = conv
             .slice(&[0, 0, 0], &[b, s, key_all])?
             .reshape(&[b, s, nk, dk])?;
@@ -364,16 +340,8 @@ impl GatedDeltaNet {
         };
         let mut ys = Vec::with_capacity(s as usize);
         for t in 0..s {
-            let at = |a: &Array| -> Result<Array> {
-                let sh = a.shape();
-                let mut start = vec![0; sh.len()];
-                let mut stop = sh.clone();
-                start[1] = t;
-                stop[1] = t + 1;
-                Ok(a.slice(&start, &stop)?.squeeze(1)?)
-            };
-            let (qt, kt, vt) = (at(&q)?, at(&k)?, at(&v)?);
-            let (gt, bt) = (at(&g)?, at(&beta)?);
+            let (qt, kt, vt) = (step(&q, t)?, step(&k, t)?, step(&v, t)?);
+            let (gt, bt) = (step(&g, t)?, step(&beta, t)?);
             rec = rec.mul(&gt.expand_dims(2)?.expand_dims(3)?)?;
             let k4 = kt.expand_dims(2)?;
             let kv_mem = rec.mul(&k4)?.sum(-1, false)?;
@@ -439,10 +407,12 @@ impl Qwen3Next {
                             false,
                         )?,
                         in_proj_ba: w.linear(&format!("{l}.in_proj_ba"), 2 * nv, h, false)?,
-                        taps: w.depthwise_conv(
+                        conv1d: CausalConv::load(
+                            w,
                             &format!("{l}.conv1d"),
                             cfg.conv_dim(),
                             cfg.linear_conv_kernel_dim,
+                            false,
                         )?,
                         a_log: w.vector(&format!("{l}.A_log"), nv)?,
                         dt_bias: w.vector(&format!("{l}.dt_bias"), nv)?,
@@ -452,7 +422,6 @@ impl Qwen3Next {
                         value_heads: nv as i32,
                         key_dim: dk as i32,
                         value_dim: dv as i32,
-                        kernel: cfg.linear_conv_kernel_dim as i32,
                     },
                     linear,
                 );
@@ -520,21 +489,6 @@ impl Qwen3Next {
         })
     }
 
-    fn check_states(&self, states: usize, offset: usize, has_state: bool) -> Result<()> {
-        if states != self.linear_layers || (offset > 0 && !has_state) {
-            return Err(EngineError::InvalidParameter {
-                name: "cache",
-                message: format!(
-                    "the cache carries {states} layer states for {offset} tokens; this \
-                     Qwen3-Next model has {} DeltaNet layers whose state it needs (make caches \
-                     with Model::new_cache)",
-                    self.linear_layers
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// The residual around the mixer, then the MLP block.
     fn block(layer: &Layer, x: &Array, r: Array) -> Result<Array> {
         let h = x.add(&r)?;
@@ -547,21 +501,14 @@ impl Qwen3Next {
 
 impl Network for Qwen3Next {
     fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
+        check_cache_states("Qwen3-Next", self.linear_layers, cache)?;
         let offset = cache.offset();
-        let has_state = cache.layer_state(0).ok().flatten().is_some();
-        self.check_states(cache.state_layers(), offset, has_state)?;
-        let l = tokens.shape()[1] as usize;
         let mut h = self.embed_tokens.forward(tokens)?;
         for layer in &self.layers {
             let x = layer.input_layernorm.forward(&h)?;
             let r = match &layer.mixer {
                 Mixer::Attention(a, kv) => a.forward(&x, *kv, offset, &self.rope, cache)?,
-                Mixer::DeltaNet(d, slot) => {
-                    let state = cache.layer_state(*slot)?;
-                    let (y, next) = d.forward(&x, state.as_deref())?;
-                    cache.set_layer_state(*slot, l, next)?;
-                    y
-                }
+                Mixer::DeltaNet(d, slot) => mix_cache(d, &x, *slot, cache)?,
             };
             h = Self::block(layer, &h, r)?;
         }
@@ -569,22 +516,14 @@ impl Network for Qwen3Next {
     }
 
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
-        let states = rows.row(0).map_or(0, |r| r.state_layers());
-        let offset = rows.row(0).map_or(0, |r| r.offset());
-        let has_state = rows.layer_states(0)?.is_some();
-        self.check_states(states, offset, has_state)?;
+        check_rows_states("Qwen3-Next", self.linear_layers, rows)?;
         let offsets = rows.offsets()?;
         let mut h = self.embed_tokens.forward(tokens)?;
         for layer in &self.layers {
             let x = layer.input_layernorm.forward(&h)?;
             let r = match &layer.mixer {
                 Mixer::Attention(a, kv) => a.forward_rows(&x, *kv, &offsets, &self.rope, rows)?,
-                Mixer::DeltaNet(d, slot) => {
-                    let state = rows.layer_states(*slot)?;
-                    let (y, next) = d.forward(&x, state.as_deref())?;
-                    rows.set_layer_states(*slot, 1, &next)?;
-                    y
-                }
+                Mixer::DeltaNet(d, slot) => mix_rows(d, &x, *slot, rows)?,
             };
             h = Self::block(layer, &h, r)?;
         }

@@ -127,6 +127,11 @@ fn batched_decode_matches_each_row_alone_qwen3_next_with_recurrent_states() {
 }
 
 #[test]
+fn batched_decode_matches_each_row_alone_nemotron_h_with_mamba2_states() {
+    check("tiny-nemotron-h");
+}
+
+#[test]
 fn a_batch_of_one_is_the_single_sequence_path() {
     let (model, _) = load(&goldens().join("tiny-qwen3"), &LoadOptions::default()).unwrap();
     let p = &prompts()[1];

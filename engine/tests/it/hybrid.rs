@@ -60,6 +60,55 @@ fn qwen3_next_layers_alternate_deltanet_and_attention_and_carry_two_state_arrays
     assert_eq!(d.state_planes[3].shape, vec![4, 8, 16]);
 }
 
+fn nemotron_h() -> PathBuf {
+    goldens().join("tiny-nemotron-h")
+}
+
+/// f32 on both sides; mlx-lm's CPU path computes the Mamba-2 recurrence in chunks (decays
+/// as exponentials of cumulative sums), the engine token by token (products of
+/// exponentials): the same sums in another order. Measured max 6.7e-6.
+const NEMOTRON_H_TOL: f32 = 1e-4;
+
+#[test]
+fn tiny_nemotron_h_with_mamba2_layers_matches_mlx_lm() {
+    check_against_mlx_lm(
+        "hybrid.json",
+        "tiny-nemotron-h",
+        &nemotron_h(),
+        &LoadOptions::default(),
+        NEMOTRON_H_TOL,
+    );
+}
+
+#[test]
+fn nemotron_h_layers_follow_the_pattern_and_carry_conv_and_ssm_states() {
+    let (model, _) = load(&nemotron_h(), &LoadOptions::default()).unwrap();
+    assert_eq!(
+        model.layer_kinds(),
+        vec![
+            LayerKind::Recurrent,
+            LayerKind::Global,
+            LayerKind::Recurrent,
+            LayerKind::Mlp
+        ]
+    );
+    assert_eq!(
+        (model.kv_layout().layers, model.kv_layout().state_layers),
+        (1, 2)
+    );
+    assert_eq!(
+        model.state_shapes(),
+        vec![vec![vec![1, 3, 128], vec![1, 4, 16, 16]]; 2]
+    );
+    let prompt = tokens(12, 70, model.info().vocab_size);
+    chunked_prefill_matches_one_step(&model, &prompt, &[1, 3, 37]);
+}
+
+#[test]
+fn nemotron_h_restored_prefixes_between_snapshots_match_cold_output_from_ram_and_ssd() {
+    restored_between_snapshots(&nemotron_h(), &[(1, 40), (3, 90)]);
+}
+
 /// `--state-every auto`: the fewest blocks whose K/V outweighs one snapshot. tiny-lfm2's
 /// snapshot is 1 KiB (2 layers of 2 × 64 inputs), a 4-token block's K/V 2 KiB: every block.
 /// tiny-qwen3-next's is 6.25 KiB (2 × (3 × 96 + 4 × 8 × 16) floats): every 4th block.
@@ -84,18 +133,7 @@ fn auto_state_snapshots_cost_at_most_the_kv_of_the_blocks_between_them() {
 fn qwen3_next_prefill_in_chunks_carries_the_recurrent_state_across_them() {
     let (model, _) = load(&qwen3_next(), &LoadOptions::default()).unwrap();
     let prompt = tokens(9, 90, model.info().vocab_size);
-    let whole = logits(&model, &prompt, &mut model.new_cache(), 4096);
-    let tol = logit_tol(1e-4, &whole);
-    for chunk in [1, 3, 37] {
-        let d = max_diff(
-            &whole,
-            &logits(&model, &prompt, &mut model.new_cache(), chunk),
-        );
-        assert!(
-            d < tol,
-            "chunk {chunk}: logits differ by {d} (allowed {tol})"
-        );
-    }
+    chunked_prefill_matches_one_step(&model, &prompt, &[1, 3, 37]);
 }
 
 #[test]
@@ -115,6 +153,23 @@ fn logits(model: &Model, prompt: &[u32], cache: &mut PagedKvCache, chunk: usize)
         .unwrap()
         .to_vec()
         .unwrap()
+}
+
+/// The last logits of `prompt` prefilled in chunks of each size equal one step's, within
+/// `logit_tol` (other chunk sizes are other matmul shapes).
+fn chunked_prefill_matches_one_step(model: &Model, prompt: &[u32], chunks: &[usize]) {
+    let whole = logits(model, prompt, &mut model.new_cache(), 4096);
+    let tol = logit_tol(1e-4, &whole);
+    for &chunk in chunks {
+        let d = max_diff(
+            &whole,
+            &logits(model, prompt, &mut model.new_cache(), chunk),
+        );
+        assert!(
+            d < tol,
+            "chunk {chunk}: logits differ by {d} (allowed {tol})"
+        );
+    }
 }
 
 #[test]
@@ -141,19 +196,8 @@ fn lfm2_layers_are_convolutions_and_attention_and_name_the_namespace() {
 fn lfm2_prefill_in_chunks_carries_the_convolution_state_across_them() {
     let (model, _) = load(&lfm2(), &LoadOptions::default()).unwrap();
     let prompt = tokens(7, 150, model.info().vocab_size);
-    let whole = logits(&model, &prompt, &mut model.new_cache(), 4096);
-    let tol = logit_tol(1e-4, &whole);
     // 1 and 2 are shorter than the 3-tap window; 37 ends mid-block.
-    for chunk in [1, 2, 3, 37, 64] {
-        let d = max_diff(
-            &whole,
-            &logits(&model, &prompt, &mut model.new_cache(), chunk),
-        );
-        assert!(
-            d < tol,
-            "chunk {chunk}: logits differ by {d} (allowed {tol})"
-        );
-    }
+    chunked_prefill_matches_one_step(&model, &prompt, &[1, 2, 3, 37, 64]);
 }
 
 #[test]
