@@ -400,12 +400,13 @@ fn restored_between_snapshots(path: &Path, cases: &[(usize, usize)]) {
     }
 }
 
-/// Serving: LFM2 requests decode together in one batch (the convolution states stacked per
+/// Serving: a hybrid's requests decode together in one batch (the layer states stacked per
 /// row) and a long prompt is prefilled in chunks between their steps; every request's
-/// tokens are the cold greedy tokens.
-#[test]
-fn lfm2_serves_batched_decode_and_chunked_prefill_with_cold_output() {
-    let (model, tok) = load(&lfm2(), &LoadOptions::default()).unwrap();
+/// tokens are the cold greedy tokens. The next turn of one of them (its prompt, the reply,
+/// new text) then resumes from the finished row, whose step computed ahead was trimmed off
+/// its states too, and decodes as cold.
+fn serves_batched_decode_and_chunked_prefill_with_cold_output(path: &Path) {
+    let (model, tok) = load(path, &LoadOptions::default()).unwrap();
     let vocab = model.info().vocab_size;
     let prompts = [
         tokens(4, 9, vocab),
@@ -416,31 +417,60 @@ fn lfm2_serves_batched_decode_and_chunked_prefill_with_cold_output() {
         .iter()
         .map(|p| run(&model, &tok, None, p, 10).0)
         .collect();
+    let mut next_turn = prompts[1].clone();
+    next_turn.extend(&want[1]);
+    next_turn.extend(tokens(7, 20, vocab));
+    let want_next = run(&model, &tok, None, &next_turn, 10).0;
     let dir = tempfile::tempdir().unwrap();
     let pc = KvTiers::open(&model, &tok, config(dir.path())).unwrap();
     let engine = Engine::open(model, tok, Some(pc), EngineConfig::default()).unwrap();
-    let handles: Vec<_> = prompts
-        .iter()
-        .map(|p| {
-            let params = GenerateParams {
-                prefill_chunk: 16,
-                ..no_eos(10)
-            };
-            engine.submit(Request::new(p.clone(), params)).unwrap()
-        })
-        .collect();
-    for (mut h, want) in handles.into_iter().zip(want) {
+    let submit = |p: &[u32]| {
+        let params = GenerateParams {
+            prefill_chunk: 16,
+            ..no_eos(10)
+        };
+        engine.submit(Request::new(p.to_vec(), params)).unwrap()
+    };
+    let collect = |mut h: engine::RequestHandle| {
         let mut got = Vec::new();
         loop {
             match h.recv_blocking() {
                 Some(Event::Token { sampled, .. }) => got.push(sampled.token),
-                Some(Event::Finished(_)) => break,
+                Some(Event::Finished(c)) => return (got, c),
                 Some(Event::Failed(e)) => panic!("{e}"),
                 Some(_) => {}
                 None => panic!("no completion"),
             }
         }
-        assert_eq!(got, want);
+    };
+    let handles: Vec<_> = prompts.iter().map(|p| submit(p)).collect();
+    for (h, want) in handles.into_iter().zip(want) {
+        assert_eq!(collect(h).0, want, "{}", path.display());
     }
+    let (got, c) = collect(submit(&next_turn));
+    assert_eq!(got, want_next, "{}: the next turn", path.display());
+    // The finished row, handed over from the device: prompt and reply (its last token fed
+    // by the step computed ahead, which was trimmed back to what the row emitted).
+    assert_eq!(
+        c.cached_tokens,
+        prompts[1].len() + 10,
+        "{}: {c:?}",
+        path.display()
+    );
     engine.shutdown(false).unwrap();
+}
+
+#[test]
+fn lfm2_serves_batched_decode_and_chunked_prefill_with_cold_output() {
+    serves_batched_decode_and_chunked_prefill_with_cold_output(&lfm2());
+}
+
+#[test]
+fn qwen3_next_serves_batched_decode_and_chunked_prefill_with_cold_output() {
+    serves_batched_decode_and_chunked_prefill_with_cold_output(&qwen3_next());
+}
+
+#[test]
+fn nemotron_h_serves_batched_decode_and_chunked_prefill_with_cold_output() {
+    serves_batched_decode_and_chunked_prefill_with_cold_output(&nemotron_h());
 }
