@@ -45,6 +45,82 @@ impl ToolFormat {
     }
 }
 
+/// A function a forced tool call may name: its name and the JSON schema of its arguments.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ToolSpec {
+    pub name: String,
+    /// `parameters` as the request gave it (`{"type": "object"}` when it gave none).
+    pub parameters: Value,
+}
+
+impl ToolFormat {
+    /// The Lark grammar of a reply that is only calls in this format to `tools`, each call's
+    /// arguments valid under its function's schema: exactly one call when `one`, else one
+    /// or more (separated as the format separates them). `single_token`: the id of a marker
+    /// (`<tool_call>`, `</tool_call>`) when the tokenizer encodes it as one token, so that a
+    /// constrained call holds the tokens the template renders when the call comes back in
+    /// the history (a marker spelled out in pieces would re-tokenize differently).
+    /// Calls are written as the parser reads them and as chat templates re-render them:
+    /// `{"name": "...", "arguments": {...}}` (Llama 3: `"parameters"`), JSON with `", "`
+    /// and `": "` separators.
+    pub fn call_grammar(
+        self,
+        tools: &[ToolSpec],
+        one: bool,
+        single_token: &dyn Fn(&str) -> Option<u32>,
+    ) -> crate::Result<String> {
+        use crate::{json_schema_rule, lark_literal};
+        let marker = |m: &str| match single_token(m) {
+            Some(id) => format!("<[{id}]>"),
+            None => lark_literal(m),
+        };
+        let key = match self {
+            ToolFormat::Hermes => "arguments",
+            ToolFormat::Llama3Json => "parameters",
+        };
+        let (opener, closer) = match self {
+            ToolFormat::Hermes => (
+                format!("{} ", marker(HERMES_OPEN)),
+                format!(" {}", marker(HERMES_CLOSE)),
+            ),
+            ToolFormat::Llama3Json => (String::new(), String::new()),
+        };
+        let mut rules = Vec::new();
+        let mut calls = Vec::new();
+        for (i, t) in tools.iter().enumerate() {
+            let head = format!("{{\"name\": {}, \"{key}\": ", Value::String(t.name.clone()));
+            let (head, tail) = match self {
+                ToolFormat::Hermes => (format!("\n{head}"), "}\n"),
+                ToolFormat::Llama3Json => (head, "}"),
+            };
+            rules.push(format!(
+                "call_{i}: {opener}{} args_{i} {}{closer}",
+                lark_literal(&head),
+                lark_literal(tail)
+            ));
+            rules.push(format!("args_{i}: {}", json_schema_rule(&t.parameters)?));
+            calls.push(format!("call_{i}"));
+        }
+        let sep = match self {
+            ToolFormat::Hermes => lark_literal("\n"),
+            ToolFormat::Llama3Json => lark_literal("; "),
+        };
+        let start = if one {
+            "start: call".to_string()
+        } else {
+            format!("start: call ({sep} call)*")
+        };
+        // no_forcing: llguidance otherwise tokenizes text the grammar forces by itself, and
+        // would then offer a special token whose name is that text (a `<tool_call>` the
+        // tokenizer marks special) which the parser then refuses.
+        Ok(format!(
+            "%llguidance {{\"no_forcing\": true}}\n{start}\ncall: {}\n{}\n",
+            calls.join(" | "),
+            rules.join("\n")
+        ))
+    }
+}
+
 /// One parsed call: the function's name and its arguments as JSON text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ToolCall {

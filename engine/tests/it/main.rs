@@ -5,6 +5,7 @@ mod anthropic;
 mod bad_input;
 mod batch;
 mod common;
+mod constrained;
 mod fuzz_corpus;
 mod gemma3;
 mod generation;
