@@ -13,5 +13,6 @@ mod hostile_models;
 mod parity;
 #[path = "../../../tests/src/prerequisite.rs"]
 mod prerequisite;
+mod reasoning_reuse;
 mod server;
 mod templates;

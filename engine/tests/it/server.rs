@@ -2134,24 +2134,10 @@ fn valid_forced_args(name: &str, args: &str) -> bool {
     }
 }
 
-/// A server of the tiny model with a 2048-token context (its template's tool preamble
-/// alone fills most of the 512 it has; random weights do not care about positions).
+/// A server of the tiny model with a 2048-token context ([`crate::common::roomy_tiny_model`]).
 fn roomy_server() -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let src = goldens().join(MODEL);
-    let model_dir = dir.path().join("model");
-    std::fs::create_dir(&model_dir).unwrap();
-    for f in [
-        "model.safetensors",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ] {
-        std::fs::copy(src.join(f), model_dir.join(f)).unwrap();
-    }
-    let mut config: Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    config["max_position_embeddings"] = json!(2048);
-    std::fs::write(model_dir.join("config.json"), config.to_string()).unwrap();
+    let model_dir = crate::common::roomy_tiny_model(MODEL, dir.path());
     let (model, tok) = load(&model_dir, &LoadOptions::default()).unwrap();
     let reuse = ReuseConfig {
         store: StoreConfig::default().root(dir.path().join("store")),
