@@ -105,10 +105,18 @@ impl AppState {
             .as_ref()
             .map_err(|e| ApiError::internal(format!("building the grammar compiler: {e}")))?;
         compiler.compile(grammar).map_err(|e| match e {
-            crate::EngineError::InvalidParameter { message, .. } => ApiError::param(
-                param,
-                format!("{param}: the reply cannot be constrained to it: {message}"),
-            ),
+            crate::EngineError::InvalidParameter { message, .. } => {
+                // llguidance's first line says what failed; the rest quotes our grammar.
+                let first = message.lines().next().unwrap_or_default();
+                let what = match first.split_once("): ") {
+                    Some((at, rest)) if at.starts_with("at ") => rest,
+                    _ => first,
+                };
+                ApiError::param(
+                    param,
+                    format!("{param}: the reply cannot be constrained to it: {what}"),
+                )
+            }
             e => ApiError::from(e),
         })
     }

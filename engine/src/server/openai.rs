@@ -4,7 +4,7 @@ use axum::http::StatusCode;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::tool_calls::{ToolFormat, ToolSpec};
+use super::tool_calls::{Marker, ToolFormat, ToolSpec};
 use crate::generate::GenerateParams;
 use crate::sampler::{Sampled, SamplingParams};
 use crate::scheduler::Completion;
@@ -378,6 +378,9 @@ pub(crate) fn chat_template_input(
         Some(t) if tojsons_arguments(t) && messages_json.contains("tool_calls") => {
             objectify_arguments(&messages_json)?
         }
+        Some(t) if ToolFormat::detect(t).is_none() && messages_json.contains("tool_calls") => {
+            calls_as_content(&messages_json)?
+        }
         _ => messages_json,
     };
     Ok((messages_json, tools_json))
@@ -442,6 +445,46 @@ fn objectify_arguments(messages: &str) -> Result<String, ApiError> {
     }));
     serde_json::to_string(&fixed)
         .map_err(|e| ApiError::internal(format!("re-encoding messages: {e}")))
+}
+
+/// `messages` (a JSON array) with each assistant message's `tool_calls` also written into
+/// its `content`, as the `<tool_call>` blocks a forced call is generated in
+/// (`ToolFormat::call_grammar`), after any text: for a template that knows no tool calls
+/// (SmolLM2's renders `content` only, and fails on a null one), so that the history shows
+/// the calls exactly as the model wrote them and the next prompt extends the cached reply.
+fn calls_as_content(messages: &str) -> Result<String, ApiError> {
+    let mut v: Value = serde_json::from_str(messages)
+        .map_err(|e| ApiError::param("messages", format!("messages are not valid JSON: {e}")))?;
+    for m in v.as_array_mut().into_iter().flatten() {
+        let Some(Value::Array(calls)) = m.get("tool_calls") else {
+            continue;
+        };
+        let blocks: Vec<String> = calls
+            .iter()
+            .filter_map(|c| {
+                let f = c.get("function")?;
+                let name = Value::String(f.get("name")?.as_str()?.to_string());
+                let args = match f.get("arguments")? {
+                    Value::String(a) => a.clone(),
+                    other => other.to_string(),
+                };
+                Some(format!(
+                    "<tool_call>\n{{\"name\": {name}, \"arguments\": {args}}}\n</tool_call>"
+                ))
+            })
+            .collect();
+        if blocks.is_empty() {
+            continue;
+        }
+        let text = m.get("content").and_then(Value::as_str).unwrap_or("");
+        let mut content = text.to_string();
+        if !content.is_empty() {
+            content.push('\n');
+        }
+        content.push_str(&blocks.join("\n"));
+        m["content"] = Value::String(content);
+    }
+    serde_json::to_string(&v).map_err(|e| ApiError::internal(format!("re-encoding messages: {e}")))
 }
 
 /// The prompt of a completions request: a string, or an array of token ids.
@@ -723,14 +766,21 @@ pub(crate) fn reply_shape(
             let format = detected.unwrap_or(ToolFormat::Hermes);
             // A marker is its single token when that token is text (Qwen's `<tool_call>`),
             // not a special token that decoding drops: the reply must still show it.
-            let single = |m: &str| {
-                let id = tokenizer.token_to_id(m)?;
-                let text = tokenizer.decode(&[id], true).ok()?;
-                (tokenizer.encode(m, false).ok()? == [id] && text == m).then_some(id)
+            let marker = |m: &str| {
+                let Some(id) = tokenizer.token_to_id(m) else {
+                    return Marker::Text;
+                };
+                let single = tokenizer.encode(m, false).ok().as_deref() == Some(&[id][..]);
+                let text = tokenizer.decode(&[id], true).ok();
+                match (single, text.as_deref() == Some(m)) {
+                    (true, true) => Marker::Token(id),
+                    (_, false) => Marker::Special,
+                    (false, true) => Marker::Text,
+                }
             };
             let named = matches!(body.get("tool_choice"), Some(Value::Object(_)));
             let grammar = format
-                .call_grammar(&forced, one || named, &single)
+                .call_grammar(&forced, one || named, &marker)
                 .map_err(|e| ApiError::param("tools", e.to_string()))?;
             ReplyShape {
                 parsing: Some(ToolParsing { format, names }),
@@ -962,5 +1012,20 @@ pub(crate) mod tests {
         assert!(!accepts(&one, &two));
         assert!(accepts(&named, call_b));
         assert!(!accepts(&named, call_a));
+    }
+
+    #[test]
+    fn calls_become_content_for_a_template_without_tool_calls() {
+        let messages = r#"[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}, {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}, {"role": "assistant", "content": "Hi", "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]"#;
+        let v: Value = serde_json::from_str(&calls_as_content(messages).unwrap()).unwrap();
+        assert_eq!(v[0]["content"], "x");
+        assert_eq!(
+            v[1]["content"],
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>"
+        );
+        assert_eq!(
+            v[2]["content"],
+            "Hi\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"
+        );
     }
 }

@@ -45,6 +45,17 @@ impl ToolFormat {
     }
 }
 
+/// How a tokenizer holds a call marker such as `<tool_call>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Marker {
+    /// One token whose text is the marker (Qwen's `<tool_call>`).
+    Token(u32),
+    /// One special token, which decoding drops: the marker must be spelled out.
+    Special,
+    /// No token of its own: plain text.
+    Text,
+}
+
 /// A function a forced tool call may name: its name and the JSON schema of its arguments.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct ToolSpec {
@@ -56,10 +67,11 @@ pub(crate) struct ToolSpec {
 impl ToolFormat {
     /// The Lark grammar of a reply that is only calls in this format to `tools`, each call's
     /// arguments valid under its function's schema: exactly one call when `one`, else one
-    /// or more (separated as the format separates them). `single_token`: the id of a marker
-    /// (`<tool_call>`, `</tool_call>`) when the tokenizer encodes it as one token, so that a
-    /// constrained call holds the tokens the template renders when the call comes back in
-    /// the history (a marker spelled out in pieces would re-tokenize differently).
+    /// or more (separated as the format separates them). `marker`: how the tokenizer holds
+    /// a marker (`<tool_call>`, `</tool_call>`); one held as a single text token is written
+    /// as that token, so that a constrained call holds the tokens the template renders when
+    /// the call comes back in the history (a marker spelled out in pieces would
+    /// re-tokenize differently).
     /// Calls are written as the parser reads them and as chat templates re-render them:
     /// `{"name": "...", "arguments": {...}}` (Llama 3: `"parameters"`), JSON with `", "`
     /// and `": "` separators.
@@ -67,12 +79,20 @@ impl ToolFormat {
         self,
         tools: &[ToolSpec],
         one: bool,
-        single_token: &dyn Fn(&str) -> Option<u32>,
+        marker: &dyn Fn(&str) -> Marker,
     ) -> crate::Result<String> {
         use crate::{json_schema_rule, lark_literal};
-        let marker = |m: &str| match single_token(m) {
-            Some(id) => format!("<[{id}]>"),
-            None => lark_literal(m),
+        // llguidance tokenizes text the grammar forces canonically, and would then offer a
+        // special token whose name is that text, which its parser refuses: with a marker
+        // that is such a token, the model's own tokenization is taken instead.
+        let mut no_forcing = false;
+        let mut lark_marker = |m: &str| match marker(m) {
+            Marker::Token(id) => format!("<[{id}]>"),
+            Marker::Special => {
+                no_forcing = true;
+                lark_literal(m)
+            }
+            Marker::Text => lark_literal(m),
         };
         let key = match self {
             ToolFormat::Hermes => "arguments",
@@ -80,8 +100,8 @@ impl ToolFormat {
         };
         let (opener, closer) = match self {
             ToolFormat::Hermes => (
-                format!("{} ", marker(HERMES_OPEN)),
-                format!(" {}", marker(HERMES_CLOSE)),
+                format!("{} ", lark_marker(HERMES_OPEN)),
+                format!(" {}", lark_marker(HERMES_CLOSE)),
             ),
             ToolFormat::Llama3Json => (String::new(), String::new()),
         };
@@ -110,11 +130,13 @@ impl ToolFormat {
         } else {
             format!("start: call ({sep} call)*")
         };
-        // no_forcing: llguidance otherwise tokenizes text the grammar forces by itself, and
-        // would then offer a special token whose name is that text (a `<tool_call>` the
-        // tokenizer marks special) which the parser then refuses.
+        let options = if no_forcing {
+            "%llguidance {\"no_forcing\": true}\n"
+        } else {
+            ""
+        };
         Ok(format!(
-            "%llguidance {{\"no_forcing\": true}}\n{start}\ncall: {}\n{}\n",
+            "{options}{start}\ncall: {}\n{}\n",
             calls.join(" | "),
             rules.join("\n")
         ))
