@@ -655,7 +655,8 @@ const TOOL_CHOICE_SHAPE: &str = "tool_choice must be \"none\", \"auto\", \"requi
 /// how to parse the reply for calls and the grammar, if any, that decoding must follow.
 /// `tool_choice: "required"` or a named function forces calls in the template's format (the
 /// `<tool_call>` family for a template without one); `response_format` `json_object` or
-/// `json_schema` forces a JSON document. Forced calls take precedence over a document.
+/// `json_schema` forces a JSON document, or calls in the template's format when the model
+/// may call tools (`auto`). Forced calls take precedence over a document.
 pub(crate) fn reply_shape(
     body: &Map<String, Value>,
     tokenizer: &Tokenizer,
@@ -759,45 +760,58 @@ pub(crate) fn reply_shape(
     let detected = tokenizer.chat_template().and_then(ToolFormat::detect);
     let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
     let document = response_format(body)?;
+    // A marker is its single token when that token is text (Qwen's `<tool_call>`), not a
+    // special token that decoding drops: the reply must still show it.
+    let marker = |m: &str| {
+        let Some(id) = tokenizer.token_to_id(m) else {
+            return Marker::Text;
+        };
+        let single = tokenizer.encode(m, false).ok().as_deref() == Some(&[id][..]);
+        let text = tokenizer.decode(&[id], true).ok();
+        match (single, text.as_deref() == Some(m)) {
+            (true, true) => Marker::Token(id),
+            (_, false) => Marker::Special,
+            (false, true) => Marker::Text,
+        }
+    };
     Ok(match forced {
         Some(forced) => {
             // A template with no call format of its own gets the <tool_call> family: the
             // grammar writes it, so the parser reads it.
             let format = detected.unwrap_or(ToolFormat::Hermes);
-            // A marker is its single token when that token is text (Qwen's `<tool_call>`),
-            // not a special token that decoding drops: the reply must still show it.
-            let marker = |m: &str| {
-                let Some(id) = tokenizer.token_to_id(m) else {
-                    return Marker::Text;
-                };
-                let single = tokenizer.encode(m, false).ok().as_deref() == Some(&[id][..]);
-                let text = tokenizer.decode(&[id], true).ok();
-                match (single, text.as_deref() == Some(m)) {
-                    (true, true) => Marker::Token(id),
-                    (_, false) => Marker::Special,
-                    (false, true) => Marker::Text,
-                }
-            };
             let named = matches!(body.get("tool_choice"), Some(Value::Object(_)));
             let grammar = format
-                .call_grammar(&forced, one || named, &marker)
+                .call_grammar(&forced, one || named, &marker, None)
                 .map_err(|e| ApiError::param("tools", e.to_string()))?;
             ReplyShape {
                 parsing: Some(ToolParsing { format, names }),
                 grammar: Some(("tools", grammar)),
             }
         }
-        None => ReplyShape {
-            parsing: detected
+        None => {
+            let parsing = detected
                 .filter(|_| parse)
-                .map(|format| ToolParsing { format, names }),
-            grammar: document.map(|g| ("response_format", g)),
-        },
+                .map(|format| ToolParsing { format, names });
+            // A document, or (with tools the model may call) calls instead of it.
+            let grammar = match (document, &parsing) {
+                (Some(doc), Some(p)) => Some(
+                    p.format
+                        .call_grammar(&specs, one, &marker, Some(&doc))
+                        .map_err(|e| ApiError::param("response_format", e.to_string()))?,
+                ),
+                (Some(doc), None) => Some(format!("start: {doc}\n")),
+                (None, _) => None,
+            };
+            ReplyShape {
+                parsing,
+                grammar: grammar.map(|g| ("response_format", g)),
+            }
+        }
     })
 }
 
-/// The grammar of `response_format`: None for plain text, else a JSON document (any object
-/// for `json_object`, the schema's for `json_schema`).
+/// The grammar rule of `response_format`'s document: None for plain text, else a JSON
+/// document (any object for `json_object`, the schema's for `json_schema`).
 fn response_format(body: &Map<String, Value>) -> Result<Option<String>, ApiError> {
     const SHAPE: &str = "response_format must be {\"type\": \"text\"}, {\"type\": \
                          \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": \
@@ -810,10 +824,9 @@ fn response_format(body: &Map<String, Value>) -> Result<Option<String>, ApiError
     let bad = |e: crate::EngineError| ApiError::param("response_format", e.to_string());
     match rf.get("type").and_then(Value::as_str) {
         Some("text") => Ok(None),
-        Some("json_object") => {
-            let rule = crate::json_schema_rule(&json!({"type": "object"})).map_err(bad)?;
-            Ok(Some(format!("start: {rule}\n")))
-        }
+        Some("json_object") => crate::json_schema_rule(&json!({"type": "object"}))
+            .map(Some)
+            .map_err(bad),
         Some("json_schema") => {
             let Some(Value::Object(js)) = rf.get("json_schema") else {
                 return Err(ApiError::param("response_format", SHAPE));
@@ -839,8 +852,7 @@ fn response_format(body: &Map<String, Value>) -> Result<Option<String>, ApiError
                     ))
                 }
             }
-            let rule = crate::json_schema_rule(schema).map_err(bad)?;
-            Ok(Some(format!("start: {rule}\n")))
+            crate::json_schema_rule(schema).map(Some).map_err(bad)
         }
         _ => Err(ApiError::param("response_format", SHAPE)),
     }
@@ -983,8 +995,7 @@ pub(crate) mod tests {
         // sentence of the grammar.
         let accepts = |body: &Value, text: &str| -> bool {
             let shape = reply_shape(body.as_object().unwrap(), &tok).unwrap();
-            let (param, grammar) = shape.grammar.unwrap();
-            assert_eq!(param, "tools");
+            let (_, grammar) = shape.grammar.unwrap();
             let mut c = compiler.compile(&grammar).unwrap();
             // Char by char: this tokenizer's `<tool_call>` is a special token the grammar
             // spells out.
@@ -1012,6 +1023,15 @@ pub(crate) mod tests {
         assert!(!accepts(&one, &two));
         assert!(accepts(&named, call_b));
         assert!(!accepts(&named, call_a));
+        // `auto` with a response_format: the document, or calls instead of it.
+        let either = json!({"tools": tools, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "d", "schema": {"type": "object", "properties": {
+                "ok": {"type": "boolean"}}, "required": ["ok"]}}}});
+        assert!(accepts(&either, "{\"ok\": true}"));
+        assert!(accepts(&either, call_a));
+        assert!(accepts(&either, &two));
+        assert!(!accepts(&either, "{\"ok\": 1}"));
+        assert!(!accepts(&either, "Sure."));
     }
 
     #[test]

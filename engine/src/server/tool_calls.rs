@@ -74,12 +74,14 @@ impl ToolFormat {
     /// re-tokenize differently).
     /// Calls are written as the parser reads them and as chat templates re-render them:
     /// `{"name": "...", "arguments": {...}}` (Llama 3: `"parameters"`), JSON with `", "`
-    /// and `": "` separators.
+    /// and `": "` separators. `or_document`: a rule body (a JSON schema's, from
+    /// [`crate::json_schema_rule`]) the reply may be instead of calls.
     pub fn call_grammar(
         self,
         tools: &[ToolSpec],
         one: bool,
         marker: &dyn Fn(&str) -> Marker,
+        or_document: Option<&str>,
     ) -> crate::Result<String> {
         use crate::{json_schema_rule, lark_literal};
         // llguidance tokenizes text the grammar forces canonically, and would then offer a
@@ -125,10 +127,14 @@ impl ToolFormat {
             ToolFormat::Hermes => lark_literal("\n"),
             ToolFormat::Llama3Json => lark_literal("; "),
         };
-        let start = if one {
-            "start: call".to_string()
+        let calls_rule = if one {
+            "calls: call".to_string()
         } else {
-            format!("start: call ({sep} call)*")
+            format!("calls: call ({sep} call)*")
+        };
+        let start = match or_document {
+            Some(doc) => format!("start: calls | document\ndocument: {doc}\n{calls_rule}"),
+            None => format!("start: calls\n{calls_rule}"),
         };
         let options = if no_forcing {
             "%llguidance {\"no_forcing\": true}\n"
