@@ -2372,3 +2372,49 @@ fn smollm2_forced_calls_and_json_objects_are_valid() {
         assert!(text.starts_with('{'), "{text}");
     }
 }
+
+/// The Anthropic API's `tool_choice` `any` and `tool` are forced the same way: the reply is
+/// a `tool_use` block whose input is valid under the tool's `input_schema`.
+#[test]
+fn anthropic_tool_choice_any_and_tool_force_valid_tool_use_blocks() {
+    let srv = roomy_server();
+    let tools: Vec<Value> = forced_tools()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(
+            |t| json!({"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}),
+        )
+        .collect();
+    for (choice, want) in [
+        (json!({"type": "any"}), None),
+        (json!({"type": "tool", "name": "wx"}), Some("wx")),
+    ] {
+        let body = json!({
+            "model": MODEL,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "tools": tools,
+            "tool_choice": choice,
+            "temperature": 1.0,
+        });
+        let r = srv.post("/v1/messages", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(v["stop_reason"], "tool_use", "{v}");
+        let blocks: Vec<&Value> = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert!(!blocks.is_empty(), "{v}");
+        for b in blocks {
+            let name = b["name"].as_str().unwrap();
+            assert!(valid_forced_args(name, &b["input"].to_string()), "{b}");
+            if let Some(w) = want {
+                assert_eq!(name, w);
+            }
+        }
+    }
+}
