@@ -407,12 +407,14 @@ fn translate_message(
     marks: &mut Vec<(usize, Ttl)>,
 ) -> Result<Vec<J>, ApiError> {
     let at = format!("messages[{i}]");
+    // "system" between turns is the mid-conversation system beta Claude Code sends
+    // (`anthropic-beta: mid-conversation-system-…`): text only, rendered where it stands.
     let role = match m.get("role").and_then(Value::as_str) {
-        Some(r @ ("user" | "assistant")) => r,
+        Some(r @ ("user" | "assistant" | "system")) => r,
         _ => {
             return Err(bad(
                 "messages",
-                format!("{at}.role must be \"user\" or \"assistant\""),
+                format!("{at}.role must be \"user\", \"assistant\" or \"system\""),
             ))
         }
     };
@@ -557,7 +559,7 @@ fn translate_message(
         }
         out.push(J::from_iter(m));
     } else if !text.is_empty() || out.is_empty() {
-        out.push(obj([("role", J::from("user")), ("content", J::from(text))]));
+        out.push(obj([("role", J::from(role)), ("content", J::from(text))]));
     }
     Ok(out)
 }
@@ -695,6 +697,15 @@ pub(crate) fn translate(
     }
     if !choice.is_null() {
         pairs.push((J::from("tool_choice"), J::from_serialize(&choice)));
+    }
+    // At most one tool_use block: the forced-call grammar then takes exactly one call.
+    let one_call = body
+        .get("tool_choice")
+        .and_then(|c| c.get("disable_parallel_tool_use"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    if one_call {
+        pairs.push((J::from("parallel_tool_calls"), J::from(false)));
     }
     let chat_raw = to_json(&J::from_iter(pairs))?;
     let (_, chat) = openai::parse_json_body(chat_raw.as_bytes())?;

@@ -412,3 +412,41 @@ fn prompt_cache_retention_24h_pins_the_prompt_and_keys_are_accounted() {
         assert_eq!(r.json()["error"]["param"], field);
     }
 }
+
+/// What Claude Code 2.1 sends (recorded on the H200, docs/benchmarks.md): a `system`
+/// message between turns (the mid-conversation system beta) and fields kvstore does not
+/// act on (`thinking`, `context_management`, `output_config`, `metadata`). The request is
+/// served, and the system message is rendered where it stands: it adds tokens.
+#[test]
+fn a_mid_conversation_system_message_is_rendered_where_it_stands() {
+    let srv = Server::start(None, EngineConfig::default());
+    let user = json!({"role": "user", "content": [
+        {"type": "text", "text": "<system-reminder>today</system-reminder>"},
+        {"type": "text", "text": "Read calc.py.", "cache_control": {"type": "ephemeral"}},
+    ]});
+    let with = json!({
+        "model": "claude-sonnet", "max_tokens": 4, "stream": false,
+        "system": [{"type": "text", "text": SYSTEM}],
+        "messages": [user, {"role": "system", "content": "Agents: none."}],
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "metadata": {"user_id": "x"},
+    });
+    let r = srv.post("/v1/messages", &with);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let without = json!({
+        "model": "claude-sonnet", "max_tokens": 4,
+        "system": [{"type": "text", "text": SYSTEM}],
+        "messages": [user],
+    });
+    assert!(count_tokens(&srv, &with) > count_tokens(&srv, &without));
+    // A system message carries text only.
+    let bad = json!({
+        "model": "m", "max_tokens": 4,
+        "messages": [user, {"role": "system", "content": [
+            {"type": "tool_result", "tool_use_id": "x", "content": "y"}]}],
+    });
+    let r = srv.post("/v1/messages", &bad);
+    assert_eq!(r.status, 400, "{}", r.body);
+}

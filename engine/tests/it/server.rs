@@ -2386,9 +2386,15 @@ fn anthropic_tool_choice_any_and_tool_force_valid_tool_use_blocks() {
             |t| json!({"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}),
         )
         .collect();
-    for (choice, want) in [
-        (json!({"type": "any"}), None),
-        (json!({"type": "tool", "name": "wx"}), Some("wx")),
+    for (choice, want, one) in [
+        (json!({"type": "any"}), None, false),
+        (json!({"type": "tool", "name": "wx"}), Some("wx"), false),
+        // At most one tool_use block: the grammar takes exactly one call.
+        (
+            json!({"type": "any", "disable_parallel_tool_use": true}),
+            None,
+            true,
+        ),
     ] {
         let body = json!({
             "model": MODEL,
@@ -2409,6 +2415,9 @@ fn anthropic_tool_choice_any_and_tool_force_valid_tool_use_blocks() {
             .filter(|b| b["type"] == "tool_use")
             .collect();
         assert!(!blocks.is_empty(), "{v}");
+        if one {
+            assert_eq!(blocks.len(), 1, "{v}");
+        }
         for b in blocks {
             let name = b["name"].as_str().unwrap();
             assert!(valid_forced_args(name, &b["input"].to_string()), "{b}");
