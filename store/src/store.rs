@@ -303,6 +303,7 @@ impl Store {
             None => None,
             Some(root) => {
                 let ssd = SsdTier::open_with(
+                    crate::fs::RealFs,
                     root,
                     SsdOptions {
                         read_only: config.read_only,
