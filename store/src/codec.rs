@@ -802,6 +802,30 @@ mod tests {
     }
 
     #[test]
+    fn written_files_are_what_the_safetensors_crate_reads_and_writes() {
+        let b = sample();
+        let ours = encode(&b);
+        let theirs = {
+            let (meta, views) = tensors(&b).unwrap();
+            safetensors::serialize(views, &meta).unwrap()
+        };
+        assert_eq!(ours.len(), theirs.len());
+        let parsed = safetensors::SafeTensors::deserialize(&ours).unwrap();
+        for p in &b.planes {
+            let t = parsed.tensor(&p.name).unwrap();
+            assert_eq!(t.data(), &p.data[..]);
+            assert_eq!(t.dtype(), p.dtype.to_safetensors());
+        }
+        // Same plane order in the file: the data sections are identical.
+        let data = |bytes: &[u8]| {
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            bytes[8 + n..].to_vec()
+        };
+        assert_eq!(data(&ours), data(&theirs));
+        assert_eq!(decode(&ours).unwrap(), decode(&theirs).unwrap());
+    }
+
+    #[test]
     fn round_trip_keeps_plane_order_and_bytes() {
         let b = sample();
         let bytes = encode(&b);

@@ -585,8 +585,9 @@ impl<F: FileSystem> SsdTier<F> {
                 if e.kind() != io::ErrorKind::NotFound {
                     tracing::warn!(path = %crate::escape_path(&path), error = %e, "block file not read");
                 }
-                // Deleted behind our back (GC by another handle) or never there.
-                if known {
+                // Deleted behind our back (GC by another handle) or never there. Any other
+                // failure (EIO) says nothing about the file: keep it and its bytes counted.
+                if known && e.kind() == io::ErrorKind::NotFound {
                     let mut st = lock(&self.state);
                     if let Some(e) = st.index.pop(&(ns, key)) {
                         st.used -= e.phys;
@@ -749,7 +750,11 @@ impl<F: FileSystem> SsdTier<F> {
         if used == 0 {
             return Ok(false);
         }
-        let budget = used.saturating_sub(need);
+        // At least one block's room: below that the block just made room for would be over
+        // the budget the moment it is written.
+        let budget = used.saturating_sub(need).max(need);
+        // Evict first: if a removal fails, the bytes held still fit the budget in force.
+        let evicted = self.evict_until(budget.saturating_sub(need), None)?;
         let old = self.budget.fetch_min(budget, Ordering::Relaxed);
         if budget < old {
             tracing::warn!(
@@ -759,7 +764,7 @@ impl<F: FileSystem> SsdTier<F> {
                 "the file system is full: the SSD tier now keeps at most this many bytes of blocks (until restart)"
             );
         }
-        Ok(self.evict_until(budget.saturating_sub(need), None)? > 0)
+        Ok(evicted > 0)
     }
 
     fn poison(&self, what: &str, path: &Path, e: &io::Error) -> WriteError {
@@ -767,6 +772,31 @@ impl<F: FileSystem> SsdTier<F> {
         tracing::error!(%cause, "SSD tier writer poisoned");
         *lock(&self.poison) = Some(cause.clone());
         WriteError::Poisoned { cause }
+    }
+
+    /// Creates a directory the writer needs (see [`ensure_dir`]). A failed fsync of its
+    /// parent poisons the writer: the new entry may not be durable, and the next call would
+    /// find the directory and not sync again, so blocks acknowledged under it could vanish
+    /// on a power cut.
+    fn make_dir(&self, path: &Path) -> Result<bool, WriteError> {
+        match self.fs.create_dir(path) {
+            Ok(()) => {
+                if let Some(parent) = path.parent() {
+                    if let Err(e) = self.fs.sync_dir(parent) {
+                        return Err(self.poison("fsync of directory", parent, &e));
+                    }
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                self.fs.check_dir(path).map(|_| false)
+            }
+            Err(e) => Err(e),
+        }
+        .map_err(|source| WriteError::Io {
+            path: path.to_owned(),
+            source,
+        })
     }
 
     /// Evicts least recently used files until `used <= limit`, sparing `keep`.
@@ -867,15 +897,15 @@ impl<F: FileSystem> SsdTier<F> {
         let final_path = block_path(&self.root, ns, key);
         let shard_dir = final_path.parent().unwrap_or(&ns_dir).to_owned();
         for dir in [&ns_dir, &shard_dir] {
-            if let Err(source) = ensure_dir(&self.fs, dir) {
-                if !self.fs.metadata(&self.root).is_ok_and(|m| m.is_dir()) {
+            match self.make_dir(dir) {
+                Ok(_) => {}
+                Err(WriteError::Io { source, .. })
+                    if !self.fs.metadata(&self.root).is_ok_and(|m| m.is_dir()) =>
+                {
                     // Deleted under us: recreating it could race a new owner of the path.
                     return Err(self.poison("the store directory is gone:", &self.root, &source));
                 }
-                return Err(WriteError::Io {
-                    path: dir.clone(),
-                    source,
-                });
+                Err(e) => return Err(e),
             }
         }
         let tmp = self.root.join(format::TMP_DIR).join(format!(
@@ -1017,7 +1047,7 @@ impl<F: FileSystem> SsdTier<F> {
         if self.read_only {
             return Ok(id);
         }
-        let res = ensure_dir(&self.fs, &dir).and_then(|_| {
+        let res = self.make_dir(&dir).map_err(into_io).and_then(|_| {
             write_atomic(
                 &self.fs,
                 &self.root.join(format::TMP_DIR),
@@ -1044,7 +1074,7 @@ impl<F: FileSystem> SsdTier<F> {
             return Ok(());
         }
         let dir = self.root.join(ns.to_string());
-        ensure_dir(&self.fs, &dir)?;
+        self.make_dir(&dir).map_err(into_io)?;
         write_atomic(
             &self.fs,
             &self.root.join(format::TMP_DIR),
@@ -1060,6 +1090,14 @@ impl<F: FileSystem> SsdTier<F> {
             .into_iter()
             .filter_map(|(_, _, d)| d.ok())
             .collect()
+    }
+}
+
+/// The I/O error inside a [`WriteError`] (for callers that report `io::Error`).
+fn into_io(e: WriteError) -> io::Error {
+    match e {
+        WriteError::Io { source, .. } => source,
+        other => io::Error::other(other.to_string()),
     }
 }
 
