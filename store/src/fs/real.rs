@@ -14,16 +14,19 @@ use crate::nofollow;
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RealFs;
 
-fn stat(meta: &fs::Metadata) -> FileStat {
-    let kind = if meta.is_file() {
+fn kind(ft: fs::FileType) -> FileKind {
+    if ft.is_file() {
         FileKind::File
-    } else if meta.is_dir() {
+    } else if ft.is_dir() {
         FileKind::Dir
     } else {
         FileKind::Other
-    };
+    }
+}
+
+fn stat(meta: &fs::Metadata) -> FileStat {
     FileStat {
-        kind,
+        kind: kind(meta.file_type()),
         len: meta.len(),
         physical_bytes: meta.blocks() * 512,
         modified_unix_ms: meta
@@ -72,17 +75,9 @@ impl FileSystem for RealFs {
         let mut v = Vec::new();
         for e in fs::read_dir(path)? {
             let e = e?;
-            let ft = e.file_type()?;
-            let kind = if ft.is_file() {
-                FileKind::File
-            } else if ft.is_dir() {
-                FileKind::Dir
-            } else {
-                FileKind::Other
-            };
             v.push(DirEntry {
                 name: e.file_name().to_string_lossy().into_owned(),
-                kind,
+                kind: kind(e.file_type()?),
             });
         }
         v.sort_by(|a, b| a.name.cmp(&b.name));

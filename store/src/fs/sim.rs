@@ -400,6 +400,19 @@ impl SimFs {
         st.next_ino += 1 << 32;
     }
 
+    /// Creates (`exclusive`: only if absent) or truncates a file, open for writing.
+    fn create(&self, path: &Path, exclusive: bool) -> io::Result<SimWriter> {
+        let mut st = self.state();
+        st.fail_call(Op::Create)?;
+        let ino = st.create_file(path, exclusive)?;
+        Ok(SimWriter {
+            fs: self.clone(),
+            ino,
+            pos: 0,
+            append: false,
+        })
+    }
+
     /// Every regular file's live bytes, by path (for tests that damage or inspect files).
     pub fn files(&self) -> BTreeMap<PathBuf, Vec<u8>> {
         let st = self.state();
@@ -654,27 +667,11 @@ impl FileSystem for SimFs {
     }
 
     fn create_new(&self, path: &Path) -> io::Result<SimWriter> {
-        let mut st = self.state();
-        st.fail_call(Op::Create)?;
-        let ino = st.create_file(path, true)?;
-        Ok(SimWriter {
-            fs: self.clone(),
-            ino,
-            pos: 0,
-            append: false,
-        })
+        self.create(path, true)
     }
 
     fn create_truncate(&self, path: &Path) -> io::Result<SimWriter> {
-        let mut st = self.state();
-        st.fail_call(Op::Create)?;
-        let ino = st.create_file(path, false)?;
-        Ok(SimWriter {
-            fs: self.clone(),
-            ino,
-            pos: 0,
-            append: false,
-        })
+        self.create(path, false)
     }
 
     fn open_append(&self, path: &Path) -> io::Result<SimWriter> {
