@@ -159,8 +159,11 @@ fn create_root<F: FileSystem>(fs: &F, root: &Path) -> io::Result<()> {
         .collect();
     fs.create_dir_all(root)?;
     for dir in missing.into_iter().rev() {
-        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
-            fs.sync_dir(parent)?;
+        match dir.parent() {
+            // A relative root's parent is the working directory.
+            Some(p) if p.as_os_str().is_empty() => fs.sync_dir(Path::new("."))?,
+            Some(p) => fs.sync_dir(p)?,
+            None => {}
         }
     }
     Ok(())

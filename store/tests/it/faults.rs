@@ -473,9 +473,9 @@ fn env_u64(name: &str) -> Option<u64> {
 
 #[test]
 fn randomized_fault_schedules_keep_the_invariants() {
-    let t = run_schedules(0, 400);
-    assert_eq!(t.schedules, 400);
-    assert!(t.power_cuts >= 400 && t.blocks_checked > 0, "{t:?}");
+    let t = run_schedules(0, 800);
+    assert_eq!(t.schedules, 800);
+    assert!(t.power_cuts >= 800 && t.blocks_checked > 0, "{t:?}");
     assert!(
         t.faults.len() >= 8,
         "the seed set reaches most fault kinds: {:?}",
