@@ -57,6 +57,40 @@ fn pool(n: usize) -> Vec<Block> {
 /// Bytes one block of [`pool`] takes on the sim (4 KiB pages).
 const BLOCK_PHYS: u64 = 4096;
 
+/// The blocks by key: what a read must return.
+fn index(blocks: &[Block]) -> HashMap<Key, Block> {
+    blocks.iter().map(|b| (key(b), b.clone())).collect()
+}
+
+/// A fault on the next call of `op`.
+fn next(op: Op, kind: FaultKind) -> Fault {
+    Fault { op, nth: 0, kind }
+}
+
+/// Runs `schedule` for every seed, panicking with the failing seed and how to replay it
+/// (tier schedules by `one_schedule`; store schedules share the seeds).
+fn for_seeds<T>(
+    seeds: std::ops::Range<u64>,
+    schedule: impl Fn(u64) -> T + std::panic::RefUnwindSafe,
+) -> Vec<T> {
+    seeds
+        .map(|seed| match std::panic::catch_unwind(|| schedule(seed)) {
+            Ok(t) => t,
+            Err(e) => {
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                panic!(
+                    "fault schedule seed {seed} failed: {msg}\nreplay: KVSTORE_FAULT_SEED={seed} \
+                     cargo test -p kvstore-store --test it faults::one_schedule -- --ignored --nocapture"
+                );
+            }
+        })
+        .collect()
+}
+
 fn is_block_file(p: &Path) -> bool {
     p.extension().is_some_and(|e| e == "safetensors")
         && !p.starts_with(root().join("tmp"))
@@ -121,11 +155,7 @@ fn a_failed_fsync_poisons_the_writer_which_then_refuses_without_touching_the_dis
     let blocks = pool(4);
     let tier = open(&fs, 1 << 20);
     tier.put(&blocks[0]).unwrap();
-    fs.inject(Fault {
-        op: Op::SyncFile,
-        nth: 0,
-        kind: FaultKind::Eio,
-    });
+    fs.inject(next(Op::SyncFile, FaultKind::Eio));
     let r = tier.put(&blocks[1]);
     assert!(is_poisoned(&r), "{r:?}");
     let calls = fs.calls();
@@ -144,7 +174,7 @@ fn a_failed_fsync_poisons_the_writer_which_then_refuses_without_touching_the_dis
     drop(tier);
     fs.power_loss(1);
     let tier = open(&fs, 1 << 20);
-    let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+    let by_key = index(&blocks);
     let acked = BTreeSet::from([key(&blocks[0])]);
     assert_eq!(check_reopened(&fs, &tier, &acked, &by_key), 1);
     tier.put(&blocks[1]).expect("a reopened writer works again");
@@ -167,7 +197,7 @@ fn a_failed_rename_or_directory_fsync_poisons_the_writer() {
         drop(tier);
         fs.power_loss(2);
         let tier = open(&fs, 1 << 20);
-        let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+        let by_key = index(&blocks);
         check_reopened(&fs, &tier, &BTreeSet::from([key(&blocks[0])]), &by_key);
     }
 }
@@ -202,11 +232,7 @@ fn a_full_disk_during_a_write_evicts_to_fit_and_retries_once() {
     for b in &blocks[..5] {
         tier.put(b).unwrap();
     }
-    fs.inject(Fault {
-        op: Op::Write,
-        nth: 0,
-        kind: FaultKind::NoSpace,
-    });
+    fs.inject(next(Op::Write, FaultKind::NoSpace));
     tier.put(&blocks[5])
         .expect("room is made by eviction, then the write is retried");
     assert!(tier.budget() < 1 << 20, "the budget shrinks to what fits");
@@ -217,7 +243,7 @@ fn a_full_disk_during_a_write_evicts_to_fit_and_retries_once() {
 #[test]
 fn a_power_cut_at_every_call_of_a_put_keeps_every_acknowledged_block() {
     let blocks = pool(3);
-    let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+    let by_key = index(&blocks);
     // Count the calls of one put on a store holding one block.
     let probe = SimFs::new();
     let t = open(&probe, 1 << 20);
@@ -258,16 +284,12 @@ fn a_power_cut_at_every_call_of_a_put_keeps_every_acknowledged_block() {
 #[test]
 fn a_torn_write_loses_only_the_block_being_written() {
     let blocks = pool(3);
-    let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+    let by_key = index(&blocks);
     let fs = SimFs::new();
     let tier = open(&fs, 1 << 20);
     tier.put(&blocks[0]).unwrap();
     tier.put(&blocks[1]).unwrap();
-    fs.inject(Fault {
-        op: Op::Write,
-        nth: 0,
-        kind: FaultKind::TornWrite,
-    });
+    fs.inject(next(Op::Write, FaultKind::TornWrite));
     assert!(tier.put(&blocks[2]).is_err());
     assert!(
         fs.is_off(),
@@ -283,7 +305,7 @@ fn a_torn_write_loses_only_the_block_being_written() {
 #[test]
 fn a_torn_access_journal_costs_recency_not_blocks() {
     let blocks = pool(4);
-    let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+    let by_key = index(&blocks);
     for seed in 0..8 {
         let fs = SimFs::new();
         let tier = open(&fs, 1 << 20);
@@ -313,7 +335,7 @@ fn run_store_schedule(seed: u64) -> u64 {
     let mut rng = StdRng::seed_from_u64(seed);
     let d = common::desc("faults", 4);
     let blocks = pool(16);
-    let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+    let by_key = index(&blocks);
     let fs = SimFs::new();
     let policy = if rng.gen_bool(0.5) {
         WritePolicy::WriteBack
@@ -391,20 +413,7 @@ fn run_store_schedule(seed: u64) -> u64 {
 
 #[test]
 fn every_block_a_successful_flush_acknowledged_survives_power_cuts() {
-    let mut checked = 0;
-    for seed in 0..150 {
-        match std::panic::catch_unwind(|| run_store_schedule(seed)) {
-            Ok(n) => checked += n,
-            Err(e) => {
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                panic!("store schedule seed {seed} failed: {msg}");
-            }
-        }
-    }
+    let checked: u64 = for_seeds(0..150, run_store_schedule).into_iter().sum();
     assert!(
         checked > 100,
         "the schedules acknowledge and check blocks: {checked}"
@@ -453,7 +462,7 @@ const FAULTS: [(Op, FaultKind); 11] = [
 fn run_schedule(seed: u64) -> Tally {
     let mut rng = StdRng::seed_from_u64(seed);
     let blocks = pool(12);
-    let by_key: HashMap<_, _> = blocks.iter().map(|b| (key(b), b.clone())).collect();
+    let by_key = index(&blocks);
     let budget = BLOCK_PHYS * rng.gen_range(3..10);
     let fs = SimFs::new();
     let mut tier = open(&fs, budget);
@@ -552,24 +561,11 @@ fn run_schedule(seed: u64) -> Tally {
     tally
 }
 
-/// Runs seeds `first..first + n`, panicking with the failing seed and how to replay it.
+/// Runs the tier schedules of seeds `first..first + n` and adds up what they did.
 fn run_schedules(first: u64, n: u64) -> Tally {
     let mut total = Tally::default();
-    for seed in first..first + n {
-        match std::panic::catch_unwind(|| run_schedule(seed)) {
-            Ok(t) => total.add(t),
-            Err(e) => {
-                let msg = e
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default();
-                panic!(
-                    "fault schedule seed {seed} failed: {msg}\nreplay: KVSTORE_FAULT_SEED={seed} \
-                     cargo test -p kvstore-store --test it faults::one_schedule -- --ignored --nocapture"
-                );
-            }
-        }
+    for t in for_seeds(first..first + n, run_schedule) {
+        total.add(t);
     }
     total
 }
@@ -595,6 +591,10 @@ fn randomized_fault_schedules_keep_the_invariants() {
 fn one_schedule() {
     let seed = env_u64("KVSTORE_FAULT_SEED").expect("set KVSTORE_FAULT_SEED to the seed to replay");
     println!("{:#?}", run_schedules(seed, 1));
+    println!(
+        "store schedule: {} blocks checked",
+        for_seeds(seed..seed + 1, run_store_schedule)[0]
+    );
 }
 
 #[test]
@@ -619,7 +619,9 @@ fn many_schedules() {
     assert_eq!(t.schedules, n);
     let stores = env_u64("KVSTORE_STORE_SCHEDULES").unwrap_or(n / 5);
     let start = Instant::now();
-    let checked: u64 = (first..first + stores).map(run_store_schedule).sum();
+    let checked: u64 = for_seeds(first..first + stores, run_store_schedule)
+        .into_iter()
+        .sum();
     println!(
         "store schedules {stores} (seeds {first}..{}), acknowledged blocks checked after power cuts {checked}, time {:.1} s",
         first + stores,
