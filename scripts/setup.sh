@@ -146,15 +146,16 @@ os.replace(dest + ".part", dest)
 PY
 fi
 
-# 5. A private venv with the official `openai` client, which the server tests drive.
+# 5. A private venv with the official clients the server tests drive (`openai`,
+#    `anthropic`), pinned in scripts/tests/requirements.txt.
 TEST_VENV="$ROOT/.venv-test"
-OPENAI_PIN="openai==1.109.1"
-if [ ! -f "$TEST_VENV/.installed" ] || [ "$(cat "$TEST_VENV/.installed")" != "$OPENAI_PIN" ]; then
-  say "creating .venv-test with $OPENAI_PIN (for the server tests)"
-  rm -rf "$TEST_VENV"
-  python3 -m venv "$TEST_VENV" || die "python3 -m venv failed: install python3-venv and re-run"
-  "$TEST_VENV/bin/pip" install --quiet "$OPENAI_PIN" || die "pip could not install $OPENAI_PIN (is PyPI reachable?)"
-  echo "$OPENAI_PIN" > "$TEST_VENV/.installed"
+TEST_REQS="$ROOT/scripts/tests/requirements.txt"
+TEST_PINS="$(grep -v '^#' "$TEST_REQS" | grep -v '^$' | sort | tr '\n' ' ')"
+if [ ! -f "$TEST_VENV/.installed" ] || [ "$(cat "$TEST_VENV/.installed")" != "$TEST_PINS" ]; then
+  say "making .venv-test with $TEST_PINS(for the server tests)"
+  [ -x "$TEST_VENV/bin/pip" ] || python3 -m venv "$TEST_VENV" || die "python3 -m venv failed: install python3-venv and re-run"
+  "$TEST_VENV/bin/pip" install --quiet -r "$TEST_REQS" || die "pip could not install $TEST_REQS (is PyPI reachable?)"
+  echo "$TEST_PINS" > "$TEST_VENV/.installed"
 fi
 
 say "ready: MLX $MLX_VERSION ($backend) in .mlx/, default model $model"

@@ -14,11 +14,16 @@
 //! Eviction is least recently used, whole sequences at a time, when resident plus live
 //! bytes exceed the budget. Every full block was exported to the host tiers when it was
 //! published, so an evicted sequence is still restorable from RAM, SSD or the remote tier.
+//! A sequence holding a pinned block ([`store::Pins`]) is spared while unpinned ones are
+//! left: a finished sequence that does not fit beside the pinned ones is not kept, but a
+//! live request's reservation outranks pins (its blocks stay pinned in the host tiers), so
+//! pins never keep a request from running.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use serde::Serialize;
-use store::{BlockKey, NamespaceId};
+use store::{BlockKey, NamespaceId, Pins};
 
 use crate::{CacheError, Chain, KvCache, PagedKvCache};
 
@@ -83,6 +88,8 @@ pub struct ResidentPool {
     next_id: u64,
     clock: u64,
     stats: ResidentStats,
+    /// Keys whose sequences eviction spares.
+    pins: Arc<Pins>,
 }
 
 /// Device bytes of a cache's arenas (capacity, not just the tokens held).
@@ -114,7 +121,30 @@ impl ResidentPool {
             next_id: 0,
             clock: 0,
             stats: ResidentStats::default(),
+            pins: Arc::new(Pins::new()),
         }
+    }
+
+    /// Sets the pins eviction spares (the block store's, so one pin covers every tier).
+    pub fn set_pins(&mut self, pins: Arc<Pins>) {
+        self.pins = pins;
+    }
+
+    fn is_pinned(&self, e: &Entry) -> bool {
+        if !self.pins.any() {
+            return false;
+        }
+        let ns = e.chain.namespace();
+        e.chain.keys().iter().any(|k| self.pins.is_pinned(ns, *k))
+    }
+
+    /// Device bytes of the resident sequences that hold a pinned block now.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.entries
+            .values()
+            .filter(|e| self.is_pinned(e))
+            .map(|e| e.bytes)
+            .sum()
     }
 
     /// The budget in bytes.
@@ -271,7 +301,7 @@ impl ResidentPool {
                 used: self.clock,
             },
         );
-        self.evict_to(self.budget)
+        self.evict_to(self.budget, Some(id))
     }
 
     /// Reserves `bytes` for a live sequence, evicting resident sequences (least recently
@@ -280,7 +310,7 @@ impl ResidentPool {
     /// either way, and [`Self::release`] returns them).
     pub fn reserve(&mut self, bytes: u64) -> bool {
         self.live = self.live.saturating_add(bytes);
-        self.evict_to(self.budget);
+        self.evict_to(self.budget, None);
         self.live <= self.budget
     }
 
@@ -289,15 +319,25 @@ impl ResidentPool {
         self.live = self.live.saturating_sub(bytes);
     }
 
-    fn evict_to(&mut self, budget: u64) -> usize {
+    /// Evicts least recently used sequences until resident and live bytes fit `budget`,
+    /// unpinned ones first. Then, after a park (`parked`: the new sequence) the new one
+    /// goes rather than a pinned one; for a live reservation (`None`) pinned ones go too.
+    fn evict_to(&mut self, budget: u64, parked: Option<u64>) -> usize {
         let mut evicted = 0;
         while self.resident + self.live > budget {
-            let Some(id) = self
-                .entries
-                .iter()
-                .min_by_key(|(_, e)| e.used)
-                .map(|(id, _)| *id)
-            else {
+            let lru = |pinned_too: bool| {
+                self.entries
+                    .iter()
+                    .filter(|(_, e)| pinned_too || !self.is_pinned(e))
+                    .min_by_key(|(_, e)| e.used)
+                    .map(|(id, _)| *id)
+            };
+            let victim = match (lru(false), parked) {
+                (Some(id), _) => Some(id),
+                (None, Some(new)) => Some(new).filter(|id| self.entries.contains_key(id)),
+                (None, None) => lru(true),
+            };
+            let Some(id) = victim else {
                 break;
             };
             if let Some(e) = self.remove(id) {

@@ -284,3 +284,58 @@ fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
     let s = pool.stats();
     assert_eq!((s.handovers, s.forks, s.hits), (1, 2, 3));
 }
+
+/// A resident sequence of `tokens` (one layer, evaluated) parked in `pool`.
+fn park(pool: &mut ResidentPool, ns: NamespaceId, tokens: &[u32]) -> usize {
+    let mut cache = PagedKvCache::new(1, config()).unwrap();
+    append(&mut cache, tokens, 0);
+    pool.park(Chain::new(ns, BS), tokens.to_vec(), cache)
+}
+
+#[test]
+fn a_pinned_sequence_survives_eviction_until_its_pin_expires() {
+    let ns = NamespaceId([6; 32]);
+    let pins = Arc::new(store::Pins::new());
+    // Measure one sequence's device bytes, then allow two.
+    let mut probe = ResidentPool::new(1 << 30);
+    park(&mut probe, ns, &[1; 8]);
+    let one = probe.stats().resident_bytes;
+    let mut pool = ResidentPool::new(2 * one);
+    pool.set_pins(pins.clone());
+
+    let pinned: Vec<u32> = (100..108).collect();
+    let keys = Chain::of(ns, BS, &pinned).keys().to_vec();
+    pins.pin(
+        ns,
+        &keys[..1],
+        std::time::Duration::from_millis(1500),
+        false,
+    );
+    park(&mut pool, ns, &pinned);
+    // Newer traffic, least recently used last: only the unpinned sequences go.
+    for i in 0..4u32 {
+        park(&mut pool, ns, &[200 + i; 8]);
+    }
+    let chain = Chain::of(ns, BS, &pinned);
+    assert_eq!(
+        pool.peek(&chain, &pinned, 8),
+        8,
+        "the pinned sequence was evicted"
+    );
+    assert_eq!(pool.pinned_bytes(), one);
+    assert!(pool.stats().resident_bytes <= 2 * one);
+
+    // A live reservation outranks the pin.
+    assert!(pool.reserve(2 * one));
+    assert_eq!(pool.stats().sequences, 0);
+    pool.release(2 * one);
+
+    // Expired, the pin protects nothing.
+    park(&mut pool, ns, &pinned);
+    std::thread::sleep(std::time::Duration::from_millis(1600));
+    for i in 0..2u32 {
+        park(&mut pool, ns, &[300 + i; 8]);
+    }
+    assert_eq!(pool.peek(&chain, &pinned, 8), 0, "an expired pin protected");
+    assert_eq!(pool.pinned_bytes(), 0);
+}

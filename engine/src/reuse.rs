@@ -285,6 +285,23 @@ pub struct KvTiers {
 
 const RECENT_SEQUENCES: usize = 8;
 
+/// Pinned bytes per tier ([`KvTiers::pinned`]).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct PinnedTiers {
+    /// Device bytes of resident sequences holding a pinned block.
+    pub device_bytes: u64,
+    /// Pinned keys, and the pinned bytes in host RAM and on SSD.
+    #[serde(flatten)]
+    pub store: store::PinnedBytes,
+}
+
+/// A device tier of `bytes` whose eviction spares `store`'s pins.
+fn pinned_pool(bytes: u64, store: &Store) -> ResidentPool {
+    let mut pool = ResidentPool::new(bytes);
+    pool.set_pins(store.pins().clone());
+    pool
+}
+
 /// The host half of a restore ([`KvTiers::load_host`]): verified host blocks of a
 /// prompt's chain from block `first` on, loaded without touching the device.
 #[derive(Debug)]
@@ -488,6 +505,7 @@ impl KvTiers {
             let block_bytes: u64 = description.planes.iter().filter_map(|p| p.byte_len()).sum();
             costs.import_s_per_block = calibrate_import(block_bytes);
         }
+        let resident = pinned_pool(config.kv_budget_bytes, &store);
         Ok(Self {
             store,
             namespace,
@@ -501,7 +519,7 @@ impl KvTiers {
                 initial_blocks: 16,
                 max_blocks: config.max_blocks,
             },
-            resident: Mutex::new(ResidentPool::new(config.kv_budget_bytes)),
+            resident: Mutex::new(resident),
             recent: Mutex::new(Vec::new()),
             costs: Mutex::new(costs),
             device,
@@ -523,7 +541,7 @@ impl KvTiers {
     /// Sets the device budget (live and resident KV together).
     /// Resizing drops what is resident: call it at start-up, before any request.
     pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
-        *self.resident()? = ResidentPool::new(bytes);
+        *self.resident()? = pinned_pool(bytes, &self.store);
         Ok(())
     }
 
@@ -573,6 +591,33 @@ impl KvTiers {
     /// The store.
     pub fn store(&self) -> &Store {
         &self.store
+    }
+
+    /// Pins the full blocks of `tokens` (a prompt's first tokens, up to a cache breakpoint)
+    /// in the namespace of cache salt `salt` for `ttl`, in every tier: the device tier, host
+    /// RAM and SSD spare them from eviction until then (see [`store::Pins`]); `durable` pins
+    /// also survive a restart. Blocks not cached yet are protected once published. Returns
+    /// the number of blocks pinned (a partial last block is never pinned: it is not
+    /// published).
+    pub fn pin_prefix(
+        &self,
+        salt: Option<&str>,
+        tokens: &[u32],
+        ttl: std::time::Duration,
+        durable: bool,
+    ) -> Result<usize> {
+        let ns = self.namespace_for(salt)?;
+        let keys = store::chain_keys(ns, tokens, self.paged.block_size);
+        self.store.pins().pin(ns, &keys, ttl, durable);
+        Ok(keys.len())
+    }
+
+    /// What is pinned now: keys, and the bytes of them each tier holds.
+    pub fn pinned(&self) -> PinnedTiers {
+        PinnedTiers {
+            device_bytes: self.resident().map_or(0, |r| r.pinned_bytes()),
+            store: self.store.pinned_bytes(),
+        }
     }
 
     /// Counters of the store.

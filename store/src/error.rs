@@ -94,6 +94,17 @@ pub enum WriteError {
         /// The budget.
         budget: u64,
     },
+    /// The block does not fit beside the pinned blocks, which are never evicted to make
+    /// room ([`crate::Pins`]). The block was not stored.
+    #[error("block of {bytes} bytes does not fit beside {pinned} pinned bytes in the SSD budget of {budget} bytes; pins are never evicted before they expire")]
+    Pinned {
+        /// Estimated physical size.
+        bytes: u64,
+        /// Physical bytes pinned now.
+        pinned: u64,
+        /// The budget.
+        budget: u64,
+    },
     /// An I/O error on a named path (for example ENOSPC). The block was not stored.
     #[error("I/O error on {path}: {source}")]
     Io {

@@ -19,6 +19,8 @@ pub const STORE_FORMAT_NAME: &str = "kvstore-store";
 pub const LOCK_FILE: &str = "LOCK";
 /// Access journal at the root: the persisted LRU order of the SSD tier.
 pub const JOURNAL_FILE: &str = "access.journal";
+/// Durable pins at the root (JSON: namespace, key, expiry per pin; see `pins.rs`).
+pub const PINS_FILE: &str = "pins.json";
 /// Directory for temporary files; everything in it is an orphan when a writer opens.
 pub const TMP_DIR: &str = "tmp";
 /// Directory that receives files that failed verification.

@@ -16,6 +16,8 @@
 //!   block, checksummed, crash safe, byte-budgeted, LRU order persisted), joined by a
 //!   write-behind worker, and optionally a [`remote`] tier on Redis shared between engines
 //!   (lookups in one pipelined round trip, verified fetches, asynchronous publication).
+//! - [`Pins`] keep chosen blocks out of eviction in every tier until they expire (prompt
+//!   caching's breakpoints and retention); durable pins survive a restart.
 //! - [`gc`] and [`inspect`] look after a store directory offline; the `kvstore` binary
 //!   wraps them.
 //!
@@ -61,6 +63,7 @@ mod journal;
 mod key;
 mod namespace;
 mod nofollow;
+mod pins;
 mod ram;
 mod read_ahead;
 pub mod remote;
@@ -75,6 +78,7 @@ pub use codec::{BlockHeader, DecodeError};
 pub use error::{InsertError, OpenError, RegisterError, WriteError};
 pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
 pub use namespace::{KvQuantization, NamespaceDescription};
+pub use pins::{PinnedBytes, Pins, PERSIST_SLACK};
 pub use ram::RamTier;
 pub use remote::RemoteConfig;
 pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};

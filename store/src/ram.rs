@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use crate::block::Block;
 use crate::key::{BlockKey, NamespaceId};
+use crate::pins::Pins;
 
 type Id = (NamespaceId, BlockKey);
 
@@ -40,6 +41,8 @@ pub struct RamTier {
     next_stamp: u64,
     used: u64,
     budget: u64,
+    /// Keys eviction skips ([`Pins`]); empty unless set.
+    pins: Arc<Pins>,
 }
 
 fn parent_of(meta: &crate::BlockMeta) -> Option<Id> {
@@ -56,7 +59,23 @@ impl RamTier {
             next_stamp: 1,
             used: 0,
             budget,
+            pins: Arc::new(Pins::new()),
         }
+    }
+
+    /// Sets the pins eviction spares (the store's, shared with its other tiers).
+    pub fn set_pins(&mut self, pins: Arc<Pins>) {
+        self.pins = pins;
+    }
+
+    /// Bytes of the resident blocks pinned now.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pins
+            .pinned()
+            .iter()
+            .filter_map(|id| self.slots.get(id))
+            .map(|s| s.block.data_len())
+            .sum()
     }
 
     fn stamp(&mut self) -> u64 {
@@ -127,6 +146,8 @@ impl RamTier {
     /// Inserts `block` as most recently used and returns what had to leave to keep the
     /// budget, in eviction order. A block larger than the whole budget is not admitted and
     /// comes back as the only element. Re-inserting a present key replaces and refreshes it.
+    /// Pinned blocks never leave: when only pinned blocks (and ancestors of resident
+    /// blocks) are left to evict, the new block itself leaves (it comes back last).
     pub fn insert(&mut self, block: Arc<Block>) -> Vec<Arc<Block>> {
         let size = block.data_len();
         if size > self.budget {
@@ -162,12 +183,18 @@ impl RamTier {
         }
         let mut evicted = Vec::new();
         while self.used > self.budget {
-            let Some(&(_, _, victim)) = self.evictable.first() else {
-                break;
-            };
-            match self.take(victim) {
+            let victim = self
+                .evictable
+                .iter()
+                .map(|&(_, _, id)| id)
+                .find(|&(ns, key)| !self.pins.is_pinned(ns, key));
+            // Nothing unpinned can go: the new block does not stay beside the pins.
+            match self.take(victim.unwrap_or(id)) {
                 Some(p) => evicted.push(p),
                 None => break,
+            }
+            if victim.is_none() {
+                break;
             }
         }
         evicted

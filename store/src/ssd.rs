@@ -25,6 +25,7 @@ use crate::fs::{FileKind, FileStat, FileSystem, LockError, ReadAt, RealFs, Writa
 use crate::journal::{self, Journal, Record};
 use crate::key::{BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
+use crate::pins::Pins;
 use crate::stats::{Counters, StoreStats};
 
 /// How to open an SSD tier.
@@ -115,6 +116,8 @@ pub struct SsdTier<F: FileSystem = RealFs> {
     poison: Mutex<Option<String>>,
     counters: Arc<Counters>,
     tmp_seq: AtomicU64,
+    /// Keys eviction skips ([`crate::Pins`]); empty until the store sets its pins.
+    pins: Arc<Pins>,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> OpenError + '_ {
@@ -200,7 +203,9 @@ pub(crate) fn scan<F: FileSystem>(fs: &F, root: &Path) -> io::Result<Scan> {
         let path = root.join(name);
         let is_dir = e.kind == FileKind::Dir;
         match name {
-            format::STORE_FILE | format::LOCK_FILE | format::JOURNAL_FILE => continue,
+            format::STORE_FILE | format::LOCK_FILE | format::JOURNAL_FILE | format::PINS_FILE => {
+                continue
+            }
             format::TMP_DIR if is_dir => {
                 for t in fs.read_dir(&path)? {
                     s.temps.push(path.join(t.name));
@@ -289,7 +294,7 @@ pub(crate) fn read_marker<F: FileSystem>(fs: &F, root: &Path) -> Result<Option<M
 }
 
 /// Writes `bytes` to `dir/name` atomically: temp file in `tmp_dir`, fsync, rename, fsync dir.
-fn write_atomic<F: FileSystem>(
+pub(crate) fn write_atomic<F: FileSystem>(
     fs: &F,
     tmp_dir: &Path,
     dir: &Path,
@@ -489,6 +494,7 @@ impl<F: FileSystem> SsdTier<F> {
             poison: Mutex::new(None),
             counters,
             tmp_seq: AtomicU64::new(0),
+            pins: Arc::new(Pins::new()),
         })
     }
 
@@ -802,7 +808,24 @@ impl<F: FileSystem> SsdTier<F> {
         })
     }
 
-    /// Evicts least recently used files until `used <= limit`, sparing `keep`.
+    /// Sets the pins eviction spares (the store's, shared with its other tiers).
+    pub(crate) fn set_pins(&mut self, pins: Arc<Pins>) {
+        self.pins = pins;
+    }
+
+    /// Physical bytes of the blocks pinned now.
+    pub fn pinned_bytes(&self) -> u64 {
+        let pinned = self.pins.pinned();
+        let st = lock(&self.state);
+        pinned
+            .iter()
+            .filter_map(|k| st.index.peek(k))
+            .map(|e| e.phys)
+            .sum()
+    }
+
+    /// Evicts least recently used files until `used <= limit`, sparing `keep` and pinned
+    /// blocks (which keep their place in the LRU order).
     fn evict_until(
         &self,
         limit: u64,
@@ -810,16 +833,16 @@ impl<F: FileSystem> SsdTier<F> {
     ) -> Result<u64, WriteError> {
         let mut evicted = 0;
         let mut st = lock(&self.state);
-        while st.used > limit {
+        let mut spared = Vec::new();
+        let result = loop {
+            if st.used <= limit {
+                break Ok(evicted);
+            }
             let Some((k, e)) = st.index.pop_lru() else {
-                break;
+                break Ok(evicted);
             };
-            if Some(k) == keep {
-                // Back to most recent; stop once nothing else is left to evict.
-                st.index.push(k, e);
-                if st.index.len() == 1 {
-                    break;
-                }
+            if Some(k) == keep || self.pins.is_pinned(k.0, k.1) {
+                spared.push((k, e));
                 continue;
             }
             let path = block_path(&self.root, k.0, k.1);
@@ -829,14 +852,19 @@ impl<F: FileSystem> SsdTier<F> {
                 Err(source) => {
                     st.index.push(k, e);
                     st.index.demote(&k);
-                    return Err(WriteError::Io { path, source });
+                    break Err(WriteError::Io { path, source });
                 }
             }
             st.used -= e.phys;
             evicted += 1;
             Counters::inc(&self.counters.ssd_evictions);
+        };
+        // Back where they were: the least recent spared one ends least recent again.
+        for (k, e) in spared.into_iter().rev() {
+            st.index.push(k, e);
+            st.index.demote(&k);
         }
-        Ok(evicted)
+        result
     }
 
     /// Evicts least recently used blocks until the physical bytes fit the budget; returns
@@ -895,6 +923,16 @@ impl<F: FileSystem> SsdTier<F> {
             });
         }
         self.evict_until(budget - estimate, None)?;
+        let used = lock(&self.state).used;
+        if used + estimate > budget {
+            // Only pinned blocks (or a write racing this one) are left: refuse rather than
+            // evict a pin or overrun the budget.
+            return Err(WriteError::Pinned {
+                bytes: estimate,
+                pinned: self.pinned_bytes(),
+                budget,
+            });
+        }
 
         let ns_dir = self.root.join(ns.to_string());
         let final_path = block_path(&self.root, ns, key);

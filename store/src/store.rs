@@ -16,6 +16,7 @@ use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::fs::{FileSystem, RealFs};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
+use crate::pins::{PinnedBytes, Pins};
 use crate::ram::RamTier;
 use crate::read_ahead::{ReadAhead, ReadPlan};
 use crate::remote::{RemoteConfig, RemoteTier};
@@ -264,6 +265,8 @@ struct Shared<F: FileSystem> {
     ram: Mutex<RamTier>,
     ssd: Option<SsdTier<F>>,
     remote: Option<RemoteTier>,
+    /// Keys no tier evicts before their pin expires.
+    pins: Arc<Pins>,
     namespaces: RwLock<HashMap<NamespaceId, NamespaceDescription>>,
     /// Blocks queued for the SSD tier and not yet written; served as RAM hits meanwhile.
     pending: Mutex<HashMap<(NamespaceId, BlockKey), Arc<Block>>>,
@@ -310,10 +313,11 @@ impl<F: FileSystem> Store<F> {
     /// [`Store::open`] with the SSD tier on the file system `fs`.
     pub fn open_in(fs: F, config: StoreConfig) -> Result<Self, OpenError> {
         let counters = Arc::new(Counters::default());
+        let mut pins = Arc::new(Pins::new());
         let ssd = match &config.root {
             None => None,
             Some(root) => {
-                let ssd = SsdTier::open_with(
+                let mut ssd = SsdTier::open_with(
                     fs,
                     root,
                     SsdOptions {
@@ -323,6 +327,13 @@ impl<F: FileSystem> Store<F> {
                     counters.clone(),
                     true,
                 )?;
+                // Before the budget is enforced: a restart must not evict a 24 h pin.
+                pins = Arc::new(if config.read_only {
+                    Pins::read_only(root)
+                } else {
+                    Pins::open(root)
+                });
+                ssd.set_pins(pins.clone());
                 if !config.read_only {
                     let path = root.clone();
                     let to_open = |e: WriteError| OpenError::Io {
@@ -356,7 +367,12 @@ impl<F: FileSystem> Store<F> {
             .map(|s| s.namespaces().into_iter().map(|d| (d.id(), d)).collect())
             .unwrap_or_default();
         let shared = Arc::new(Shared {
-            ram: Mutex::new(RamTier::new(config.ram_budget)),
+            ram: Mutex::new({
+                let mut ram = RamTier::new(config.ram_budget);
+                ram.set_pins(pins.clone());
+                ram
+            }),
+            pins,
             ssd,
             remote,
             namespaces: RwLock::new(namespaces),
@@ -407,6 +423,21 @@ impl<F: FileSystem> Store<F> {
     /// The SSD tier, if configured.
     pub fn ssd(&self) -> Option<&SsdTier<F>> {
         self.shared.ssd.as_ref()
+    }
+
+    /// The pins every tier of this store spares from eviction (share them with the
+    /// device tier, which lives outside the store).
+    pub fn pins(&self) -> &Arc<Pins> {
+        &self.shared.pins
+    }
+
+    /// What is pinned now, and the bytes of it each tier holds.
+    pub fn pinned_bytes(&self) -> PinnedBytes {
+        PinnedBytes {
+            keys: self.shared.pins.len(),
+            ram_bytes: lock(&self.shared.ram).pinned_bytes(),
+            ssd_bytes: self.shared.ssd.as_ref().map_or(0, SsdTier::pinned_bytes),
+        }
     }
 
     /// Registers a namespace (writing `<root>/<ns>/namespace.json` when writable) and

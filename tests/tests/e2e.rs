@@ -1,5 +1,6 @@
 //! End-to-end tests across crates: one test binary, one module per area.
 
+mod anthropic_client;
 mod bitflips;
 mod cli_reuse;
 mod faults;

@@ -12,6 +12,7 @@
 //! disconnects, the response body is dropped, the handle with it, and the engine cancels
 //! the request at its next step boundary and frees its blocks.
 
+mod anthropic;
 mod conn;
 mod error;
 mod metrics;
@@ -82,6 +83,10 @@ struct AppState {
     metrics: ServerMetrics,
     /// [`scripted_router`]'s script.
     script: Option<Vec<String>>,
+    /// The arguments text of the tool calls answered through the Anthropic API.
+    tool_inputs: anthropic::ToolInputs,
+    /// Per-`prompt_cache_key` accounting.
+    cache_keys: openai::CacheKeys,
 }
 
 type Shared = Arc<AppState>;
@@ -112,10 +117,14 @@ fn build_router(engine: Arc<Engine>, config: ServerConfig, script: Option<Vec<St
             .map(|k| *blake3::hash(k.as_bytes()).as_bytes()),
         config,
         script,
+        tool_inputs: anthropic::ToolInputs::default(),
+        cache_keys: openai::CacheKeys::default(),
     });
     let mut protected = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/cache", get(cache_stats))
         .route("/admin/cache/flush", post(flush));
@@ -174,19 +183,24 @@ async fn auth(
     next: Next,
 ) -> Response {
     if let Some(want) = &s.key_hash {
+        // Bearer (OpenAI) or x-api-key (Anthropic): the same key, the same check.
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
             .map(str::trim);
         if !key_matches(want, given) {
-            return ApiError::new(
+            let e = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "invalid_request_error",
-                "Incorrect or missing API key: send Authorization: Bearer <key>",
+                "Incorrect or missing API key: send Authorization: Bearer <key> or x-api-key: <key>",
             )
-            .with_code("invalid_api_key")
-            .into_response();
+            .with_code("invalid_api_key");
+            if req.uri().path().starts_with("/v1/messages") {
+                return anthropic::error_response(e);
+            }
+            return e.into_response();
         }
     }
     next.run(req).await
@@ -273,9 +287,15 @@ async fn cache_stats(State(s): State<Shared>) -> Json<Value> {
             "block_size": p.paged_config().block_size,
             "device": p.resident_stats(),
             "store": p.stats(),
+            "pinned": p.pinned(),
+            "prompt_cache_keys": s.cache_keys.snapshot(),
             "engine": engine,
         }),
-        None => json!({"enabled": false, "engine": engine}),
+        None => json!({
+            "enabled": false,
+            "prompt_cache_keys": s.cache_keys.snapshot(),
+            "engine": engine,
+        }),
     })
 }
 
@@ -386,9 +406,18 @@ struct Meta {
     nonce: u128,
     /// [`scripted_router`]'s script.
     script: Option<Vec<String>>,
+    /// `prompt_cache_key`, and when its pin ends (Unix ms) if the request pinned.
+    cache_key: Option<(String, Option<u64>)>,
 }
 
 impl Meta {
+    /// Counts a finished request under its `prompt_cache_key`.
+    fn account(&self, s: &Shared, c: &Completion) {
+        if let Some((key, until)) = &self.cache_key {
+            s.cache_keys.record(key, c, *until);
+        }
+    }
+
     /// The id of this response's `i`th tool call.
     fn call_id(&self, i: usize) -> String {
         let h = blake3::hash(format!("{}:{}:{i}", self.id, self.nonce).as_bytes());
@@ -459,24 +488,16 @@ async fn generate_endpoint(
     })
     .await
     .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
-    let context = s.engine.context_limit();
-    if prompt.len() >= context {
-        return Err(ApiError::from(crate::EngineError::PromptTooLong {
-            prompt: prompt.len(),
-            context,
-        }));
-    }
-    let limit = s.config.max_tokens_limit;
-    if let Some(m) = opts.max_tokens.filter(|m| *m > limit) {
-        return Err(ApiError::param(
-            "max_tokens",
-            format!(
-                "max_tokens = {m} is above this server's limit of {limit} (--max-tokens-limit)"
-            ),
-        ));
-    }
-    let room = context - prompt.len();
-    opts.params.max_tokens = opts.max_tokens.unwrap_or(limit).min(room);
+    opts.params.max_tokens = token_budget(&s, prompt.len(), opts.max_tokens)?;
+    // Retention 24h: the whole prompt stays in every tier for a day, across restarts.
+    let pinned_until = match s.engine.kv_tiers() {
+        Some(kv) if opts.retain_24h => {
+            let ttl = openai::RETENTION_24H;
+            kv.pin_prefix(opts.cache_salt.as_deref(), &prompt, ttl, true)?;
+            Some(now() * 1000 + ttl.as_millis() as u64)
+        }
+        _ => None,
+    };
     let handle = s.engine.submit(Request {
         prompt,
         params: opts.params,
@@ -494,12 +515,35 @@ async fn generate_endpoint(
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos()),
         script: s.script.clone(),
+        cache_key: opts.prompt_cache_key.map(|k| (k, pinned_until)),
     };
     if opts.stream {
         Ok(stream(s, handle, meta).into_response())
     } else {
         whole(s, handle, meta).await
     }
+}
+
+/// The tokens a request with a prompt of `prompt` tokens and `max_tokens` (as asked) may
+/// generate: at most `--max-tokens-limit` (more is a 400) and what the context leaves.
+fn token_budget(s: &Shared, prompt: usize, max_tokens: Option<usize>) -> Result<usize, ApiError> {
+    let context = s.engine.context_limit();
+    if prompt >= context {
+        return Err(ApiError::from(crate::EngineError::PromptTooLong {
+            prompt,
+            context,
+        }));
+    }
+    let limit = s.config.max_tokens_limit;
+    if let Some(m) = max_tokens.filter(|m| *m > limit) {
+        return Err(ApiError::param(
+            "max_tokens",
+            format!(
+                "max_tokens = {m} is above this server's limit of {limit} (--max-tokens-limit)"
+            ),
+        ));
+    }
+    Ok(max_tokens.unwrap_or(limit).min(context - prompt))
 }
 
 /// A non-streaming response: collect every token, then answer once.
@@ -512,6 +556,7 @@ async fn whole(s: Shared, mut handle: RequestHandle, meta: Meta) -> Result<Respo
                 return Err(cut_off(&s, &c));
             }
             Event::Finished(c) => {
+                meta.account(&s, &c);
                 let tok = s.engine.tokenizer();
                 let reason = openai::finish_reason(&c);
                 let text = match &meta.script {
@@ -729,6 +774,7 @@ impl StreamState {
                 false
             }
             Some(Event::Finished(c)) => {
+                self.meta.account(&self.s, &c);
                 {
                     let rest: String = self
                         .script
@@ -759,11 +805,7 @@ impl StreamState {
             // Events end with Finished or Failed; a stream that ends without one lost its
             // engine thread.
             e @ (Some(Event::Failed(_)) | None) => {
-                let e = match e {
-                    Some(Event::Failed(e)) => e,
-                    _ => crate::EngineError::EngineStopped,
-                };
-                let err = ApiError::from(e);
+                let err = stream_failure(e);
                 self.out
                     .push_back(SseEvent::default().data(err.body().to_string()));
                 self.out.push_back(SseEvent::default().data("[DONE]"));
@@ -780,12 +822,8 @@ fn stream(
     handle: RequestHandle,
     meta: Meta,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
-    let calls = meta
-        .tools
-        .as_ref()
-        .map(|t| CallStream::new(t.format, t.names.clone()));
-    let script = meta.script.clone().map(VecDeque::from);
-    let state = StreamState {
+    let (calls, script) = stream_parsers(meta.tools.as_ref(), meta.script.as_ref());
+    sse(StreamState {
         s,
         handle: Some(handle),
         meta,
@@ -793,16 +831,69 @@ fn stream(
         calls,
         calls_sent: 0,
         script,
-    };
+    })
+}
+
+impl EventStream for StreamState {
+    fn out(&mut self) -> &mut VecDeque<SseEvent> {
+        &mut self.out
+    }
+
+    fn handle(&mut self) -> &mut Option<RequestHandle> {
+        &mut self.handle
+    }
+
+    fn on(&mut self, e: Option<Event>) -> bool {
+        StreamState::on(self, e)
+    }
+}
+
+/// The tool-call parser of a streamed reply with tools, and what is left of
+/// [`scripted_router`]'s script.
+fn stream_parsers(
+    tools: Option<&ToolParsing>,
+    script: Option<&Vec<String>>,
+) -> (Option<CallStream>, Option<VecDeque<String>>) {
+    (
+        tools.map(|t| CallStream::new(t.format, t.names.clone())),
+        script.cloned().map(VecDeque::from),
+    )
+}
+
+/// The error of a stream whose events ended without `Finished`: a failure, or (`None`)
+/// the engine thread gone.
+fn stream_failure(e: Option<Event>) -> ApiError {
+    match e {
+        Some(Event::Failed(e)) => e.into(),
+        _ => crate::EngineError::EngineStopped.into(),
+    }
+}
+
+/// A streamed response's state: it turns its request's events into SSE events.
+trait EventStream: Send + 'static {
+    /// SSE events ready to send.
+    fn out(&mut self) -> &mut VecDeque<SseEvent>;
+    /// The request's handle, `None` once its last event was read.
+    fn handle(&mut self) -> &mut Option<RequestHandle>;
+    /// Queues the SSE events of one engine event (`None`: the engine thread is gone);
+    /// false once the response is complete.
+    fn on(&mut self, e: Option<Event>) -> bool;
+}
+
+/// An SSE response that reads the request's events as they come. Dropping it (the client
+/// went away) drops the handle, which cancels the request.
+fn sse<S: EventStream>(
+    state: S,
+) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let events = futures_util::stream::unfold(state, |mut st| async move {
         loop {
-            if let Some(ev) = st.out.pop_front() {
+            if let Some(ev) = st.out().pop_front() {
                 return Some((Ok(ev), st));
             }
-            let handle = st.handle.as_mut()?;
+            let handle = st.handle().as_mut()?;
             let e = handle.recv().await;
             if !st.on(e) {
-                st.handle = None;
+                *st.handle() = None;
             }
         }
     });

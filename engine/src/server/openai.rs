@@ -49,7 +49,15 @@ pub(crate) struct Options {
     pub max_tokens: Option<usize>,
     /// `cache_salt` (as in vLLM): requests with different salts never share cached blocks.
     pub cache_salt: Option<String>,
+    /// `prompt_cache_key`: names the session a request belongs to (accounted per key in
+    /// `/v1/cache`).
+    pub prompt_cache_key: Option<String>,
+    /// `prompt_cache_retention: "24h"`: pin the prompt's blocks for a day.
+    pub retain_24h: bool,
 }
+
+/// Longest `prompt_cache_key` accepted, in bytes.
+pub(crate) const MAX_PROMPT_CACHE_KEY_BYTES: usize = 256;
 
 fn num(v: &Map<String, Value>, name: &'static str) -> Result<Option<f64>, ApiError> {
     match v.get(name) {
@@ -195,6 +203,33 @@ pub(crate) fn options(body: &Map<String, Value>, chat: bool) -> Result<Options, 
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err(ApiError::param("cache_salt", "cache_salt must be a string")),
     };
+    let prompt_cache_key = match body.get("prompt_cache_key") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s.len() <= MAX_PROMPT_CACHE_KEY_BYTES => Some(s.clone()),
+        Some(Value::String(_)) => {
+            return Err(ApiError::param(
+                "prompt_cache_key",
+                format!("prompt_cache_key is longer than {MAX_PROMPT_CACHE_KEY_BYTES} bytes"),
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::param(
+                "prompt_cache_key",
+                "prompt_cache_key must be a string",
+            ))
+        }
+    };
+    let retain_24h = match body.get("prompt_cache_retention") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) if s == "in_memory" || s == "in-memory" => false,
+        Some(Value::String(s)) if s == "24h" => true,
+        Some(_) => {
+            return Err(ApiError::param(
+                "prompt_cache_retention",
+                "prompt_cache_retention must be \"in_memory\" or \"24h\"",
+            ))
+        }
+    };
     let stream = flag(body, "stream")?;
     let include_usage = match body.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -219,6 +254,8 @@ pub(crate) fn options(body: &Map<String, Value>, chat: bool) -> Result<Options, 
         },
         max_tokens: max_tokens.map(|m| usize::try_from(m).unwrap_or(usize::MAX)),
         cache_salt,
+        prompt_cache_key,
+        retain_24h,
     })
 }
 
@@ -230,6 +267,20 @@ pub(crate) fn chat_prompt(
     body: &Map<String, Value>,
     raw: &str,
 ) -> Result<Vec<u32>, ApiError> {
+    let (messages, tools) = chat_template_input(tokenizer, body, raw)?;
+    tokenizer
+        .encode_chat(&messages, tools.as_deref(), true)
+        .map_err(ApiError::from)
+}
+
+/// Validates a chat body's messages and returns the JSON texts of `messages` and `tools`
+/// the chat template renders (text parts joined, key order kept, tool-call arguments as the
+/// template expects them).
+pub(crate) fn chat_template_input(
+    tokenizer: &Tokenizer,
+    body: &Map<String, Value>,
+    raw: &str,
+) -> Result<(String, Option<String>), ApiError> {
     let messages = match body.get("messages") {
         Some(Value::Array(m)) if !m.is_empty() => m,
         Some(Value::Array(_)) => {
@@ -329,9 +380,7 @@ pub(crate) fn chat_prompt(
         }
         _ => messages_json,
     };
-    tokenizer
-        .encode_chat(&messages_json, tools_json.as_deref(), true)
-        .map_err(ApiError::from)
+    Ok((messages_json, tools_json))
 }
 
 /// Whether a template writes a call's `arguments` through `tojson` without first checking
@@ -470,6 +519,71 @@ pub(crate) fn chat_logprob(tokenizer: &Tokenizer, s: &Sampled) -> Value {
     json!({"token": tok, "logprob": s.logprob, "bytes": bytes(&tok), "top_logprobs": top})
 }
 
+/// How long `prompt_cache_retention: "24h"` pins a prompt's blocks.
+pub(crate) const RETENTION_24H: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+/// Most `prompt_cache_key`s accounted at once (the least recently used leaves first).
+const MAX_CACHE_KEYS: usize = 1024;
+
+/// What the requests of one `prompt_cache_key` did.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub(crate) struct CacheKeyStats {
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    /// Prompt tokens of the key's last request, and how many of them were cached.
+    pub last_prompt_tokens: u64,
+    pub last_cached_tokens: u64,
+    /// When the key's 24 h pin ends (Unix ms; 0: never pinned).
+    pub pinned_until_unix_ms: u64,
+    #[serde(skip)]
+    seen: u64,
+}
+
+/// Per-`prompt_cache_key` accounting (shown by `GET /v1/cache`).
+#[derive(Default)]
+pub(crate) struct CacheKeys {
+    map: std::sync::Mutex<(std::collections::HashMap<String, CacheKeyStats>, u64)>,
+}
+
+impl CacheKeys {
+    /// Counts a finished request of `key`; `pinned_until` when it pinned its prompt.
+    pub fn record(&self, key: &str, c: &Completion, pinned_until: Option<u64>) {
+        let Ok(mut g) = self.map.lock() else {
+            return;
+        };
+        let (map, clock) = &mut *g;
+        *clock += 1;
+        let seen = *clock;
+        if !map.contains_key(key) && map.len() >= MAX_CACHE_KEYS {
+            if let Some(old) = map
+                .iter()
+                .min_by_key(|(_, v)| v.seen)
+                .map(|(k, _)| k.clone())
+            {
+                map.remove(&old);
+            }
+        }
+        let e = map.entry(key.to_string()).or_default();
+        e.requests += 1;
+        e.prompt_tokens += c.prompt_tokens as u64;
+        e.cached_tokens += c.cached_tokens as u64;
+        e.last_prompt_tokens = c.prompt_tokens as u64;
+        e.last_cached_tokens = c.cached_tokens as u64;
+        if let Some(t) = pinned_until {
+            e.pinned_until_unix_ms = e.pinned_until_unix_ms.max(t);
+        }
+        e.seen = seen;
+    }
+
+    /// Every key's counters.
+    pub fn snapshot(&self) -> std::collections::BTreeMap<String, CacheKeyStats> {
+        self.map
+            .lock()
+            .map(|g| g.0.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default()
+    }
+}
+
 /// How a chat request's reply is searched for tool calls: the template's format and the
 /// names of the request's functions.
 #[derive(Clone, Debug)]
@@ -568,11 +682,12 @@ pub(crate) fn tool_parsing(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::server::tool_calls::{self, ToolFormat};
 
-    fn tokenizer(model: &str) -> Tokenizer {
+    /// The tokenizer of a golden test model.
+    pub(crate) fn tokenizer(model: &str) -> Tokenizer {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/goldens")
             .join(model);

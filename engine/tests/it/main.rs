@@ -1,6 +1,7 @@
 //! Engine integration tests: parity with mlx-lm and transformers (goldens written by
 //! scripts/goldens/make_goldens.sh), loading, bad input, generation.
 
+mod anthropic;
 mod bad_input;
 mod batch;
 mod common;

@@ -16,7 +16,7 @@ use store::StoreConfig;
 
 use crate::common::goldens;
 
-const MODEL: &str = "tiny-qwen3";
+pub(crate) const MODEL: &str = "tiny-qwen3";
 
 fn open_engine(dir: &std::path::Path, config: EngineConfig) -> Arc<Engine> {
     open_salted_engine(dir, None, config)
@@ -40,9 +40,9 @@ fn open_salted_engine(
 }
 
 /// A server on 127.0.0.1:0 in a background runtime; dropped, it stops.
-struct Server {
-    addr: SocketAddr,
-    engine: Arc<Engine>,
+pub(crate) struct Server {
+    pub(crate) addr: SocketAddr,
+    pub(crate) engine: Arc<Engine>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
     _dir: Option<tempfile::TempDir>,
@@ -60,7 +60,7 @@ fn server_config(api_key: Option<&str>) -> ServerConfig {
 }
 
 impl Server {
-    fn start(api_key: Option<&str>, config: EngineConfig) -> Server {
+    pub(crate) fn start(api_key: Option<&str>, config: EngineConfig) -> Server {
         Self::start_with(api_key, config, ConnectionLimits::default())
     }
 
@@ -107,7 +107,13 @@ impl Server {
         }
     }
 
-    fn request(&self, method: &str, path: &str, key: Option<&str>, body: &str) -> Response {
+    pub(crate) fn request(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: &str,
+    ) -> Response {
         let mut s = self.send(method, path, key, body);
         let mut raw = Vec::new();
         s.read_to_end(&mut raw).unwrap();
@@ -128,7 +134,7 @@ impl Server {
         s
     }
 
-    fn post(&self, path: &str, body: &Value) -> Response {
+    pub(crate) fn post(&self, path: &str, body: &Value) -> Response {
         self.request("POST", path, None, &body.to_string())
     }
 
@@ -158,13 +164,13 @@ impl Drop for Server {
     }
 }
 
-struct Response {
-    status: u16,
-    body: String,
+pub(crate) struct Response {
+    pub(crate) status: u16,
+    pub(crate) body: String,
 }
 
 impl Response {
-    fn parse(raw: &[u8]) -> Response {
+    pub(crate) fn parse(raw: &[u8]) -> Response {
         let text = String::from_utf8_lossy(raw).to_string();
         let (head, rest) = text.split_once("\r\n\r\n").unwrap();
         let status = head.split(' ').nth(1).unwrap().parse().unwrap();
@@ -179,12 +185,12 @@ impl Response {
         Response { status, body }
     }
 
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
     }
 
     /// The `data:` payloads of an SSE body.
-    fn events(&self) -> Vec<String> {
+    pub(crate) fn events(&self) -> Vec<String> {
         self.body
             .lines()
             .filter_map(|l| l.strip_prefix("data: "))
@@ -1655,7 +1661,7 @@ fn a_stream_cut_off_by_shutdown_ends_with_an_error_object() {
 // piece, and the pieces left over when generation ends come at the end.
 
 /// A tool call as the Qwen-style template teaches it, cut where a streamed reply may cut it.
-const SCRIPTED_CALL: [&str; 5] = [
+pub(crate) const SCRIPTED_CALL: [&str; 5] = [
     "Let me check. ",
     "<tool_",
     "call>\n{\"name\": \"get_weather\", ",
@@ -1667,7 +1673,7 @@ const SCRIPTED_CALL: [&str; 5] = [
 const CALL_TEXT: &str =
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 2}}\n</tool_call>";
 
-fn scripted_server(script: &[&str]) -> Server {
+pub(crate) fn scripted_server(script: &[&str]) -> Server {
     scripted_server_of(MODEL, script)
 }
 

@@ -35,27 +35,11 @@ fn assert_prefix(present: &[bool], n: usize, what: &str) {
     );
 }
 
-/// Physical bytes one small block file takes here (file systems differ).
-fn per_block(d: &store::NamespaceDescription) -> u64 {
-    let dir = tempfile::tempdir().unwrap();
-    let ssd = SsdTier::open(
-        dir.path(),
-        SsdOptions {
-            read_only: false,
-            budget: 1 << 30,
-        },
-    )
-    .unwrap();
-    let (blocks, _) = common::chain(d, 1, 99);
-    ssd.put(&blocks[0]).unwrap();
-    ssd.used_bytes()
-}
-
 #[test]
 fn eviction_keeps_chain_roots_longer_than_their_leaves() {
     let dir = tempfile::tempdir().unwrap();
     let d = common::desc("chains", 4); // 256 bytes of planes per block
-    let file = per_block(&d);
+    let file = common::per_block(&d);
     let n = 16;
     let half = 8;
     let cfg = StoreConfig::default()
@@ -124,7 +108,7 @@ fn gc_by_size_keeps_a_prefix_even_when_the_root_is_least_recent() {
     // block, yet gc removes leaves before their ancestors.
     let dir = tempfile::tempdir().unwrap();
     let d = common::desc("gc-chain", 4);
-    let file = per_block(&d);
+    let file = common::per_block(&d);
     {
         let ssd = SsdTier::open(
             dir.path(),

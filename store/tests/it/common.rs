@@ -3,7 +3,10 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use store::{Block, BlockMeta, Dtype, NamespaceDescription, NamespaceId, Plane, PlaneSpec};
+use store::{
+    Block, BlockMeta, Dtype, NamespaceDescription, NamespaceId, Plane, PlaneSpec, SsdOptions,
+    SsdTier,
+};
 
 /// A namespace with two planes of `rows x 8` f32 and block size 4.
 pub fn desc(model: &str, rows: u64) -> NamespaceDescription {
@@ -139,4 +142,20 @@ pub fn is_root() -> bool {
                 .map(|l| l.split_whitespace().nth(2) == Some("0"))
         })
         .unwrap_or(false)
+}
+
+/// Physical bytes one small block file takes here (file systems differ).
+pub fn per_block(d: &store::NamespaceDescription) -> u64 {
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = SsdTier::open(
+        dir.path(),
+        SsdOptions {
+            read_only: false,
+            budget: 1 << 30,
+        },
+    )
+    .unwrap();
+    let (blocks, _) = chain(d, 1, 99);
+    ssd.put(&blocks[0]).unwrap();
+    ssd.used_bytes()
 }

@@ -11,6 +11,7 @@ mod fixtures;
 mod fuzz_corpus;
 mod gc_inspect;
 mod locking;
+mod pins;
 mod planted_links;
 #[path = "../../../tests/src/prerequisite.rs"]
 mod prerequisite;
