@@ -10,7 +10,7 @@
 //! The randomized schedules are seeded: a failing seed is printed with the command that
 //! replays it alone (`KVSTORE_FAULT_SEED=<seed> cargo test -p kvstore-store --test it
 //! faults::one_schedule -- --ignored --nocapture`). The long run (docs/reliability.md):
-//! `KVSTORE_FAULT_SCHEDULES=10000 cargo test --release -p kvstore-store --test it
+//! `KVSTORE_FAULT_SCHEDULES=10000 cargo test -p kvstore-store --test it
 //! faults::many_schedules -- --ignored --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -598,7 +598,7 @@ fn one_schedule() {
 }
 
 #[test]
-#[ignore = "long run (docs/reliability.md): KVSTORE_FAULT_SCHEDULES=10000 in release"]
+#[ignore = "long run (docs/reliability.md): KVSTORE_FAULT_SCHEDULES=10000"]
 fn many_schedules() {
     let n = env_u64("KVSTORE_FAULT_SCHEDULES").unwrap_or(10_000);
     let first = env_u64("KVSTORE_FAULT_FIRST_SEED").unwrap_or(0);
