@@ -42,6 +42,19 @@ pub enum CacheError {
         /// Why it was rejected.
         reason: String,
     },
+    /// A non-attention layer's state cannot go back that far: it kept no state there.
+    #[error(
+        "cannot drop the last {tokens} of {held} tokens: a recurrent or convolutional layer \
+         kept its state only after {kept:?} tokens (and at 0)"
+    )]
+    Rewind {
+        /// Tokens asked to drop.
+        tokens: usize,
+        /// Tokens the layer holds.
+        held: usize,
+        /// Token counts at which it kept an earlier state.
+        kept: Vec<usize>,
+    },
     /// Tokens given for publication do not match what the cache holds.
     #[error("publish: {0}")]
     Publish(String),

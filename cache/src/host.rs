@@ -12,12 +12,43 @@
 //! (uint32) for packed values and head_dim/group_size for scales and biases. A layer's
 //! arena part is `[kv_heads, n · block_size, width]`, so block `b` of a run is, per head,
 //! the rows `b·bs .. (b+1)·bs`.
+//!
+//! A *snapshot block* of a hybrid model carries, after those, the state of every
+//! non-attention layer `j` at the block's end: `states.{j}.{p}` for each part `p` of the
+//! layer's state, shaped as the state without its batch axis (LFM2: `[K-1, hidden]`).
 
 use mlx::Array;
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
 use crate::pool::BlockShape;
-use crate::{CacheError, KvFormat};
+use crate::{CacheError, KvFormat, LayerState};
+
+/// The plane name of part `part` of state layer `layer`.
+fn state_plane_name(layer: usize, part: usize) -> String {
+    format!("states.{layer}.{part}")
+}
+
+/// The state planes a snapshot block of states shaped like `states` carries (per state
+/// layer, its parts; batch axis first, of size 1): what a namespace records.
+pub fn state_plane_specs(states: &[LayerState]) -> Result<Vec<PlaneSpec>, CacheError> {
+    let mut out = Vec::new();
+    for (j, state) in states.iter().enumerate() {
+        for (p, a) in state.iter().enumerate() {
+            let shape = a.shape();
+            if shape.first() != Some(&1) {
+                return Err(CacheError::Shape(format!(
+                    "state {j}.{p} of shape {shape:?} is not one sequence's"
+                )));
+            }
+            out.push(PlaneSpec::new(
+                state_plane_name(j, p),
+                to_store_dtype(a.dtype())?,
+                shape[1..].iter().map(|&d| d as u64).collect(),
+            ));
+        }
+    }
+    Ok(out)
+}
 
 pub(crate) fn to_store_dtype(d: mlx::Dtype) -> Result<store::Dtype, CacheError> {
     Ok(match d {
@@ -113,15 +144,21 @@ fn split_run(
 }
 
 /// Builds host-byte blocks from the run parts of every layer (`parts[layer][part]`, each
-/// `[1, H, n · bs, width]`, evaluated here in one batch), one block per entry of `metas`.
+/// `[1, H, n · bs, width]`, evaluated here in one batch), one block per entry of `metas`;
+/// a block with an entry in `states` becomes a snapshot block carrying them.
 pub(crate) fn blocks_from_run(
     parts: Vec<Vec<Array>>,
     format: KvFormat,
     block_size: usize,
     metas: Vec<BlockMeta>,
+    states: Vec<Option<Vec<LayerState>>>,
 ) -> Result<Vec<Block>, CacheError> {
     let n = metas.len();
-    let all: Vec<&Array> = parts.iter().flatten().collect();
+    let all: Vec<&Array> = parts
+        .iter()
+        .flatten()
+        .chain(states.iter().flatten().flatten().flatten())
+        .collect();
     mlx::eval(&all)?;
     let mut planes: Vec<Vec<Plane>> = (0..n).map(|_| Vec::new()).collect();
     for (layer, layer_parts) in parts.iter().enumerate() {
@@ -145,11 +182,60 @@ pub(crate) fn blocks_from_run(
             }
         }
     }
+    for (b, st) in states.into_iter().enumerate() {
+        let Some(st) = st else { continue };
+        let specs = state_plane_specs(&st)?;
+        for (spec, a) in specs.into_iter().zip(st.iter().flatten()) {
+            let data = a.to_bytes()?;
+            planes[b].push(Plane::new(spec.name, spec.dtype, spec.shape, data));
+        }
+    }
     Ok(metas
         .into_iter()
         .zip(planes)
         .map(|(meta, planes)| Block { meta, planes })
         .collect())
+}
+
+/// The layer states a snapshot block carries after its `kv_planes` K/V planes, for a cache
+/// of `state_layers` state layers: `None` for a block without state planes.
+pub(crate) fn block_states(
+    block: &Block,
+    kv_planes: usize,
+    state_layers: usize,
+) -> Result<Option<Vec<LayerState>>, String> {
+    let extra = block.planes.get(kv_planes..).unwrap_or(&[]);
+    if extra.is_empty() {
+        return Ok(None);
+    }
+    let mut states: Vec<LayerState> = vec![Vec::new(); state_layers];
+    for plane in extra {
+        let (j, p) = plane
+            .name
+            .strip_prefix("states.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(j, p)| Some((j.parse::<usize>().ok()?, p.parse::<usize>().ok()?)))
+            .ok_or_else(|| format!("plane {:?} is neither K/V nor a layer state", plane.name))?;
+        match states.get_mut(j) {
+            Some(parts) if parts.len() == p => {
+                let mut shape = vec![1i32];
+                shape.extend(plane.shape.iter().map(|&d| d as i32));
+                let a = Array::from_bytes(&plane.data, &shape, to_mlx_dtype(plane.dtype))
+                    .map_err(|e| e.to_string())?;
+                parts.push(a);
+            }
+            _ => {
+                return Err(format!(
+                    "state plane {:?} is out of order or past the {state_layers} state layers",
+                    plane.name
+                ))
+            }
+        }
+    }
+    if let Some(j) = states.iter().position(Vec::is_empty) {
+        return Err(format!("the snapshot has no state for state layer {j}"));
+    }
+    Ok(Some(states))
 }
 
 /// The block shape a block's planes imply under `format` and `block_size`, checking that
@@ -162,11 +248,17 @@ pub(crate) fn block_shape(
     format: KvFormat,
 ) -> Result<BlockShape, String> {
     let per = format.parts() * 2;
-    if block.planes.len() != layers * per {
+    let kv_planes = layers * per;
+    let extra_ok = block.planes.len() >= kv_planes
+        && block.planes[kv_planes..]
+            .iter()
+            .all(|p| p.name.starts_with("states."));
+    if block.planes.len() < kv_planes || !extra_ok {
         return Err(format!(
-            "it has {} planes, {layers} layers of {format:?} need {}",
+            "it has {} planes, {layers} layers of {format:?} need {} (and layer states only \
+             after them)",
             block.planes.len(),
-            layers * per
+            kv_planes
         ));
     }
     if block.meta.tokens.len() != block_size {

@@ -12,6 +12,8 @@
 //! - [`ResidentPool`]: the device tier: finished sequences' KV kept on the device under one
 //!   byte budget, matched token-granularly and handed over (or forked) on a hit.
 //! - [`PagedKvRows`]: a batch of sequences decoding together.
+//! - [`LayerStates`]: the state of non-attention layers (short convolutions, recurrent
+//!   layers) a sequence carries beside its KV, and how far it can be rewound.
 //! - [`KvFormat`]: float or affine-quantized (KV4/KV8) storage.
 //! - [`attention_mask`]: causal and sliding-window masks for a step.
 
@@ -25,17 +27,19 @@ mod paged;
 mod pool;
 mod resident;
 mod rows;
+mod state;
 
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;
 pub use format::KvFormat;
-pub use host::plane_specs;
+pub use host::{plane_specs, state_plane_specs};
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
 pub use pool::{BlockPool, BlockShape};
 pub use resident::{ResidentHit, ResidentPool, ResidentStats};
 pub use rows::PagedKvRows;
+pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 
 use mlx::Array;
 
@@ -72,6 +76,38 @@ pub trait KvCache {
 
     /// Drops the last `tokens` tokens of every layer (all of them if fewer are held) and
     /// returns how many were dropped; the next append goes where they began. A generation
-    /// loop that computed one step ahead uses it to forget a step it did not need.
+    /// loop that computed one step ahead uses it to forget a step it did not need. A cache
+    /// with state layers can only go back to a state it kept ([`LayerStates::rewind`]):
+    /// otherwise it MUST refuse with [`CacheError::Rewind`] and change nothing.
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError>;
+
+    /// Non-attention layers ("state layers", numbered `0..` in model order apart from the
+    /// attention layers) whose state the cache carries; 0 for an attention-only cache.
+    fn state_layers(&self) -> usize {
+        0
+    }
+
+    /// Tokens between the state snapshots the cache keeps, if it keeps any: a forward pass
+    /// ends a step at every multiple of it (see [`LayerStates::with_snapshots`]).
+    fn state_snapshot_every(&self) -> Option<usize> {
+        None
+    }
+
+    /// The state of state layer `layer` (array handles, no copy); `None` before its first
+    /// token.
+    fn layer_state(&self, layer: usize) -> Result<Option<LayerState>, CacheError> {
+        Err(CacheError::NoSuchLayer { layer, layers: 0 })
+    }
+
+    /// Sets the state of state layer `layer` after a forward step of `tokens` tokens. The
+    /// caller sets every state layer once per step, as it appends every attention layer.
+    fn set_layer_state(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+        state: LayerState,
+    ) -> Result<(), CacheError> {
+        let _ = (tokens, state);
+        Err(CacheError::NoSuchLayer { layer, layers: 0 })
+    }
 }

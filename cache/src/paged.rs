@@ -6,6 +6,7 @@ use store::{Block, BlockMeta};
 
 use crate::host;
 use crate::pool::{BlockPool, BlockShape};
+use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 use crate::{CacheError, Chain, KvCache, KvFormat};
 
 /// Settings of a paged cache.
@@ -41,7 +42,8 @@ struct Layer {
 }
 
 /// A sequence's KV cache in blocks: per layer, a [`BlockPool`] created lazily from the
-/// first keys and values (their shape and dtype), a block table and a length.
+/// first keys and values (their shape and dtype), a block table and a length; beside it,
+/// for hybrid models, the state of each non-attention layer ([`LayerStates`]).
 ///
 /// `Clone` is cheap and gives an independent cache (shared buffers, copy on write).
 #[derive(Clone, Debug)]
@@ -49,6 +51,7 @@ pub struct PagedKvCache {
     config: PagedConfig,
     layers: Vec<Layer>,
     published: usize,
+    states: LayerStates,
 }
 
 /// The outcome of [`PagedKvCache::restore`].
@@ -60,6 +63,9 @@ pub struct Restored {
     pub blocks: usize,
     /// Why restoring stopped before the end, if it did.
     pub stopped: Option<CacheError>,
+    /// Valid blocks after the last snapshot block that a hybrid's cache left out (their
+    /// tokens are recomputed, which also recomputes the layer states); 0 otherwise.
+    pub state_cut: usize,
 }
 
 fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, usize), CacheError> {
@@ -178,6 +184,7 @@ impl PagedKvCache {
             config,
             layers: vec![Layer::default(); layers],
             published: 0,
+            states: LayerStates::default(),
         })
     }
 
@@ -187,7 +194,35 @@ impl PagedKvCache {
             config: PagedConfig::default(),
             layers: vec![Layer::default(); layers],
             published: 0,
+            states: LayerStates::default(),
         }
+    }
+
+    /// This empty cache with `layers` state layers (a hybrid model's non-attention
+    /// layers), each keeping [`DEFAULT_STATE_HISTORY`] earlier states for trimming.
+    pub fn with_state_layers(mut self, layers: usize) -> Self {
+        let every = self.states.snapshot_every().unwrap_or(0);
+        self.states = LayerStates::new(layers, DEFAULT_STATE_HISTORY).with_snapshots(every);
+        self
+    }
+
+    /// This cache keeping a snapshot of every state layer each `blocks` blocks (none for
+    /// 0), so the device tier can resume it at those points ([`LayerStates`]).
+    pub fn with_state_snapshots(mut self, blocks: usize) -> Self {
+        let every = blocks * self.config.block_size;
+        self.states = std::mem::take(&mut self.states).with_snapshots(every);
+        self
+    }
+
+    /// The states of the non-attention layers.
+    pub fn states(&self) -> &LayerStates {
+        &self.states
+    }
+
+    /// The most tokens, at most `max`, this cache can be trimmed back to: `max` for an
+    /// attention-only cache, else the latest point where every state layer kept its state.
+    pub fn rewind_point(&self, max: usize) -> usize {
+        self.states.rewind_point(max.min(self.offset()))
     }
 
     /// The settings.
@@ -290,8 +325,11 @@ impl PagedKvCache {
     }
 
     /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
-    /// Published blocks are not affected (they own their buffers).
-    pub fn trim(&mut self, tokens: usize) -> usize {
+    /// Published blocks are not affected (they own their buffers). State layers go back to
+    /// the state they kept there; where one kept none, the trim is refused with
+    /// [`CacheError::Rewind`] and nothing changes (see [`PagedKvCache::rewind_point`]).
+    pub fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        self.states.rewind(tokens)?;
         let bs = self.config.block_size;
         let mut trimmed = 0;
         for l in &mut self.layers {
@@ -306,7 +344,7 @@ impl PagedKvCache {
             }
         }
         self.published = self.published.min(self.offset() / bs);
-        trimmed
+        Ok(trimmed)
     }
 
     /// Bytes the cache would take for `tokens` tokens (whole blocks, all layers), once the
@@ -383,7 +421,20 @@ impl PagedKvCache {
         let metas = (from..full)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
-        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas)?;
+        // A hybrid's block whose end is a snapshot point carries the layer states there.
+        let states = (from..full)
+            .map(|p| {
+                let at = (p + 1) * bs;
+                (self.states.layers() > 0)
+                    .then(|| {
+                        (0..self.states.layers())
+                            .map(|j| self.states.state_at(j, at).cloned())
+                            .collect::<Option<Vec<_>>>()
+                    })
+                    .flatten()
+            })
+            .collect();
+        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas, states)?;
         self.published = full;
         Ok(blocks)
     }
@@ -442,11 +493,38 @@ impl PagedKvCache {
                 }
             }
         }
+        // A hybrid resumes only where a block carries its layer states: the run is cut
+        // after the last snapshot block; the blocks after it are recomputed.
+        let mut states = None;
+        let mut state_cut = 0;
+        if self.states.layers() > 0 {
+            let kv_planes = layers * self.config.format.parts() * 2;
+            let mut last = None;
+            for (i, b) in blocks[..valid].iter().enumerate() {
+                match host::block_states(b.as_ref(), kv_planes, self.states.layers()) {
+                    Ok(Some(s)) => last = Some((i, s)),
+                    Ok(None) => {}
+                    Err(reason) => {
+                        stopped = Some(CacheError::Restore {
+                            position: first + i,
+                            reason,
+                        });
+                        valid = i;
+                        break;
+                    }
+                }
+            }
+            let keep = last.as_ref().map_or(0, |(i, _)| i + 1);
+            state_cut = valid - keep;
+            valid = keep;
+            states = last.map(|(_, s)| s);
+        }
         let (Some(shape), true) = (shape, valid > 0) else {
             return Ok(Restored {
                 cache: self,
                 blocks: 0,
                 stopped,
+                state_cut,
             });
         };
         let run = &blocks[..valid];
@@ -478,11 +556,15 @@ impl PagedKvCache {
             }
             layer.len = offset + valid * bs;
         }
+        if let Some(states) = states {
+            self.states.restore(offset + valid * bs, states)?;
+        }
         self.published = first + valid;
         Ok(Restored {
             cache: self,
             blocks: valid,
             stopped,
+            state_cut,
         })
     }
 
@@ -515,6 +597,27 @@ impl KvCache for PagedKvCache {
     }
 
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
-        Ok(PagedKvCache::trim(self, tokens))
+        PagedKvCache::trim(self, tokens)
+    }
+
+    fn state_layers(&self) -> usize {
+        self.states.layers()
+    }
+
+    fn state_snapshot_every(&self) -> Option<usize> {
+        self.states.snapshot_every()
+    }
+
+    fn layer_state(&self, layer: usize) -> Result<Option<LayerState>, CacheError> {
+        Ok(self.states.get(layer)?.cloned())
+    }
+
+    fn set_layer_state(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+        state: LayerState,
+    ) -> Result<(), CacheError> {
+        self.states.update(layer, tokens, state)
     }
 }

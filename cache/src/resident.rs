@@ -92,13 +92,15 @@ pub struct ResidentPool {
     pins: Arc<Pins>,
 }
 
-/// Device bytes of a cache's arenas (capacity, not just the tokens held).
+/// Device bytes of a cache's arenas (capacity, not just the tokens held) and of a hybrid's
+/// layer states and snapshots.
 fn device_bytes(cache: &PagedKvCache) -> u64 {
     (0..cache.layers())
         .filter_map(|l| cache.pool(l))
         .flat_map(|p| p.arrays())
         .map(|a| a.nbytes() as u64)
-        .sum()
+        .sum::<u64>()
+        + cache.states().nbytes()
 }
 
 /// A hit on all but at most 1/`HANDOVER_TAIL` of a resident sequence takes it over
@@ -204,7 +206,7 @@ impl ResidentPool {
             let Some(mut e) = self.remove(id) else {
                 return Ok(None);
             };
-            e.cache.trim(len - m);
+            e.cache.trim(len - m)?;
             self.stats.handovers += 1;
             return Ok(Some(ResidentHit {
                 cache: e.cache,
@@ -217,7 +219,7 @@ impl ResidentPool {
         })?;
         e.used = self.clock;
         let mut cache = e.cache.clone();
-        cache.trim(e.tokens.len() - m);
+        cache.trim(e.tokens.len() - m)?;
         self.stats.forks += 1;
         Ok(Some(ResidentHit {
             cache,
@@ -253,6 +255,11 @@ impl ResidentPool {
                 .filter_map(|id| Some((*id, self.entries.get(id)?)))
             {
                 let m = base + common_prefix(&e.tokens[base..], &prompt[base..limit]);
+                // A hybrid's non-attention layers resume only where they kept a state.
+                let m = e.cache.rewind_point(m);
+                if m == 0 {
+                    continue;
+                }
                 if best.is_none_or(|(_, bm)| m > bm || (m == bm && e.used > best_used)) {
                     best = Some((id, m));
                     best_used = e.used;

@@ -4,7 +4,7 @@
 use mlx::{Array, Dtype};
 
 use crate::mask::visible;
-use crate::{CacheError, KvCache, PagedKvCache};
+use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 
 /// A batch of rows (sequences) for decoding. Row `b` keeps its own [`PagedKvCache`]; a
 /// step appends each row's new keys and values and fetches all rows as one
@@ -42,11 +42,13 @@ impl PagedKvRows {
     /// Adds one sequence as the last row.
     pub fn push(&mut self, row: PagedKvCache) -> Result<(), CacheError> {
         if let Some(first) = self.rows.first() {
-            if first.layers() != row.layers() {
+            if (first.layers(), first.state_layers()) != (row.layers(), row.state_layers()) {
                 return Err(CacheError::Shape(format!(
-                    "a row of {} layers cannot join rows of {}",
+                    "a row of {} layers ({} with state) cannot join rows of {} ({})",
                     row.layers(),
-                    first.layers()
+                    row.state_layers(),
+                    first.layers(),
+                    first.state_layers()
                 )));
             }
         }
@@ -225,6 +227,70 @@ impl PagedKvRows {
         }
         let refs: Vec<&Array> = out.iter().collect();
         Ok(mlx::ops::concatenate(&refs, 0)?)
+    }
+
+    /// Every row's state of state layer `layer`, each part stacked along axis 0 into
+    /// `[B, ..]`; `None` when no row has one yet (rows that all start empty). Rows whose
+    /// states differ in presence or shape are an error.
+    pub fn layer_states(&self, layer: usize) -> Result<Option<LayerState>, CacheError> {
+        let states: Vec<Option<LayerState>> = self
+            .rows
+            .iter()
+            .map(|r| r.layer_state(layer))
+            .collect::<Result<_, _>>()?;
+        if states.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let states: Vec<LayerState> =
+            states.into_iter().collect::<Option<_>>().ok_or_else(|| {
+                CacheError::Shape(format!(
+                    "state layer {layer}: some rows have a state, some not"
+                ))
+            })?;
+        let parts = states[0].len();
+        if states.iter().any(|s| s.len() != parts) {
+            return Err(CacheError::Shape(format!(
+                "state layer {layer}: rows hold different numbers of state arrays"
+            )));
+        }
+        (0..parts)
+            .map(|p| {
+                let refs: Vec<&Array> = states.iter().map(|s| &s[p]).collect();
+                Ok(mlx::ops::concatenate(&refs, 0)?)
+            })
+            .collect::<Result<_, _>>()
+            .map(Some)
+    }
+
+    /// Sets every row's state of state layer `layer` after `tokens` more tokens from
+    /// batched parts `[B, ..]`: row b gets slice b of each.
+    pub fn set_layer_states(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+        state: &[Array],
+    ) -> Result<(), CacheError> {
+        let b = self.rows.len() as i32;
+        if let Some(bad) = state.iter().find(|a| a.shape().first() != Some(&b)) {
+            return Err(CacheError::Shape(format!(
+                "state layer {layer}: a batched state of shape {:?} for {b} rows",
+                bad.shape()
+            )));
+        }
+        for (i, row) in self.rows.iter_mut().enumerate() {
+            let part = state
+                .iter()
+                .map(|a| {
+                    let mut start = vec![0; a.ndim()];
+                    let mut stop = a.shape().to_vec();
+                    start[0] = i as i32;
+                    stop[0] = i as i32 + 1;
+                    a.slice(&start, &stop)
+                })
+                .collect::<Result<_, _>>()?;
+            row.set_layer_state(layer, tokens, part)?;
+        }
+        Ok(())
     }
 
     /// The boolean mask `[B, 1, L, T]` for the last `queries` tokens of every row after

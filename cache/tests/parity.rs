@@ -240,7 +240,7 @@ fn trim_then_append_equals_a_fresh_cache_and_exhaustion_is_typed() {
     let junk = kv(&mut r, 9, Dtype::F32);
     paged.update_and_fetch(0, &keep, &keep).unwrap();
     paged.update_and_fetch(0, &junk, &junk).unwrap();
-    assert_eq!(paged.trim(9), 9);
+    assert_eq!(paged.trim(9).unwrap(), 9);
     assert_eq!(paged.offset(), 10);
     assert_eq!(paged.block_table(0).len(), 3, "tail blocks were not freed");
     let tail = kv(&mut r, 5, Dtype::F32);
@@ -370,7 +370,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
                 .iter()
                 .map(|b| b.planes[0].data.to_vec())
                 .collect();
-            live.trim(40);
+            live.trim(40).unwrap();
             let junk = kv(&mut r, 30, dtype);
             for l in 0..layers {
                 live.update_and_fetch(l, &junk, &junk).unwrap();
@@ -411,7 +411,7 @@ fn publish_to_disk_restore_and_continue_equals_never_published() {
         // Continue both: the restored cache is missing tokens 40..45 (the private tail).
         let tail_start = 40;
         let mut plain_tail = plain.clone();
-        plain_tail.trim(45 - tail_start);
+        plain_tail.trim(45 - tail_start).unwrap();
         for (l, (k, v)) in continuation.iter().enumerate() {
             let (pk, pv) = plain_tail.update_and_fetch(l, k, v).unwrap();
             let (ck, cv) = cache.update_and_fetch(l, k, v).unwrap();

@@ -155,7 +155,7 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
                     .map_while(|k| host.get(k).cloned())
                     .collect();
                 if (first + more.len()) * BS > got {
-                    cache.trim(got - first * BS);
+                    cache.trim(got - first * BS).unwrap();
                     let r = cache.restore_onto(&more).unwrap();
                     assert_eq!(r.blocks, more.len(), "{:?}", r.stopped);
                     cache = r.cache;

@@ -64,9 +64,28 @@ pub struct CacheArgs {
     /// everything found (for checking the tiers).
     #[arg(long, value_enum, default_value = "auto")]
     pub restore: RestoreChoice,
+    /// Hybrid models (LFM2, Qwen3-Next): store the non-attention layers' state with every
+    /// N-th block, where a restore can resume (0: only where a sequence ended); `auto`: the
+    /// fewest blocks whose K/V outweighs one snapshot.
+    #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = parse_state_every)]
+    pub state_every: StateEvery,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
+}
+
+/// `--state-every`: a block count, or `auto` (`None`: [`engine::auto_state_every`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateEvery(pub Option<usize>);
+
+/// Parses `--state-every`: a number of blocks or `auto`.
+pub fn parse_state_every(s: &str) -> std::result::Result<StateEvery, String> {
+    if s == "auto" {
+        return Ok(StateEvery(None));
+    }
+    s.parse::<usize>()
+        .map(|n| StateEvery(Some(n)))
+        .map_err(|e| format!("{s:?}: a number of blocks or auto ({e})"))
 }
 
 /// Remote-tier flags (shared with `kvstore inspect --remote`).
@@ -170,6 +189,7 @@ impl CacheArgs {
             kv_format,
             salt: self.cache_salt.clone(),
             restore_always: self.restore == RestoreChoice::Always,
+            state_every: self.state_every.0,
             ..ReuseConfig::default()
         })
     }

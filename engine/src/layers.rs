@@ -427,3 +427,78 @@ impl crate::models::Network for Decoder {
         vec![crate::model::LayerKind::Global; self.layers.len()]
     }
 }
+
+/// A causal depthwise 1-D convolution that keeps its last `K − 1` inputs as a layer state
+/// (LFM2's short convolution, the convolutions of gated DeltaNet and Mamba-2).
+#[derive(Debug)]
+pub(crate) struct CausalConv {
+    /// The taps, `[K, channels]`: tap `j` weighs the input `K − 1 − j` steps back.
+    pub(crate) taps: Array,
+    pub(crate) bias: Option<Array>,
+}
+
+impl CausalConv {
+    /// The convolution `{prefix}` over `channels` channels with `kernel` taps (a bias when
+    /// `bias`).
+    pub(crate) fn load(
+        w: &crate::weights::Weights,
+        prefix: &str,
+        channels: usize,
+        kernel: usize,
+        bias: bool,
+    ) -> Result<Self> {
+        Ok(CausalConv {
+            taps: w.depthwise_conv(prefix, channels, kernel)?,
+            bias: if bias {
+                Some(w.vector(&format!("{prefix}.bias"), channels)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// `x` `[B, L, C]` after the inputs in `state` (`[B, K−1, C]`, zeros before the first
+    /// token) → the output `[B, L, C]` and the state after `x` (its last `K − 1` inputs).
+    /// Computed as `K` shifted multiply-adds (mlx-lm calls `conv1d`: the same products,
+    /// summed in another order).
+    pub(crate) fn forward(&self, x: &Array, state: Option<&Array>) -> Result<(Array, Array)> {
+        let s = x.shape();
+        let (b, l, c) = (s[0], s[1], s[2]);
+        let k = self.taps.shape()[0];
+        let before = match state {
+            Some(st) => st.clone(),
+            None => mlx::ops::zeros(&[b, k - 1, c], x.dtype())?,
+        };
+        let padded = mlx::ops::concatenate(&[&before, x], 1)?;
+        let next = padded.slice(&[0, l, 0], &[b, l + k - 1, c])?;
+        // out[t] = Σ_j padded[t + j] · taps[j].
+        let mut out = padded
+            .slice(&[0, 0, 0], &[b, l, c])?
+            .mul(&self.taps.slice(&[0, 0], &[1, c])?)?;
+        for j in 1..k {
+            let tap = self.taps.slice(&[j, 0], &[j + 1, c])?;
+            out = out.add(&padded.slice(&[0, j, 0], &[b, j + l, c])?.mul(&tap)?)?;
+        }
+        if let Some(bias) = &self.bias {
+            out = out.add(bias)?;
+        }
+        Ok((out, next))
+    }
+}
+
+/// `log(1 + exp(x))` without overflow: `max(x, 0) + log(1 + exp(−|x|))`.
+pub(crate) fn softplus(x: &Array) -> Result<Array> {
+    let zero = mlx::ops::zeros(&[], x.dtype())?;
+    let tail = x.abs()?.neg()?.exp()?.add_scalar(1.0)?.log()?;
+    Ok(x.maximum(&zero)?.add(&tail)?)
+}
+
+/// Step `t` of `a` `[B, L, ..]` (a recurrence's input at one token): `[B, ..]`.
+pub(crate) fn step(a: &Array, t: i32) -> Result<Array> {
+    let shape = a.shape();
+    let mut start = vec![0; shape.len()];
+    let mut stop = shape.clone();
+    start[1] = t;
+    stop[1] = t + 1;
+    Ok(a.slice(&start, &stop)?.squeeze(1)?)
+}

@@ -47,8 +47,8 @@ pub use generate::{
 pub use layers::RopeScaling;
 pub use model::{KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
 pub use reuse::{
-    combined_salt, generate_with_reuse, namespace_description, HostPrefix, KvTiers, PinnedTiers,
-    Prepared, ReuseConfig, ReuseReport,
+    auto_state_every, combined_salt, generate_with_reuse, namespace_description, HostPrefix,
+    KvTiers, PinnedTiers, Prepared, ReuseConfig, ReuseReport,
 };
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{

@@ -16,7 +16,8 @@ use crate::weights::{Checkpoint, LoadOptions};
 /// The shape of a model's KV cache: what a stored block of it holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct KvLayout {
-    /// Decoder layers (each has one K and one V plane).
+    /// Attention layers (each has one K and one V plane): all decoder layers but a
+    /// hybrid's non-attention ones.
     pub layers: usize,
     /// Key/value heads per layer.
     pub kv_heads: usize,
@@ -25,6 +26,9 @@ pub struct KvLayout {
     /// Element type of keys and values as the forward pass produces them.
     #[serde(serialize_with = "dtype_name")]
     pub dtype: Dtype,
+    /// Non-attention layers whose state a sequence carries beside its KV (a hybrid's
+    /// convolution or recurrent layers); 0 for attention-only models.
+    pub state_layers: usize,
 }
 
 fn dtype_name<S: serde::Serializer>(d: &Dtype, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -34,7 +38,7 @@ fn dtype_name<S: serde::Serializer>(d: &Dtype, s: S) -> std::result::Result<S::O
 /// The facts of a model every caller needs, whatever its family.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelInfo {
-    /// `llama`, `qwen2`, `qwen3` or `gemma3_text`.
+    /// `llama`, `qwen2`, `qwen3`, `gemma3_text` or `lfm2`.
     pub architecture: String,
     /// Vocabulary size (rows of the LM head).
     pub vocab_size: usize,
@@ -50,7 +54,8 @@ pub struct ModelInfo {
     pub kv: KvLayout,
 }
 
-/// How one layer attends: over every earlier position, or over a sliding window.
+/// How one layer mixes tokens: attention over every earlier position or over a sliding
+/// window, or (in hybrids) a state that folds every token in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LayerKind {
@@ -58,6 +63,12 @@ pub enum LayerKind {
     Global,
     /// The last `n` positions, the query's own included.
     Window(usize),
+    /// A causal short convolution of `n` taps: its state is the last `n - 1` inputs.
+    Conv(usize),
+    /// A recurrent layer (gated DeltaNet, Mamba-2): a fixed-size state folds every token in.
+    Recurrent,
+    /// A feed-forward layer that mixes no tokens (Nemotron-H's `-` layers).
+    Mlp,
 }
 
 impl std::fmt::Display for LayerKind {
@@ -65,6 +76,9 @@ impl std::fmt::Display for LayerKind {
         match self {
             LayerKind::Global => f.write_str("global"),
             LayerKind::Window(n) => write!(f, "window({n})"),
+            LayerKind::Conv(n) => write!(f, "conv({n})"),
+            LayerKind::Recurrent => f.write_str("recurrent"),
+            LayerKind::Mlp => f.write_str("mlp"),
         }
     }
 }
@@ -127,10 +141,16 @@ impl Model {
         self.info.kv
     }
 
-    /// How each layer attends, in order: all global except in families with
-    /// sliding-window layers (gemma3).
+    /// How each layer mixes tokens, in order: all global except in families with
+    /// sliding-window layers (gemma3) or non-attention layers (lfm2).
     pub fn layer_kinds(&self) -> Vec<LayerKind> {
         self.decoder.layer_kinds()
+    }
+
+    /// Shapes of each non-attention layer's state parts for one sequence (`[1, ..]`), in
+    /// state-layer order; empty for attention-only models.
+    pub fn state_shapes(&self) -> Vec<Vec<Vec<usize>>> {
+        self.decoder.state_shapes()
     }
 
     /// The Hugging Face config (rebuilt from metadata for GGUF), as loaded.
@@ -164,9 +184,17 @@ impl Model {
     }
 
     /// A fresh KV cache for this model: paged, float KV, 32-token blocks, growing as
-    /// needed (appends update it in place; attention reads it through a view).
+    /// needed (appends update it in place; attention reads it through a view), with the
+    /// state layers a hybrid carries.
     pub fn new_cache(&self) -> cache::PagedKvCache {
         cache::PagedKvCache::with_default_config(self.info.kv.layers)
+            .with_state_layers(self.info.kv.state_layers)
+    }
+
+    /// A fresh cache for this model under `config` (see [`Model::new_cache`]).
+    pub fn empty_cache(&self, config: cache::PagedConfig) -> Result<cache::PagedKvCache> {
+        Ok(cache::PagedKvCache::new(self.info.kv.layers, config)?
+            .with_state_layers(self.info.kv.state_layers))
     }
 
     fn ids(&self, tokens: &[u32]) -> Result<Array> {
@@ -179,6 +207,28 @@ impl Model {
         Ok(Array::from_slice(tokens, &[1, tokens.len() as i32])?)
     }
 
+    /// The hidden states of `tokens` after what `cache` holds, in one step, or in several
+    /// where the cache keeps state snapshots: a step then ends at every snapshot point
+    /// inside it, so the snapshot holds the state at exactly that token. Returns the hidden
+    /// states of the last step only.
+    fn hidden(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<Array> {
+        // Every id is checked before any step changes the cache.
+        let all = self.ids(tokens)?;
+        let Some(every) = cache.state_snapshot_every().filter(|&e| e > 0) else {
+            return self.decoder.hidden(&all, cache);
+        };
+        let mut rest = tokens;
+        loop {
+            let to_snapshot = every - cache.offset() % every;
+            if to_snapshot >= rest.len() {
+                return self.decoder.hidden(&self.ids(rest)?, cache);
+            }
+            let (head, tail) = rest.split_at(to_snapshot);
+            self.decoder.hidden(&self.ids(head)?, cache)?;
+            rest = tail;
+        }
+    }
+
     /// Runs `tokens` after what `cache` holds (appending their keys and values) and returns
     /// the logits of the last position, `[vocab]`, in f32. The graph is lazy: reading the
     /// logits computes it.
@@ -189,8 +239,8 @@ impl Model {
                 message: "a forward step needs at least one token".into(),
             });
         }
-        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
-        let l = tokens.len() as i32;
+        let h = self.hidden(tokens, cache)?;
+        let l = h.shape()[1];
         let last = h.slice(&[0, l - 1, 0], &[1, l, self.info.hidden_size as i32])?;
         let logits = self.decoder.logits(&last)?.reshape(&[-1])?;
         Ok(logits.astype(Dtype::F32)?)
@@ -237,8 +287,16 @@ impl Model {
         Ok(logits.astype(Dtype::F32)?)
     }
 
-    /// Like [`Model::forward`] but returns logits for every position, `[L, vocab]` (tests).
+    /// Like [`Model::forward`] but returns logits for every position, `[L, vocab]` (tests),
+    /// in one step whatever snapshots the cache keeps.
     pub fn forward_all(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<Array> {
+        if cache.state_snapshot_every().is_some() {
+            return Err(EngineError::InvalidParameter {
+                name: "cache",
+                message: "forward_all runs one step: give it a cache without state snapshots"
+                    .into(),
+            });
+        }
         let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
         let logits = self.decoder.logits(&h)?;
         Ok(logits
@@ -285,7 +343,7 @@ impl Model {
     /// Runs `tokens` after what `cache` holds and computes their keys and values now,
     /// without the logits: a prefill chunk that is not the prompt's last.
     pub(crate) fn prefill_chunk(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<()> {
-        let h = self.decoder.hidden(&self.ids(tokens)?, cache)?;
+        let h = self.hidden(tokens, cache)?;
         h.eval()?;
         Ok(())
     }

@@ -24,8 +24,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool,
-    ResidentStats,
+    plane_specs, state_plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig,
+    PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::{Deserialize, Serialize};
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
@@ -54,6 +54,11 @@ pub struct ReuseConfig {
     /// Restore every cached block found, even where the cost model estimates recomputing
     /// faster (for checking the tiers; users want the estimate). Default: false.
     pub restore_always: bool,
+    /// Blocks between snapshots of a hybrid model's non-attention layer states, which a
+    /// restore resumes from (0: only where a sequence ended). `None`: the fewest blocks whose
+    /// K/V takes at least the bytes of one snapshot ([`auto_state_every`]). Default: `None`
+    /// (docs/cache.md).
+    pub state_every: Option<usize>,
 }
 
 impl Default for ReuseConfig {
@@ -66,6 +71,7 @@ impl Default for ReuseConfig {
             max_blocks: 8192,
             kv_budget_bytes: 2 << 30,
             restore_always: false,
+            state_every: None,
         }
     }
 }
@@ -113,6 +119,15 @@ pub struct ReuseReport {
     pub remote_blocks_skipped: usize,
     /// Why the cached prefix ended early (a corrupt or refused block), if it did.
     pub stopped: Option<String>,
+    /// Hybrid models: of the cached tokens, those whose non-attention layer states
+    /// (convolution, recurrent) were restored with the attention layers' K/V (from a
+    /// snapshot block, or resident on the device). A hybrid resumes only where its states
+    /// are known, so this is `cached_tokens` for hybrids and 0 for attention-only models.
+    pub state_restored_tokens: usize,
+    /// Hybrid models: tokens of cached blocks found in the store whose K/V was not restored
+    /// because no state snapshot follows them (`--state-every`): every layer recomputes
+    /// them, from the last snapshot on.
+    pub state_recomputed_tokens: usize,
     /// New full blocks published after the request.
     pub published_blocks: usize,
 }
@@ -273,6 +288,10 @@ pub struct KvTiers {
     /// Namespaces of per-request cache salts, registered on first use.
     salted: Mutex<HashMap<String, NamespaceId>>,
     layers: usize,
+    /// A hybrid's non-attention layers, whose states live in the caches beside the KV and
+    /// in snapshot blocks.
+    state_layers: usize,
+    state_every: usize,
     paged: PagedConfig,
     resident: Mutex<ResidentPool>,
     /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
@@ -460,13 +479,42 @@ pub fn namespace_description(
         dtype: kv.dtype,
     };
     d.planes = plane_specs(kv.layers, shape, config.kv_format)?;
+    let states: Vec<Vec<mlx::Array>> = model
+        .state_shapes()
+        .iter()
+        .map(|parts| {
+            parts
+                .iter()
+                .map(|s| {
+                    let s: Vec<i32> = s.iter().map(|&d| d as i32).collect();
+                    mlx::ops::zeros(&s, kv.dtype)
+                })
+                .collect::<std::result::Result<_, _>>()
+        })
+        .collect::<std::result::Result<_, _>>()?;
+    d.state_planes = state_plane_specs(&states)?;
     Ok(d)
+}
+
+/// The `--state-every auto` choice for a namespace: the fewest blocks whose K/V planes take
+/// at least the bytes of one snapshot's state planes, so snapshots at most double what a
+/// hybrid stores, and a restore recomputes fewer than that many blocks after the last one.
+/// LFM2 (a few convolution inputs per layer) gets 1; a large recurrent state (Qwen3-Next's
+/// DeltaNet matrices) gets tens. 0 for attention-only namespaces.
+pub fn auto_state_every(d: &NamespaceDescription) -> usize {
+    let bytes =
+        |specs: &[store::PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
+    let (state, block) = (bytes(&d.state_planes), bytes(&d.planes).max(1));
+    state.div_ceil(block) as usize
 }
 
 impl KvTiers {
     /// Opens (or creates) the store and registers `model`'s namespace in it.
     pub fn open(model: &Model, tokenizer: &Tokenizer, config: ReuseConfig) -> Result<Self> {
         let description = namespace_description(model, tokenizer, &config)?;
+        let state_every = config
+            .state_every
+            .unwrap_or_else(|| auto_state_every(&description));
         let store = match Store::open(config.store.clone()) {
             Ok(s) => s,
             // A store on a read-only file system (a pre-warmed volume) or one this user may
@@ -513,6 +561,8 @@ impl KvTiers {
             salt: config.salt.clone(),
             salted: Mutex::new(HashMap::new()),
             layers: model.info().kv.layers,
+            state_layers: model.info().kv.state_layers,
+            state_every,
             paged: PagedConfig {
                 block_size: config.block_size,
                 format: config.kv_format,
@@ -543,6 +593,12 @@ impl KvTiers {
     pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
         *self.resident()? = pinned_pool(bytes, &self.store);
         Ok(())
+    }
+
+    /// Blocks between a hybrid's state snapshots (`auto` resolved; 0 for attention-only
+    /// models under `auto`).
+    pub fn state_every(&self) -> usize {
+        self.state_every
     }
 
     /// The model's namespace in the store (requests without a cache salt).
@@ -823,17 +879,22 @@ impl KvTiers {
                 report.device_handover = h.handed_over;
                 h.cache
             }
-            None => PagedKvCache::new(self.layers, self.paged)?,
+            None => PagedKvCache::new(self.layers, self.paged)?
+                .with_state_layers(self.state_layers)
+                .with_state_snapshots(self.state_every),
         };
         let mut tiers = host.tiers;
-        if (first + host.blocks.len()) * bs > device_tokens {
-            // The store holds more than the device: continue from the device's last whole
-            // block (its partial block, if any, is dropped and comes back from the store).
-            cache.trim(device_tokens - first * bs);
+        // The store holds more than the device: continue from the device's last whole
+        // block (its partial block, if any, is dropped and comes back from the store). A
+        // hybrid's device hit that kept no layer state at that block keeps the device hit.
+        if (first + host.blocks.len()) * bs > device_tokens
+            && cache.trim(device_tokens - first * bs).is_ok()
+        {
             let restored = cache.restore_onto(&host.blocks)?;
             if let Some(e) = &restored.stopped {
                 report.stopped = Some(e.to_string());
             }
+            report.state_recomputed_tokens = restored.state_cut * bs;
             tiers.truncate(restored.blocks);
             let restored_blocks = restored.blocks;
             cache = restored.cache;
@@ -860,6 +921,9 @@ impl KvTiers {
         report.cached_ssd_tokens = count(Tier::Ssd) * bs;
         report.cached_remote_tokens = count(Tier::Remote) * bs;
         report.cached_tokens = cache.offset();
+        if self.state_layers > 0 {
+            report.state_restored_tokens = report.cached_tokens;
+        }
         Ok(Prepared {
             cache,
             chain: host.chain,
@@ -960,7 +1024,7 @@ pub fn generate_with_reuse(
                 initial_blocks: 16,
                 max_blocks: cfg.max_blocks,
             };
-            let cache = PagedKvCache::new(model.info().kv.layers, paged)?;
+            let cache = model.empty_cache(paged)?;
             let report = ReuseReport {
                 prompt_tokens: prompt.len(),
                 ..ReuseReport::default()

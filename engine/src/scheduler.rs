@@ -1073,7 +1073,7 @@ impl Worker {
                 (r.cache, Some(r.chain), r.report)
             }
             _ => (
-                PagedKvCache::new(self.model.info().kv.layers, self.paged)?,
+                self.model.empty_cache(self.paged)?,
                 None,
                 ReuseReport {
                     prompt_tokens: prompt.len(),
@@ -1434,15 +1434,14 @@ impl Worker {
         // emitted: keep only the KV of the prompt and the emitted tokens.
         let emitted = row.prompt.len() + row.tokens.len();
         let fed = cache.offset();
-        if fed > emitted {
-            cache.trim(fed - emitted);
-        }
+        // A hybrid's layer state that cannot go back that far is not kept for reuse.
+        let trimmed = fed <= emitted || cache.trim(fed - emitted).is_ok();
         let mut report = row.report;
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
                 r.release(row.reserve);
             }
-            if let Some(chain) = row.chain {
+            if let Some(chain) = row.chain.filter(|_| trimmed) {
                 let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
                 match pc.retire(chain, cache, &all) {
                     Ok(n) => report.published_blocks += n,

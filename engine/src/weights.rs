@@ -628,6 +628,32 @@ impl Weights {
         }
     }
 
+    /// The vector `name` of `dim` entries (a bias).
+    pub(crate) fn vector(&self, name: &str, dim: usize) -> Result<Array> {
+        self.dense(name, &[dim as i32])
+    }
+
+    /// The taps of the depthwise 1-D convolution `{prefix}` over `channels` channels with
+    /// `kernel` taps, as `[kernel, channels]`. Read from MLX's layout `[channels, kernel,
+    /// 1]` or Hugging Face's `[channels, 1, kernel]`.
+    pub(crate) fn depthwise_conv(
+        &self,
+        prefix: &str,
+        channels: usize,
+        kernel: usize,
+    ) -> Result<Array> {
+        let name = format!("{prefix}.weight");
+        let t = self.get(&name)?;
+        let (c, k) = (channels as i32, kernel as i32);
+        let taps = if t.shape() == [c, k, 1] {
+            t.reshape(&[c, k])?
+        } else {
+            Self::expect_shape(&name, t, &[c, 1, k])?;
+            t.reshape(&[c, k])?
+        };
+        self.finish(taps.transpose(&[1, 0])?.contiguous()?)
+    }
+
     /// The RMS norm `{prefix}` over `dim` features.
     pub(crate) fn rms_norm(&self, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm> {
         Ok(RmsNorm {

@@ -28,4 +28,9 @@ if [ "${1:-}" = --gemma ]; then
   shift
   exec "$VENV/bin/python" "$HERE/make_gemma_goldens.py" "$@"
 fi
+# --hybrid: only the hybrid models' goldens (make_hybrid_goldens.py).
+if [ "${1:-}" = --hybrid ]; then
+  shift
+  exec "$VENV/bin/python" "$HERE/make_hybrid_goldens.py" "$@"
+fi
 exec "$VENV/bin/python" "$HERE/make_goldens.py" "$@"

@@ -5,8 +5,9 @@
 //! reaches a file. Changing anything here changes the format: bump [`FORMAT_VERSION`], add a
 //! line to the version log in docs/store-format.md and keep an old-format fixture.
 
-/// Version of the block file format and of the directory layout.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the block file format and of the directory layout. 2: a hybrid model's
+/// snapshot blocks carry layer-state planes after the K/V planes (docs/store-format.md).
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Value of the `kvstore.format` metadata key: names the file as a kvstore block.
 pub const FORMAT_NAME: &str = "kvstore-block";

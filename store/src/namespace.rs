@@ -43,6 +43,11 @@ pub struct NamespaceDescription {
     pub salt: Option<String>,
     /// The exact plane layout of every block in this namespace, in order.
     pub planes: Vec<PlaneSpec>,
+    /// The planes a *snapshot block* of a hybrid model carries after [`Self::planes`]: the
+    /// state of every non-attention layer at the block's end (format version 2). Empty for
+    /// attention-only models, whose blocks all have exactly [`Self::planes`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state_planes: Vec<PlaneSpec>,
 }
 
 impl NamespaceDescription {
@@ -62,7 +67,24 @@ impl NamespaceDescription {
             format_version: format::FORMAT_VERSION,
             salt: None,
             planes: Vec::new(),
+            state_planes: Vec::new(),
         }
+    }
+
+    /// Checks a block's plane layout: exactly [`Self::planes`], or for a snapshot block of
+    /// a hybrid model, [`Self::planes`] followed by [`Self::state_planes`].
+    pub(crate) fn check_planes(&self, found: &[PlaneSpec]) -> Result<(), crate::LayoutError> {
+        let snapshot = self.planes.len() + self.state_planes.len();
+        if !self.state_planes.is_empty() && found.len() == snapshot {
+            let expected: Vec<PlaneSpec> = self
+                .planes
+                .iter()
+                .chain(&self.state_planes)
+                .cloned()
+                .collect();
+            return crate::block::check_specs(&expected, found);
+        }
+        crate::block::check_specs(&self.planes, found)
     }
 
     /// The canonical byte encoding hashed into the id (see docs/store-format.md): every
@@ -99,14 +121,10 @@ impl NamespaceDescription {
                 put_str(&mut out, s);
             }
         }
-        out.extend_from_slice(&(self.planes.len() as u64).to_le_bytes());
-        for p in &self.planes {
-            put_str(&mut out, &p.name);
-            put_str(&mut out, p.dtype.name());
-            out.extend_from_slice(&(p.shape.len() as u64).to_le_bytes());
-            for d in &p.shape {
-                out.extend_from_slice(&d.to_le_bytes());
-            }
+        put_specs(&mut out, &self.planes);
+        // Appended only when present, so attention-only namespaces keep their encoding.
+        if !self.state_planes.is_empty() {
+            put_specs(&mut out, &self.state_planes);
         }
         out
     }
@@ -114,6 +132,18 @@ impl NamespaceDescription {
     /// `blake3(canonical_bytes())`.
     pub fn id(&self) -> NamespaceId {
         NamespaceId(*blake3::hash(&self.canonical_bytes()).as_bytes())
+    }
+}
+
+fn put_specs(out: &mut Vec<u8>, specs: &[PlaneSpec]) {
+    out.extend_from_slice(&(specs.len() as u64).to_le_bytes());
+    for p in specs {
+        put_str(out, &p.name);
+        put_str(out, p.dtype.name());
+        out.extend_from_slice(&(p.shape.len() as u64).to_le_bytes());
+        for d in &p.shape {
+            out.extend_from_slice(&d.to_le_bytes());
+        }
     }
 }
 
@@ -129,6 +159,27 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snapshot_blocks_fit_only_a_namespace_with_their_state_planes() {
+        let kv = PlaneSpec::new("layers.0.k", Dtype::F32, vec![2, 16, 8]);
+        let state = PlaneSpec::new("states.0.0", Dtype::F32, vec![2, 64]);
+        let mut d = NamespaceDescription::new("m", Dtype::F32, 16);
+        d.planes = vec![kv.clone()];
+        let plain = d.id();
+        assert!(d.check_planes(std::slice::from_ref(&kv)).is_ok());
+        assert!(d.check_planes(&[kv.clone(), state.clone()]).is_err());
+        d.state_planes = vec![state.clone()];
+        assert_ne!(d.id(), plain);
+        assert!(d.check_planes(std::slice::from_ref(&kv)).is_ok());
+        assert!(d.check_planes(&[kv.clone(), state.clone()]).is_ok());
+        let other = PlaneSpec::new("states.0.0", Dtype::F32, vec![3, 64]);
+        assert!(d.check_planes(&[kv.clone(), other]).is_err());
+        assert!(d.check_planes(&[state, kv]).is_err());
+        // An attention-only description encodes (and is named) as before state planes.
+        let json = serde_json::to_string(&NamespaceDescription::new("m", Dtype::F32, 16)).unwrap();
+        assert!(!json.contains("state_planes"));
+    }
 
     #[test]
     fn every_field_changes_the_id() {
@@ -153,6 +204,10 @@ mod tests {
             Box::new(|d| d.format_version += 1),
             Box::new(|d| d.salt = Some(String::new())),
             Box::new(|d| d.planes.push(PlaneSpec::new("k", Dtype::F32, vec![1]))),
+            Box::new(|d| {
+                d.state_planes
+                    .push(PlaneSpec::new("states.0.0", Dtype::F32, vec![2, 8]))
+            }),
         ];
         for (i, change) in variants.iter().enumerate() {
             let mut d = base.clone();

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 
 use serde::{Deserialize, Serialize};
 
-use crate::block::{check_specs, Block, BlockMeta, LayoutError};
+use crate::block::{Block, BlockMeta, LayoutError};
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::fs::{FileSystem, RealFs};
@@ -453,7 +453,7 @@ impl<F: FileSystem> Store<F> {
             return Err(RegisterError::Invalid("no planes".into()));
         }
         let mut seen = std::collections::HashSet::new();
-        for p in &desc.planes {
+        for p in desc.planes.iter().chain(&desc.state_planes) {
             if p.name.is_empty() || p.name.contains(',') || !seen.insert(&p.name) {
                 return Err(RegisterError::Invalid(format!(
                     "plane name {:?} is empty, contains ',' or repeats",
@@ -512,12 +512,11 @@ impl<F: FileSystem> Store<F> {
                 }),
             });
         }
-        check_specs(&desc.planes, &payload.plane_specs()).map_err(|source| {
-            InsertError::Layout {
+        desc.check_planes(&payload.plane_specs())
+            .map_err(|source| InsertError::Layout {
                 key,
                 source: Box::new(source),
-            }
-        })?;
+            })?;
         let evicted = lock(&self.shared.ram).insert(payload.clone());
         if self.shared.config.write_policy == WritePolicy::WriteThrough {
             // The worker writes it, or only refreshes its recency if it is stored by then.
@@ -762,7 +761,7 @@ impl<F: FileSystem> Store<F> {
                     prev,
                     first_position.map(|p: u32| p + index as u32),
                 )
-                .and_then(|()| check_specs(&desc.planes, specs).map_err(BlockProblem::Layout))
+                .and_then(|()| desc.check_planes(specs).map_err(BlockProblem::Layout))
             };
             let in_ram = lock(&self.shared.ram)
                 .get(ns, key)

@@ -3,7 +3,9 @@
 //! tier, with the host tiers behind it); host-RAM reuse (the device tier off, so every hit
 //! is restored from host RAM); SSD-only reuse (the store reopened before every turn, so
 //! nothing is on the device or in RAM); and mlx-lm with its prompt cache
-//! (scripts/bench/mlx_lm_agent.py). Writes JSON and an SVG plot.
+//! (scripts/bench/mlx_lm_agent.py). For hybrid models (LFM2), `ssd-no-snapshots` is the SSD
+//! arm with `--state-every 0`: blocks without layer-state snapshots, which a hybrid cannot
+//! resume from. Writes JSON and an SVG plot.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,13 +34,22 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 32)]
     block_size: usize,
-    /// Arms to run, comma-separated: cold, device, ram, ssd, mlx-lm.
+    /// Arms to run, comma-separated: cold, device, ram, ssd, ssd-no-snapshots, mlx-lm.
     #[arg(
         long,
         default_value = "cold,device,ram,ssd,mlx-lm",
         value_delimiter = ','
     )]
     arms: Vec<String>,
+    /// Hybrid models: blocks between layer-state snapshots in the reuse arms (the
+    /// ssd-no-snapshots arm uses 0).
+    #[arg(
+        long,
+        value_name = "N|auto",
+        default_value = "auto",
+        value_parser = crate::cache_args::parse_state_every
+    )]
+    state_every: crate::cache_args::StateEvery,
     /// Device memory for all KV of the device arm (live and resident).
     #[arg(long, value_name = "SIZE", default_value = "4GiB")]
     kv_budget: String,
@@ -133,10 +144,25 @@ struct Ctx<'a> {
     params: GenerateParams,
     block_size: usize,
     kv_budget: u64,
+    state_every: Option<usize>,
+}
+
+/// Which arms run in process.
+#[derive(Clone, Copy)]
+struct InProcess {
+    cold: bool,
+    device: bool,
+    ram: bool,
+    ssd: bool,
+    ssd_no_snapshots: bool,
 }
 
 impl Ctx<'_> {
     fn config(&self, dir: &Path, kv_budget: u64) -> ReuseConfig {
+        self.config_every(dir, kv_budget, self.state_every)
+    }
+
+    fn config_every(&self, dir: &Path, kv_budget: u64, state_every: Option<usize>) -> ReuseConfig {
         ReuseConfig {
             store: StoreConfig::default()
                 .root(dir)
@@ -144,6 +170,7 @@ impl Ctx<'_> {
                 .ssd_budget(16 << 30),
             block_size: self.block_size,
             kv_budget_bytes: kv_budget,
+            state_every,
             ..ReuseConfig::default()
         }
     }
@@ -162,8 +189,16 @@ impl Ctx<'_> {
 
     /// Runs the selected in-process arms turn by turn, interleaved, so that load on this
     /// shared machine falls on every arm alike.
-    fn interleaved(&self, cold: bool, device: bool, ram: bool, ssd: bool) -> Result<Vec<Arm>> {
+    fn interleaved(&self, on: InProcess) -> Result<Vec<Arm>> {
+        let InProcess {
+            cold,
+            device,
+            ram,
+            ssd,
+            ssd_no_snapshots,
+        } = on;
         let dirs = [
+            tempfile::tempdir()?,
             tempfile::tempdir()?,
             tempfile::tempdir()?,
             tempfile::tempdir()?,
@@ -181,7 +216,8 @@ impl Ctx<'_> {
         let device_pc = open(device, dirs[0].path(), self.kv_budget)?;
         // A zero device budget keeps nothing resident: every hit comes from host RAM.
         let ram_pc = open(ram, dirs[1].path(), 0)?;
-        let (mut c, mut d, mut r, mut s) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut c, mut d, mut r) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut s, mut s0) = (Vec::new(), Vec::new());
         for (i, p) in self.prompts.iter().enumerate() {
             eprintln!("turn {} ({} prompt tokens)", i + 1, p.len());
             if cold {
@@ -194,17 +230,19 @@ impl Ctx<'_> {
                     out.push(from_report(&rep, pc.stats().bytes_written - before));
                 }
             }
-            if ssd {
-                // A new store handle each turn: nothing on the device or in RAM, as after a
-                // restart (the cost model is read back from the store, as after a restart).
-                let pc = KvTiers::open(
-                    self.model,
-                    self.tokenizer,
-                    self.config(dirs[2].path(), self.kv_budget),
-                )?;
-                let rep = self.turn(Some(&pc), p)?;
-                pc.flush()?;
-                s.push(from_report(&rep, pc.stats().bytes_written));
+            for (on, dir, every, out) in [
+                (ssd, &dirs[2], self.state_every, &mut s),
+                (ssd_no_snapshots, &dirs[3], Some(0), &mut s0),
+            ] {
+                if on {
+                    // A new store handle each turn: nothing on the device or in RAM, as after
+                    // a restart (the cost model is read back from the store, as after one).
+                    let config = self.config_every(dir.path(), self.kv_budget, every);
+                    let pc = KvTiers::open(self.model, self.tokenizer, config)?;
+                    let rep = self.turn(Some(&pc), p)?;
+                    pc.flush()?;
+                    out.push(from_report(&rep, pc.stats().bytes_written));
+                }
             }
         }
         let mut arms = Vec::new();
@@ -213,6 +251,7 @@ impl Ctx<'_> {
             (device, "device reuse", d),
             (ram, "RAM reuse", r),
             (ssd, "SSD reuse", s),
+            (ssd_no_snapshots, "SSD reuse, no state snapshots", s0),
         ] {
             if on {
                 arms.push(arm(name, turns));
@@ -280,7 +319,9 @@ fn svg(arms: &[Arm]) -> String {
         * 1.1;
     let x = |i: usize| pad + (w - 2.0 * pad) * i as f64 / (turns - 1) as f64;
     let y = |v: f64| h - pad - (h - 2.0 * pad) * v / ymax;
-    let colors = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd"];
+    let colors = [
+        "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+    ];
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
@@ -379,15 +420,17 @@ pub fn run(args: Args) -> Result<()> {
         },
         block_size: args.block_size,
         kv_budget: crate::cache_args::parse_size(&args.kv_budget).context("--kv-budget")?,
+        state_every: args.state_every.0,
     };
     let limit =
         crate::cache_args::parse_size(&args.mlx_cache_limit).context("--mlx-cache-limit")?;
     mlx::set_cache_limit(limit as usize)?;
     // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
     ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
+    const ARMS: [&str; 6] = ["cold", "device", "ram", "ssd", "ssd-no-snapshots", "mlx-lm"];
     for name in &args.arms {
-        if !["cold", "device", "ram", "ssd", "mlx-lm"].contains(&name.as_str()) {
-            anyhow::bail!("unknown arm {name:?}: use cold, device, ram, ssd, mlx-lm");
+        if !ARMS.contains(&name.as_str()) {
+            anyhow::bail!("unknown arm {name:?}: use {}", ARMS.join(", "));
         }
     }
     let has = |a: &str| args.arms.iter().any(|n| n == a);
@@ -395,7 +438,13 @@ pub fn run(args: Args) -> Result<()> {
     // What stays allocated with no request in flight: the weights, mostly.
     let baseline_bytes = mlx::active_memory()?;
     mlx::reset_peak_memory()?;
-    let mut arms = ctx.interleaved(has("cold"), has("device"), has("ram"), has("ssd"))?;
+    let mut arms = ctx.interleaved(InProcess {
+        cold: has("cold"),
+        device: has("device"),
+        ram: has("ram"),
+        ssd: has("ssd"),
+        ssd_no_snapshots: has("ssd-no-snapshots"),
+    })?;
     let peak_device_bytes = mlx::peak_memory()?;
     if has("mlx-lm") {
         // The buffers MLX cached for the in-process arms go back first: on a GPU the child
@@ -473,6 +522,7 @@ pub fn run(args: Args) -> Result<()> {
         "turns": prompts.len(),
         "max_tokens": args.max_tokens,
         "block_size": args.block_size,
+        "state_every": args.state_every.0.map_or("auto".into(), |k| k.to_string()),
         "kv_budget": args.kv_budget,
         "peak_device_bytes": peak_device_bytes,
         "baseline_bytes": baseline_bytes,

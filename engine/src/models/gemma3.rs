@@ -289,7 +289,7 @@ impl Attention {
     fn window(&self) -> Option<usize> {
         match self.kind {
             LayerKind::Window(w) => Some(w),
-            LayerKind::Global => None,
+            _ => None,
         }
     }
 
@@ -514,7 +514,7 @@ impl Gemma3 {
     fn rope(&self, layer: &DecoderLayer) -> &RotaryEmbedding {
         match layer.self_attn.kind {
             LayerKind::Window(_) => &self.rope_local,
-            LayerKind::Global => &self.rope_global,
+            _ => &self.rope_global,
         }
     }
 
@@ -572,6 +572,7 @@ fn build(ck: &Checkpoint) -> Result<Built> {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             dtype: g.dtype(),
+            state_layers: 0,
         },
     };
     Ok((Box::new(g), info))

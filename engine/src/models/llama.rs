@@ -226,6 +226,7 @@ pub(crate) fn decoder_model(model_type: &str, cfg: &Config, decoder: Decoder) ->
             kv_heads: cfg.kv_heads(),
             head_dim: cfg.head_dim(),
             dtype: decoder.embed_tokens.dtype(),
+            state_layers: 0,
         },
     };
     (Box::new(decoder), info)

@@ -12,21 +12,30 @@ use crate::model::{LayerKind, ModelInfo};
 use crate::weights::Checkpoint;
 
 pub mod gemma3;
+pub mod lfm2;
 pub mod llama;
+pub mod nemotron_h;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_next;
 
 /// A family's forward pass, as the engine calls it.
 pub(crate) trait Network: Send + std::fmt::Debug {
     /// Hidden states after the final norm, `[1, L, hidden]`, for `tokens` `[1, L]` placed
-    /// after what `cache` holds.
+    /// after what `cache` holds. A hybrid reads and sets its non-attention layers' state in
+    /// the cache's state layers (once per layer per step) and refuses a cache without them.
     fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array>;
     /// Hidden states after the final norm, `[B, 1, hidden]`, for one token per row of
     /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array>;
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
     fn logits(&self, h: &Array) -> Result<Array>;
-    /// What each layer attends to.
+    /// Shapes of each non-attention layer's state parts for one sequence (batch axis first,
+    /// 1), in state-layer order; empty for attention-only families.
+    fn state_shapes(&self) -> Vec<Vec<Vec<usize>>> {
+        Vec::new()
+    }
+    /// What each layer mixes tokens with (attention, windowed, a convolution), in order.
     fn layer_kinds(&self) -> Vec<LayerKind>;
 }
 
@@ -51,9 +60,94 @@ pub(crate) struct Family {
     pub(crate) build: fn(&Checkpoint) -> Result<Built>,
 }
 
+/// Refuses a cache that does not carry a hybrid's `expected` state layers, or that holds
+/// `offset` tokens of KV without their states (`has_state`): K/V restored without the state
+/// would look like a hit and compute garbage.
+fn check_state_layers(
+    family: &str,
+    expected: usize,
+    states: usize,
+    offset: usize,
+    has_state: bool,
+) -> Result<()> {
+    if states != expected || (offset > 0 && !has_state) {
+        return Err(crate::error::EngineError::InvalidParameter {
+            name: "cache",
+            message: format!(
+                "the cache carries {states} layer states for {offset} tokens; this {family} \
+                 model has {expected} non-attention layers whose states it needs (make \
+                 caches with Model::new_cache)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A hybrid's non-attention layer (short convolution, gated DeltaNet, Mamba-2): its output
+/// and next state from its input and state.
+pub(crate) trait StateMixer {
+    /// `x` `[B, L, hidden]` after `state` (`None` before the first token) → the output
+    /// `[B, L, hidden]` and the state after `x`.
+    fn mix(&self, x: &Array, state: Option<&[Array]>) -> Result<(Array, Vec<Array>)>;
+}
+
+/// Runs `mixer` over `x` as state layer `slot` of a sequence's cache: reads the state,
+/// sets the next one.
+pub(crate) fn mix_cache(
+    mixer: &dyn StateMixer,
+    x: &Array,
+    slot: usize,
+    cache: &mut dyn KvCache,
+) -> Result<Array> {
+    let state = cache.layer_state(slot)?;
+    let (y, next) = mixer.mix(x, state.as_deref())?;
+    cache.set_layer_state(slot, x.shape()[1] as usize, next)?;
+    Ok(y)
+}
+
+/// [`mix_cache`] for one decode step of a batch: every row's state stacked, then split.
+pub(crate) fn mix_rows(
+    mixer: &dyn StateMixer,
+    x: &Array,
+    slot: usize,
+    rows: &mut PagedKvRows,
+) -> Result<Array> {
+    let state = rows.layer_states(slot)?;
+    let (y, next) = mixer.mix(x, state.as_deref())?;
+    rows.set_layer_states(slot, 1, &next)?;
+    Ok(y)
+}
+
+/// [`check_state_layers`] for a single sequence's cache.
+pub(crate) fn check_cache_states(family: &str, expected: usize, cache: &dyn KvCache) -> Result<()> {
+    let has_state = expected == 0 || cache.layer_state(0).ok().flatten().is_some();
+    check_state_layers(
+        family,
+        expected,
+        cache.state_layers(),
+        cache.offset(),
+        has_state,
+    )
+}
+
+/// [`check_state_layers`] for a batch (its rows share their layer counts).
+pub(crate) fn check_rows_states(family: &str, expected: usize, rows: &PagedKvRows) -> Result<()> {
+    let states = rows.row(0).map_or(0, |r| r.state_layers());
+    let offset = rows.row(0).map_or(0, |r| r.offset());
+    let has_state = expected == 0 || rows.layer_states(0)?.is_some();
+    check_state_layers(family, expected, states, offset, has_state)
+}
+
 /// Every family the engine runs.
-pub(crate) const FAMILIES: &[Family] =
-    &[llama::FAMILY, qwen2::FAMILY, qwen3::FAMILY, gemma3::FAMILY];
+pub(crate) const FAMILIES: &[Family] = &[
+    llama::FAMILY,
+    qwen2::FAMILY,
+    qwen3::FAMILY,
+    gemma3::FAMILY,
+    lfm2::FAMILY,
+    qwen3_next::FAMILY,
+    nemotron_h::FAMILY,
+];
 
 /// The family of a `model_type`.
 pub(crate) fn family(model_type: &str) -> Option<&'static Family> {

@@ -29,13 +29,12 @@ struct Batched {
 /// Greedy tokens of every prompt decoded together, compared at every step with each row's
 /// logits computed alone. `base`: the bound where matmuls are exact f32 (`logit_tol`).
 fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32) -> Batched {
-    let layers = model.info().kv.layers;
     let mut rows = PagedKvRows::new();
     let mut alone: Vec<PagedKvCache> = Vec::new();
     let mut out: Vec<Vec<u32>> = Vec::new();
     let mut tie = Vec::new();
     for p in prompts {
-        let mut c = PagedKvCache::new(layers, PagedConfig::default()).unwrap();
+        let mut c = model.empty_cache(PagedConfig::default()).unwrap();
         let logits = model.prefill(p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
         let logits = logits.to_vec::<f32>().unwrap();
         tie.push(near_tie(&logits, logit_tol(base, &logits)).then_some(0));
@@ -115,6 +114,21 @@ fn batched_decode_matches_each_row_alone_qwen2() {
 #[test]
 fn batched_decode_matches_each_row_alone_qwen3() {
     check("tiny-qwen3");
+}
+
+#[test]
+fn batched_decode_matches_each_row_alone_lfm2_with_convolution_states() {
+    check("tiny-lfm2");
+}
+
+#[test]
+fn batched_decode_matches_each_row_alone_qwen3_next_with_recurrent_states() {
+    check("tiny-qwen3-next");
+}
+
+#[test]
+fn batched_decode_matches_each_row_alone_nemotron_h_with_mamba2_states() {
+    check("tiny-nemotron-h");
 }
 
 #[test]

@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use engine::{greedy_ids, load, LoadOptions, Model};
+use engine::{greedy_ids, load, GenerateParams, LoadOptions, Model};
 use serde_json::Value;
 
 use crate::prerequisite;
@@ -160,4 +160,34 @@ pub fn check_against_mlx_lm(
         worst < allowed,
         "{name}: logits differ from mlx-lm by {worst} (allowed {allowed})"
     );
+}
+
+/// Deterministic pseudo-random token ids in `3..vocab`.
+pub fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            3 + (x % (vocab as u64 - 3)) as u32
+        })
+        .collect()
+}
+
+/// The largest absolute difference between two logit vectors.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Greedy decoding of exactly `max_tokens` tokens (EOS ignored).
+pub fn no_eos(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    }
 }

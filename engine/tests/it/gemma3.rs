@@ -7,12 +7,15 @@
 use std::path::{Path, PathBuf};
 
 use engine::{
-    generate_with_reuse, greedy_ids, load, namespace_description, GenerateParams, KvTiers,
-    LayerKind, LoadOptions, Model, ReuseConfig, ReuseReport, Tokenizer,
+    generate_with_reuse, greedy_ids, load, namespace_description, KvTiers, LayerKind, LoadOptions,
+    Model, ReuseConfig, ReuseReport, Tokenizer,
 };
 use store::StoreConfig;
 
-use crate::common::{assert_greedy_under_cold, check_against_mlx_lm, goldens, logit_tol, near_tie};
+use crate::common::{
+    assert_greedy_under_cold, check_against_mlx_lm, goldens, logit_tol, max_diff, near_tie, no_eos,
+    tokens,
+};
 use crate::prerequisite;
 
 /// f32 on both sides, same libmlx: differences come from evaluation order only (the goldens
@@ -113,13 +116,6 @@ fn last_logits(model: &Model, prompt: &[u32], chunk: usize) -> Vec<f32> {
         .unwrap()
 }
 
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn gemma3_prefill_in_chunks_smaller_and_larger_than_the_window_matches_one_step() {
     let (model, _) = load(&tiny(), &LoadOptions::default()).unwrap();
@@ -150,29 +146,8 @@ fn config(dir: &Path, block_size: usize) -> ReuseConfig {
     }
 }
 
-fn params(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        stop_at_eos: false,
-        ..GenerateParams::default()
-    }
-}
-
-/// Deterministic pseudo-random token ids in `3..vocab`.
-fn tokens(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            3 + (x % (vocab as u64 - 3)) as u32
-        })
-        .collect()
-}
-
 fn cold(model: &Model, tok: &Tokenizer, prompt: &[u32], n: usize) -> Vec<u32> {
-    generate_with_reuse(model, tok, None, prompt, &params(n), &mut |_| true)
+    generate_with_reuse(model, tok, None, prompt, &no_eos(n), &mut |_| true)
         .unwrap()
         .0
         .tokens
@@ -186,7 +161,7 @@ fn cached(
     n: usize,
 ) -> (Vec<u32>, ReuseReport) {
     let (g, r) =
-        generate_with_reuse(model, tok, Some(pc), prompt, &params(n), &mut |_| true).unwrap();
+        generate_with_reuse(model, tok, Some(pc), prompt, &no_eos(n), &mut |_| true).unwrap();
     (g.tokens, r)
 }
 

@@ -9,6 +9,7 @@ mod fuzz_corpus;
 mod gemma3;
 mod generation;
 mod hostile_models;
+mod hybrid;
 mod parity;
 #[path = "../../../tests/src/prerequisite.rs"]
 mod prerequisite;

@@ -67,7 +67,9 @@ fn foreign_directories_and_versions_are_refused_with_the_path() {
     drop(Store::open(StoreConfig::default().root(dir.path())).unwrap());
     let marker = dir.path().join(store::format::STORE_FILE);
     let text = std::fs::read_to_string(&marker).unwrap();
-    std::fs::write(&marker, text.replace("\"version\": 1", "\"version\": 99")).unwrap();
+    let current = format!("\"version\": {}", store::format::FORMAT_VERSION);
+    assert!(text.contains(&current), "{text}");
+    std::fs::write(&marker, text.replace(&current, "\"version\": 99")).unwrap();
     let err = Store::open(StoreConfig::default().root(dir.path()))
         .err()
         .unwrap();

@@ -204,7 +204,7 @@ pub fn simulate(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
             let leaf_first = clock + (n - 1 - i as u64);
             let count = if policy == Policy::FreqAdmit {
                 uses += 1;
-                if uses % period == 0 {
+                if uses.is_multiple_of(period) {
                     seen.retain(|_, n| {
                         *n /= 2;
                         *n > 0
