@@ -42,7 +42,9 @@ pub struct Array {
 //    so every handle used again is inside the `Model` (tied weights included), and
 //    `Engine::open` moves the `Model` into the `kvstore-engine` thread with the worker
 //    (rule a).
-// 2. KV caches: built, written, read, forked and published only on the engine thread. The
+// 2. KV caches and the layer states of hybrid models (cache/src/state.rs, with their
+//    rewind history of array handles): built, written, read, forked, rewound and published
+//    only on the engine thread. The
 //    device pool of finished sequences (`ResidentPool`, cache/src/resident.rs) lives in
 //    `KvTiers` behind a `Mutex`, and `KvTiers` is shared (`Arc`) with the `kvstore-io`
 //    thread and the HTTP runtime; those two read only token ids and byte counts through the
