@@ -146,7 +146,7 @@ os.replace(dest + ".part", dest)
 PY
 fi
 
-# 5. A private venv with the official clients the server tests drive (`openai`,
+# 5. A private venv with the official clients the server tests drive (`openai`, `openai-agents`,
 #    `anthropic`), pinned in scripts/tests/requirements.txt.
 TEST_VENV="$ROOT/.venv-test"
 TEST_REQS="$ROOT/scripts/tests/requirements.txt"

@@ -15,6 +15,8 @@
 //!   tokens tied with the last one kept are all kept (the host keeps the lower ids of a tie
 //!   to exactly k or to the top-p mass). The tests compare distributions, not single draws
 //!   (docs/engine.md).
+//! - A grammar's mask of allowed tokens ([`DeviceSampler::select_masked`]) sets every other
+//!   logit to -inf after the penalties, before the pick and its filters.
 
 use mlx::{Array, Dtype};
 
@@ -168,6 +170,17 @@ impl DeviceSampler {
 
     /// The pick from `logits` (`[vocab]` f32, lazy), not yet computed.
     pub(crate) fn select(&mut self, logits: &Array) -> Result<Selection> {
+        self.select_masked(logits, None)
+    }
+
+    /// [`DeviceSampler::select`] among the tokens `allowed` (`[vocab]` bool) holds, when
+    /// given: every other token's logit is -inf before the pick (a grammar's mask, see
+    /// `constrained.rs`). Log-probabilities stay those of the raw logits.
+    pub(crate) fn select_masked(
+        &mut self,
+        logits: &Array,
+        allowed: Option<&Array>,
+    ) -> Result<Selection> {
         let p = &self.params;
         let scalar = |v: f64| Array::scalar(v, Dtype::F32);
         let mut x = logits.clone();
@@ -188,6 +201,9 @@ impl DeviceSampler {
                 .mul(&scalar(f64::from(p.presence_penalty))?)?
                 .add(&o.mul(&scalar(f64::from(p.frequency_penalty))?)?)?;
             x = x.sub(&penalty)?;
+        }
+        if let Some(allowed) = allowed {
+            x = mlx::ops::where_(allowed, &x, &scalar(f64::NEG_INFINITY)?)?;
         }
         // 2. Greedy, or a draw from the truncated, tempered distribution.
         let token = match self.key.take() {
@@ -462,5 +478,36 @@ mod tests {
         let h = histogram(&min_p, &X, 3000);
         let chi = chi_square(&h, &restrict(&full, &[0, 1, 3, 5]));
         assert!(chi < CHI2_3, "min-p: chi-square {chi:.2} for {h:?}");
+    }
+
+    #[test]
+    fn a_mask_limits_greedy_and_sampled_picks_to_the_allowed_tokens() {
+        let x = [3.0f32, 1.0, 2.5, -1.0, 0.5];
+        let allowed = Array::from_slice(&[0u8, 1, 0, 1, 1], &[5])
+            .unwrap()
+            .astype(Dtype::Bool)
+            .unwrap();
+        let mut greedy = DeviceSampler::new(SamplingParams::default(), 5, &[]).unwrap();
+        let pick = greedy.select_masked(&logits(&x), Some(&allowed)).unwrap();
+        pick.start().unwrap();
+        let s = pick.read().unwrap();
+        assert_eq!(s.token, 1, "the best allowed token");
+        // The log-probability is still the raw distribution's.
+        let raw = x[1] - x.iter().map(|v| v.exp()).sum::<f32>().ln();
+        assert!((s.logprob - raw).abs() < 1e-4, "{} vs {raw}", s.logprob);
+        let p = params(|p| {
+            p.temperature = 1.5;
+            p.top_k = 4;
+            p.seed = Some(9);
+        });
+        let mut drawn = DeviceSampler::new(p, 5, &[]).unwrap();
+        let mut seen = [0usize; 5];
+        for _ in 0..300 {
+            let pick = drawn.select_masked(&logits(&x), Some(&allowed)).unwrap();
+            pick.start().unwrap();
+            seen[pick.read().unwrap().token as usize] += 1;
+        }
+        assert_eq!((seen[0], seen[2]), (0, 0), "masked tokens drawn: {seen:?}");
+        assert!(seen[1] > 0 && seen[4] > 0, "{seen:?}");
     }
 }

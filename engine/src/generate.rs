@@ -7,6 +7,7 @@ use std::time::Instant;
 use cache::KvCache;
 use serde::Serialize;
 
+use crate::constrained::Constraint;
 use crate::device_sampler::DeviceSampler;
 use crate::error::{EngineError, Result};
 use crate::model::{Model, DEFAULT_PREFILL_CHUNK};
@@ -30,6 +31,10 @@ pub struct GenerateParams {
     pub context_limit: Option<usize>,
     /// Tokens per prefill step. Default: [`DEFAULT_PREFILL_CHUNK`].
     pub prefill_chunk: usize,
+    /// A grammar the output must follow (structured output, forced tool calls): tokens it
+    /// does not allow are never sampled, and an end-of-sequence token ends the output only
+    /// where the grammar accepts (whatever `stop_at_eos` says). Default: None.
+    pub constraint: Option<Constraint>,
 }
 
 impl Default for GenerateParams {
@@ -41,6 +46,7 @@ impl Default for GenerateParams {
             sampling: SamplingParams::default(),
             context_limit: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            constraint: None,
         }
     }
 }
@@ -78,6 +84,8 @@ pub struct Timings {
     pub total_s: f64,
     /// MLX's peak memory during the call, in bytes.
     pub peak_memory_bytes: usize,
+    /// Host seconds spent computing a grammar's token masks (0 without a constraint).
+    pub mask_s: f64,
 }
 
 /// The result of [`generate`].
@@ -183,11 +191,14 @@ pub fn generate(
         });
     }
     mlx::reset_peak_memory()?;
-    let mut sampler = DeviceSampler::new(params.sampling.clone(), model.info().vocab_size, prompt)?;
+    let vocab = model.info().vocab_size;
+    let mut sampler = DeviceSampler::new(params.sampling.clone(), vocab, prompt)?;
+    let mut constraint = params.constraint.clone();
+    let mask = |c: &mut Option<Constraint>| c.as_mut().map(|c| c.device_mask(vocab)).transpose();
 
     // 1. Prefill what the cache lacks; pick the first token on the device.
     let logits = model.prefill(&prompt[cached..], cache, params.prefill_chunk)?;
-    let mut pick = sampler.select(&logits)?;
+    let mut pick = sampler.select_masked(&logits, mask(&mut constraint)?.as_ref())?;
     pick.start()?;
     let mut tokens: Vec<u32> = Vec::new();
     let mut logprobs = Vec::new();
@@ -205,11 +216,12 @@ pub fn generate(
     // 2. Decode, one step ahead: step n+1 is built from step n's pick, still on the device,
     // and queued before the host waits for that pick, so the device never idles while the
     // host reads, detokenizes and streams. A step queued for a token that turns out to end
-    // the generation is dropped from the cache.
+    // the generation is dropped from the cache. Under a grammar, step n+1's mask needs
+    // token n on the host: the step is queued only after the pick was read.
     loop {
         let n = tokens.len() + 1;
         let last = n >= params.max_tokens || prompt.len() + n >= context;
-        let ahead = if last {
+        let ahead = if last || constraint.is_some() {
             None
         } else {
             sampler.observe(&pick.token, prompt, &tokens)?;
@@ -224,8 +236,12 @@ pub fn generate(
             ttft = start.elapsed();
             first_token_at = Instant::now();
         }
+        let is_eos = (params.stop_at_eos || constraint.is_some())
+            && tokenizer.eos_ids().contains(&sampled.token);
+        if let Some(c) = &mut constraint {
+            c.commit(sampled.token)?;
+        }
         tokens.push(sampled.token);
-        let is_eos = params.stop_at_eos && tokenizer.eos_ids().contains(&sampled.token);
         let (delta, stopped, full) = stream.update(&tokens, is_eos || last)?;
         text = full;
         let keep_going = on_token(TokenEvent {
@@ -251,7 +267,15 @@ pub fn generate(
                 break;
             }
             (None, Some(next)) => pick = next,
-            (None, None) => break,
+            (None, None) if last => break,
+            (None, None) => {
+                // Constrained: the pick was read; queue the next step with its mask.
+                sampler.observe(&pick.token, prompt, &tokens[..tokens.len() - 1])?;
+                let logits = model.forward_token(&pick.token, cache)?;
+                let next = sampler.select_masked(&logits, mask(&mut constraint)?.as_ref())?;
+                next.start()?;
+                pick = next;
+            }
         }
     }
     let prefill_done = prefill_done.unwrap_or_else(Instant::now);
@@ -269,6 +293,7 @@ pub fn generate(
             decode_tok_per_s: rate(decoded_after_first, decode_s),
             total_s: (end - start).as_secs_f64(),
             peak_memory_bytes: mlx::peak_memory()?,
+            mask_s: constraint.map_or(0.0, |c| c.mask_stats().1.as_secs_f64()),
         },
         tokens,
         text,

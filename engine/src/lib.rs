@@ -6,6 +6,8 @@
 //!   last position's logits; [`Model::prefill`] does it in bounded chunks.
 //! - [`Tokenizer::apply_chat_template`] renders Hugging Face chat templates with `minijinja`.
 //! - [`Sampler`] picks tokens; [`generate`] ties it together with streaming and timings.
+//! - [`GrammarCompiler`] compiles a grammar into a [`Constraint`] that
+//!   [`GenerateParams::constraint`] enforces while sampling (structured output).
 //! - [`Engine`] runs many requests at once (continuous batching, prefix reuse) on its own
 //!   thread: submit, stream [`Event`]s, cancel; [`server`] serves it over HTTP (OpenAI API).
 //! - [`Model::fingerprint`] and [`Model::kv_layout`] identify the KV blocks a model makes.
@@ -25,6 +27,7 @@
 
 #![deny(unsafe_code)]
 
+mod constrained;
 mod device_sampler;
 mod error;
 #[doc(hidden)]
@@ -40,6 +43,7 @@ pub mod server;
 mod tokenizer;
 mod weights;
 
+pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
 pub use error::{EngineError, ErrorClass, Result};
 pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,

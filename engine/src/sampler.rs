@@ -1,6 +1,6 @@
 //! [`Sampler`]: picks the next token from logits on the host — greedy, temperature, top-k,
-//! top-p, min-p, repetition / presence / frequency penalties — with a seeded PRNG so a seed
-//! reproduces a sample exactly, on any machine.
+//! top-p, min-p, repetition / presence / frequency penalties, a grammar's token mask — with a
+//! seeded PRNG so a seed reproduces a sample exactly, on any machine.
 
 use serde::{Deserialize, Serialize};
 
@@ -152,6 +152,20 @@ impl Sampler {
     /// Picks the next token from `logits` (`[vocab]`), given the prompt and the tokens
     /// generated so far (for the penalties).
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], generated: &[u32]) -> Result<Sampled> {
+        self.sample_allowed(logits, prompt, generated, None)
+    }
+
+    /// [`Sampler::sample`] among the tokens `allowed` marks with a non-zero byte, when given
+    /// (a grammar's mask, [`crate::Constraint::allowed`]): every other token's logit is -inf
+    /// after the penalties, as the device sampler applies it. Log-probabilities stay those
+    /// of the raw logits. A mask that allows no token is an error.
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        prompt: &[u32],
+        generated: &[u32],
+        allowed: Option<&[u8]>,
+    ) -> Result<Sampled> {
         if logits.is_empty() {
             return Err(EngineError::InvalidParameter {
                 name: "logits",
@@ -186,6 +200,22 @@ impl Sampler {
                 if let Some(l) = x.get_mut(t as usize) {
                     *l -= p.presence_penalty + p.frequency_penalty * c as f32;
                 }
+            }
+        }
+        if let Some(allowed) = allowed {
+            let mut any = false;
+            for (i, l) in x.iter_mut().enumerate() {
+                if allowed.get(i).is_some_and(|&a| a != 0) {
+                    any = true;
+                } else {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            if !any {
+                return Err(EngineError::InvalidParameter {
+                    name: "allowed",
+                    message: "the mask allows no token".into(),
+                });
             }
         }
         // 2. Greedy, or a draw from the truncated, tempered distribution.
@@ -400,5 +430,28 @@ mod tests {
                 Err(EngineError::InvalidParameter { .. })
             ));
         }
+    }
+
+    #[test]
+    fn a_mask_keeps_picks_among_the_allowed_tokens() {
+        let x = [3.0f32, 1.0, 2.5, -1.0, 0.5];
+        let allowed = [0u8, 1, 0, 1, 1];
+        let mut greedy = Sampler::new(SamplingParams::default()).unwrap();
+        let s = greedy.sample_allowed(&x, &[], &[], Some(&allowed)).unwrap();
+        assert_eq!(s.token, 1);
+        let mut drawn = Sampler::new(params(|p| {
+            p.temperature = 2.0;
+            p.top_p = 0.9;
+            p.seed = Some(3);
+        }))
+        .unwrap();
+        for _ in 0..200 {
+            let t = drawn
+                .sample_allowed(&x, &[], &[], Some(&allowed))
+                .unwrap()
+                .token;
+            assert_eq!(allowed[t as usize], 1, "drew masked token {t}");
+        }
+        assert!(greedy.sample_allowed(&x, &[], &[], Some(&[0; 5])).is_err());
     }
 }

@@ -17,6 +17,10 @@
 //!    prompt delays running streams by one chunk per step, never by its whole prefill (as
 //!    vLLM's and SGLang's chunked prefill). With no row decoding, chunks run back to back.
 //!
+//! A row under a grammar ([`GenerateParams::constraint`]) does not run ahead: before step
+//! 4 queues its next pick, its previous pick is read and committed to the grammar, whose
+//! mask for the new pick then goes to the device with the step (docs/engine.md).
+//!
 //! [`generate`]: crate::generate
 
 use std::collections::VecDeque;
@@ -1232,11 +1236,19 @@ impl Worker {
             prefill_s,
         } = r;
         let prompt = p.request.prompt;
-        let params = p.request.params;
+        let mut params = p.request.params;
         let t = Instant::now();
-        let pick = sampler.select(logits)?;
+        let vocab = self.model.info().vocab_size;
+        let mask = match &mut params.constraint {
+            Some(c) => Some(c.device_mask(vocab)?),
+            None => None,
+        };
+        let pick = sampler.select_masked(logits, mask.as_ref())?;
         pick.start()?;
         let first = pick.read()?;
+        if let Some(c) = &mut params.constraint {
+            c.commit(first.token)?;
+        }
         report.prefill_s = prefill_s + t.elapsed().as_secs_f64();
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
         if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
@@ -1350,7 +1362,8 @@ impl Worker {
                 continue;
             };
             row.tokens.push(sampled.token);
-            let is_eos = row.params.stop_at_eos && eos.contains(&sampled.token);
+            let is_eos = (row.params.stop_at_eos || row.params.constraint.is_some())
+                && eos.contains(&sampled.token);
             let at_limit = row.tokens.len() >= row.params.max_tokens
                 || row.prompt.len() + row.tokens.len() >= row.context;
             let mut stream = TextStream {
@@ -1487,6 +1500,15 @@ impl Worker {
         }
         let mut tokens = Vec::with_capacity(self.active.len());
         for row in &mut self.active {
+            // A constrained row does not run ahead: its next mask needs this token on the
+            // host, so the pick is read (waiting for the step before) and committed now.
+            if let Some(c) = &mut row.params.constraint {
+                if let Some(pick) = row.unread.take() {
+                    let sampled = pick.read()?;
+                    c.commit(sampled.token)?;
+                    row.next = Some(sampled);
+                }
+            }
             let token = match (&row.unread, &row.next) {
                 (Some(pick), _) => pick.token.clone(),
                 (None, Some(sampled)) => mlx::Array::from_slice(&[sampled.token], &[1])?,
@@ -1512,7 +1534,11 @@ impl Worker {
         for (i, row) in self.active.iter_mut().enumerate() {
             let i = i as i32;
             let l = logits.slice(&[i, 0], &[i + 1, vocab])?.reshape(&[vocab])?;
-            row.launched = Some(row.sampler.select(&l)?);
+            let mask = match &mut row.params.constraint {
+                Some(c) => Some(c.device_mask(vocab as usize)?),
+                None => None,
+            };
+            row.launched = Some(row.sampler.select_masked(&l, mask.as_ref())?);
         }
         for row in &self.active {
             if let Some(pick) = &row.launched {

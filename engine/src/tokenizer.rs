@@ -278,6 +278,12 @@ impl Tokenizer {
         h.update(template.as_bytes());
         h.finalize()
     }
+    /// The underlying `tokenizers` tokenizer (grammar-constrained sampling builds its token
+    /// trie from it).
+    pub(crate) fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)

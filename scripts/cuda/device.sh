@@ -18,7 +18,8 @@
 # cache's SSD read-ahead rows and bench generate (SmolLM2's shape, the 8B-shaped bf16) with
 # the device sampler, after x1 and x2; pe: bench serve and the SmolLM2-shape prefill, after
 # an x1 call that made $K/smollm2-rand and x2; pf: bench serve beside mlx_lm.server (peer
-# wheels in x3); pg: bench trace, cache vs no cache (the trace in x3).
+# wheels in x3); pg: bench trace, cache vs no cache (the trace in x3); ph: bench grammar;
+# pi: Claude Code against kvstore serve (its binary in x3 and x4).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -290,6 +291,47 @@ case "$step" in
     { timeout 280 "$BIN/kvstore" bench trace "$T" --model "$d" $S --no-cache \
         --label "no cache" --json "$OUT/trace-nocache.json" 2>&1; } | tail -n 8
     echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  ph) # bench grammar (constrained vs unconstrained decode, mask ms per token), after x1 and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    { timeout 240 "$BIN/kvstore" bench grammar --model "$d" 2>&1; } | tail -n 14
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pi) # Claude Code (npm @anthropic-ai/claude-code-linux-x64's native binary, zstd'd and split
+      # into .cuda/x3 and .cuda/x4 as claude.zst.part*) against kvstore serve for a few turns,
+      # after x1 and x2; the prompt-token counters are read around every turn
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    if [ ! -x "$K/claude" ]; then
+      cat "$K"/claude.zst.part* | zstd -d -q -o "$K/claude" && chmod +x "$K/claude" || exit 1
+    fi
+    "$K/claude" --version
+    rm -rf "$K/ccstore"; "$BIN/kvstore" serve --model "$d" --port 8765 --store "$K/ccstore" \
+        --max-tokens-limit 32000 > "$OUT/cc-serve.log" 2>&1 &
+    for _ in $(seq 300); do curl -sf localhost:8765/health >/dev/null && break; sleep 0.2; done
+    mkdir -p /tmp/proj && cd /tmp/proj && printf 'def add(a, b):\n    return a + b\n' > calc.py
+    export ANTHROPIC_BASE_URL=http://127.0.0.1:8765 ANTHROPIC_API_KEY=dummy-key \
+      ANTHROPIC_MODEL=smollm2-rand ANTHROPIC_SMALL_FAST_MODEL=smollm2-rand \
+      CLAUDE_CODE_MAX_OUTPUT_TOKENS=${CC_TOKENS:-128} DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 \
+      CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 DISABLE_ERROR_REPORTING=1 HOME=/tmp/cchome
+    mkdir -p /tmp/cchome
+    counters() { curl -s localhost:8765/metrics | grep -E '^kvstore_(prompt_tokens_total|cached_prompt_tokens_total|requests_total)' | tr '\n' ' '; echo; }
+    for t in 1 2 3 4; do
+      cont=""; [ "$t" -gt 1 ] && cont="--continue"
+      echo "== turn $t: before: $(counters)"
+      timeout 150 "$K/claude" -p $cont --output-format json --max-turns 1 \
+        "Turn $t: read calc.py and suggest one improvement." > "$OUT/cc-turn$t.json" 2> "$OUT/cc-turn$t.err"
+      echo "turn $t exit $?: $(head -c 400 "$OUT/cc-turn$t.json")"
+      echo "   after: $(counters)"
+    done
+    grep -E "/v1/messages" "$OUT/cc-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 20
+    cd "$REPO"; echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   v) # every test binary, with redis-server and the openai client that some tests need
     stash >/dev/null

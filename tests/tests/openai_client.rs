@@ -1,6 +1,7 @@
 //! `kvstore serve` as a separate process: the official `openai` Python client (from the
 //! venv that scripts/setup.sh makes) drives a multi-turn streaming chat, then a graceful
-//! SIGTERM; and a bounded load test of 64 concurrent streams.
+//! SIGTERM; a forced tool loop with a `json_schema` answer and bad input; the OpenAI Agents
+//! SDK runs a 3-tool agent; and a bounded load test of 64 concurrent streams.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,25 +25,7 @@ fn python() -> PathBuf {
 fn the_openai_client_streams_a_multi_turn_chat_with_cached_tokens_from_turn_two() {
     let store = tempfile::tempdir().unwrap();
     let mut server = start(store.path(), &[]);
-    let port = server.port;
-    let out = Command::new(python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../scripts/tests/openai_chat.py"
-        ))
-        .arg(format!("http://127.0.0.1:{port}/v1"))
-        .args(["tiny-qwen3", "3"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "the openai client failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let turns: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let turns = python_lines("openai_chat.py", server.port, &["tiny-qwen3", "3"]);
     assert_eq!(turns.len(), 3);
     for (i, t) in turns.iter().enumerate() {
         assert!(
@@ -248,4 +231,95 @@ fn metrics_show_the_remote_tier_two_servers_share_blocks_through_redis() {
     let pc = c.port;
     let (_, text) = http(pc, "GET", "/metrics", "");
     assert!(!text.contains("kvstore_remote_"), "{text}");
+}
+
+/// Runs `script` (under scripts/tests/) with the test venv's Python against `port` and
+/// `args`; returns its JSON lines.
+fn python_lines(script: &str, port: u16, args: &[&str]) -> Vec<Value> {
+    let out = Command::new(python())
+        .arg(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../scripts/tests")
+                .join(script),
+        )
+        .arg(format!("http://127.0.0.1:{port}/v1"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
+/// The default model with a store at `store`.
+fn start_default(store: &Path) -> Serve {
+    let store = store.display().to_string();
+    let args = [
+        "--block-size",
+        "16",
+        "--served-model-name",
+        "default",
+        "--store",
+        &store,
+    ];
+    Serve::start(&kvstore_tests::smollm2(), &args).unwrap_or_else(|log| panic!("{log}"))
+}
+
+/// The official client runs a tool loop on the default model (it executes the tools): a
+/// named function and `required`, streamed, then a `json_schema` answer; every call and the
+/// answer validate against their schemas (`jsonschema`), and each turn reuses at least the
+/// whole previous prompt. Bad input gets OpenAI's 400 error shape.
+#[test]
+fn the_openai_client_runs_a_forced_tool_loop_and_a_json_schema_answer() {
+    let store = tempfile::tempdir().unwrap();
+    let server = start_default(store.path());
+    let lines = python_lines("openai_tools.py", server.port, &["default"]);
+    let (turns, bad) = lines.split_at(3);
+    assert_eq!(turns[0]["name"], "get_weather", "{turns:?}");
+    assert!(turns[..2]
+        .iter()
+        .all(|t| t["finish"] == "tool_calls" && t["calls"] == 1));
+    assert!(turns.iter().all(|t| t["valid"] == true), "{turns:?}");
+    assert_eq!(turns[2]["finish"], "stop", "{turns:?}");
+    for w in turns.windows(2) {
+        let prev = w[0]["prompt_tokens"].as_u64().unwrap();
+        let cached = w[1]["cached_tokens"].as_u64().unwrap();
+        assert!(
+            cached >= prev && cached > w[0]["cached_tokens"].as_u64().unwrap(),
+            "a turn reused {cached} tokens after a prompt of {prev}: {turns:?}"
+        );
+    }
+    assert_eq!(bad.len(), 3, "{bad:?}");
+    for (b, param) in bad.iter().zip(["tool_choice", "tools", "tools"]) {
+        assert_eq!(b["status"], 400, "{b}");
+        assert_eq!(b["type"], "invalid_request_error", "{b}");
+        assert_eq!(b["param"], param, "{b}");
+    }
+}
+
+/// The OpenAI Agents SDK runs a 3-tool agent with a forced tool choice against the default
+/// model to completion; every model turn after the first reuses at least the previous
+/// turn's whole prompt.
+#[test]
+fn the_openai_agents_sdk_runs_a_three_tool_agent_with_growing_cached_prefixes() {
+    let store = tempfile::tempdir().unwrap();
+    let server = start_default(store.path());
+    let lines = python_lines("openai_agents_run.py", server.port, &["default"]);
+    let (turns, end) = lines.split_at(lines.len() - 1);
+    assert_eq!(turns.len(), 3, "{lines:?}");
+    assert_eq!(end[0]["ran"].as_array().unwrap().len(), 3, "{end:?}");
+    for w in turns.windows(2) {
+        let prev = w[0]["input_tokens"].as_u64().unwrap();
+        let cached = w[1]["cached_tokens"].as_u64().unwrap();
+        assert!(
+            cached >= prev,
+            "cached {cached} < previous prompt {prev}: {turns:?}"
+        );
+    }
 }

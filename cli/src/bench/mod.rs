@@ -6,6 +6,7 @@ mod agent;
 mod cache;
 mod child_server;
 mod generate;
+mod grammar;
 mod mlx;
 mod remote;
 mod serve;
@@ -27,6 +28,8 @@ enum Which {
     Cache(cache::Args),
     /// Prefill tok/s at 512 and 2048 tokens, decode tok/s, peak memory, beside mlx-lm.
     Generate(generate::Args),
+    /// Grammar-constrained decoding: tok/s constrained vs not, mask ms per token.
+    Grammar(grammar::Args),
     /// MLX building blocks: f32 matmul GFLOP/s, SDPA at 2K keys, slice_update in place vs copy.
     Mlx(mlx::Args),
     /// TTFT of a prefix from the Redis remote tier vs local SSD vs recompute; chain fetch blocks/s.
@@ -47,6 +50,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Which::Agent(a) => agent::run(a),
         Which::Cache(a) => cache::run(a),
         Which::Generate(a) => generate::run(a),
+        Which::Grammar(a) => grammar::run(a),
         Which::Mlx(a) => mlx::run(a),
         Which::Remote(a) => remote::run(a),
         Which::Serve(a) => serve::run(*a),

@@ -897,7 +897,7 @@ pub(crate) async fn count_tokens(
         let state = s.clone();
         let n = tokio::task::spawn_blocking(move || {
             let t = translate(&body, &raw, &state.tool_inputs)?;
-            openai::tool_parsing(&t.chat, engine.tokenizer().chat_template())?;
+            openai::reply_shape(&t.chat, engine.tokenizer())?;
             render(engine.tokenizer(), &t).map(|(p, _)| p.len())
         })
         .await
@@ -956,14 +956,20 @@ async fn messages_endpoint(
     let mut opts = options(&body)?;
     let engine = s.engine.clone();
     let state = s.clone();
-    let (prompt, marks, tools) = tokio::task::spawn_blocking(move || {
+    let (prompt, marks, tools, constraint) = tokio::task::spawn_blocking(move || {
         let t = translate(&body, &raw, &state.tool_inputs)?;
-        let tools = openai::tool_parsing(&t.chat, engine.tokenizer().chat_template())?;
+        // tool_choice any / tool: forced calls by constrained decoding, as in the OpenAI API.
+        let shape = openai::reply_shape(&t.chat, engine.tokenizer())?;
         let (prompt, marks) = render(engine.tokenizer(), &t)?;
-        Ok::<_, ApiError>((prompt, marks, tools))
+        let constraint = match &shape.grammar {
+            Some((param, grammar)) => Some(state.constraint(param, grammar)?),
+            None => None,
+        };
+        Ok::<_, ApiError>((prompt, marks, shape.parsing, constraint))
     })
     .await
     .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
+    opts.params.constraint = constraint;
     opts.params.max_tokens = token_budget(&s, prompt.len(), opts.max_tokens)?;
     if let Some(kv) = s.engine.kv_tiers() {
         for &(at, ttl) in &marks {

@@ -22,7 +22,7 @@ mod tool_calls;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -36,12 +36,13 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
+use crate::constrained::{Constraint, GrammarCompiler};
 use crate::generate::FinishReason;
 use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle};
 pub use conn::{serve_with_limits, ConnectionLimits};
 pub(crate) use error::ApiError;
 use metrics::ServerMetrics;
-use openai::ToolParsing;
+use openai::{ReplyShape, ToolParsing};
 use tool_calls::{CallStream, Piece};
 
 /// Settings of the HTTP layer.
@@ -87,6 +88,40 @@ struct AppState {
     tool_inputs: anthropic::ToolInputs,
     /// Per-`prompt_cache_key` accounting.
     cache_keys: openai::CacheKeys,
+    /// The grammar compiler of the model's tokenizer, built by the first request that
+    /// needs one (its token trie takes a moment).
+    grammars: OnceLock<Result<Arc<GrammarCompiler>, String>>,
+}
+
+impl AppState {
+    /// Compiles `grammar` for the reply of a request; a grammar it rejects is a 400 on
+    /// `param`.
+    fn constraint(&self, param: &'static str, grammar: &str) -> Result<Constraint, ApiError> {
+        let compiler = self
+            .grammars
+            .get_or_init(|| {
+                GrammarCompiler::new(self.engine.tokenizer())
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(|e| ApiError::internal(format!("building the grammar compiler: {e}")))?;
+        compiler.compile(grammar).map_err(|e| match e {
+            crate::EngineError::InvalidParameter { message, .. } => {
+                // llguidance's first line says what failed; the rest quotes our grammar.
+                let first = message.lines().next().unwrap_or_default();
+                let what = match first.split_once("): ") {
+                    Some((at, rest)) if at.starts_with("at ") => rest,
+                    _ => first,
+                };
+                ApiError::param(
+                    param,
+                    format!("{param}: the reply cannot be constrained to it: {what}"),
+                )
+            }
+            e => ApiError::from(e),
+        })
+    }
 }
 
 type Shared = Arc<AppState>;
@@ -119,6 +154,7 @@ fn build_router(engine: Arc<Engine>, config: ServerConfig, script: Option<Vec<St
         script,
         tool_inputs: anthropic::ToolInputs::default(),
         cache_keys: openai::CacheKeys::default(),
+        grammars: OnceLock::new(),
     });
     let mut protected = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
@@ -458,11 +494,12 @@ async fn generate_endpoint(
 ) -> Result<Response, ApiError> {
     let (raw, body) = parse_body(body)?;
     let mut opts = openai::options(&body, chat)?;
-    let tools = if chat {
-        openai::tool_parsing(&body, s.engine.tokenizer().chat_template())?
+    let shape = if chat {
+        openai::reply_shape(&body, s.engine.tokenizer())?
     } else {
-        None
+        ReplyShape::default()
     };
+    let tools = shape.parsing.clone();
     if let Some(m) = &opts.model {
         if *m != s.config.model_id {
             return Err(ApiError::new(
@@ -476,18 +513,25 @@ async fn generate_endpoint(
             .with_code("model_not_found"));
         }
     }
-    // Templates and tokenizers take a while on long conversations: off the async workers.
-    let engine = s.engine.clone();
-    let prompt = tokio::task::spawn_blocking(move || {
-        let tok = engine.tokenizer();
-        if chat {
+    // Templates, tokenizers and grammars take a while on long conversations and large
+    // schemas: off the async workers.
+    let state = s.clone();
+    let (prompt, constraint) = tokio::task::spawn_blocking(move || {
+        let tok = state.engine.tokenizer();
+        let prompt = if chat {
             openai::chat_prompt(tok, &body, &raw)
         } else {
             openai::completion_prompt(tok, &body)
-        }
+        }?;
+        let constraint = match &shape.grammar {
+            Some((param, grammar)) => Some(state.constraint(param, grammar)?),
+            None => None,
+        };
+        Ok::<_, ApiError>((prompt, constraint))
     })
     .await
     .map_err(|e| ApiError::internal(format!("building the prompt failed: {e}")))??;
+    opts.params.constraint = constraint;
     opts.params.max_tokens = token_budget(&s, prompt.len(), opts.max_tokens)?;
     // Retention 24h: the whole prompt stays in every tier for a day, across restarts.
     let pinned_until = match s.engine.kv_tiers() {

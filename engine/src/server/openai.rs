@@ -4,7 +4,7 @@ use axum::http::StatusCode;
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
-use super::tool_calls::ToolFormat;
+use super::tool_calls::{Marker, ToolFormat, ToolSpec};
 use crate::generate::GenerateParams;
 use crate::sampler::{Sampled, SamplingParams};
 use crate::scheduler::Completion;
@@ -378,6 +378,9 @@ pub(crate) fn chat_template_input(
         Some(t) if tojsons_arguments(t) && messages_json.contains("tool_calls") => {
             objectify_arguments(&messages_json)?
         }
+        Some(t) if ToolFormat::detect(t).is_none() && messages_json.contains("tool_calls") => {
+            calls_as_content(&messages_json)?
+        }
         _ => messages_json,
     };
     Ok((messages_json, tools_json))
@@ -442,6 +445,46 @@ fn objectify_arguments(messages: &str) -> Result<String, ApiError> {
     }));
     serde_json::to_string(&fixed)
         .map_err(|e| ApiError::internal(format!("re-encoding messages: {e}")))
+}
+
+/// `messages` (a JSON array) with each assistant message's `tool_calls` also written into
+/// its `content`, as the `<tool_call>` blocks a forced call is generated in
+/// (`ToolFormat::call_grammar`), after any text: for a template that knows no tool calls
+/// (SmolLM2's renders `content` only, and fails on a null one), so that the history shows
+/// the calls exactly as the model wrote them and the next prompt extends the cached reply.
+fn calls_as_content(messages: &str) -> Result<String, ApiError> {
+    let mut v: Value = serde_json::from_str(messages)
+        .map_err(|e| ApiError::param("messages", format!("messages are not valid JSON: {e}")))?;
+    for m in v.as_array_mut().into_iter().flatten() {
+        let Some(Value::Array(calls)) = m.get("tool_calls") else {
+            continue;
+        };
+        let blocks: Vec<String> = calls
+            .iter()
+            .filter_map(|c| {
+                let f = c.get("function")?;
+                let name = Value::String(f.get("name")?.as_str()?.to_string());
+                let args = match f.get("arguments")? {
+                    Value::String(a) => a.clone(),
+                    other => other.to_string(),
+                };
+                Some(format!(
+                    "<tool_call>\n{{\"name\": {name}, \"arguments\": {args}}}\n</tool_call>"
+                ))
+            })
+            .collect();
+        if blocks.is_empty() {
+            continue;
+        }
+        let text = m.get("content").and_then(Value::as_str).unwrap_or("");
+        let mut content = text.to_string();
+        if !content.is_empty() {
+            content.push('\n');
+        }
+        content.push_str(&blocks.join("\n"));
+        m["content"] = Value::String(content);
+    }
+    serde_json::to_string(&v).map_err(|e| ApiError::internal(format!("re-encoding messages: {e}")))
 }
 
 /// The prompt of a completions request: a string, or an array of token ids.
@@ -592,29 +635,57 @@ pub(crate) struct ToolParsing {
     pub names: Vec<String>,
 }
 
-/// Validates `tools` and `tool_choice`; returns how to parse the reply for calls (None:
-/// plain content, for `tool_choice: "none"`, no tools, or a template without a known
-/// tool-call format). `required` and a named function need constrained decoding, which
-/// this server does not do: they are refused, never silently ignored.
-pub(crate) fn tool_parsing(
+/// The most functions one request may define (OpenAI's limit).
+pub(crate) const MAX_TOOLS: usize = 128;
+
+/// What a chat request's `tools`, `tool_choice` and `response_format` make of its reply.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ReplyShape {
+    /// How to parse the reply for calls (None: plain content).
+    pub parsing: Option<ToolParsing>,
+    /// The grammar the reply must follow, and the parameter that asked for it: `tools`
+    /// (`tool_choice` required or naming a function) or `response_format`.
+    pub grammar: Option<(&'static str, String)>,
+}
+
+const TOOL_CHOICE_SHAPE: &str = "tool_choice must be \"none\", \"auto\", \"required\" or \
+                                 {\"type\": \"function\", \"function\": {\"name\": ...}}";
+
+/// Validates `tools`, `tool_choice`, `parallel_tool_calls` and `response_format`; returns
+/// how to parse the reply for calls and the grammar, if any, that decoding must follow.
+/// `tool_choice: "required"` or a named function forces calls in the template's format (the
+/// `<tool_call>` family for a template without one); `response_format` `json_object` or
+/// `json_schema` forces a JSON document, or calls in the template's format when the model
+/// may call tools (`auto`). Forced calls take precedence over a document.
+pub(crate) fn reply_shape(
     body: &Map<String, Value>,
-    template: Option<&str>,
-) -> Result<Option<ToolParsing>, ApiError> {
+    tokenizer: &Tokenizer,
+) -> Result<ReplyShape, ApiError> {
     let tools = match body.get("tools") {
         None | Some(Value::Null) => &[][..],
         Some(Value::Array(a)) => a.as_slice(),
         Some(_) => return Err(ApiError::param("tools", "tools must be an array")),
     };
-    let mut names = Vec::with_capacity(tools.len());
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::param(
+            "tools",
+            format!(
+                "tools has {} functions; at most {MAX_TOOLS} are allowed",
+                tools.len()
+            ),
+        ));
+    }
+    let mut specs: Vec<ToolSpec> = Vec::with_capacity(tools.len());
     for (i, t) in tools.iter().enumerate() {
-        let name = (t.get("type").and_then(Value::as_str) == Some("function"))
+        let function = (t.get("type").and_then(Value::as_str) == Some("function"))
             .then(|| t.get("function"))
             .flatten()
-            .filter(|f| f.is_object())
+            .filter(|f| f.is_object());
+        let name = function
             .and_then(|f| f.get("name"))
             .and_then(Value::as_str)
             .filter(|n| !n.is_empty());
-        let Some(name) = name else {
+        let (Some(function), Some(name)) = (function, name) else {
             return Err(ApiError::param(
                 "tools",
                 format!(
@@ -623,62 +694,168 @@ pub(crate) fn tool_parsing(
                 ),
             ));
         };
-        if names.iter().any(|n| n == name) {
+        if specs.iter().any(|s| s.name == name) {
             return Err(ApiError::param(
                 "tools",
                 format!("tools[{i}]: the function {name:?} is defined twice"),
             ));
         }
-        names.push(name.to_string());
+        let parameters = match function.get("parameters") {
+            None | Some(Value::Null) => json!({"type": "object"}),
+            Some(p @ Value::Object(_)) => p.clone(),
+            Some(_) => {
+                return Err(ApiError::param(
+                    "tools",
+                    format!("tools[{i}].function.parameters must be a JSON schema object"),
+                ))
+            }
+        };
+        specs.push(ToolSpec {
+            name: name.to_string(),
+            parameters,
+        });
     }
-    let unsupported = |what: &str| {
-        ApiError::param(
-            "tool_choice",
-            format!(
-                "tool_choice {what} needs constrained decoding, which this server does not do \
-                 yet; use \"auto\" (the model decides, and its calls are parsed) or \"none\""
-            ),
-        )
+    let one = match body.get("parallel_tool_calls") {
+        None | Some(Value::Null) | Some(Value::Bool(true)) => false,
+        Some(Value::Bool(false)) => true,
+        Some(_) => {
+            return Err(ApiError::param(
+                "parallel_tool_calls",
+                "parallel_tool_calls must be a boolean",
+            ))
+        }
     };
-    let parse = match body.get("tool_choice") {
-        None | Some(Value::Null) => !names.is_empty(),
-        Some(Value::String(s)) if s == "auto" => !names.is_empty(),
-        Some(Value::String(s)) if s == "none" => false,
-        Some(Value::String(s)) if s == "required" => return Err(unsupported("\"required\"")),
+    // The functions a reply must call from (None: calls are not forced), or whether the
+    // model's own calls are parsed.
+    let (forced, parse): (Option<Vec<ToolSpec>>, bool) = match body.get("tool_choice") {
+        None | Some(Value::Null) => (None, !specs.is_empty()),
+        Some(Value::String(s)) if s == "auto" => (None, !specs.is_empty()),
+        Some(Value::String(s)) if s == "none" => (None, false),
+        Some(Value::String(s)) if s == "required" => {
+            if specs.is_empty() {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    "tool_choice \"required\" needs at least one function in tools",
+                ));
+            }
+            (Some(specs.clone()), true)
+        }
         Some(Value::Object(o)) => {
             let name = (o.get("type").and_then(Value::as_str) == Some("function"))
                 .then(|| o.get("function"))
                 .flatten()
                 .and_then(|f| f.get("name"))
                 .and_then(Value::as_str)
-                .ok_or_else(|| {
-                    ApiError::param(
-                        "tool_choice",
-                        "tool_choice must be \"none\", \"auto\", \"required\" or \
-                         {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                    )
-                })?;
-            if !names.iter().any(|n| n == name) {
+                .ok_or_else(|| ApiError::param("tool_choice", TOOL_CHOICE_SHAPE))?;
+            let Some(spec) = specs.iter().find(|s| s.name == name) else {
                 return Err(ApiError::param(
                     "tool_choice",
                     format!("tool_choice names the function {name:?}, which is not in tools"),
                 ));
-            }
-            return Err(unsupported("naming a function"));
+            };
+            (Some(vec![spec.clone()]), true)
         }
-        Some(_) => {
-            return Err(ApiError::param(
-                "tool_choice",
-                "tool_choice must be \"none\", \"auto\", \"required\" or \
-                 {\"type\": \"function\", \"function\": {\"name\": ...}}",
-            ))
+        Some(_) => return Err(ApiError::param("tool_choice", TOOL_CHOICE_SHAPE)),
+    };
+    let detected = tokenizer.chat_template().and_then(ToolFormat::detect);
+    let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+    let document = response_format(body)?;
+    // A marker is its single token when that token is text (Qwen's `<tool_call>`), not a
+    // special token that decoding drops: the reply must still show it.
+    let marker = |m: &str| {
+        let Some(id) = tokenizer.token_to_id(m) else {
+            return Marker::Text;
+        };
+        let single = tokenizer.encode(m, false).ok().as_deref() == Some(&[id][..]);
+        let text = tokenizer.decode(&[id], true).ok();
+        match (single, text.as_deref() == Some(m)) {
+            (true, true) => Marker::Token(id),
+            (_, false) => Marker::Special,
+            (false, true) => Marker::Text,
         }
     };
-    let format = template.and_then(ToolFormat::detect);
-    Ok(match format {
-        Some(format) if parse => Some(ToolParsing { format, names }),
-        _ => None,
+    Ok(match forced {
+        Some(forced) => {
+            // A template with no call format of its own gets the <tool_call> family: the
+            // grammar writes it, so the parser reads it.
+            let format = detected.unwrap_or(ToolFormat::Hermes);
+            let named = matches!(body.get("tool_choice"), Some(Value::Object(_)));
+            let grammar = format
+                .call_grammar(&forced, one || named, &marker, None)
+                .map_err(|e| ApiError::param("tools", e.to_string()))?;
+            ReplyShape {
+                parsing: Some(ToolParsing { format, names }),
+                grammar: Some(("tools", grammar)),
+            }
+        }
+        None => {
+            let parsing = detected
+                .filter(|_| parse)
+                .map(|format| ToolParsing { format, names });
+            // A document, or (with tools the model may call) calls instead of it.
+            let grammar = match (document, &parsing) {
+                (Some(doc), Some(p)) => Some(
+                    p.format
+                        .call_grammar(&specs, one, &marker, Some(&doc))
+                        .map_err(|e| ApiError::param("response_format", e.to_string()))?,
+                ),
+                (Some(doc), None) => Some(format!("start: {doc}\n")),
+                (None, _) => None,
+            };
+            ReplyShape {
+                parsing,
+                grammar: grammar.map(|g| ("response_format", g)),
+            }
+        }
     })
+}
+
+/// The grammar rule of `response_format`'s document: None for plain text, else a JSON
+/// document (any object for `json_object`, the schema's for `json_schema`).
+fn response_format(body: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    const SHAPE: &str = "response_format must be {\"type\": \"text\"}, {\"type\": \
+                         \"json_object\"} or {\"type\": \"json_schema\", \"json_schema\": \
+                         {\"name\": ..., \"schema\": {...}}}";
+    let rf = match body.get("response_format") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(_) => return Err(ApiError::param("response_format", SHAPE)),
+    };
+    let bad = |e: crate::EngineError| ApiError::param("response_format", e.to_string());
+    match rf.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => crate::json_schema_rule(&json!({"type": "object"}))
+            .map(Some)
+            .map_err(bad),
+        Some("json_schema") => {
+            let Some(Value::Object(js)) = rf.get("json_schema") else {
+                return Err(ApiError::param("response_format", SHAPE));
+            };
+            let schema = match js.get("schema") {
+                Some(s @ Value::Object(_)) => s,
+                None | Some(Value::Null) => &json!({}),
+                Some(_) => {
+                    return Err(ApiError::param(
+                        "response_format",
+                        "response_format.json_schema.schema must be a JSON schema object",
+                    ))
+                }
+            };
+            // Enforced whether or not `strict` is set (OpenAI's non-strict mode is best
+            // effort; here every schema is followed exactly or refused).
+            match js.get("strict") {
+                None | Some(Value::Null) | Some(Value::Bool(_)) => {}
+                Some(_) => {
+                    return Err(ApiError::param(
+                        "response_format",
+                        "response_format.json_schema.strict must be a boolean",
+                    ))
+                }
+            }
+            crate::json_schema_rule(schema).map(Some).map_err(bad)
+        }
+        _ => Err(ApiError::param("response_format", SHAPE)),
+    }
 }
 
 #[cfg(test)]
@@ -795,6 +972,80 @@ pub(crate) mod tests {
             &b[..a.len()],
             &a[..],
             "the second prompt does not extend the first"
+        );
+    }
+
+    /// The grammar of `required` without `parallel_tool_calls: false` takes several calls
+    /// in a row; with it, or naming a function, exactly one.
+    #[test]
+    fn forced_call_grammars_take_one_or_several_calls() {
+        let tok = tokenizer("tiny-qwen3");
+        let compiler = crate::GrammarCompiler::new(&tok).unwrap();
+        let tools = json!([
+            {"type": "function", "function": {"name": "a", "parameters": {"type": "object",
+                "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+            {"type": "function", "function": {"name": "b"}},
+        ]);
+        let call_a = "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>";
+        let call_b = "<tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
+        let two = format!("{call_a}\n{call_b}");
+        let bad_args =
+            "<tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": \"1\"}}\n</tool_call>";
+        // Whether `text` (spelled out byte by byte through the tokenizer) is a complete
+        // sentence of the grammar.
+        let accepts = |body: &Value, text: &str| -> bool {
+            let shape = reply_shape(body.as_object().unwrap(), &tok).unwrap();
+            let (_, grammar) = shape.grammar.unwrap();
+            let mut c = compiler.compile(&grammar).unwrap();
+            // Char by char: this tokenizer's `<tool_call>` is a special token the grammar
+            // spells out.
+            let ids = text
+                .chars()
+                .flat_map(|ch| tok.encode(&ch.to_string(), false).unwrap());
+            for id in ids {
+                let allowed = c.allowed(tok.vocab_size()).unwrap();
+                if allowed[id as usize] == 0 || c.commit(id).is_err() {
+                    return false;
+                }
+            }
+            c.is_accepting()
+        };
+        let required = json!({"tools": tools, "tool_choice": "required"});
+        let mut one = required.clone();
+        one["parallel_tool_calls"] = json!(false);
+        let named = json!({"tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": "b"}}});
+        assert!(accepts(&required, call_a));
+        assert!(accepts(&required, &two));
+        assert!(!accepts(&required, bad_args));
+        assert!(!accepts(&required, "Sure."));
+        assert!(accepts(&one, call_b));
+        assert!(!accepts(&one, &two));
+        assert!(accepts(&named, call_b));
+        assert!(!accepts(&named, call_a));
+        // `auto` with a response_format: the document, or calls instead of it.
+        let either = json!({"tools": tools, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "d", "schema": {"type": "object", "properties": {
+                "ok": {"type": "boolean"}}, "required": ["ok"]}}}});
+        assert!(accepts(&either, "{\"ok\": true}"));
+        assert!(accepts(&either, call_a));
+        assert!(accepts(&either, &two));
+        assert!(!accepts(&either, "{\"ok\": 1}"));
+        assert!(!accepts(&either, "Sure."));
+    }
+
+    #[test]
+    fn calls_become_content_for_a_template_without_tool_calls() {
+        let messages = r#"[{"role": "user", "content": "x"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}, {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]}, {"role": "assistant", "content": "Hi", "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]"#;
+        let v: Value = serde_json::from_str(&calls_as_content(messages).unwrap()).unwrap();
+        assert_eq!(v[0]["content"], "x");
+        assert_eq!(
+            v[1]["content"],
+            "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n</tool_call>\n<tool_call>\n{\"name\": \"g\", \"arguments\": {}}\n</tool_call>"
+        );
+        assert_eq!(
+            v[2]["content"],
+            "Hi\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"
         );
     }
 }

@@ -45,6 +45,110 @@ impl ToolFormat {
     }
 }
 
+/// How a tokenizer holds a call marker such as `<tool_call>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Marker {
+    /// One token whose text is the marker (Qwen's `<tool_call>`).
+    Token(u32),
+    /// One special token, which decoding drops: the marker must be spelled out.
+    Special,
+    /// No token of its own: plain text.
+    Text,
+}
+
+/// A function a forced tool call may name: its name and the JSON schema of its arguments.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ToolSpec {
+    pub name: String,
+    /// `parameters` as the request gave it (`{"type": "object"}` when it gave none).
+    pub parameters: Value,
+}
+
+impl ToolFormat {
+    /// The Lark grammar of a reply that is only calls in this format to `tools`, each call's
+    /// arguments valid under its function's schema: exactly one call when `one`, else one
+    /// or more (separated as the format separates them). `marker`: how the tokenizer holds
+    /// a marker (`<tool_call>`, `</tool_call>`); one held as a single text token is written
+    /// as that token, so that a constrained call holds the tokens the template renders when
+    /// the call comes back in the history (a marker spelled out in pieces would
+    /// re-tokenize differently).
+    /// Calls are written as the parser reads them and as chat templates re-render them:
+    /// `{"name": "...", "arguments": {...}}` (Llama 3: `"parameters"`), JSON with `", "`
+    /// and `": "` separators. `or_document`: a rule body (a JSON schema's, from
+    /// [`crate::json_schema_rule`]) the reply may be instead of calls.
+    pub fn call_grammar(
+        self,
+        tools: &[ToolSpec],
+        one: bool,
+        marker: &dyn Fn(&str) -> Marker,
+        or_document: Option<&str>,
+    ) -> crate::Result<String> {
+        use crate::{json_schema_rule, lark_literal};
+        // llguidance tokenizes text the grammar forces canonically, and would then offer a
+        // special token whose name is that text, which its parser refuses: with a marker
+        // that is such a token, the model's own tokenization is taken instead.
+        let mut no_forcing = false;
+        let mut lark_marker = |m: &str| match marker(m) {
+            Marker::Token(id) => format!("<[{id}]>"),
+            Marker::Special => {
+                no_forcing = true;
+                lark_literal(m)
+            }
+            Marker::Text => lark_literal(m),
+        };
+        let key = match self {
+            ToolFormat::Hermes => "arguments",
+            ToolFormat::Llama3Json => "parameters",
+        };
+        let (opener, closer) = match self {
+            ToolFormat::Hermes => (
+                format!("{} ", lark_marker(HERMES_OPEN)),
+                format!(" {}", lark_marker(HERMES_CLOSE)),
+            ),
+            ToolFormat::Llama3Json => (String::new(), String::new()),
+        };
+        let mut rules = Vec::new();
+        let mut calls = Vec::new();
+        for (i, t) in tools.iter().enumerate() {
+            let head = format!("{{\"name\": {}, \"{key}\": ", Value::String(t.name.clone()));
+            let (head, tail) = match self {
+                ToolFormat::Hermes => (format!("\n{head}"), "}\n"),
+                ToolFormat::Llama3Json => (head, "}"),
+            };
+            rules.push(format!(
+                "call_{i}: {opener}{} args_{i} {}{closer}",
+                lark_literal(&head),
+                lark_literal(tail)
+            ));
+            rules.push(format!("args_{i}: {}", json_schema_rule(&t.parameters)?));
+            calls.push(format!("call_{i}"));
+        }
+        let sep = match self {
+            ToolFormat::Hermes => lark_literal("\n"),
+            ToolFormat::Llama3Json => lark_literal("; "),
+        };
+        let calls_rule = if one {
+            "calls: call".to_string()
+        } else {
+            format!("calls: call ({sep} call)*")
+        };
+        let start = match or_document {
+            Some(doc) => format!("start: calls | document\ndocument: {doc}\n{calls_rule}"),
+            None => format!("start: calls\n{calls_rule}"),
+        };
+        let options = if no_forcing {
+            "%llguidance {\"no_forcing\": true}\n"
+        } else {
+            ""
+        };
+        Ok(format!(
+            "{options}{start}\ncall: {}\n{}\n",
+            calls.join(" | "),
+            rules.join("\n")
+        ))
+    }
+}
+
 /// One parsed call: the function's name and its arguments as JSON text.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct ToolCall {

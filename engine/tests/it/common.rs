@@ -29,6 +29,27 @@ pub fn smollm2() -> Option<PathBuf> {
     None
 }
 
+/// A copy of the golden tiny model `name` in `dir` with a 2048-token context: a chat
+/// template's tool preamble alone fills most of the 512 it has, and random weights do not
+/// care about positions. Returns the copy's folder.
+pub fn roomy_tiny_model(name: &str, dir: &std::path::Path) -> PathBuf {
+    let src = goldens().join(name);
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(src.join(f), out.join(f)).unwrap();
+    }
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = serde_json::json!(2048);
+    std::fs::write(out.join("config.json"), config.to_string()).unwrap();
+    out
+}
+
 pub fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()

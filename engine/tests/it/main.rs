@@ -5,6 +5,7 @@ mod anthropic;
 mod bad_input;
 mod batch;
 mod common;
+mod constrained;
 mod fuzz_corpus;
 mod gemma3;
 mod generation;
@@ -13,5 +14,6 @@ mod hybrid;
 mod parity;
 #[path = "../../../tests/src/prerequisite.rs"]
 mod prerequisite;
+mod reasoning_reuse;
 mod server;
 mod templates;

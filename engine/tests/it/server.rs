@@ -1902,7 +1902,7 @@ fn tool_choice_none_keeps_the_tools_in_the_prompt() {
 }
 
 #[test]
-fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
+fn malformed_tools_tool_choices_and_response_formats_are_400s() {
     let srv = Server::start(None, EngineConfig::default());
     let with = |key: &str, value: Value| {
         let mut b = tool_chat(2);
@@ -1910,19 +1910,6 @@ fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
         b
     };
     let cases = [
-        (
-            with("tool_choice", json!("required")),
-            "tool_choice",
-            "auto",
-        ),
-        (
-            with(
-                "tool_choice",
-                json!({"type": "function", "function": {"name": "search"}}),
-            ),
-            "tool_choice",
-            "constrained decoding",
-        ),
         (
             with(
                 "tool_choice",
@@ -1967,6 +1954,47 @@ fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
             "tools",
             "twice",
         ),
+        (
+            with(
+                "tools",
+                json!((0..129)
+                    .map(|i| json!({"type": "function", "function": {"name": format!("f{i}")}}))
+                    .collect::<Vec<_>>()),
+            ),
+            "tools",
+            "at most 128",
+        ),
+        (
+            with(
+                "tools",
+                json!([{"type": "function", "function": {"name": "f", "parameters": "x"}}]),
+            ),
+            "tools",
+            "parameters must be a JSON schema object",
+        ),
+        (
+            with("response_format", json!("json")),
+            "response_format",
+            "must be",
+        ),
+        (
+            with("response_format", json!({"type": "yaml"})),
+            "response_format",
+            "must be",
+        ),
+        (
+            with(
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
+            ),
+            "response_format",
+            "JSON schema object",
+        ),
+        (
+            with("parallel_tool_calls", json!("no")),
+            "parallel_tool_calls",
+            "boolean",
+        ),
     ];
     for (body, param, says) in cases {
         let e = openai_error(&srv.post("/v1/chat/completions", &body), 400);
@@ -1975,17 +2003,6 @@ fn tool_choice_that_needs_constrained_decoding_and_malformed_tools_are_400s() {
         let msg = e["message"].as_str().unwrap();
         assert!(msg.contains(says), "{msg:?} should say {says:?}");
     }
-    let e = openai_error(
-        &srv.post(
-            "/v1/chat/completions",
-            &with("tool_choice", json!("required")),
-        ),
-        400,
-    );
-    assert!(e["message"]
-        .as_str()
-        .unwrap()
-        .contains("constrained decoding"));
 }
 
 #[test]
@@ -2257,4 +2274,322 @@ fn a_model_that_writes_a_tool_call_gets_it_parsed_and_its_next_turn_reuses_promp
         "the second turn reused {cached} tokens; the first prompt and reply are {replied}: {v}"
     );
     eprintln!("first prompt + reply: {replied} tokens; the next turn reused {cached}");
+}
+
+// ---- Grammar-constrained replies (issue 17, point 2) ----
+
+/// Functions whose arguments the tiny model can finish: every string is an enum or short.
+fn forced_tools() -> Value {
+    // Short: the tiny model's context is 512 tokens, and its tokenizer is byte-level.
+    json!([
+        {"type": "function", "function": {"name": "wx", "parameters": {"type": "object",
+            "properties": {"c": {"enum": ["P", "R"]}}, "required": ["c"],
+            "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "find", "parameters": {"type": "object",
+            "properties": {"q": {"type": "string", "maxLength": 3}}, "required": ["q"],
+            "additionalProperties": false}}},
+    ])
+}
+
+/// Whether `args` (a call's arguments text) is valid under [`forced_tools`]'s schema of
+/// `name`.
+fn valid_forced_args(name: &str, args: &str) -> bool {
+    let Ok(Value::Object(a)) = serde_json::from_str::<Value>(args) else {
+        return false;
+    };
+    match name {
+        "wx" => a.len() == 1 && matches!(a.get("c").and_then(Value::as_str), Some("P" | "R")),
+        "find" => {
+            a.len() == 1
+                && a.get("q")
+                    .and_then(Value::as_str)
+                    .is_some_and(|q| q.chars().count() <= 3)
+        }
+        _ => false,
+    }
+}
+
+/// A server of the tiny model with a 2048-token context ([`crate::common::roomy_tiny_model`]).
+fn roomy_server() -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = crate::common::roomy_tiny_model(MODEL, dir.path());
+    let (model, tok) = load(&model_dir, &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(dir.path().join("store")),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
+    let mut srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
+    srv._dir = Some(dir);
+    srv
+}
+
+fn forced_chat(tool_choice: Value, seed: u64) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": "Hi"}],
+        "tools": forced_tools(),
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": false,
+        "temperature": 1.0,
+        "seed": seed,
+    })
+}
+
+/// A tiny model with random weights writes whatever its logits say; under `tool_choice`
+/// `required` or a named function every reply is nonetheless a valid call of a listed
+/// function with arguments valid under its schema, whatever the seed.
+#[test]
+fn forced_tool_choice_makes_even_random_weights_write_valid_calls() {
+    let srv = roomy_server();
+    let mut names = std::collections::BTreeSet::new();
+    for seed in 0..6 {
+        for choice in [
+            json!("required"),
+            json!({"type": "function", "function": {"name": "find"}}),
+        ] {
+            let body = forced_chat(choice.clone(), seed);
+            let r = srv.post("/v1/chat/completions", &body);
+            assert_eq!(r.status, 200, "{}", r.body);
+            let v = r.json();
+            let choice_out = &v["choices"][0];
+            assert_eq!(
+                choice_out["finish_reason"], "tool_calls",
+                "{choice} {seed}: {v}"
+            );
+            let calls = choice_out["message"]["tool_calls"].as_array().unwrap();
+            assert!(!calls.is_empty());
+            assert_eq!(calls.len(), 1, "{v}");
+            for c in calls {
+                let name = c["function"]["name"].as_str().unwrap();
+                let args = c["function"]["arguments"].as_str().unwrap();
+                assert!(valid_forced_args(name, args), "{name} {args}");
+                if choice.is_object() {
+                    assert_eq!(name, "find");
+                }
+                names.insert(name.to_string());
+            }
+        }
+    }
+    assert!(!names.is_empty());
+}
+
+#[test]
+fn a_forced_call_streams_as_tool_call_deltas() {
+    let srv = roomy_server();
+    let mut body = forced_chat(json!({"type": "function", "function": {"name": "wx"}}), 3);
+    body["stream"] = json!(true);
+    let r = srv.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    let chunks = chunks(&r);
+    let mut name = String::new();
+    let mut args = String::new();
+    for c in &chunks {
+        for d in c["choices"][0]["delta"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            name.push_str(d["function"]["name"].as_str().unwrap_or(""));
+            args.push_str(d["function"]["arguments"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(name, "wx");
+    assert!(valid_forced_args(&name, &args), "{args}");
+    let last = &chunks.last().unwrap()["choices"][0];
+    assert_eq!(last["finish_reason"], "tool_calls");
+}
+
+/// A forced call sent back in the history extends the previous prompt: the next turn reuses
+/// all of it, whatever the template makes of the reply (this tokenizer's `<tool_call>` is a
+/// special token, so the constrained reply spells it out and the re-rendered history holds
+/// the single token instead: the reuse ends where the reply starts).
+#[test]
+fn a_forced_call_sent_back_extends_the_cached_prompt_and_reply() {
+    let srv = roomy_server();
+    let body = forced_chat(json!({"type": "function", "function": {"name": "find"}}), 1);
+    let v = srv.post("/v1/chat/completions", &body).json();
+    let first_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let reply = v["usage"]["completion_tokens"].as_u64().unwrap();
+    let call = v["choices"][0]["message"]["tool_calls"][0].clone();
+    srv.idle();
+    let mut next = body.clone();
+    next["messages"] = json!([
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": null, "tool_calls": [call.clone()]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "ok"},
+    ]);
+    next["tool_choice"] = json!("none");
+    next["max_tokens"] = json!(1);
+    let v = srv.post("/v1/chat/completions", &next).json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(reply > 0);
+    assert!(
+        cached >= first_prompt,
+        "cached {cached} < the previous prompt's {first_prompt} tokens: {v}"
+    );
+}
+
+/// `response_format` `json_schema`: the reply is a document of the schema, whatever the
+/// weights; an unsupported keyword or a malformed schema is a 400 naming it.
+#[test]
+fn response_format_json_schema_forces_a_valid_document() {
+    let srv = roomy_server();
+    let schema = json!({"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["a", "b"]}},
+        "required": ["n", "ok", "tag"], "additionalProperties": false});
+    for seed in 0..4 {
+        let body = json!({
+            "messages": [{"role": "user", "content": "JSON please"}],
+            "response_format": {"type": "json_schema",
+                "json_schema": {"name": "thing", "schema": schema, "strict": true}},
+            "temperature": 1.0,
+            "seed": seed,
+            "max_tokens": 100,
+        });
+        let v = srv.post("/v1/chat/completions", &body).json();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let doc: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(doc["n"].as_u64().is_some_and(|n| n <= 99), "{doc}");
+        assert!(doc["ok"].is_boolean(), "{doc}");
+        assert!(doc["tag"] == "a" || doc["tag"] == "b", "{doc}");
+        assert_eq!(doc.as_object().unwrap().len(), 3, "{doc}");
+    }
+    let bad = |schema: Value| {
+        json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+            "schema": schema}}})
+    };
+    for (schema, says) in [
+        (json!({"type": "array", "uniqueItems": true}), "uniqueItems"),
+        (json!({"type": "banana"}), "banana"),
+        (json!({"type": "object", "properties": {"a": 7}}), "schema"),
+    ] {
+        let e = openai_error(&srv.post("/v1/chat/completions", &bad(schema.clone())), 400);
+        assert_eq!(e["param"], "response_format", "{e}");
+        let msg = e["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{schema}: {msg:?} should say {says:?}");
+    }
+    // A forced call's schema is compiled the same way; its errors name `tools`.
+    let mut body = forced_chat(json!("required"), 0);
+    body["tools"][0]["function"]["parameters"] = json!({"type": "object", "not": {}});
+    let e = openai_error(&srv.post("/v1/chat/completions", &body), 400);
+    assert_eq!(e["param"], "tools", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("not"), "{e}");
+}
+
+/// A constrained row waits for its pick before its next step; rows beside it in the batch
+/// still decode exactly as they would alone.
+#[test]
+fn a_constrained_row_leaves_its_batch_neighbours_unchanged() {
+    let srv = roomy_server();
+    let plain = chat("Tell me something.", 24);
+    let alone = srv.post("/v1/chat/completions", &plain).json();
+    srv.idle();
+    let forced = forced_chat(json!("required"), 5);
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| srv.post("/v1/chat/completions", &forced).json());
+        let b = s.spawn(|| srv.post("/v1/chat/completions", &plain).json());
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(a["choices"][0]["finish_reason"], "tool_calls", "{a}");
+    assert_eq!(
+        b["choices"][0]["message"]["content"], alone["choices"][0]["message"]["content"],
+        "{b}"
+    );
+}
+
+/// The default model: forced calls (its template has no call format: the `<tool_call>`
+/// family is used) and a `json_object` reply are what they must be.
+#[test]
+fn smollm2_forced_calls_and_json_objects_are_valid() {
+    let Some(path) = crate::common::smollm2() else {
+        return;
+    };
+    let (model, tok) = load(&path, &LoadOptions::default()).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, None, EngineConfig::default()).unwrap());
+    let srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
+    let body = json!({
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": forced_tools(),
+        "tool_choice": "required",
+        "parallel_tool_calls": false,
+        "max_tokens": 64,
+    });
+    let v = srv.post("/v1/chat/completions", &body).json();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert!(
+        valid_forced_args(
+            call["name"].as_str().unwrap(),
+            call["arguments"].as_str().unwrap()
+        ),
+        "{call}"
+    );
+    let body = json!({
+        "messages": [{"role": "user", "content": "Describe a cat as a JSON object."}],
+        "response_format": {"type": "json_object"},
+        "max_tokens": 96,
+    });
+    let v = srv.post("/v1/chat/completions", &body).json();
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    if v["choices"][0]["finish_reason"] == "stop" {
+        let doc: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(doc.is_object(), "{doc}");
+    } else {
+        // Cut off by max_tokens: still a prefix of an object.
+        assert!(text.starts_with('{'), "{text}");
+    }
+}
+
+/// The Anthropic API's `tool_choice` `any` and `tool` are forced the same way: the reply is
+/// a `tool_use` block whose input is valid under the tool's `input_schema`.
+#[test]
+fn anthropic_tool_choice_any_and_tool_force_valid_tool_use_blocks() {
+    let srv = roomy_server();
+    let tools: Vec<Value> = forced_tools()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(
+            |t| json!({"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}),
+        )
+        .collect();
+    for (choice, want) in [
+        (json!({"type": "any"}), None),
+        (json!({"type": "tool", "name": "wx"}), Some("wx")),
+    ] {
+        let body = json!({
+            "model": MODEL,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "tools": tools,
+            "tool_choice": choice,
+            "temperature": 1.0,
+        });
+        let r = srv.post("/v1/messages", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(v["stop_reason"], "tool_use", "{v}");
+        let blocks: Vec<&Value> = v["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert!(!blocks.is_empty(), "{v}");
+        for b in blocks {
+            let name = b["name"].as_str().unwrap();
+            assert!(valid_forced_args(name, &b["input"].to_string()), "{b}");
+            if let Some(w) = want {
+                assert_eq!(name, w);
+            }
+        }
+    }
 }
