@@ -3,8 +3,8 @@
 //! The store holds host bytes only ([`store::Block`]); this module is the one place where
 //! device KV becomes host bytes and back. Both directions move a whole run of blocks with
 //! one device transfer per layer part, and assemble or split the per-block planes on the
-//! host, never one small array per block (per-block arrays made a 32K-token restore on
-//! the H200 run at 0.8 GB/s; docs/cache.md).
+//! host, never one small array per block (per-block arrays made long restores several
+//! times slower; figures in docs/cache.md).
 //!
 //! Planes of a block, per layer `i` in order: `layers.{i}.k`, then (quantized formats)
 //! `layers.{i}.k_scales`, `layers.{i}.k_biases`, then the same for `v`. Each plane is

@@ -4,8 +4,8 @@
 //! `[kv_heads, block_size, head_dim]` slab of tokens `b·bs .. (b+1)·bs`. Physically each
 //! arena is stored heads-major, `[kv_heads, blocks · block_size, head_dim]`, so that a run
 //! of consecutive blocks is one strided view per head: attention reads a sequence's keys
-//! through a slice, with no gather (a gather over the block-major layout made a decode
-//! step 1.7-5.4x slower than a contiguous cache; docs/benchmarks.md).
+//! through a slice, with no gather (a gather over the block-major layout made decode steps
+//! several times slower than a contiguous cache; figures in docs/cache.md).
 
 use mlx::{Array, Dtype};
 

@@ -101,8 +101,9 @@ impl std::fmt::Debug for Model {
     }
 }
 
-/// Tokens per prefill step unless told otherwise. mlx-lm steps 2048; on this CPU 512 was
-/// faster at a 2048-token prompt (52 vs 41 tok/s) and peaks 190 MiB lower.
+/// Tokens per prefill step unless told otherwise. Smaller than mlx-lm's 2048: on CPU it is
+/// as fast or faster at long prompts and peaks lower (figures: docs/benchmarks.md,
+/// "Generate").
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
 
 impl Model {

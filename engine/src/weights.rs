@@ -22,7 +22,8 @@ use crate::layers::{Embedding, Linear, RmsNorm};
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LoadOptions {
     /// Keep weights as stored (quantized, bf16, f16) instead of expanding them to f32.
-    /// On CPU, f32 with OpenBLAS is ~13-20x faster than MLX's quantized and bf16 kernels.
+    /// On CPU, MLX's f32 matmul (OpenBLAS) is far faster than its quantized and bf16 kernels
+    /// (figures: docs/engine.md).
     /// Default: false.
     pub keep_as_stored: bool,
 }

@@ -6,15 +6,58 @@ use crate::error::check;
 use crate::ffi::ffi;
 use crate::{Dtype, Element, Error, Result};
 
-/// An MLX array: a node of MLX's lazy graph. Cloning is cheap and shares the buffer;
-/// ops build new nodes and [`Array::eval`] computes them.
+/// An MLX array: a node of MLX's lazy graph. Cloning is cheap: the clone is a second handle
+/// to the same node (same buffer, same pending computation); ops build new nodes and
+/// [`Array::eval`] computes them.
+///
+/// `Send` but not `Sync`; see the argument below for what that allows.
 pub struct Array {
     pub(crate) raw: UniquePtr<ffi::Array>,
 }
 
-// SAFETY: an MLX array handle is a shared_ptr to its descriptor; moving it to another
-// thread is sound (atomic reference count). The type is not Sync: two threads must not
-// evaluate or read one graph at the same time through shared references.
+// SAFETY: the whole argument for sending arrays between threads; every crossing in the
+// workspace is listed here and must stay within these rules.
+//
+// What a handle is. `Array` owns one `std::shared_ptr<mlx::core::array>`; the C++ `array` is
+// itself a `shared_ptr` to an `ArrayDesc` (shape, dtype, buffer, primitive, inputs). Copying
+// or dropping either pointer touches only atomic reference counts, so moving a handle to
+// another thread, and dropping it there, is sound on its own.
+//
+// What is not thread-safe. Evaluating a node writes its `ArrayDesc` (it allocates the buffer,
+// then detaches the inputs), and reading a node's data or graph reads that same
+// descriptor, without locks. `Clone` and every op that takes an input share descriptors
+// between handles. So two threads may not use handles to one unevaluated node (or to nodes
+// whose graphs still share an unevaluated input) at overlapping times. `Array` is `!Sync`,
+// which forbids sharing one handle; it does not see clones. The rule the code keeps instead:
+//
+//   An array crosses to another thread only (a) by moving every handle to its graph that
+//   will be used again, or (b) once evaluated, when the other side only reads it or drops it.
+//
+// The crossings today (engine/src/scheduler.rs spawns the threads; docs/architecture.md has
+// the thread model):
+//
+// 1. Model weights: loaded on the thread that calls `engine::load`, each dense tensor
+//    evaluated there (`Weights::finish` in engine/src/weights.rs); quantized tensors kept
+//    as stored may still be lazy loads. The loader's own handles drop when `load` returns,
+//    so every handle used again is inside the `Model` (tied weights included), and
+//    `Engine::open` moves the `Model` into the `kvstore-engine` thread with the worker
+//    (rule a).
+// 2. KV caches and the layer states of hybrid models (cache/src/state.rs, with their
+//    rewind history of array handles): built, written, read, forked, rewound and published
+//    only on the engine thread. The
+//    device pool of finished sequences (`ResidentPool`, cache/src/resident.rs) lives in
+//    `KvTiers` behind a `Mutex`, and `KvTiers` is shared (`Arc`) with the `kvstore-io`
+//    thread and the HTTP runtime; those two read only token ids and byte counts through the
+//    lock (`peek`, `stats`), never an array. At shutdown `Engine::shutdown` joins the engine
+//    thread before the last `Arc<KvTiers>` can drop, so the pool's arrays are dropped, on
+//    whatever thread that is, after their last use (rule a). MLX's own scheduler threads
+//    keep their own references to arrays they are still computing.
+// 3. Host blocks (`store::Block`: plane bytes) cross between the engine thread, the
+//    `kvstore-io` thread and the store's writer threads; arrays are made from them and
+//    turned back into them on the engine thread only (cache/src/host.rs). No array crosses.
+// 4. The HTTP runtime receives events (token ids, text, counts), never an array.
+//
+// Tests and single-sequence `generate` keep arrays on one thread.
 unsafe impl Send for Array {}
 
 impl Array {

@@ -38,8 +38,8 @@ pub fn gpu_available() -> Result<bool> {
 /// - CPU, and Metal on macOS: `2^-24`, plain f32 (the products are exact f32 operands).
 /// - CUDA (a GPU on Linux): `2^-10`. mlx-cuda runs f32 matmuls on TF32 tensor cores, which
 ///   read each operand with 10 explicit mantissa bits: `2^-11` if the conversion rounds to
-///   nearest, `2^-10` if it truncates; the larger is returned. Measured on an H200: 127
-///   TFLOP/s for f32 2048² (plain f32 peaks near 67) and relative errors ~5e-4.
+///   nearest, `2^-10` if it truncates; the larger is returned (the H200 measurement that
+///   shows TF32 is in docs/cuda.md).
 ///
 /// Tests derive their tolerances from it (docs/cuda.md, "Tolerances on the GPU").
 pub fn f32_matmul_unit_roundoff() -> Result<f32> {

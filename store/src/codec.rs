@@ -2,7 +2,6 @@
 //! blake3 checksum over metadata and plane bytes verified on every decode.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io::Read;
 use std::path::Path;
 
@@ -11,6 +10,7 @@ use safetensors::tensor::TensorView;
 
 use crate::block::{check_lengths, Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
 use crate::format;
+use crate::fs::ReadAt;
 use crate::key::{block_key, BlockKey, NamespaceId};
 
 /// Why bytes are not a valid block. Every variant means "treat as a miss".
@@ -266,20 +266,60 @@ fn tensors(block: &Block) -> Result<Tensors<'_>, EncodeError> {
     Ok((meta, views))
 }
 
-/// Writes `block` as a safetensors file at `path` (which must already exist with the right
-/// mode; it is truncated). Does not sync.
-pub(crate) fn write_file(block: &Block, path: &Path) -> Result<(), EncodeError> {
+/// Writes `block` as a safetensors file to `out` (unbuffered writes are batched here) and
+/// returns the bytes written. Does not sync.
+///
+/// The file is what `safetensors::serialize` writes: an 8-byte little-endian header length,
+/// the JSON header padded with spaces to a multiple of 8, then the planes' bytes in the
+/// format's order (descending dtype alignment, then name). Written here rather than by the
+/// crate so that it streams into any [`Write`](std::io::Write) (the SSD tier's file system)
+/// without first copying the block into one buffer.
+pub(crate) fn write_to(block: &Block, out: impl std::io::Write) -> Result<u64, EncodeError> {
+    use std::io::Write as _;
     let (meta, views) = tensors(block)?;
-    safetensors::serialize_to_file(views, &meta, path).map_err(|e| match e {
-        safetensors::SafeTensorError::IoError(io) => EncodeError::Io(io),
-        other => EncodeError::Invalid(format!("{other:?}")),
-    })
+    let mut order: Vec<usize> = (0..views.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (an, av) = &views[a];
+        let (bn, bv) = &views[b];
+        bv.dtype().cmp(&av.dtype()).then(an.cmp(bn))
+    });
+    let mut header = serde_json::Map::new();
+    if let Some(meta) = meta {
+        let meta: serde_json::Map<String, serde_json::Value> =
+            meta.into_iter().map(|(k, v)| (k, v.into())).collect();
+        header.insert("__metadata__".into(), meta.into());
+    }
+    let mut offset = 0;
+    for &i in &order {
+        let (name, view) = &views[i];
+        let len = view.data().len();
+        let info = safetensors::tensor::TensorInfo {
+            dtype: view.dtype(),
+            shape: view.shape().to_vec(),
+            data_offsets: (offset, offset + len),
+        };
+        offset += len;
+        let info = serde_json::to_value(info).map_err(|e| EncodeError::Invalid(e.to_string()))?;
+        header.insert(name.clone(), info);
+    }
+    let mut header =
+        serde_json::to_vec(&header).map_err(|e| EncodeError::Invalid(e.to_string()))?;
+    header.resize(header.len().div_ceil(8) * 8, b' ');
+    let mut w = std::io::BufWriter::new(out);
+    w.write_all(&(header.len() as u64).to_le_bytes())?;
+    w.write_all(&header)?;
+    for &i in &order {
+        w.write_all(views[i].1.data())?;
+    }
+    w.flush()?;
+    Ok(8 + header.len() as u64 + offset as u64)
 }
 
-/// The exact bytes [`write_file`] would write for `block` (the remote tier stores these).
+/// The exact bytes [`write_to`] writes for `block` (the remote tier stores these).
 pub(crate) fn encode(block: &Block) -> Result<Vec<u8>, EncodeError> {
-    let (meta, views) = tensors(block)?;
-    safetensors::serialize(views, &meta).map_err(|e| EncodeError::Invalid(format!("{e:?}")))
+    let mut out = Vec::with_capacity(estimate_file_len(block) as usize);
+    write_to(block, &mut out)?;
+    Ok(out)
 }
 
 /// Parses and verifies a whole block file held in memory (header, layout, checksum); the
@@ -468,20 +508,22 @@ const READERS: usize = 4;
 /// keep [`READERS`] reads in flight while this one hashes the chunks that have arrived. The outer
 /// error is an I/O failure (not evidence about the contents); the inner one a verification
 /// failure (a file shorter than `len` by the time it is read counts as truncated).
-pub(crate) fn read_file(file: &File, len: u64) -> std::io::Result<Result<Block, DecodeError>> {
+pub(crate) fn read_file<R: ReadAt + ?Sized>(
+    file: &R,
+    len: u64,
+) -> std::io::Result<Result<Block, DecodeError>> {
     read_file_in_chunks(file, len, READ_CHUNK)
 }
 
-pub(crate) fn read_file_in_chunks(
-    file: &File,
+pub(crate) fn read_file_in_chunks<R: ReadAt + ?Sized>(
+    file: &R,
     len: u64,
     chunk_len: usize,
 ) -> std::io::Result<Result<Block, DecodeError>> {
-    use std::os::unix::fs::FileExt;
     let truncated = |e: std::io::Error| match e.kind() {
         std::io::ErrorKind::UnexpectedEof => Ok(Err(DecodeError::Truncated {
             needed: len,
-            found: file.metadata().map(|m| m.len()).unwrap_or(0),
+            found: file.len().unwrap_or(0),
         })),
         _ => Err(e),
     };
@@ -741,9 +783,11 @@ mod tests {
     fn encode(block: &Block) -> Vec<u8> {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("b");
-        File::create(&p).unwrap();
-        write_file(block, &p).unwrap();
-        std::fs::read(&p).unwrap()
+        let f = std::fs::File::create(&p).unwrap();
+        let written = write_to(block, f).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        assert_eq!(written, bytes.len() as u64);
+        bytes
     }
 
     /// Reads `bytes` back through the file path, in one read and in 16-byte chunks (so the
@@ -755,6 +799,30 @@ mod tests {
         let chunked = read_file_in_chunks(&f, bytes.len() as u64, 16).unwrap();
         assert_eq!(whole, chunked);
         whole
+    }
+
+    #[test]
+    fn written_files_are_what_the_safetensors_crate_reads_and_writes() {
+        let b = sample();
+        let ours = encode(&b);
+        let theirs = {
+            let (meta, views) = tensors(&b).unwrap();
+            safetensors::serialize(views, &meta).unwrap()
+        };
+        assert_eq!(ours.len(), theirs.len());
+        let parsed = safetensors::SafeTensors::deserialize(&ours).unwrap();
+        for p in &b.planes {
+            let t = parsed.tensor(&p.name).unwrap();
+            assert_eq!(t.data(), &p.data[..]);
+            assert_eq!(t.dtype(), p.dtype.to_safetensors());
+        }
+        // Same plane order in the file: the data sections are identical.
+        let data = |bytes: &[u8]| {
+            let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            bytes[8 + n..].to_vec()
+        };
+        assert_eq!(data(&ours), data(&theirs));
+        assert_eq!(decode(&ours).unwrap(), decode(&theirs).unwrap());
     }
 
     #[test]

@@ -11,6 +11,7 @@ use serde::Serialize;
 
 use crate::block::now_unix_ms;
 use crate::error::OpenError;
+use crate::fs::{FileSystem, RealFs};
 use crate::inspect::{chain_depths, check_file};
 use crate::key::{BlockKey, NamespaceId};
 use crate::ssd::{self, SsdOptions, SsdTier};
@@ -110,6 +111,7 @@ struct Candidate {
 /// reads all block data.
 pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
     let tier = SsdTier::open_with(
+        RealFs,
         root,
         SsdOptions {
             read_only: false,
@@ -118,14 +120,15 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
         Arc::new(Counters::default()),
         false,
     )?;
-    let scan = ssd::scan(root).map_err(|source| OpenError::Io {
+    let scan = ssd::scan(&RealFs, root).map_err(|source| OpenError::Io {
         path: root.to_owned(),
         source,
     })?;
     let in_scope = |ns: NamespaceId| options.namespace.is_none_or(|n| n == ns);
     let file_bytes = |p: &Path| {
-        std::fs::symlink_metadata(p)
-            .map(|m| ssd::physical_bytes(&m))
+        RealFs
+            .symlink_metadata(p)
+            .map(|m| m.physical_bytes)
             .unwrap_or(0)
     };
     let mut plan: Vec<(GcItem, Option<(NamespaceId, BlockKey)>)> = Vec::new();
@@ -177,7 +180,7 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
             Ok(h) => live.push(Candidate {
                 ns,
                 key,
-                bytes: ssd::physical_bytes(&meta),
+                bytes: meta.physical_bytes,
                 rank: access.get(&(ns, key)).map_or(0, |a| a.0),
                 last_access: access.get(&(ns, key)).map_or(0, |a| a.1),
                 parent: h.meta.parent,

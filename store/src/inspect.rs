@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::block::PlaneSpec;
 use crate::codec::{self, BlockHeader, DecodeError, HeaderError};
 use crate::error::OpenError;
+use crate::fs::RealFs;
 use crate::key::{BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::ssd::{self, SsdOptions, SsdTier};
@@ -178,8 +179,8 @@ pub fn inspect(root: &Path, verify: bool) -> Result<StoreReport, OpenError> {
             budget: u64::MAX,
         },
     )?;
-    let marker = ssd::read_marker(root)?;
-    let scan = ssd::scan(root).map_err(|source| OpenError::Io {
+    let marker = ssd::read_marker(&RealFs, root)?;
+    let scan = ssd::scan(&RealFs, root).map_err(|source| OpenError::Io {
         path: root.to_owned(),
         source,
     })?;
@@ -189,7 +190,7 @@ pub fn inspect(root: &Path, verify: bool) -> Result<StoreReport, OpenError> {
         .map(|e| ((e.namespace, e.key), e.last_access_unix_ms))
         .collect();
     let descs: HashMap<NamespaceId, Result<NamespaceDescription, String>> =
-        ssd::read_namespaces(root)
+        ssd::read_namespaces(&RealFs, root)
             .into_iter()
             .map(|(id, _, d)| (id, d))
             .collect();
@@ -222,7 +223,7 @@ pub fn inspect(root: &Path, verify: bool) -> Result<StoreReport, OpenError> {
             .get_mut(ns)
             .expect("scan lists the namespace of each block");
         r.blocks += 1;
-        r.bytes += ssd::physical_bytes(meta);
+        r.bytes += meta.physical_bytes;
         if let Some(&t) = access.get(&(*ns, *key)) {
             r.oldest_access_unix_ms = Some(r.oldest_access_unix_ms.map_or(t, |o| o.min(t)));
             r.newest_access_unix_ms = Some(r.newest_access_unix_ms.map_or(t, |o| o.max(t)));
@@ -302,7 +303,7 @@ pub fn block(root: &Path, key: BlockKey) -> Result<Option<BlockReport>, OpenErro
             budget: u64::MAX,
         },
     )?;
-    for (ns, _, _) in ssd::read_namespaces(root) {
+    for (ns, _, _) in ssd::read_namespaces(&RealFs, root) {
         let path = ssd::block_path(root, ns, key);
         if !path.is_file() {
             continue;

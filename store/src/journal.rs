@@ -2,12 +2,11 @@
 //! persists the SSD tier's LRU order. Losing it loses recency, never data: the order is then
 //! rebuilt from file modification times.
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, BufWriter, Read, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use crate::format;
+use crate::fs::{FileSystem, WritableFile};
 use crate::key::{BlockKey, NamespaceId};
 
 /// One access record.
@@ -67,12 +66,10 @@ pub(crate) struct ReadJournal {
 }
 
 /// Reads every valid record up to the first invalid one.
-pub(crate) fn read(path: &Path) -> io::Result<ReadJournal> {
-    let mut bytes = Vec::new();
-    match crate::nofollow::open_read(path) {
-        Ok(mut f) => {
-            f.read_to_end(&mut bytes)?;
-        }
+pub(crate) fn read<F: FileSystem>(fs: &F, path: &Path) -> io::Result<ReadJournal> {
+    // No cap beyond memory: the journal is the tier's own file, bounded by compaction.
+    let bytes = match fs.read_capped(path, u64::MAX - 1) {
+        Ok(b) => b,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             return Ok(ReadJournal {
                 records: Vec::new(),
@@ -80,7 +77,7 @@ pub(crate) fn read(path: &Path) -> io::Result<ReadJournal> {
             })
         }
         Err(e) => return Err(e),
-    }
+    };
     Ok(parse(&bytes))
 }
 
@@ -119,44 +116,41 @@ pub(crate) fn encode(records: &[Record]) -> Vec<u8> {
 }
 
 /// An open journal, appending.
-pub(crate) struct Journal {
+pub(crate) struct Journal<W: WritableFile> {
     path: PathBuf,
-    out: BufWriter<File>,
+    out: BufWriter<W>,
     /// Records in the file (for deciding when to compact).
     pub records: u64,
 }
 
-impl Journal {
+impl<W: WritableFile> Journal<W> {
     /// Atomically replaces the journal at `path` with `records` (temp file in `tmp_dir`,
     /// fsync, rename, fsync root) and opens it for appending.
-    pub fn rewrite(path: &Path, tmp_dir: &Path, records: &[Record]) -> io::Result<Journal> {
+    pub fn rewrite<F: FileSystem<Writer = W>>(
+        fs: &F,
+        path: &Path,
+        tmp_dir: &Path,
+        records: &[Record],
+    ) -> io::Result<Journal<W>> {
         let tmp = tmp_dir.join(format!(
             "journal.{}.{}",
             std::process::id(),
             format::TMP_EXT
         ));
         {
-            let f = crate::nofollow::open(
-                OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(format::FILE_MODE),
-                &tmp,
-            )?;
-            let mut w = BufWriter::new(f);
+            let mut w = BufWriter::new(fs.create_truncate(&tmp)?);
             w.write_all(&header())?;
             for r in records {
                 w.write_all(&r.encode())?;
             }
             w.flush()?;
-            w.get_ref().sync_all()?;
+            w.get_mut().sync_all()?;
         }
-        std::fs::rename(&tmp, path)?;
+        fs.rename(&tmp, path)?;
         if let Some(parent) = path.parent() {
-            File::open(parent)?.sync_all()?;
+            fs.sync_dir(parent)?;
         }
-        let f = crate::nofollow::open(OpenOptions::new().append(true), path)?;
+        let f = fs.open_append(path)?;
         Ok(Journal {
             path: path.to_owned(),
             out: BufWriter::new(f),
@@ -173,7 +167,7 @@ impl Journal {
     /// Writes buffered records and fsyncs.
     pub fn sync(&mut self) -> io::Result<()> {
         self.out.flush()?;
-        self.out.get_ref().sync_data()
+        self.out.get_mut().sync_data()
     }
 
     /// The journal's path.
@@ -182,7 +176,7 @@ impl Journal {
     }
 }
 
-impl Drop for Journal {
+impl<W: WritableFile> Drop for Journal<W> {
     fn drop(&mut self) {
         // Recency only; a failure here loses access order, never blocks.
         let _ = self.out.flush();
@@ -192,6 +186,7 @@ impl Drop for Journal {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fs::RealFs;
 
     #[test]
     fn torn_tail_keeps_the_valid_prefix() {
@@ -205,15 +200,15 @@ mod tests {
                 unix_ms: 10 + i as u64,
             })
             .collect();
-        drop(Journal::rewrite(&path, dir.path(), &recs).unwrap());
-        let r = read(&path).unwrap();
+        drop(Journal::rewrite(&RealFs, &path, dir.path(), &recs).unwrap());
+        let r = read(&RealFs, &path).unwrap();
         assert_eq!(r.records, recs);
         assert!(!r.damaged);
         let mut bytes = std::fs::read(&path).unwrap();
         bytes.truncate(bytes.len() - 5);
         bytes[format::JOURNAL_HEADER_LEN + format::JOURNAL_RECORD_LEN + 10] ^= 1;
         std::fs::write(&path, &bytes).unwrap();
-        let r = read(&path).unwrap();
+        let r = read(&RealFs, &path).unwrap();
         assert_eq!(r.records, recs[..1]);
         assert!(r.damaged);
     }

@@ -54,6 +54,7 @@ mod block;
 mod codec;
 mod error;
 pub mod format;
+pub mod fs;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gc;

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::block::now_unix_ms;
 use crate::format;
+use crate::fs::RealFs;
 use crate::key::{BlockKey, NamespaceId};
 use crate::ssd::{parse_canonical, write_atomic};
 
@@ -219,7 +220,14 @@ fn write_file(root: &Path, pins: Vec<PinRecord>) -> std::io::Result<()> {
         pins,
     })
     .map_err(std::io::Error::other)?;
-    write_atomic(&root.join(format::TMP_DIR), root, format::PINS_FILE, &bytes)
+    // The pins file is written on the real file system, also under a test's SimFs store.
+    write_atomic(
+        &RealFs,
+        &root.join(format::TMP_DIR),
+        root,
+        format::PINS_FILE,
+        &bytes,
+    )
 }
 
 fn read_file(root: &Path) -> HashMap<Id, Pin> {

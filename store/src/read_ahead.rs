@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver};
 use std::thread::Scope;
 
+use crate::fs::FileSystem;
 use crate::key::{BlockKey, NamespaceId};
 use crate::ssd::{ReadOutcome, SsdTier};
 
@@ -56,9 +57,9 @@ impl<'scope> ReadAhead<'scope> {
     /// Starts `plan`'s reads of `keys` on threads of `scope`. With fewer than two planned
     /// reads or one reader no thread is started and [`take`](Self::take) reads nothing
     /// ahead; so does `ssd: None`.
-    pub(crate) fn start<'env>(
+    pub(crate) fn start<'env, F: FileSystem>(
         scope: &'scope Scope<'scope, 'env>,
-        ssd: Option<&'scope SsdTier>,
+        ssd: Option<&'scope SsdTier<F>>,
         ns: NamespaceId,
         keys: &'scope [BlockKey],
         plan: &'scope ReadPlan,

@@ -4,15 +4,15 @@
 //!
 //! Write path (crash cases in docs/store-format.md): encode into `tmp/`, fsync the file,
 //! rename into place, fsync the directory. A failed fsync or rename poisons the writer.
+//!
+//! Every file operation goes through the tier's [`FileSystem`] (`RealFs` unless a test
+//! opens it on a `SimFs` with [`SsdTier::open_in`]).
 
 use std::collections::HashMap;
-use std::fs::{self, DirBuilder, File, OpenOptions};
-use std::io::{self, Read, Write};
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::UNIX_EPOCH;
 
 use lru::LruCache;
 use serde::{Deserialize, Serialize};
@@ -21,10 +21,10 @@ use crate::block::{now_unix_ms, Block};
 use crate::codec::{self, DecodeError, EncodeError};
 use crate::error::{OpenError, RegisterError, WriteError};
 use crate::format;
+use crate::fs::{FileKind, FileStat, FileSystem, LockError, ReadAt, RealFs, WritableFile};
 use crate::journal::{self, Journal, Record};
 use crate::key::{BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
-use crate::nofollow;
 use crate::pins::Pins;
 use crate::stats::{Counters, StoreStats};
 
@@ -96,20 +96,22 @@ struct Entry {
     seq: u64,
 }
 
-struct State {
+struct State<W: WritableFile> {
     index: LruCache<(NamespaceId, BlockKey), Entry>,
     used: u64,
-    journal: Option<Journal>,
+    journal: Option<Journal<W>>,
     next_seq: u64,
 }
 
-/// The SSD tier. All methods take `&self`; writes are serialized internally.
-pub struct SsdTier {
+/// The SSD tier over the file system `F`. All methods take `&self`; writes are serialized
+/// internally.
+pub struct SsdTier<F: FileSystem = RealFs> {
+    fs: F,
     root: PathBuf,
     read_only: bool,
     budget: AtomicU64,
-    _lock: Option<File>,
-    state: Mutex<State>,
+    _lock: Option<F::Lock>,
+    state: Mutex<State<F::Writer>>,
     write_lock: Mutex<()>,
     poison: Mutex<Option<String>>,
     counters: Arc<Counters>,
@@ -125,10 +127,7 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> OpenError + '_ {
     }
 }
 
-/// ENOSPC or EDQUOT: the file system (or the user's quota) has no room.
-pub(crate) fn is_storage_full(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::StorageFull || matches!(e.raw_os_error(), Some(28 | 122))
-}
+pub(crate) use crate::fs::is_storage_full;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock leaves plain data behind; keep serving.
@@ -138,38 +137,39 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Largest marker or `namespace.json` file read: both are a few hundred bytes.
 const MAX_SMALL_FILE: u64 = 1024 * 1024;
 
-pub(crate) fn physical_bytes(meta: &fs::Metadata) -> u64 {
-    meta.blocks() * 512
-}
-
-fn mtime_ms(meta: &fs::Metadata) -> u64 {
-    meta.modified()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-fn sync_dir(path: &Path) -> io::Result<()> {
-    File::open(path)?.sync_all()
-}
-
 /// Creates `path` (mode 0700) if missing and fsyncs its parent; returns whether it created.
 /// An existing `path` that is not a real directory (a symlink to one included) is an error.
-fn ensure_dir(path: &Path) -> io::Result<bool> {
-    match DirBuilder::new().mode(format::DIR_MODE).create(path) {
+fn ensure_dir<F: FileSystem>(fs: &F, path: &Path) -> io::Result<bool> {
+    match fs.create_dir(path) {
         Ok(()) => {
             if let Some(parent) = path.parent() {
-                sync_dir(parent)?;
+                fs.sync_dir(parent)?;
             }
             Ok(true)
         }
         // Already there: it must be a directory itself, not a link to one elsewhere.
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-            nofollow::check_dir(path).map(|_| false)
-        }
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => fs.check_dir(path).map(|_| false),
         Err(e) => Err(e),
     }
+}
+
+/// Creates `root` and its missing parents, then fsyncs the parent of each one created so
+/// the new directories survive a power cut.
+fn create_root<F: FileSystem>(fs: &F, root: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = root
+        .ancestors()
+        .take_while(|a| !a.as_os_str().is_empty() && fs.symlink_metadata(a).is_err())
+        .collect();
+    fs.create_dir_all(root)?;
+    for dir in missing.into_iter().rev() {
+        match dir.parent() {
+            // A relative root's parent is the working directory.
+            Some(p) if p.as_os_str().is_empty() => fs.sync_dir(Path::new("."))?,
+            Some(p) => fs.sync_dir(p)?,
+            None => {}
+        }
+    }
+    Ok(())
 }
 
 /// Parses a lowercase-hex directory or file stem into a 32-byte id, canonically.
@@ -182,7 +182,7 @@ pub(crate) fn parse_canonical<T: std::str::FromStr + std::fmt::Display>(s: &str)
 #[derive(Debug, Default)]
 pub(crate) struct Scan {
     /// Block files: namespace, key, metadata, path.
-    pub blocks: Vec<(NamespaceId, BlockKey, fs::Metadata, PathBuf)>,
+    pub blocks: Vec<(NamespaceId, BlockKey, FileStat, PathBuf)>,
     /// Temporary files anywhere in the tree.
     pub temps: Vec<PathBuf>,
     /// Files that do not belong to the layout (inside namespace directories).
@@ -195,52 +195,45 @@ pub(crate) struct Scan {
     pub quarantined: Vec<PathBuf>,
 }
 
-fn read_dir_sorted(path: &Path) -> io::Result<Vec<fs::DirEntry>> {
-    let mut v: Vec<_> = fs::read_dir(path)?.collect::<Result<_, _>>()?;
-    v.sort_by_key(|e| e.file_name());
-    Ok(v)
-}
-
 /// Walks the store layout under `root`.
-pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
+pub(crate) fn scan<F: FileSystem>(fs: &F, root: &Path) -> io::Result<Scan> {
     let mut s = Scan::default();
-    for e in read_dir_sorted(root)? {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        let path = e.path();
-        let ft = e.file_type()?;
-        match name.as_ref() {
+    for e in fs.read_dir(root)? {
+        let name = e.name.as_str();
+        let path = root.join(name);
+        let is_dir = e.kind == FileKind::Dir;
+        match name {
             format::STORE_FILE | format::LOCK_FILE | format::JOURNAL_FILE | format::PINS_FILE => {
                 continue
             }
-            format::TMP_DIR if ft.is_dir() => {
-                for t in read_dir_sorted(&path)? {
-                    s.temps.push(t.path());
+            format::TMP_DIR if is_dir => {
+                for t in fs.read_dir(&path)? {
+                    s.temps.push(path.join(t.name));
                 }
                 continue;
             }
-            format::QUARANTINE_DIR if ft.is_dir() => {
-                for q in read_dir_sorted(&path)? {
-                    s.quarantined.push(q.path());
+            format::QUARANTINE_DIR if is_dir => {
+                for q in fs.read_dir(&path)? {
+                    s.quarantined.push(path.join(q.name));
                 }
                 continue;
             }
             _ => {}
         }
-        let Some(ns) = parse_canonical::<NamespaceId>(&name).filter(|_| ft.is_dir()) else {
+        let Some(ns) = parse_canonical::<NamespaceId>(name).filter(|_| is_dir) else {
             s.unknown_root.push(path);
             continue;
         };
         s.namespaces.push((ns, path.clone()));
-        for shard in read_dir_sorted(&path)? {
-            let sname = shard.file_name();
-            let sname = sname.to_string_lossy().into_owned();
-            let spath = shard.path();
-            let sft = shard.file_type()?;
-            if (sname == format::NAMESPACE_FILE || sname == format::COSTS_FILE) && sft.is_file() {
+        for shard in fs.read_dir(&path)? {
+            let sname = shard.name;
+            let spath = path.join(&sname);
+            if (sname == format::NAMESPACE_FILE || sname == format::COSTS_FILE)
+                && shard.kind == FileKind::File
+            {
                 continue;
             }
-            let is_shard = sft.is_dir()
+            let is_shard = shard.kind == FileKind::Dir
                 && sname.len() == 2
                 && sname
                     .bytes()
@@ -253,10 +246,9 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
                 }
                 continue;
             }
-            for f in read_dir_sorted(&spath)? {
-                let fname = f.file_name();
-                let fname = fname.to_string_lossy().into_owned();
-                let fpath = f.path();
+            for f in fs.read_dir(&spath)? {
+                let fname = f.name;
+                let fpath = spath.join(&fname);
                 if fname.ends_with(&format!(".{}", format::TMP_EXT)) {
                     s.temps.push(fpath);
                     continue;
@@ -266,7 +258,7 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
                     .and_then(parse_canonical::<BlockKey>)
                     .filter(|k| k.to_string()[..2] == sname);
                 // Not followed: a symlink under a block name is foreign, never read.
-                let meta = fs::symlink_metadata(&fpath)?;
+                let meta = fs.symlink_metadata(&fpath)?;
                 match key {
                     Some(key) if meta.is_file() => s.blocks.push((ns, key, meta, fpath)),
                     _ => s.foreign.push(fpath),
@@ -278,9 +270,9 @@ pub(crate) fn scan(root: &Path) -> io::Result<Scan> {
 }
 
 /// Reads the marker file; `Ok(None)` if absent.
-pub(crate) fn read_marker(root: &Path) -> Result<Option<Marker>, OpenError> {
+pub(crate) fn read_marker<F: FileSystem>(fs: &F, root: &Path) -> Result<Option<Marker>, OpenError> {
     let path = root.join(format::STORE_FILE);
-    let bytes = match nofollow::read(&path, MAX_SMALL_FILE) {
+    let bytes = match fs.read_capped(&path, MAX_SMALL_FILE) {
         Ok(b) => b,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(OpenError::Io { path, source: e }),
@@ -302,7 +294,13 @@ pub(crate) fn read_marker(root: &Path) -> Result<Option<Marker>, OpenError> {
 }
 
 /// Writes `bytes` to `dir/name` atomically: temp file in `tmp_dir`, fsync, rename, fsync dir.
-pub(crate) fn write_atomic(tmp_dir: &Path, dir: &Path, name: &str, bytes: &[u8]) -> io::Result<()> {
+pub(crate) fn write_atomic<F: FileSystem>(
+    fs: &F,
+    tmp_dir: &Path,
+    dir: &Path,
+    name: &str,
+    bytes: &[u8],
+) -> io::Result<()> {
     let tmp = tmp_dir.join(format!(
         "{name}.{}.{}.{}",
         std::process::id(),
@@ -310,23 +308,19 @@ pub(crate) fn write_atomic(tmp_dir: &Path, dir: &Path, name: &str, bytes: &[u8])
         format::TMP_EXT
     ));
     let result = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(format::FILE_MODE)
-            .open(&tmp)?;
+        let mut f = fs.create_new(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()?;
-        fs::rename(&tmp, dir.join(name))?;
-        sync_dir(dir)
+        fs.rename(&tmp, &dir.join(name))?;
+        fs.sync_dir(dir)
     })();
     if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = fs.remove_file(&tmp);
     }
     result
 }
 
-impl SsdTier {
+impl SsdTier<RealFs> {
     /// Opens (creating when writable) the store at `root`.
     ///
     /// A writer takes the exclusive lock, sweeps orphaned temporary files and compacts the
@@ -334,35 +328,50 @@ impl SsdTier {
     /// directory belongs to something else, has another format version, or already has a
     /// writer.
     pub fn open(root: impl AsRef<Path>, options: SsdOptions) -> Result<SsdTier, OpenError> {
-        Self::open_with(root.as_ref(), options, Arc::new(Counters::default()), true)
+        Self::open_with(
+            RealFs,
+            root.as_ref(),
+            options,
+            Arc::new(Counters::default()),
+            true,
+        )
+    }
+}
+
+impl<F: FileSystem> SsdTier<F> {
+    /// [`SsdTier::open`] on the file system `fs` (tests use a `SimFs` to inject faults).
+    pub fn open_in(fs: F, root: impl AsRef<Path>, options: SsdOptions) -> Result<Self, OpenError> {
+        Self::open_with(
+            fs,
+            root.as_ref(),
+            options,
+            Arc::new(Counters::default()),
+            true,
+        )
     }
 
     pub(crate) fn open_with(
+        fs: F,
         root: &Path,
         options: SsdOptions,
         counters: Arc<Counters>,
         sweep: bool,
-    ) -> Result<SsdTier, OpenError> {
+    ) -> Result<Self, OpenError> {
         let root = root.to_owned();
-        match fs::metadata(&root) {
+        match fs.metadata(&root) {
             Ok(m) if !m.is_dir() => return Err(OpenError::NotADirectory { path: root }),
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 if options.read_only {
                     return Err(OpenError::NotFound { path: root });
                 }
-                DirBuilder::new()
-                    .recursive(true)
-                    .mode(format::DIR_MODE)
-                    .create(&root)
-                    .map_err(io_err(&root))?;
+                create_root(&fs, &root).map_err(io_err(&root))?;
             }
             Err(e) => return Err(io_err(&root)(e)),
         }
-        let marker = read_marker(&root)?;
+        let marker = read_marker(&fs, &root)?;
         if marker.is_none() {
-            let mut entries = fs::read_dir(&root).map_err(io_err(&root))?;
-            let empty = entries.next().is_none();
+            let empty = fs.read_dir(&root).map_err(io_err(&root))?.is_empty();
             if !empty || options.read_only {
                 return Err(OpenError::NotAStore {
                     path: root,
@@ -374,12 +383,16 @@ impl SsdTier {
         let lock = if options.read_only {
             None
         } else {
-            Some(Self::take_lock(&root)?)
+            let path = root.join(format::LOCK_FILE);
+            Some(fs.lock(&path).map_err(|e| match e {
+                LockError::Held { holder } => OpenError::Locked { path, holder },
+                LockError::Io(source) => OpenError::Io { path, source },
+            })?)
         };
         let tmp_dir = root.join(format::TMP_DIR);
         if !options.read_only {
             for dir in [&tmp_dir, &root.join(format::QUARANTINE_DIR)] {
-                ensure_dir(dir).map_err(io_err(dir))?;
+                ensure_dir(&fs, dir).map_err(io_err(dir))?;
             }
             if marker.is_none() {
                 let m = Marker {
@@ -388,15 +401,15 @@ impl SsdTier {
                     ssd_budget_bytes: Some(options.budget),
                 };
                 let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
-                write_atomic(&tmp_dir, &root, format::STORE_FILE, &bytes)
+                write_atomic(&fs, &tmp_dir, &root, format::STORE_FILE, &bytes)
                     .map_err(io_err(&root.join(format::STORE_FILE)))?;
             }
         }
 
-        let scan = scan(&root).map_err(io_err(&root))?;
+        let scan = scan(&fs, &root).map_err(io_err(&root))?;
         if !options.read_only && sweep {
             for t in &scan.temps {
-                match fs::remove_file(t) {
+                match fs.remove_file(t) {
                     Ok(()) => Counters::inc(&counters.orphans_swept),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {}
                     Err(e) => return Err(io_err(t)(e)),
@@ -405,7 +418,7 @@ impl SsdTier {
         }
 
         let journal_path = root.join(format::JOURNAL_FILE);
-        let read = journal::read(&journal_path).map_err(io_err(&journal_path))?;
+        let read = journal::read(&fs, &journal_path).map_err(io_err(&journal_path))?;
         if read.damaged && !scan.blocks.is_empty() {
             tracing::info!(path = %crate::escape_path(&journal_path), "access journal missing or torn; recency of unlisted blocks comes from file times");
         }
@@ -422,12 +435,12 @@ impl SsdTier {
             .map(|(ns, key, meta, _)| {
                 let (seq, last_ms) = match last.get(&(*ns, *key)) {
                     Some(r) => (r.seq, r.unix_ms),
-                    None => (0, mtime_ms(meta)),
+                    None => (0, meta.modified_unix_ms),
                 };
                 (
                     (*ns, *key),
                     Entry {
-                        phys: physical_bytes(meta),
+                        phys: meta.physical_bytes,
                         last_ms,
                         seq,
                     },
@@ -454,7 +467,7 @@ impl SsdTier {
         let journal = if options.read_only {
             None
         } else {
-            match Journal::rewrite(&journal_path, &tmp_dir, &records) {
+            match Journal::rewrite(&fs, &journal_path, &tmp_dir, &records) {
                 Ok(j) => Some(j),
                 // A full file system must not keep a store of valid blocks from opening:
                 // serve without the journal (recency falls back to file times next open).
@@ -466,6 +479,7 @@ impl SsdTier {
             }
         };
         Ok(SsdTier {
+            fs,
             root,
             read_only: options.read_only,
             budget: AtomicU64::new(options.budget),
@@ -482,48 +496,6 @@ impl SsdTier {
             tmp_seq: AtomicU64::new(0),
             pins: Arc::new(Pins::new()),
         })
-    }
-
-    fn take_lock(root: &Path) -> Result<File, OpenError> {
-        const LOCK_ATTEMPTS: u32 = 25;
-        let path = root.join(format::LOCK_FILE);
-        let mut f = nofollow::open(
-            OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .mode(format::FILE_MODE),
-            &path,
-        )
-        .map_err(io_err(&path))?;
-        // A lock can outlive its holder by a moment: a process that forked keeps the
-        // descriptor until its child execs. Wait briefly before calling it taken.
-        let mut got = false;
-        for attempt in 0..LOCK_ATTEMPTS {
-            got = fs4::fs_std::FileExt::try_lock_exclusive(&f).map_err(io_err(&path))?;
-            if got {
-                break;
-            }
-            if attempt + 1 < LOCK_ATTEMPTS {
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-        }
-        if !got {
-            let mut holder = String::new();
-            let _ = f.read_to_string(&mut holder);
-            let holder = match holder.trim() {
-                "" => "holder unknown".to_owned(),
-                h => h.to_owned(),
-            };
-            return Err(OpenError::Locked { path, holder });
-        }
-        let write_pid = |f: &mut File| -> io::Result<()> {
-            f.set_len(0)?;
-            f.write_all(format!("pid {}\n", std::process::id()).as_bytes())
-        };
-        write_pid(&mut f).map_err(io_err(&path))?;
-        Ok(f)
     }
 
     /// The store's root directory.
@@ -593,7 +565,11 @@ impl SsdTier {
         if lock(&self.state).index.contains(&(ns, key)) {
             return true;
         }
-        self.read_only && self.block_path(ns, key).is_file()
+        self.read_only
+            && self
+                .fs
+                .symlink_metadata(&self.block_path(ns, key))
+                .is_ok_and(|m| m.is_file())
     }
 
     /// Reads and verifies a block and marks it as just used. A file that fails verification
@@ -612,14 +588,15 @@ impl SsdTier {
             Counters::inc(&self.counters.ssd_misses);
             return ReadOutcome::Miss;
         }
-        let file = match nofollow::open_read(&path) {
+        let file = match self.fs.open_read(&path) {
             Ok(f) => f,
             Err(e) => {
                 if e.kind() != io::ErrorKind::NotFound {
                     tracing::warn!(path = %crate::escape_path(&path), error = %e, "block file not read");
                 }
-                // Deleted behind our back (GC by another handle) or never there.
-                if known {
+                // Deleted behind our back (GC by another handle) or never there. Any other
+                // failure (EIO) says nothing about the file: keep it and its bytes counted.
+                if known && e.kind() == io::ErrorKind::NotFound {
                     let mut st = lock(&self.state);
                     if let Some(e) = st.index.pop(&(ns, key)) {
                         st.used -= e.phys;
@@ -629,7 +606,7 @@ impl SsdTier {
                 return ReadOutcome::Miss;
             }
         };
-        let len = file.metadata().map(|m| m.len());
+        let len = file.len();
         let read = match len.and_then(|len| codec::read_file(&file, len)) {
             Ok(r) => r,
             Err(e) => {
@@ -678,7 +655,7 @@ impl SsdTier {
             now_unix_ms(),
             format::QUARANTINE_EXT
         ));
-        let moved = fs::rename(path, &dest);
+        let moved = self.fs.rename(path, &dest);
         {
             let mut st = lock(&self.state);
             if let Some(e) = st.index.pop(&(ns, key)) {
@@ -692,7 +669,7 @@ impl SsdTier {
             }
             Err(e) => {
                 tracing::warn!(path = %crate::escape_path(path), error = %e, "could not quarantine; deleting");
-                let _ = fs::remove_file(path);
+                let _ = self.fs.remove_file(path);
                 None
             }
         }
@@ -733,7 +710,7 @@ impl SsdTier {
         }
     }
 
-    fn journal_append(&self, st: &mut State, r: Record) {
+    fn journal_append(&self, st: &mut State<F::Writer>, r: Record) {
         let Some(j) = st.journal.as_mut() else {
             return;
         };
@@ -753,7 +730,7 @@ impl SsdTier {
                 })
                 .collect();
             let path = self.root.join(format::JOURNAL_FILE);
-            match Journal::rewrite(&path, &self.root.join(format::TMP_DIR), &records) {
+            match Journal::rewrite(&self.fs, &path, &self.root.join(format::TMP_DIR), &records) {
                 Ok(j) => st.journal = Some(j),
                 Err(e) => {
                     tracing::warn!(path = %crate::escape_path(&path), error = %e, "journal compaction failed")
@@ -782,7 +759,11 @@ impl SsdTier {
         if used == 0 {
             return Ok(false);
         }
-        let budget = used.saturating_sub(need);
+        // At least one block's room: below that the block just made room for would be over
+        // the budget the moment it is written.
+        let budget = used.saturating_sub(need).max(need);
+        // Evict first: if a removal fails, the bytes held still fit the budget in force.
+        let evicted = self.evict_until(budget.saturating_sub(need), None)?;
         let old = self.budget.fetch_min(budget, Ordering::Relaxed);
         if budget < old {
             tracing::warn!(
@@ -792,7 +773,7 @@ impl SsdTier {
                 "the file system is full: the SSD tier now keeps at most this many bytes of blocks (until restart)"
             );
         }
-        Ok(self.evict_until(budget.saturating_sub(need), None)? > 0)
+        Ok(evicted > 0)
     }
 
     fn poison(&self, what: &str, path: &Path, e: &io::Error) -> WriteError {
@@ -800,6 +781,31 @@ impl SsdTier {
         tracing::error!(%cause, "SSD tier writer poisoned");
         *lock(&self.poison) = Some(cause.clone());
         WriteError::Poisoned { cause }
+    }
+
+    /// Creates a directory the writer needs (see [`ensure_dir`]). A failed fsync of its
+    /// parent poisons the writer: the new entry may not be durable, and the next call would
+    /// find the directory and not sync again, so blocks acknowledged under it could vanish
+    /// on a power cut.
+    fn make_dir(&self, path: &Path) -> Result<bool, WriteError> {
+        match self.fs.create_dir(path) {
+            Ok(()) => {
+                if let Some(parent) = path.parent() {
+                    if let Err(e) = self.fs.sync_dir(parent) {
+                        return Err(self.poison("fsync of directory", parent, &e));
+                    }
+                }
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                self.fs.check_dir(path).map(|_| false)
+            }
+            Err(e) => Err(e),
+        }
+        .map_err(|source| WriteError::Io {
+            path: path.to_owned(),
+            source,
+        })
     }
 
     /// Sets the pins eviction spares (the store's, shared with its other tiers).
@@ -840,7 +846,7 @@ impl SsdTier {
                 continue;
             }
             let path = block_path(&self.root, k.0, k.1);
-            match fs::remove_file(&path) {
+            match self.fs.remove_file(&path) {
                 Ok(()) => {}
                 Err(err) if err.kind() == io::ErrorKind::NotFound => {}
                 Err(source) => {
@@ -880,6 +886,7 @@ impl SsdTier {
         };
         let bytes = serde_json::to_vec_pretty(&m).unwrap_or_default();
         write_atomic(
+            &self.fs,
             &self.root.join(format::TMP_DIR),
             &self.root,
             format::STORE_FILE,
@@ -931,15 +938,15 @@ impl SsdTier {
         let final_path = block_path(&self.root, ns, key);
         let shard_dir = final_path.parent().unwrap_or(&ns_dir).to_owned();
         for dir in [&ns_dir, &shard_dir] {
-            if let Err(source) = ensure_dir(dir) {
-                if !self.root.is_dir() {
+            match self.make_dir(dir) {
+                Ok(_) => {}
+                Err(WriteError::Io { source, .. })
+                    if !self.fs.metadata(&self.root).is_ok_and(|m| m.is_dir()) =>
+                {
                     // Deleted under us: recreating it could race a new owner of the path.
                     return Err(self.poison("the store directory is gone:", &self.root, &source));
                 }
-                return Err(WriteError::Io {
-                    path: dir.clone(),
-                    source,
-                });
+                Err(e) => return Err(e),
             }
         }
         let tmp = self.root.join(format::TMP_DIR).join(format!(
@@ -952,20 +959,16 @@ impl SsdTier {
         //    nothing behind and do not poison: the temp file is removed and never renamed.
         //    A full file system shrinks the budget to what fits and retries once.
         let mut retried = false;
-        let file = loop {
-            let written = (|| -> Result<File, EncodeError> {
-                OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(format::FILE_MODE)
-                    .open(&tmp)?;
-                codec::write_file(block, &tmp)?;
-                Ok(nofollow::open_read(&tmp)?)
+        let (mut file, file_len) = loop {
+            let written = (|| -> Result<(F::Writer, u64), EncodeError> {
+                let mut f = self.fs.create_new(&tmp)?;
+                let len = codec::write_to(block, &mut f)?;
+                Ok((f, len))
             })();
             match written {
                 Ok(f) => break f,
                 Err(e) => {
-                    let _ = fs::remove_file(&tmp);
+                    let _ = self.fs.remove_file(&tmp);
                     if let EncodeError::Io(source) = &e {
                         if !retried && is_storage_full(source) && self.shrink_to_fit(estimate)? {
                             retried = true;
@@ -981,21 +984,22 @@ impl SsdTier {
         };
         // 2. fsync the data. After a failed fsync the page cache state is unknown: poison.
         if let Err(e) = file.sync_all() {
-            let _ = fs::remove_file(&tmp);
+            let _ = self.fs.remove_file(&tmp);
             return Err(self.poison("fsync of", &tmp, &e));
         }
-        let file_len = file.metadata().map(|m| m.len()).unwrap_or(0);
         drop(file);
         // 3. rename into place, 4. fsync the directory.
-        if let Err(e) = fs::rename(&tmp, &final_path) {
-            let _ = fs::remove_file(&tmp);
+        if let Err(e) = self.fs.rename(&tmp, &final_path) {
+            let _ = self.fs.remove_file(&tmp);
             return Err(self.poison("rename to", &final_path, &e));
         }
-        if let Err(e) = sync_dir(&shard_dir) {
+        if let Err(e) = self.fs.sync_dir(&shard_dir) {
             return Err(self.poison("fsync of directory", &shard_dir, &e));
         }
-        let phys = fs::metadata(&final_path)
-            .map(|m| physical_bytes(&m))
+        let phys = self
+            .fs
+            .symlink_metadata(&final_path)
+            .map(|m| m.physical_bytes)
             .unwrap_or(estimate);
         {
             let mut st = lock(&self.state);
@@ -1036,7 +1040,7 @@ impl SsdTier {
         self.check_writable()?;
         let _w = lock(&self.write_lock);
         let path = self.block_path(ns, key);
-        let existed = match fs::remove_file(&path) {
+        let existed = match self.fs.remove_file(&path) {
             Ok(()) => true,
             Err(e) if e.kind() == io::ErrorKind::NotFound => false,
             Err(source) => return Err(WriteError::Io { path, source }),
@@ -1078,14 +1082,15 @@ impl SsdTier {
         let dir = self.root.join(id.to_string());
         let path = dir.join(format::NAMESPACE_FILE);
         let json = serde_json::to_vec_pretty(desc).unwrap_or_default();
-        if nofollow::read(&path, MAX_SMALL_FILE).ok().as_deref() == Some(&json[..]) {
+        if self.fs.read_capped(&path, MAX_SMALL_FILE).ok().as_deref() == Some(&json[..]) {
             return Ok(id);
         }
         if self.read_only {
             return Ok(id);
         }
-        let res = ensure_dir(&dir).and_then(|_| {
+        let res = self.make_dir(&dir).map_err(into_io).and_then(|_| {
             write_atomic(
+                &self.fs,
                 &self.root.join(format::TMP_DIR),
                 &dir,
                 format::NAMESPACE_FILE,
@@ -1100,7 +1105,7 @@ impl SsdTier {
     /// it is a regular file (never a symlink) and at most [`format::MAX_COSTS_LEN`] bytes.
     pub fn read_costs(&self, ns: NamespaceId) -> Option<Vec<u8>> {
         let path = self.root.join(ns.to_string()).join(format::COSTS_FILE);
-        nofollow::read(&path, format::MAX_COSTS_LEN).ok()
+        self.fs.read_capped(&path, format::MAX_COSTS_LEN).ok()
     }
 
     /// Saves namespace `ns`'s cost model atomically (temp file, fsync, rename); a no-op on a
@@ -1110,8 +1115,9 @@ impl SsdTier {
             return Ok(());
         }
         let dir = self.root.join(ns.to_string());
-        ensure_dir(&dir)?;
+        self.make_dir(&dir).map_err(into_io)?;
         write_atomic(
+            &self.fs,
             &self.root.join(format::TMP_DIR),
             &dir,
             format::COSTS_FILE,
@@ -1121,10 +1127,18 @@ impl SsdTier {
 
     /// Every namespace description found on disk whose id matches its directory.
     pub fn namespaces(&self) -> Vec<NamespaceDescription> {
-        read_namespaces(&self.root)
+        read_namespaces(&self.fs, &self.root)
             .into_iter()
             .filter_map(|(_, _, d)| d.ok())
             .collect()
+    }
+}
+
+/// The I/O error inside a [`WriteError`] (for callers that report `io::Error`).
+fn into_io(e: WriteError) -> io::Error {
+    match e {
+        WriteError::Io { source, .. } => source,
+        other => io::Error::other(other.to_string()),
     }
 }
 
@@ -1137,20 +1151,21 @@ pub(crate) fn block_path(root: &Path, ns: NamespaceId, key: BlockKey) -> PathBuf
 }
 
 /// Reads `namespace.json` of every namespace directory: (id, path, description or why not).
-pub(crate) fn read_namespaces(
+pub(crate) fn read_namespaces<F: FileSystem>(
+    fs: &F,
     root: &Path,
 ) -> Vec<(NamespaceId, PathBuf, Result<NamespaceDescription, String>)> {
-    let Ok(entries) = read_dir_sorted(root) else {
+    let Ok(entries) = fs.read_dir(root) else {
         return Vec::new();
     };
     let mut out = Vec::new();
     for e in entries {
-        let name = e.file_name();
-        let Some(id) = parse_canonical::<NamespaceId>(&name.to_string_lossy()) else {
+        let Some(id) = parse_canonical::<NamespaceId>(&e.name) else {
             continue;
         };
-        let path = e.path().join(format::NAMESPACE_FILE);
-        let desc = nofollow::read(&path, MAX_SMALL_FILE)
+        let path = root.join(&e.name).join(format::NAMESPACE_FILE);
+        let desc = fs
+            .read_capped(&path, MAX_SMALL_FILE)
             .map_err(|e| e.to_string())
             .and_then(|b| {
                 serde_json::from_slice::<NamespaceDescription>(&b).map_err(|e| e.to_string())

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::block::{Block, BlockMeta, LayoutError};
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
+use crate::fs::{FileSystem, RealFs};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::pins::{PinnedBytes, Pins};
@@ -259,10 +260,10 @@ struct Failures {
     last: Option<String>,
 }
 
-struct Shared {
+struct Shared<F: FileSystem> {
     config: StoreConfig,
     ram: Mutex<RamTier>,
-    ssd: Option<SsdTier>,
+    ssd: Option<SsdTier<F>>,
     remote: Option<RemoteTier>,
     /// Keys no tier evicts before their pin expires.
     pins: Arc<Pins>,
@@ -288,25 +289,36 @@ pub struct WritesPaused<'a> {
 
 /// The block store: a byte-bounded RAM tier of `Arc<Block>` over an optional SSD tier, with a
 /// write-behind worker between them. All methods take `&self`; share it across threads.
-pub struct Store {
-    shared: Arc<Shared>,
+///
+/// The SSD tier runs on the file system `F` ([`RealFs`] unless a test opens the store with
+/// [`Store::open_in`] on a `SimFs`).
+pub struct Store<F: FileSystem = RealFs> {
+    shared: Arc<Shared<F>>,
     tx: Option<SyncSender<Job>>,
     worker: Option<JoinHandle<()>>,
     remote_tx: Option<SyncSender<RemoteJob>>,
     remote_worker: Option<JoinHandle<()>>,
 }
 
-impl Store {
+impl Store<RealFs> {
     /// Opens the store: the SSD tier at `config.root` (created if missing unless read-only),
     /// enforcing its budget, loading namespace descriptions, and starting the write-behind
     /// worker.
     pub fn open(config: StoreConfig) -> Result<Self, OpenError> {
+        Self::open_in(RealFs, config)
+    }
+}
+
+impl<F: FileSystem> Store<F> {
+    /// [`Store::open`] with the SSD tier on the file system `fs`.
+    pub fn open_in(fs: F, config: StoreConfig) -> Result<Self, OpenError> {
         let counters = Arc::new(Counters::default());
         let mut pins = Arc::new(Pins::new());
         let ssd = match &config.root {
             None => None,
             Some(root) => {
                 let mut ssd = SsdTier::open_with(
+                    fs,
                     root,
                     SsdOptions {
                         read_only: config.read_only,
@@ -409,7 +421,7 @@ impl Store {
     }
 
     /// The SSD tier, if configured.
-    pub fn ssd(&self) -> Option<&SsdTier> {
+    pub fn ssd(&self) -> Option<&SsdTier<F>> {
         self.shared.ssd.as_ref()
     }
 
@@ -995,7 +1007,7 @@ impl Store {
     }
 }
 
-impl Drop for Store {
+impl<F: FileSystem> Drop for Store<F> {
     /// Drains the queue (blocks already accepted for writing are written) and joins the
     /// worker. RAM-only blocks are not written: call [`Store::flush`] first to keep them.
     fn drop(&mut self) {
@@ -1036,7 +1048,7 @@ fn validate(
     Ok(())
 }
 
-fn worker_loop(shared: Arc<Shared>, rx: Receiver<Job>) {
+fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
     let Some(ssd) = &shared.ssd else {
         return;
     };
@@ -1084,7 +1096,7 @@ fn worker_loop(shared: Arc<Shared>, rx: Receiver<Job>) {
 
 /// Publishes queued blocks to the remote tier. While Redis is unreachable (in backoff) the
 /// puts fail fast and are counted as skipped; nothing waits for Redis but this thread.
-fn remote_loop(shared: Arc<Shared>, rx: Receiver<RemoteJob>) {
+fn remote_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<RemoteJob>) {
     let Some(remote) = &shared.remote else {
         return;
     };

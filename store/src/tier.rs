@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex};
 use crate::block::Block;
 use crate::codec::DecodeError;
 use crate::error::WriteError;
+use crate::fs::FileSystem;
 use crate::key::{BlockKey, NamespaceId};
 use crate::ram::RamTier;
 use crate::remote::RemoteTier;
@@ -121,7 +122,7 @@ impl BlockTier for Mutex<RamTier> {
     }
 }
 
-impl BlockTier for SsdTier {
+impl<F: FileSystem> BlockTier for SsdTier<F> {
     fn name(&self) -> &'static str {
         "ssd"
     }

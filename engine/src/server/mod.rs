@@ -15,13 +15,14 @@
 mod anthropic;
 mod conn;
 mod error;
+mod metrics;
 pub(crate) mod openai;
 mod tool_calls;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -37,9 +38,10 @@ use serde_json::{json, Map, Value};
 
 use crate::constrained::{Constraint, GrammarCompiler};
 use crate::generate::FinishReason;
-use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle, TTFT_BUCKETS};
+use crate::scheduler::{Completion, Engine, Event, Request, RequestHandle};
 pub use conn::{serve_with_limits, ConnectionLimits};
 pub(crate) use error::ApiError;
+use metrics::ServerMetrics;
 use openai::{ReplyShape, ToolParsing};
 use tool_calls::{CallStream, Piece};
 
@@ -79,7 +81,7 @@ struct AppState {
     config: ServerConfig,
     /// blake3 of the API key: what a presented key's hash is compared with.
     key_hash: Option<[u8; 32]>,
-    responses: Mutex<BTreeMap<u16, u64>>,
+    metrics: ServerMetrics,
     /// [`scripted_router`]'s script.
     script: Option<Vec<String>>,
     /// The arguments text of the tool calls answered through the Anthropic API.
@@ -142,13 +144,13 @@ fn build_router(engine: Arc<Engine>, config: ServerConfig, script: Option<Vec<St
     let limit = config.max_body_bytes;
     let metrics_need_key = config.metrics_need_key;
     let state = Arc::new(AppState {
+        metrics: ServerMetrics::new(engine.clone()),
         engine,
         key_hash: config
             .api_key
             .as_deref()
             .map(|k| *blake3::hash(k.as_bytes()).as_bytes()),
         config,
-        responses: Mutex::new(BTreeMap::new()),
         script,
         tool_inputs: anthropic::ToolInputs::default(),
         cache_keys: openai::CacheKeys::default(),
@@ -205,9 +207,7 @@ async fn record(State(s): State<Shared>, req: HttpRequest, next: Next) -> Respon
     let t = std::time::Instant::now();
     let resp = next.run(req).await;
     let status = resp.status().as_u16();
-    if let Ok(mut m) = s.responses.lock() {
-        *m.entry(status).or_default() += 1;
-    }
+    s.metrics.record_response(status);
     tracing::info!(%method, %path, status, ms = t.elapsed().as_millis() as u64, "http");
     resp
 }
@@ -349,286 +349,12 @@ async fn flush(State(s): State<Shared>) -> Result<Json<Value>, ApiError> {
     })))
 }
 
-async fn metrics(State(s): State<Shared>) -> Response {
-    let m = s.engine.metrics();
-    let mut out = String::new();
-    let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
-        for (labels, v) in samples {
-            out.push_str(&format!("{name}{labels} {v}\n"));
-        }
-    };
-    let one = |v: u64| vec![(String::new(), v as f64)];
-    metric(
-        "kvstore_requests_total",
-        "counter",
-        "Generation requests by outcome.",
-        &[
-            (
-                "{outcome=\"submitted\"}".into(),
-                m.requests_submitted as f64,
-            ),
-            ("{outcome=\"stop\"}".into(), m.requests_finished_stop as f64),
-            (
-                "{outcome=\"length\"}".into(),
-                m.requests_finished_length as f64,
-            ),
-            (
-                "{outcome=\"cancelled\"}".into(),
-                m.requests_cancelled as f64,
-            ),
-            ("{outcome=\"failed\"}".into(), m.requests_failed as f64),
-        ],
-    );
-    metric(
-        "kvstore_prompt_tokens_total",
-        "counter",
-        "Prompt tokens of admitted requests.",
-        &one(m.prompt_tokens),
-    );
-    metric(
-        "kvstore_cached_prompt_tokens_total",
-        "counter",
-        "Prompt tokens reused from the prefix cache, by tier.",
-        &[
-            ("{tier=\"device\"}".into(), m.cached_device_tokens as f64),
-            ("{tier=\"ram\"}".into(), m.cached_ram_tokens as f64),
-            ("{tier=\"ssd\"}".into(), m.cached_ssd_tokens as f64),
-            ("{tier=\"remote\"}".into(), m.cached_remote_tokens as f64),
-        ],
-    );
-    metric(
-        "kvstore_generated_tokens_total",
-        "counter",
-        "Tokens generated.",
-        &one(m.generated_tokens),
-    );
-    metric(
-        "kvstore_decode_steps_total",
-        "counter",
-        "Batched decode steps.",
-        &one(m.decode_steps),
-    );
-    metric(
-        "kvstore_decode_rows_total",
-        "counter",
-        "Rows over all batched decode steps (÷ steps = mean batch).",
-        &one(m.decode_rows),
-    );
-    metric(
-        "kvstore_queue_depth",
-        "gauge",
-        "Requests waiting for admission.",
-        &one(m.queue_depth),
-    );
-    metric(
-        "kvstore_active_requests",
-        "gauge",
-        "Requests decoding now.",
-        &one(m.active_rows),
-    );
-    metric(
-        "kvstore_kv_reserved_bytes",
-        "gauge",
-        "Live KV bytes reserved by admitted requests.",
-        &one(m.kv_reserved_bytes),
-    );
-    metric(
-        "kvstore_mlx_active_bytes",
-        "gauge",
-        "Bytes held by live MLX arrays: weights, live KV, published blocks in the RAM tier.",
-        &one(mlx::active_memory().unwrap_or(0) as u64),
-    );
-    metric(
-        "kvstore_mlx_cache_bytes",
-        "gauge",
-        "Bytes of freed buffers MLX keeps for reuse (capped by --mlx-cache-limit).",
-        &one(mlx::cache_memory().unwrap_or(0) as u64),
-    );
-    let mut ttft: Vec<(String, f64)> = TTFT_BUCKETS
-        .iter()
-        .zip(&m.ttft_buckets)
-        .map(|(le, n)| (format!("_bucket{{le=\"{le}\"}}"), *n as f64))
-        .collect();
-    ttft.push(("_bucket{le=\"+Inf\"}".into(), m.ttft_count as f64));
-    ttft.push(("_sum".into(), m.ttft_sum_s));
-    ttft.push(("_count".into(), m.ttft_count as f64));
-    metric(
-        "kvstore_ttft_seconds",
-        "histogram",
-        "Time to first token (queue + restore + prefill), seconds.",
-        &ttft,
-    );
-    if let Some(d) = s.engine.kv_tiers().map(|p| p.resident_stats()) {
-        metric(
-            "kvstore_device_resident_bytes",
-            "gauge",
-            "Device bytes of finished sequences kept resident for reuse (the device tier).",
-            &one(d.resident_bytes),
-        );
-        metric(
-            "kvstore_device_resident_sequences",
-            "gauge",
-            "Finished sequences kept resident on the device.",
-            &one(d.sequences as u64),
-        );
-        metric(
-            "kvstore_device_budget_bytes",
-            "gauge",
-            "Device budget for live and resident KV (--kv-budget).",
-            &one(d.budget_bytes),
-        );
-        metric(
-            "kvstore_device_hits_total",
-            "counter",
-            "Requests whose prefix was resident on the device, by how it was served.",
-            &[
-                ("{kind=\"handover\"}".to_string(), d.handovers as f64),
-                ("{kind=\"fork\"}".to_string(), d.forks as f64),
-            ],
-        );
-        metric(
-            "kvstore_device_evictions_total",
-            "counter",
-            "Resident sequences evicted from the device to make room.",
-            &one(d.evictions),
-        );
-    }
-    if let Some(st) = s.engine.cache_stats() {
-        let tiers = |ram: u64, ssd: u64| {
-            vec![
-                ("{tier=\"ram\"}".to_string(), ram as f64),
-                ("{tier=\"ssd\"}".to_string(), ssd as f64),
-            ]
-        };
-        metric(
-            "kvstore_cache_hits_total",
-            "counter",
-            "Blocks served by the store, by tier.",
-            &tiers(st.ram_hits, st.ssd_hits),
-        );
-        metric(
-            "kvstore_cache_misses_total",
-            "counter",
-            "Blocks looked up and not found, by tier.",
-            &tiers(st.ram_misses, st.ssd_misses),
-        );
-        metric(
-            "kvstore_cache_bytes",
-            "gauge",
-            "Bytes held by the store, by tier.",
-            &tiers(st.ram_bytes, st.ssd_bytes),
-        );
-        metric(
-            "kvstore_cache_budget_bytes",
-            "gauge",
-            "Byte budget of the store, by tier.",
-            &tiers(st.ram_budget, st.ssd_budget),
-        );
-        metric(
-            "kvstore_cache_blocks",
-            "gauge",
-            "Blocks held by the store, by tier.",
-            &tiers(st.ram_blocks, st.ssd_blocks),
-        );
-        metric(
-            "kvstore_cache_bytes_written_total",
-            "counter",
-            "Bytes written to SSD block files.",
-            &one(st.bytes_written),
-        );
-        if st.remote_enabled {
-            remote_metrics(&mut metric, &st);
-        }
-    }
-    let codes: Vec<(String, f64)> = s
-        .responses
-        .lock()
-        .map(|m| {
-            m.iter()
-                .map(|(c, n)| (format!("{{code=\"{c}\"}}"), *n as f64))
-                .collect()
-        })
-        .unwrap_or_default();
-    metric(
-        "kvstore_http_responses_total",
-        "counter",
-        "HTTP responses by status code.",
-        &codes,
-    );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
-}
-
-/// The remote tier's counters (only with `--remote`).
-fn remote_metrics(
-    metric: &mut impl FnMut(&str, &str, &str, &[(String, f64)]),
-    st: &store::StoreStats,
-) {
-    let counters: [(&str, &str, f64); 11] = [
-        (
-            "hits",
-            "Blocks fetched from the remote tier and verified.",
-            st.remote_hits as f64,
-        ),
-        (
-            "misses",
-            "Blocks asked of the remote tier and not served (absent, unreachable or invalid).",
-            st.remote_misses as f64,
-        ),
-        (
-            "fetched_bytes",
-            "Bytes of verified blocks fetched from the remote tier.",
-            st.remote_bytes_read as f64,
-        ),
-        (
-            "fetches",
-            "Chain fetches from the remote tier (one pipelined round trip each).",
-            st.remote_fetches as f64,
-        ),
-        (
-            "fetch_seconds",
-            "Seconds spent in those fetches.",
-            st.remote_fetch_us as f64 / 1e6,
-        ),
-        (
-            "errors",
-            "Failed Redis operations (refused, timed out, killed, AUTH or TLS refused).",
-            st.remote_errors as f64,
-        ),
-        (
-            "verify_failures",
-            "Fetched values that failed verification (corrupt or foreign), never served.",
-            st.remote_verify_failures as f64,
-        ),
-        (
-            "published_blocks",
-            "Blocks published to the remote tier.",
-            st.remote_blocks_written as f64,
-        ),
-        (
-            "published_bytes",
-            "Bytes published to the remote tier.",
-            st.remote_bytes_written as f64,
-        ),
-        (
-            "publish_queue_drops",
-            "Publications skipped because the publication queue was full.",
-            st.remote_queue_full as f64,
-        ),
-        (
-            "publish_errors",
-            "Publications that failed (Redis unreachable, in backoff, or an error).",
-            st.remote_publish_errors as f64,
-        ),
-    ];
-    for (name, help, v) in counters {
-        metric(
-            &format!("kvstore_remote_{name}_total"),
-            "counter",
-            help,
-            &[(String::new(), v)],
-        );
-    }
+async fn metrics(State(s): State<Shared>) -> Result<Response, ApiError> {
+    let text = s
+        .metrics
+        .encode()
+        .map_err(|_| ApiError::internal("the metrics could not be encoded"))?;
+    Ok(([(header::CONTENT_TYPE, metrics::CONTENT_TYPE)], text).into_response())
 }
 
 /// Parses a JSON object body, mapping every failure to an OpenAI-style 4xx.

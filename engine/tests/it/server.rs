@@ -737,6 +737,181 @@ fn completions_metrics_cache_stats_and_flush() {
     }
 }
 
+/// Every metric the server exports without `--remote` (docs/server.md), as scraped.
+const METRIC_NAMES: [&str; 24] = [
+    "kvstore_requests_total",
+    "kvstore_prompt_tokens_total",
+    "kvstore_cached_prompt_tokens_total",
+    "kvstore_generated_tokens_total",
+    "kvstore_decode_steps_total",
+    "kvstore_decode_rows_total",
+    "kvstore_queue_depth",
+    "kvstore_active_requests",
+    "kvstore_kv_reserved_bytes",
+    "kvstore_mlx_active_bytes",
+    "kvstore_mlx_cache_bytes",
+    "kvstore_ttft_seconds",
+    "kvstore_device_resident_bytes",
+    "kvstore_device_resident_sequences",
+    "kvstore_device_budget_bytes",
+    "kvstore_device_hits_total",
+    "kvstore_device_evictions_total",
+    "kvstore_cache_hits_total",
+    "kvstore_cache_misses_total",
+    "kvstore_cache_bytes",
+    "kvstore_cache_budget_bytes",
+    "kvstore_cache_blocks",
+    "kvstore_cache_bytes_written_total",
+    "kvstore_http_responses_total",
+];
+
+#[test]
+fn metrics_parse_as_prometheus_text_and_count_the_requests_served() {
+    use prometheus_parse::{LineInfo, Scrape, Value as PromValue};
+    let srv = Server::start(None, EngineConfig::default());
+    let chat = json!({"messages": [
+        {"role": "system", "content": "You are a terse assistant that answers in one line."},
+        {"role": "user", "content": "Name three prime numbers."},
+    ], "max_tokens": 4});
+    let (mut prompt, mut completion, mut cached) = (0, 0, 0);
+    let mut usage = |r: &Response| {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let u = &r.json()["usage"];
+        prompt += u["prompt_tokens"].as_u64().unwrap();
+        completion += u["completion_tokens"].as_u64().unwrap();
+        cached += u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0);
+    };
+    usage(&srv.post("/v1/chat/completions", &chat));
+    usage(&srv.post("/v1/chat/completions", &chat));
+    usage(&srv.post(
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time there was", "max_tokens": 3}),
+    ));
+    assert!(cached > 0, "the repeated chat reuses its prefix");
+    assert_eq!(srv.request("GET", "/nope", None, "").status, 404);
+    assert_eq!(
+        srv.request("POST", "/v1/completions", None, "{not json")
+            .status,
+        400
+    );
+    srv.idle();
+    assert_eq!(
+        srv.request("POST", "/admin/cache/flush", None, "").status,
+        200
+    );
+
+    let mut raw = Vec::new();
+    srv.send("GET", "/metrics", None, "")
+        .read_to_end(&mut raw)
+        .unwrap();
+    let head = String::from_utf8_lossy(&raw).to_lowercase();
+    assert!(
+        head.contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    let r = Response::parse(&raw);
+    assert_eq!(r.status, 200);
+
+    // Every line is a HELP, a TYPE or a sample the parser understands (it skips the rest
+    // silently, so a malformed line would otherwise go unseen).
+    for line in r.body.lines() {
+        assert!(
+            !matches!(LineInfo::parse(line), LineInfo::Ignored),
+            "not Prometheus text: {line:?}"
+        );
+    }
+    let scrape = Scrape::parse(r.body.lines().map(|l| Ok(l.to_owned()))).unwrap();
+    let families: std::collections::BTreeSet<&str> = scrape
+        .samples
+        .iter()
+        .map(|s| {
+            let m = s.metric.as_str();
+            ["_sum", "_count"]
+                .iter()
+                .find_map(|suffix| {
+                    m.strip_suffix(suffix)
+                        .filter(|f| *f == "kvstore_ttft_seconds")
+                })
+                .unwrap_or(m)
+        })
+        .collect();
+    for name in METRIC_NAMES {
+        assert!(families.contains(name), "{name} missing from:\n{}", r.body);
+        assert!(
+            scrape.docs.get(name).is_some_and(|h| !h.is_empty()),
+            "{name} has no help text"
+        );
+    }
+    for f in &families {
+        assert!(
+            METRIC_NAMES.contains(f),
+            "{f} is exported but not listed in docs/server.md"
+        );
+    }
+    let value = |name: &str, label: Option<(&str, &str)>| -> f64 {
+        let s = scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name && label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+            .unwrap_or_else(|| panic!("no sample {name} {label:?} in:\n{}", r.body));
+        match s.value {
+            PromValue::Counter(v) | PromValue::Gauge(v) | PromValue::Untyped(v) => v,
+            ref other => panic!("{name}: {other:?}"),
+        }
+    };
+    let outcome = |o| value("kvstore_requests_total", Some(("outcome", o)));
+    assert_eq!(outcome("submitted"), 3.0);
+    assert_eq!(outcome("stop") + outcome("length"), 3.0);
+    assert_eq!(outcome("cancelled") + outcome("failed"), 0.0);
+    assert_eq!(value("kvstore_prompt_tokens_total", None), prompt as f64);
+    assert_eq!(
+        value("kvstore_generated_tokens_total", None),
+        completion as f64
+    );
+    let cached_by_tier: f64 = ["device", "ram", "ssd", "remote"]
+        .iter()
+        .map(|t| value("kvstore_cached_prompt_tokens_total", Some(("tier", t))))
+        .sum();
+    assert_eq!(cached_by_tier, cached as f64);
+    assert_eq!(value("kvstore_queue_depth", None), 0.0);
+    assert_eq!(value("kvstore_active_requests", None), 0.0);
+    let code = |c| value("kvstore_http_responses_total", Some(("code", c)));
+    // The scrape itself is counted after its body is written.
+    assert_eq!(code("200"), 4.0);
+    assert_eq!(code("404"), 1.0);
+    assert_eq!(code("400"), 1.0);
+    let stats = srv.engine.cache_stats().unwrap();
+    assert!(stats.ssd_blocks > 0);
+    assert_eq!(
+        value("kvstore_cache_blocks", Some(("tier", "ssd"))),
+        stats.ssd_blocks as f64
+    );
+    assert_eq!(
+        value("kvstore_cache_bytes_written_total", None),
+        stats.bytes_written as f64
+    );
+    let ttft = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == "kvstore_ttft_seconds")
+        .unwrap();
+    let PromValue::Histogram(buckets) = &ttft.value else {
+        panic!("kvstore_ttft_seconds is a histogram: {:?}", ttft.value)
+    };
+    assert!(buckets
+        .windows(2)
+        .all(|w| w[0].count <= w[1].count && w[0].less_than < w[1].less_than));
+    let last = buckets.last().unwrap();
+    assert!(
+        last.less_than.is_infinite() && last.count == 3.0,
+        "{buckets:?}"
+    );
+    assert_eq!(value("kvstore_ttft_seconds_count", None), 3.0);
+    assert!(value("kvstore_ttft_seconds_sum", None) > 0.0);
+}
+
 #[test]
 fn the_library_api_streams_cancels_and_shuts_down() {
     let dir = tempfile::tempdir().unwrap();

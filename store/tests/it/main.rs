@@ -6,6 +6,7 @@ mod corruption;
 mod crash;
 mod enospc;
 mod facade;
+mod faults;
 mod fixtures;
 mod fuzz_corpus;
 mod gc_inspect;

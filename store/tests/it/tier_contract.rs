@@ -175,6 +175,30 @@ fn the_ssd_tier_keeps_the_contract() {
 }
 
 #[test]
+fn the_ssd_tier_keeps_the_contract_on_the_in_memory_file_system() {
+    use store::fs::SimFs;
+    let fs = SimFs::new();
+    // SimFs pages are 4 KiB and one suite block fits in one: six and a half blocks.
+    let t = SsdTier::open_in(
+        fs.clone(),
+        "/store",
+        SsdOptions {
+            read_only: false,
+            budget: 4096 * 13 / 2,
+        },
+    )
+    .unwrap();
+    let corrupt = |ns: NamespaceId, key: BlockKey| {
+        let path = t.block_path(ns, key);
+        let mut bytes = fs.files()[&path].clone();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x10;
+        fs.damage(&path, bytes).unwrap();
+    };
+    conformance(&t, Some(&corrupt));
+}
+
+#[test]
 fn the_remote_tier_keeps_the_contract() {
     let redis = RedisServer::start();
     let t = store::remote_tier(RemoteConfig::new(redis.url())).unwrap();
