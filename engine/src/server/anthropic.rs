@@ -1481,7 +1481,7 @@ mod tests {
                 "cannot be in a user message",
             ),
             (
-                json!({"messages": [{"role": "system", "content": "x"}]}),
+                json!({"messages": [{"role": "tool", "content": "x"}]}),
                 "messages",
                 "role",
             ),
