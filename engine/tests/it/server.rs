@@ -49,7 +49,7 @@ pub(crate) struct Server {
 }
 
 /// The server settings of these tests, guarded by `api_key` when given.
-fn server_config(api_key: Option<&str>) -> ServerConfig {
+pub(crate) fn server_config(api_key: Option<&str>) -> ServerConfig {
     ServerConfig {
         model_id: MODEL.into(),
         api_key: api_key.map(String::from),
@@ -73,7 +73,11 @@ impl Server {
     }
 
     /// A server over `engine` with `config` (the caller owns the engine's store).
-    fn serve(engine: Arc<Engine>, config: ServerConfig, limits: ConnectionLimits) -> Server {
+    pub(crate) fn serve(
+        engine: Arc<Engine>,
+        config: ServerConfig,
+        limits: ConnectionLimits,
+    ) -> Server {
         let app = router(engine.clone(), config);
         Self::serve_app(engine, app, limits)
     }
@@ -139,7 +143,7 @@ impl Server {
     }
 
     /// Waits until the engine has no rows and no queue.
-    fn idle(&self) -> engine::EngineMetrics {
+    pub(crate) fn idle(&self) -> engine::EngineMetrics {
         let t = Instant::now();
         loop {
             let m = self.engine.metrics();
