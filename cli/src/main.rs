@@ -41,6 +41,9 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Serve(_)) {
+        quiet_on_closed_pipe();
+    }
     match cli.command {
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
@@ -49,6 +52,16 @@ fn main() -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Chat(args) => chat::run(args),
         Command::Demo(args) => demo::run(args),
+    }
+}
+
+/// Lets a closed stdout end the process quietly, as it does other Unix tools (`kvstore
+/// inspect | head`): Rust ignores SIGPIPE, which turns the write into a panic. Not for
+/// `serve`, which must outlive its clients (its sockets never raise SIGPIPE either way).
+fn quiet_on_closed_pipe() {
+    // SAFETY: restoring a signal's default disposition at start-up, before any thread.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

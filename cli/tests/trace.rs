@@ -284,3 +284,42 @@ fn in_process_arms_share_a_plot() {
         assert!(svg.contains(name), "{name} missing: {svg}");
     }
 }
+
+/// Output piped into a reader that stops early (`| head -1`) ends kvstore quietly, as it
+/// does other Unix tools: killed by SIGPIPE, not a panic about a broken pipe.
+#[test]
+fn a_reader_that_stops_early_ends_the_output_without_a_panic() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let f = fixture();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvstore"))
+        .args(["bench", "trace", f.to_str().unwrap(), "--simulate"])
+        .args(["--budget-tokens", "512", "--budget-tokens", "1024"])
+        .args(["--budget-tokens", "2048", "--budget-tokens", "4096"])
+        .env("RUST_BACKTRACE", "0")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read nothing: close the pipe at once, so that every line kvstore prints meets it.
+    drop(child.stdout.take());
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        status.success() || status.signal() == Some(libc_sigpipe()),
+        "{status:?}: {err}"
+    );
+}
+
+/// SIGPIPE's number on Linux and macOS.
+fn libc_sigpipe() -> i32 {
+    13
+}
