@@ -229,10 +229,14 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
             });
         };
     remove_unreachable(&mut live, &mut removed, &mut plan);
+    // Pinned blocks (pins.json: 1 h breakpoints, 24 h retention) are kept by both rules, as
+    // the running tiers keep them; a pin covers a whole prefix, so their chains stay whole.
+    let pins = crate::pins::Pins::read_only(root);
+    let pinned = |c: &Candidate| pins.is_pinned(c.ns, c.key);
     if let Some(age) = options.older_than {
         let cutoff = now.saturating_sub(age.as_millis() as u64);
         live.retain(|c| {
-            let keep = c.last_access >= cutoff;
+            let keep = c.last_access >= cutoff || pinned(c);
             if !keep {
                 removed.insert((c.ns, c.key));
                 plan.push((
@@ -267,7 +271,7 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
             children[*p] += 1;
         }
         let mut leaves: BTreeSet<(usize, usize)> = (0..live.len())
-            .filter(|&i| children[i] == 0)
+            .filter(|&i| children[i] == 0 && !pinned(&live[i]))
             .map(|i| (live[i].rank, i))
             .collect();
         let mut total: u64 = live.iter().map(|c| c.bytes).sum();
@@ -289,7 +293,7 @@ pub fn gc(root: &Path, options: &GcOptions) -> Result<GcReport, OpenError> {
             ));
             if let Some(p) = parent[i] {
                 children[p] -= 1;
-                if children[p] == 0 {
+                if children[p] == 0 && !pinned(&live[p]) {
                     leaves.insert((live[p].rank, p));
                 }
             }

@@ -83,6 +83,49 @@ fn gc_by_size_removes_least_recent_and_their_descendants() {
     let _ = a;
 }
 
+/// Durable pins (pins.json) hold against both GC rules: with room for nothing, the pinned
+/// chain stays whole and everything else goes; an age rule that every block is past keeps
+/// the pinned chain too.
+#[test]
+fn gc_keeps_pinned_blocks_under_size_and_age_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let (d, a, b) = store_with_chains(dir.path());
+    let keys: Vec<_> = a.iter().map(|blk| blk.meta.key).collect();
+    store::Pins::open(dir.path()).pin(d.id(), &keys, Duration::from_secs(3600), true);
+    let per_block = common::physical(dir.path()) / 8;
+    let kept_is_a = |dir: &std::path::Path| {
+        let left = common::block_files(dir);
+        assert_eq!(left.len(), a.len(), "{left:?}");
+        for blk in &a {
+            let k = blk.meta.key.to_string();
+            assert!(left.iter().any(|p| p.to_string_lossy().contains(&k)));
+        }
+    };
+    let r = gc(
+        dir.path(),
+        &GcOptions {
+            older_than: Some(Duration::ZERO),
+            dry_run: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(r.deleted.len(), b.len());
+    kept_is_a(dir.path());
+    let r = gc(
+        dir.path(),
+        &GcOptions {
+            max_bytes: Some(0),
+            dry_run: false,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(r.deleted.is_empty(), "{:?}", r.deleted);
+    kept_is_a(dir.path());
+    assert!(common::physical(dir.path()) >= a.len() as u64 * per_block);
+}
+
 #[test]
 fn gc_removes_unreachable_orphans_foreign_and_old() {
     let dir = tempfile::tempdir().unwrap();
