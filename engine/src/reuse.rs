@@ -664,7 +664,7 @@ impl KvTiers {
     ) -> Result<usize> {
         let ns = self.namespace_for(salt)?;
         let keys = store::chain_keys(ns, tokens, self.paged.block_size);
-        self.store.pins().pin(ns, &keys, ttl, durable);
+        self.store.pin(ns, &keys, ttl, durable);
         Ok(keys.len())
     }
 

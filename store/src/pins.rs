@@ -174,6 +174,13 @@ impl Pins {
         }
     }
 
+    /// How long `key`'s pin still holds (`None`: not pinned, or expired).
+    pub fn remaining(&self, ns: NamespaceId, key: BlockKey) -> Option<std::time::Duration> {
+        let until = self.lock().get(&(ns, key))?.until_ms;
+        let left = until.checked_sub(now_unix_ms()).filter(|&ms| ms > 0)?;
+        Some(std::time::Duration::from_millis(left))
+    }
+
     /// The keys pinned now (expired pins are dropped).
     pub fn pinned(&self) -> Vec<(NamespaceId, BlockKey)> {
         let now = now_unix_ms();

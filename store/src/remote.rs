@@ -466,15 +466,41 @@ impl RemoteTier {
         Ok(out)
     }
 
-    /// Stores a block's file bytes (with the configured TTL); whether it was stored.
-    pub(crate) fn put(&self, ns: NamespaceId, key: BlockKey, bytes: &[u8]) -> bool {
+    /// Stores a block's file bytes (with the configured TTL, raised to `pinned` when the
+    /// block is pinned for longer); whether it was stored.
+    pub(crate) fn put(
+        &self,
+        ns: NamespaceId,
+        key: BlockKey,
+        bytes: &[u8],
+        pinned: Option<std::time::Duration>,
+    ) -> bool {
         let mut cmd = redis::cmd("SET");
         cmd.arg(redis_key(ns, key)).arg(bytes);
         if let Some(ttl) = self.config.ttl_secs {
-            cmd.arg("EX").arg(ttl.max(1));
+            let pin = pinned.map_or(0, |d| d.as_secs() + 1);
+            cmd.arg("EX").arg(ttl.max(pin).max(1));
         }
         self.with_conn(Role::Write, |c| c.query::<()>(&cmd))
             .is_some()
+    }
+
+    /// Makes `keys` of `ns` live at least `secs` more where Redis holds them (`EXPIRE … GT`:
+    /// never shortened). Without a configured TTL keys never expire: nothing to do. Whether
+    /// Redis answered.
+    pub(crate) fn extend(&self, ns: NamespaceId, keys: &[BlockKey], secs: u64) -> bool {
+        if self.config.ttl_secs.is_none() || keys.is_empty() {
+            return true;
+        }
+        self.with_conn(Role::Write, |c| {
+            for k in keys {
+                let mut cmd = redis::cmd("EXPIRE");
+                cmd.arg(redis_key(ns, *k)).arg(secs.max(1)).arg("GT");
+                c.query::<i64>(&cmd)?;
+            }
+            Ok(())
+        })
+        .is_some()
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -251,6 +252,8 @@ enum Job {
 
 enum RemoteJob {
     Put(Arc<Block>),
+    /// Pinned keys of a namespace that Redis must keep at least this long.
+    Extend(NamespaceId, Vec<BlockKey>, Duration),
     Flush(SyncSender<()>),
 }
 
@@ -423,6 +426,24 @@ impl<F: FileSystem> Store<F> {
     /// The SSD tier, if configured.
     pub fn ssd(&self) -> Option<&SsdTier<F>> {
         self.shared.ssd.as_ref()
+    }
+
+    /// Pins `keys` of `ns` for `ttl` in every tier ([`Pins::pin`]), the remote tier
+    /// included: there a key published with a TTL (`RemoteConfig::ttl_secs`) is kept at
+    /// least as long as its pin (`EXPIRE … GT` for keys already there, a longer `EX` for
+    /// keys published later). Redis's own `maxmemory` eviction is not under a client's
+    /// control. Returns how many keys were newly pinned or extended.
+    pub fn pin(&self, ns: NamespaceId, keys: &[BlockKey], ttl: Duration, durable: bool) -> usize {
+        let n = self.shared.pins.pin(ns, keys, ttl, durable);
+        if let Some(tx) = &self.remote_tx {
+            if tx
+                .try_send(RemoteJob::Extend(ns, keys.to_vec(), ttl))
+                .is_err()
+            {
+                Counters::inc(&self.shared.counters.remote_queue_full);
+            }
+        }
+        n
     }
 
     /// The pins every tier of this store spares from eviction (share them with the
@@ -1114,11 +1135,17 @@ fn remote_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<RemoteJob>) {
                         continue;
                     }
                 };
-                if remote.put(m.namespace, m.key, &bytes) {
+                let pinned = shared.pins.remaining(m.namespace, m.key);
+                if remote.put(m.namespace, m.key, &bytes, pinned) {
                     Counters::inc(&c.remote_blocks_written);
                     Counters::add(&c.remote_bytes_written, bytes.len() as u64);
                 } else {
                     Counters::inc(&c.remote_skipped);
+                    Counters::inc(&c.remote_publish_errors);
+                }
+            }
+            RemoteJob::Extend(ns, keys, ttl) => {
+                if !remote.extend(ns, &keys, ttl.as_secs() + 1) {
                     Counters::inc(&c.remote_publish_errors);
                 }
             }

@@ -197,7 +197,7 @@ impl BlockTier for RemoteTier {
             key: block.meta.key,
             reason: e.to_string(),
         })?;
-        if RemoteTier::put(self, block.meta.namespace, block.meta.key, &bytes) {
+        if RemoteTier::put(self, block.meta.namespace, block.meta.key, &bytes, None) {
             Ok(())
         } else {
             Err(WriteError::Remote(

@@ -412,3 +412,51 @@ fn cluster_urls_are_parsed_and_bad_ones_refused() {
     ))));
     assert!(ok.is_ok());
 }
+
+/// The `TTL` Redis reports for `key` (seconds; -1 without one, -2 when missing).
+fn redis_ttl(redis: &RedisServer, key: &str) -> i64 {
+    let reply = redis.command(&[b"TTL", key.as_bytes()]);
+    let text = String::from_utf8_lossy(&reply);
+    text.trim()
+        .trim_start_matches(':')
+        .parse()
+        .unwrap_or_else(|_| panic!("TTL reply {text:?}"))
+}
+
+/// Pins reach the remote tier: with `--remote-ttl` 60 s, a block published while pinned
+/// for an hour gets the hour, and pinning blocks Redis already holds extends their TTL
+/// (never shortens it); unpinned blocks keep the configured 60 s.
+#[test]
+fn pinned_blocks_outlive_the_remote_ttl() {
+    let redis = RedisServer::start();
+    let d = common::desc("remote-pins", 4);
+    let dir = tempfile::tempdir().unwrap();
+    let s = open_with(
+        dir.path(),
+        RemoteConfig::new(redis.url()).ttl_secs(Some(60)),
+    );
+    let ns = s.register_namespace(&d).unwrap();
+    let (blocks, _) = common::chain(&d, 4, 7);
+    let ks = keys(&blocks);
+    let hour = std::time::Duration::from_secs(3600);
+    // Blocks 0-1 pinned before they are published; 2-3 published unpinned.
+    s.pin(ns, &ks[..2], hour, false);
+    for b in &blocks {
+        s.insert(Arc::new(b.clone())).unwrap();
+    }
+    s.flush().unwrap();
+    let ttl = |i: usize| redis_ttl(&redis, &redis_key(ns, ks[i]));
+    for i in 0..2 {
+        assert!(ttl(i) > 3000, "block {i}: TTL {}", ttl(i));
+    }
+    for i in 2..4 {
+        assert!((1..=60).contains(&ttl(i)), "block {i}: TTL {}", ttl(i));
+    }
+    // Pinning a block Redis holds extends its TTL; a shorter pin does not shorten one.
+    s.pin(ns, &ks[2..3], hour, false);
+    s.pin(ns, &ks[..1], std::time::Duration::from_secs(5), false);
+    s.flush().unwrap();
+    assert!(ttl(2) > 3000, "TTL {}", ttl(2));
+    assert!(ttl(0) > 3000, "TTL {}", ttl(0));
+    assert!((1..=60).contains(&ttl(3)), "TTL {}", ttl(3));
+}
