@@ -20,6 +20,7 @@
 mod chain;
 mod contiguous;
 mod error;
+mod export;
 mod format;
 mod host;
 mod mask;
@@ -32,6 +33,7 @@ mod state;
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;
+pub use export::Export;
 pub use format::KvFormat;
 pub use host::{plane_specs, state_plane_specs};
 pub use mask::{attention_mask, Mask};

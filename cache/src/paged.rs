@@ -4,6 +4,7 @@
 use mlx::{Array, Dtype};
 use store::{Block, BlockMeta};
 
+use crate::export::Export;
 use crate::host;
 use crate::pool::{BlockPool, BlockShape};
 use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
@@ -379,12 +380,28 @@ impl PagedKvCache {
     }
 
     /// Publishes the full blocks not yet published, as host-byte blocks of `chain`'s
-    /// namespace, and extends `chain` with their keys.
+    /// namespace, and extends `chain` with their keys: [`Self::export`], then
+    /// [`Export::into_blocks`] on this thread.
     ///
     /// `tokens` are the token ids the cache holds (`tokens.len() == offset()`). The new
     /// blocks are read from the device in one transfer per layer part and split on the
     /// host; the partial last block stays private.
     pub fn publish(&mut self, chain: &mut Chain, tokens: &[u32]) -> Result<Vec<Block>, CacheError> {
+        match self.export(chain, tokens)? {
+            Some(export) => export.into_blocks(),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The device half of [`Self::publish`]: marks the full blocks not yet published as
+    /// published, extends `chain`, and returns device copies of them, already computing,
+    /// for [`Export::into_blocks`] to finish on another thread (crate::export). `None`
+    /// when no block is new.
+    pub fn export(
+        &mut self,
+        chain: &mut Chain,
+        tokens: &[u32],
+    ) -> Result<Option<Export>, CacheError> {
         let offset = self.offset();
         if tokens.len() != offset {
             return Err(CacheError::Publish(format!(
@@ -407,7 +424,7 @@ impl PagedKvCache {
         chain.extend(tokens);
         let full = offset / bs;
         if full <= self.published {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let (from, n) = (self.published, full - self.published);
         let mut parts = Vec::with_capacity(self.layers.len());
@@ -416,13 +433,13 @@ impl PagedKvCache {
                 .pool
                 .as_ref()
                 .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
-            parts.push(pool.read(&l.table[from..full], n * bs)?);
+            parts.push(pool.copy_run(&l.table[from..full], n * bs)?);
         }
         let metas = (from..full)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
         // A hybrid's block whose end is a snapshot point carries the layer states there.
-        let states = (from..full)
+        let states: Vec<Option<Vec<LayerState>>> = (from..full)
             .map(|p| {
                 let at = (p + 1) * bs;
                 (self.states.layers() > 0)
@@ -434,9 +451,23 @@ impl PagedKvCache {
                     .flatten()
             })
             .collect();
-        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas, states)?;
+        // The states are shared with this cache's history: computed now, so the export
+        // thread only reads them. The gathers are the export's own: computed in the
+        // background (crossing 4 at `unsafe impl Send for Array`).
+        let shared: Vec<&Array> = states.iter().flatten().flatten().flatten().collect();
+        if !shared.is_empty() {
+            mlx::eval(&shared)?;
+        }
+        let gathers: Vec<&Array> = parts.iter().flatten().collect();
+        mlx::async_eval(&gathers)?;
         self.published = full;
-        Ok(blocks)
+        Ok(Some(Export {
+            parts,
+            format: self.config.format,
+            block_size: bs,
+            metas,
+            states,
+        }))
     }
 
     /// Builds a cache holding `blocks` (positions 0, 1, … of one chain) whose next append

@@ -304,17 +304,29 @@ impl BlockPool {
                     .collect()
             }
             None if len == 0 => self.read(&[0], 0),
-            None => {
-                let idx: Vec<u32> = (0..len)
-                    .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
-                    .collect();
-                let idx = Array::from_slice(&idx, &[len as i32])?;
-                self.arenas
-                    .iter()
-                    .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))
-                    .collect()
-            }
+            None => self.copy_run(table, len),
         }
+    }
+
+    /// The first `len` tokens of the blocks `table` as [`Self::read`] gives them, but in
+    /// fresh buffers (a gather), so later writes to the pool cannot reach them and the
+    /// arenas stay free to be updated in place.
+    pub fn copy_run(&self, table: &[u32], len: usize) -> Result<Vec<Array>, CacheError> {
+        let bs = self.shape.block_size;
+        if len > table.len() * bs {
+            return Err(CacheError::Shape(format!(
+                "{len} tokens copied from {} blocks of {bs}",
+                table.len()
+            )));
+        }
+        let idx: Vec<u32> = (0..len)
+            .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
+            .collect();
+        let idx = Array::from_slice(&idx, &[len as i32])?;
+        self.arenas
+            .iter()
+            .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))
+            .collect()
     }
 
     /// Copies of one block: K parts then V parts, each `[H, block_size, width]`, in fresh

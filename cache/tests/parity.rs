@@ -685,3 +685,59 @@ fn pool_reads_any_block_table_and_hands_out_blocks_lifo() {
         })
     ));
 }
+
+/// The two halves of a publication: device copies taken on this thread, read back to host
+/// bytes on another after the live cache was trimmed and overwritten in place. The blocks are
+/// those of a synchronous publish of the cache as it was, for every KV format.
+#[test]
+fn an_export_finished_on_another_thread_holds_the_cache_as_it_was() {
+    let mut r = rng("an_export_finished_on_another_thread_holds_the_cache_as_it_was");
+    for (format, dtype) in [
+        (KvFormat::Float, Dtype::F32),
+        (KvFormat::Float, Dtype::BF16),
+        (KvFormat::KV4, Dtype::F16),
+    ] {
+        let (layers, bs) = (3, 8);
+        let tokens: Vec<u32> = (0..43).map(|_| r.gen_range(0..50_000)).collect();
+        let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
+        for l in 0..layers {
+            live.update_and_fetch(l, &kv(&mut r, 43, dtype), &kv(&mut r, 43, dtype))
+                .unwrap();
+        }
+        let ns = store::NamespaceId([3; 32]);
+        let reference = live
+            .clone()
+            .publish(&mut Chain::new(ns, bs), &tokens)
+            .unwrap();
+        assert_eq!(reference.len(), 5);
+
+        let mut chain = Chain::new(ns, bs);
+        let export = live.export(&mut chain, &tokens).unwrap().unwrap();
+        assert_eq!(export.blocks(), 5);
+        assert!(export.device_bytes() > 0);
+        // Nothing new to export a second time.
+        assert!(live.export(&mut chain, &tokens).unwrap().is_none());
+        // Overwrite every block but the first in place before the export is read.
+        live.trim(bs).unwrap();
+        for l in 0..layers {
+            let (k, v) = (kv(&mut r, 35, dtype), kv(&mut r, 35, dtype));
+            live.update_and_fetch(l, &k, &v).unwrap();
+        }
+        for l in 0..layers {
+            let arrays: Vec<&Array> = live.pool(l).unwrap().arrays().iter().collect();
+            mlx::eval(&arrays).unwrap();
+        }
+        let blocks = std::thread::spawn(move || export.into_blocks().unwrap())
+            .join()
+            .unwrap();
+        assert_eq!(blocks.len(), reference.len());
+        for (got, want) in blocks.iter().zip(&reference) {
+            assert_eq!(
+                (got.meta.key, got.meta.position, &got.meta.tokens),
+                (want.meta.key, want.meta.position, &want.meta.tokens),
+                "{format:?}"
+            );
+            assert_eq!(got.planes, want.planes, "{format:?}");
+        }
+    }
+}

@@ -30,6 +30,7 @@
 mod constrained;
 mod device_sampler;
 mod error;
+mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 mod generate;
@@ -45,6 +46,7 @@ mod weights;
 
 pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
 pub use error::{EngineError, ErrorClass, Result};
+pub use export::{ExportStats, MAX_PENDING_BYTES};
 pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
 };

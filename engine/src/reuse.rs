@@ -20,7 +20,7 @@
 //! are saved in the store per namespace and device, so a new process starts from them.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
 
 use crate::error::{EngineError, Result};
+use crate::export::{ExportStats, Exporter};
 use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
 use crate::model::Model;
 use crate::tokenizer::Tokenizer;
@@ -280,7 +281,9 @@ fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
 /// The engine's connection to its KV tiers for one model: the device tier (resident
 /// sequences, one budget) and the block store (host RAM, SSD, remote; host bytes only).
 pub struct KvTiers {
-    store: Store,
+    /// Finishes publications off the engine thread; dropped (joined) before the store.
+    exporter: Exporter,
+    store: Arc<Store>,
     namespace: NamespaceId,
     description: NamespaceDescription,
     /// The engine's configured salt ([`ReuseConfig::salt`]), combined with each request's.
@@ -554,7 +557,11 @@ impl KvTiers {
             costs.import_s_per_block = calibrate_import(block_bytes);
         }
         let resident = pinned_pool(config.kv_budget_bytes, &store);
+        let store = Arc::new(store);
+        let exporter = Exporter::start(store.clone())
+            .map_err(|e| EngineError::io("kvstore-export thread", e))?;
         Ok(Self {
+            exporter,
             store,
             namespace,
             description,
@@ -676,6 +683,11 @@ impl KvTiers {
         }
     }
 
+    /// Counters of the export thread (publications finished off the engine thread).
+    pub fn export_stats(&self) -> ExportStats {
+        self.exporter.stats()
+    }
+
     /// Counters of the store.
     pub fn stats(&self) -> StoreStats {
         self.store.stats()
@@ -683,6 +695,7 @@ impl KvTiers {
 
     /// Makes everything published so far durable on SSD, the cost model included.
     pub fn flush(&self) -> Result<()> {
+        self.exporter.wait_idle();
         self.save_costs(true);
         Ok(self.store.flush()?)
     }
@@ -755,6 +768,8 @@ impl KvTiers {
             return Ok(host);
         }
         let t = Instant::now();
+        // What earlier requests published is looked up only once it is in the store.
+        self.exporter.wait_idle();
         let hit = self.store.lookup(namespace, rest);
         host.lookup_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
@@ -933,7 +948,9 @@ impl KvTiers {
 
     /// Publishes the full blocks `cache` holds that are not yet published to the store as
     /// host bytes; `tokens` are the token ids it holds (prompt and generated), `chain` the
-    /// keys from [`Self::prepare_in`] (extended here). Returns how many blocks were added.
+    /// keys from [`Self::prepare_in`] (extended here). Returns how many blocks were
+    /// published. The device copies are taken here; reading them to the host and inserting
+    /// them finishes on the export thread (engine/src/export.rs), before the next lookup.
     pub fn publish(
         &self,
         chain: &mut Chain,
@@ -941,11 +958,14 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let blocks = cache.publish(chain, held)?;
-        let n = blocks.len();
-        for b in blocks {
-            self.store.insert(std::sync::Arc::new(b))?;
-        }
+        let n = match cache.export(chain, held)? {
+            Some(export) => {
+                let n = export.blocks();
+                self.exporter.submit(export);
+                n
+            }
+            None => 0,
+        };
         let namespace = chain.namespace();
         let mut recent = self.recent.lock().map_err(|_| poisoned())?;
         recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
