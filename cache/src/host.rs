@@ -21,6 +21,7 @@ use mlx::Array;
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
 use crate::pool::BlockShape;
+use crate::scratch::with_scratch;
 use crate::{CacheError, KvFormat, LayerState};
 
 /// The plane name of part `part` of state layer `layer`.
@@ -172,12 +173,12 @@ pub(crate) fn blocks_from_run(
             let (heads, width) = (s[1] as usize, s[3] as usize);
             let dtype = to_store_dtype(a.dtype())?;
             let row_bytes = width * dtype.size() as usize;
-            let bytes = a.to_bytes()?;
+            let split = with_scratch(a.nbytes(), |bytes| {
+                a.read_into(bytes)?;
+                Ok::<_, CacheError>(split_run(bytes, heads, n, block_size, row_bytes))
+            })?;
             let shape = vec![heads as u64, block_size as u64, width as u64];
-            for (b, data) in split_run(&bytes, heads, n, block_size, row_bytes)
-                .into_iter()
-                .enumerate()
-            {
+            for (b, data) in split.into_iter().enumerate() {
                 planes[b].push(Plane::new(name.clone(), dtype, shape.clone(), data));
             }
         }
@@ -313,20 +314,21 @@ pub(crate) fn run_part<B: AsRef<Block>>(blocks: &[B], index: usize) -> Result<Ar
     );
     let block_rows = bs * width * first.dtype.size() as usize;
     let n = blocks.len();
-    let mut host = vec![0u8; heads * n * block_rows];
-    for (b, block) in blocks.iter().enumerate() {
-        let data = &block.as_ref().planes[index].data;
-        for h in 0..heads {
-            let dst = (h * n + b) * block_rows;
-            host[dst..dst + block_rows]
-                .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+    with_scratch(heads * n * block_rows, |host| {
+        for (b, block) in blocks.iter().enumerate() {
+            let data = &block.as_ref().planes[index].data;
+            for h in 0..heads {
+                let dst = (h * n + b) * block_rows;
+                host[dst..dst + block_rows]
+                    .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+            }
         }
-    }
-    Ok(Array::from_bytes(
-        &host,
-        &[heads as i32, (n * bs) as i32, width as i32],
-        to_mlx_dtype(first.dtype),
-    )?)
+        Ok(Array::from_bytes(
+            host,
+            &[heads as i32, (n * bs) as i32, width as i32],
+            to_mlx_dtype(first.dtype),
+        )?)
+    })
 }
 
 #[cfg(test)]

@@ -28,6 +28,7 @@ mod paged;
 mod pool;
 mod resident;
 mod rows;
+mod scratch;
 mod state;
 
 pub use chain::Chain;

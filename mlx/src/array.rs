@@ -126,8 +126,14 @@ impl Array {
     /// graph node, so concurrent reads of one immutable array are safe.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.nbytes()];
-        check("to_bytes", ffi::array_read_into(self.inner(), &mut out))?;
+        self.read_into(&mut out)?;
         Ok(out)
+    }
+
+    /// Evaluates the array and copies its elements, row-major, into `out`, which must be
+    /// exactly [`Self::nbytes`] long (a caller-owned buffer: nothing is allocated).
+    pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
+        check("read_into", ffi::array_read_into(self.inner(), out))
     }
 
     /// The dimensions of the array.
