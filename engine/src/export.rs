@@ -35,9 +35,18 @@ pub struct ExportStats {
 
 #[derive(Default)]
 struct Pending {
-    jobs: usize,
+    /// Exports submitted so far.
+    submitted: u64,
+    /// Exports finished so far (in submission order).
+    finished: u64,
     bytes: u64,
     stats: ExportStats,
+}
+
+impl Pending {
+    fn in_flight(&self) -> bool {
+        self.finished < self.submitted
+    }
 }
 
 struct Shared {
@@ -78,7 +87,7 @@ impl Exporter {
                     let n = export.blocks() as u64;
                     let inserted = finish(&thread_store, export);
                     let mut p = s.lock();
-                    p.jobs -= 1;
+                    p.finished += 1;
                     p.bytes -= bytes;
                     p.stats.exports += 1;
                     p.stats.blocks += inserted;
@@ -100,9 +109,9 @@ impl Exporter {
     pub fn submit(&self, export: Export) {
         let bytes = export.device_bytes();
         let mut p = self.shared.lock();
-        if p.jobs > 0 && p.bytes + bytes > MAX_PENDING_BYTES {
+        if p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
             p.stats.waits += 1;
-            while p.jobs > 0 && p.bytes + bytes > MAX_PENDING_BYTES {
+            while p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
                 p = self
                     .shared
                     .changed
@@ -110,7 +119,7 @@ impl Exporter {
                     .unwrap_or_else(|e| e.into_inner());
             }
         }
-        p.jobs += 1;
+        p.submitted += 1;
         p.bytes += bytes;
         drop(p);
         let sent = self.tx.as_ref().map(|tx| tx.send((export, bytes)));
@@ -120,7 +129,7 @@ impl Exporter {
             let n = export.blocks() as u64;
             let inserted = finish(&self.store, export);
             let mut p = self.shared.lock();
-            p.jobs -= 1;
+            p.finished += 1;
             p.bytes -= bytes;
             p.stats.exports += 1;
             p.stats.blocks += inserted;
@@ -128,10 +137,12 @@ impl Exporter {
         }
     }
 
-    /// Waits until every export submitted so far is in the store (or failed).
+    /// Waits until every export submitted before this call is in the store (or failed);
+    /// exports submitted meanwhile are not waited for, so a busy engine cannot starve it.
     pub fn wait_idle(&self) {
         let mut p = self.shared.lock();
-        while p.jobs > 0 {
+        let target = p.submitted;
+        while p.finished < target {
             p = self
                 .shared
                 .changed
