@@ -304,8 +304,13 @@ pub(crate) fn block_shape(
 }
 
 /// Assembles plane `index` of every block in `blocks` (each `[H, bs, width]`, checked by
-/// [`block_shape`]) into one `[H, n · bs, width]` array: one host buffer, one transfer.
-pub(crate) fn run_part<B: AsRef<Block>>(blocks: &[B], index: usize) -> Result<Array, CacheError> {
+/// [`block_shape`]) into one `[H, capacity · bs, width]` array, the blocks first and zeros
+/// after them (`capacity` ≥ the number of blocks): one host buffer, one transfer.
+pub(crate) fn run_part<B: AsRef<Block>>(
+    blocks: &[B],
+    index: usize,
+    capacity: usize,
+) -> Result<Array, CacheError> {
     let first = &blocks[0].as_ref().planes[index];
     let (heads, bs, width) = (
         first.shape[0] as usize,
@@ -314,18 +319,21 @@ pub(crate) fn run_part<B: AsRef<Block>>(blocks: &[B], index: usize) -> Result<Ar
     );
     let block_rows = bs * width * first.dtype.size() as usize;
     let n = blocks.len();
-    with_scratch(heads * n * block_rows, |host| {
-        for (b, block) in blocks.iter().enumerate() {
-            let data = &block.as_ref().planes[index].data;
-            for h in 0..heads {
-                let dst = (h * n + b) * block_rows;
+    let cap = capacity.max(n);
+    with_scratch(heads * cap * block_rows, |host| {
+        for h in 0..heads {
+            for (b, block) in blocks.iter().enumerate() {
+                let data = &block.as_ref().planes[index].data;
+                let dst = (h * cap + b) * block_rows;
                 host[dst..dst + block_rows]
                     .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
             }
+            // The scratch buffer is reused: clear the head's unused tail.
+            host[(h * cap + n) * block_rows..(h + 1) * cap * block_rows].fill(0);
         }
         Ok(Array::from_bytes(
             host,
-            &[heads as i32, (n * bs) as i32, width as i32],
+            &[heads as i32, (cap * bs) as i32, width as i32],
             to_mlx_dtype(first.dtype),
         )?)
     })

@@ -6,7 +6,7 @@ use store::{Block, BlockMeta};
 
 use crate::export::Export;
 use crate::host;
-use crate::pool::{BlockPool, BlockShape};
+use crate::pool::{ladder_capacity, BlockPool, BlockShape};
 use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 use crate::{CacheError, Chain, KvCache, KvFormat};
 
@@ -561,9 +561,12 @@ impl PagedKvCache {
         let run = &blocks[..valid];
         let per = self.config.format.parts() * 2;
         let config = self.config;
+        // A fresh pool gets the capacity a pool grown to these blocks would have.
+        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, valid);
         for (li, layer) in self.layers.iter_mut().enumerate() {
+            let fresh = layer.pool.is_none();
             let parts: Vec<Array> = (0..per)
-                .map(|p| host::run_part(run, li * per + p))
+                .map(|p| host::run_part(run, li * per + p, if fresh { capacity } else { valid }))
                 .collect::<Result<_, _>>()?;
             match layer.pool.as_mut() {
                 None => {
@@ -625,6 +628,33 @@ impl KvCache for PagedKvCache {
         self.append(layer, keys, values)?;
         self.fetch(layer)?
             .ok_or_else(|| CacheError::Config(format!("layer {layer} has no pool after an append")))
+    }
+
+    fn fetch_padded(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+    ) -> Result<Option<(Array, Array)>, CacheError> {
+        if self.config.format != KvFormat::Float {
+            return Ok(None);
+        }
+        let layers = self.layers.len();
+        let l = self
+            .layers
+            .get_mut(layer)
+            .ok_or(CacheError::NoSuchLayer { layer, layers })?;
+        let Some(pool) = l.pool.as_mut() else {
+            return Ok(None);
+        };
+        let from_zero = l.table.iter().enumerate().all(|(i, &b)| b as usize == i);
+        if tokens < l.len || !from_zero {
+            return Ok(None);
+        }
+        let mut parts = pool.arena_view(tokens)?.into_iter();
+        match (parts.next(), parts.next()) {
+            (Some(k), Some(v)) => Ok(Some((k, v))),
+            _ => Ok(None),
+        }
     }
 
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
