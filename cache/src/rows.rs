@@ -202,14 +202,17 @@ impl PagedKvRows {
                 values.shape()
             )));
         }
-        let (h, d, hq) = (s[1], s[3], qs[1]);
-        let mut out = Vec::with_capacity(self.rows.len());
-        for (i, row) in self.rows.iter_mut().enumerate() {
-            let bi = i as i32;
-            let k = keys.slice(&[bi, 0, 0, 0], &[bi + 1, h, 1, d])?;
-            let v = values.slice(&[bi, 0, 0, 0], &[bi + 1, h, 1, d])?;
-            let q = queries.slice(&[bi, 0, 0, 0], &[bi + 1, hq, 1, qs[3]])?;
-            let (mut rk, mut rv) = row.update_and_fetch(layer, &k, &v)?;
+        let (h, d) = (s[1], s[3]);
+        let n = self.rows.len();
+        // One split per input (a single graph node each) instead of a slice per row.
+        let (ks, vs, qs) = (
+            mlx::ops::split(keys, n, 0)?,
+            mlx::ops::split(values, n, 0)?,
+            mlx::ops::split(queries, n, 0)?,
+        );
+        let mut out = Vec::with_capacity(n);
+        for (((row, k), v), q) in self.rows.iter_mut().zip(&ks).zip(&vs).zip(&qs) {
+            let (mut rk, mut rv) = row.update_and_fetch(layer, k, v)?;
             let t = rk.shape()[2];
             if let Some(w) = window.filter(|&w| (w as i32) < t) {
                 // The query at position t-1 sees keys t-w .. t-1 (visible()).
@@ -218,7 +221,7 @@ impl PagedKvRows {
                 rv = rv.slice(&[0, 0, start, 0], &[1, h, t, rv.shape()[3]])?;
             }
             out.push(mlx::fast::scaled_dot_product_attention(
-                &q,
+                q,
                 &rk,
                 &rv,
                 scale,

@@ -104,6 +104,7 @@ pub(crate) mod ffi {
         fn take_along_axis(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;
         fn stack(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;
+        fn split_equal(a: &Array, parts: i32, axis: i32) -> Result<UniquePtr<ArrayList>>;
         fn astype(a: &Array, dtype: u8) -> Result<UniquePtr<Array>>;
         fn contiguous(a: &Array) -> Result<UniquePtr<Array>>;
 

@@ -32,6 +32,12 @@ pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
     Array::wrap("stack", ffi::stack(&l, axis))
 }
 
+/// `a` cut into `parts` equal pieces along `axis` (views; one graph node for all of them).
+pub fn split(a: &Array, parts: usize, axis: i32) -> Result<Vec<Array>> {
+    let l = crate::error::check("split", ffi::split_equal(a.inner(), parts as i32, axis))?;
+    crate::array::unlist("split", &l)
+}
+
 /// Picks `a` where `cond` is true, else `b` (broadcasting).
 pub fn where_(cond: &Array, a: &Array, b: &Array) -> Result<Array> {
     Array::wrap("where", ffi::where_(cond.inner(), a.inner(), b.inner()))

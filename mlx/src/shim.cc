@@ -257,6 +257,12 @@ std::unique_ptr<Array> sort(const Array& a, int32_t axis) { return wrap(mx::sort
 std::unique_ptr<Array> cumsum(const Array& a, int32_t axis, bool reverse, bool inclusive) { return wrap(mx::cumsum(a.inner, axis, reverse, inclusive)); }
 
 std::unique_ptr<Array> random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }
+std::unique_ptr<ArrayList> split_equal(const Array& a, int32_t parts, int32_t axis) {
+  auto out = std::make_unique<ArrayList>();
+  out->items = mx::split(a.inner, parts, axis);
+  return out;
+}
+
 std::unique_ptr<ArrayList> random_split(const Array& key) {
   auto [a, b] = mx::random::split(key.inner);
   auto out = std::make_unique<ArrayList>();

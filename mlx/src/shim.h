@@ -71,6 +71,7 @@ std::unique_ptr<Array> take(const Array& a, const Array& indices, int32_t axis);
 std::unique_ptr<Array> take_along_axis(const Array& a, const Array& indices, int32_t axis);
 std::unique_ptr<Array> concatenate(const ArrayList& arrays, int32_t axis);
 std::unique_ptr<Array> stack(const ArrayList& arrays, int32_t axis);
+std::unique_ptr<ArrayList> split_equal(const Array& a, int32_t parts, int32_t axis);
 std::unique_ptr<Array> astype(const Array& a, uint8_t dtype);
 std::unique_ptr<Array> contiguous(const Array& a);
 

@@ -855,3 +855,20 @@ fn large_transfers_round_trip_on_both_paths() {
         .collect();
     assert_eq!(outs[0], want);
 }
+
+/// `split` cuts an array into equal views along an axis, in order.
+#[test]
+fn split_cuts_equal_pieces_in_order() {
+    let a = arr(&(0..24).map(|x| x as f32).collect::<Vec<_>>(), &[4, 2, 3]);
+    let parts = mlx::ops::split(&a, 4, 0).unwrap();
+    assert_eq!(parts.len(), 4);
+    for (i, p) in parts.iter().enumerate() {
+        assert_eq!(p.shape(), vec![1, 2, 3]);
+        let want: Vec<f32> = (i * 6..(i + 1) * 6).map(|x| x as f32).collect();
+        assert_eq!(host(p), want);
+    }
+    assert!(
+        mlx::ops::split(&a, 3, 0).is_err(),
+        "4 rows do not split in 3"
+    );
+}
