@@ -519,11 +519,33 @@ impl PagedKvCache {
     }
 
     /// The restorable ends publication keeps windows for: the ends set by
-    /// [`Self::set_restorable_ends`] and `last` (the sequence's last full block).
+    /// [`Self::set_restorable_ends`] and `last` (the sequence's last full block), each with
+    /// the block boundary before it too (a prompt resent whole restores up to its last
+    /// full block short of its last token, which may be one block less).
     fn window_ends(&self, last: usize) -> Vec<usize> {
-        let mut ends = self.window.ends.clone();
-        ends.push(last);
-        ends
+        let bs = self.config.block_size;
+        self.window
+            .ends
+            .iter()
+            .chain([&last])
+            .flat_map(|&e| [e, e.saturating_sub(bs)])
+            .collect()
+    }
+
+    /// Makes the next publication publish again the blocks a continuation from `end`
+    /// reads through a window (those the cache holds real window keys for), so that
+    /// stored copies of them that are window-trimmed are replaced by whole ones: a
+    /// request resumed at `end`, which makes it a point worth restoring from. Add `end`
+    /// to [`Self::set_restorable_ends`] too, or the blocks are published trimmed again.
+    pub fn republish_window(&mut self, end: usize) {
+        let Some(w) = self.window_plan(&[]).widest() else {
+            return;
+        };
+        let bs = self.config.block_size;
+        let e = end.min(self.offset()) / bs * bs;
+        let first = ((e + 1).saturating_sub(w + bs) / bs).max(self.window.floor.div_ceil(bs));
+        self.published = self.published.min(first);
+        self.window.kept_from = self.window.kept_from.min(self.published);
     }
 
     fn window_plan<'a>(&'a self, ends: &'a [usize]) -> host::WindowPlan<'a> {

@@ -65,17 +65,18 @@ fn published(tokens: &[u32]) -> (Chain, PagedKvCache, Vec<Block>) {
 fn publication_trims_exactly_the_blocks_no_window_reads() {
     let tokens: Vec<u32> = (0..40).collect();
     let (_, _, blocks) = published(&tokens);
-    // A continuation from 40 reads positions 33..39: blocks 8 and 9 keep their window
-    // planes, blocks 0..8 carry layer 0's only.
+    // A continuation from 40 reads positions 33..39, one from 36 (the block boundary
+    // before) 29..35: blocks 7, 8 and 9 keep their window planes, blocks 0..7 carry
+    // layer 0's only.
     let planes: Vec<usize> = blocks.iter().map(|b| b.planes.len()).collect();
-    assert_eq!(planes, [2, 2, 2, 2, 2, 2, 2, 2, 6, 6]);
+    assert_eq!(planes, [2, 2, 2, 2, 2, 2, 2, 6, 6, 6]);
     assert!(blocks[0].planes.iter().all(|p| p.name.starts_with("layers.0.")));
     // Bytes: a plane is H · BS · D f32 = 2,048 bytes; 10 whole blocks would be 10 · 6
-    // planes, the trimmed run is 2 · 6 + 8 · 2 planes.
+    // planes, the trimmed run is 3 · 6 + 7 · 2 planes.
     let plane = (H * BS * D * 4) as u64;
     let written: u64 = blocks.iter().map(Block::data_len).sum();
-    assert_eq!(written, (2 * 6 + 8 * 2) * plane);
-    assert_eq!(10 * 6 * plane - written, 8 * 4 * plane);
+    assert_eq!(written, (3 * 6 + 7 * 2) * plane);
+    assert_eq!(10 * 6 * plane - written, 7 * 4 * plane);
 
     // A cache that does not know its windows publishes every plane.
     let mut chain = Chain::new(NamespaceId([7; 32]), BS);
@@ -90,18 +91,21 @@ fn a_restore_stops_where_a_window_would_read_a_trimmed_block() {
     let tokens: Vec<u32> = (0..40).collect();
     let (_, original, blocks) = published(&tokens);
 
-    // The whole chain: layers 1 and 2 hold zeros before 32 (never read from 40 on), the
+    // The whole chain: layers 1 and 2 hold zeros before 28 (never read from 36 on), the
     // real keys after, layer 0 everything.
     let restored = windowed().restore_onto(&blocks).unwrap();
     assert_eq!((restored.blocks, restored.window_cut), (10, 0));
     let cache = restored.cache;
-    assert_eq!(cache.window_floor(), 32);
+    assert_eq!(cache.window_floor(), 28);
     assert_eq!(positions(&cache, 0), positions(&original, 0));
     for l in 1..3 {
         let (got, want) = (positions(&cache, l), positions(&original, l));
-        assert!(got[..32].iter().all(|&x| x == 0.0));
-        assert_eq!(got[32..], want[32..]);
+        assert!(got[..28].iter().all(|&x| x == 0.0));
+        assert_eq!(got[28..], want[28..]);
     }
+    // The chain up to the block before the end (a prompt resent whole) restores too.
+    let restored = windowed().restore_onto(&blocks[..9]).unwrap();
+    assert_eq!((restored.blocks, restored.window_cut), (9, 0));
 
     // A prefix ending inside the trimmed part: every end would read a trimmed block.
     let restored = windowed().restore_onto(&blocks[..6]).unwrap();
@@ -120,17 +124,17 @@ fn a_restored_cache_never_trims_back_to_where_its_window_keys_are_zeros() {
     let tokens: Vec<u32> = (0..40).collect();
     let (_, _, blocks) = published(&tokens);
     let mut cache = windowed().restore_onto(&blocks).unwrap().cache;
-    // From 39 a query reads 32..38: all real. From 38 it would read 31, a zero.
-    assert_eq!(cache.rewind_point(39), 39);
-    assert_eq!(cache.rewind_point(38), 0);
+    // From 35 a query reads 28..34: all real. From 34 it would read 27, a zero.
+    assert_eq!(cache.rewind_point(35), 35);
+    assert_eq!(cache.rewind_point(34), 0);
     assert!(matches!(
-        cache.trim(2),
-        Err(CacheError::WindowRewind { floor: 32, .. })
+        cache.trim(6),
+        Err(CacheError::WindowRewind { floor: 28, .. })
     ));
     assert_eq!(cache.offset(), 40);
-    assert_eq!(cache.trim(1).unwrap(), 1);
+    assert_eq!(cache.trim(5).unwrap(), 5);
     // Everything can go: an empty cache has no zeros.
-    assert_eq!(cache.trim(39).unwrap(), 39);
+    assert_eq!(cache.trim(35).unwrap(), 35);
     assert_eq!(cache.window_floor(), 0);
 }
 
@@ -141,23 +145,28 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     assert!(cache.window_trimmed(&chain, &tokens[..40]).unwrap().is_empty());
     fill(&mut cache, 40, 52);
     let next = cache.publish(&mut chain, &tokens).unwrap();
-    // From 52 a query reads 45..51: blocks 11 and 12 keep their window planes.
+    // From 52 a query reads 45..51, from 48 41..47: blocks 10, 11, 12 keep their window
+    // planes.
     let planes: Vec<usize> = next.iter().map(|b| b.planes.len()).collect();
-    assert_eq!(planes, [2, 6, 6]);
-    // Blocks 8 and 9 were stored whole: trimmed copies replace them (block 10 again too,
-    // the run up to the first block still kept).
+    assert_eq!(planes, [6, 6, 6]);
+    // Blocks 7, 8 and 9 were stored whole: trimmed copies replace them.
     let trimmed = cache.window_trimmed(&chain, &tokens).unwrap();
     let at: Vec<u32> = trimmed.iter().map(|b| b.meta.position).collect();
-    assert_eq!(at, [8, 9, 10]);
+    assert_eq!(at, [7, 8, 9]);
     for b in &trimmed {
         assert_eq!(b.planes.len(), 2);
         assert_eq!(b.meta.key, chain.keys()[b.meta.position as usize]);
-        assert_eq!(b.planes[0].data, first.get(b.meta.position as usize).map_or(
-            next[0].planes[0].data.clone(),
-            |f| f.planes[0].data.clone()
-        ));
+        assert_eq!(b.planes[0].data, first[b.meta.position as usize].planes[0].data);
     }
     assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_empty());
+
+    // A request resumed at 24 publishes that end's window again, whole.
+    let (mut chain, mut cache, _) = published(&tokens[..40]);
+    cache.set_restorable_ends(&[24]);
+    cache.republish_window(24);
+    let again = cache.publish(&mut chain, &tokens[..40]).unwrap();
+    let at: Vec<(u32, usize)> = again.iter().map(|b| (b.meta.position, b.planes.len())).collect();
+    assert_eq!(at[..5], [(3, 6), (4, 6), (5, 6), (6, 2), (7, 6)]);
 
     // A restorable end set before publication keeps that end's window as well.
     let (mut chain, mut cache, _) = published(&tokens[..40]);

@@ -24,7 +24,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, state_plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig,
+    plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig,
     PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::{Deserialize, Serialize};
@@ -32,7 +32,7 @@ use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreS
 
 use crate::error::{EngineError, Result};
 use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
-use crate::model::Model;
+use crate::model::{LayerKind, Model};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of prefix reuse.
@@ -128,8 +128,15 @@ pub struct ReuseReport {
     /// because no state snapshot follows them (`--state-every`): every layer recomputes
     /// them, from the last snapshot on.
     pub state_recomputed_tokens: usize,
+    /// Models with sliding-window layers: tokens of cached blocks found in the store whose
+    /// K/V was not restored because a window after them would read a window-trimmed block
+    /// (docs/cache.md, "Window layers"): every layer recomputes them.
+    pub window_recomputed_tokens: usize,
     /// New full blocks published after the request.
     pub published_blocks: usize,
+    /// Bytes of window-layer planes that blocks published after the request left out
+    /// (window-trimmed blocks, and trimmed copies replacing blocks the sequence moved past).
+    pub window_trimmed_bytes: u64,
 }
 
 /// Running cost estimates used to pick restore or recompute, saved per device.
@@ -292,6 +299,11 @@ pub struct KvTiers {
     /// in snapshot blocks.
     state_layers: usize,
     state_every: usize,
+    /// Per attention layer, its sliding window (`None`: global); empty when the model
+    /// has none, and then nothing is window-trimmed.
+    windows: Vec<Option<usize>>,
+    /// Window-layer bytes left out of published blocks so far.
+    window_trimmed_bytes: std::sync::atomic::AtomicU64,
     paged: PagedConfig,
     resident: Mutex<ResidentPool>,
     /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
@@ -441,6 +453,24 @@ fn store_dtype(d: mlx::Dtype) -> Result<store::Dtype> {
     })
 }
 
+/// Per attention layer of `model`, its sliding window (`None`: global attention); empty
+/// when no layer has a window (or the kinds do not list one entry per attention layer).
+pub fn attention_windows(model: &Model) -> Vec<Option<usize>> {
+    let windows: Vec<Option<usize>> = model
+        .layer_kinds()
+        .iter()
+        .filter_map(|k| match k {
+            LayerKind::Global => Some(None),
+            LayerKind::Window(n) => Some(Some(*n)),
+            _ => None,
+        })
+        .collect();
+    if windows.len() != model.info().kv.layers || windows.iter().all(Option::is_none) {
+        return Vec::new();
+    }
+    windows
+}
+
 /// Everything that changes the bytes of a block of `model`'s KV under `config`.
 pub fn namespace_description(
     model: &Model,
@@ -479,6 +509,7 @@ pub fn namespace_description(
         dtype: kv.dtype,
     };
     d.planes = plane_specs(kv.layers, shape, config.kv_format)?;
+    d.trimmed_planes = trimmed_plane_specs(&attention_windows(model), shape, config.kv_format)?;
     let states: Vec<Vec<mlx::Array>> = model
         .state_shapes()
         .iter()
@@ -563,6 +594,8 @@ impl KvTiers {
             layers: model.info().kv.layers,
             state_layers: model.info().kv.state_layers,
             state_every,
+            windows: attention_windows(model),
+            window_trimmed_bytes: std::sync::atomic::AtomicU64::new(0),
             paged: PagedConfig {
                 block_size: config.block_size,
                 format: config.kv_format,
@@ -879,10 +912,16 @@ impl KvTiers {
                 report.device_handover = h.handed_over;
                 h.cache
             }
-            None => PagedKvCache::new(self.layers, self.paged)?
-                .with_state_layers(self.state_layers)
-                .with_state_snapshots(self.state_every),
+            None => self.empty_cache()?,
         };
+        // Where this request could be resumed from later: its prompt's last full block (an
+        // agent's next turn replaces the reply) and the end of what the store held (a
+        // prefix whose window a trimmed block cut is then published whole again).
+        cache.set_restorable_ends(&[
+            prompt.len() / bs * bs,
+            device_tokens / bs * bs,
+            (first + host.blocks.len()) * bs,
+        ]);
         let mut tiers = host.tiers;
         // The store holds more than the device: continue from the device's last whole
         // block (its partial block, if any, is dropped and comes back from the store). A
@@ -895,6 +934,7 @@ impl KvTiers {
                 report.stopped = Some(e.to_string());
             }
             report.state_recomputed_tokens = restored.state_cut * bs;
+            report.window_recomputed_tokens = restored.window_cut * bs;
             tiers.truncate(restored.blocks);
             let restored_blocks = restored.blocks;
             cache = restored.cache;
@@ -914,6 +954,9 @@ impl KvTiers {
         } else {
             tiers.clear();
             report.cached_device_tokens = device_tokens;
+            // Resumed here: the window before it is published again, whole, in case the
+            // store holds it trimmed (a fork from what was the inside of a sequence).
+            cache.republish_window(device_tokens);
         }
         report.restore_s += t.elapsed().as_secs_f64();
         let count = |tier: Tier| tiers.iter().filter(|t| **t == tier).count();
@@ -943,15 +986,61 @@ impl KvTiers {
         let held = &tokens[..cache.offset().min(tokens.len())];
         let blocks = cache.publish(chain, held)?;
         let n = blocks.len();
-        for b in blocks {
-            self.store.insert(std::sync::Arc::new(b))?;
-        }
         let namespace = chain.namespace();
+        let per_block = self.description.trimmed_bytes_per_block();
+        let mut trimmed_bytes = 0;
+        for b in blocks {
+            let b = std::sync::Arc::new(b);
+            if self.windows.is_empty() {
+                self.store.insert(b)?;
+                continue;
+            }
+            let trimmed = b.planes.len() < self.description.planes.len();
+            let stored = self.store.lookup(namespace, &[b.meta.key]).blocks() > 0;
+            if trimmed {
+                trimmed_bytes += per_block;
+                // A stored copy may carry the window planes another sequence's tail needs.
+                if stored {
+                    continue;
+                }
+                self.store.insert(b)?;
+            } else if stored {
+                // The stored copy may be a trimmed one: this whole one replaces it.
+                self.store.insert_replacing(b)?;
+            } else {
+                self.store.insert(b)?;
+            }
+        }
+        for b in cache.window_trimmed(chain, held)? {
+            trimmed_bytes += per_block;
+            self.store.insert_replacing(std::sync::Arc::new(b))?;
+        }
+        self.window_trimmed_bytes
+            .fetch_add(trimmed_bytes, std::sync::atomic::Ordering::Relaxed);
         let mut recent = self.recent.lock().map_err(|_| poisoned())?;
         recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
         recent.insert(0, (namespace, held.to_vec()));
         recent.truncate(RECENT_SEQUENCES);
         Ok(n)
+    }
+
+    /// A fresh cache for this model's sequences: its layers, state layers, snapshots and
+    /// windows.
+    fn empty_cache(&self) -> Result<PagedKvCache> {
+        let cache = PagedKvCache::new(self.layers, self.paged)?
+            .with_state_layers(self.state_layers)
+            .with_state_snapshots(self.state_every);
+        Ok(match self.windows.is_empty() {
+            true => cache,
+            false => cache.with_windows(&self.windows)?,
+        })
+    }
+
+    /// Window-layer bytes that blocks published so far left out (window-trimmed blocks and
+    /// trimmed copies of blocks a sequence moved past).
+    pub fn window_trimmed_bytes(&self) -> u64 {
+        self.window_trimmed_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Publishes what `cache` holds (as [`Self::publish`]) and keeps it resident on the
@@ -1041,7 +1130,9 @@ pub fn generate_with_reuse(
     if let (Some(p), Some(chain)) = (prefix, chain) {
         p.record_prefill(prompt.len() - report.cached_tokens, report.prefill_s);
         let all: Vec<u32> = prompt.iter().chain(&generation.tokens).copied().collect();
+        let trimmed_before = p.window_trimmed_bytes();
         report.published_blocks = p.retire(chain, cache, &all)?;
+        report.window_trimmed_bytes = p.window_trimmed_bytes() - trimmed_before;
     }
     Ok((generation, report))
 }
