@@ -59,6 +59,11 @@ pub struct ReuseConfig {
     /// K/V takes at least the bytes of one snapshot ([`auto_state_every`]). Default: `None`
     /// (docs/cache.md).
     pub state_every: Option<usize>,
+    /// Models with sliding-window layers: leave the window layers' planes out of blocks
+    /// that no continuation from a restorable end reads through a window (docs/cache.md,
+    /// "Window layers"); `false` stores every plane of every block, in the namespace such
+    /// stores had before (for comparison). Default: true.
+    pub window_trim: bool,
 }
 
 impl Default for ReuseConfig {
@@ -72,6 +77,7 @@ impl Default for ReuseConfig {
             kv_budget_bytes: 2 << 30,
             restore_always: false,
             state_every: None,
+            window_trim: true,
         }
     }
 }
@@ -509,7 +515,9 @@ pub fn namespace_description(
         dtype: kv.dtype,
     };
     d.planes = plane_specs(kv.layers, shape, config.kv_format)?;
-    d.trimmed_planes = trimmed_plane_specs(&attention_windows(model), shape, config.kv_format)?;
+    if config.window_trim {
+        d.trimmed_planes = trimmed_plane_specs(&attention_windows(model), shape, config.kv_format)?;
+    }
     let states: Vec<Vec<mlx::Array>> = model
         .state_shapes()
         .iter()
@@ -594,7 +602,10 @@ impl KvTiers {
             layers: model.info().kv.layers,
             state_layers: model.info().kv.state_layers,
             state_every,
-            windows: attention_windows(model),
+            windows: match config.window_trim {
+                true => attention_windows(model),
+                false => Vec::new(),
+            },
             window_trimmed_bytes: std::sync::atomic::AtomicU64::new(0),
             paged: PagedConfig {
                 block_size: config.block_size,
