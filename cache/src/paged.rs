@@ -400,7 +400,14 @@ impl PagedKvCache {
                 tokens,
                 held,
                 floor: self.window.floor,
-                window: self.window.windows.iter().flatten().copied().max().unwrap_or(0),
+                window: self
+                    .window
+                    .windows
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .max()
+                    .unwrap_or(0),
             });
         }
         self.states.rewind(tokens)?;
@@ -535,19 +542,27 @@ impl PagedKvCache {
     /// Makes the next publication publish again the blocks a continuation from `end`
     /// reads through a window (those the cache holds real window keys for), so that
     /// stored copies of them that are window-trimmed are replaced by whole ones: a
-    /// request resumed at `end`, which makes it a point worth restoring from. Add `end`
-    /// to [`Self::set_restorable_ends`] too, or the blocks are published trimmed again.
-    pub fn republish_window(&mut self, end: usize) {
+    /// request resumed at `end`, which makes it a point worth restoring from. Nothing
+    /// happens (and `false` is returned) when this cache stored those blocks whole itself.
+    /// Add `end` to [`Self::set_restorable_ends`] when it returns `true`, or the blocks are
+    /// published trimmed again.
+    pub fn republish_window(&mut self, end: usize) -> bool {
         let Some(w) = self.window_plan(&[]).widest() else {
-            return;
+            return false;
         };
         let bs = self.config.block_size;
         let e = end.min(self.offset()) / bs * bs;
         let first = ((e + 1).saturating_sub(w + bs) / bs).max(self.window.floor.div_ceil(bs));
+        // Blocks `kept_from..published` were stored whole by this cache (as far as it
+        // knows: a block between two restorable ends' windows may be trimmed; a fork there
+        // then recomputes once more).
+        if first >= self.window.kept_from && e / bs <= self.published {
+            return false;
+        }
         self.published = self.published.min(first);
         self.window.kept_from = self.window.kept_from.min(self.published);
+        true
     }
-
     fn window_plan<'a>(&'a self, ends: &'a [usize]) -> host::WindowPlan<'a> {
         host::WindowPlan {
             windows: &self.window.windows,
@@ -558,7 +573,12 @@ impl PagedKvCache {
 
     /// Every layer's parts of blocks `from..to` (`[1, H, n · bs, width]` each); window
     /// layers' only when `windows` (else an empty list for them).
-    fn read_run(&self, from: usize, to: usize, windows: bool) -> Result<Vec<Vec<Array>>, CacheError> {
+    fn read_run(
+        &self,
+        from: usize,
+        to: usize,
+        windows: bool,
+    ) -> Result<Vec<Vec<Array>>, CacheError> {
         let bs = self.config.block_size;
         let mut parts = Vec::with_capacity(self.layers.len());
         for (i, l) in self.layers.iter().enumerate() {
@@ -581,7 +601,11 @@ impl PagedKvCache {
     /// place of the stored blocks, they free the window layers' bytes there. Call it after
     /// [`Self::publish`], with the same `chain` and `tokens`. Empty for a cache without
     /// window layers or with state layers (whose snapshot planes the copies would lack).
-    pub fn window_trimmed(&mut self, chain: &Chain, tokens: &[u32]) -> Result<Vec<Block>, CacheError> {
+    pub fn window_trimmed(
+        &mut self,
+        chain: &Chain,
+        tokens: &[u32],
+    ) -> Result<Vec<Block>, CacheError> {
         let bs = self.config.block_size;
         let upto = self.published;
         let from = self.window.kept_from.max(self.window.floor.div_ceil(bs));

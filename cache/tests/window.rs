@@ -70,7 +70,10 @@ fn publication_trims_exactly_the_blocks_no_window_reads() {
     // layer 0's only.
     let planes: Vec<usize> = blocks.iter().map(|b| b.planes.len()).collect();
     assert_eq!(planes, [2, 2, 2, 2, 2, 2, 2, 6, 6, 6]);
-    assert!(blocks[0].planes.iter().all(|p| p.name.starts_with("layers.0.")));
+    assert!(blocks[0]
+        .planes
+        .iter()
+        .all(|p| p.name.starts_with("layers.0.")));
     // Bytes: a plane is H · BS · D f32 = 2,048 bytes; 10 whole blocks would be 10 · 6
     // planes, the trimmed run is 3 · 6 + 7 · 2 planes.
     let plane = (H * BS * D * 4) as u64;
@@ -116,7 +119,10 @@ fn a_restore_stops_where_a_window_would_read_a_trimmed_block() {
     let plain = PagedKvCache::new(3, config()).unwrap();
     let restored = plain.restore_onto(&blocks).unwrap();
     assert_eq!(restored.blocks, 0);
-    assert!(matches!(restored.stopped, Some(CacheError::Restore { position: 0, .. })));
+    assert!(matches!(
+        restored.stopped,
+        Some(CacheError::Restore { position: 0, .. })
+    ));
 }
 
 #[test]
@@ -142,7 +148,10 @@ fn a_restored_cache_never_trims_back_to_where_its_window_keys_are_zeros() {
 fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     let tokens: Vec<u32> = (0..52).collect();
     let (mut chain, mut cache, first) = published(&tokens[..40]);
-    assert!(cache.window_trimmed(&chain, &tokens[..40]).unwrap().is_empty());
+    assert!(cache
+        .window_trimmed(&chain, &tokens[..40])
+        .unwrap()
+        .is_empty());
     fill(&mut cache, 40, 52);
     let next = cache.publish(&mut chain, &tokens).unwrap();
     // From 52 a query reads 45..51, from 48 41..47: blocks 10, 11, 12 keep their window
@@ -156,7 +165,10 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     for b in &trimmed {
         assert_eq!(b.planes.len(), 2);
         assert_eq!(b.meta.key, chain.keys()[b.meta.position as usize]);
-        assert_eq!(b.planes[0].data, first[b.meta.position as usize].planes[0].data);
+        assert_eq!(
+            b.planes[0].data,
+            first[b.meta.position as usize].planes[0].data
+        );
     }
     assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_empty());
 
@@ -165,7 +177,10 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     cache.set_restorable_ends(&[24]);
     cache.republish_window(24);
     let again = cache.publish(&mut chain, &tokens[..40]).unwrap();
-    let at: Vec<(u32, usize)> = again.iter().map(|b| (b.meta.position, b.planes.len())).collect();
+    let at: Vec<(u32, usize)> = again
+        .iter()
+        .map(|b| (b.meta.position, b.planes.len()))
+        .collect();
     assert_eq!(at[..5], [(3, 6), (4, 6), (5, 6), (6, 2), (7, 6)]);
 
     // A restorable end set before publication keeps that end's window as well.

@@ -24,8 +24,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig,
-    PagedKvCache, ResidentPool, ResidentStats,
+    plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, KvCache, KvFormat,
+    PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::{Deserialize, Serialize};
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
@@ -926,13 +926,10 @@ impl KvTiers {
             None => self.empty_cache()?,
         };
         // Where this request could be resumed from later: its prompt's last full block (an
-        // agent's next turn replaces the reply) and the end of what the store held (a
-        // prefix whose window a trimmed block cut is then published whole again).
-        cache.set_restorable_ends(&[
-            prompt.len() / bs * bs,
-            device_tokens / bs * bs,
-            (first + host.blocks.len()) * bs,
-        ]);
+        // agent's next turn replaces the reply), and a point it resumed from whose window
+        // the store holds trimmed (published whole again below).
+        let mut ends = vec![prompt.len() / bs * bs];
+        let store_end = (first + host.blocks.len()) * bs;
         let mut tiers = host.tiers;
         // The store holds more than the device: continue from the device's last whole
         // block (its partial block, if any, is dropped and comes back from the store). A
@@ -946,6 +943,11 @@ impl KvTiers {
             }
             report.state_recomputed_tokens = restored.state_cut * bs;
             report.window_recomputed_tokens = restored.window_cut * bs;
+            if restored.window_cut > 0 {
+                // The store's run ended where a window reads trimmed blocks: the blocks
+                // recomputed up to there are published whole, replacing them.
+                ends.push(store_end);
+            }
             tiers.truncate(restored.blocks);
             let restored_blocks = restored.blocks;
             cache = restored.cache;
@@ -965,10 +967,13 @@ impl KvTiers {
         } else {
             tiers.clear();
             report.cached_device_tokens = device_tokens;
-            // Resumed here: the window before it is published again, whole, in case the
-            // store holds it trimmed (a fork from what was the inside of a sequence).
-            cache.republish_window(device_tokens);
+            // Resumed here: if the store may hold the window before it trimmed (a fork
+            // from the inside of a sequence), it is published again, whole.
+            if cache.republish_window(device_tokens) {
+                ends.push(device_tokens / bs * bs);
+            }
         }
+        cache.set_restorable_ends(&ends);
         report.restore_s += t.elapsed().as_secs_f64();
         let count = |tier: Tier| tiers.iter().filter(|t| **t == tier).count();
         report.cached_ram_tokens = count(Tier::Ram) * bs;

@@ -84,8 +84,7 @@ impl NamespaceDescription {
     /// followed by [`Self::state_planes`].
     pub(crate) fn check_planes(&self, found: &[PlaneSpec]) -> Result<(), crate::LayoutError> {
         let check = |kv: &[PlaneSpec]| {
-            if !self.state_planes.is_empty() && found.len() == kv.len() + self.state_planes.len()
-            {
+            if !self.state_planes.is_empty() && found.len() == kv.len() + self.state_planes.len() {
                 let expected: Vec<PlaneSpec> =
                     kv.iter().chain(&self.state_planes).cloned().collect();
                 return crate::block::check_specs(&expected, found);
@@ -105,7 +104,8 @@ impl NamespaceDescription {
         if self.trimmed_planes.is_empty() {
             return 0;
         }
-        let bytes = |specs: &[PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
+        let bytes =
+            |specs: &[PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
         bytes(&self.planes).saturating_sub(bytes(&self.trimmed_planes))
     }
 
@@ -210,7 +210,9 @@ mod tests {
         d.trimmed_planes = vec![kv.clone()];
         assert!(d.check_planes(std::slice::from_ref(&kv)).is_ok());
         assert!(d.check_planes(&[kv.clone(), state.clone()]).is_ok());
-        assert!(d.check_planes(&[kv.clone(), window.clone(), state.clone()]).is_ok());
+        assert!(d
+            .check_planes(&[kv.clone(), window.clone(), state.clone()])
+            .is_ok());
         assert!(d.check_planes(std::slice::from_ref(&window)).is_err());
         assert!(d.check_planes(&[]).is_err());
         assert_eq!(d.trimmed_bytes_per_block(), 2 * 16 * 8 * 4);

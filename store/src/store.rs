@@ -1142,7 +1142,11 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
             }
             continue;
         }
-        let result = if replace { ssd.replace(&p) } else { ssd.put(&p) };
+        let result = if replace {
+            ssd.replace(&p)
+        } else {
+            ssd.put(&p)
+        };
         if refresh {
             lock(&shared.pending).remove(&k);
         }

@@ -251,7 +251,13 @@ impl Ctx<'_> {
             for (on, dir, every, trim, out) in [
                 (ssd, &dirs[2], self.state_every, true, &mut s),
                 (ssd_no_snapshots, &dirs[3], Some(0), true, &mut s0),
-                (ssd_whole_windows, &dirs[4], self.state_every, false, &mut sw),
+                (
+                    ssd_whole_windows,
+                    &dirs[4],
+                    self.state_every,
+                    false,
+                    &mut sw,
+                ),
             ] {
                 if on {
                     // A new store handle each turn: nothing on the device or in RAM, as after

@@ -224,7 +224,8 @@ fn gemma3_window_layers_store_only_what_a_window_reads_bytes_exactly() {
     let d = pc.description().clone();
     // 4 layers, 2 of them with a 16-token window: a trimmed block carries half the planes.
     assert_eq!(d.trimmed_planes.len() * 2, d.planes.len());
-    let bytes = |specs: &[store::PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
+    let bytes =
+        |specs: &[store::PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
     let (whole, trimmed) = (bytes(&d.planes), bytes(&d.trimmed_planes));
     assert_eq!(d.trimmed_bytes_per_block(), whole - trimmed);
     let prompt = tokens(3, 1_104, model.info().vocab_size);
@@ -283,7 +284,11 @@ fn gemma3_a_tail_needed_from_blocks_published_as_interior_is_recomputed_then_sto
     let mut short = long[..12].to_vec();
     short.extend(tokens(25, 30, vocab));
     let r = after_restart(&model, &tok, dir.path(), &short);
-    assert_eq!((r.cached_tokens, r.window_recomputed_tokens), (0, 8), "{r:?}");
+    assert_eq!(
+        (r.cached_tokens, r.window_recomputed_tokens),
+        (0, 8),
+        "{r:?}"
+    );
     // Resent after another restart, it restores its whole chain (40 tokens) from SSD.
     let r = after_restart(&model, &tok, dir.path(), &short);
     assert_eq!(r.cached_ssd_tokens, 40, "{r:?}");
