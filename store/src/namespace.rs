@@ -83,6 +83,27 @@ impl NamespaceDescription {
     /// [`Self::trimmed_planes`]; for a snapshot block of a hybrid model either of them
     /// followed by [`Self::state_planes`].
     pub(crate) fn check_planes(&self, found: &[PlaneSpec]) -> Result<(), crate::LayoutError> {
+        let full = self.check_layout(&self.planes, found);
+        if full.is_err() && self.is_trimmed(found) {
+            return Ok(());
+        }
+        full
+    }
+
+    /// Whether `found` is the layout of a window-trimmed block of this namespace
+    /// ([`Self::trimmed_planes`], then the state planes for a snapshot block).
+    pub fn is_trimmed(&self, found: &[PlaneSpec]) -> bool {
+        !self.trimmed_planes.is_empty()
+            && self.check_layout(&self.trimmed_planes, found).is_ok()
+            && self.check_layout(&self.planes, found).is_err()
+    }
+
+    /// Checks `found` against the K/V layout `kv`, alone or followed by the state planes.
+    fn check_layout(
+        &self,
+        kv: &[PlaneSpec],
+        found: &[PlaneSpec],
+    ) -> Result<(), crate::LayoutError> {
         let check = |kv: &[PlaneSpec]| {
             if !self.state_planes.is_empty() && found.len() == kv.len() + self.state_planes.len() {
                 let expected: Vec<PlaneSpec> =
@@ -91,11 +112,7 @@ impl NamespaceDescription {
             }
             crate::block::check_specs(kv, found)
         };
-        let full = check(&self.planes);
-        if full.is_err() && !self.trimmed_planes.is_empty() && check(&self.trimmed_planes).is_ok() {
-            return Ok(());
-        }
-        full
+        check(kv)
     }
 
     /// Bytes a window-trimmed block leaves out: those of [`Self::planes`] less those of
