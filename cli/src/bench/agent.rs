@@ -103,6 +103,8 @@ struct TurnResult {
     ssd_bytes_written: u64,
     /// SSD arms: bytes of block files on SSD after the turn.
     ssd_stored_bytes: u64,
+    /// In-process arms: the token ids generated.
+    generated: Vec<u32>,
 }
 
 #[derive(Serialize)]
@@ -127,8 +129,9 @@ fn arm(name: &str, turns: Vec<TurnResult>) -> Arm {
     }
 }
 
-fn from_report(r: &ReuseReport, written: u64) -> TurnResult {
+fn from_report((generated, r): &(Vec<u32>, ReuseReport), written: u64) -> TurnResult {
     TurnResult {
+        generated: generated.clone(),
         prompt_tokens: r.prompt_tokens,
         cached_tokens: r.cached_tokens,
         cached_device_tokens: r.cached_device_tokens,
@@ -139,6 +142,14 @@ fn from_report(r: &ReuseReport, written: u64) -> TurnResult {
         ssd_bytes_written: written,
         ssd_stored_bytes: 0,
     }
+}
+
+/// Whether two arms generated the same tokens at every turn both ran.
+fn same_output(a: &Arm, b: &Arm) -> bool {
+    a.turns
+        .iter()
+        .zip(&b.turns)
+        .all(|(x, y)| x.generated == y.generated)
 }
 
 struct Ctx<'a> {
@@ -191,16 +202,16 @@ impl Ctx<'_> {
         }
     }
 
-    fn turn(&self, prefix: Option<&KvTiers>, prompt: &[u32]) -> Result<ReuseReport> {
-        Ok(generate_with_reuse(
+    fn turn(&self, prefix: Option<&KvTiers>, prompt: &[u32]) -> Result<(Vec<u32>, ReuseReport)> {
+        let (g, r) = generate_with_reuse(
             self.model,
             self.tokenizer,
             prefix,
             prompt,
             &self.params,
             &mut |_| true,
-        )?
-        .1)
+        )?;
+        Ok((g.tokens, r))
     }
 
     /// Runs the selected in-process arms turn by turn, interleaved, so that load on this
@@ -525,9 +536,16 @@ pub fn run(args: Args) -> Result<()> {
         .iter()
         .find(|a| a.name == "SSD reuse, whole window layers")
         .map(stored);
+    let whole_arm = arms
+        .iter()
+        .find(|a| a.name == "SSD reuse, whole window layers");
     for a in arms.iter().filter(|a| stored(a) > 0) {
-        let ratio = whole.map_or(String::new(), |w| {
-            format!(" ({:.3}x whole window layers)", stored(a) as f64 / w as f64)
+        let ratio = whole.zip(whole_arm).map_or(String::new(), |(w, wa)| {
+            format!(
+                " ({:.3}x whole window layers; {} generated tokens)",
+                stored(a) as f64 / w as f64,
+                if same_output(a, wa) { "same" } else { "OTHER" }
+            )
         });
         println!(
             "{:>20}: {} bytes stored on SSD after the last turn{ratio}",
