@@ -83,6 +83,7 @@ fn main() {
 
     cxx_build::bridge("src/ffi.rs")
         .file("src/shim.cc")
+        .file("src/direct_copy.cc")
         .include(&include)
         .include("src")
         .std("c++20")
@@ -93,6 +94,8 @@ fn main() {
     println!("cargo:rerun-if-changed=src/ffi.rs");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/shim.h");
+    println!("cargo:rerun-if-changed=src/direct_copy.cc");
+    println!("cargo:rerun-if-changed=src/direct_copy.h");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());

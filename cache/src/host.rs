@@ -26,6 +26,7 @@ use mlx::Array;
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
 use crate::pool::BlockShape;
+use crate::scratch::with_scratch;
 use crate::{CacheError, KvFormat, LayerState};
 
 /// What decides which published blocks carry their window layers' planes: a continuation
@@ -262,12 +263,12 @@ pub(crate) fn blocks_from_run(
             let (heads, width) = (s[1] as usize, s[3] as usize);
             let dtype = to_store_dtype(a.dtype())?;
             let row_bytes = width * dtype.size() as usize;
-            let bytes = a.to_bytes()?;
+            let split = with_scratch(a.nbytes(), |bytes| {
+                a.read_into(bytes)?;
+                Ok::<_, CacheError>(split_run(bytes, heads, n, block_size, row_bytes))
+            })?;
             let shape = vec![heads as u64, block_size as u64, width as u64];
-            for (b, data) in split_run(&bytes, heads, n, block_size, row_bytes)
-                .into_iter()
-                .enumerate()
-            {
+            for (b, data) in split.into_iter().enumerate() {
                 if windowed && !keeps[b] {
                     continue;
                 }
@@ -423,13 +424,15 @@ pub(crate) fn block_shape(
 }
 
 /// Assembles one layer part of every block in `blocks` (each plane `[H, bs, width]` as
-/// `spec` says, checked by [`block_shape`]) into one `[H, n · bs, width]` array: one host
-/// buffer, one transfer. `index(b)` gives the part's plane in block `b` of the run, `None`
-/// where the block leaves it out (a window-trimmed block): those rows stay zero.
+/// `spec` says, checked by [`block_shape`]) into one `[H, capacity · bs, width]` array, the
+/// blocks first and zeros after them (`capacity` ≥ the number of blocks): one host buffer,
+/// one transfer. `index(b)` gives the part's plane in block `b` of the run, `None` where the
+/// block leaves it out (a window-trimmed block): those rows are zeros too.
 pub(crate) fn run_part<B: AsRef<Block>>(
     blocks: &[B],
     spec: &PlaneSpec,
     index: impl Fn(usize) -> Option<usize>,
+    capacity: usize,
 ) -> Result<Array, CacheError> {
     let (heads, bs, width) = match spec.shape[..] {
         [h, b, w] => (h as usize, b as usize, w as usize),
@@ -442,21 +445,30 @@ pub(crate) fn run_part<B: AsRef<Block>>(
     };
     let block_rows = bs * width * spec.dtype.size() as usize;
     let n = blocks.len();
-    let mut host = vec![0u8; heads * n * block_rows];
-    for (b, block) in blocks.iter().enumerate() {
-        let Some(i) = index(b) else { continue };
-        let data = &block.as_ref().planes[i].data;
+    let cap = capacity.max(n);
+    with_scratch(heads * cap * block_rows, |host| {
         for h in 0..heads {
-            let dst = (h * n + b) * block_rows;
-            host[dst..dst + block_rows]
-                .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+            for (b, block) in blocks.iter().enumerate() {
+                let dst = (h * cap + b) * block_rows;
+                // The scratch buffer is reused: a plane the block leaves out is cleared.
+                match index(b) {
+                    Some(i) => {
+                        let data = &block.as_ref().planes[i].data;
+                        host[dst..dst + block_rows]
+                            .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+                    }
+                    None => host[dst..dst + block_rows].fill(0),
+                }
+            }
+            // The scratch buffer is reused: clear the head's unused tail.
+            host[(h * cap + n) * block_rows..(h + 1) * cap * block_rows].fill(0);
         }
-    }
-    Ok(Array::from_bytes(
-        &host,
-        &[heads as i32, (n * bs) as i32, width as i32],
-        to_mlx_dtype(spec.dtype),
-    )?)
+        Ok(Array::from_bytes(
+            host,
+            &[heads as i32, (cap * bs) as i32, width as i32],
+            to_mlx_dtype(spec.dtype),
+        )?)
+    })
 }
 
 #[cfg(test)]

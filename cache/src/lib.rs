@@ -20,6 +20,7 @@
 mod chain;
 mod contiguous;
 mod error;
+mod export;
 mod format;
 mod host;
 mod mask;
@@ -27,16 +28,18 @@ mod paged;
 mod pool;
 mod resident;
 mod rows;
+mod scratch;
 mod state;
 
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;
+pub use export::Export;
 pub use format::KvFormat;
 pub use host::{plane_specs, state_plane_specs, trimmed_plane_specs};
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
-pub use pool::{BlockPool, BlockShape};
+pub use pool::{ladder_capacity, BlockPool, BlockShape};
 pub use resident::{ResidentHit, ResidentPool, ResidentStats};
 pub use rows::PagedKvRows;
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
@@ -73,6 +76,20 @@ pub trait KvCache {
         keys: &Array,
         values: &Array,
     ) -> Result<(Array, Array), CacheError>;
+
+    /// Every key and value `layer` holds followed by padding, `tokens` positions in all
+    /// (≥ what it holds), as views, for attention calls whose shapes repeat across requests
+    /// (the caller masks the padding out). `None` where the cache cannot give views (a
+    /// quantized format, a table that is not one run from block 0, or a cache that does
+    /// not implement it).
+    fn fetch_padded(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+    ) -> Result<Option<(Array, Array)>, CacheError> {
+        let _ = (layer, tokens);
+        Ok(None)
+    }
 
     /// Drops the last `tokens` tokens of every layer (all of them if fewer are held) and
     /// returns how many were dropped; the next append goes where they began. A generation

@@ -4,8 +4,9 @@
 use mlx::{Array, Dtype};
 use store::{Block, BlockMeta};
 
+use crate::export::{Export, WindowExport};
 use crate::host;
-use crate::pool::{BlockPool, BlockShape};
+use crate::pool::{ladder_capacity, BlockPool, BlockShape};
 use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 use crate::{CacheError, Chain, KvCache, KvFormat};
 
@@ -464,12 +465,28 @@ impl PagedKvCache {
     }
 
     /// Publishes the full blocks not yet published, as host-byte blocks of `chain`'s
-    /// namespace, and extends `chain` with their keys.
+    /// namespace, and extends `chain` with their keys: [`Self::export`], then
+    /// [`Export::into_blocks`] on this thread.
     ///
     /// `tokens` are the token ids the cache holds (`tokens.len() == offset()`). The new
     /// blocks are read from the device in one transfer per layer part and split on the
     /// host; the partial last block stays private.
     pub fn publish(&mut self, chain: &mut Chain, tokens: &[u32]) -> Result<Vec<Block>, CacheError> {
+        match self.export(chain, tokens)? {
+            Some(export) => export.into_blocks(),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The device half of [`Self::publish`]: marks the full blocks not yet published as
+    /// published, extends `chain`, and returns device copies of them, already computing,
+    /// for [`Export::into_blocks`] to finish on another thread (crate::export). `None`
+    /// when no block is new.
+    pub fn export(
+        &mut self,
+        chain: &mut Chain,
+        tokens: &[u32],
+    ) -> Result<Option<Export>, CacheError> {
         let offset = self.offset();
         if tokens.len() != offset {
             return Err(CacheError::Publish(format!(
@@ -492,7 +509,7 @@ impl PagedKvCache {
         chain.extend(tokens);
         let full = offset / bs;
         if full <= self.published {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let (from, n) = (self.published, full - self.published);
         let ends = self.window_ends(full * bs);
@@ -500,12 +517,12 @@ impl PagedKvCache {
         let keeps: Vec<bool> = (from..full)
             .map(|p| plan.keeps(p * bs, (p + 1) * bs))
             .collect();
-        let parts = self.read_run(from, full, keeps.contains(&true))?;
+        let parts = self.copy_run(from, full, keeps.contains(&true))?;
         let metas = (from..full)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
         // A hybrid's block whose end is a snapshot point carries the layer states there.
-        let states = (from..full)
+        let states: Vec<Option<Vec<LayerState>>> = (from..full)
             .map(|p| {
                 let at = (p + 1) * bs;
                 (self.states.layers() > 0)
@@ -517,12 +534,36 @@ impl PagedKvCache {
                     .flatten()
             })
             .collect();
-        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas, states, plan)?;
+        // The states are shared with this cache's history: computed now, so the export
+        // thread only reads them. The gathers are the export's own: computed in the
+        // background (crossing 4 at `unsafe impl Send for Array`).
+        let shared: Vec<&Array> = states.iter().flatten().flatten().flatten().collect();
+        if !shared.is_empty() {
+            mlx::eval(&shared)?;
+        }
+        let gathers: Vec<&Array> = parts.iter().flatten().collect();
+        mlx::async_eval(&gathers)?;
         if self.window.kept_from >= from {
             self.window.kept_from = from + keeps.iter().position(|&k| k).unwrap_or(n);
         }
         self.published = full;
-        Ok(blocks)
+        Ok(Some(Export {
+            parts,
+            format: self.config.format,
+            block_size: bs,
+            metas,
+            states,
+            window: self.window_export(ends),
+            replaces: false,
+        }))
+    }
+
+    fn window_export(&self, ends: Vec<usize>) -> Box<WindowExport> {
+        Box::new(WindowExport {
+            windows: self.window.windows.clone(),
+            ends,
+            floor: self.window.floor,
+        })
     }
 
     /// The restorable ends publication keeps windows for: the ends set by
@@ -571,9 +612,9 @@ impl PagedKvCache {
         }
     }
 
-    /// Every layer's parts of blocks `from..to` (`[1, H, n · bs, width]` each); window
-    /// layers' only when `windows` (else an empty list for them).
-    fn read_run(
+    /// Device copies of every layer's parts of blocks `from..to` (`[1, H, n · bs, width]`
+    /// each, not yet computed); window layers' only when `windows` (else an empty list).
+    fn copy_run(
         &self,
         from: usize,
         to: usize,
@@ -590,35 +631,37 @@ impl PagedKvCache {
                 .pool
                 .as_ref()
                 .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
-            parts.push(pool.read(&l.table[from..to], (to - from) * bs)?);
+            parts.push(pool.copy_run(&l.table[from..to], (to - from) * bs)?);
         }
         Ok(parts)
     }
 
     /// Window-trimmed copies of the blocks this cache stored earlier with their window
     /// planes (published, or restored with them) that no restorable end reads any more
-    /// because the sequence moved on by more than a window. Inserted under their keys in
-    /// place of the stored blocks, they free the window layers' bytes there. Call it after
-    /// [`Self::publish`], with the same `chain` and `tokens`. Empty for a cache without
-    /// window layers or with state layers (whose snapshot planes the copies would lack).
+    /// because the sequence moved on by more than a window, as an [`Export`] that
+    /// [`Export::replaces`] them: inserted under their keys in place of the stored blocks
+    /// ([`store::Store::insert_replacing`]), they free the window layers' bytes there. Call
+    /// it after [`Self::export`] (or [`Self::publish`]) with the same `chain` and `tokens`.
+    /// `None` for a cache without window layers or with state layers (whose snapshot
+    /// planes the copies would lack), or when there is nothing to trim.
     pub fn window_trimmed(
         &mut self,
         chain: &Chain,
         tokens: &[u32],
-    ) -> Result<Vec<Block>, CacheError> {
+    ) -> Result<Option<Export>, CacheError> {
         let bs = self.config.block_size;
         let upto = self.published;
         let from = self.window.kept_from.max(self.window.floor.div_ceil(bs));
         let ends = self.window_ends(upto * bs);
         let plan = self.window_plan(&ends);
         if from >= upto || plan.widest().is_none() || self.states.layers() > 0 {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let to = (from..upto)
             .find(|&p| plan.keeps(p * bs, (p + 1) * bs))
             .unwrap_or(upto);
         if to == from {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         if tokens.len() < to * bs || chain.keys().len() < to {
             return Err(CacheError::Publish(format!(
@@ -627,14 +670,22 @@ impl PagedKvCache {
                 chain.keys().len()
             )));
         }
-        let parts = self.read_run(from, to, false)?;
+        let parts = self.copy_run(from, to, false)?;
+        let gathers: Vec<&Array> = parts.iter().flatten().collect();
+        mlx::async_eval(&gathers)?;
         let metas = (from..to)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
-        let states = vec![None; to - from];
-        let blocks = host::blocks_from_run(parts, self.config.format, bs, metas, states, plan)?;
         self.window.kept_from = to;
-        Ok(blocks)
+        Ok(Some(Export {
+            parts,
+            format: self.config.format,
+            block_size: bs,
+            metas,
+            states: vec![None; to - from],
+            window: self.window_export(ends),
+            replaces: true,
+        }))
     }
 
     /// Builds a cache holding `blocks` (positions 0, 1, … of one chain) whose next append
@@ -764,16 +815,19 @@ impl PagedKvCache {
                 Some(r)
             })
             .collect();
+        // A fresh pool gets the capacity a pool grown to these blocks would have.
+        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, valid);
         for (li, layer) in self.layers.iter_mut().enumerate() {
+            let fresh = layer.pool.is_none();
             let parts: Vec<Array> = (0..per)
                 .map(|p| {
-                    host::run_part(run, &specs[li * per + p], |b| {
-                        match (layouts[b].trimmed, global_rank[li]) {
-                            (false, _) => Some(li * per + p),
-                            (true, Some(r)) => Some(r * per + p),
-                            (true, None) => None,
-                        }
-                    })
+                    let index = |b: usize| match (layouts[b].trimmed, global_rank[li]) {
+                        (false, _) => Some(li * per + p),
+                        (true, Some(r)) => Some(r * per + p),
+                        (true, None) => None,
+                    };
+                    let cap = if fresh { capacity } else { valid };
+                    host::run_part(run, &specs[li * per + p], index, cap)
                 })
                 .collect::<Result<_, _>>()?;
             match layer.pool.as_mut() {
@@ -845,6 +899,33 @@ impl KvCache for PagedKvCache {
         self.append(layer, keys, values)?;
         self.fetch(layer)?
             .ok_or_else(|| CacheError::Config(format!("layer {layer} has no pool after an append")))
+    }
+
+    fn fetch_padded(
+        &mut self,
+        layer: usize,
+        tokens: usize,
+    ) -> Result<Option<(Array, Array)>, CacheError> {
+        if self.config.format != KvFormat::Float {
+            return Ok(None);
+        }
+        let layers = self.layers.len();
+        let l = self
+            .layers
+            .get_mut(layer)
+            .ok_or(CacheError::NoSuchLayer { layer, layers })?;
+        let Some(pool) = l.pool.as_mut() else {
+            return Ok(None);
+        };
+        let from_zero = l.table.iter().enumerate().all(|(i, &b)| b as usize == i);
+        if tokens < l.len || !from_zero {
+            return Ok(None);
+        }
+        let mut parts = pool.arena_view(tokens)?.into_iter();
+        match (parts.next(), parts.next()) {
+            (Some(k), Some(v)) => Ok(Some((k, v))),
+            _ => Ok(None),
+        }
     }
 
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {

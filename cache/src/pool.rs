@@ -78,6 +78,24 @@ fn run_start(blocks: &[u32]) -> Option<u32> {
         .then_some(first)
 }
 
+/// The capacity a pool of `capacity` blocks grows to: ×1.5, rounded up.
+fn next_capacity(capacity: usize) -> usize {
+    capacity + capacity.div_ceil(2).max(1)
+}
+
+/// The capacity, in blocks, of a pool that must hold `blocks` blocks: the first step of the
+/// growth ladder from `initial` (`initial`, ×1.5, ×1.5, …) that holds them, at most
+/// `max_blocks` (but never below `blocks`). Every pool's capacity is a step of this ladder,
+/// fresh or restored, so arenas of the same content length have the same strides: MLX's
+/// CUDA attention builds a cuDNN graph per shape *and strides* (docs/cache.md).
+pub fn ladder_capacity(initial: usize, max_blocks: usize, blocks: usize) -> usize {
+    let mut c = initial.max(1);
+    while c < blocks && c < max_blocks {
+        c = next_capacity(c);
+    }
+    c.min(max_blocks).max(blocks)
+}
+
 impl BlockPool {
     /// A pool of `initial` blocks (grown ×1.5 on demand up to `max_blocks`).
     pub fn new(
@@ -198,6 +216,25 @@ impl BlockPool {
         })
     }
 
+    /// The first `tokens` positions of every arena, as `[1, H, tokens, width]` views (no
+    /// copy), growing the arenas until they hold that many; positions past what the caller
+    /// wrote hold zeros or stale values. For attention calls of a few shapes only (see
+    /// [`crate::KvCache::fetch_padded`]).
+    pub fn arena_view(&mut self, tokens: usize) -> Result<Vec<Array>, CacheError> {
+        let bs = self.shape.block_size;
+        while self.capacity * bs < tokens {
+            self.grow()?;
+        }
+        let t = tokens as i32;
+        self.arenas
+            .iter()
+            .map(|a| {
+                let s = a.shape();
+                Ok(a.slice(&[0, 0, 0], &[s[0], t, s[2]])?.expand_dims(0)?)
+            })
+            .collect()
+    }
+
     /// Returns a block to the free list.
     pub fn free(&mut self, block: u32) {
         debug_assert!(!self.free.contains(&block), "block {block} freed twice");
@@ -212,7 +249,7 @@ impl BlockPool {
                 block_size: self.shape.block_size,
             });
         }
-        let new_capacity = (self.capacity + self.capacity.div_ceil(2)).min(self.max_blocks);
+        let new_capacity = next_capacity(self.capacity).min(self.max_blocks);
         let extra = arena_parts(self.shape, self.format, new_capacity - self.capacity)?;
         for (arena, more) in self.arenas.iter_mut().zip(extra) {
             *arena = mlx::ops::concatenate(&[arena, &more], 1)?;
@@ -304,17 +341,29 @@ impl BlockPool {
                     .collect()
             }
             None if len == 0 => self.read(&[0], 0),
-            None => {
-                let idx: Vec<u32> = (0..len)
-                    .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
-                    .collect();
-                let idx = Array::from_slice(&idx, &[len as i32])?;
-                self.arenas
-                    .iter()
-                    .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))
-                    .collect()
-            }
+            None => self.copy_run(table, len),
         }
+    }
+
+    /// The first `len` tokens of the blocks `table` as [`Self::read`] gives them, but in
+    /// fresh buffers (a gather), so later writes to the pool cannot reach them and the
+    /// arenas stay free to be updated in place.
+    pub fn copy_run(&self, table: &[u32], len: usize) -> Result<Vec<Array>, CacheError> {
+        let bs = self.shape.block_size;
+        if len > table.len() * bs {
+            return Err(CacheError::Shape(format!(
+                "{len} tokens copied from {} blocks of {bs}",
+                table.len()
+            )));
+        }
+        let idx: Vec<u32> = (0..len)
+            .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
+            .collect();
+        let idx = Array::from_slice(&idx, &[len as i32])?;
+        self.arenas
+            .iter()
+            .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))
+            .collect()
     }
 
     /// Copies of one block: K parts then V parts, each `[H, block_size, width]`, in fresh

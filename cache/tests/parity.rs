@@ -685,3 +685,132 @@ fn pool_reads_any_block_table_and_hands_out_blocks_lifo() {
         })
     ));
 }
+
+/// The two halves of a publication: device copies taken on this thread, read back to host
+/// bytes on another after the live cache was trimmed and overwritten in place. The blocks are
+/// those of a synchronous publish of the cache as it was, for every KV format.
+#[test]
+fn an_export_finished_on_another_thread_holds_the_cache_as_it_was() {
+    let mut r = rng("an_export_finished_on_another_thread_holds_the_cache_as_it_was");
+    for (format, dtype) in [
+        (KvFormat::Float, Dtype::F32),
+        (KvFormat::Float, Dtype::BF16),
+        (KvFormat::KV4, Dtype::F16),
+    ] {
+        let (layers, bs) = (3, 8);
+        let tokens: Vec<u32> = (0..43).map(|_| r.gen_range(0..50_000)).collect();
+        let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
+        for l in 0..layers {
+            live.update_and_fetch(l, &kv(&mut r, 43, dtype), &kv(&mut r, 43, dtype))
+                .unwrap();
+        }
+        let ns = store::NamespaceId([3; 32]);
+        let reference = live
+            .clone()
+            .publish(&mut Chain::new(ns, bs), &tokens)
+            .unwrap();
+        assert_eq!(reference.len(), 5);
+
+        let mut chain = Chain::new(ns, bs);
+        let export = live.export(&mut chain, &tokens).unwrap().unwrap();
+        assert_eq!(export.blocks(), 5);
+        assert!(export.device_bytes() > 0);
+        // Nothing new to export a second time.
+        assert!(live.export(&mut chain, &tokens).unwrap().is_none());
+        // Overwrite every block but the first in place before the export is read.
+        live.trim(bs).unwrap();
+        for l in 0..layers {
+            let (k, v) = (kv(&mut r, 35, dtype), kv(&mut r, 35, dtype));
+            live.update_and_fetch(l, &k, &v).unwrap();
+        }
+        for l in 0..layers {
+            let arrays: Vec<&Array> = live.pool(l).unwrap().arrays().iter().collect();
+            mlx::eval(&arrays).unwrap();
+        }
+        let blocks = std::thread::spawn(move || export.into_blocks().unwrap())
+            .join()
+            .unwrap();
+        assert_eq!(blocks.len(), reference.len());
+        for (got, want) in blocks.iter().zip(&reference) {
+            assert_eq!(
+                (got.meta.key, got.meta.position, &got.meta.tokens),
+                (want.meta.key, want.meta.position, &want.meta.tokens),
+                "{format:?}"
+            );
+            assert_eq!(got.planes, want.planes, "{format:?}");
+        }
+    }
+}
+
+/// Every pool's capacity is a step of one growth ladder, fresh or restored, so arenas holding
+/// the same tokens have the same strides (MLX's CUDA attention caches a cuDNN graph per shape
+/// and strides); the padded fetch gives views of the requested length over them.
+#[test]
+fn restored_pools_have_the_capacity_of_grown_ones_and_padded_fetches_view_them() {
+    let mut r = rng("restored_pools_have_the_capacity_of_grown_ones");
+    let (layers, bs) = (2, 4);
+    let cfg = PagedConfig {
+        initial_blocks: 3,
+        ..config(bs, KvFormat::Float)
+    };
+    for tokens in [4usize, 12, 13, 40, 77] {
+        let ids: Vec<u32> = (0..tokens as u32).collect();
+        let mut grown = PagedKvCache::new(layers, cfg).unwrap();
+        for l in 0..layers {
+            grown
+                .update_and_fetch(
+                    l,
+                    &kv(&mut r, tokens, Dtype::F32),
+                    &kv(&mut r, tokens, Dtype::F32),
+                )
+                .unwrap();
+        }
+        let blocks = grown
+            .clone()
+            .publish(&mut Chain::new(store::NamespaceId([5; 32]), bs), &ids)
+            .unwrap();
+        let restored = PagedKvCache::restore(layers, cfg, &blocks).unwrap().cache;
+        let full = tokens / bs;
+        let want = cache::ladder_capacity(cfg.initial_blocks, cfg.max_blocks, full);
+        assert_eq!(
+            restored.pool(0).unwrap().capacity(),
+            want,
+            "{tokens} tokens"
+        );
+        // A pool grown block by block to the same blocks has that capacity too.
+        let mut fresh = PagedKvCache::new(layers, cfg).unwrap();
+        for l in 0..layers {
+            for _ in 0..full * bs {
+                fresh
+                    .update_and_fetch(l, &kv(&mut r, 1, Dtype::F32), &kv(&mut r, 1, Dtype::F32))
+                    .unwrap();
+            }
+        }
+        if full > 0 {
+            assert_eq!(fresh.pool(0).unwrap().capacity(), want, "{tokens} tokens");
+        }
+        // Padded views: the held keys first, then padding, `pad` positions in all.
+        let mut padded = restored.clone();
+        let pad = (full * bs).next_multiple_of(16) + 16;
+        let (k, v) = padded.fetch_padded(1, pad).unwrap().unwrap();
+        assert_eq!(k.shape()[2] as usize, pad);
+        assert_eq!(v.shape()[2] as usize, pad);
+        let (hk, _) = restored.fetch(1).unwrap().unwrap();
+        let held = k
+            .slice(
+                &[0, 0, 0, 0],
+                &[1, k.shape()[1], (full * bs) as i32, k.shape()[3]],
+            )
+            .unwrap();
+        assert_eq!(bytes(&held), bytes(&hk));
+        // Shorter than what is held: no view.
+        if full > 0 {
+            assert!(padded.fetch_padded(1, full * bs - 1).unwrap().is_none());
+        }
+    }
+    // Quantized formats dequantize on fetch: no views.
+    let mut q = PagedKvCache::new(1, config(bs, KvFormat::KV8)).unwrap();
+    q.update_and_fetch(0, &kv(&mut r, 8, Dtype::F32), &kv(&mut r, 8, Dtype::F32))
+        .unwrap();
+    assert!(q.fetch_padded(0, 16).unwrap().is_none());
+}

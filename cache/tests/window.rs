@@ -151,7 +151,7 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     assert!(cache
         .window_trimmed(&chain, &tokens[..40])
         .unwrap()
-        .is_empty());
+        .is_none());
     fill(&mut cache, 40, 52);
     let next = cache.publish(&mut chain, &tokens).unwrap();
     // From 52 a query reads 45..51, from 48 41..47: blocks 10, 11, 12 keep their window
@@ -159,7 +159,9 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     let planes: Vec<usize> = next.iter().map(|b| b.planes.len()).collect();
     assert_eq!(planes, [6, 6, 6]);
     // Blocks 7, 8 and 9 were stored whole: trimmed copies replace them.
-    let trimmed = cache.window_trimmed(&chain, &tokens).unwrap();
+    let export = cache.window_trimmed(&chain, &tokens).unwrap().unwrap();
+    assert!(export.replaces());
+    let trimmed = export.into_blocks().unwrap();
     let at: Vec<u32> = trimmed.iter().map(|b| b.meta.position).collect();
     assert_eq!(at, [7, 8, 9]);
     for b in &trimmed {
@@ -170,7 +172,7 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
             first[b.meta.position as usize].planes[0].data
         );
     }
-    assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_empty());
+    assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_none());
 
     // A request resumed at 24 publishes that end's window again, whole.
     let (mut chain, mut cache, _) = published(&tokens[..40]);
@@ -188,5 +190,5 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     cache.set_restorable_ends(&[40]);
     fill(&mut cache, 40, 52);
     cache.publish(&mut chain, &tokens).unwrap();
-    assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_empty());
+    assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_none());
 }

@@ -30,6 +30,7 @@
 mod constrained;
 mod device_sampler;
 mod error;
+mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 mod generate;
@@ -45,10 +46,13 @@ mod weights;
 
 pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
 pub use error::{EngineError, ErrorClass, Result};
+pub use export::{ExportStats, MAX_PENDING_BYTES};
 pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
 };
-pub use layers::RopeScaling;
+pub use layers::{
+    pad_prefill_keys_on_this_thread, prefill_key_bucket, RopeScaling, PREFILL_KEY_BUCKET,
+};
 pub use model::{KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
 pub use reuse::{
     auto_state_every, combined_salt, generate_with_reuse, namespace_description, HostPrefix,

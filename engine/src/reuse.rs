@@ -20,7 +20,7 @@
 //! are saved in the store per namespace and device, so a new process starts from them.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
 
 use crate::error::{EngineError, Result};
+use crate::export::{ExportStats, Exporter};
 use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
 use crate::model::{LayerKind, Model};
 use crate::tokenizer::Tokenizer;
@@ -293,7 +294,9 @@ fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
 /// The engine's connection to its KV tiers for one model: the device tier (resident
 /// sequences, one budget) and the block store (host RAM, SSD, remote; host bytes only).
 pub struct KvTiers {
-    store: Store,
+    /// Finishes publications off the engine thread; dropped (joined) before the store.
+    exporter: Exporter,
+    store: Arc<Store>,
     namespace: NamespaceId,
     description: NamespaceDescription,
     /// The engine's configured salt ([`ReuseConfig::salt`]), combined with each request's.
@@ -593,7 +596,11 @@ impl KvTiers {
             costs.import_s_per_block = calibrate_import(block_bytes);
         }
         let resident = pinned_pool(config.kv_budget_bytes, &store);
+        let store = Arc::new(store);
+        let exporter = Exporter::start(store.clone())
+            .map_err(|e| EngineError::io("kvstore-export thread", e))?;
         Ok(Self {
+            exporter,
             store,
             namespace,
             description,
@@ -720,6 +727,11 @@ impl KvTiers {
         }
     }
 
+    /// Counters of the export thread (publications finished off the engine thread).
+    pub fn export_stats(&self) -> ExportStats {
+        self.exporter.stats()
+    }
+
     /// Counters of the store.
     pub fn stats(&self) -> StoreStats {
         self.store.stats()
@@ -727,6 +739,7 @@ impl KvTiers {
 
     /// Makes everything published so far durable on SSD, the cost model included.
     pub fn flush(&self) -> Result<()> {
+        self.exporter.wait_idle();
         self.save_costs(true);
         Ok(self.store.flush()?)
     }
@@ -799,6 +812,8 @@ impl KvTiers {
             return Ok(host);
         }
         let t = Instant::now();
+        // What earlier requests published is looked up only once it is in the store.
+        self.exporter.wait_idle();
         let hit = self.store.lookup(namespace, rest);
         host.lookup_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
@@ -992,7 +1007,9 @@ impl KvTiers {
 
     /// Publishes the full blocks `cache` holds that are not yet published to the store as
     /// host bytes; `tokens` are the token ids it holds (prompt and generated), `chain` the
-    /// keys from [`Self::prepare_in`] (extended here). Returns how many blocks were added.
+    /// keys from [`Self::prepare_in`] (extended here). Returns how many blocks were
+    /// published. The device copies are taken here; reading them to the host and inserting
+    /// them finishes on the export thread (engine/src/export.rs), before the next lookup.
     pub fn publish(
         &self,
         chain: &mut Chain,
@@ -1000,39 +1017,27 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let blocks = cache.publish(chain, held)?;
-        let n = blocks.len();
+        let per_block = self.description.trimmed_bytes_per_block() as usize;
+        let mut trimmed = 0;
+        let n = match cache.export(chain, held)? {
+            Some(export) => {
+                let n = export.blocks();
+                trimmed += export.window_trimmed_blocks();
+                self.exporter.submit(export);
+                n
+            }
+            None => 0,
+        };
+        // Blocks this sequence stored whole and moved past: trimmed copies replace them.
+        if let Some(export) = cache.window_trimmed(chain, held)? {
+            trimmed += export.blocks();
+            self.exporter.submit(export);
+        }
+        self.window_trimmed_bytes.fetch_add(
+            (trimmed * per_block) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let namespace = chain.namespace();
-        let per_block = self.description.trimmed_bytes_per_block();
-        let mut trimmed_bytes = 0;
-        for b in blocks {
-            let b = std::sync::Arc::new(b);
-            if self.windows.is_empty() {
-                self.store.insert(b)?;
-                continue;
-            }
-            let trimmed = b.planes.len() < self.description.planes.len();
-            let stored = self.store.lookup(namespace, &[b.meta.key]).blocks() > 0;
-            if trimmed {
-                trimmed_bytes += per_block;
-                // A stored copy may carry the window planes another sequence's tail needs.
-                if stored {
-                    continue;
-                }
-                self.store.insert(b)?;
-            } else if stored {
-                // The stored copy may be a trimmed one: this whole one replaces it.
-                self.store.insert_replacing(b)?;
-            } else {
-                self.store.insert(b)?;
-            }
-        }
-        for b in cache.window_trimmed(chain, held)? {
-            trimmed_bytes += per_block;
-            self.store.insert_replacing(std::sync::Arc::new(b))?;
-        }
-        self.window_trimmed_bytes
-            .fetch_add(trimmed_bytes, std::sync::atomic::Ordering::Relaxed);
         let mut recent = self.recent.lock().map_err(|_| poisoned())?;
         recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
         recent.insert(0, (namespace, held.to_vec()));

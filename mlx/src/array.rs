@@ -53,9 +53,18 @@ pub struct Array {
 //    whatever thread that is, after their last use (rule a). MLX's own scheduler threads
 //    keep their own references to arrays they are still computing.
 // 3. Host blocks (`store::Block`: plane bytes) cross between the engine thread, the
-//    `kvstore-io` thread and the store's writer threads; arrays are made from them and
-//    turned back into them on the engine thread only (cache/src/host.rs). No array crosses.
-// 4. The HTTP runtime receives events (token ids, text, counts), never an array.
+//    `kvstore-io` thread and the store's writer threads; arrays are made from host blocks
+//    on the engine thread only (cache/src/host.rs).
+// 4. Publication (cache/src/export.rs, engine/src/export.rs): the engine thread gathers
+//    the new blocks of a cache into fresh arrays and calls `async_eval` on them, which
+//    detaches every scheduled array from its inputs before it returns; the layer states a
+//    snapshot block carries are evaluated (`eval`) there first. The `Export` holding the only
+//    handles to the gathers, and clones of the evaluated states, moves to the
+//    `kvstore-export` thread, which waits for the gathers (`eval` of a scheduled array only
+//    waits on its event) and reads them and the states to host bytes, then drops them.
+//    The gathers share no node with anything the engine thread uses (rule a); the states
+//    are evaluated and only read (rule b).
+// 5. The HTTP runtime receives events (token ids, text, counts), never an array.
 //
 // Tests and single-sequence `generate` keep arrays on one thread.
 unsafe impl Send for Array {}
@@ -117,8 +126,14 @@ impl Array {
     /// graph node, so concurrent reads of one immutable array are safe.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let mut out = vec![0u8; self.nbytes()];
-        check("to_bytes", ffi::array_read_into(self.inner(), &mut out))?;
+        self.read_into(&mut out)?;
         Ok(out)
+    }
+
+    /// Evaluates the array and copies its elements, row-major, into `out`, which must be
+    /// exactly [`Self::nbytes`] long (a caller-owned buffer: nothing is allocated).
+    pub fn read_into(&self, out: &mut [u8]) -> Result<()> {
+        check("read_into", ffi::array_read_into(self.inner(), out))
     }
 
     /// The dimensions of the array.

@@ -85,3 +85,16 @@ pub fn set_cache_limit(bytes: usize) -> Result<usize> {
 pub fn clear_cache() -> Result<()> {
     check("clear_cache", ffi::clear_cache())
 }
+
+/// Whether large host ⇄ device copies go through the CUDA driver directly (a CUDA libmlx,
+/// MLX 0.32's buffer layout, and not switched off): one DMA copy instead of MLX's move into
+/// managed memory and page faults (docs/mlx.md, "Host ⇄ device transfers on CUDA").
+pub fn direct_transfers() -> bool {
+    ffi::direct_transfers_available()
+}
+
+/// Switches direct host ⇄ device copies on or off for the process (for measuring both
+/// paths); returns whether they were on. Where they are unavailable this changes nothing.
+pub fn set_direct_transfers(on: bool) -> bool {
+    ffi::set_direct_transfers(on)
+}

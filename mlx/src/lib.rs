@@ -34,9 +34,9 @@ pub mod validate;
 
 pub use array::{async_eval, eval, Array};
 pub use device::{
-    active_memory, cache_memory, clear_cache, default_device, f32_matmul_unit_roundoff,
-    gpu_available, peak_memory, reset_peak_memory, set_cache_limit, set_default_device, version,
-    Device,
+    active_memory, cache_memory, clear_cache, default_device, direct_transfers,
+    f32_matmul_unit_roundoff, gpu_available, peak_memory, reset_peak_memory, set_cache_limit,
+    set_default_device, set_direct_transfers, version, Device,
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};

@@ -1,6 +1,7 @@
 // Implementation of shim.h. Each function converts arguments, calls one mlx::core op and
 // wraps the result; exceptions propagate to cxx, which turns them into Rust errors.
 #include "shim.h"
+#include "direct_copy.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -58,6 +59,10 @@ std::unique_ptr<Loaded> from_pairs(std::unordered_map<std::string, mx::array> ar
 
 }  // namespace
 
+// Host buffers from this size on are uploaded with one driver copy on CUDA (smaller ones,
+// token ids and scalars, take MLX's ordinary path).
+constexpr size_t kDirectUploadMin = 1 << 20;
+
 std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype) {
   auto dt = to_dtype(dtype);
   auto sh = to_shape(shape);
@@ -69,6 +74,10 @@ std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::S
   if (count * dt.size() != data.size()) {
     throw std::invalid_argument("host buffer holds " + std::to_string(data.size()) +
                                 " bytes, shape and dtype need " + std::to_string(count * dt.size()));
+  }
+  // Large buffers go straight into CUDA device memory where possible (direct_copy.h).
+  if (data.size() >= kDirectUploadMin) {
+    if (auto a = direct::upload(data.data(), data.size(), sh, dt)) return wrap(std::move(*a));
   }
   // MLX may keep the pointer (no-copy) or copy and release it; a private heap copy is safe
   // either way and frees the caller's slice immediately.
@@ -102,8 +111,13 @@ void array_read_into(const Array& a, rust::Slice<uint8_t> out) {
     throw std::invalid_argument("host buffer of " + std::to_string(out.size()) + " bytes for an array of " +
                                 std::to_string(src->nbytes()) + " bytes");
   }
-  if (out.size() > 0) std::memcpy(out.data(), src->data<uint8_t>(), out.size());
+  if (out.size() > 0 && !direct::read(*src, out.data(), out.size())) {
+    std::memcpy(out.data(), src->data<uint8_t>(), out.size());
+  }
 }
+
+bool direct_transfers_available() { return direct::available(); }
+bool set_direct_transfers(bool on) { return direct::set_enabled(on); }
 
 rust::Vec<int32_t> array_shape(const Array& a) {
   rust::Vec<int32_t> out;

@@ -43,6 +43,8 @@ std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::S
 std::unique_ptr<Array> array_scalar(double value, uint8_t dtype);
 std::unique_ptr<Array> array_clone(const Array& a);
 void array_read_into(const Array& a, rust::Slice<uint8_t> out);
+bool direct_transfers_available();
+bool set_direct_transfers(bool on);
 rust::Vec<int32_t> array_shape(const Array& a);
 uint8_t array_dtype(const Array& a);
 size_t array_nbytes(const Array& a);

@@ -795,3 +795,48 @@ fn memory_counters_track_live_arrays() {
     };
     assert_eq!(mlx::default_device().unwrap(), expected);
 }
+
+/// Large host ⇄ device copies (the KV of a restore or a publication) round-trip bit for bit,
+/// through the CUDA driver where that path is live and through MLX's own otherwise, and the
+/// two paths give the same array. On a CUDA libmlx the direct path must be live: without it
+/// restores and publications fall back to page-faulted managed memory (docs/mlx.md).
+#[test]
+fn large_transfers_round_trip_on_both_paths() {
+    let cuda = mlx::gpu_available().unwrap() && !cfg!(target_os = "macos");
+    assert_eq!(
+        mlx::direct_transfers(),
+        cuda,
+        "direct transfers live iff on CUDA"
+    );
+    let mut rng = rng("large_transfers");
+    // 3 MiB of f32 (above the 1 MiB direct-upload threshold) and a bf16 array read as bytes.
+    let data = randn(&mut rng, 3 << 18);
+    let shape = [2, 3, 1 << 17];
+    let mut outs = Vec::new();
+    for direct in [true, false] {
+        let was = mlx::set_direct_transfers(direct);
+        let a = arr(&data, &shape);
+        assert_eq!(host(&a), data, "round trip (direct {direct})");
+        // Computing on the uploaded array and reading a strided slice of the result.
+        let b = a.add(&Array::scalar(1.0, Dtype::F32).unwrap()).unwrap();
+        let s = b.slice(&[0, 1, 0], &[2, 3, 1 << 17]).unwrap();
+        outs.push(host(&s));
+        let bf = a.astype(Dtype::BF16).unwrap();
+        let bytes = bf.to_bytes().unwrap();
+        let back = Array::from_bytes(&bytes, &shape, Dtype::BF16).unwrap();
+        assert_eq!(
+            back.to_bytes().unwrap(),
+            bytes,
+            "bf16 bytes (direct {direct})"
+        );
+        mlx::set_direct_transfers(was);
+    }
+    assert_eq!(outs[0], outs[1], "direct and ordinary paths agree");
+    let want: Vec<f32> = (0..2)
+        .flat_map(|i| {
+            let row = &data[(i * 3 + 1) << 17..(i * 3 + 3) << 17];
+            row.iter().map(|x| x + 1.0).collect::<Vec<_>>()
+        })
+        .collect();
+    assert_eq!(outs[0], want);
+}

@@ -19,7 +19,8 @@
 # the device sampler, after x1 and x2; pe: bench serve and the SmolLM2-shape prefill, after
 # an x1 call that made $K/smollm2-rand and x2; pf: bench serve beside mlx_lm.server (peer
 # wheels in x3); pg: bench trace, cache vs no cache (the trace in x3); ph: bench grammar;
-# pi: Claude Code against kvstore serve (its binary in x3 and x4).
+# pi: Claude Code against kvstore serve (its binary in x3 and x4); pj: the ops test, bench
+# cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -257,6 +258,24 @@ case "$step" in
         --decode-tokens 32 2>&1; } | tail -n 4
     { timeout 200 "$BIN/kvstore" bench serve --model "$d" --streams 8 --stream-tokens 256 \
         --long-prompt 8192 --sessions 16 --turns 4 --json "$OUT/bench-serve.json" 2>&1; } | tail -n 6
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pj) # direct host<->device copies and publication off the engine thread: the mlx ops test
+      # binary (carried as ops-test.zst), bench cache's blocks part (both copy paths), the
+      # 8B-shaped bf16 32K prefix (arms cold,device,ram,ssd; no mlx-lm), after x1 and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    if [ -f "$K/ops-test.zst" ]; then
+      zstd -d -q -f -o "$K/ops-test" "$K/ops-test.zst" && chmod +x "$K/ops-test"
+      { timeout 120 "$K/ops-test" --test-threads 1 2>&1; } | grep -E "^test |test result|panicked" | tail -n 25
+    fi
+    { timeout 120 "$BIN/kvstore" bench cache --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks.log"
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+    { timeout ${LIMIT:-300} "$BIN/kvstore" bench agent --model "$K/llama8b" --keep-quantized \
+        --synthetic 32768,64 --arms cold,device,ram,ssd --kv-budget 24GiB --out "$OUT/agent-8b-32k" 2>&1; } > "$OUT/agent-8b-32k.log"
+    tail -n 14 "$OUT/agent-8b-32k.log"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pf) # bench serve, in process and over HTTP beside mlx_lm.server (mlx-lm 0.32.2 and its

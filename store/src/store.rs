@@ -527,6 +527,10 @@ impl<F: FileSystem> Store<F> {
     /// Inserts a published block into the RAM tier. Checks the namespace, key derivation,
     /// token count and plane layout first. RAM evictions are queued for the SSD tier
     /// without blocking; with [`WritePolicy::WriteThrough`] the block itself is queued too.
+    /// In a namespace with window-trimmed blocks (docs/cache.md, "Window layers"), a
+    /// trimmed block whose key is stored already is not inserted (the stored copy may
+    /// carry window planes a tail needs), and a whole block replaces a stored trimmed copy
+    /// as [`Store::insert_replacing`] does.
     pub fn insert(&self, payload: Arc<Block>) -> Result<(), InsertError> {
         self.insert_or_replace(payload, false)
     }
@@ -561,12 +565,12 @@ impl<F: FileSystem> Store<F> {
                 }),
             });
         }
-        desc.check_planes(&payload.plane_specs())
+        let specs = payload.plane_specs();
+        desc.check_planes(&specs)
             .map_err(|source| InsertError::Layout {
                 key,
                 source: Box::new(source),
             })?;
-        let evicted = lock(&self.shared.ram).insert(payload.clone());
         let stored = || {
             lock(&self.shared.pending).contains_key(&(ns, key))
                 || self
@@ -575,6 +579,21 @@ impl<F: FileSystem> Store<F> {
                     .as_ref()
                     .is_some_and(|s| s.contains(ns, key))
         };
+        let mut replace = replace;
+        if !replace && !desc.trimmed_planes.is_empty() {
+            if desc.is_trimmed(&specs) {
+                // A stored copy of the key may carry the window planes another sequence's
+                // tail needs: a trimmed one never displaces it.
+                if lock(&self.shared.ram).contains(ns, key) || stored() {
+                    return Ok(());
+                }
+            } else {
+                // A whole copy replaces a trimmed one wherever one is stored (a tier
+                // holding the same planes only refreshes it).
+                replace = true;
+            }
+        }
+        let evicted = lock(&self.shared.ram).insert(payload.clone());
         if self.shared.config.write_policy == WritePolicy::WriteThrough {
             // The worker writes it, or only refreshes its recency if it is stored by then.
             self.enqueue(payload.clone(), replace);

@@ -68,6 +68,12 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
             "turn 2 extends what turn 1 published"
         );
         pc.flush().unwrap();
+        // Both publications were finished by the export thread, every block inserted.
+        let st = pc.export_stats();
+        assert_eq!(
+            (st.exports, st.blocks, st.failed_blocks),
+            (2, 12 + rep2.published_blocks as u64, 0)
+        );
     }
 
     // A restart: a new store handle, nothing on the device or in RAM; the blocks come

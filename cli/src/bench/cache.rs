@@ -69,6 +69,9 @@ struct DecodeRow {
 
 #[derive(Serialize)]
 struct BlockRow {
+    /// Whether host ⇄ device copies went through the CUDA driver ([`mlx::direct_transfers`]);
+    /// on CUDA both paths are measured.
+    direct: bool,
     layers: usize,
     block_size: usize,
     blocks: usize,
@@ -81,6 +84,10 @@ struct BlockRow {
     host_to_device_gb_s: f64,
     /// restore / host → device (target ≥ 0.7).
     restore_share: f64,
+    /// Publication throughput (block bytes / publish time), GB/s.
+    publish_gb_s: f64,
+    /// One device array of the same bytes read to the host, GB/s.
+    device_to_host_gb_s: f64,
 }
 
 #[derive(Serialize)]
@@ -332,6 +339,23 @@ fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
 }
 
 fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
+    if !mlx::direct_transfers() {
+        return block_rows_on(quick, false);
+    }
+    let was = mlx::set_direct_transfers(true);
+    let mut rows = block_rows_on(quick, true);
+    mlx::set_direct_transfers(false);
+    if let Ok(r) = &mut rows {
+        match block_rows_on(quick, false) {
+            Ok(more) => r.extend(more),
+            Err(e) => rows = Err(e),
+        }
+    }
+    mlx::set_direct_transfers(was);
+    rows
+}
+
+fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
     // SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64, f32 KV.
     let layers = if quick { 4 } else { 30 };
     let mut rows = Vec::new();
@@ -387,9 +411,25 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
             Array::from_bytes(&host, &[(total / 4) as i32], Dtype::F32)?.eval()?;
             Ok(())
         })?;
+        let on_device = Array::from_bytes(&host, &[(total / 4) as i32], Dtype::F32)?
+            .add(&Array::scalar(1.0, Dtype::F32)?)?;
+        on_device.eval()?;
+        let mut d2h_times = Vec::new();
+        for _ in 0..if quick { 2 } else { 5 } {
+            // A fresh device array each time: MLX's own read moves the buffer to the host.
+            let a = on_device.mul(&Array::scalar(1.0, Dtype::F32)?)?;
+            a.eval()?;
+            let t = Instant::now();
+            std::hint::black_box(a.to_bytes()?);
+            d2h_times.push(t.elapsed());
+        }
+        let d2h = median_of(&mut d2h_times);
         let restore_gb_s = total as f64 / restore.as_secs_f64() / 1e9;
         let h2d_gb_s = total as f64 / h2d.as_secs_f64() / 1e9;
         rows.push(BlockRow {
+            direct,
+            publish_gb_s: total as f64 / publish.as_secs_f64() / 1e9,
+            device_to_host_gb_s: total as f64 / d2h.as_secs_f64() / 1e9,
             layers,
             block_size,
             blocks,
@@ -442,7 +482,8 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("\npublish / restore in bulk (f32 KV, 3 KV heads, d64)");
     println!(
-        "{:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7}",
+        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10}",
+        "path",
         "layers",
         "block",
         "blocks",
@@ -451,11 +492,14 @@ pub fn run(args: Args) -> Result<()> {
         "restore/block",
         "restore",
         "host→dev",
-        "share"
+        "share",
+        "publish",
+        "dev→host"
     );
     for r in &report.blocks {
         println!(
-            "{:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2}",
+            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s",
+            if r.direct { "direct" } else { "mlx" },
             r.layers,
             r.block_size,
             r.blocks,
@@ -464,7 +508,9 @@ pub fn run(args: Args) -> Result<()> {
             r.restore_ms_per_block,
             r.restore_gb_s,
             r.host_to_device_gb_s,
-            r.restore_share
+            r.restore_share,
+            r.publish_gb_s,
+            r.device_to_host_gb_s
         );
     }
     for r in &report.ssd {

@@ -255,3 +255,43 @@ fn a_prefill_told_to_stop_ends_at_a_chunk_boundary_and_keeps_what_it_computed() 
         reference.to_vec::<f32>().unwrap()
     );
 }
+
+/// Prefill keys padded to a bucket and masked (what a CUDA half-precision model does, so
+/// MLX's cuDNN graphs repeat across requests) give the unpadded logits and tokens, chunk
+/// after chunk and after a cached prefix; forcing it off gives the plain path.
+#[test]
+fn padded_prefill_keys_give_the_unpadded_logits_and_tokens() {
+    let (model, tok) = tiny();
+    let prompt: Vec<u32> = (0..90).map(|i| (i * 11 % 300) as u32).collect();
+    let params = GenerateParams {
+        max_tokens: 6,
+        stop_at_eos: false,
+        prefill_chunk: 16,
+        ..Default::default()
+    };
+    let run = |pad: bool| {
+        engine::pad_prefill_keys_on_this_thread(Some(pad));
+        let mut cache = model.new_cache();
+        let logits = model.prefill(&prompt[..40], &mut cache, 16).unwrap();
+        let logits = logits.to_vec::<f32>().unwrap();
+        let out = generate(&model, &tok, &mut cache, &prompt, &params, &mut |_| true).unwrap();
+        engine::pad_prefill_keys_on_this_thread(None);
+        (logits, out.tokens, cache)
+    };
+    let (plain_logits, plain_tokens, _) = run(false);
+    let (padded_logits, padded_tokens, cache) = run(true);
+    assert_eq!(padded_tokens, plain_tokens);
+    let worst = plain_logits
+        .iter()
+        .zip(&padded_logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst <= 1e-4, "logits differ by {worst}");
+    // The padded path grew the arenas to the bucket: it really ran.
+    let pool = cache.pool(0).unwrap();
+    assert!(
+        pool.capacity() * pool.shape().block_size >= engine::PREFILL_KEY_BUCKET,
+        "capacity {} blocks",
+        pool.capacity()
+    );
+}

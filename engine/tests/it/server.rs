@@ -126,7 +126,7 @@ impl Server {
 
     fn send(&self, method: &str, path: &str, key: Option<&str>, body: &str) -> TcpStream {
         let mut s = TcpStream::connect(self.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(600))).unwrap();
         let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
         write!(
             s,

@@ -1,0 +1,141 @@
+// See direct_copy.h. Why this exists: on CUDA, MLX reads an array on the host by moving its
+// device buffer into managed memory (`Buffer::raw_ptr` -> `move_to_unified_memory`) and lets
+// the host fault the pages in, and it takes host bytes into managed memory that the GPU then
+// faults in. Both ran at ~1-3 GB/s on the H200, which made publishing and restoring KV the
+// slowest part of a prefix hit. A DMA copy through the driver (`cuMemcpyDtoH` / `cuMemcpyHtoD`)
+// does not depend on page faults and leaves the array in device memory.
+//
+// What it relies on, checked at run time:
+// - libcuda.so.1 is already loaded (libmlx's CUDA backend links it); nothing is loaded here.
+// - MLX 0.32's CUDA buffer layout: `allocator::Buffer::ptr()` points to
+//   `mlx::core::cu::CudaBuffer { void* data; size_t size; int device; }` (device -1: managed
+//   or pinned host memory, else a device ordinal). `MirrorBuffer` mirrors it; the version is
+//   checked before the first use and every copy checks that the buffer covers the bytes.
+// - MLX's streams are non-blocking, and `eval`/`wait` return only when an array's data is
+//   ready, so a synchronous copy on the legacy stream after them reads finished data.
+#include "direct_copy.h"
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace mx = mlx::core;
+
+namespace kvmlx::direct {
+namespace {
+
+struct MirrorBuffer {
+  void* data;
+  size_t size;
+  int device;
+};
+
+using CUresult = int;
+using CUdevice = int;
+using CUcontext = void*;
+using CUdeviceptr = unsigned long long;
+
+struct Driver {
+  CUresult (*device_get)(CUdevice*, int);
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice);
+  CUresult (*ctx_set_current)(CUcontext);
+  CUresult (*memcpy_dtoh)(void*, CUdeviceptr, size_t);
+  CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t);
+  CUresult (*error_string)(CUresult, const char**);
+};
+
+const Driver* driver() {
+  static const Driver* d = []() -> const Driver* {
+    // Only the MLX version whose CudaBuffer layout MirrorBuffer mirrors.
+    if (std::string(mx::version()).rfind("0.32.", 0) != 0) return nullptr;
+    if (!mx::is_available(mx::Device(mx::Device::gpu))) return nullptr;
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h == nullptr) return nullptr;  // a CPU or Metal libmlx
+    auto* out = new Driver{};
+    bool ok = true;
+    auto sym = [&](const char* name) {
+      void* p = dlsym(h, name);
+      ok = ok && p != nullptr;
+      return p;
+    };
+    out->device_get = reinterpret_cast<decltype(out->device_get)>(sym("cuDeviceGet"));
+    out->primary_ctx_retain = reinterpret_cast<decltype(out->primary_ctx_retain)>(sym("cuDevicePrimaryCtxRetain"));
+    out->ctx_set_current = reinterpret_cast<decltype(out->ctx_set_current)>(sym("cuCtxSetCurrent"));
+    out->memcpy_dtoh = reinterpret_cast<decltype(out->memcpy_dtoh)>(sym("cuMemcpyDtoH_v2"));
+    out->memcpy_htod = reinterpret_cast<decltype(out->memcpy_htod)>(sym("cuMemcpyHtoD_v2"));
+    out->error_string = reinterpret_cast<decltype(out->error_string)>(sym("cuGetErrorString"));
+    if (!ok) {
+      delete out;
+      return nullptr;
+    }
+    return out;
+  }();
+  return d;
+}
+
+std::atomic<bool> enabled{true};
+
+void check(CUresult r, const char* what) {
+  if (r == 0) return;
+  const char* s = nullptr;
+  driver()->error_string(r, &s);
+  throw std::runtime_error(std::string(what) + " failed: " + (s ? s : std::to_string(r)));
+}
+
+// Makes the device's primary context (the one the CUDA runtime inside libmlx uses) current on
+// this thread; MLX's own threads have it, a thread of ours may not.
+void make_current(int device) {
+  thread_local int current = -1;
+  if (current == device) return;
+  CUdevice dev = 0;
+  check(driver()->device_get(&dev, device), "cuDeviceGet");
+  CUcontext ctx = nullptr;
+  check(driver()->primary_ctx_retain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check(driver()->ctx_set_current(ctx), "cuCtxSetCurrent");
+  current = device;
+}
+
+// The device buffer behind an evaluated array, or nullptr when it is not in device memory.
+const MirrorBuffer* device_buffer(const mx::array& a, size_t n) {
+  auto* buf = static_cast<const MirrorBuffer*>(a.buffer().ptr());
+  if (buf == nullptr || buf->device < 0 || buf->data == nullptr) return nullptr;
+  if (a.offset() < 0 || static_cast<size_t>(a.offset()) + n > buf->size) return nullptr;
+  return buf;
+}
+
+}  // namespace
+
+bool available() { return enabled.load() && driver() != nullptr; }
+
+bool set_enabled(bool on) { return enabled.exchange(on); }
+
+bool read(const mx::array& a, uint8_t* out, size_t n) {
+  if (n == 0 || !available()) return false;
+  const MirrorBuffer* buf = device_buffer(a, n);
+  if (buf == nullptr) return false;
+  make_current(buf->device);
+  auto src = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + a.offset());
+  check(driver()->memcpy_dtoh(out, src, n), "cuMemcpyDtoH");
+  return true;
+}
+
+std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& shape, mx::Dtype dtype) {
+  if (n == 0 || !available() || mx::default_device().type != mx::Device::gpu) return std::nullopt;
+  // A fresh device buffer of the right size: a zero fill MLX runs on the GPU (a broadcast
+  // zero is a view of one element; `contiguous` gives it a buffer of its own).
+  mx::array dst = mx::contiguous(mx::zeros(shape, dtype));
+  dst.eval();
+  if (!dst.flags().row_contiguous || dst.nbytes() != n) return std::nullopt;
+  const MirrorBuffer* buf = device_buffer(dst, n);
+  if (buf == nullptr) return std::nullopt;
+  make_current(buf->device);
+  auto to = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
+  check(driver()->memcpy_htod(to, data, n), "cuMemcpyHtoD");
+  return dst;
+}
+
+}  // namespace kvmlx::direct

@@ -1,0 +1,31 @@
+// Bulk copies between host memory and MLX's CUDA device buffers through the CUDA driver,
+// bypassing MLX's unified-memory path (docs/mlx.md, "Host <-> device transfers on CUDA").
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "mlx/mlx.h"
+
+namespace kvmlx::direct {
+
+// Whether direct copies are possible in this process (a CUDA libmlx of the layout this file
+// was written against, with libcuda loaded) and not switched off.
+bool available();
+
+// Switches direct copies on or off (on by default where available); returns the old value.
+bool set_enabled(bool on);
+
+// Copies the `n` bytes of an evaluated, row-contiguous array that lives in CUDA device
+// memory to `out`. Returns false (and copies nothing) when the array is not in device memory
+// or direct copies are unavailable; the caller then reads it the ordinary way.
+bool read(const mlx::core::array& a, uint8_t* out, size_t n);
+
+// A new device array of `shape`/`dtype` holding `n` host bytes, copied straight into device
+// memory; std::nullopt when direct copies are unavailable (the caller builds it the ordinary
+// way).
+std::optional<mlx::core::array> upload(const uint8_t* data, size_t n, const mlx::core::Shape& shape,
+                                       mlx::core::Dtype dtype);
+
+}  // namespace kvmlx::direct
