@@ -236,6 +236,8 @@ fn gemma3_window_layers_store_only_what_a_window_reads_bytes_exactly() {
     // 135 leave their window planes out.
     assert_eq!(r.published_blocks, 138);
     assert_eq!(r.window_trimmed_bytes, 135 * (whole - trimmed));
+    // Publication finishes on the export thread: wait for it.
+    pc.flush().unwrap();
     assert_eq!(pc.stats().ram_bytes, 3 * whole + 135 * trimmed);
 }
 
