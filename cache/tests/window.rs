@@ -192,3 +192,33 @@ fn blocks_a_sequence_moved_past_get_trimmed_copies_under_their_keys() {
     cache.publish(&mut chain, &tokens).unwrap();
     assert!(cache.window_trimmed(&chain, &tokens).unwrap().is_none());
 }
+
+#[test]
+fn quantized_trimmed_blocks_restore_the_real_keys_exactly() {
+    for format in [KvFormat::KV8, KvFormat::KV4] {
+        let config = PagedConfig { format, ..config() };
+        let new = || {
+            PagedKvCache::new(WINDOWS.len(), config)
+                .unwrap()
+                .with_windows(&WINDOWS)
+                .unwrap()
+        };
+        let tokens: Vec<u32> = (0..40).collect();
+        let mut chain = Chain::new(NamespaceId([9; 32]), BS);
+        let mut original = new();
+        fill(&mut original, 0, 40);
+        let blocks = original.publish(&mut chain, &tokens).unwrap();
+        // 3 planes per part (values, scales, biases): 6 per layer, 18 whole, 6 trimmed.
+        let planes: Vec<usize> = blocks.iter().map(|b| b.planes.len()).collect();
+        assert_eq!(planes, [6, 6, 6, 6, 6, 6, 6, 18, 18, 18], "{format:?}");
+        let restored = new().restore_onto(&blocks).unwrap();
+        assert_eq!(restored.blocks, 10, "{format:?}");
+        let cache = restored.cache;
+        assert_eq!(positions(&cache, 0), positions(&original, 0), "{format:?}");
+        for l in 1..3 {
+            let (got, want) = (positions(&cache, l), positions(&original, l));
+            assert!(got[..28].iter().all(|&x| x == 0.0), "{format:?}");
+            assert_eq!(got[28..], want[28..], "{format:?}");
+        }
+    }
+}
