@@ -393,7 +393,9 @@ impl PagedKvCache {
     /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
     /// Published blocks are not affected (they own their buffers). State layers go back to
     /// the state they kept there; where one kept none, the trim is refused with
-    /// [`CacheError::Rewind`] and nothing changes (see [`PagedKvCache::rewind_point`]).
+    /// [`CacheError::Rewind`] and nothing changes (see [`PagedKvCache::rewind_point`]). A
+    /// trim to where a window would read keys a restore left out (before
+    /// [`Self::window_floor`]) is refused with [`CacheError::WindowRewind`], likewise.
     pub fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
         let held = self.offset();
         if !self.window_complete(held.saturating_sub(tokens)) {
