@@ -77,20 +77,6 @@ pub trait KvCache {
         values: &Array,
     ) -> Result<(Array, Array), CacheError>;
 
-    /// Every key and value `layer` holds followed by padding, `tokens` positions in all
-    /// (≥ what it holds), as views, for attention calls whose shapes repeat across requests
-    /// (the caller masks the padding out). `None` where the cache cannot give views (a
-    /// quantized format, a table that is not one run from block 0, or a cache that does
-    /// not implement it).
-    fn fetch_padded(
-        &mut self,
-        layer: usize,
-        tokens: usize,
-    ) -> Result<Option<(Array, Array)>, CacheError> {
-        let _ = (layer, tokens);
-        Ok(None)
-    }
-
     /// Drops the last `tokens` tokens of every layer (all of them if fewer are held) and
     /// returns how many were dropped; the next append goes where they began. A generation
     /// loop that computed one step ahead uses it to forget a step it did not need. A cache

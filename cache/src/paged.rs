@@ -903,33 +903,6 @@ impl KvCache for PagedKvCache {
             .ok_or_else(|| CacheError::Config(format!("layer {layer} has no pool after an append")))
     }
 
-    fn fetch_padded(
-        &mut self,
-        layer: usize,
-        tokens: usize,
-    ) -> Result<Option<(Array, Array)>, CacheError> {
-        if self.config.format != KvFormat::Float {
-            return Ok(None);
-        }
-        let layers = self.layers.len();
-        let l = self
-            .layers
-            .get_mut(layer)
-            .ok_or(CacheError::NoSuchLayer { layer, layers })?;
-        let Some(pool) = l.pool.as_mut() else {
-            return Ok(None);
-        };
-        let from_zero = l.table.iter().enumerate().all(|(i, &b)| b as usize == i);
-        if tokens < l.len || !from_zero {
-            return Ok(None);
-        }
-        let mut parts = pool.arena_view(tokens)?.into_iter();
-        match (parts.next(), parts.next()) {
-            (Some(k), Some(v)) => Ok(Some((k, v))),
-            _ => Ok(None),
-        }
-    }
-
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
         PagedKvCache::trim(self, tokens)
     }

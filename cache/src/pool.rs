@@ -216,25 +216,6 @@ impl BlockPool {
         })
     }
 
-    /// The first `tokens` positions of every arena, as `[1, H, tokens, width]` views (no
-    /// copy), growing the arenas until they hold that many; positions past what the caller
-    /// wrote hold zeros or stale values. For attention calls of a few shapes only (see
-    /// [`crate::KvCache::fetch_padded`]).
-    pub fn arena_view(&mut self, tokens: usize) -> Result<Vec<Array>, CacheError> {
-        let bs = self.shape.block_size;
-        while self.capacity * bs < tokens {
-            self.grow()?;
-        }
-        let t = tokens as i32;
-        self.arenas
-            .iter()
-            .map(|a| {
-                let s = a.shape();
-                Ok(a.slice(&[0, 0, 0], &[s[0], t, s[2]])?.expand_dims(0)?)
-            })
-            .collect()
-    }
-
     /// Returns a block to the free list.
     pub fn free(&mut self, block: u32) {
         debug_assert!(!self.free.contains(&block), "block {block} freed twice");

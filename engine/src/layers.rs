@@ -9,49 +9,6 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 
-/// Keys of a prefill step's attention are padded to a multiple of this many positions
-/// where [`prefill_key_bucket`] says so.
-pub const PREFILL_KEY_BUCKET: usize = 1024;
-
-thread_local! {
-    /// Test override of [`prefill_key_bucket`]'s choice on this thread.
-    static PAD_PREFILL_KEYS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Forces (`Some(true)`), forbids (`Some(false)`) or leaves to the default (`None`) the
-/// padding of prefill keys for forward steps on the calling thread (tests and A/B
-/// benchmarks; see [`prefill_key_bucket`]).
-pub fn pad_prefill_keys_on_this_thread(on: Option<bool>) {
-    PAD_PREFILL_KEYS.with(|c| c.set(on));
-}
-
-/// The multiple a prefill step pads its keys to (masking the padding out), or `None` to
-/// attend over exactly the cached and new tokens.
-///
-/// Padding pays where MLX runs attention through cuDNN (CUDA, f16/bf16): MLX caches one
-/// cuDNN graph per shape and strides of q, k and v and builds a new one, for tens of
-/// milliseconds, on every miss. Unpadded, every prefill chunk after a prefix of a new
-/// length is a miss (docs/cache.md, "Attention shapes on CUDA"). Elsewhere the padding
-/// would only add work.
-pub fn prefill_key_bucket(dtype: Dtype) -> Option<usize> {
-    let on = PAD_PREFILL_KEYS.with(|c| c.get()).unwrap_or_else(|| {
-        matches!(dtype, Dtype::F16 | Dtype::BF16)
-            && !cfg!(target_os = "macos")
-            && mlx::default_device().is_ok_and(|d| d == mlx::Device::Gpu)
-    });
-    on.then_some(PREFILL_KEY_BUCKET)
-}
-
-/// The boolean mask `[queries, keys]` of `queries` new tokens at positions `offset..`
-/// attending causally over `keys` positions of which those past `offset + queries` are
-/// padding: query i sees key j iff j ≤ offset + i.
-pub(crate) fn padded_causal_mask(offset: usize, queries: usize, keys: usize) -> Result<Array> {
-    let k = mlx::ops::arange(0.0, keys as f64, 1.0, Dtype::I32)?.reshape(&[1, keys as i32])?;
-    let q = mlx::ops::arange(offset as f64, (offset + queries) as f64, 1.0, Dtype::I32)?
-        .reshape(&[queries as i32, 1])?;
-    Ok(k.le(&q)?)
-}
-
 /// A linear layer `y = x Wᵀ (+ b)`, with W either a dense matrix or MLX-affine quantized.
 #[derive(Debug)]
 pub(crate) struct Linear {
@@ -354,22 +311,6 @@ impl Attention {
         // Append to the cache; attend over everything it holds. MLX's causal mask is
         // bottom-right aligned, so it is right with a cached prefix too.
         let (keys, values) = cache.update_and_fetch(layer, &k, &v)?;
-        if l > 1 {
-            if let Some(bucket) = prefill_key_bucket(keys.dtype()) {
-                let padded = (offset + l as usize).next_multiple_of(bucket);
-                if let Some((pk, pv)) = cache.fetch_padded(layer, padded)? {
-                    let mask = padded_causal_mask(offset, l as usize, padded)?;
-                    let o = fast::scaled_dot_product_attention(
-                        &q,
-                        &pk,
-                        &pv,
-                        self.scale,
-                        AttentionMask::Array(&mask),
-                    )?;
-                    return self.output(&o);
-                }
-            }
-        }
         let mask = if l > 1 {
             AttentionMask::Causal
         } else {

@@ -50,10 +50,8 @@ pub use export::{ExportStats, MAX_PENDING_BYTES};
 pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
 };
-pub use layers::{
-    pad_prefill_keys_on_this_thread, prefill_key_bucket, RopeScaling, PREFILL_KEY_BUCKET,
-};
-pub use model::{KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
+pub use layers::RopeScaling;
+pub use model::{aligned_chunk, KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
 pub use reuse::{
     auto_state_every, combined_salt, generate_with_reuse, namespace_description, HostPrefix,
     KvTiers, PinnedTiers, Prepared, ReuseConfig, ReuseReport,

@@ -305,7 +305,8 @@ impl Model {
     }
 
     /// Prefills `tokens` in steps of at most `chunk` tokens, evaluating each step so memory
-    /// stays bounded by the chunk, and returns the logits of the last token.
+    /// stays bounded by the chunk, and returns the logits of the last token. Steps end on
+    /// multiples of `chunk` positions ([`aligned_chunk`]).
     pub fn prefill(&self, tokens: &[u32], cache: &mut dyn KvCache, chunk: usize) -> Result<Array> {
         self.prefill_while(tokens, cache, chunk, &mut || true)?
             .ok_or_else(|| EngineError::InvalidParameter {
@@ -326,11 +327,15 @@ impl Model {
         keep_going: &mut dyn FnMut() -> bool,
     ) -> Result<Option<Array>> {
         let mut rest = tokens;
-        while rest.len() > chunk.max(1) {
+        loop {
+            let step = aligned_chunk(cache.offset(), chunk);
+            if rest.len() <= step {
+                break;
+            }
             if !keep_going() {
                 return Ok(None);
             }
-            let (head, tail) = rest.split_at(chunk.max(1));
+            let (head, tail) = rest.split_at(step);
             self.prefill_chunk(head, cache)?;
             rest = tail;
         }
@@ -347,4 +352,16 @@ impl Model {
         h.eval()?;
         Ok(())
     }
+}
+
+/// Tokens of the next prefill step for a cache holding `offset` tokens: up to the next
+/// multiple of `chunk` positions (a whole `chunk` from a multiple of it).
+///
+/// Steps that end on multiples of the chunk give attention calls of the same shapes for
+/// every prompt, whatever prefix was cached before it: on CUDA, MLX builds a cuDNN graph
+/// for every new shape and strides (tens of milliseconds each; docs/cache.md, "Attention
+/// shapes on CUDA"), so only a request's first and last steps can be new shapes.
+pub fn aligned_chunk(offset: usize, chunk: usize) -> usize {
+    let chunk = chunk.max(1);
+    chunk - offset % chunk
 }

@@ -1113,12 +1113,14 @@ impl Worker {
                 self.cut_off(r);
                 return Some((id, computed));
             }
-            let chunk =
+            let held = r.cache.offset();
+            let chunk = crate::model::aligned_chunk(
+                held,
                 r.p.request
                     .params
                     .prefill_chunk
-                    .clamp(1, self.config.prefill_chunk);
-            let held = r.cache.offset();
+                    .clamp(1, self.config.prefill_chunk),
+            );
             let rest = &r.p.request.prompt[held..];
             let t = Instant::now();
             let result = if std::mem::take(&mut self.fail_next_prefill) {

@@ -273,6 +273,7 @@ case "$step" in
     { timeout 120 "$BIN/kvstore" bench cache --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks.log"
     [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
     [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+    [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
     { timeout ${LIMIT:-300} "$BIN/kvstore" bench agent --model "$K/llama8b" --keep-quantized \
         --synthetic 32768,64 --arms cold,device,ram,ssd --kv-budget 24GiB --out "$OUT/agent-8b-32k" 2>&1; } > "$OUT/agent-8b-32k.log"
     tail -n 14 "$OUT/agent-8b-32k.log"
