@@ -817,21 +817,36 @@ impl PagedKvCache {
                 Some(r)
             })
             .collect();
-        // A fresh pool gets the capacity a pool grown to these blocks would have.
+        // A fresh pool gets the capacity a pool grown to these blocks would have. On a GPU
+        // the zeros after the blocks are made there (a device copy) rather than crossing
+        // from the host; on the CPU the host buffer already is the arena.
         let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, valid);
+        let pad_on_device = mlx::default_device()? == mlx::Device::Gpu;
         for (li, layer) in self.layers.iter_mut().enumerate() {
             let fresh = layer.pool.is_none();
-            let parts: Vec<Array> = (0..per)
+            let host_capacity = if fresh && !pad_on_device {
+                capacity
+            } else {
+                valid
+            };
+            let mut parts: Vec<Array> = (0..per)
                 .map(|p| {
                     let index = |b: usize| match (layouts[b].trimmed, global_rank[li]) {
                         (false, _) => Some(li * per + p),
                         (true, Some(r)) => Some(r * per + p),
                         (true, None) => None,
                     };
-                    let cap = if fresh { capacity } else { valid };
-                    host::run_part(run, &specs[li * per + p], index, cap)
+                    host::run_part(run, &specs[li * per + p], index, host_capacity)
                 })
                 .collect::<Result<_, _>>()?;
+            if fresh && host_capacity < capacity {
+                for a in &mut parts {
+                    let s = a.shape();
+                    let tail = ((capacity - valid) * bs) as i32;
+                    let zeros = mlx::ops::zeros(&[s[0], tail, s[2]], a.dtype())?;
+                    *a = mlx::ops::concatenate(&[a, &zeros], 1)?;
+                }
+            }
             match layer.pool.as_mut() {
                 None => {
                     layer.pool = Some(BlockPool::restore_arrays(
