@@ -1,10 +1,12 @@
 //! A reusable host buffer per thread for the bulk transfers of cache/src/host.rs.
 //!
 //! A fresh `Vec` of tens of megabytes is paid for twice: the kernel maps and zeroes every
-//! page on first touch, which on the H200's host ran at ~1.5 GB/s and was most of a
+//! page on first touch, which on the H200's host ran at ~1.3 GB/s and was most of a
 //! publication's or restore's time once the copies to and from the GPU went through the
 //! driver (docs/benchmarks.md, "Host ⇄ device copies"). Each thread that publishes or
-//! restores (the export thread, the engine thread) keeps one buffer and reuses it.
+//! restores (the export thread, the engine thread) keeps one buffer and reuses it. Where
+//! direct transfers run (CUDA), the buffer is page-locked ([`mlx::PinnedBuffer`]), so the
+//! driver copies it by DMA instead of through a staging buffer of its own.
 
 use std::cell::RefCell;
 
@@ -12,24 +14,74 @@ use std::cell::RefCell;
 /// buffer of its own, freed afterwards.
 const KEEP_BYTES: usize = 256 << 20;
 
+enum Scratch {
+    Heap(Vec<u8>),
+    Pinned(mlx::PinnedBuffer),
+}
+
+impl Scratch {
+    /// A buffer of at least `len` bytes: page-locked where possible.
+    fn with_len(len: usize) -> Self {
+        match mlx::PinnedBuffer::new(len) {
+            Some(p) => Scratch::Pinned(p),
+            None => Scratch::Heap(vec![0u8; len]),
+        }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        match self {
+            Scratch::Heap(v) => v,
+            Scratch::Pinned(p) => p,
+        }
+    }
+}
+
 thread_local! {
-    static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<Option<Scratch>> = const { RefCell::new(None) };
 }
 
 /// Runs `f` on a host buffer of `len` bytes whose contents are unspecified (the caller
 /// overwrites all of it).
 pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
     if len > KEEP_BYTES {
-        return f(&mut vec![0u8; len]);
+        return f(&mut Scratch::with_len(len).bytes()[..len]);
     }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buf) => {
-            if buf.len() < len {
-                buf.resize(len, 0);
+        Ok(mut slot) => {
+            let big_enough = slot.as_mut().is_some_and(|s| s.bytes().len() >= len);
+            if !big_enough {
+                // Grown ×1.5 at least, so a run of slowly growing requests reallocates
+                // rarely; never past what is kept.
+                let have = slot.as_mut().map_or(0, |s| s.bytes().len());
+                let want = len.max(have + have / 2).min(KEEP_BYTES);
+                *slot = Some(Scratch::with_len(want));
             }
-            f(&mut buf[..len])
+            let buf = slot.as_mut().map(|s| s.bytes());
+            match buf {
+                Some(b) => f(&mut b[..len]),
+                None => f(&mut vec![0u8; len]),
+            }
         }
         // Re-entered on this thread (not done today): a buffer of its own.
-        Err(_) => f(&mut vec![0u8; len]),
+        Err(_) => f(&mut Scratch::with_len(len).bytes()[..len]),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_reuses_its_buffer_and_larger_requests_get_their_own() {
+        let first = with_scratch(1000, |b| {
+            b.fill(7);
+            b.as_ptr() as usize
+        });
+        // Same thread, not larger: the same memory, holding what was written.
+        let (again, seen) = with_scratch(500, |b| (b.as_ptr() as usize, b[499]));
+        assert_eq!((again, seen), (first, 7));
+        // Larger: a new buffer of the size asked.
+        assert_eq!(with_scratch(5000, |b| b.len()), 5000);
+        assert_eq!(with_scratch(KEEP_BYTES + 1, |b| b.len()), KEEP_BYTES + 1);
+    }
 }

@@ -46,6 +46,8 @@ struct Driver {
   CUresult (*memcpy_dtoh)(void*, CUdeviceptr, size_t);
   CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t);
   CUresult (*error_string)(CUresult, const char**);
+  CUresult (*mem_host_alloc)(void**, size_t, unsigned int);
+  CUresult (*mem_free_host)(void*);
 };
 
 const Driver* driver() {
@@ -68,6 +70,8 @@ const Driver* driver() {
     out->memcpy_dtoh = reinterpret_cast<decltype(out->memcpy_dtoh)>(sym("cuMemcpyDtoH_v2"));
     out->memcpy_htod = reinterpret_cast<decltype(out->memcpy_htod)>(sym("cuMemcpyHtoD_v2"));
     out->error_string = reinterpret_cast<decltype(out->error_string)>(sym("cuGetErrorString"));
+    out->mem_host_alloc = reinterpret_cast<decltype(out->mem_host_alloc)>(sym("cuMemHostAlloc"));
+    out->mem_free_host = reinterpret_cast<decltype(out->mem_free_host)>(sym("cuMemFreeHost"));
     if (!ok) {
       delete out;
       return nullptr;
@@ -136,6 +140,20 @@ std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& 
   auto to = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
   check(driver()->memcpy_htod(to, data, n), "cuMemcpyHtoD");
   return dst;
+}
+
+uint8_t* pinned_alloc(size_t n) {
+  if (n == 0 || !available()) return nullptr;
+  make_current(0);
+  void* p = nullptr;
+  if (driver()->mem_host_alloc(&p, n, 0) != 0) return nullptr;
+  return static_cast<uint8_t*>(p);
+}
+
+void pinned_free(uint8_t* p) {
+  if (p == nullptr || driver() == nullptr) return;
+  make_current(0);
+  driver()->mem_free_host(p);
 }
 
 }  // namespace kvmlx::direct

@@ -28,4 +28,11 @@ bool read(const mlx::core::array& a, uint8_t* out, size_t n);
 std::optional<mlx::core::array> upload(const uint8_t* data, size_t n, const mlx::core::Shape& shape,
                                        mlx::core::Dtype dtype);
 
+// Page-locked host memory of `n` bytes (the driver DMAs to and from it without staging),
+// or nullptr where direct copies are unavailable or the allocation fails.
+uint8_t* pinned_alloc(size_t n);
+
+// Frees what pinned_alloc returned.
+void pinned_free(uint8_t* p);
+
 }  // namespace kvmlx::direct

@@ -69,6 +69,8 @@ pub(crate) mod ffi {
         fn array_read_into(a: &Array, out: &mut [u8]) -> Result<()>;
         fn direct_transfers_available() -> bool;
         fn set_direct_transfers(on: bool) -> bool;
+        fn pinned_alloc(n: usize) -> usize;
+        fn pinned_free(p: usize);
         fn array_shape(a: &Array) -> Result<Vec<i32>>;
         fn array_dtype(a: &Array) -> Result<u8>;
         fn array_nbytes(a: &Array) -> Result<usize>;

@@ -28,6 +28,7 @@ pub mod fuzzing;
 mod ffi;
 pub mod io;
 pub mod ops;
+mod pinned;
 mod quantized;
 pub mod random;
 pub mod validate;
@@ -40,4 +41,5 @@ pub use device::{
 };
 pub use dtype::{Dtype, Element};
 pub use error::{Error, Result};
+pub use pinned::PinnedBuffer;
 pub use quantized::{dequantize, quantize, quantized_matmul, QuantSpec, Quantized};

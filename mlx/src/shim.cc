@@ -118,6 +118,20 @@ void array_read_into(const Array& a, rust::Slice<uint8_t> out) {
 
 bool direct_transfers_available() { return direct::available(); }
 bool set_direct_transfers(bool on) { return direct::set_enabled(on); }
+size_t pinned_alloc(size_t n) {
+  try {
+    return reinterpret_cast<size_t>(direct::pinned_alloc(n));
+  } catch (...) {
+    return 0;  // no page-locked memory: the caller uses ordinary memory
+  }
+}
+void pinned_free(size_t p) {
+  try {
+    direct::pinned_free(reinterpret_cast<uint8_t*>(p));
+  } catch (...) {
+    // Freeing cannot be retried; the driver reclaims it at exit.
+  }
+}
 
 rust::Vec<int32_t> array_shape(const Array& a) {
   rust::Vec<int32_t> out;

@@ -45,6 +45,8 @@ std::unique_ptr<Array> array_clone(const Array& a);
 void array_read_into(const Array& a, rust::Slice<uint8_t> out);
 bool direct_transfers_available();
 bool set_direct_transfers(bool on);
+size_t pinned_alloc(size_t n);
+void pinned_free(size_t p);
 rust::Vec<int32_t> array_shape(const Array& a);
 uint8_t array_dtype(const Array& a);
 size_t array_nbytes(const Array& a);

@@ -832,6 +832,21 @@ fn large_transfers_round_trip_on_both_paths() {
         mlx::set_direct_transfers(was);
     }
     assert_eq!(outs[0], outs[1], "direct and ordinary paths agree");
+    // Page-locked host memory exactly where direct transfers run; uploads from it and reads
+    // into it are the same bytes.
+    let bytes: &[u8] = bytemuck::cast_slice(&data);
+    match mlx::PinnedBuffer::new(bytes.len()) {
+        Some(mut pinned) => {
+            assert!(cuda);
+            pinned.copy_from_slice(bytes);
+            let a = Array::from_bytes(&pinned, &shape, Dtype::F32).unwrap();
+            let doubled = a.add(&a).unwrap();
+            doubled.read_into(&mut pinned).unwrap();
+            let want: Vec<f32> = data.iter().map(|x| x + x).collect();
+            assert_eq!(&pinned[..], bytemuck::cast_slice::<f32, u8>(&want));
+        }
+        None => assert!(!cuda, "no page-locked memory on CUDA"),
+    }
     let want: Vec<f32> = (0..2)
         .flat_map(|i| {
             let row = &data[(i * 3 + 1) << 17..(i * 3 + 3) << 17];
