@@ -62,9 +62,32 @@ impl Shared {
     }
 }
 
+/// Work for the export thread, done in submission order.
+enum Job {
+    /// A publication: read back, split, hash, insert.
+    Export(Export),
+    /// A small write to the store that must not run on the engine thread (the cost model).
+    Task(Box<dyn FnOnce(&Store) + Send>),
+}
+
+impl Job {
+    fn run(self, store: &Store) -> (u64, u64) {
+        match self {
+            Job::Export(export) => {
+                let n = export.blocks() as u64;
+                (n, finish(store, export))
+            }
+            Job::Task(task) => {
+                task(store);
+                (0, 0)
+            }
+        }
+    }
+}
+
 /// The export thread and its queue.
 pub struct Exporter {
-    tx: Option<Sender<(Export, u64)>>,
+    tx: Option<Sender<(Job, u64)>>,
     store: Arc<Store>,
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
@@ -73,7 +96,7 @@ pub struct Exporter {
 impl Exporter {
     /// Starts the thread; it inserts into `store`.
     pub fn start(store: Arc<Store>) -> std::io::Result<Self> {
-        let (tx, rx) = channel::<(Export, u64)>();
+        let (tx, rx) = channel::<(Job, u64)>();
         let shared = Arc::new(Shared {
             pending: Mutex::new(Pending::default()),
             changed: Condvar::new(),
@@ -83,13 +106,13 @@ impl Exporter {
         let worker = std::thread::Builder::new()
             .name("kvstore-export".into())
             .spawn(move || {
-                for (export, bytes) in rx {
-                    let n = export.blocks() as u64;
-                    let inserted = finish(&thread_store, export);
+                for (job, bytes) in rx {
+                    let export = matches!(job, Job::Export(_));
+                    let (n, inserted) = job.run(&thread_store);
                     let mut p = s.lock();
                     p.finished += 1;
                     p.bytes -= bytes;
-                    p.stats.exports += 1;
+                    p.stats.exports += u64::from(export);
                     p.stats.blocks += inserted;
                     p.stats.failed_blocks += n - inserted;
                     drop(p);
@@ -108,6 +131,16 @@ impl Exporter {
     /// device copies are in flight.
     pub fn submit(&self, export: Export) {
         let bytes = export.device_bytes();
+        self.enqueue(Job::Export(export), bytes);
+    }
+
+    /// Runs `task` on the thread after what was submitted before it (a store write that
+    /// must not block the engine thread).
+    pub fn run(&self, task: impl FnOnce(&Store) + Send + 'static) {
+        self.enqueue(Job::Task(Box::new(task)), 0);
+    }
+
+    fn enqueue(&self, job: Job, bytes: u64) {
         let mut p = self.shared.lock();
         if p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
             p.stats.waits += 1;
@@ -122,16 +155,16 @@ impl Exporter {
         p.submitted += 1;
         p.bytes += bytes;
         drop(p);
-        let sent = self.tx.as_ref().map(|tx| tx.send((export, bytes)));
-        if let Some(Err(std::sync::mpsc::SendError((export, bytes)))) = sent {
+        let sent = self.tx.as_ref().map(|tx| tx.send((job, bytes)));
+        if let Some(Err(std::sync::mpsc::SendError((job, bytes)))) = sent {
             // The thread is gone (it never exits before `Drop`): finish here, counted alike.
             tracing::error!("the export thread is gone; publishing on the caller's thread");
-            let n = export.blocks() as u64;
-            let inserted = finish(&self.store, export);
+            let export = matches!(job, Job::Export(_));
+            let (n, inserted) = job.run(&self.store);
             let mut p = self.shared.lock();
             p.finished += 1;
             p.bytes -= bytes;
-            p.stats.exports += 1;
+            p.stats.exports += u64::from(export);
             p.stats.blocks += inserted;
             p.stats.failed_blocks += n - inserted;
         }

@@ -286,6 +286,22 @@ fn calibrate_import(block_bytes: u64) -> Option<f64> {
     Some(once()? / blocks as f64)
 }
 
+/// Merges `costs` under `device` into the namespace's saved estimates (read, merged,
+/// written back); a failure is logged.
+fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: Costs) {
+    let mut all: SavedCosts = store
+        .costs(namespace)
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    all.insert(device, costs);
+    let Ok(json) = serde_json::to_vec_pretty(&all) else {
+        return;
+    };
+    if let Err(e) = store.save_costs(namespace, &json) {
+        tracing::warn!(error = %e, "saving the restore-or-recompute estimates failed");
+    }
+}
+
 /// A tier is restored only when its estimated cost is at most this share of recomputing.
 const RESTORE_MARGIN: f64 = 0.8;
 
@@ -732,6 +748,12 @@ impl KvTiers {
         }
     }
 
+    /// The prefill cost estimate in seconds per token (this device's, saved in the store
+    /// and read back at open), if measured.
+    pub fn prefill_estimate(&self) -> Option<f64> {
+        self.costs.lock().ok()?.prefill_s_per_token
+    }
+
     /// Counters of the export thread (publications finished off the engine thread).
     pub fn export_stats(&self) -> ExportStats {
         self.exporter.stats()
@@ -744,13 +766,14 @@ impl KvTiers {
 
     /// Makes everything published so far durable on SSD, the cost model included.
     pub fn flush(&self) -> Result<()> {
-        self.exporter.wait_idle();
         self.save_costs(true);
+        self.exporter.wait_idle();
         Ok(self.store.flush()?)
     }
 
     /// Saves the cost model under this device's name (at most every [`COSTS_SAVE_EVERY`]
-    /// unless `now`). A failure is logged: the estimates are an optimization.
+    /// unless `now`), on the export thread: reading and writing the file never blocks the
+    /// engine thread. A failure is logged: the estimates are an optimization.
     fn save_costs(&self, now: bool) {
         let Ok(mut saved_at) = self.costs_saved.lock() else {
             return;
@@ -761,19 +784,10 @@ impl KvTiers {
         let Ok(costs) = self.costs.lock().map(|c| c.clone()) else {
             return;
         };
-        let mut all: SavedCosts = self
-            .store
-            .costs(self.namespace)
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default();
-        all.insert(self.device.clone(), costs);
-        let Ok(json) = serde_json::to_vec_pretty(&all) else {
-            return;
-        };
-        if let Err(e) = self.store.save_costs(self.namespace, &json) {
-            tracing::warn!(error = %e, "saving the restore-or-recompute estimates failed");
-        }
         *saved_at = Some(Instant::now());
+        let (namespace, device) = (self.namespace, self.device.clone());
+        self.exporter
+            .run(move |store| save_costs_to(store, namespace, device, costs));
     }
 
     /// A fresh live cache holding the longest usable cached prefix of `prompt` (at most

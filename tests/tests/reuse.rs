@@ -49,6 +49,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
         .collect();
     let out2_cold = cold(&model, &tok, &turn2, 20);
 
+    let saved_estimate;
     {
         let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
         let (out1, rep1) = cached(&model, &tok, &pc, &turn1, 20);
@@ -68,6 +69,11 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
             "turn 2 extends what turn 1 published"
         );
         pc.flush().unwrap();
+        saved_estimate = pc.prefill_estimate();
+        assert!(
+            saved_estimate.is_some_and(|s| s > 0.0),
+            "{saved_estimate:?}"
+        );
         // Both publications were finished by the export thread, every block inserted.
         let st = pc.export_stats();
         assert_eq!(
@@ -77,8 +83,10 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     }
 
     // A restart: a new store handle, nothing on the device or in RAM; the blocks come
-    // from SSD.
+    // from SSD, and the cost model measured before (saved by the export thread at the
+    // flush) is read back.
     let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    assert_eq!(pc.prefill_estimate(), saved_estimate);
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
     assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
