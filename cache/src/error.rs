@@ -55,6 +55,23 @@ pub enum CacheError {
         /// Token counts at which it kept an earlier state.
         kept: Vec<usize>,
     },
+    /// Window layers hold no keys (a restore left them out) where a continuation from the
+    /// trimmed length would look.
+    #[error(
+        "cannot drop the last {tokens} of {held} tokens: window layers of {window} hold real \
+         keys only from position {floor} on, so a continuation needs at least {} tokens",
+        floor + window - 1
+    )]
+    WindowRewind {
+        /// Tokens asked to drop.
+        tokens: usize,
+        /// Tokens the cache holds.
+        held: usize,
+        /// The first position whose window-layer keys were restored or computed.
+        floor: usize,
+        /// The widest window.
+        window: usize,
+    },
     /// Tokens given for publication do not match what the cache holds.
     #[error("publish: {0}")]
     Publish(String),

@@ -29,6 +29,29 @@ pub struct Export {
     pub(crate) metas: Vec<BlockMeta>,
     /// Per block, the layer states a snapshot block carries (hybrids only).
     pub(crate) states: Vec<Option<Vec<LayerState>>>,
+    /// Which blocks leave their window layers' planes out ([`host::WindowPlan`]); boxed,
+    /// so an export stays small to move through a channel.
+    pub(crate) window: Box<WindowExport>,
+    /// Whether the blocks are window-trimmed copies that replace stored ones.
+    pub(crate) replaces: bool,
+}
+
+/// The owned inputs of a [`host::WindowPlan`], carried to the export thread.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct WindowExport {
+    pub(crate) windows: Vec<Option<usize>>,
+    pub(crate) ends: Vec<usize>,
+    pub(crate) floor: usize,
+}
+
+impl WindowExport {
+    fn plan(&self) -> host::WindowPlan<'_> {
+        host::WindowPlan {
+            windows: &self.windows,
+            ends: &self.ends,
+            floor: self.floor,
+        }
+    }
 }
 
 impl std::fmt::Debug for Export {
@@ -44,6 +67,28 @@ impl Export {
     /// Blocks in the run.
     pub fn blocks(&self) -> usize {
         self.metas.len()
+    }
+
+    /// Of them, those that leave their window layers' planes out.
+    pub fn window_trimmed_blocks(&self) -> usize {
+        let plan = self.window.plan();
+        if plan.widest().is_none() {
+            return 0;
+        }
+        let bs = self.block_size;
+        self.metas
+            .iter()
+            .filter(|m| {
+                let start = m.position as usize * bs;
+                !plan.keeps(start, start + bs)
+            })
+            .count()
+    }
+
+    /// Whether the blocks are window-trimmed copies of stored blocks, to be inserted in
+    /// their place ([`store::Store::insert_replacing`]) rather than beside them.
+    pub fn replaces(&self) -> bool {
+        self.replaces
     }
 
     /// Device bytes the copies hold until [`Self::into_blocks`] has read them.
@@ -66,6 +111,7 @@ impl Export {
             self.block_size,
             self.metas,
             self.states,
+            self.window.plan(),
         )
     }
 }

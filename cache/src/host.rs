@@ -16,6 +16,11 @@
 //! A *snapshot block* of a hybrid model carries, after those, the state of every
 //! non-attention layer `j` at the block's end: `states.{j}.{p}` for each part `p` of the
 //! layer's state, shaped as the state without its batch axis (LFM2: `[K-1, hidden]`).
+//!
+//! A *window-trimmed block* of a model with sliding-window layers leaves out the planes of
+//! every window layer (the global layers' planes keep their order): no continuation from a
+//! restorable end can attend to its keys through a window ([`WindowPlan::keeps`] decides).
+//! A restore fills the missing rows with zeros, which the window mask never reads.
 
 use mlx::Array;
 use store::{Block, BlockMeta, Plane, PlaneSpec};
@@ -23,6 +28,53 @@ use store::{Block, BlockMeta, Plane, PlaneSpec};
 use crate::pool::BlockShape;
 use crate::scratch::with_scratch;
 use crate::{CacheError, KvFormat, LayerState};
+
+/// What decides which published blocks carry their window layers' planes: a continuation
+/// from a restorable end `e` (a token count on a block boundary) reads, through a window of
+/// `w` keys (its own included), the positions `e + 1 - w .. e`; a block carries its window
+/// planes when some end reads one of its positions and the cache holds real window keys
+/// for all of it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct WindowPlan<'a> {
+    /// Per attention layer, its window (`None`: global).
+    pub windows: &'a [Option<usize>],
+    /// The restorable ends a continuation may resume from (token counts).
+    pub ends: &'a [usize],
+    /// The first position whose window-layer keys the cache holds for real (0: all).
+    pub floor: usize,
+}
+
+impl WindowPlan<'_> {
+    /// The widest window of any layer; `None` without window layers, or without a global
+    /// layer (a trimmed block would then hold no plane at all: nothing is trimmed).
+    pub fn widest(&self) -> Option<usize> {
+        if self.windows.iter().all(Option::is_some) {
+            return None;
+        }
+        self.windows.iter().flatten().copied().max()
+    }
+
+    /// Whether the block of positions `start .. end` carries its window layers' planes.
+    pub fn keeps(&self, start: usize, end: usize) -> bool {
+        let Some(w) = self.widest() else {
+            return true;
+        };
+        start >= self.floor
+            && self
+                .ends
+                .iter()
+                .any(|&e| e >= end && end > (e + 1).saturating_sub(w))
+    }
+
+    /// Whether a cache whose window layers hold real keys from `floor` on can continue
+    /// after `end` tokens: every position a query at `end` sees is real.
+    pub fn complete(windows: &[Option<usize>], floor: usize, end: usize) -> bool {
+        match windows.iter().flatten().max() {
+            Some(&w) => floor == 0 || (end + 1).saturating_sub(w) >= floor,
+            None => true,
+        }
+    }
+}
 
 /// The plane name of part `part` of state layer `layer`.
 fn state_plane_name(layer: usize, part: usize) -> String {
@@ -121,6 +173,25 @@ pub fn plane_specs(
     Ok(out)
 }
 
+/// The plane layout of a window-trimmed block: [`plane_specs`] less the planes of every
+/// layer with a window in `windows` (one entry per layer). Empty when no layer has one.
+pub fn trimmed_plane_specs(
+    windows: &[Option<usize>],
+    shape: BlockShape,
+    format: KvFormat,
+) -> Result<Vec<PlaneSpec>, CacheError> {
+    if windows.iter().all(Option::is_none) || windows.iter().all(Option::is_some) {
+        return Ok(Vec::new());
+    }
+    let per = format.parts() * 2;
+    Ok(plane_specs(windows.len(), shape, format)?
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| windows[i / per].is_none())
+        .map(|(_, spec)| spec)
+        .collect())
+}
+
 /// Splits one run part (`[H, n · bs, width]` as host bytes) into `n` block planes
 /// `[H, bs, width]`.
 fn split_run(
@@ -146,15 +217,25 @@ fn split_run(
 
 /// Builds host-byte blocks from the run parts of every layer (`parts[layer][part]`, each
 /// `[1, H, n · bs, width]`, evaluated here in one batch), one block per entry of `metas`;
-/// a block with an entry in `states` becomes a snapshot block carrying them.
+/// a block with an entry in `states` becomes a snapshot block carrying them, and a block
+/// that `window` does not keep ([`WindowPlan::keeps`]) leaves its window layers' planes
+/// out. A window layer's `parts` may be empty when no block of the run keeps them.
 pub(crate) fn blocks_from_run(
     parts: Vec<Vec<Array>>,
     format: KvFormat,
     block_size: usize,
     metas: Vec<BlockMeta>,
     states: Vec<Option<Vec<LayerState>>>,
+    window: WindowPlan<'_>,
 ) -> Result<Vec<Block>, CacheError> {
     let n = metas.len();
+    let keeps: Vec<bool> = metas
+        .iter()
+        .map(|m| {
+            let start = m.position as usize * block_size;
+            window.keeps(start, start + block_size)
+        })
+        .collect();
     let all: Vec<&Array> = parts
         .iter()
         .flatten()
@@ -163,6 +244,15 @@ pub(crate) fn blocks_from_run(
     mlx::eval(&all)?;
     let mut planes: Vec<Vec<Plane>> = (0..n).map(|_| Vec::new()).collect();
     for (layer, layer_parts) in parts.iter().enumerate() {
+        let windowed = window.windows.get(layer).is_some_and(Option::is_some);
+        if layer_parts.is_empty() {
+            if windowed && !keeps.contains(&true) {
+                continue;
+            }
+            return Err(CacheError::Publish(format!(
+                "layer {layer} was not read for a run whose blocks need it"
+            )));
+        }
         for (name, a) in part_names(layer, format).into_iter().zip(layer_parts) {
             let s = a.shape();
             if s.len() != 4 || s[0] != 1 || s[2] as usize != n * block_size {
@@ -179,6 +269,9 @@ pub(crate) fn blocks_from_run(
             })?;
             let shape = vec![heads as u64, block_size as u64, width as u64];
             for (b, data) in split.into_iter().enumerate() {
+                if windowed && !keeps[b] {
+                    continue;
+                }
                 planes[b].push(Plane::new(name.clone(), dtype, shape.clone(), data));
             }
         }
@@ -239,27 +332,45 @@ pub(crate) fn block_states(
     Ok(Some(states))
 }
 
-/// The block shape a block's planes imply under `format` and `block_size`, checking that
-/// every layer has the parts the format needs and that every plane has the layout
-/// [`plane_specs`] gives for that shape.
+/// How a block's K/V planes sit: all of them, or (window-trimmed) the global layers' only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct BlockLayout {
+    /// The block shape the planes imply.
+    pub shape: BlockShape,
+    /// Whether the window layers' planes are left out.
+    pub trimmed: bool,
+    /// How many K/V planes the block has (state planes follow them).
+    pub kv_planes: usize,
+}
+
+/// The layout of a block's planes under `format` and `block_size`, for a cache of
+/// `windows.len()` layers: every layer has the parts the format needs, or (a window-trimmed
+/// block, only when some layer has a window) every global layer does, and every plane has
+/// the layout [`plane_specs`] gives for the shape; layer states come only after them.
 pub(crate) fn block_shape(
     block: &Block,
-    layers: usize,
+    windows: &[Option<usize>],
     block_size: usize,
     format: KvFormat,
-) -> Result<BlockShape, String> {
+) -> Result<BlockLayout, String> {
+    let layers = windows.len();
     let per = format.parts() * 2;
-    let kv_planes = layers * per;
-    let extra_ok = block.planes.len() >= kv_planes
-        && block.planes[kv_planes..]
-            .iter()
-            .all(|p| p.name.starts_with("states."));
-    if block.planes.len() < kv_planes || !extra_ok {
+    let kv_planes = block
+        .planes
+        .iter()
+        .position(|p| p.name.starts_with("states."))
+        .unwrap_or(block.planes.len());
+    let states_only_after = block.planes[kv_planes..]
+        .iter()
+        .all(|p| p.name.starts_with("states."));
+    let global = windows.iter().filter(|w| w.is_none()).count();
+    let trimmed = global < layers && kv_planes == global * per && global > 0;
+    if !states_only_after || (kv_planes != layers * per && !trimmed) {
         return Err(format!(
             "it has {} planes, {layers} layers of {format:?} need {} (and layer states only \
              after them)",
             block.planes.len(),
-            kv_planes
+            layers * per
         ));
     }
     if block.meta.tokens.len() != block_size {
@@ -270,7 +381,7 @@ pub(crate) fn block_shape(
     }
     let first = &block.planes[0];
     if first.shape.len() != 3 || first.shape[1] as usize != block_size {
-        return Err(format!("layer 0 keys are {:?}", first.shape));
+        return Err(format!("the first layer's keys are {:?}", first.shape));
     }
     let width = first.shape[2] as usize;
     let (head_dim, dtype) = match format {
@@ -283,7 +394,12 @@ pub(crate) fn block_shape(
         head_dim,
         dtype: to_mlx_dtype(dtype),
     };
-    let specs = plane_specs(layers, shape, format).map_err(|e| e.to_string())?;
+    let specs = if trimmed {
+        trimmed_plane_specs(windows, shape, format)
+    } else {
+        plane_specs(layers, shape, format)
+    }
+    .map_err(|e| e.to_string())?;
     for (plane, spec) in block.planes.iter().zip(&specs) {
         if plane.spec() != *spec {
             return Err(format!(
@@ -300,33 +416,49 @@ pub(crate) fn block_shape(
             ));
         }
     }
-    Ok(shape)
+    Ok(BlockLayout {
+        shape,
+        trimmed,
+        kv_planes,
+    })
 }
 
-/// Assembles plane `index` of every block in `blocks` (each `[H, bs, width]`, checked by
-/// [`block_shape`]) into one `[H, capacity · bs, width]` array, the blocks first and zeros
-/// after them (`capacity` ≥ the number of blocks): one host buffer, one transfer.
+/// Assembles one layer part of every block in `blocks` (each plane `[H, bs, width]` as
+/// `spec` says, checked by [`block_shape`]) into one `[H, capacity · bs, width]` array, the
+/// blocks first and zeros after them (`capacity` ≥ the number of blocks): one host buffer,
+/// one transfer. `index(b)` gives the part's plane in block `b` of the run, `None` where the
+/// block leaves it out (a window-trimmed block): those rows are zeros too.
 pub(crate) fn run_part<B: AsRef<Block>>(
     blocks: &[B],
-    index: usize,
+    spec: &PlaneSpec,
+    index: impl Fn(usize) -> Option<usize>,
     capacity: usize,
 ) -> Result<Array, CacheError> {
-    let first = &blocks[0].as_ref().planes[index];
-    let (heads, bs, width) = (
-        first.shape[0] as usize,
-        first.shape[1] as usize,
-        first.shape[2] as usize,
-    );
-    let block_rows = bs * width * first.dtype.size() as usize;
+    let (heads, bs, width) = match spec.shape[..] {
+        [h, b, w] => (h as usize, b as usize, w as usize),
+        _ => {
+            return Err(CacheError::Shape(format!(
+                "plane {} is {:?}, not [heads, block, width]",
+                spec.name, spec.shape
+            )))
+        }
+    };
+    let block_rows = bs * width * spec.dtype.size() as usize;
     let n = blocks.len();
     let cap = capacity.max(n);
     with_scratch(heads * cap * block_rows, |host| {
         for h in 0..heads {
             for (b, block) in blocks.iter().enumerate() {
-                let data = &block.as_ref().planes[index].data;
                 let dst = (h * cap + b) * block_rows;
-                host[dst..dst + block_rows]
-                    .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+                // The scratch buffer is reused: a plane the block leaves out is cleared.
+                match index(b) {
+                    Some(i) => {
+                        let data = &block.as_ref().planes[i].data;
+                        host[dst..dst + block_rows]
+                            .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+                    }
+                    None => host[dst..dst + block_rows].fill(0),
+                }
             }
             // The scratch buffer is reused: clear the head's unused tail.
             host[(h * cap + n) * block_rows..(h + 1) * cap * block_rows].fill(0);
@@ -334,7 +466,7 @@ pub(crate) fn run_part<B: AsRef<Block>>(
         Ok(Array::from_bytes(
             host,
             &[heads as i32, (cap * bs) as i32, width as i32],
-            to_mlx_dtype(first.dtype),
+            to_mlx_dtype(spec.dtype),
         )?)
     })
 }
@@ -342,6 +474,47 @@ pub(crate) fn run_part<B: AsRef<Block>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_keeps_its_window_planes_only_where_a_continuation_reads_them() {
+        // Window 8 over 4-token blocks; a continuation from 24 reads positions 17..23.
+        let windows = [None, Some(8)];
+        let plan = WindowPlan {
+            windows: &windows,
+            ends: &[24],
+            floor: 0,
+        };
+        let kept: Vec<bool> = (0..6).map(|b| plan.keeps(b * 4, b * 4 + 4)).collect();
+        assert_eq!(kept, [false, false, false, false, true, true]);
+        // Position 16 is not read from 24 (24 + 1 - 8 = 17), position 19 is.
+        assert!(!plan.keeps(12, 16) && plan.keeps(16, 20));
+        // A second end (a prompt's) keeps its own window; blocks after an end are not its.
+        let two = WindowPlan {
+            ends: &[8, 24],
+            ..plan
+        };
+        let kept: Vec<bool> = (0..6).map(|b| two.keeps(b * 4, b * 4 + 4)).collect();
+        assert_eq!(kept, [true, true, false, false, true, true]);
+        // Window keys the cache does not hold for real are never published.
+        let floor = WindowPlan { floor: 20, ..plan };
+        assert!(!floor.keeps(16, 20) && floor.keeps(20, 24));
+        // Without window layers every block keeps everything.
+        let global = WindowPlan {
+            windows: &[None, None],
+            ..plan
+        };
+        assert!(global.keeps(0, 4));
+    }
+
+    #[test]
+    fn a_continuation_needs_real_window_keys_from_its_window_on() {
+        let w = [None, Some(8)];
+        assert!(WindowPlan::complete(&w, 0, 3));
+        assert!(WindowPlan::complete(&w, 16, 23));
+        assert!(!WindowPlan::complete(&w, 16, 22));
+        assert!(!WindowPlan::complete(&w, 4, 7));
+        assert!(WindowPlan::complete(&[None], 16, 1));
+    }
 
     #[test]
     fn split_run_takes_each_heads_rows_of_each_block() {

@@ -36,7 +36,7 @@ pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;
 pub use export::Export;
 pub use format::KvFormat;
-pub use host::{plane_specs, state_plane_specs};
+pub use host::{plane_specs, state_plane_specs, trimmed_plane_specs};
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
 pub use pool::{ladder_capacity, BlockPool, BlockShape};

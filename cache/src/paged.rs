@@ -4,7 +4,7 @@
 use mlx::{Array, Dtype};
 use store::{Block, BlockMeta};
 
-use crate::export::Export;
+use crate::export::{Export, WindowExport};
 use crate::host;
 use crate::pool::{ladder_capacity, BlockPool, BlockShape};
 use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
@@ -53,6 +53,24 @@ pub struct PagedKvCache {
     layers: Vec<Layer>,
     published: usize,
     states: LayerStates,
+    window: WindowState,
+}
+
+/// What a cache knows about its sliding-window layers (docs/cache.md, "Window layers").
+#[derive(Clone, Debug, Default)]
+struct WindowState {
+    /// Per layer, its window (`None`: global); empty when the model's layers are unknown,
+    /// and then every block is published whole and trimmed blocks are refused.
+    windows: Vec<Option<usize>>,
+    /// The first position whose window-layer keys are real; before it a restore left
+    /// zeros (0: all real).
+    floor: usize,
+    /// Restorable ends besides the sequence's last full block (a request's prompt end)
+    /// whose windows publication keeps.
+    ends: Vec<usize>,
+    /// The first block this cache may have stored with its window planes (published, or
+    /// restored with them) that no trimmed copy has replaced since.
+    kept_from: usize,
 }
 
 /// The outcome of [`PagedKvCache::restore`].
@@ -67,6 +85,10 @@ pub struct Restored {
     /// Valid blocks after the last snapshot block that a hybrid's cache left out (their
     /// tokens are recomputed, which also recomputes the layer states); 0 otherwise.
     pub state_cut: usize,
+    /// Valid blocks left out because a continuation after them would read window-layer
+    /// keys that a window-trimmed block before them does not carry (their tokens are
+    /// recomputed); 0 otherwise.
+    pub window_cut: usize,
 }
 
 fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, usize), CacheError> {
@@ -186,6 +208,7 @@ impl PagedKvCache {
             layers: vec![Layer::default(); layers],
             published: 0,
             states: LayerStates::default(),
+            window: WindowState::default(),
         })
     }
 
@@ -196,6 +219,7 @@ impl PagedKvCache {
             layers: vec![Layer::default(); layers],
             published: 0,
             states: LayerStates::default(),
+            window: WindowState::default(),
         }
     }
 
@@ -215,15 +239,56 @@ impl PagedKvCache {
         self
     }
 
+    /// This cache knowing each layer's sliding window (`None`: global attention), one entry
+    /// per layer: publication then leaves out the window layers' planes of blocks no
+    /// continuation can attend to through a window, and restore accepts such blocks.
+    pub fn with_windows(mut self, windows: &[Option<usize>]) -> Result<Self, CacheError> {
+        if windows.len() != self.layers.len() || windows.contains(&Some(0)) {
+            return Err(CacheError::Config(format!(
+                "{} windows given for {} layers (a window holds at least one token)",
+                windows.len(),
+                self.layers.len()
+            )));
+        }
+        self.window.windows = windows.to_vec();
+        Ok(self)
+    }
+
+    /// The restorable ends (token counts; typically where a request's prompt ends, rounded
+    /// down to a block) whose windows the next publications keep besides the sequence's
+    /// last full block, so a later request that shares only up to one of them restores it.
+    /// Replaces the ends set before.
+    pub fn set_restorable_ends(&mut self, ends: &[usize]) {
+        self.window.ends = ends.to_vec();
+    }
+
+    /// The first position whose window-layer keys are real (0: all): a restore from
+    /// window-trimmed blocks leaves zeros before it, which no window mask reads.
+    pub fn window_floor(&self) -> usize {
+        self.window.floor
+    }
+
+    /// Whether a continuation after `len` tokens sees only real window-layer keys.
+    fn window_complete(&self, len: usize) -> bool {
+        len == 0 || host::WindowPlan::complete(&self.window.windows, self.window.floor, len)
+    }
+
     /// The states of the non-attention layers.
     pub fn states(&self) -> &LayerStates {
         &self.states
     }
 
     /// The most tokens, at most `max`, this cache can be trimmed back to: `max` for an
-    /// attention-only cache, else the latest point where every state layer kept its state.
+    /// attention-only cache, else the latest point where every state layer kept its state;
+    /// and 0 where window layers would read keys a restore left out (before
+    /// [`Self::window_floor`]).
     pub fn rewind_point(&self, max: usize) -> usize {
-        self.states.rewind_point(max.min(self.offset()))
+        let point = self.states.rewind_point(max.min(self.offset()));
+        if self.window_complete(point) {
+            point
+        } else {
+            0
+        }
     }
 
     /// The settings.
@@ -328,8 +393,26 @@ impl PagedKvCache {
     /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
     /// Published blocks are not affected (they own their buffers). State layers go back to
     /// the state they kept there; where one kept none, the trim is refused with
-    /// [`CacheError::Rewind`] and nothing changes (see [`PagedKvCache::rewind_point`]).
+    /// [`CacheError::Rewind`] and nothing changes (see [`PagedKvCache::rewind_point`]). A
+    /// trim to where a window would read keys a restore left out (before
+    /// [`Self::window_floor`]) is refused with [`CacheError::WindowRewind`], likewise.
     pub fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        let held = self.offset();
+        if !self.window_complete(held.saturating_sub(tokens)) {
+            return Err(CacheError::WindowRewind {
+                tokens,
+                held,
+                floor: self.window.floor,
+                window: self
+                    .window
+                    .windows
+                    .iter()
+                    .flatten()
+                    .copied()
+                    .max()
+                    .unwrap_or(0),
+            });
+        }
         self.states.rewind(tokens)?;
         let bs = self.config.block_size;
         let mut trimmed = 0;
@@ -345,6 +428,10 @@ impl PagedKvCache {
             }
         }
         self.published = self.published.min(self.offset() / bs);
+        self.window.kept_from = self.window.kept_from.min(self.published);
+        if self.offset() == 0 {
+            self.window.floor = 0;
+        }
         Ok(trimmed)
     }
 
@@ -427,14 +514,12 @@ impl PagedKvCache {
             return Ok(None);
         }
         let (from, n) = (self.published, full - self.published);
-        let mut parts = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            let pool = l
-                .pool
-                .as_ref()
-                .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
-            parts.push(pool.copy_run(&l.table[from..full], n * bs)?);
-        }
+        let ends = self.window_ends(full * bs);
+        let plan = self.window_plan(&ends);
+        let keeps: Vec<bool> = (from..full)
+            .map(|p| plan.keeps(p * bs, (p + 1) * bs))
+            .collect();
+        let parts = self.copy_run(from, full, keeps.contains(&true))?;
         let metas = (from..full)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
@@ -460,6 +545,9 @@ impl PagedKvCache {
         }
         let gathers: Vec<&Array> = parts.iter().flatten().collect();
         mlx::async_eval(&gathers)?;
+        if self.window.kept_from >= from {
+            self.window.kept_from = from + keeps.iter().position(|&k| k).unwrap_or(n);
+        }
         self.published = full;
         Ok(Some(Export {
             parts,
@@ -467,6 +555,138 @@ impl PagedKvCache {
             block_size: bs,
             metas,
             states,
+            window: self.window_export(ends),
+            replaces: false,
+        }))
+    }
+
+    fn window_export(&self, ends: Vec<usize>) -> Box<WindowExport> {
+        Box::new(WindowExport {
+            windows: self.window.windows.clone(),
+            ends,
+            floor: self.window.floor,
+        })
+    }
+
+    /// The restorable ends publication keeps windows for: the ends set by
+    /// [`Self::set_restorable_ends`] and `last` (the sequence's last full block), each with
+    /// the block boundary before it too (a prompt resent whole restores up to its last
+    /// full block short of its last token, which may be one block less).
+    fn window_ends(&self, last: usize) -> Vec<usize> {
+        let bs = self.config.block_size;
+        self.window
+            .ends
+            .iter()
+            .chain([&last])
+            .flat_map(|&e| [e, e.saturating_sub(bs)])
+            .collect()
+    }
+
+    /// Makes the next publication publish again the blocks a continuation from `end`
+    /// reads through a window (those the cache holds real window keys for), so that
+    /// stored copies of them that are window-trimmed are replaced by whole ones: a
+    /// request resumed at `end`, which makes it a point worth restoring from. Nothing
+    /// happens (and `false` is returned) when this cache stored those blocks whole itself.
+    /// Add `end` to [`Self::set_restorable_ends`] when it returns `true`, or the blocks are
+    /// published trimmed again.
+    pub fn republish_window(&mut self, end: usize) -> bool {
+        let Some(w) = self.window_plan(&[]).widest() else {
+            return false;
+        };
+        let bs = self.config.block_size;
+        let e = end.min(self.offset()) / bs * bs;
+        let first = ((e + 1).saturating_sub(w + bs) / bs).max(self.window.floor.div_ceil(bs));
+        // Blocks `kept_from..published` were stored whole by this cache (as far as it
+        // knows: a block between two restorable ends' windows may be trimmed; a fork there
+        // then recomputes once more).
+        if first >= self.window.kept_from && e / bs <= self.published {
+            return false;
+        }
+        self.published = self.published.min(first);
+        self.window.kept_from = self.window.kept_from.min(self.published);
+        true
+    }
+    fn window_plan<'a>(&'a self, ends: &'a [usize]) -> host::WindowPlan<'a> {
+        host::WindowPlan {
+            windows: &self.window.windows,
+            ends,
+            floor: self.window.floor,
+        }
+    }
+
+    /// Device copies of every layer's parts of blocks `from..to` (`[1, H, n · bs, width]`
+    /// each, not yet computed); window layers' only when `windows` (else an empty list).
+    fn copy_run(
+        &self,
+        from: usize,
+        to: usize,
+        windows: bool,
+    ) -> Result<Vec<Vec<Array>>, CacheError> {
+        let bs = self.config.block_size;
+        let mut parts = Vec::with_capacity(self.layers.len());
+        for (i, l) in self.layers.iter().enumerate() {
+            if !windows && self.window.windows.get(i).is_some_and(Option::is_some) {
+                parts.push(Vec::new());
+                continue;
+            }
+            let pool = l
+                .pool
+                .as_ref()
+                .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
+            parts.push(pool.copy_run(&l.table[from..to], (to - from) * bs)?);
+        }
+        Ok(parts)
+    }
+
+    /// Window-trimmed copies of the blocks this cache stored earlier with their window
+    /// planes (published, or restored with them) that no restorable end reads any more
+    /// because the sequence moved on by more than a window, as an [`Export`] that
+    /// [`Export::replaces`] them: inserted under their keys in place of the stored blocks
+    /// ([`store::Store::insert_replacing`]), they free the window layers' bytes there. Call
+    /// it after [`Self::export`] (or [`Self::publish`]) with the same `chain` and `tokens`.
+    /// `None` for a cache without window layers or with state layers (whose snapshot
+    /// planes the copies would lack), or when there is nothing to trim.
+    pub fn window_trimmed(
+        &mut self,
+        chain: &Chain,
+        tokens: &[u32],
+    ) -> Result<Option<Export>, CacheError> {
+        let bs = self.config.block_size;
+        let upto = self.published;
+        let from = self.window.kept_from.max(self.window.floor.div_ceil(bs));
+        let ends = self.window_ends(upto * bs);
+        let plan = self.window_plan(&ends);
+        if from >= upto || plan.widest().is_none() || self.states.layers() > 0 {
+            return Ok(None);
+        }
+        let to = (from..upto)
+            .find(|&p| plan.keeps(p * bs, (p + 1) * bs))
+            .unwrap_or(upto);
+        if to == from {
+            return Ok(None);
+        }
+        if tokens.len() < to * bs || chain.keys().len() < to {
+            return Err(CacheError::Publish(format!(
+                "{} token ids and {} chain keys for blocks up to {to}",
+                tokens.len(),
+                chain.keys().len()
+            )));
+        }
+        let parts = self.copy_run(from, to, false)?;
+        let gathers: Vec<&Array> = parts.iter().flatten().collect();
+        mlx::async_eval(&gathers)?;
+        let metas = (from..to)
+            .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
+            .collect();
+        self.window.kept_from = to;
+        Ok(Some(Export {
+            parts,
+            format: self.config.format,
+            block_size: bs,
+            metas,
+            states: vec![None; to - from],
+            window: self.window_export(ends),
+            replaces: true,
         }))
     }
 
@@ -502,20 +722,28 @@ impl PagedKvCache {
             .layers
             .iter()
             .find_map(|l| l.pool.as_ref().map(|p| p.shape()));
+        // Without known windows every layer is global: trimmed blocks are then refused.
+        let windows = match self.window.windows.is_empty() {
+            true => vec![None; layers],
+            false => self.window.windows.clone(),
+        };
+        let mut layouts = Vec::with_capacity(blocks.len());
         for (i, b) in blocks.iter().enumerate() {
             let b = b.as_ref();
             let position = first + i;
             let prev = i.checked_sub(1).map(|p| &blocks[p].as_ref().meta);
             match check_link(b, position, prev)
-                .and_then(|()| host::block_shape(b, layers, bs, self.config.format))
-                .and_then(|s| match shape {
-                    Some(e) if e != s => Err(format!(
-                        "its shape {s:?} differs from the blocks before it ({e:?})"
+                .and_then(|()| host::block_shape(b, &windows, bs, self.config.format))
+                .and_then(|l| match shape {
+                    Some(e) if e != l.shape => Err(format!(
+                        "its shape {:?} differs from the blocks before it ({e:?})",
+                        l.shape
                     )),
-                    _ => Ok(s),
+                    _ => Ok(l),
                 }) {
-                Ok(s) => {
-                    shape = Some(s);
+                Ok(l) => {
+                    shape = Some(l.shape);
+                    layouts.push(l);
                     valid += 1;
                 }
                 Err(reason) => {
@@ -524,43 +752,71 @@ impl PagedKvCache {
                 }
             }
         }
-        // A hybrid resumes only where a block carries its layer states: the run is cut
-        // after the last snapshot block; the blocks after it are recomputed.
-        let mut states = None;
-        let mut state_cut = 0;
-        if self.states.layers() > 0 {
-            let kv_planes = layers * self.config.format.parts() * 2;
-            let mut last = None;
-            for (i, b) in blocks[..valid].iter().enumerate() {
-                match host::block_states(b.as_ref(), kv_planes, self.states.layers()) {
-                    Ok(Some(s)) => last = Some((i, s)),
-                    Ok(None) => {}
-                    Err(reason) => {
-                        stopped = Some(CacheError::Restore {
-                            position: first + i,
-                            reason,
-                        });
-                        valid = i;
-                        break;
-                    }
+        // A hybrid resumes only where a block carries its layer states, and a model with
+        // window layers only where every key a window still reads is real (not left out by
+        // a trimmed block): the run is cut after the last block where both hold; the
+        // blocks after it are recomputed.
+        let mut states_at: Vec<Option<Vec<LayerState>>> = Vec::with_capacity(valid);
+        for (i, b) in blocks[..valid].iter().enumerate() {
+            if self.states.layers() == 0 {
+                states_at.push(None);
+                continue;
+            }
+            match host::block_states(b.as_ref(), layouts[i].kv_planes, self.states.layers()) {
+                Ok(s) => states_at.push(s),
+                Err(reason) => {
+                    stopped = Some(CacheError::Restore {
+                        position: first + i,
+                        reason,
+                    });
+                    valid = i;
+                    break;
                 }
             }
-            let keep = last.as_ref().map_or(0, |(i, _)| i + 1);
-            state_cut = valid - keep;
-            valid = keep;
-            states = last.map(|(_, s)| s);
         }
+        let mut floor = self.window.floor;
+        let (mut keep, mut state_keep) = (0, 0);
+        for (i, layout) in layouts[..valid].iter().enumerate() {
+            if layout.trimmed {
+                floor = (first + i + 1) * bs;
+            }
+            let snapshot = self.states.layers() == 0 || states_at[i].is_some();
+            if snapshot {
+                state_keep = i + 1;
+            }
+            if snapshot && host::WindowPlan::complete(&windows, floor, (first + i + 1) * bs) {
+                keep = i + 1;
+            }
+        }
+        let state_cut = valid - state_keep;
+        let window_cut = valid - keep - state_cut;
+        valid = keep;
+        let states = valid
+            .checked_sub(1)
+            .and_then(|i| states_at.swap_remove(i))
+            .filter(|_| self.states.layers() > 0);
         let (Some(shape), true) = (shape, valid > 0) else {
             return Ok(Restored {
                 cache: self,
                 blocks: 0,
                 stopped,
                 state_cut,
+                window_cut,
             });
         };
         let run = &blocks[..valid];
+        let layouts = &layouts[..valid];
         let per = self.config.format.parts() * 2;
         let config = self.config;
+        let specs = host::plane_specs(layers, shape, config.format)?;
+        let global_rank: Vec<Option<usize>> = windows
+            .iter()
+            .scan(0, |n, w| {
+                let r = w.is_none().then_some(*n);
+                *n += usize::from(w.is_none());
+                Some(r)
+            })
+            .collect();
         // A fresh pool gets the capacity a pool grown to these blocks would have. On a GPU
         // the zeros after the blocks are made there (a device copy) rather than crossing
         // from the host; on the CPU the host buffer already is the arena.
@@ -574,7 +830,14 @@ impl PagedKvCache {
                 valid
             };
             let mut parts: Vec<Array> = (0..per)
-                .map(|p| host::run_part(run, li * per + p, host_capacity))
+                .map(|p| {
+                    let index = |b: usize| match (layouts[b].trimmed, global_rank[li]) {
+                        (false, _) => Some(li * per + p),
+                        (true, Some(r)) => Some(r * per + p),
+                        (true, None) => None,
+                    };
+                    host::run_part(run, &specs[li * per + p], index, host_capacity)
+                })
                 .collect::<Result<_, _>>()?;
             if fresh && host_capacity < capacity {
                 for a in &mut parts {
@@ -609,12 +872,21 @@ impl PagedKvCache {
         if let Some(states) = states {
             self.states.restore(offset + valid * bs, states)?;
         }
+        let floor = layouts
+            .iter()
+            .rposition(|l| l.trimmed)
+            .map_or(self.window.floor, |i| (first + i + 1) * bs);
+        if self.window.kept_from >= self.published {
+            self.window.kept_from = first.max(floor / bs);
+        }
+        self.window.floor = floor;
         self.published = first + valid;
         Ok(Restored {
             cache: self,
             blocks: valid,
             stopped,
             state_cut,
+            window_cut,
         })
     }
 

@@ -157,6 +157,13 @@ fn print_report(r: &StoreReport) {
             n.longest_chain,
             n.unreachable_blocks
         );
+        if n.window_trimmed_blocks > 0 {
+            println!(
+                "  {} blocks window-trimmed, {} of window-layer planes not stored",
+                n.window_trimmed_blocks,
+                size(n.window_trimmed_bytes)
+            );
+        }
         if let (Some(o), Some(nw)) = (n.oldest_access_unix_ms, n.newest_access_unix_ms) {
             println!("  accessed {} .. {}", time(o), time(nw));
         }

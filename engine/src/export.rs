@@ -203,6 +203,7 @@ impl Drop for Exporter {
 /// Reads `export` back and inserts its blocks in chain order; returns how many went in. A
 /// refused block ends the run (its successors would have no parent in the store).
 fn finish(store: &Store, export: Export) -> u64 {
+    let replaces = export.replaces();
     let blocks = match export.into_blocks() {
         Ok(b) => b,
         Err(e) => {
@@ -212,7 +213,13 @@ fn finish(store: &Store, export: Export) -> u64 {
     };
     let mut inserted = 0;
     for b in blocks {
-        if let Err(e) = store.insert(Arc::new(b)) {
+        let b = Arc::new(b);
+        // Window-trimmed copies of blocks a sequence moved past take their keys' place.
+        let result = match replaces {
+            true => store.insert_replacing(b),
+            false => store.insert(b),
+        };
+        if let Err(e) = result {
             tracing::warn!(error = %e, "the store refused a published block");
             break;
         }

@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, state_plane_specs, BlockShape, Chain, KvCache, KvFormat, PagedConfig,
-    PagedKvCache, ResidentPool, ResidentStats,
+    plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, KvCache, KvFormat,
+    PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::{Deserialize, Serialize};
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
@@ -33,7 +33,7 @@ use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreS
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
-use crate::model::Model;
+use crate::model::{LayerKind, Model};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of prefix reuse.
@@ -60,6 +60,11 @@ pub struct ReuseConfig {
     /// K/V takes at least the bytes of one snapshot ([`auto_state_every`]). Default: `None`
     /// (docs/cache.md).
     pub state_every: Option<usize>,
+    /// Models with sliding-window layers: leave the window layers' planes out of blocks
+    /// that no continuation from a restorable end reads through a window (docs/cache.md,
+    /// "Window layers"); `false` stores every plane of every block, in the namespace such
+    /// stores had before (for comparison). Default: true.
+    pub window_trim: bool,
 }
 
 impl Default for ReuseConfig {
@@ -73,6 +78,7 @@ impl Default for ReuseConfig {
             kv_budget_bytes: 2 << 30,
             restore_always: false,
             state_every: None,
+            window_trim: true,
         }
     }
 }
@@ -129,8 +135,15 @@ pub struct ReuseReport {
     /// because no state snapshot follows them (`--state-every`): every layer recomputes
     /// them, from the last snapshot on.
     pub state_recomputed_tokens: usize,
+    /// Models with sliding-window layers: tokens of cached blocks found in the store whose
+    /// K/V was not restored because a window after them would read a window-trimmed block
+    /// (docs/cache.md, "Window layers"): every layer recomputes them.
+    pub window_recomputed_tokens: usize,
     /// New full blocks published after the request.
     pub published_blocks: usize,
+    /// Bytes of window-layer planes that blocks published after the request left out
+    /// (window-trimmed blocks, and trimmed copies replacing blocks the sequence moved past).
+    pub window_trimmed_bytes: u64,
 }
 
 /// Running cost estimates used to pick restore or recompute, saved per device.
@@ -316,6 +329,11 @@ pub struct KvTiers {
     /// in snapshot blocks.
     state_layers: usize,
     state_every: usize,
+    /// Per attention layer, its sliding window (`None`: global); empty when the model
+    /// has none, and then nothing is window-trimmed.
+    windows: Vec<Option<usize>>,
+    /// Window-layer bytes left out of published blocks so far.
+    window_trimmed_bytes: std::sync::atomic::AtomicU64,
     paged: PagedConfig,
     resident: Mutex<ResidentPool>,
     /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
@@ -465,6 +483,24 @@ fn store_dtype(d: mlx::Dtype) -> Result<store::Dtype> {
     })
 }
 
+/// Per attention layer of `model`, its sliding window (`None`: global attention); empty
+/// when no layer has a window (or the kinds do not list one entry per attention layer).
+pub fn attention_windows(model: &Model) -> Vec<Option<usize>> {
+    let windows: Vec<Option<usize>> = model
+        .layer_kinds()
+        .iter()
+        .filter_map(|k| match k {
+            LayerKind::Global => Some(None),
+            LayerKind::Window(n) => Some(Some(*n)),
+            _ => None,
+        })
+        .collect();
+    if windows.len() != model.info().kv.layers || windows.iter().all(Option::is_none) {
+        return Vec::new();
+    }
+    windows
+}
+
 /// Everything that changes the bytes of a block of `model`'s KV under `config`.
 pub fn namespace_description(
     model: &Model,
@@ -503,6 +539,9 @@ pub fn namespace_description(
         dtype: kv.dtype,
     };
     d.planes = plane_specs(kv.layers, shape, config.kv_format)?;
+    if config.window_trim {
+        d.trimmed_planes = trimmed_plane_specs(&attention_windows(model), shape, config.kv_format)?;
+    }
     let states: Vec<Vec<mlx::Array>> = model
         .state_shapes()
         .iter()
@@ -591,6 +630,11 @@ impl KvTiers {
             layers: model.info().kv.layers,
             state_layers: model.info().kv.state_layers,
             state_every,
+            windows: match config.window_trim {
+                true => attention_windows(model),
+                false => Vec::new(),
+            },
+            window_trimmed_bytes: std::sync::atomic::AtomicU64::new(0),
             paged: PagedConfig {
                 block_size: config.block_size,
                 format: config.kv_format,
@@ -913,10 +957,13 @@ impl KvTiers {
                 report.device_handover = h.handed_over;
                 h.cache
             }
-            None => PagedKvCache::new(self.layers, self.paged)?
-                .with_state_layers(self.state_layers)
-                .with_state_snapshots(self.state_every),
+            None => self.empty_cache()?,
         };
+        // Where this request could be resumed from later: its prompt's last full block (an
+        // agent's next turn replaces the reply), and a point it resumed from whose window
+        // the store holds trimmed (published whole again below).
+        let mut ends = vec![prompt.len() / bs * bs];
+        let store_end = (first + host.blocks.len()) * bs;
         let mut tiers = host.tiers;
         // The store holds more than the device: continue from the device's last whole
         // block (its partial block, if any, is dropped and comes back from the store). A
@@ -929,6 +976,12 @@ impl KvTiers {
                 report.stopped = Some(e.to_string());
             }
             report.state_recomputed_tokens = restored.state_cut * bs;
+            report.window_recomputed_tokens = restored.window_cut * bs;
+            if restored.window_cut > 0 {
+                // The store's run ended where a window reads trimmed blocks: the blocks
+                // recomputed up to there are published whole, replacing them.
+                ends.push(store_end);
+            }
             tiers.truncate(restored.blocks);
             let restored_blocks = restored.blocks;
             cache = restored.cache;
@@ -948,7 +1001,13 @@ impl KvTiers {
         } else {
             tiers.clear();
             report.cached_device_tokens = device_tokens;
+            // Resumed here: if the store may hold the window before it trimmed (a fork
+            // from the inside of a sequence), it is published again, whole.
+            if cache.republish_window(device_tokens) {
+                ends.push(device_tokens / bs * bs);
+            }
         }
+        cache.set_restorable_ends(&ends);
         report.restore_s += t.elapsed().as_secs_f64();
         let count = |tier: Tier| tiers.iter().filter(|t| **t == tier).count();
         report.cached_ram_tokens = count(Tier::Ram) * bs;
@@ -977,20 +1036,51 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
+        let per_block = self.description.trimmed_bytes_per_block() as usize;
+        let mut trimmed = 0;
         let n = match cache.export(chain, held)? {
             Some(export) => {
                 let n = export.blocks();
+                trimmed += export.window_trimmed_blocks();
                 self.exporter.submit(export);
                 n
             }
             None => 0,
         };
+        // Blocks this sequence stored whole and moved past: trimmed copies replace them.
+        if let Some(export) = cache.window_trimmed(chain, held)? {
+            trimmed += export.blocks();
+            self.exporter.submit(export);
+        }
+        self.window_trimmed_bytes.fetch_add(
+            (trimmed * per_block) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         let namespace = chain.namespace();
         let mut recent = self.recent.lock().map_err(|_| poisoned())?;
         recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
         recent.insert(0, (namespace, held.to_vec()));
         recent.truncate(RECENT_SEQUENCES);
         Ok(n)
+    }
+
+    /// A fresh cache for this model's sequences: its layers, state layers, snapshots and
+    /// windows.
+    fn empty_cache(&self) -> Result<PagedKvCache> {
+        let cache = PagedKvCache::new(self.layers, self.paged)?
+            .with_state_layers(self.state_layers)
+            .with_state_snapshots(self.state_every);
+        Ok(match self.windows.is_empty() {
+            true => cache,
+            false => cache.with_windows(&self.windows)?,
+        })
+    }
+
+    /// Window-layer bytes that blocks published so far left out (window-trimmed blocks and
+    /// trimmed copies of blocks a sequence moved past).
+    pub fn window_trimmed_bytes(&self) -> u64 {
+        self.window_trimmed_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Publishes what `cache` holds (as [`Self::publish`]) and keeps it resident on the
@@ -1080,7 +1170,9 @@ pub fn generate_with_reuse(
     if let (Some(p), Some(chain)) = (prefix, chain) {
         p.record_prefill(prompt.len() - report.cached_tokens, report.prefill_s);
         let all: Vec<u32> = prompt.iter().chain(&generation.tokens).copied().collect();
+        let trimmed_before = p.window_trimmed_bytes();
         report.published_blocks = p.retire(chain, cache, &all)?;
+        report.window_trimmed_bytes = p.window_trimmed_bytes() - trimmed_before;
     }
     Ok((generation, report))
 }

@@ -27,6 +27,11 @@ pub struct NamespaceReport {
     pub blocks: u64,
     /// Physical bytes of its block files.
     pub bytes: u64,
+    /// Of the blocks, those stored window-trimmed (without their window layers' planes).
+    pub window_trimmed_blocks: u64,
+    /// Plane bytes the window-trimmed blocks leave out
+    /// ([`NamespaceDescription::trimmed_bytes_per_block`] each).
+    pub window_trimmed_bytes: u64,
     /// Least recent access (write or read), Unix milliseconds.
     pub oldest_access_unix_ms: Option<u64>,
     /// Most recent access, Unix milliseconds.
@@ -211,6 +216,8 @@ pub fn inspect(root: &Path, verify: bool) -> Result<StoreReport, OpenError> {
                 description_error,
                 blocks: 0,
                 bytes: 0,
+                window_trimmed_blocks: 0,
+                window_trimmed_bytes: 0,
                 oldest_access_unix_ms: None,
                 newest_access_unix_ms: None,
                 longest_chain: 0,
@@ -230,6 +237,10 @@ pub fn inspect(root: &Path, verify: bool) -> Result<StoreReport, OpenError> {
         }
         match check_file(path, *ns, *key, verify) {
             Ok(h) => {
+                if let Some(d) = r.description.as_ref().filter(|d| d.is_trimmed(&h.planes)) {
+                    r.window_trimmed_blocks += 1;
+                    r.window_trimmed_bytes += d.trimmed_bytes_per_block();
+                }
                 parents.entry(*ns).or_default().insert(*key, h.meta.parent);
             }
             Err(p) => corrupt.push(CorruptFile {

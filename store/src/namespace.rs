@@ -48,6 +48,13 @@ pub struct NamespaceDescription {
     /// attention-only models, whose blocks all have exactly [`Self::planes`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub state_planes: Vec<PlaneSpec>,
+    /// The planes of a *window-trimmed block* of a model with sliding-window layers:
+    /// [`Self::planes`] less every window layer's, in the same order. A block that no
+    /// continuation can still attend to through its window layers is stored this way
+    /// (docs/cache.md, "Window layers"). Empty for models without window layers, whose
+    /// blocks all carry every plane.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trimmed_planes: Vec<PlaneSpec>,
 }
 
 impl NamespaceDescription {
@@ -68,23 +75,55 @@ impl NamespaceDescription {
             salt: None,
             planes: Vec::new(),
             state_planes: Vec::new(),
+            trimmed_planes: Vec::new(),
         }
     }
 
-    /// Checks a block's plane layout: exactly [`Self::planes`], or for a snapshot block of
-    /// a hybrid model, [`Self::planes`] followed by [`Self::state_planes`].
+    /// Checks a block's plane layout: [`Self::planes`] or, for a window-trimmed block,
+    /// [`Self::trimmed_planes`]; for a snapshot block of a hybrid model either of them
+    /// followed by [`Self::state_planes`].
     pub(crate) fn check_planes(&self, found: &[PlaneSpec]) -> Result<(), crate::LayoutError> {
-        let snapshot = self.planes.len() + self.state_planes.len();
-        if !self.state_planes.is_empty() && found.len() == snapshot {
-            let expected: Vec<PlaneSpec> = self
-                .planes
-                .iter()
-                .chain(&self.state_planes)
-                .cloned()
-                .collect();
-            return crate::block::check_specs(&expected, found);
+        let full = self.check_layout(&self.planes, found);
+        if full.is_err() && self.is_trimmed(found) {
+            return Ok(());
         }
-        crate::block::check_specs(&self.planes, found)
+        full
+    }
+
+    /// Whether `found` is the layout of a window-trimmed block of this namespace
+    /// ([`Self::trimmed_planes`], then the state planes for a snapshot block).
+    pub fn is_trimmed(&self, found: &[PlaneSpec]) -> bool {
+        !self.trimmed_planes.is_empty()
+            && self.check_layout(&self.trimmed_planes, found).is_ok()
+            && self.check_layout(&self.planes, found).is_err()
+    }
+
+    /// Checks `found` against the K/V layout `kv`, alone or followed by the state planes.
+    fn check_layout(
+        &self,
+        kv: &[PlaneSpec],
+        found: &[PlaneSpec],
+    ) -> Result<(), crate::LayoutError> {
+        let check = |kv: &[PlaneSpec]| {
+            if !self.state_planes.is_empty() && found.len() == kv.len() + self.state_planes.len() {
+                let expected: Vec<PlaneSpec> =
+                    kv.iter().chain(&self.state_planes).cloned().collect();
+                return crate::block::check_specs(&expected, found);
+            }
+            crate::block::check_specs(kv, found)
+        };
+        check(kv)
+    }
+
+    /// Bytes a window-trimmed block leaves out: those of [`Self::planes`] less those of
+    /// [`Self::trimmed_planes`] (0 without window layers).
+    pub fn trimmed_bytes_per_block(&self) -> u64 {
+        if self.trimmed_planes.is_empty() {
+            return 0;
+        }
+        let bytes =
+            |specs: &[PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
+        bytes(&self.planes).saturating_sub(bytes(&self.trimmed_planes))
     }
 
     /// The canonical byte encoding hashed into the id (see docs/store-format.md): every
@@ -123,8 +162,13 @@ impl NamespaceDescription {
         }
         put_specs(&mut out, &self.planes);
         // Appended only when present, so attention-only namespaces keep their encoding.
-        if !self.state_planes.is_empty() {
+        // Field 16 (trimmed planes) comes after field 15, which is then written even when
+        // empty: the fields still parse back in one way only.
+        if !self.state_planes.is_empty() || !self.trimmed_planes.is_empty() {
             put_specs(&mut out, &self.state_planes);
+        }
+        if !self.trimmed_planes.is_empty() {
+            put_specs(&mut out, &self.trimmed_planes);
         }
         out
     }
@@ -175,7 +219,20 @@ mod tests {
         assert!(d.check_planes(&[kv.clone(), state.clone()]).is_ok());
         let other = PlaneSpec::new("states.0.0", Dtype::F32, vec![3, 64]);
         assert!(d.check_planes(&[kv.clone(), other]).is_err());
-        assert!(d.check_planes(&[state, kv]).is_err());
+        assert!(d.check_planes(&[state.clone(), kv.clone()]).is_err());
+        // A window-trimmed block: the planes less the window layers', with or without state.
+        let window = PlaneSpec::new("layers.1.k", Dtype::F32, vec![2, 16, 8]);
+        d.planes = vec![kv.clone(), window.clone()];
+        assert!(d.check_planes(std::slice::from_ref(&kv)).is_err());
+        d.trimmed_planes = vec![kv.clone()];
+        assert!(d.check_planes(std::slice::from_ref(&kv)).is_ok());
+        assert!(d.check_planes(&[kv.clone(), state.clone()]).is_ok());
+        assert!(d
+            .check_planes(&[kv.clone(), window.clone(), state.clone()])
+            .is_ok());
+        assert!(d.check_planes(std::slice::from_ref(&window)).is_err());
+        assert!(d.check_planes(&[]).is_err());
+        assert_eq!(d.trimmed_bytes_per_block(), 2 * 16 * 8 * 4);
         // An attention-only description encodes (and is named) as before state planes.
         let json = serde_json::to_string(&NamespaceDescription::new("m", Dtype::F32, 16)).unwrap();
         assert!(!json.contains("state_planes"));
@@ -208,7 +265,17 @@ mod tests {
                 d.state_planes
                     .push(PlaneSpec::new("states.0.0", Dtype::F32, vec![2, 8]))
             }),
+            Box::new(|d| {
+                d.trimmed_planes
+                    .push(PlaneSpec::new("layers.0.k", Dtype::F32, vec![2, 8]))
+            }),
         ];
+        // State planes and trimmed planes of the same layout are told apart.
+        let spec = PlaneSpec::new("p", Dtype::F32, vec![2, 8]);
+        let (mut s, mut t) = (base.clone(), base.clone());
+        s.state_planes = vec![spec.clone()];
+        t.trimmed_planes = vec![spec];
+        assert_ne!(s.id(), t.id());
         for (i, change) in variants.iter().enumerate() {
             let mut d = base.clone();
             change(&mut d);

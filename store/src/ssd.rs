@@ -901,13 +901,37 @@ impl<F: FileSystem> SsdTier<F> {
     /// Writes a block durably (temp file, fsync, rename, fsync directory), evicting least
     /// recently used blocks first so the budget holds. On `Ok` the block survives a crash.
     pub fn put(&self, block: &Block) -> Result<WriteOutcome, WriteError> {
+        self.put_or_replace(block, false)
+    }
+
+    /// Writes `block` in place of the stored file of its key when that file holds other
+    /// planes (a window-trimmed copy of the block replacing the whole one, or the whole one
+    /// replacing a trimmed copy): the new file is written and renamed over the old one,
+    /// so a reader sees one or the other, never a mix, and a crash leaves one of them.
+    /// A file of the same length class (the same planes) is only touched; an absent key
+    /// is put.
+    pub fn replace(&self, block: &Block) -> Result<WriteOutcome, WriteError> {
+        self.put_or_replace(block, true)
+    }
+
+    fn put_or_replace(&self, block: &Block, replace: bool) -> Result<WriteOutcome, WriteError> {
         self.check_writable()?;
         let _w = lock(&self.write_lock);
         let ns = block.meta.namespace;
         let key = block.meta.key;
         if lock(&self.state).index.contains(&(ns, key)) {
-            self.touch(ns, key);
-            return Ok(WriteOutcome::AlreadyPresent);
+            // The same planes give a file of at least their bytes and at most the estimate.
+            let same = !replace
+                || self
+                    .fs
+                    .symlink_metadata(&self.block_path(ns, key))
+                    .is_ok_and(|m| {
+                        (block.data_len()..=codec::estimate_file_len(block)).contains(&m.len)
+                    });
+            if same {
+                self.touch(ns, key);
+                return Ok(WriteOutcome::AlreadyPresent);
+            }
         }
         codec::check_encodable(block).map_err(|e| WriteError::Invalid {
             key,
@@ -1006,7 +1030,7 @@ impl<F: FileSystem> SsdTier<F> {
             let seq = st.next_seq;
             st.next_seq += 1;
             let now = now_unix_ms();
-            st.index.push(
+            let replaced = st.index.push(
                 (ns, key),
                 Entry {
                     phys,
@@ -1014,6 +1038,9 @@ impl<F: FileSystem> SsdTier<F> {
                     seq,
                 },
             );
+            if let Some((_, old)) = replaced.filter(|(k, _)| *k == (ns, key)) {
+                st.used -= old.phys;
+            }
             st.used += phys;
             self.journal_append(
                 &mut st,

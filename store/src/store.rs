@@ -239,6 +239,9 @@ impl std::fmt::Debug for LoadedPrefix {
 
 enum Job {
     Write(Arc<Block>),
+    /// A block to write in place of the SSD's copy of its key when that holds other planes
+    /// ([`SsdTier::replace`]); written like [`Job::Write`] when the SSD has none.
+    Replace(Arc<Block>),
     /// A block that left the RAM tier while the SSD held it: written only if the SSD no
     /// longer does when the job runs (its SSD recency is left as it is). The worker decides,
     /// not the evicting thread: the SSD copy seen at eviction time may be evicted by writes
@@ -488,6 +491,17 @@ impl<F: FileSystem> Store<F> {
                 )));
             }
         }
+        // Trimmed blocks leave planes out; they never add or reorder any.
+        let mut rest = desc.planes.iter();
+        if !desc
+            .trimmed_planes
+            .iter()
+            .all(|t| rest.by_ref().any(|p| p == t))
+        {
+            return Err(RegisterError::Invalid(
+                "trimmed planes are not a subsequence of the planes".into(),
+            ));
+        }
         let id = match &self.shared.ssd {
             Some(ssd) => ssd.write_namespace(desc)?,
             None => desc.id(),
@@ -513,7 +527,25 @@ impl<F: FileSystem> Store<F> {
     /// Inserts a published block into the RAM tier. Checks the namespace, key derivation,
     /// token count and plane layout first. RAM evictions are queued for the SSD tier
     /// without blocking; with [`WritePolicy::WriteThrough`] the block itself is queued too.
+    /// In a namespace with window-trimmed blocks (docs/cache.md, "Window layers"), a
+    /// trimmed block whose key is stored already is not inserted (the stored copy may
+    /// carry window planes a tail needs), and a whole block replaces a stored trimmed copy
+    /// as [`Store::insert_replacing`] does.
     pub fn insert(&self, payload: Arc<Block>) -> Result<(), InsertError> {
+        self.insert_or_replace(payload, false)
+    }
+
+    /// Inserts `payload` as [`Store::insert`] does, in place of a stored block of the same
+    /// key that carries other planes: a window-trimmed copy of a block whose window planes
+    /// no continuation reads any more, or a whole block where a trimmed copy is stored
+    /// (docs/cache.md, "Window layers"). The RAM tier holds the new copy at once; the SSD
+    /// copy is rewritten by the write-behind worker (atomically, renamed over the old
+    /// file), whatever the write policy; the remote tier's is overwritten.
+    pub fn insert_replacing(&self, payload: Arc<Block>) -> Result<(), InsertError> {
+        self.insert_or_replace(payload, true)
+    }
+
+    fn insert_or_replace(&self, payload: Arc<Block>, replace: bool) -> Result<(), InsertError> {
         let meta = &payload.meta;
         let (ns, key) = (meta.namespace, meta.key);
         let desc = self
@@ -533,23 +565,44 @@ impl<F: FileSystem> Store<F> {
                 }),
             });
         }
-        desc.check_planes(&payload.plane_specs())
+        let specs = payload.plane_specs();
+        desc.check_planes(&specs)
             .map_err(|source| InsertError::Layout {
                 key,
                 source: Box::new(source),
             })?;
-        let evicted = lock(&self.shared.ram).insert(payload.clone());
-        if self.shared.config.write_policy == WritePolicy::WriteThrough {
-            // The worker writes it, or only refreshes its recency if it is stored by then.
-            self.enqueue(payload.clone());
-        } else if let Some(tx) = &self.tx {
-            let stored = lock(&self.shared.pending).contains_key(&(ns, key))
+        let stored = || {
+            lock(&self.shared.pending).contains_key(&(ns, key))
                 || self
                     .shared
                     .ssd
                     .as_ref()
-                    .is_some_and(|s| s.contains(ns, key));
-            if stored {
+                    .is_some_and(|s| s.contains(ns, key))
+        };
+        let mut replace = replace;
+        if !replace && !desc.trimmed_planes.is_empty() {
+            if desc.is_trimmed(&specs) {
+                // A stored copy of the key may carry the window planes another sequence's
+                // tail needs: a trimmed one never displaces it.
+                if lock(&self.shared.ram).contains(ns, key) || stored() {
+                    return Ok(());
+                }
+            } else {
+                // A whole copy replaces a trimmed one wherever one is stored (a tier
+                // holding the same planes only refreshes it).
+                replace = true;
+            }
+        }
+        let evicted = lock(&self.shared.ram).insert(payload.clone());
+        if self.shared.config.write_policy == WritePolicy::WriteThrough {
+            // The worker writes it, or only refreshes its recency if it is stored by then.
+            self.enqueue(payload.clone(), replace);
+        } else if replace && stored() {
+            // The SSD copy (or the one queued) is another layout: replace it now, as a
+            // later spill of the RAM copy would find the key stored and skip it.
+            self.enqueue(payload.clone(), true);
+        } else if let Some(tx) = &self.tx {
+            if stored() {
                 // Re-published while stored or queued: the SSD copy is recent again.
                 // Recency only, so a full queue just skips it; if the SSD copy is evicted
                 // meanwhile, the RAM copy is spilled again on eviction or flush.
@@ -586,7 +639,7 @@ impl<F: FileSystem> Store<F> {
                 .is_some_and(|s| s.contains(m.namespace, m.key));
             if on_ssd {
                 self.enqueue_spill_check(p);
-            } else if self.enqueue(p) {
+            } else if self.enqueue(p, false) {
                 Counters::inc(&self.shared.counters.spills);
             }
         }
@@ -603,14 +656,20 @@ impl<F: FileSystem> Store<F> {
         }
     }
 
-    /// Queues a write without blocking; returns whether it was queued.
-    fn enqueue(&self, p: Arc<Block>) -> bool {
+    /// Queues a write (in place of the SSD's copy when `replace`) without blocking;
+    /// returns whether it was queued.
+    fn enqueue(&self, p: Arc<Block>, replace: bool) -> bool {
         let Some(tx) = &self.tx else {
             return false;
         };
         let k = (p.meta.namespace, p.meta.key);
         lock(&self.shared.pending).insert(k, p.clone());
-        match tx.try_send(Job::Write(p)) {
+        let job = if replace {
+            Job::Replace(p)
+        } else {
+            Job::Write(p)
+        };
+        match tx.try_send(job) {
             Ok(()) => true,
             Err(e) => {
                 lock(&self.shared.pending).remove(&k);
@@ -1075,9 +1134,10 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
     };
     for job in rx {
         let _gate = lock(&shared.write_gate);
-        let (p, refresh) = match job {
-            Job::Write(p) => (p, true),
-            Job::Spill(p) => (p, false),
+        let (p, refresh, replace) = match job {
+            Job::Write(p) => (p, true, false),
+            Job::Replace(p) => (p, true, true),
+            Job::Spill(p) => (p, false, false),
             Job::Touch(ns, key) => {
                 ssd.touch(ns, key);
                 continue;
@@ -1094,14 +1154,18 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
         // `refresh`: a Write job (its block is in `pending`); a Spill job is not.
         let m = &p.meta;
         let k = (m.namespace, m.key);
-        if ssd.contains(k.0, k.1) {
+        if !replace && ssd.contains(k.0, k.1) {
             if refresh {
                 ssd.touch(k.0, k.1);
                 lock(&shared.pending).remove(&k);
             }
             continue;
         }
-        let result = ssd.put(&p);
+        let result = if replace {
+            ssd.replace(&p)
+        } else {
+            ssd.put(&p)
+        };
         if refresh {
             lock(&shared.pending).remove(&k);
         }

@@ -34,7 +34,8 @@ pub struct Args {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 32)]
     block_size: usize,
-    /// Arms to run, comma-separated: cold, device, ram, ssd, ssd-no-snapshots, mlx-lm.
+    /// Arms to run, comma-separated: cold, device, ram, ssd, ssd-no-snapshots,
+    /// ssd-whole-windows (the SSD arm storing every plane of window layers), mlx-lm.
     #[arg(
         long,
         default_value = "cold,device,ram,ssd,mlx-lm",
@@ -100,6 +101,10 @@ struct TurnResult {
     restore_s: f64,
     prefill_s: f64,
     ssd_bytes_written: u64,
+    /// SSD arms: bytes of block files on SSD after the turn.
+    ssd_stored_bytes: u64,
+    /// In-process arms: the token ids generated.
+    generated: Vec<u32>,
 }
 
 #[derive(Serialize)]
@@ -124,8 +129,9 @@ fn arm(name: &str, turns: Vec<TurnResult>) -> Arm {
     }
 }
 
-fn from_report(r: &ReuseReport, written: u64) -> TurnResult {
+fn from_report((generated, r): &(Vec<u32>, ReuseReport), written: u64) -> TurnResult {
     TurnResult {
+        generated: generated.clone(),
         prompt_tokens: r.prompt_tokens,
         cached_tokens: r.cached_tokens,
         cached_device_tokens: r.cached_device_tokens,
@@ -134,7 +140,16 @@ fn from_report(r: &ReuseReport, written: u64) -> TurnResult {
         restore_s: r.restore_s,
         prefill_s: r.prefill_s,
         ssd_bytes_written: written,
+        ssd_stored_bytes: 0,
     }
+}
+
+/// Whether two arms generated the same tokens at every turn both ran.
+fn same_output(a: &Arm, b: &Arm) -> bool {
+    a.turns
+        .iter()
+        .zip(&b.turns)
+        .all(|(x, y)| x.generated == y.generated)
 }
 
 struct Ctx<'a> {
@@ -155,6 +170,7 @@ struct InProcess {
     ram: bool,
     ssd: bool,
     ssd_no_snapshots: bool,
+    ssd_whole_windows: bool,
 }
 
 impl Ctx<'_> {
@@ -163,6 +179,16 @@ impl Ctx<'_> {
     }
 
     fn config_every(&self, dir: &Path, kv_budget: u64, state_every: Option<usize>) -> ReuseConfig {
+        self.config_with(dir, kv_budget, state_every, true)
+    }
+
+    fn config_with(
+        &self,
+        dir: &Path,
+        kv_budget: u64,
+        state_every: Option<usize>,
+        window_trim: bool,
+    ) -> ReuseConfig {
         ReuseConfig {
             store: StoreConfig::default()
                 .root(dir)
@@ -171,20 +197,21 @@ impl Ctx<'_> {
             block_size: self.block_size,
             kv_budget_bytes: kv_budget,
             state_every,
+            window_trim,
             ..ReuseConfig::default()
         }
     }
 
-    fn turn(&self, prefix: Option<&KvTiers>, prompt: &[u32]) -> Result<ReuseReport> {
-        Ok(generate_with_reuse(
+    fn turn(&self, prefix: Option<&KvTiers>, prompt: &[u32]) -> Result<(Vec<u32>, ReuseReport)> {
+        let (g, r) = generate_with_reuse(
             self.model,
             self.tokenizer,
             prefix,
             prompt,
             &self.params,
             &mut |_| true,
-        )?
-        .1)
+        )?;
+        Ok((g.tokens, r))
     }
 
     /// Runs the selected in-process arms turn by turn, interleaved, so that load on this
@@ -196,8 +223,10 @@ impl Ctx<'_> {
             ram,
             ssd,
             ssd_no_snapshots,
+            ssd_whole_windows,
         } = on;
         let dirs = [
+            tempfile::tempdir()?,
             tempfile::tempdir()?,
             tempfile::tempdir()?,
             tempfile::tempdir()?,
@@ -217,7 +246,7 @@ impl Ctx<'_> {
         // A zero device budget keeps nothing resident: every hit comes from host RAM.
         let ram_pc = open(ram, dirs[1].path(), 0)?;
         let (mut c, mut d, mut r) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut s, mut s0) = (Vec::new(), Vec::new());
+        let (mut s, mut s0, mut sw) = (Vec::new(), Vec::new(), Vec::new());
         for (i, p) in self.prompts.iter().enumerate() {
             eprintln!("turn {} ({} prompt tokens)", i + 1, p.len());
             if cold {
@@ -230,18 +259,27 @@ impl Ctx<'_> {
                     out.push(from_report(&rep, pc.stats().bytes_written - before));
                 }
             }
-            for (on, dir, every, out) in [
-                (ssd, &dirs[2], self.state_every, &mut s),
-                (ssd_no_snapshots, &dirs[3], Some(0), &mut s0),
+            for (on, dir, every, trim, out) in [
+                (ssd, &dirs[2], self.state_every, true, &mut s),
+                (ssd_no_snapshots, &dirs[3], Some(0), true, &mut s0),
+                (
+                    ssd_whole_windows,
+                    &dirs[4],
+                    self.state_every,
+                    false,
+                    &mut sw,
+                ),
             ] {
                 if on {
                     // A new store handle each turn: nothing on the device or in RAM, as after
                     // a restart (the cost model is read back from the store, as after one).
-                    let config = self.config_every(dir.path(), self.kv_budget, every);
+                    let config = self.config_with(dir.path(), self.kv_budget, every, trim);
                     let pc = KvTiers::open(self.model, self.tokenizer, config)?;
                     let rep = self.turn(Some(&pc), p)?;
                     pc.flush()?;
-                    out.push(from_report(&rep, pc.stats().bytes_written));
+                    let mut t = from_report(&rep, pc.stats().bytes_written);
+                    t.ssd_stored_bytes = pc.stats().ssd_bytes;
+                    out.push(t);
                 }
             }
         }
@@ -252,6 +290,7 @@ impl Ctx<'_> {
             (ram, "RAM reuse", r),
             (ssd, "SSD reuse", s),
             (ssd_no_snapshots, "SSD reuse, no state snapshots", s0),
+            (ssd_whole_windows, "SSD reuse, whole window layers", sw),
         ] {
             if on {
                 arms.push(arm(name, turns));
@@ -427,7 +466,15 @@ pub fn run(args: Args) -> Result<()> {
     mlx::set_cache_limit(limit as usize)?;
     // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
     ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
-    const ARMS: [&str; 6] = ["cold", "device", "ram", "ssd", "ssd-no-snapshots", "mlx-lm"];
+    const ARMS: [&str; 7] = [
+        "cold",
+        "device",
+        "ram",
+        "ssd",
+        "ssd-no-snapshots",
+        "ssd-whole-windows",
+        "mlx-lm",
+    ];
     for name in &args.arms {
         if !ARMS.contains(&name.as_str()) {
             anyhow::bail!("unknown arm {name:?}: use {}", ARMS.join(", "));
@@ -444,6 +491,7 @@ pub fn run(args: Args) -> Result<()> {
         ram: has("ram"),
         ssd: has("ssd"),
         ssd_no_snapshots: has("ssd-no-snapshots"),
+        ssd_whole_windows: has("ssd-whole-windows"),
     })?;
     let peak_device_bytes = mlx::peak_memory()?;
     if has("mlx-lm") {
@@ -481,6 +529,28 @@ pub fn run(args: Args) -> Result<()> {
             a.name,
             a.total_ttft_s,
             100.0 * a.reused_from_turn_2
+        );
+    }
+    let stored = |a: &Arm| a.turns.last().map_or(0, |t| t.ssd_stored_bytes);
+    let whole = arms
+        .iter()
+        .find(|a| a.name == "SSD reuse, whole window layers")
+        .map(stored);
+    let whole_arm = arms
+        .iter()
+        .find(|a| a.name == "SSD reuse, whole window layers");
+    for a in arms.iter().filter(|a| stored(a) > 0) {
+        let ratio = whole.zip(whole_arm).map_or(String::new(), |(w, wa)| {
+            format!(
+                " ({:.3}x whole window layers; {} generated tokens)",
+                stored(a) as f64 / w as f64,
+                if same_output(a, wa) { "same" } else { "OTHER" }
+            )
+        });
+        println!(
+            "{:>20}: {} bytes stored on SSD after the last turn{ratio}",
+            a.name,
+            stored(a)
         );
     }
     if let Some(cold) = arms.iter().find(|a| a.name == "no cache") {

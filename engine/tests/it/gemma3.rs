@@ -217,6 +217,86 @@ fn gemma3_blocks_larger_than_the_window_restore_exactly() {
 }
 
 #[test]
+fn gemma3_window_layers_store_only_what_a_window_reads_bytes_exactly() {
+    let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    let d = pc.description().clone();
+    // 4 layers, 2 of them with a 16-token window: a trimmed block carries half the planes.
+    assert_eq!(d.trimmed_planes.len() * 2, d.planes.len());
+    let bytes =
+        |specs: &[store::PlaneSpec]| -> u64 { specs.iter().filter_map(|p| p.byte_len()).sum() };
+    let (whole, trimmed) = (bytes(&d.planes), bytes(&d.trimmed_planes));
+    assert_eq!(d.trimmed_bytes_per_block(), whole - trimmed);
+    let prompt = tokens(3, 1_104, model.info().vocab_size);
+    let (_, r) = cached(&model, &tok, &pc, &prompt, 1);
+    // 1,105 tokens hold 138 full blocks. Whole: those a continuation from the prompt's
+    // last full block (1,104) or the one before (1,096) reads through a 16-token window,
+    // positions 1,081..1,103, so the blocks ending at 1,088, 1,096 and 1,104; the other
+    // 135 leave their window planes out.
+    assert_eq!(r.published_blocks, 138);
+    assert_eq!(r.window_trimmed_bytes, 135 * (whole - trimmed));
+    // Publication finishes on the export thread: wait for it.
+    pc.flush().unwrap();
+    assert_eq!(pc.stats().ram_bytes, 3 * whole + 135 * trimmed);
+}
+
+/// A prompt that shares `p` tokens with one published before, served after a restart
+/// (nothing resident): its output is the cold output. Returns the reuse report.
+fn after_restart(model: &Model, tok: &Tokenizer, dir: &Path, prompt: &[u32]) -> ReuseReport {
+    let want = cold(model, tok, prompt, 8);
+    let pc = KvTiers::open(model, tok, config(dir, 8)).unwrap();
+    let (got, r) = cached(model, tok, &pc, prompt, 8);
+    assert_eq!(got, want, "{r:?}");
+    pc.flush().unwrap();
+    r
+}
+
+#[test]
+fn gemma3_a_tail_needed_from_blocks_published_as_interior_is_recomputed_then_stored_whole() {
+    let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
+    let vocab = model.info().vocab_size;
+    let dir = tempfile::tempdir().unwrap();
+    let long = tokens(21, 600, vocab);
+    {
+        let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
+        cached(&model, &tok, &pc, &long, 1);
+        pc.flush().unwrap();
+    }
+    // A fork at 304, long after the window: its blocks were published interior (trimmed),
+    // so a restore may not end there; it stops where every window key is real (nowhere
+    // before 304 here) and recomputes, giving the cold output.
+    let mut fork = long[..304].to_vec();
+    fork.extend(tokens(22, 40, vocab));
+    let r = after_restart(&model, &tok, dir.path(), &fork);
+    assert_eq!(r.cached_tokens, 0, "{r:?}");
+    assert_eq!(r.window_recomputed_tokens, 304, "{r:?}");
+    // That request published the window before 304 whole (replacing the trimmed copies
+    // on SSD): the next fork there restores 304 tokens from SSD.
+    let mut again = long[..304].to_vec();
+    again.extend(tokens(23, 40, vocab));
+    let r = after_restart(&model, &tok, dir.path(), &again);
+    assert_eq!((r.cached_tokens, r.cached_ssd_tokens), (304, 304), "{r:?}");
+    // The long sequence's own end (blocks stored whole when it was published) restores;
+    // a fork inside its first window is a fork from its inside like any other.
+    let mut resumed = long.clone();
+    resumed.extend(tokens(24, 20, vocab));
+    let r = after_restart(&model, &tok, dir.path(), &resumed);
+    assert_eq!(r.cached_ssd_tokens, 600, "{r:?}");
+    let mut short = long[..12].to_vec();
+    short.extend(tokens(25, 30, vocab));
+    let r = after_restart(&model, &tok, dir.path(), &short);
+    assert_eq!(
+        (r.cached_tokens, r.window_recomputed_tokens),
+        (0, 8),
+        "{r:?}"
+    );
+    // Resent after another restart, it restores its whole chain (40 tokens) from SSD.
+    let r = after_restart(&model, &tok, dir.path(), &short);
+    assert_eq!(r.cached_ssd_tokens, 40, "{r:?}");
+}
+
+#[test]
 fn gemma3_multi_turn_reuse_matches_cold_output_at_every_turn() {
     let (model, tok) = load(&tiny(), &LoadOptions::default()).unwrap();
     let vocab = model.info().vocab_size;

@@ -207,3 +207,95 @@ fn write_through_persists_without_eviction_and_flush_is_durable() {
     let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
     assert_eq!(loaded.blocks.len(), 5);
 }
+
+/// A namespace whose blocks may leave out their "window" layer (`l1.*`): whole blocks
+/// carry `l0.k, l0.v, l1.k, l1.v`, trimmed ones `l0.k, l0.v`.
+fn windowed() -> store::NamespaceDescription {
+    let mut d = common::desc("windowed", 64);
+    d.layers = vec!["global".into(), "window(8)".into()];
+    let l1: Vec<store::PlaneSpec> = d
+        .planes
+        .iter()
+        .map(|p| store::PlaneSpec::new(p.name.replace("l0", "l1"), p.dtype, p.shape.clone()))
+        .collect();
+    d.trimmed_planes = d.planes.clone();
+    d.planes.extend(l1);
+    d
+}
+
+fn trimmed(b: &Block) -> Block {
+    let mut t = b.clone();
+    t.planes.truncate(2);
+    t
+}
+
+#[test]
+fn a_replacing_insert_swaps_whole_and_trimmed_copies_in_ram_and_on_ssd() {
+    for policy in [WritePolicy::WriteThrough, WritePolicy::WriteBack] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = windowed();
+        let cfg = StoreConfig::default().root(dir.path()).write_policy(policy);
+        let (blocks, toks) = common::chain(&d, 3, 4);
+        let planes = |s: &Store, ns| -> Vec<usize> {
+            let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
+            assert!(loaded.stopped.is_none(), "{:?}", loaded.stopped);
+            loaded.blocks.iter().map(|(b, _)| b.planes.len()).collect()
+        };
+        let ns;
+        {
+            let s: Store = Store::open(cfg.clone()).unwrap();
+            ns = s.register_namespace(&d).unwrap();
+            for b in &blocks {
+                s.insert(Arc::new(b.clone())).unwrap();
+            }
+            s.flush().unwrap();
+            // A plain insert of a trimmed copy changes nothing on SSD; a replacing one
+            // does, in RAM at once.
+            s.insert_replacing(Arc::new(trimmed(&blocks[0]))).unwrap();
+            s.insert_replacing(Arc::new(trimmed(&blocks[1]))).unwrap();
+            assert_eq!(planes(&s, ns), [2, 2, 4], "{policy:?}");
+            s.flush().unwrap();
+        }
+        let whole = blocks.iter().map(Block::data_len).sum::<u64>();
+        {
+            let s: Store = Store::open(cfg.clone()).unwrap();
+            assert_eq!(s.register_namespace(&d).unwrap(), ns);
+            assert_eq!(planes(&s, ns), [2, 2, 4], "{policy:?} after a restart");
+            // The SSD tier counts the smaller files: less than the three whole blocks.
+            assert!(s.stats().ssd_bytes < whole + 3 * 4096, "{policy:?}");
+            // Back to whole (a tail needed again), and an identical whole copy: touched only.
+            s.insert_replacing(Arc::new(blocks[1].clone())).unwrap();
+            s.insert_replacing(Arc::new(blocks[2].clone())).unwrap();
+            s.flush().unwrap();
+        }
+        let s: Store = Store::open(cfg).unwrap();
+        s.register_namespace(&d).unwrap();
+        assert_eq!(
+            planes(&s, ns),
+            [2, 4, 4],
+            "{policy:?} after the second restart"
+        );
+        assert_eq!(s.stats().ssd_blocks, 3);
+        drop(s);
+        // `kvstore inspect` tells the trimmed blocks and the bytes they leave out.
+        let r = store::inspect::inspect(dir.path(), true).unwrap();
+        let n = r.namespaces.iter().find(|n| n.id == ns).unwrap();
+        assert_eq!((n.blocks, n.window_trimmed_blocks), (3, 1));
+        assert_eq!(n.window_trimmed_bytes, d.trimmed_bytes_per_block());
+        assert_eq!(n.window_trimmed_bytes, 2 * 64 * 8 * 4);
+        assert!(r.corrupt.is_empty());
+    }
+}
+
+#[test]
+fn a_namespace_whose_trimmed_planes_are_not_a_subsequence_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s: Store = Store::open(StoreConfig::default().root(dir.path())).unwrap();
+    let mut d = windowed();
+    d.trimmed_planes.reverse();
+    assert!(s.register_namespace(&d).is_err());
+    let mut d = windowed();
+    d.trimmed_planes
+        .push(store::PlaneSpec::new("l9.k", store::Dtype::F32, vec![1]));
+    assert!(s.register_namespace(&d).is_err());
+}
