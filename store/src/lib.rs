@@ -11,11 +11,13 @@
 //!   hash over a canonical, versioned encoding. A [`BlockKey`] is
 //!   `blake3(parent || token ids)` with the namespace id as the root parent, so a block is
 //!   named by its whole prefix: [`chain_keys`] turns token ids into the keys to look up.
-//! - [`Store`] is the facade: a [`RamTier`] (byte-bounded LRU of host-byte blocks; the
+//! - [`Store`] is the facade: a [`RamTier`] (byte-bounded cache of host-byte blocks; the
 //!   store never calls MLX) over an [`SsdTier`] (one safetensors file per
-//!   block, checksummed, crash safe, byte-budgeted, LRU order persisted), joined by a
+//!   block, checksummed, crash safe, byte-budgeted, recency persisted), joined by a
 //!   write-behind worker, and optionally a [`remote`] tier on Redis shared between engines
 //!   (lookups in one pipelined round trip, verified fetches, asynchronous publication).
+//! - Both tiers evict by one [`EvictionPolicy`] ([`eviction`]: LRU, LFU, or frequency-gated
+//!   admission, the default), the same code `kvstore bench trace --simulate` runs.
 //! - [`Pins`] keep chosen blocks out of eviction in every tier until they expire (prompt
 //!   caching's breakpoints and retention); durable pins survive a restart.
 //! - [`gc`] and [`inspect`] look after a store directory offline; the `kvstore` binary
@@ -53,6 +55,7 @@
 mod block;
 mod codec;
 mod error;
+pub mod eviction;
 pub mod format;
 pub mod fs;
 #[doc(hidden)]
@@ -76,6 +79,7 @@ pub mod tier;
 pub use block::{Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
 pub use codec::{BlockHeader, DecodeError};
 pub use error::{InsertError, OpenError, RegisterError, WriteError};
+pub use eviction::EvictionPolicy;
 pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
 pub use namespace::{KvQuantization, NamespaceDescription};
 pub use pins::{PinnedBytes, Pins, PERSIST_SLACK};

@@ -1,34 +1,48 @@
-//! The RAM tier: shared immutable blocks under a byte budget, evicted leaves first.
+//! The RAM tier: shared immutable blocks under a byte budget, evicted leaves first, in the
+//! order of the store's [`EvictionPolicy`].
 //!
 //! Blocks form chains (each names its parent), and a block is only reachable through its
 //! ancestors: evicting a root makes every descendant useless. So the tier never evicts a
 //! block while one of its children is resident. Among the blocks it may evict it takes, in
 //! order: blocks whose parent is no longer resident (already cut off from their chain), then
-//! leaves by recency, least recent first. A leaf's recency is its last insert, hit or
-//! [`RamTier::touch_chain`], which refreshes a chain from its last block back to its root, so
-//! a chain's root is its most recent block (vLLM's rule: a finished request's blocks are freed
-//! tail first). A long chain inserted root first in one burst therefore keeps its prefix.
+//! leaves by the policy's [`Rank`]: under LRU least recent first. A leaf's recency is its
+//! last insert, hit or [`RamTier::touch_chain`], which refreshes a chain from its last block
+//! back to its root, so a chain's root is its most recent block (vLLM's rule: a finished
+//! request's blocks are freed tail first). A long chain inserted root first in one burst
+//! therefore keeps its prefix.
+//!
+//! A use (an insert or a hit, not a [`RamTier::touch_chain`]) is counted by the policy.
+//! Under freq-admit a new block that would push out a leaf used as often or more, which
+//! has not sat idle for a whole turnover of the tier, is not admitted: [`RamTier::insert`]
+//! hands it back like an evicted block, and the [`Store`](crate::Store) spills it to the
+//! SSD tier as it does evicted blocks. A cut-off victim never refuses a newcomer.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crate::block::Block;
+use crate::eviction::{EvictionPolicy, PolicyState, Rank};
 use crate::key::{BlockKey, NamespaceId};
 use crate::pins::Pins;
 
 type Id = (NamespaceId, BlockKey);
 
-/// Eviction rank of an evictable block: smallest goes first. `cut` is 0 for a block whose
-/// parent is not resident (evicted before any attached leaf), 1 otherwise.
-type Rank = (u8, u64, Id);
+/// Eviction order of an evictable block: smallest goes first. The first field is 0 for a
+/// block whose parent is not resident (evicted before any attached leaf), 1 otherwise.
+type Order = (u8, Rank, Id);
 
 struct Slot {
     block: Arc<Block>,
     /// The parent's id, `None` for the first block of a chain.
     parent: Option<Id>,
+    /// Recency: the tier's stamp at the last insert, hit or touch.
     stamp: u64,
-    /// The rank under which the block sits in `evictable`, while it has no resident child.
-    rank: Option<Rank>,
+    /// The policy's count ([`crate::eviction::Use::count`]).
+    count: u64,
+    /// The policy's use clock at the last insert or hit.
+    last_use: u64,
+    /// The order under which the block sits in `evictable`, while it has no resident child.
+    order: Option<Order>,
 }
 
 /// A byte-bounded store of `Arc<Block>` that evicts chains leaves first. Not synchronized: the
@@ -37,12 +51,15 @@ pub struct RamTier {
     slots: HashMap<Id, Slot>,
     /// Resident children of each id (resident or not).
     children: HashMap<Id, Vec<BlockKey>>,
-    evictable: BTreeSet<Rank>,
+    evictable: BTreeSet<Order>,
     next_stamp: u64,
     used: u64,
     budget: u64,
     /// Keys eviction skips ([`Pins`]); empty unless set.
     pins: Arc<Pins>,
+    policy: PolicyState<Id>,
+    /// New blocks the policy did not admit.
+    not_admitted: u64,
 }
 
 fn parent_of(meta: &crate::BlockMeta) -> Option<Id> {
@@ -50,8 +67,14 @@ fn parent_of(meta: &crate::BlockMeta) -> Option<Id> {
 }
 
 impl RamTier {
-    /// An empty tier holding at most `budget` bytes (by [`Block::data_len`]).
+    /// An empty tier holding at most `budget` bytes (by [`Block::data_len`]), evicting
+    /// least recently used leaves first.
     pub fn new(budget: u64) -> Self {
+        RamTier::with_policy(budget, EvictionPolicy::Lru)
+    }
+
+    /// An empty tier holding at most `budget` bytes, evicting by `policy`.
+    pub fn with_policy(budget: u64, policy: EvictionPolicy) -> Self {
         RamTier {
             slots: HashMap::new(),
             children: HashMap::new(),
@@ -60,7 +83,19 @@ impl RamTier {
             used: 0,
             budget,
             pins: Arc::new(Pins::new()),
+            policy: PolicyState::new(policy),
+            not_admitted: 0,
         }
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> EvictionPolicy {
+        self.policy.policy()
+    }
+
+    /// New blocks the policy did not admit so far (handed back by [`RamTier::insert`]).
+    pub fn not_admitted(&self) -> u64 {
+        self.not_admitted
     }
 
     /// Sets the pins eviction spares (the store's, shared with its other tiers).
@@ -83,48 +118,89 @@ impl RamTier {
         self.next_stamp
     }
 
-    /// Puts `id` into `evictable` under its current rank if it has no resident child, or
+    /// Blocks the tier holds when full: the budget over the mean resident block (over
+    /// `size` while empty). Exact when every block has the same size.
+    fn capacity(&self, size: u64) -> u64 {
+        let mean = match self.slots.len() as u64 {
+            0 => size,
+            n => self.used / n,
+        };
+        self.budget / mean.max(1)
+    }
+
+    /// The order `id` has in `evictable` now: `None` while it has a resident child.
+    fn order_of(&self, id: Id) -> Option<Order> {
+        let slot = self.slots.get(&id)?;
+        if self.children.get(&id).is_some_and(|c| !c.is_empty()) {
+            return None;
+        }
+        let cut = slot.parent.is_some_and(|p| !self.slots.contains_key(&p));
+        Some((u8::from(!cut), self.policy.rank(slot.count, slot.stamp), id))
+    }
+
+    /// Puts `id` into `evictable` under its current order if it has no resident child, or
     /// takes it out if it has one.
     fn rerank(&mut self, id: Id) {
-        let has_child = self.children.get(&id).is_some_and(|c| !c.is_empty());
-        let Some(slot) = self.slots.get(&id) else {
+        let order = self.order_of(id);
+        let Some(slot) = self.slots.get_mut(&id) else {
             return;
         };
-        let rank = (!has_child).then(|| {
-            let cut = slot.parent.is_some_and(|p| !self.slots.contains_key(&p));
-            (u8::from(!cut), slot.stamp, id)
-        });
-        let old = slot.rank;
-        if old == rank {
+        let old = std::mem::replace(&mut slot.order, order);
+        if old == order {
             return;
         }
         if let Some(old) = old {
             self.evictable.remove(&old);
         }
-        if let Some(rank) = rank {
-            self.evictable.insert(rank);
-        }
-        if let Some(slot) = self.slots.get_mut(&id) {
-            slot.rank = rank;
+        if let Some(order) = order {
+            self.evictable.insert(order);
         }
     }
 
-    fn refresh(&mut self, id: Id) -> bool {
-        let stamp = self.stamp();
-        match self.slots.get_mut(&id) {
-            Some(slot) => {
-                slot.stamp = stamp;
-                self.rerank(id);
-                true
+    /// Counts a use of `id` (resident or about to be) and returns its count and clock.
+    /// When freq-admit halved its counts, every resident block is ranked again.
+    fn record_use(&mut self, id: Id, size: u64) -> crate::eviction::Use {
+        let capacity = self.capacity(size);
+        let cached = self.slots.get(&id).map(|s| s.count);
+        let u = self.policy.record_use(id, cached, capacity);
+        if u.halved {
+            let ids: Vec<Id> = self.slots.keys().copied().collect();
+            for k in &ids {
+                let count = self.policy.count(*k);
+                if let Some(s) = self.slots.get_mut(k) {
+                    s.count = count;
+                }
             }
-            None => false,
+            for k in ids {
+                self.rerank(k);
+            }
         }
+        u
+    }
+
+    /// Marks `id` as just used (`counted`: a hit, counted by the policy; else a recency
+    /// refresh only). Returns whether it is resident.
+    fn refresh(&mut self, id: Id, counted: bool) -> bool {
+        let Some(size) = self.slots.get(&id).map(|s| s.block.data_len()) else {
+            return false;
+        };
+        let used = counted.then(|| self.record_use(id, size));
+        let stamp = self.stamp();
+        if let Some(slot) = self.slots.get_mut(&id) {
+            slot.stamp = stamp;
+            if let Some(u) = used {
+                slot.count = u.count;
+                slot.last_use = u.at;
+            }
+        }
+        self.rerank(id);
+        true
     }
 
     fn take(&mut self, id: Id) -> Option<Arc<Block>> {
         let slot = self.slots.remove(&id)?;
-        if let Some(rank) = slot.rank {
-            self.evictable.remove(&rank);
+        if let Some(order) = slot.order {
+            self.evictable.remove(&order);
         }
         self.used -= slot.block.data_len();
         if let Some(parent) = slot.parent {
@@ -143,11 +219,22 @@ impl RamTier {
         Some(slot.block)
     }
 
+    /// The first block eviction would take now, other than `except` unless that one is cut
+    /// off from its chain; pinned blocks are passed over.
+    fn victim(&self, except: Option<Id>) -> Option<Order> {
+        self.evictable
+            .iter()
+            .copied()
+            .find(|&(cut, _, v)| (Some(v) != except || cut == 0) && !self.pins.is_pinned(v.0, v.1))
+    }
+
     /// Inserts `block` as most recently used and returns what had to leave to keep the
     /// budget, in eviction order. A block larger than the whole budget is not admitted and
-    /// comes back as the only element. Re-inserting a present key replaces and refreshes it.
-    /// Pinned blocks never leave: when only pinned blocks (and ancestors of resident
-    /// blocks) are left to evict, the new block itself leaves (it comes back last).
+    /// comes back as the only element, as does a new block the policy does not admit
+    /// (freq-admit: its first victim was used as often or more, and recently). Re-inserting
+    /// a present key replaces and refreshes it. Pinned blocks never leave: when only pinned
+    /// blocks (and ancestors of resident blocks) are left to evict, the new block itself
+    /// leaves (it comes back last).
     pub fn insert(&mut self, block: Arc<Block>) -> Vec<Arc<Block>> {
         let size = block.data_len();
         if size > self.budget {
@@ -159,16 +246,31 @@ impl RamTier {
         if let Some(slot) = self.slots.get_mut(&id) {
             self.used = self.used - slot.block.data_len() + size;
             slot.block = block;
-            self.refresh(id);
+            self.refresh(id, true);
         } else {
+            let capacity = self.capacity(size);
+            let u = self.record_use(id, size);
             let stamp = self.stamp();
+            if self.used + size > self.budget && !self.pins.is_pinned(id.0, id.1) {
+                let rank = self.policy.rank(u.count, stamp);
+                let refused = self.victim(None).is_some_and(|(cut, victim, v)| {
+                    let last_use = self.slots.get(&v).map_or(0, |s| s.last_use);
+                    cut == 1 && !self.policy.admits(rank, victim, last_use, capacity)
+                });
+                if refused {
+                    self.not_admitted += 1;
+                    return vec![block];
+                }
+            }
             self.slots.insert(
                 id,
                 Slot {
                     block,
                     parent,
                     stamp,
-                    rank: None,
+                    count: u.count,
+                    last_use: u.at,
+                    order: None,
                 },
             );
             self.used += size;
@@ -183,11 +285,8 @@ impl RamTier {
         }
         let mut evicted = Vec::new();
         while self.used > self.budget {
-            let victim = self
-                .evictable
-                .iter()
-                .map(|&(_, _, id)| id)
-                .find(|&(ns, key)| !self.pins.is_pinned(ns, key));
+            // The new block makes room by others leaving, unless it is cut off itself.
+            let victim = self.victim(Some(id)).map(|(_, _, v)| v);
             // Nothing unpinned can go: the new block does not stay beside the pins.
             match self.take(victim.unwrap_or(id)) {
                 Some(p) => evicted.push(p),
@@ -200,20 +299,20 @@ impl RamTier {
         evicted
     }
 
-    /// The block, marked most recently used.
+    /// The block, marked most recently used (a use, counted by the policy).
     pub fn get(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<Block>> {
         let p = self.slots.get(&(ns, key))?.block.clone();
-        self.refresh((ns, key));
+        self.refresh((ns, key), true);
         Some(p)
     }
 
     /// Marks the resident blocks of a chain as used, from the last key back to the first,
     /// so the root ends up the most recent and the chain is evicted leaves first. `keys`
     /// runs root first (as [`chain_keys`](crate::chain_keys) returns them); absent keys are
-    /// skipped.
+    /// skipped. Recency only: the policy does not count it as a use.
     pub fn touch_chain(&mut self, ns: NamespaceId, keys: &[BlockKey]) {
         for &key in keys.iter().rev() {
-            self.refresh((ns, key));
+            self.refresh((ns, key), false);
         }
     }
 
@@ -248,7 +347,7 @@ impl RamTier {
     }
 
     /// Every block, last to be evicted first: the reverse of the order in which the tier
-    /// would evict them all (recency unchanged).
+    /// would evict them all (ranks unchanged).
     pub fn snapshot(&self) -> Vec<Arc<Block>> {
         // Replay eviction on a copy of the bookkeeping: leaves leave first, and a parent
         // becomes evictable once its last resident child has gone.
@@ -259,7 +358,7 @@ impl RamTier {
             .map(|(id, c)| (*id, c.len()))
             .collect();
         let mut gone: std::collections::HashSet<Id> = std::collections::HashSet::new();
-        let mut queue: BTreeSet<Rank> = self.evictable.clone();
+        let mut queue: BTreeSet<Order> = self.evictable.clone();
         let mut order = Vec::with_capacity(self.slots.len());
         while let Some((_, _, id)) = queue.pop_first() {
             let Some(slot) = self.slots.get(&id) else {
@@ -279,7 +378,8 @@ impl RamTier {
                     let cut = ps
                         .parent
                         .is_some_and(|g| !self.slots.contains_key(&g) || gone.contains(&g));
-                    queue.insert((u8::from(!cut), ps.stamp, parent));
+                    let rank = self.policy.rank(ps.count, ps.stamp);
+                    queue.insert((u8::from(!cut), rank, parent));
                 }
             }
         }
@@ -353,5 +453,137 @@ mod tests {
             .map(|x| x.meta.key)
             .collect();
         assert_eq!(order, expected);
+    }
+
+    /// One-block chains (roots), 10 bytes each, seeds 10.. so they differ from `chain`'s.
+    fn roots(n: usize) -> Vec<Arc<Block>> {
+        (0..n).map(|i| chain(1, 10 + i as u32).remove(0)).collect()
+    }
+
+    fn resident(ram: &RamTier, blocks: &[Arc<Block>]) -> Vec<bool> {
+        blocks
+            .iter()
+            .map(|b| ram.contains(b.meta.namespace, b.meta.key))
+            .collect()
+    }
+
+    /// Room for 2 roots; A is used twice, then B, C, D arrive once each.
+    /// lru: C evicts A (least recent), D evicts B.
+    /// lfu: C evicts B (count 1 against A's 2), D evicts C.
+    /// freq-admit: C would evict B (count 1, used 1 use ago): not admitted; D likewise.
+    #[test]
+    fn each_policy_on_a_popular_block_and_a_scan() {
+        let [a, b, c, d]: [Arc<Block>; 4] = roots(4).try_into().unwrap();
+        let run = |policy| {
+            let mut ram = RamTier::with_policy(20, policy);
+            let mut out = Vec::new();
+            ram.insert(a.clone());
+            ram.get(a.meta.namespace, a.meta.key).unwrap();
+            for x in [&b, &c, &d] {
+                out.push(
+                    ram.insert(x.clone())
+                        .iter()
+                        .map(|e| e.meta.tokens[0])
+                        .collect::<Vec<_>>(),
+                );
+            }
+            (
+                out,
+                resident(&ram, &[a.clone(), b.clone(), c.clone(), d.clone()]),
+                ram,
+            )
+        };
+        let (out, res, ram) = run(EvictionPolicy::Lru);
+        assert_eq!(out, vec![vec![], vec![10], vec![11]]);
+        assert_eq!(res, vec![false, false, true, true]);
+        assert_eq!(ram.not_admitted(), 0);
+        let (out, res, _) = run(EvictionPolicy::Lfu);
+        assert_eq!(out, vec![vec![], vec![11], vec![12]]);
+        assert_eq!(res, vec![true, false, false, true]);
+        let (out, res, ram) = run(EvictionPolicy::FreqAdmit);
+        // The refused block itself comes back, for the store to spill.
+        assert_eq!(out, vec![vec![], vec![12], vec![13]]);
+        assert_eq!(res, vec![true, true, false, false]);
+        assert_eq!(ram.not_admitted(), 2);
+        assert!(ram.used_bytes() <= ram.budget());
+    }
+
+    /// Freq-admit turns over: a block left unused for more uses than the tier holds blocks
+    /// gives way to any newcomer. Room for 2, every count 1: A, B, then C (refused: the
+    /// victim A, the least recent, was used 2 uses ago, not more than 2), D (admitted: A
+    /// is 3 uses old now and leaves), E (admitted: B is 3 uses old).
+    #[test]
+    fn freq_admit_lets_an_idle_block_go() {
+        let blocks = roots(5);
+        let mut ram = RamTier::with_policy(20, EvictionPolicy::FreqAdmit);
+        let mut refused = Vec::new();
+        for x in &blocks {
+            let out = ram.insert(x.clone());
+            refused.push(out.iter().any(|e| Arc::ptr_eq(e, x)));
+        }
+        assert_eq!(refused, vec![false, false, true, false, false]);
+        assert_eq!(
+            resident(&ram, &blocks),
+            vec![false, false, false, true, true]
+        );
+    }
+
+    /// A pinned newcomer is always admitted, and pinned blocks never leave, under every
+    /// policy.
+    #[test]
+    fn pins_beat_every_policy() {
+        for policy in EvictionPolicy::ALL {
+            let blocks = roots(6);
+            let pins = Arc::new(Pins::new());
+            let mut ram = RamTier::with_policy(30, policy);
+            ram.set_pins(pins.clone());
+            // A popular block, then a pinned one that freq-admit would refuse.
+            ram.insert(blocks[0].clone());
+            ram.insert(blocks[1].clone());
+            ram.insert(blocks[2].clone());
+            for x in &blocks[..3] {
+                ram.get(x.meta.namespace, x.meta.key);
+            }
+            let p = &blocks[3];
+            pins.pin(
+                p.meta.namespace,
+                &[p.meta.key],
+                std::time::Duration::from_secs(600),
+                false,
+            );
+            let out = ram.insert(p.clone());
+            assert!(!out.iter().any(|e| Arc::ptr_eq(e, p)), "{policy}");
+            for x in &blocks[4..] {
+                ram.insert(x.clone());
+                assert!(ram.contains(p.meta.namespace, p.meta.key), "{policy}");
+                assert!(ram.used_bytes() <= 30, "{policy}");
+            }
+        }
+    }
+
+    /// Freq-admit re-ranks every block when it halves its counts: the order follows the
+    /// halved counts, and the snapshot lists blocks in that order.
+    #[test]
+    fn freq_admit_ranks_again_after_halving() {
+        // Room for 2, so counts halve every 16 uses.
+        let [a, b]: [Arc<Block>; 2] = roots(2).try_into().unwrap();
+        let mut ram = RamTier::with_policy(20, EvictionPolicy::FreqAdmit);
+        ram.insert(a.clone());
+        ram.insert(b.clone());
+        // A: 1 + 4 = 5 uses, B: 1 + 9 = 10 uses; 15 uses so far.
+        for _ in 0..4 {
+            ram.get(a.meta.namespace, a.meta.key);
+        }
+        for _ in 0..9 {
+            ram.get(b.meta.namespace, b.meta.key);
+        }
+        let first = |ram: &RamTier| ram.snapshot().last().map(|x| x.meta.tokens[0]);
+        assert_eq!(first(&ram), Some(10), "A (fewer uses) goes first");
+        // The 16th use (of A) halves A 5 -> 2, B 10 -> 5, then counts A: 3 < 5.
+        ram.get(a.meta.namespace, a.meta.key);
+        assert_eq!(ram.policy.count((a.meta.namespace, a.meta.key)), 3);
+        assert_eq!(ram.slots[&(b.meta.namespace, b.meta.key)].count, 5);
+        assert_eq!(first(&ram), Some(10));
+        assert_eq!(ram.evictable.len(), 2);
     }
 }

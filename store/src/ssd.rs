@@ -1,6 +1,18 @@
 //! The SSD tier: one safetensors file per block under `<root>/<namespace>/<k0k1>/<key>`,
-//! a physical byte budget with LRU eviction, an access journal that persists the LRU order,
-//! quarantine for files that fail verification, and one writer per root.
+//! a physical byte budget with eviction by the store's [`EvictionPolicy`], an access journal
+//! that persists the recency order, quarantine for files that fail verification, and one
+//! writer per root.
+//!
+//! Under LRU the least recently used block leaves first. Under LFU and freq-admit a write
+//! and a read hit are uses the policy counts (a touch only refreshes recency) and the least
+//! used block leaves first, ties by recency; the counts live in memory, so after a restart
+//! every block counts 0 and the order starts as LRU's.
+//!
+//! The SSD tier admits every block, whatever the policy: it is the last local tier, so a
+//! block it refused would be lost to this machine, and it sees only what leaves the RAM
+//! tier (a block's hits in RAM never reach its counts), too little to judge a newcomer by.
+//! Under freq-admit it keeps the blocks read back from it (counted twice or more) ahead of
+//! those only written, which leave in recency order.
 //!
 //! Write path (crash cases in docs/store-format.md): encode into `tmp/`, fsync the file,
 //! rename into place, fsync the directory. A failed fsync or rename poisons the writer.
@@ -8,7 +20,7 @@
 //! Every file operation goes through the tier's [`FileSystem`] (`RealFs` unless a test
 //! opens it on a `SimFs` with [`SsdTier::open_in`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,6 +32,7 @@ use serde::{Deserialize, Serialize};
 use crate::block::{now_unix_ms, Block};
 use crate::codec::{self, DecodeError, EncodeError};
 use crate::error::{OpenError, RegisterError, WriteError};
+use crate::eviction::{EvictionPolicy, PolicyState, Rank};
 use crate::format;
 use crate::fs::{FileKind, FileStat, FileSystem, LockError, ReadAt, RealFs, WritableFile};
 use crate::journal::{self, Journal, Record};
@@ -93,14 +106,144 @@ pub(crate) struct Marker {
 struct Entry {
     phys: u64,
     last_ms: u64,
+    /// Recency: the journal's sequence number of the last write or touch.
     seq: u64,
+    /// The eviction policy's count (0 after a restart).
+    count: u64,
+    /// The eviction policy's use clock at the last write or read hit.
+    last_use: u64,
 }
 
+impl Entry {
+    fn new(phys: u64, last_ms: u64, seq: u64) -> Entry {
+        Entry {
+            phys,
+            last_ms,
+            seq,
+            count: 0,
+            last_use: 0,
+        }
+    }
+}
+
+type Id = (NamespaceId, BlockKey);
+
 struct State<W: WritableFile> {
-    index: LruCache<(NamespaceId, BlockKey), Entry>,
+    index: LruCache<Id, Entry>,
     used: u64,
     journal: Option<Journal<W>>,
     next_seq: u64,
+    /// The eviction policy's counts and use clock.
+    policy: PolicyState<Id>,
+    /// Every block by the policy's rank, for the policies other than LRU (LRU evicts in
+    /// `index` order).
+    ranked: BTreeSet<(Rank, Id)>,
+}
+
+impl<W: WritableFile> State<W> {
+    fn new(policy: EvictionPolicy) -> Self {
+        State {
+            index: LruCache::unbounded(),
+            used: 0,
+            journal: None,
+            next_seq: 1,
+            policy: PolicyState::new(policy),
+            ranked: BTreeSet::new(),
+        }
+    }
+
+    fn is_lru(&self) -> bool {
+        self.policy.policy() == EvictionPolicy::Lru
+    }
+
+    fn rank(&self, e: &Entry) -> Rank {
+        self.policy.rank(e.count, e.seq)
+    }
+
+    /// Adds `k` as the most recent block; returns the entry it replaces, if any (the caller
+    /// adjusts `used`).
+    fn add(&mut self, k: Id, e: Entry) -> Option<Entry> {
+        let old = self.forget(&k);
+        if !self.is_lru() {
+            self.ranked.insert((self.rank(&e), k));
+        }
+        self.index.push(k, e);
+        old
+    }
+
+    /// Forgets `k` (the caller adjusts `used`).
+    fn forget(&mut self, k: &Id) -> Option<Entry> {
+        let e = self.index.pop(k)?;
+        if !self.is_lru() {
+            let r = self.rank(&e);
+            self.ranked.remove(&(r, *k));
+        }
+        Some(e)
+    }
+
+    /// Applies `f` to `k`'s entry and moves it to the front of the recency order.
+    fn update(&mut self, k: &Id, f: impl FnOnce(&mut Entry)) -> bool {
+        let Some(mut e) = self.forget(k) else {
+            return false;
+        };
+        f(&mut e);
+        self.add(*k, e);
+        true
+    }
+
+    /// Blocks the tier holds when full: `budget` over the mean block file (over `size`
+    /// while empty).
+    fn capacity(&self, budget: u64, size: u64) -> u64 {
+        let mean = match self.index.len() as u64 {
+            0 => size,
+            n => self.used / n,
+        };
+        budget / mean.max(1)
+    }
+
+    /// Counts a use of `k` (a write or a read hit); ranks every block again when
+    /// freq-admit halved its counts.
+    fn record_use(&mut self, k: Id, capacity: u64) -> crate::eviction::Use {
+        let cached = self.index.peek(&k).map(|e| e.count);
+        let u = self.policy.record_use(k, cached, capacity);
+        if u.halved {
+            let policy = &self.policy;
+            for (k, e) in self.index.iter_mut() {
+                e.count = policy.count(*k);
+            }
+            self.ranked = self
+                .index
+                .iter()
+                .map(|(k, e)| (self.policy.rank(e.count, e.seq), *k))
+                .collect();
+        }
+        if let Some(mut e) = self.index.peek(&k).copied() {
+            if !self.is_lru() {
+                let r = self.rank(&e);
+                self.ranked.remove(&(r, k));
+            }
+            e.count = u.count;
+            e.last_use = u.at;
+            if !self.is_lru() {
+                self.ranked.insert((self.rank(&e), k));
+            }
+            if let Some(slot) = self.index.peek_mut(&k) {
+                *slot = e;
+            }
+        }
+        u
+    }
+
+    /// The block eviction takes next, passing over `keep` and pinned blocks (which keep
+    /// their place).
+    fn victim(&self, keep: Option<Id>, pins: &Pins) -> Option<Id> {
+        let eligible = |k: &Id| Some(*k) != keep && !pins.is_pinned(k.0, k.1);
+        if self.is_lru() {
+            self.index.iter().rev().map(|(k, _)| *k).find(eligible)
+        } else {
+            self.ranked.iter().map(|(_, k)| *k).find(eligible)
+        }
+    }
 }
 
 /// The SSD tier over the file system `F`. All methods take `&self`; writes are serialized
@@ -437,34 +580,26 @@ impl<F: FileSystem> SsdTier<F> {
                     Some(r) => (r.seq, r.unix_ms),
                     None => (0, meta.modified_unix_ms),
                 };
-                (
-                    (*ns, *key),
-                    Entry {
-                        phys: meta.physical_bytes,
-                        last_ms,
-                        seq,
-                    },
-                )
+                ((*ns, *key), Entry::new(meta.physical_bytes, last_ms, seq))
             })
             .collect();
         // Journal order first; files the journal does not know are older, by mtime.
         entries.sort_by_key(|(k, e)| (e.seq, e.last_ms, *k));
-        let mut index = LruCache::unbounded();
-        let mut used = 0;
+        let mut state = State::new(EvictionPolicy::Lru);
         let mut records = Vec::with_capacity(entries.len());
         for (i, (k, mut e)) in entries.into_iter().enumerate() {
             e.seq = i as u64 + 1;
-            used += e.phys;
+            state.used += e.phys;
             records.push(Record {
                 ns: k.0,
                 key: k.1,
                 seq: e.seq,
                 unix_ms: e.last_ms,
             });
-            index.push(k, e);
+            state.add(k, e);
         }
-        let next_seq = records.len() as u64 + 1;
-        let journal = if options.read_only {
+        state.next_seq = records.len() as u64 + 1;
+        state.journal = if options.read_only {
             None
         } else {
             match Journal::rewrite(&fs, &journal_path, &tmp_dir, &records) {
@@ -484,12 +619,7 @@ impl<F: FileSystem> SsdTier<F> {
             read_only: options.read_only,
             budget: AtomicU64::new(options.budget),
             _lock: lock,
-            state: Mutex::new(State {
-                index,
-                used,
-                journal,
-                next_seq,
-            }),
+            state: Mutex::new(state),
             write_lock: Mutex::new(()),
             poison: Mutex::new(None),
             counters,
@@ -598,7 +728,7 @@ impl<F: FileSystem> SsdTier<F> {
                 // failure (EIO) says nothing about the file: keep it and its bytes counted.
                 if known && e.kind() == io::ErrorKind::NotFound {
                     let mut st = lock(&self.state);
-                    if let Some(e) = st.index.pop(&(ns, key)) {
+                    if let Some(e) = st.forget(&(ns, key)) {
                         st.used -= e.phys;
                     }
                 }
@@ -628,6 +758,11 @@ impl<F: FileSystem> SsdTier<F> {
         }) {
             Ok(block) => {
                 Counters::inc(&self.counters.ssd_hits);
+                {
+                    let mut st = lock(&self.state);
+                    let capacity = st.capacity(self.budget(), format::ASSUMED_FS_BLOCK);
+                    st.record_use((ns, key), capacity);
+                }
                 if touch {
                     self.touch(ns, key);
                 }
@@ -658,7 +793,7 @@ impl<F: FileSystem> SsdTier<F> {
         let moved = self.fs.rename(path, &dest);
         {
             let mut st = lock(&self.state);
-            if let Some(e) = st.index.pop(&(ns, key)) {
+            if let Some(e) = st.forget(&(ns, key)) {
                 st.used -= e.phys;
             }
         }
@@ -681,11 +816,13 @@ impl<F: FileSystem> SsdTier<F> {
         let mut st = lock(&self.state);
         let seq = st.next_seq;
         let now = now_unix_ms();
-        let Some(e) = st.index.get_mut(&(ns, key)) else {
+        let touched = st.update(&(ns, key), |e| {
+            e.seq = seq;
+            e.last_ms = now;
+        });
+        if !touched {
             return;
-        };
-        e.seq = seq;
-        e.last_ms = now;
+        }
         st.next_seq += 1;
         self.journal_append(
             &mut st,
@@ -696,6 +833,19 @@ impl<F: FileSystem> SsdTier<F> {
                 unix_ms: now,
             },
         );
+    }
+
+    /// Counts a use of a stored block that was not read (it was published again) and marks
+    /// it as just used.
+    pub(crate) fn reuse(&self, ns: NamespaceId, key: BlockKey) {
+        {
+            let mut st = lock(&self.state);
+            if st.index.contains(&(ns, key)) {
+                let capacity = st.capacity(self.budget(), format::ASSUMED_FS_BLOCK);
+                st.record_use((ns, key), capacity);
+            }
+        }
+        self.touch(ns, key);
     }
 
     /// Marks the stored blocks of a chain as used, from the last key back to the first, so
@@ -824,8 +974,8 @@ impl<F: FileSystem> SsdTier<F> {
             .sum()
     }
 
-    /// Evicts least recently used files until `used <= limit`, sparing `keep` and pinned
-    /// blocks (which keep their place in the LRU order).
+    /// Evicts blocks in the policy's order until `used <= limit`, sparing `keep` and
+    /// pinned blocks (which keep their place in the order).
     fn evict_until(
         &self,
         limit: u64,
@@ -833,38 +983,45 @@ impl<F: FileSystem> SsdTier<F> {
     ) -> Result<u64, WriteError> {
         let mut evicted = 0;
         let mut st = lock(&self.state);
-        let mut spared = Vec::new();
-        let result = loop {
+        loop {
             if st.used <= limit {
-                break Ok(evicted);
+                return Ok(evicted);
             }
-            let Some((k, e)) = st.index.pop_lru() else {
-                break Ok(evicted);
+            let Some(k) = st.victim(keep, &self.pins) else {
+                return Ok(evicted);
             };
-            if Some(k) == keep || self.pins.is_pinned(k.0, k.1) {
-                spared.push((k, e));
-                continue;
-            }
             let path = block_path(&self.root, k.0, k.1);
             match self.fs.remove_file(&path) {
                 Ok(()) => {}
                 Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-                Err(source) => {
-                    st.index.push(k, e);
-                    st.index.demote(&k);
-                    break Err(WriteError::Io { path, source });
-                }
+                Err(source) => return Err(WriteError::Io { path, source }),
             }
-            st.used -= e.phys;
+            if let Some(e) = st.forget(&k) {
+                st.used -= e.phys;
+            }
             evicted += 1;
             Counters::inc(&self.counters.ssd_evictions);
-        };
-        // Back where they were: the least recent spared one ends least recent again.
-        for (k, e) in spared.into_iter().rev() {
-            st.index.push(k, e);
-            st.index.demote(&k);
         }
-        result
+    }
+
+    /// Sets the eviction policy (the store's). Counts start at 0: until blocks are used
+    /// again the frequency policies evict in recency order.
+    pub fn set_eviction(&mut self, policy: EvictionPolicy) {
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        st.policy = PolicyState::new(policy);
+        st.ranked = if st.is_lru() {
+            BTreeSet::new()
+        } else {
+            st.index
+                .iter()
+                .map(|(k, e)| (st.policy.rank(e.count, e.seq), *k))
+                .collect()
+        };
+    }
+
+    /// The eviction policy.
+    pub fn eviction(&self) -> EvictionPolicy {
+        lock(&self.state).policy.policy()
     }
 
     /// Evicts least recently used blocks until the physical bytes fit the budget; returns
@@ -946,6 +1103,11 @@ impl<F: FileSystem> SsdTier<F> {
                 budget,
             });
         }
+        let u = {
+            let mut st = lock(&self.state);
+            let capacity = st.capacity(budget, estimate);
+            st.record_use((ns, key), capacity)
+        };
         self.evict_until(budget - estimate, None)?;
         let used = lock(&self.state).used;
         if used + estimate > budget {
@@ -1030,15 +1192,17 @@ impl<F: FileSystem> SsdTier<F> {
             let seq = st.next_seq;
             st.next_seq += 1;
             let now = now_unix_ms();
-            let replaced = st.index.push(
+            let replaced = st.add(
                 (ns, key),
                 Entry {
                     phys,
                     last_ms: now,
                     seq,
+                    count: u.count,
+                    last_use: u.at,
                 },
             );
-            if let Some((_, old)) = replaced.filter(|(k, _)| *k == (ns, key)) {
+            if let Some(old) = replaced {
                 st.used -= old.phys;
             }
             st.used += phys;
@@ -1073,7 +1237,7 @@ impl<F: FileSystem> SsdTier<F> {
             Err(source) => return Err(WriteError::Io { path, source }),
         };
         let mut st = lock(&self.state);
-        if let Some(e) = st.index.pop(&(ns, key)) {
+        if let Some(e) = st.forget(&(ns, key)) {
             st.used -= e.phys;
         }
         Ok(existed)

@@ -77,6 +77,9 @@ pub struct StoreStats {
     pub ram_evictions: u64,
     /// Block files deleted by the SSD budget.
     pub ssd_evictions: u64,
+    /// New blocks the RAM tier's eviction policy did not admit (freq-admit), handed to the
+    /// SSD tier as evicted blocks are.
+    pub ram_not_admitted: u64,
     /// RAM evictions queued for writing to SSD.
     pub spills: u64,
     /// SSD hits promoted into RAM.

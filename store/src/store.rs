@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::block::{Block, BlockMeta, LayoutError};
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
+use crate::eviction::EvictionPolicy;
 use crate::fs::{FileSystem, RealFs};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
@@ -55,6 +56,9 @@ pub struct StoreConfig {
     /// Threads that read and verify SSD block files ahead of a prefix load; 1 reads them
     /// one at a time on the loading thread.
     pub ssd_readers: usize,
+    /// Which block the RAM and SSD tiers give up when full, and whether a new block may
+    /// take its place.
+    pub eviction: EvictionPolicy,
 }
 
 impl Default for StoreConfig {
@@ -68,6 +72,7 @@ impl Default for StoreConfig {
             read_only: false,
             remote: None,
             ssd_readers: crate::read_ahead::SSD_READERS,
+            eviction: EvictionPolicy::default(),
         }
     }
 }
@@ -107,6 +112,13 @@ impl StoreConfig {
     /// loading thread, one file at a time, as a rotating disk prefers). Default: 8.
     pub fn ssd_readers(mut self, threads: usize) -> Self {
         self.ssd_readers = threads.max(1);
+        self
+    }
+
+    /// The eviction policy of the RAM and SSD tiers (docs/prefix-reuse.md, "Eviction").
+    /// Default: [`EvictionPolicy::FreqAdmit`].
+    pub fn eviction(mut self, policy: EvictionPolicy) -> Self {
+        self.eviction = policy;
         self
     }
 
@@ -247,6 +259,8 @@ enum Job {
     /// not the evicting thread: the SSD copy seen at eviction time may be evicted by writes
     /// still queued before this job, and the block would be lost from both tiers.
     Spill(Arc<Block>),
+    /// A stored block published again: a use of it (recency, and its count under the
+    /// frequency policies).
     Touch(NamespaceId, BlockKey),
     /// Re-applies a chain's recency after the writes queued before it.
     TouchChain(NamespaceId, Vec<BlockKey>),
@@ -340,6 +354,7 @@ impl<F: FileSystem> Store<F> {
                     Pins::open(root)
                 });
                 ssd.set_pins(pins.clone());
+                ssd.set_eviction(config.eviction);
                 if !config.read_only {
                     let path = root.clone();
                     let to_open = |e: WriteError| OpenError::Io {
@@ -374,7 +389,7 @@ impl<F: FileSystem> Store<F> {
             .unwrap_or_default();
         let shared = Arc::new(Shared {
             ram: Mutex::new({
-                let mut ram = RamTier::new(config.ram_budget);
+                let mut ram = RamTier::with_policy(config.ram_budget, config.eviction);
                 ram.set_pins(pins.clone());
                 ram
             }),
@@ -1076,6 +1091,7 @@ impl<F: FileSystem> Store<F> {
             s.ram_blocks = ram.len() as u64;
             s.ram_bytes = ram.used_bytes();
             s.ram_budget = ram.budget();
+            s.ram_not_admitted = ram.not_admitted();
         }
         if let Some(ssd) = &self.shared.ssd {
             s.ssd_blocks = ssd.len() as u64;
@@ -1139,7 +1155,7 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
             Job::Replace(p) => (p, true, true),
             Job::Spill(p) => (p, false, false),
             Job::Touch(ns, key) => {
-                ssd.touch(ns, key);
+                ssd.reuse(ns, key);
                 continue;
             }
             Job::TouchChain(ns, keys) => {

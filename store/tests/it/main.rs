@@ -5,6 +5,7 @@ mod common;
 mod corruption;
 mod crash;
 mod enospc;
+mod eviction;
 mod facade;
 mod faults;
 mod fixtures;

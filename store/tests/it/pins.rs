@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use store::{Block, BlockKey, Store, StoreConfig, Tier, WriteError};
+use store::{Block, BlockKey, EvictionPolicy, Store, StoreConfig, Tier, WriteError};
 
 use crate::common;
 
@@ -13,7 +13,9 @@ fn keys(blocks: &[Block]) -> Vec<BlockKey> {
     blocks.iter().map(|b| b.meta.key).collect()
 }
 
-/// A store with room for `ram` blocks in RAM and `ssd` block files on SSD.
+/// A store with room for `ram` blocks in RAM and `ssd` block files on SSD, evicting least
+/// recently used blocks (the order these tests reason about; `eviction.rs` checks pins
+/// under every policy).
 fn open(root: &std::path::Path, d: &store::NamespaceDescription, ram: u64, ssd: u64) -> Store {
     let file = common::per_block(d);
     Store::open(
@@ -21,7 +23,8 @@ fn open(root: &std::path::Path, d: &store::NamespaceDescription, ram: u64, ssd: 
             .root(root)
             .ram_budget(ram * 256)
             .ssd_budget(ssd * file + file / 2)
-            .queue_capacity(64),
+            .queue_capacity(64)
+            .eviction(EvictionPolicy::Lru),
     )
     .unwrap()
 }
