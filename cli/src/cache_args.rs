@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use cache::KvFormat;
 use engine::{KvTiers, Model, ReuseConfig, Tokenizer};
-use store::StoreConfig;
+use store::{EvictionPolicy, StoreConfig};
 
 /// How KV is kept in the live cache and in stored blocks.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,6 +39,11 @@ pub struct CacheArgs {
     /// SSD tier budget, e.g. 16GiB.
     #[arg(long, value_name = "SIZE", default_value = "16GiB")]
     pub ssd_budget: String,
+    /// Which block the RAM and SSD tiers give up when full: `freq-admit` (a new block
+    /// displaces only a block used less often, or one left unused for a whole turnover of
+    /// the tier), `lru` (least recently used) or `lfu` (least frequently used).
+    #[arg(long, value_name = "POLICY", default_value = "freq-admit")]
+    pub eviction: EvictionPolicy,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 32)]
     pub block_size: usize,
@@ -184,6 +189,7 @@ impl CacheArgs {
                 .root(self.store_dir()?)
                 .ram_budget(parse_size(&self.ram_budget).context("--ram-budget")?)
                 .ssd_budget(parse_size(&self.ssd_budget).context("--ssd-budget")?)
+                .eviction(self.eviction)
                 .remote(self.remote.config()?),
             block_size: self.block_size,
             kv_format,

@@ -193,6 +193,8 @@ pub fn run(mut args: Args) -> Result<()> {
         &args.cache.ram_budget,
         "--ssd-budget",
         &args.cache.ssd_budget,
+        "--eviction",
+        args.cache.eviction.name(),
         "--kv-budget",
         &args.cache.kv_budget,
         "--mlx-cache-limit",

@@ -15,7 +15,7 @@
 //! per use. Freq-admit halves every count once per [`HALVING_PERIOD`] × capacity uses and
 //! the tier re-ranks its blocks then: O(n log n) every 8n uses, O(log n) amortized.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
@@ -203,6 +203,280 @@ impl<K: Copy + Eq + Hash> PolicyState<K> {
     /// halved to 0).
     pub fn tracked(&self) -> usize {
         self.seen.len()
+    }
+}
+
+/// Where a held block sits in a [`ChainOrder`]'s eviction order, smallest first: 0 for a
+/// block cut off from its chain (its parent not held), else 1; the policy's [`Rank`]; the
+/// block.
+pub type Order<K> = (u8, Rank, K);
+
+#[derive(Debug, Clone)]
+struct Node<K> {
+    parent: Option<K>,
+    /// Recency: larger is more recent.
+    stamp: u64,
+    count: u64,
+    last_use: u64,
+    /// The order under which the block sits in `evictable`, while it has no held child.
+    order: Option<Order<K>>,
+}
+
+/// The eviction order of blocks that form chains (each names its parent), under a policy.
+/// A block with a held child is never a victim (evicting it would cut the child off from
+/// its chain); blocks already cut off go first, then leaves by the policy's [`Rank`]. It
+/// holds no payloads: the RAM tier keeps its blocks and bytes beside it, and `kvstore bench
+/// trace --simulate` runs it bare, so the simulated policy is the tier's, rule for rule.
+///
+/// The caller drives it as a tier is used: [`used`](Self::used) for a hit or an insert
+/// (counted by the policy), [`touch`](Self::touch) for a recency refresh, then for a block
+/// not held [`admits`](Self::admits) (freq-admit's gate, when the tier is full),
+/// [`insert`](Self::insert), and [`victim`](Self::victim) / [`remove`](Self::remove) until
+/// the tier fits its budget.
+#[derive(Debug, Clone)]
+pub struct ChainOrder<K> {
+    nodes: HashMap<K, Node<K>>,
+    /// Held children of each block (held or not).
+    children: HashMap<K, Vec<K>>,
+    evictable: BTreeSet<Order<K>>,
+    next_stamp: u64,
+    policy: PolicyState<K>,
+}
+
+impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
+    /// Nothing held yet.
+    pub fn new(policy: EvictionPolicy) -> Self {
+        ChainOrder {
+            nodes: HashMap::new(),
+            children: HashMap::new(),
+            evictable: BTreeSet::new(),
+            next_stamp: 1,
+            policy: PolicyState::new(policy),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> EvictionPolicy {
+        self.policy.policy()
+    }
+
+    /// Whether `key` is held.
+    pub fn contains(&self, key: K) -> bool {
+        self.nodes.contains_key(&key)
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// The policy's count of `key` (held: the count it is ranked by; else freq-admit's
+    /// count of a block seen, 0 otherwise).
+    pub fn count(&self, key: K) -> u64 {
+        self.nodes
+            .get(&key)
+            .map_or_else(|| self.policy.count(key), |n| n.count)
+    }
+
+    fn stamp(&mut self) -> u64 {
+        self.next_stamp += 1;
+        self.next_stamp
+    }
+
+    fn order_of(&self, key: K) -> Option<Order<K>> {
+        let n = self.nodes.get(&key)?;
+        if self.children.get(&key).is_some_and(|c| !c.is_empty()) {
+            return None;
+        }
+        let cut = n.parent.is_some_and(|p| !self.nodes.contains_key(&p));
+        Some((u8::from(!cut), self.policy.rank(n.count, n.stamp), key))
+    }
+
+    /// Puts `key` into `evictable` under its current order, or takes it out.
+    fn rerank(&mut self, key: K) {
+        let order = self.order_of(key);
+        let Some(n) = self.nodes.get_mut(&key) else {
+            return;
+        };
+        let old = std::mem::replace(&mut n.order, order);
+        if old == order {
+            return;
+        }
+        if let Some(old) = old {
+            self.evictable.remove(&old);
+        }
+        if let Some(order) = order {
+            self.evictable.insert(order);
+        }
+    }
+
+    /// Records a use of `key` (a hit or an insert) in a tier of `capacity` blocks when
+    /// full. A held block is counted and becomes the most recent; for a block not held the
+    /// use is only counted (pass the result to [`admits`](Self::admits) and
+    /// [`insert`](Self::insert)). When freq-admit halves its counts every held block is
+    /// ranked again.
+    pub fn used(&mut self, key: K, capacity: u64) -> Use {
+        let cached = self.nodes.get(&key).map(|n| n.count);
+        let u = self.policy.record_use(key, cached, capacity);
+        if u.halved {
+            let keys: Vec<K> = self.nodes.keys().copied().collect();
+            for k in &keys {
+                let count = self.policy.count(*k);
+                if let Some(n) = self.nodes.get_mut(k) {
+                    n.count = count;
+                }
+            }
+            for k in keys {
+                self.rerank(k);
+            }
+        }
+        if self.nodes.contains_key(&key) {
+            let stamp = self.stamp();
+            if let Some(n) = self.nodes.get_mut(&key) {
+                n.stamp = stamp;
+                n.count = u.count;
+                n.last_use = u.at;
+            }
+            self.rerank(key);
+        }
+        u
+    }
+
+    /// Makes a held block the most recent, without counting a use. Returns whether it is
+    /// held.
+    pub fn touch(&mut self, key: K) -> bool {
+        if !self.nodes.contains_key(&key) {
+            return false;
+        }
+        let stamp = self.stamp();
+        if let Some(n) = self.nodes.get_mut(&key) {
+            n.stamp = stamp;
+        }
+        self.rerank(key);
+        true
+    }
+
+    /// The first block eviction takes now: cut-off blocks, then leaves by rank, passing over
+    /// `except` (unless it is cut off itself) and the blocks `skip` names (pinned).
+    pub fn victim(&self, except: Option<K>, skip: impl Fn(&K) -> bool) -> Option<K> {
+        self.first(except, skip).map(|(_, _, k)| k)
+    }
+
+    fn first(&self, except: Option<K>, skip: impl Fn(&K) -> bool) -> Option<Order<K>> {
+        self.evictable
+            .iter()
+            .find(|&&(cut, _, k)| (Some(k) != except || cut == 0) && !skip(&k))
+            .copied()
+    }
+
+    /// Whether a block not held, whose use [`used`](Self::used) returned as `u`, may enter
+    /// a full tier of `capacity` blocks: always, unless freq-admit's gate refuses it
+    /// against the first victim ([`PolicyState::admits`]; a cut-off victim never refuses).
+    pub fn admits(&self, u: Use, capacity: u64, skip: impl Fn(&K) -> bool) -> bool {
+        match self.first(None, skip) {
+            Some((1, rank, k)) => {
+                let last_use = self.nodes.get(&k).map_or(0, |n| n.last_use);
+                self.policy
+                    .admits(self.policy.rank(u.count, 0), rank, last_use, capacity)
+            }
+            _ => true,
+        }
+    }
+
+    /// Holds `key` (child of `parent`, `None` for a chain's first block) as the most
+    /// recent block, with the use [`used`](Self::used) returned. A held key is only
+    /// refreshed.
+    pub fn insert(&mut self, key: K, parent: Option<K>, u: Use) {
+        if self.touch(key) {
+            return;
+        }
+        let stamp = self.stamp();
+        self.nodes.insert(
+            key,
+            Node {
+                parent,
+                stamp,
+                count: u.count,
+                last_use: u.at,
+                order: None,
+            },
+        );
+        if let Some(p) = parent {
+            self.children.entry(p).or_default().push(key);
+            self.rerank(p);
+        }
+        self.rerank(key);
+        for child in self.children.get(&key).cloned().unwrap_or_default() {
+            self.rerank(child);
+        }
+    }
+
+    /// Forgets `key`; returns whether it was held.
+    pub fn remove(&mut self, key: K) -> bool {
+        let Some(n) = self.nodes.remove(&key) else {
+            return false;
+        };
+        if let Some(order) = n.order {
+            self.evictable.remove(&order);
+        }
+        if let Some(parent) = n.parent {
+            if let Some(c) = self.children.get_mut(&parent) {
+                c.retain(|k| *k != key);
+                if c.is_empty() {
+                    self.children.remove(&parent);
+                }
+            }
+            self.rerank(parent);
+        }
+        // Children left behind are cut off from their chain now.
+        for child in self.children.get(&key).cloned().unwrap_or_default() {
+            self.rerank(child);
+        }
+        true
+    }
+
+    /// Every held block in the order eviction would take them all (nothing changes).
+    pub fn eviction_order(&self) -> Vec<K> {
+        // Replay eviction on a copy of the bookkeeping: leaves leave first, and a parent
+        // becomes evictable once its last held child has gone.
+        let mut remaining: HashMap<K, usize> = self
+            .children
+            .iter()
+            .filter(|(k, _)| self.nodes.contains_key(k))
+            .map(|(k, c)| (*k, c.len()))
+            .collect();
+        let mut gone: HashSet<K> = HashSet::new();
+        let mut queue: BTreeSet<Order<K>> = self.evictable.clone();
+        let mut order = Vec::with_capacity(self.nodes.len());
+        while let Some((_, _, k)) = queue.pop_first() {
+            let Some(n) = self.nodes.get(&k) else {
+                continue;
+            };
+            gone.insert(k);
+            order.push(k);
+            let Some(parent) = n.parent else {
+                continue;
+            };
+            let Some(left) = remaining.get_mut(&parent) else {
+                continue;
+            };
+            *left -= 1;
+            if *left == 0 {
+                if let Some(p) = self.nodes.get(&parent) {
+                    let cut = p
+                        .parent
+                        .is_some_and(|g| !self.nodes.contains_key(&g) || gone.contains(&g));
+                    let rank = self.policy.rank(p.count, p.stamp);
+                    queue.insert((u8::from(!cut), rank, parent));
+                }
+            }
+        }
+        order
     }
 }
 

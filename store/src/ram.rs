@@ -17,47 +17,26 @@
 //! hands it back like an evicted block, and the [`Store`](crate::Store) spills it to the
 //! SSD tier as it does evicted blocks. A cut-off victim never refuses a newcomer.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::block::Block;
-use crate::eviction::{EvictionPolicy, PolicyState, Rank};
+use crate::eviction::{ChainOrder, EvictionPolicy};
 use crate::key::{BlockKey, NamespaceId};
 use crate::pins::Pins;
 
 type Id = (NamespaceId, BlockKey);
 
-/// Eviction order of an evictable block: smallest goes first. The first field is 0 for a
-/// block whose parent is not resident (evicted before any attached leaf), 1 otherwise.
-type Order = (u8, Rank, Id);
-
-struct Slot {
-    block: Arc<Block>,
-    /// The parent's id, `None` for the first block of a chain.
-    parent: Option<Id>,
-    /// Recency: the tier's stamp at the last insert, hit or touch.
-    stamp: u64,
-    /// The policy's count ([`crate::eviction::Use::count`]).
-    count: u64,
-    /// The policy's use clock at the last insert or hit.
-    last_use: u64,
-    /// The order under which the block sits in `evictable`, while it has no resident child.
-    order: Option<Order>,
-}
-
 /// A byte-bounded store of `Arc<Block>` that evicts chains leaves first. Not synchronized: the
 /// [`Store`](crate::Store) wraps it in a mutex.
 pub struct RamTier {
-    slots: HashMap<Id, Slot>,
-    /// Resident children of each id (resident or not).
-    children: HashMap<Id, Vec<BlockKey>>,
-    evictable: BTreeSet<Order>,
-    next_stamp: u64,
+    slots: HashMap<Id, Arc<Block>>,
+    /// Which block leaves next.
+    order: ChainOrder<Id>,
     used: u64,
     budget: u64,
     /// Keys eviction skips ([`Pins`]); empty unless set.
     pins: Arc<Pins>,
-    policy: PolicyState<Id>,
     /// New blocks the policy did not admit.
     not_admitted: u64,
 }
@@ -77,20 +56,17 @@ impl RamTier {
     pub fn with_policy(budget: u64, policy: EvictionPolicy) -> Self {
         RamTier {
             slots: HashMap::new(),
-            children: HashMap::new(),
-            evictable: BTreeSet::new(),
-            next_stamp: 1,
+            order: ChainOrder::new(policy),
             used: 0,
             budget,
             pins: Arc::new(Pins::new()),
-            policy: PolicyState::new(policy),
             not_admitted: 0,
         }
     }
 
     /// The eviction policy.
     pub fn policy(&self) -> EvictionPolicy {
-        self.policy.policy()
+        self.order.policy()
     }
 
     /// New blocks the policy did not admit so far (handed back by [`RamTier::insert`]).
@@ -109,13 +85,8 @@ impl RamTier {
             .pinned()
             .iter()
             .filter_map(|id| self.slots.get(id))
-            .map(|s| s.block.data_len())
+            .map(|b| b.data_len())
             .sum()
-    }
-
-    fn stamp(&mut self) -> u64 {
-        self.next_stamp += 1;
-        self.next_stamp
     }
 
     /// Blocks the tier holds when full: the budget over the mean resident block (over
@@ -128,113 +99,20 @@ impl RamTier {
         self.budget / mean.max(1)
     }
 
-    /// The order `id` has in `evictable` now: `None` while it has a resident child.
-    fn order_of(&self, id: Id) -> Option<Order> {
-        let slot = self.slots.get(&id)?;
-        if self.children.get(&id).is_some_and(|c| !c.is_empty()) {
-            return None;
-        }
-        let cut = slot.parent.is_some_and(|p| !self.slots.contains_key(&p));
-        Some((u8::from(!cut), self.policy.rank(slot.count, slot.stamp), id))
-    }
-
-    /// Puts `id` into `evictable` under its current order if it has no resident child, or
-    /// takes it out if it has one.
-    fn rerank(&mut self, id: Id) {
-        let order = self.order_of(id);
-        let Some(slot) = self.slots.get_mut(&id) else {
-            return;
-        };
-        let old = std::mem::replace(&mut slot.order, order);
-        if old == order {
-            return;
-        }
-        if let Some(old) = old {
-            self.evictable.remove(&old);
-        }
-        if let Some(order) = order {
-            self.evictable.insert(order);
-        }
-    }
-
-    /// Counts a use of `id` (resident or about to be) and returns its count and clock.
-    /// When freq-admit halved its counts, every resident block is ranked again.
-    fn record_use(&mut self, id: Id, size: u64) -> crate::eviction::Use {
-        let capacity = self.capacity(size);
-        let cached = self.slots.get(&id).map(|s| s.count);
-        let u = self.policy.record_use(id, cached, capacity);
-        if u.halved {
-            let ids: Vec<Id> = self.slots.keys().copied().collect();
-            for k in &ids {
-                let count = self.policy.count(*k);
-                if let Some(s) = self.slots.get_mut(k) {
-                    s.count = count;
-                }
-            }
-            for k in ids {
-                self.rerank(k);
-            }
-        }
-        u
-    }
-
-    /// Marks `id` as just used (`counted`: a hit, counted by the policy; else a recency
-    /// refresh only). Returns whether it is resident.
-    fn refresh(&mut self, id: Id, counted: bool) -> bool {
-        let Some(size) = self.slots.get(&id).map(|s| s.block.data_len()) else {
-            return false;
-        };
-        let used = counted.then(|| self.record_use(id, size));
-        let stamp = self.stamp();
-        if let Some(slot) = self.slots.get_mut(&id) {
-            slot.stamp = stamp;
-            if let Some(u) = used {
-                slot.count = u.count;
-                slot.last_use = u.at;
-            }
-        }
-        self.rerank(id);
-        true
-    }
-
     fn take(&mut self, id: Id) -> Option<Arc<Block>> {
-        let slot = self.slots.remove(&id)?;
-        if let Some(order) = slot.order {
-            self.evictable.remove(&order);
-        }
-        self.used -= slot.block.data_len();
-        if let Some(parent) = slot.parent {
-            if let Some(c) = self.children.get_mut(&parent) {
-                c.retain(|k| *k != id.1);
-                if c.is_empty() {
-                    self.children.remove(&parent);
-                }
-            }
-            self.rerank(parent);
-        }
-        // Children left behind are cut off from their chain now.
-        for child in self.children.get(&id).cloned().unwrap_or_default() {
-            self.rerank((id.0, child));
-        }
-        Some(slot.block)
-    }
-
-    /// The first block eviction would take now, other than `except` unless that one is cut
-    /// off from its chain; pinned blocks are passed over.
-    fn victim(&self, except: Option<Id>) -> Option<Order> {
-        self.evictable
-            .iter()
-            .copied()
-            .find(|&(cut, _, v)| (Some(v) != except || cut == 0) && !self.pins.is_pinned(v.0, v.1))
+        let block = self.slots.remove(&id)?;
+        self.order.remove(id);
+        self.used -= block.data_len();
+        Some(block)
     }
 
     /// Inserts `block` as most recently used and returns what had to leave to keep the
     /// budget, in eviction order. A block larger than the whole budget is not admitted and
     /// comes back as the only element, as does a new block the policy does not admit
     /// (freq-admit: its first victim was used as often or more, and recently). Re-inserting
-    /// a present key replaces and refreshes it. Pinned blocks never leave: when only pinned
-    /// blocks (and ancestors of resident blocks) are left to evict, the new block itself
-    /// leaves (it comes back last).
+    /// a present key replaces and refreshes it. Pinned blocks never leave, and a pinned new
+    /// block is always admitted: when only pinned blocks (and ancestors of resident
+    /// blocks) are left to evict, the new block itself leaves (it comes back last).
     pub fn insert(&mut self, block: Arc<Block>) -> Vec<Arc<Block>> {
         let size = block.data_len();
         if size > self.budget {
@@ -243,50 +121,28 @@ impl RamTier {
         let meta = &block.meta;
         let id = (meta.namespace, meta.key);
         let parent = parent_of(meta);
-        if let Some(slot) = self.slots.get_mut(&id) {
-            self.used = self.used - slot.block.data_len() + size;
-            slot.block = block;
-            self.refresh(id, true);
+        let capacity = self.capacity(size);
+        let pins = self.pins.clone();
+        let pinned = move |k: &Id| pins.is_pinned(k.0, k.1);
+        if let Some(old) = self.slots.get(&id) {
+            self.used = self.used - old.data_len() + size;
+            self.slots.insert(id, block);
+            self.order.used(id, capacity);
         } else {
-            let capacity = self.capacity(size);
-            let u = self.record_use(id, size);
-            let stamp = self.stamp();
-            if self.used + size > self.budget && !self.pins.is_pinned(id.0, id.1) {
-                let rank = self.policy.rank(u.count, stamp);
-                let refused = self.victim(None).is_some_and(|(cut, victim, v)| {
-                    let last_use = self.slots.get(&v).map_or(0, |s| s.last_use);
-                    cut == 1 && !self.policy.admits(rank, victim, last_use, capacity)
-                });
-                if refused {
-                    self.not_admitted += 1;
-                    return vec![block];
-                }
+            let u = self.order.used(id, capacity);
+            let full = self.used + size > self.budget;
+            if full && !pinned(&id) && !self.order.admits(u, capacity, &pinned) {
+                self.not_admitted += 1;
+                return vec![block];
             }
-            self.slots.insert(
-                id,
-                Slot {
-                    block,
-                    parent,
-                    stamp,
-                    count: u.count,
-                    last_use: u.at,
-                    order: None,
-                },
-            );
+            self.slots.insert(id, block);
             self.used += size;
-            if let Some(p) = parent {
-                self.children.entry(p).or_default().push(id.1);
-                self.rerank(p);
-            }
-            self.rerank(id);
-            for child in self.children.get(&id).cloned().unwrap_or_default() {
-                self.rerank((id.0, child));
-            }
+            self.order.insert(id, parent, u);
         }
         let mut evicted = Vec::new();
         while self.used > self.budget {
             // The new block makes room by others leaving, unless it is cut off itself.
-            let victim = self.victim(Some(id)).map(|(_, _, v)| v);
+            let victim = self.order.victim(Some(id), &pinned);
             // Nothing unpinned can go: the new block does not stay beside the pins.
             match self.take(victim.unwrap_or(id)) {
                 Some(p) => evicted.push(p),
@@ -301,8 +157,9 @@ impl RamTier {
 
     /// The block, marked most recently used (a use, counted by the policy).
     pub fn get(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<Block>> {
-        let p = self.slots.get(&(ns, key))?.block.clone();
-        self.refresh((ns, key), true);
+        let p = self.slots.get(&(ns, key))?.clone();
+        let capacity = self.capacity(p.data_len());
+        self.order.used((ns, key), capacity);
         Some(p)
     }
 
@@ -312,7 +169,7 @@ impl RamTier {
     /// skipped. Recency only: the policy does not count it as a use.
     pub fn touch_chain(&mut self, ns: NamespaceId, keys: &[BlockKey]) {
         for &key in keys.iter().rev() {
-            self.refresh((ns, key), false);
+            self.order.touch((ns, key));
         }
     }
 
@@ -349,40 +206,12 @@ impl RamTier {
     /// Every block, last to be evicted first: the reverse of the order in which the tier
     /// would evict them all (ranks unchanged).
     pub fn snapshot(&self) -> Vec<Arc<Block>> {
-        // Replay eviction on a copy of the bookkeeping: leaves leave first, and a parent
-        // becomes evictable once its last resident child has gone.
-        let mut remaining: HashMap<Id, usize> = self
-            .children
+        let mut order: Vec<Arc<Block>> = self
+            .order
+            .eviction_order()
             .iter()
-            .filter(|(id, _)| self.slots.contains_key(id))
-            .map(|(id, c)| (*id, c.len()))
+            .filter_map(|id| self.slots.get(id).cloned())
             .collect();
-        let mut gone: std::collections::HashSet<Id> = std::collections::HashSet::new();
-        let mut queue: BTreeSet<Order> = self.evictable.clone();
-        let mut order = Vec::with_capacity(self.slots.len());
-        while let Some((_, _, id)) = queue.pop_first() {
-            let Some(slot) = self.slots.get(&id) else {
-                continue;
-            };
-            gone.insert(id);
-            order.push(slot.block.clone());
-            let Some(parent) = slot.parent else {
-                continue;
-            };
-            let Some(n) = remaining.get_mut(&parent) else {
-                continue;
-            };
-            *n -= 1;
-            if *n == 0 {
-                if let Some(ps) = self.slots.get(&parent) {
-                    let cut = ps
-                        .parent
-                        .is_some_and(|g| !self.slots.contains_key(&g) || gone.contains(&g));
-                    let rank = self.policy.rank(ps.count, ps.stamp);
-                    queue.insert((u8::from(!cut), rank, parent));
-                }
-            }
-        }
         order.reverse();
         order
     }
@@ -581,9 +410,8 @@ mod tests {
         assert_eq!(first(&ram), Some(10), "A (fewer uses) goes first");
         // The 16th use (of A) halves A 5 -> 2, B 10 -> 5, then counts A: 3 < 5.
         ram.get(a.meta.namespace, a.meta.key);
-        assert_eq!(ram.policy.count((a.meta.namespace, a.meta.key)), 3);
-        assert_eq!(ram.slots[&(b.meta.namespace, b.meta.key)].count, 5);
+        assert_eq!(ram.order.count((a.meta.namespace, a.meta.key)), 3);
+        assert_eq!(ram.order.count((b.meta.namespace, b.meta.key)), 5);
         assert_eq!(first(&ram), Some(10));
-        assert_eq!(ram.evictable.len(), 2);
     }
 }

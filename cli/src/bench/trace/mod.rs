@@ -17,6 +17,8 @@ mod replay;
 pub(crate) mod report;
 mod scale;
 mod sim;
+#[cfg(test)]
+mod tier_tests;
 mod tokens;
 
 use parse::{TraceRequest, Window};

@@ -337,6 +337,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
             "kv_budget": cache.kv_budget,
             "ram_budget": cache.ram_budget,
             "ssd_budget": cache.ssd_budget,
+            "eviction": cache.eviction.name(),
             "restore": format!("{:?}", cache.restore).to_lowercase(),
             "no_cache": cache.no_cache,
             "max_batch": args.max_batch,
@@ -348,14 +349,17 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         tier_note: match (&before, &after) {
             (Some(b), Some(a)) => Some(format!(
                 "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD \
-                 evictions, {} spills to SSD, {} RAM and {} SSD hits",
+                 evictions, {} spills to SSD, {} RAM and {} SSD hits, {} blocks not admitted \
+                 to RAM (--eviction {})",
                 a.blocks_written.saturating_sub(b.blocks_written),
                 (a.bytes_written.saturating_sub(b.bytes_written)) as f64 / 1048576.0,
                 a.ram_evictions.saturating_sub(b.ram_evictions),
                 a.ssd_evictions.saturating_sub(b.ssd_evictions),
                 a.spills.saturating_sub(b.spills),
                 a.ram_hits.saturating_sub(b.ram_hits),
-                a.ssd_hits.saturating_sub(b.ssd_hits)
+                a.ssd_hits.saturating_sub(b.ssd_hits),
+                a.ram_not_admitted.saturating_sub(b.ram_not_admitted),
+                cache.eviction
             )),
             _ => None,
         },

@@ -8,8 +8,15 @@
 //! After a request, every one of its blocks is in the cache (admitted or refreshed), as a
 //! prefill publishes all of them; a capacity of `C` blocks holds `C` of them whatever their
 //! fill. The ideal is a cache without a capacity.
+//!
+//! LFU and freq-admit run the store's own [`ChainOrder`] (counts, halving, ranks, admission
+//! gate, chains evicted leaves first), the RAM tier's code; the simulator only adds the
+//! fills. The tier's LRU is `lru-leaf` here. `tier_tests.rs` replays traces through the real
+//! RAM tier and checks it gets exactly these hits.
 
 use std::collections::{BTreeSet, HashMap};
+
+use store::eviction::{ChainOrder, EvictionPolicy};
 
 use super::parse::TraceRequest;
 use super::scale::TokenScale;
@@ -116,15 +123,17 @@ pub enum Policy {
     /// (vLLM's free queue order, SGLang's leaf eviction), so a cached set stays
     /// prefix-closed.
     LruLeaf,
-    /// Least frequently used while cached (ties: leaf-first recency).
+    /// Least frequently used while cached (ties: leaf-first recency): the store's
+    /// [`EvictionPolicy::Lfu`].
     Lfu,
-    /// Frequency-gated admission (TinyLFU's idea): every block's uses are counted, cached
-    /// or not (halved every 8 × capacity uses, so old popularity fades); a full cache
-    /// evicts its least-used block (ties: leaf-first recency) for a block used more often,
-    /// or for any block once the victim sat unused through a whole turnover of the cache;
-    /// else the new block is not cached. When conversations come back after more traffic
-    /// than the cache holds, it keeps the ones that fit instead of each request flushing
-    /// the oldest.
+    /// Frequency-gated admission, the store's [`EvictionPolicy::FreqAdmit`] (ties:
+    /// leaf-first recency): every block's uses are counted, cached or not (halved every
+    /// 8 × capacity uses, so old popularity fades); a full cache evicts its least-used
+    /// block for a block used more often, or for any block once the victim sat unused
+    /// through a whole turnover of the cache (more block uses than it holds blocks); else
+    /// the new block is not cached. When conversations come back after more traffic than
+    /// the cache holds, it keeps the ones that fit instead of each request flushing the
+    /// oldest.
     FreqAdmit,
     /// Belady's rule, offline: evict the block whose next use is furthest away, and admit
     /// no block used later than every cached one. A block is never used before its parent,
@@ -154,6 +163,16 @@ impl Policy {
             Policy::Belady => "belady",
         }
     }
+
+    /// The store's policy this one is (LRU for the recency orders and Belady, which the
+    /// simulator runs on its own).
+    fn shared(self) -> EvictionPolicy {
+        match self {
+            Policy::Lru | Policy::LruLeaf | Policy::Belady => EvictionPolicy::Lru,
+            Policy::Lfu => EvictionPolicy::Lfu,
+            Policy::FreqAdmit => EvictionPolicy::FreqAdmit,
+        }
+    }
 }
 
 /// Eviction order: the smallest key leaves first.
@@ -162,7 +181,6 @@ type Prio = (u64, u64);
 struct Slot {
     fill: usize,
     prio: Prio,
-    count: u64,
 }
 
 /// Hit tokens of every request with an unbounded cache.
@@ -172,6 +190,29 @@ pub fn ideal(t: &SimTrace) -> Vec<usize> {
 
 /// Hit tokens of every request with a cache of `capacity` blocks under `policy`.
 pub fn simulate(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
+    match policy {
+        Policy::Lfu | Policy::FreqAdmit => simulate_tier(t, policy.shared(), capacity),
+        Policy::Lru | Policy::LruLeaf | Policy::Belady => simulate_order(t, policy, capacity),
+    }
+}
+
+/// The hit of request `r` against the blocks held: the longest run of present blocks, each
+/// held as far as the request reads it; a block held only in part ends the run.
+fn hit(t: &SimTrace, r: &SimRequest, fill: impl Fn(u32) -> Option<usize>) -> usize {
+    let mut hit = 0;
+    for (i, c) in r.chain.iter().enumerate() {
+        let want = t.tokens_in(r, i);
+        let got = fill(*c).map_or(0, |f| f.min(want));
+        hit += got;
+        if got < want {
+            break;
+        }
+    }
+    hit
+}
+
+/// The recency orders and Belady: one ordered set over every cached block.
+fn simulate_order(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
     let next = match policy {
         Policy::Belady => t.next_uses(),
         _ => Vec::new(),
@@ -180,60 +221,23 @@ pub fn simulate(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
     let mut order: BTreeSet<(Prio, u32)> = BTreeSet::new();
     let mut clock = 0u64;
     let mut hits = Vec::with_capacity(t.requests.len());
-    // FreqAdmit: uses of every block seen, cached or not, halved every `period` uses.
-    let mut seen: HashMap<u32, u64> = HashMap::new();
-    let period = capacity.saturating_mul(8).max(1) as u64;
-    let mut uses = 0u64;
     for (j, r) in t.requests.iter().enumerate() {
-        // 1. The hit: the longest run of present blocks, each held as far as the request
-        //    reads it; a block held only in part ends the run.
-        let mut hit = 0;
-        for (i, c) in r.chain.iter().enumerate() {
-            let want = t.tokens_in(r, i);
-            let got = slots.get(c).map_or(0, |s| s.fill.min(want));
-            hit += got;
-            if got < want {
-                break;
-            }
-        }
-        hits.push(hit);
-        // 2. Every block of the request is refreshed or admitted.
+        hits.push(hit(t, r, |c| slots.get(&c).map(|s| s.fill)));
+        // Every block of the request is refreshed or admitted.
         let n = r.chain.len() as u64;
         for (i, &c) in r.chain.iter().enumerate() {
             let root_first = clock + i as u64;
             let leaf_first = clock + (n - 1 - i as u64);
-            let count = if policy == Policy::FreqAdmit {
-                uses += 1;
-                if uses.is_multiple_of(period) {
-                    seen.retain(|_, n| {
-                        *n /= 2;
-                        *n > 0
-                    });
-                    order.clear();
-                    for (k, s) in slots.iter_mut() {
-                        s.count = seen.get(k).copied().unwrap_or(0);
-                        s.prio.0 = s.count;
-                        order.insert((s.prio, *k));
-                    }
-                }
-                let n = seen.entry(c).or_insert(0);
-                *n += 1;
-                *n
-            } else {
-                slots.get(&c).map_or(1, |s| s.count + 1)
-            };
             let prio = match policy {
                 Policy::Lru => (root_first, 0),
-                Policy::LruLeaf => (leaf_first, 0),
-                Policy::Lfu | Policy::FreqAdmit => (count, leaf_first),
                 Policy::Belady => (u64::MAX - next[j][i], leaf_first),
+                _ => (leaf_first, 0),
             };
             let fill = t.tokens_in(r, i);
             if let Some(s) = slots.get_mut(&c) {
                 order.remove(&(s.prio, c));
                 s.fill = s.fill.max(fill);
                 s.prio = prio;
-                s.count = count;
                 order.insert((prio, c));
                 continue;
             }
@@ -247,19 +251,61 @@ pub fn simulate(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
                 if policy == Policy::Belady && prio <= victim_prio {
                     continue;
                 }
-                // The newcomer takes the place of a block used as often or more only when that
-                // block sat unused through a whole turnover of the cache.
-                let stale = clock.saturating_sub(victim_prio.1) > capacity as u64;
-                if policy == Policy::FreqAdmit && prio.0 <= victim_prio.0 && !stale {
-                    continue;
-                }
                 order.remove(&(victim_prio, victim));
                 slots.remove(&victim);
             }
-            slots.insert(c, Slot { fill, prio, count });
+            slots.insert(c, Slot { fill, prio });
             order.insert((prio, c));
         }
         clock += n;
+    }
+    hits
+}
+
+/// The store's policies as the RAM tier runs them: its [`ChainOrder`] (a block with a
+/// cached child is never evicted, cut-off blocks go first, freq-admit's gate), driven as
+/// the store is: the request's run of cached blocks is used root first (a load), then
+/// refreshed leaf first (so its root is the most recent), then its other blocks are used
+/// root first (publication: a cached one is refreshed, a new one admitted or refused).
+fn simulate_tier(t: &SimTrace, policy: EvictionPolicy, capacity: usize) -> Vec<usize> {
+    let mut order: ChainOrder<u32> = ChainOrder::new(policy);
+    let mut fills: HashMap<u32, usize> = HashMap::new();
+    let cap = capacity as u64;
+    let mut hits = Vec::with_capacity(t.requests.len());
+    for r in &t.requests {
+        hits.push(hit(t, r, |c| order.contains(c).then(|| fills[&c])));
+        let run = r.chain.iter().take_while(|c| order.contains(**c)).count();
+        for (i, &c) in r.chain[..run].iter().enumerate() {
+            order.used(c, cap);
+            let f = fills.entry(c).or_insert(0);
+            *f = (*f).max(t.tokens_in(r, i));
+        }
+        for &c in r.chain[..run].iter().rev() {
+            order.touch(c);
+        }
+        for (i, &c) in r.chain.iter().enumerate().skip(run) {
+            let fill = t.tokens_in(r, i);
+            let u = order.used(c, cap);
+            if order.contains(c) {
+                let f = fills.entry(c).or_insert(0);
+                *f = (*f).max(fill);
+                continue;
+            }
+            if capacity == 0 || (order.len() >= capacity && !order.admits(u, cap, |_| false)) {
+                continue;
+            }
+            let parent = i.checked_sub(1).map(|p| r.chain[p]);
+            order.insert(c, parent, u);
+            fills.insert(c, fill);
+            while order.len() > capacity {
+                let victim = order.victim(Some(c), |_| false).unwrap_or(c);
+                order.remove(victim);
+                fills.remove(&victim);
+                if victim == c {
+                    break;
+                }
+            }
+        }
     }
     hits
 }
