@@ -323,3 +323,42 @@ fn a_reader_that_stops_early_ends_the_output_without_a_panic() {
 fn libc_sigpipe() -> i32 {
     13
 }
+
+/// `--eviction` takes the store's policy names and refuses others, naming them.
+#[test]
+fn an_unknown_eviction_policy_is_refused_with_the_names() {
+    let f = fixture();
+    let out = kvstore(&[
+        "bench",
+        "trace",
+        f.to_str().unwrap(),
+        "--simulate",
+        "--budget-tokens",
+        "1024",
+        "--eviction",
+        "random",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("unknown eviction policy \"random\": one of lru, lfu, freq-admit"),
+        "{stderr}"
+    );
+    for ok in ["lru", "lfu", "freq-admit"] {
+        let out = kvstore(&[
+            "bench",
+            "trace",
+            f.to_str().unwrap(),
+            "--simulate",
+            "--budget-tokens",
+            "1024",
+            "--eviction",
+            ok,
+        ]);
+        assert!(
+            out.status.success(),
+            "{ok}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
