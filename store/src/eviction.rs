@@ -562,4 +562,57 @@ mod tests {
         assert!(!s.admits(newcomer, victim, 2, 2));
         assert!(s.admits(newcomer, victim, victim_used_at, 2));
     }
+
+    /// A parent is never a victim while its child is held; a block cut off from its chain
+    /// goes before every other; `except` is passed over unless it is cut off itself.
+    #[test]
+    fn chain_order_evicts_leaves_and_cut_off_blocks_first() {
+        let mut o: ChainOrder<u32> = ChainOrder::new(EvictionPolicy::Lru);
+        for (k, parent) in [(1, None), (2, Some(1)), (3, None)] {
+            let u = o.used(k, 3);
+            o.insert(k, parent, u);
+        }
+        // 1 is the least recent but holds 2: the leaves 2 then 3 go first.
+        assert_eq!(o.eviction_order(), vec![2, 1, 3]);
+        assert_eq!(o.victim(None, |_| false), Some(2));
+        assert_eq!(o.victim(Some(2), |_| false), Some(3));
+        assert_eq!(o.victim(None, |k| *k == 2), Some(3));
+        // Without 1, 2 is cut off: first, even as `except`, and even though 3 is older.
+        o.used(3, 3);
+        assert!(o.remove(1));
+        assert_eq!(o.victim(Some(2), |_| false), Some(2));
+        assert_eq!(o.eviction_order(), vec![2, 3]);
+        assert!(!o.remove(1));
+        assert_eq!(o.len(), 2);
+    }
+
+    /// Freq-admit's gate in a full order: a newcomer used less often than the first
+    /// victim is refused until that victim is idle for more than `capacity` uses.
+    #[test]
+    fn chain_order_gate() {
+        let mut o: ChainOrder<u32> = ChainOrder::new(EvictionPolicy::FreqAdmit);
+        for k in [1, 2] {
+            let u = o.used(k, 2);
+            o.insert(k, None, u);
+            o.used(k, 2);
+        }
+        // Counts 2 and 2; block 1 last used at clock 2, now 5.
+        let u = o.used(9, 2);
+        assert_eq!((u.count, u.at), (1, 5));
+        assert!(o.admits(u, 2, |_| false), "1 is idle for 3 uses > 2");
+        o.used(1, 2);
+        o.used(2, 2);
+        // Counts 3 and 3, used at clocks 6 and 7; now 8.
+        let u = o.used(9, 2);
+        assert_eq!(u.count, 2);
+        assert!(
+            !o.admits(u, 2, |_| false),
+            "9 counts 2 < 3; 1 is idle for 2 uses"
+        );
+        // A large capacity: only a higher count admits.
+        let u = o.used(9, 100);
+        assert!(!o.admits(u, 100, |_| false), "9 counts 3 = 3");
+        let u = o.used(9, 100);
+        assert!(o.admits(u, 100, |_| false), "9 counts 4 > 3");
+    }
 }
