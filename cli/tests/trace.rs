@@ -328,16 +328,20 @@ fn libc_sigpipe() -> i32 {
 #[test]
 fn an_unknown_eviction_policy_is_refused_with_the_names() {
     let f = fixture();
-    let out = kvstore(&[
-        "bench",
-        "trace",
-        f.to_str().unwrap(),
-        "--simulate",
-        "--budget-tokens",
-        "1024",
-        "--eviction",
-        "random",
-    ]);
+    let with = |policy: &str| {
+        let file = f.to_str().unwrap();
+        kvstore(&[
+            "bench",
+            "trace",
+            file,
+            "--simulate",
+            "--budget-tokens",
+            "1024",
+            "--eviction",
+            policy,
+        ])
+    };
+    let out = with("random");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(
@@ -345,20 +349,8 @@ fn an_unknown_eviction_policy_is_refused_with_the_names() {
         "{stderr}"
     );
     for ok in ["lru", "lfu", "freq-admit"] {
-        let out = kvstore(&[
-            "bench",
-            "trace",
-            f.to_str().unwrap(),
-            "--simulate",
-            "--budget-tokens",
-            "1024",
-            "--eviction",
-            ok,
-        ]);
-        assert!(
-            out.status.success(),
-            "{ok}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = with(ok);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{ok}: {stderr}");
     }
 }
