@@ -17,7 +17,8 @@
 //!   write-behind worker, and optionally a [`remote`] tier on Redis shared between engines
 //!   (lookups in one pipelined round trip, verified fetches, asynchronous publication).
 //! - Both tiers evict by one [`EvictionPolicy`] ([`eviction`]: LRU, LFU, or frequency-gated
-//!   admission, the default), the same code `kvstore bench trace --simulate` runs.
+//!   admission into RAM, the default); the RAM tier's order
+//!   ([`ChainOrder`](eviction::ChainOrder)) is the code `kvstore bench trace --simulate` runs.
 //! - [`Pins`] keep chosen blocks out of eviction in every tier until they expire (prompt
 //!   caching's breakpoints and retention); durable pins survive a restart.
 //! - [`gc`] and [`inspect`] look after a store directory offline; the `kvstore` binary
