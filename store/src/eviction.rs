@@ -6,8 +6,8 @@
 //! it (the RAM tier evicts only the leaves of its chains, cut-off blocks first; the SSD tier
 //! keeps its recency across restarts) and ask a [`PolicyState`] for counts, ranks and
 //! admission. Only the RAM tier gates: a block it does not admit is spilled to the SSD tier
-//! like an evicted one; the SSD tier, the last local tier, admits every block and uses the
-//! policy's order only. `kvstore bench trace --simulate` runs the same [`PolicyState`] over a trace,
+//! like an evicted one; the SSD tier, the last local tier, admits every block and evicts in
+//! LRU's order under `lru` and `freq-admit`, LFU's under `lfu`. `kvstore bench trace --simulate` runs the same [`PolicyState`] over a trace,
 //! so the simulated policy is the shipped one. docs/prefix-reuse.md ("Eviction") explains
 //! the default and what "not admitted" means in each tier.
 //!

@@ -3,16 +3,19 @@
 //! that persists the recency order, quarantine for files that fail verification, and one
 //! writer per root.
 //!
-//! Under LRU the least recently used block leaves first. Under LFU and freq-admit a write
-//! and a read hit are uses the policy counts (a touch only refreshes recency) and the least
-//! used block leaves first, ties by recency; the counts live in memory, so after a restart
-//! every block counts 0 and the order starts as LRU's.
+//! Under LRU and freq-admit the least recently used block leaves first. Under LFU a write,
+//! a read hit and a re-publication are uses the policy counts (a touch only refreshes
+//! recency) and the least used block leaves first, ties by recency; the counts live in
+//! memory, so after a restart every block counts 0 and the order starts as LRU's.
 //!
 //! The SSD tier admits every block, whatever the policy: it is the last local tier, so a
 //! block it refused would be lost to this machine, and it sees only what leaves the RAM
-//! tier (a block's hits in RAM never reach its counts), too little to judge a newcomer by.
-//! Under freq-admit it keeps the blocks read back from it (counted twice or more) ahead of
-//! those only written, which leave in recency order.
+//! tier (a block's hits in RAM never reach it), too little to judge a newcomer by.
+//! Freq-admit's gate is the RAM tier's; behind it the SSD keeps recency order, so the
+//! newest blocks (those just refused by RAM among them) are the last to go, and a flush
+//! keeps what was inserted last. Counting uses on SSD too (LFU's order) got the same hits
+//! in the CPU replay of docs/benchmarks.md and lost just-refused blocks to older popular
+//! ones at the next flush.
 //!
 //! Write path (crash cases in docs/store-format.md): encode into `tmp/`, fsync the file,
 //! rename into place, fsync the directory. A failed fsync or rename poisons the writer.
@@ -1004,11 +1007,16 @@ impl<F: FileSystem> SsdTier<F> {
         }
     }
 
-    /// Sets the eviction policy (the store's). Counts start at 0: until blocks are used
-    /// again the frequency policies evict in recency order.
+    /// Sets the eviction policy (the store's). Freq-admit's part is the RAM tier's gate:
+    /// here it keeps LRU's order. Under LFU counts start at 0, so until blocks are used
+    /// again it evicts in recency order.
     pub fn set_eviction(&mut self, policy: EvictionPolicy) {
         let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        st.policy = PolicyState::new(policy);
+        let order = match policy {
+            EvictionPolicy::Lfu => EvictionPolicy::Lfu,
+            EvictionPolicy::Lru | EvictionPolicy::FreqAdmit => EvictionPolicy::Lru,
+        };
+        st.policy = PolicyState::new(order);
         st.ranked = if st.is_lru() {
             BTreeSet::new()
         } else {
@@ -1017,11 +1025,6 @@ impl<F: FileSystem> SsdTier<F> {
                 .map(|(k, e)| (st.policy.rank(e.count, e.seq), *k))
                 .collect()
         };
-    }
-
-    /// The eviction policy.
-    pub fn eviction(&self) -> EvictionPolicy {
-        lock(&self.state).policy.policy()
     }
 
     /// Evicts least recently used blocks until the physical bytes fit the budget; returns
