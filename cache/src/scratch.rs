@@ -10,8 +10,8 @@
 
 use std::cell::RefCell;
 
-/// Buffers up to this size stay with their thread between uses; a larger request gets a
-/// buffer of its own, freed afterwards.
+/// Buffers up to this size stay with their thread between uses; a larger request gets an
+/// ordinary buffer of its own, freed afterwards.
 const KEEP_BYTES: usize = 256 << 20;
 
 enum Scratch {
@@ -44,7 +44,8 @@ thread_local! {
 /// overwrites all of it).
 pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
     if len > KEEP_BYTES {
-        return f(&mut Scratch::with_len(len).bytes()[..len]);
+        // Not kept: page-locking it would cost more than the copy it speeds up.
+        return f(&mut vec![0u8; len]);
     }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
         Ok(mut slot) => {
