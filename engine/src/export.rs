@@ -60,6 +60,20 @@ impl Shared {
         // matter: keep going with them.
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Runs `job` and counts it finished, waking those waiting.
+    fn complete(&self, store: &Store, job: Job, bytes: u64) {
+        let export = matches!(job, Job::Export(_));
+        let (n, inserted) = job.run(store);
+        let mut p = self.lock();
+        p.finished += 1;
+        p.bytes -= bytes;
+        p.stats.exports += u64::from(export);
+        p.stats.blocks += inserted;
+        p.stats.failed_blocks += n - inserted;
+        drop(p);
+        self.changed.notify_all();
+    }
 }
 
 /// Work for the export thread, done in submission order.
@@ -107,16 +121,7 @@ impl Exporter {
             .name("kvstore-export".into())
             .spawn(move || {
                 for (job, bytes) in rx {
-                    let export = matches!(job, Job::Export(_));
-                    let (n, inserted) = job.run(&thread_store);
-                    let mut p = s.lock();
-                    p.finished += 1;
-                    p.bytes -= bytes;
-                    p.stats.exports += u64::from(export);
-                    p.stats.blocks += inserted;
-                    p.stats.failed_blocks += n - inserted;
-                    drop(p);
-                    s.changed.notify_all();
+                    s.complete(&thread_store, job, bytes);
                 }
             })?;
         Ok(Self {
@@ -159,14 +164,7 @@ impl Exporter {
         if let Some(Err(std::sync::mpsc::SendError((job, bytes)))) = sent {
             // The thread is gone (it never exits before `Drop`): finish here, counted alike.
             tracing::error!("the export thread is gone; publishing on the caller's thread");
-            let export = matches!(job, Job::Export(_));
-            let (n, inserted) = job.run(&self.store);
-            let mut p = self.shared.lock();
-            p.finished += 1;
-            p.bytes -= bytes;
-            p.stats.exports += u64::from(export);
-            p.stats.blocks += inserted;
-            p.stats.failed_blocks += n - inserted;
+            self.shared.complete(&self.store, job, bytes);
         }
     }
 
