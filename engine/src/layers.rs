@@ -22,6 +22,15 @@ enum LinearWeight {
     Quantized(Quantized),
 }
 
+impl LinearWeight {
+    fn arrays(&self) -> Vec<&Array> {
+        match self {
+            LinearWeight::Dense(w) => vec![w],
+            LinearWeight::Quantized(q) => vec![&q.packed, &q.scales, &q.biases],
+        }
+    }
+}
+
 impl Linear {
     pub(crate) fn dense(w: Array, bias: Option<Array>) -> Self {
         Linear {
@@ -37,6 +46,14 @@ impl Linear {
         }
     }
 
+    /// Output features (rows of the weight).
+    fn out_features(&self) -> Option<i32> {
+        match &self.weight {
+            LinearWeight::Dense(w) => w.shape().first().copied(),
+            LinearWeight::Quantized(q) => q.packed.shape().first().copied(),
+        }
+    }
+
     /// `x` `[.., in]` → `[.., out]`.
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
@@ -48,6 +65,136 @@ impl Linear {
             None => y,
         })
     }
+}
+
+/// Several linear layers over the same input computed as one: their weights stacked along
+/// the output axis, one matmul, the result split back per layer (q/k/v, gate/up, as vLLM
+/// merges them). A decode step reads the same weight bytes in fewer, larger kernels.
+/// Layers that cannot be stacked (dense beside quantized, different quantization or
+/// dtype, a bias on some only) stay separate and run one by one.
+#[derive(Debug)]
+pub(crate) struct FusedLinear {
+    parts: FusedParts,
+}
+
+#[derive(Debug)]
+enum FusedParts {
+    /// The stacked layer and each part's output width, in order.
+    Stacked(Linear, Vec<i32>),
+    Separate(Vec<Linear>),
+}
+
+impl FusedLinear {
+    /// Stacks `parts` when their weights allow it (see the type's docs).
+    pub(crate) fn new(parts: Vec<Linear>) -> Result<Self> {
+        let Some(widths) = parts
+            .iter()
+            .map(Linear::out_features)
+            .collect::<Option<Vec<i32>>>()
+            .filter(|_| parts.len() > 1 && stackable(&parts))
+        else {
+            return Ok(FusedLinear {
+                parts: FusedParts::Separate(parts),
+            });
+        };
+        let bias = match parts[0].bias {
+            Some(_) => {
+                let b: Vec<&Array> = parts.iter().filter_map(|p| p.bias.as_ref()).collect();
+                Some(mlx::ops::concatenate(&b, 0)?)
+            }
+            None => None,
+        };
+        let weight = match &parts[0].weight {
+            LinearWeight::Dense(_) => {
+                let w: Vec<&Array> = parts
+                    .iter()
+                    .filter_map(|p| match &p.weight {
+                        LinearWeight::Dense(w) => Some(w),
+                        LinearWeight::Quantized(_) => None,
+                    })
+                    .collect();
+                LinearWeight::Dense(mlx::ops::concatenate(&w, 0)?)
+            }
+            LinearWeight::Quantized(q0) => {
+                let qs: Vec<&Quantized> = parts
+                    .iter()
+                    .filter_map(|p| match &p.weight {
+                        LinearWeight::Quantized(q) => Some(q),
+                        LinearWeight::Dense(_) => None,
+                    })
+                    .collect();
+                let cat = |f: fn(&Quantized) -> &Array| {
+                    let a: Vec<&Array> = qs.iter().map(|q| f(q)).collect();
+                    mlx::ops::concatenate(&a, 0)
+                };
+                LinearWeight::Quantized(Quantized {
+                    packed: cat(|q| &q.packed)?,
+                    scales: cat(|q| &q.scales)?,
+                    biases: cat(|q| &q.biases)?,
+                    spec: q0.spec,
+                })
+            }
+        };
+        let stacked = Linear { weight, bias };
+        // Stack now, at load, not inside the first forward pass; the parts' buffers go.
+        let mut arrays = stacked.weight.arrays();
+        arrays.extend(stacked.bias.iter());
+        mlx::eval(&arrays)?;
+        Ok(FusedLinear {
+            parts: FusedParts::Stacked(stacked, widths),
+        })
+    }
+
+    /// `x` `[.., in]` → one `[.., out_i]` per part, in order, for a layer of `N` parts.
+    pub(crate) fn forward<const N: usize>(&self, x: &Array) -> Result<[Array; N]> {
+        let out = self.forward_all(x)?;
+        let n = out.len() as i32;
+        out.try_into().map_err(|_| EngineError::ShapeMismatch {
+            name: "outputs of a fused linear layer".into(),
+            expected: vec![N as i32],
+            actual: vec![n],
+        })
+    }
+
+    fn forward_all(&self, x: &Array) -> Result<Vec<Array>> {
+        match &self.parts {
+            FusedParts::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            FusedParts::Stacked(linear, widths) => {
+                let y = linear.forward(x)?;
+                let shape = y.shape().to_vec();
+                let last = shape.len() - 1;
+                let mut start = vec![0; shape.len()];
+                let mut stop = shape.clone();
+                let mut out = Vec::with_capacity(widths.len());
+                for w in widths {
+                    stop[last] = start[last] + w;
+                    out.push(y.slice(&start, &stop)?);
+                    start[last] = stop[last];
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// Whether linear layers can be stacked into one: all dense of one dtype, or all quantized
+/// alike; a bias on all or on none.
+fn stackable(parts: &[Linear]) -> bool {
+    let first = &parts[0];
+    parts.iter().all(|p| {
+        p.bias.is_some() == first.bias.is_some()
+            && match (&p.weight, &first.weight) {
+                (LinearWeight::Dense(a), LinearWeight::Dense(b)) => {
+                    a.dtype() == b.dtype() && a.shape()[1..] == b.shape()[1..]
+                }
+                (LinearWeight::Quantized(a), LinearWeight::Quantized(b)) => {
+                    a.spec == b.spec
+                        && a.scales.dtype() == b.scales.dtype()
+                        && a.packed.shape()[1..] == b.packed.shape()[1..]
+                }
+                _ => false,
+            }
+    })
 }
 
 /// A token embedding table `[vocab, hidden]`, dense or quantized; doubles as the LM head when
@@ -108,16 +255,23 @@ impl RmsNorm {
 /// The gated MLP of llama and qwen: `down(silu(gate(x)) · up(x))`.
 #[derive(Debug)]
 pub(crate) struct Mlp {
-    pub(crate) gate_proj: Linear,
-    pub(crate) up_proj: Linear,
+    /// gate_proj and up_proj, stacked.
+    pub(crate) gate_up: FusedLinear,
     pub(crate) down_proj: Linear,
 }
 
 impl Mlp {
+    /// The MLP of `gate_proj`, `up_proj` and `down_proj`.
+    pub(crate) fn new(gate_proj: Linear, up_proj: Linear, down_proj: Linear) -> Result<Self> {
+        Ok(Mlp {
+            gate_up: FusedLinear::new(vec![gate_proj, up_proj])?,
+            down_proj,
+        })
+    }
+
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate_proj.forward(x)?.silu()?;
-        let u = self.up_proj.forward(x)?;
-        self.down_proj.forward(&g.mul(&u)?)
+        let [g, u] = self.gate_up.forward(x)?;
+        self.down_proj.forward(&g.silu()?.mul(&u)?)
     }
 }
 
@@ -238,9 +392,8 @@ impl RotaryEmbedding {
 /// RMS norms (qwen3), rotary embedding, the KV cache and fused SDPA.
 #[derive(Debug)]
 pub(crate) struct Attention {
-    pub(crate) q_proj: Linear,
-    pub(crate) k_proj: Linear,
-    pub(crate) v_proj: Linear,
+    /// q_proj, k_proj and v_proj, stacked.
+    pub(crate) qkv: FusedLinear,
     pub(crate) o_proj: Linear,
     pub(crate) q_norm: Option<RmsNorm>,
     pub(crate) k_norm: Option<RmsNorm>,
@@ -255,19 +408,11 @@ impl Attention {
     /// to `[B, H, L, D]`, before RoPE.
     pub(crate) fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
-        // 1. Projections, split into heads: (B, L, H·D) -> (B, L, H, D).
-        let q = self
-            .q_proj
-            .forward(x)?
-            .reshape(&[b, l, self.num_heads, self.head_dim])?;
-        let k = self
-            .k_proj
-            .forward(x)?
-            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
-        let v = self
-            .v_proj
-            .forward(x)?
-            .reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        // 1. Projections (one matmul), split into heads: (B, L, H·D) -> (B, L, H, D).
+        let [q, k, v] = self.qkv.forward(x)?;
+        let q = q.reshape(&[b, l, self.num_heads, self.head_dim])?;
+        let k = k.reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        let v = v.reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
         // 2. qwen3 normalizes each head's q and k before rotating them.
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
@@ -501,4 +646,139 @@ pub(crate) fn step(a: &Array, t: i32) -> Result<Array> {
     start[1] = t;
     stop[1] = t + 1;
     Ok(a.slice(&start, &stop)?.squeeze(1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn random(shape: &[i32], seed: u64) -> Array {
+        let key = mlx::random::key(seed).unwrap();
+        mlx::random::normal(shape, Dtype::F32, &key).unwrap()
+    }
+
+    fn host(a: &Array) -> Vec<f32> {
+        a.contiguous().unwrap().to_vec::<f32>().unwrap()
+    }
+
+    /// `x Wᵀ + b` in plain Rust: the reference the stacked matmul is checked against.
+    fn naive(x: &[f32], w: &[f32], b: Option<&[f32]>, rows: usize, cols: usize) -> Vec<f32> {
+        let n = x.len() / cols;
+        let mut y = vec![0.0; n * rows];
+        for i in 0..n {
+            for r in 0..rows {
+                let dot: f32 = (0..cols).map(|c| x[i * cols + c] * w[r * cols + c]).sum();
+                y[i * rows + r] = dot + b.map_or(0.0, |b| b[r]);
+            }
+        }
+        y
+    }
+
+    fn assert_close(a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "element {i}: {x} vs {y}"
+            );
+        }
+    }
+
+    #[test]
+    fn stacked_dense_layers_give_each_layers_own_output() {
+        let (cols, widths) = (16, [8, 4, 4]);
+        let x = random(&[2, 3, cols], 1);
+        let parts: Vec<(Array, Array)> = widths
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| {
+                (
+                    random(&[w, cols], 10 + i as u64),
+                    random(&[w], 20 + i as u64),
+                )
+            })
+            .collect();
+        let fused = FusedLinear::new(
+            parts
+                .iter()
+                .map(|(w, b)| Linear::dense(w.clone(), Some(b.clone())))
+                .collect(),
+        )
+        .unwrap();
+        assert!(matches!(fused.parts, FusedParts::Stacked(..)));
+        let out: [Array; 3] = fused.forward(&x).unwrap();
+        for ((o, (w, b)), &rows) in out.iter().zip(&parts).zip(&widths) {
+            assert_eq!(o.shape(), [2, 3, rows]);
+            let want = naive(
+                &host(&x),
+                &host(w),
+                Some(&host(b)),
+                rows as usize,
+                cols as usize,
+            );
+            assert_close(&host(o), &want, 1e-5);
+        }
+        // Asking for the wrong number of outputs is an error, not a panic.
+        assert!(fused.forward::<2>(&x).is_err());
+    }
+
+    #[test]
+    fn stacked_quantized_layers_match_the_layers_run_alone() {
+        let spec = quant_spec();
+        let x = random(&[1, 5, 64], 2);
+        let ws: Vec<Quantized> = [32, 64]
+            .iter()
+            .enumerate()
+            .map(|(i, &rows)| mlx::quantize(&random(&[rows, 64], 30 + i as u64), spec).unwrap())
+            .collect();
+        let alone: Vec<Vec<f32>> = ws
+            .iter()
+            .map(|q| host(&Linear::quantized(q.clone(), None).forward(&x).unwrap()))
+            .collect();
+        let fused =
+            FusedLinear::new(ws.into_iter().map(|q| Linear::quantized(q, None)).collect()).unwrap();
+        assert!(matches!(fused.parts, FusedParts::Stacked(..)));
+        let [a, b] = fused.forward(&x).unwrap();
+        assert_close(&host(&a), &alone[0], 1e-5);
+        assert_close(&host(&b), &alone[1], 1e-5);
+    }
+
+    #[test]
+    fn layers_that_cannot_be_stacked_run_one_by_one() {
+        let x = random(&[1, 2, 64], 3);
+        let (w0, w1) = (random(&[8, 64], 40), random(&[8, 64], 41));
+        let q1 = mlx::quantize(&w1, quant_spec()).unwrap();
+        let bias = random(&[8], 42);
+        for parts in [
+            // dense beside quantized
+            vec![
+                Linear::dense(w0.clone(), None),
+                Linear::quantized(q1.clone(), None),
+            ],
+            // a bias on one only
+            vec![
+                Linear::dense(w0.clone(), Some(bias.clone())),
+                Linear::dense(w1.clone(), None),
+            ],
+            // dense of different dtypes
+            vec![
+                Linear::dense(w0.clone(), None),
+                Linear::dense(w1.astype(Dtype::F16).unwrap(), None),
+            ],
+        ] {
+            let want: Vec<Vec<f32>> = parts
+                .iter()
+                .map(|p| host(&p.forward(&x).unwrap().astype(Dtype::F32).unwrap()))
+                .collect();
+            let fused = FusedLinear::new(parts).unwrap();
+            assert!(matches!(fused.parts, FusedParts::Separate(_)));
+            let [a, b] = fused.forward(&x).unwrap();
+            assert_eq!(host(&a), want[0]);
+            assert_eq!(host(&b.astype(Dtype::F32).unwrap()), want[1]);
+        }
+    }
+
+    fn quant_spec() -> mlx::QuantSpec {
+        mlx::QuantSpec::new(32, 4).unwrap()
+    }
 }

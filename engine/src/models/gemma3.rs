@@ -23,7 +23,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::error::{EngineError, Result};
-use crate::layers::{Embedding, Linear, RmsNorm, RopeScaling, RotaryEmbedding};
+use crate::layers::{Embedding, FusedLinear, Linear, RmsNorm, RopeScaling, RotaryEmbedding};
 use crate::model::{KvLayout, LayerKind, ModelInfo};
 use crate::models::{Built, Family, Network};
 use crate::weights::{Checkpoint, Weights};
@@ -256,16 +256,22 @@ fn gemma_norm(w: &Weights, prefix: &str, dim: usize, eps: f64) -> Result<RmsNorm
 /// `down(gelu_tanh(gate(x)) · up(x))`.
 #[derive(Debug)]
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// gate_proj and up_proj, stacked.
+    gate_up: FusedLinear,
     down_proj: Linear,
 }
 
 impl Mlp {
+    fn new(gate_proj: Linear, up_proj: Linear, down_proj: Linear) -> Result<Self> {
+        Ok(Mlp {
+            gate_up: FusedLinear::new(vec![gate_proj, up_proj])?,
+            down_proj,
+        })
+    }
+
     fn forward(&self, x: &Array) -> Result<Array> {
-        let g = self.gate_proj.forward(x)?.gelu_tanh()?;
-        let u = self.up_proj.forward(x)?;
-        self.down_proj.forward(&g.mul(&u)?)
+        let [g, u] = self.gate_up.forward(x)?;
+        self.down_proj.forward(&g.gelu_tanh()?.mul(&u)?)
     }
 }
 
@@ -399,9 +405,11 @@ impl Gemma3 {
             layers.push(DecoderLayer {
                 self_attn: Attention {
                     inner: crate::layers::Attention {
-                        q_proj: w.linear(&format!("{a}.q_proj"), nh * hd, h, false)?,
-                        k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, false)?,
-                        v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, false)?,
+                        qkv: FusedLinear::new(vec![
+                            w.linear(&format!("{a}.q_proj"), nh * hd, h, false)?,
+                            w.linear(&format!("{a}.k_proj"), nkv * hd, h, false)?,
+                            w.linear(&format!("{a}.v_proj"), nkv * hd, h, false)?,
+                        ])?,
                         o_proj: w.linear(&format!("{a}.o_proj"), h, nh * hd, false)?,
                         q_norm: Some(gemma_norm(w, &format!("{a}.q_norm"), hd, eps)?),
                         k_norm: Some(gemma_norm(w, &format!("{a}.k_norm"), hd, eps)?),
@@ -412,11 +420,11 @@ impl Gemma3 {
                     },
                     kind,
                 },
-                mlp: Mlp {
-                    gate_proj: w.linear(&format!("{m}.gate_proj"), inter, h, false)?,
-                    up_proj: w.linear(&format!("{m}.up_proj"), inter, h, false)?,
-                    down_proj: w.linear(&format!("{m}.down_proj"), h, inter, false)?,
-                },
+                mlp: Mlp::new(
+                    w.linear(&format!("{m}.gate_proj"), inter, h, false)?,
+                    w.linear(&format!("{m}.up_proj"), inter, h, false)?,
+                    w.linear(&format!("{m}.down_proj"), h, inter, false)?,
+                )?,
                 input_layernorm: gemma_norm(w, &format!("{p}.input_layernorm"), h, eps)?,
                 post_attention_layernorm: gemma_norm(
                     w,

@@ -14,7 +14,9 @@ use mlx::Array;
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
-use crate::layers::{Attention, CausalConv, Embedding, Linear, Mlp, RmsNorm, RotaryEmbedding};
+use crate::layers::{
+    Attention, CausalConv, Embedding, FusedLinear, Linear, Mlp, RmsNorm, RotaryEmbedding,
+};
 use crate::model::{KvLayout, LayerKind, ModelInfo};
 use crate::models::{
     check_cache_states, check_rows_states, mix_cache, mix_rows, Built, Family, Network, StateMixer,
@@ -233,9 +235,11 @@ impl Lfm2 {
                 let a = format!("{p}.self_attn");
                 let op = Operator::Attention(
                     Attention {
-                        q_proj: w.linear(&format!("{a}.q_proj"), nh * hd, h, false)?,
-                        k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, false)?,
-                        v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, false)?,
+                        qkv: FusedLinear::new(vec![
+                            w.linear(&format!("{a}.q_proj"), nh * hd, h, false)?,
+                            w.linear(&format!("{a}.k_proj"), nkv * hd, h, false)?,
+                            w.linear(&format!("{a}.v_proj"), nkv * hd, h, false)?,
+                        ])?,
                         o_proj: w.linear(&format!("{a}.out_proj"), h, nh * hd, false)?,
                         q_norm: Some(w.rms_norm(&format!("{a}.q_layernorm"), hd, eps)?),
                         k_norm: Some(w.rms_norm(&format!("{a}.k_layernorm"), hd, eps)?),
@@ -264,11 +268,11 @@ impl Lfm2 {
             let f = format!("{p}.feed_forward");
             layers.push(Layer {
                 operator,
-                feed_forward: Mlp {
-                    gate_proj: w.linear(&format!("{f}.w1"), ff, h, false)?,
-                    up_proj: w.linear(&format!("{f}.w3"), ff, h, false)?,
-                    down_proj: w.linear(&format!("{f}.w2"), h, ff, false)?,
-                },
+                feed_forward: Mlp::new(
+                    w.linear(&format!("{f}.w1"), ff, h, false)?,
+                    w.linear(&format!("{f}.w3"), ff, h, false)?,
+                    w.linear(&format!("{f}.w2"), h, ff, false)?,
+                )?,
                 operator_norm: w.rms_norm(&format!("{p}.operator_norm"), h, eps)?,
                 ffn_norm: w.rms_norm(&format!("{p}.ffn_norm"), h, eps)?,
             });

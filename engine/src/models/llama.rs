@@ -4,7 +4,9 @@
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
-use crate::layers::{Attention, Decoder, DecoderLayer, Mlp, RopeScaling, RotaryEmbedding};
+use crate::layers::{
+    Attention, Decoder, DecoderLayer, FusedLinear, Mlp, RopeScaling, RotaryEmbedding,
+};
 use crate::model::{KvLayout, ModelInfo};
 use crate::models::{Built, Family, GgufLayout};
 use crate::weights::{Checkpoint, Weights};
@@ -124,9 +126,11 @@ pub(crate) fn build(cfg: &Config, w: &Weights, v: &Variant, source: &str) -> Res
         };
         layers.push(DecoderLayer {
             self_attn: Attention {
-                q_proj: w.linear(&format!("{a}.q_proj"), nh * hd, h, v.qkv_bias)?,
-                k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, v.qkv_bias)?,
-                v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, v.qkv_bias)?,
+                qkv: FusedLinear::new(vec![
+                    w.linear(&format!("{a}.q_proj"), nh * hd, h, v.qkv_bias)?,
+                    w.linear(&format!("{a}.k_proj"), nkv * hd, h, v.qkv_bias)?,
+                    w.linear(&format!("{a}.v_proj"), nkv * hd, h, v.qkv_bias)?,
+                ])?,
                 o_proj: w.linear(&format!("{a}.o_proj"), h, nh * hd, v.o_bias)?,
                 q_norm: norm("q_norm")?,
                 k_norm: norm("k_norm")?,
@@ -135,26 +139,26 @@ pub(crate) fn build(cfg: &Config, w: &Weights, v: &Variant, source: &str) -> Res
                 head_dim: hd as i32,
                 scale: (hd as f32).powf(-0.5),
             },
-            mlp: Mlp {
-                gate_proj: w.linear(
+            mlp: Mlp::new(
+                w.linear(
                     &format!("{m}.gate_proj"),
                     cfg.intermediate_size,
                     h,
                     v.mlp_bias,
                 )?,
-                up_proj: w.linear(
+                w.linear(
                     &format!("{m}.up_proj"),
                     cfg.intermediate_size,
                     h,
                     v.mlp_bias,
                 )?,
-                down_proj: w.linear(
+                w.linear(
                     &format!("{m}.down_proj"),
                     h,
                     cfg.intermediate_size,
                     v.mlp_bias,
                 )?,
-            },
+            )?,
             input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
             post_attention_layernorm: w.rms_norm(
                 &format!("{p}.post_attention_layernorm"),

@@ -20,7 +20,9 @@ use mlx::Array;
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
-use crate::layers::{softplus, step, Attention, CausalConv, Embedding, Linear, RmsNorm};
+use crate::layers::{
+    softplus, step, Attention, CausalConv, Embedding, FusedLinear, Linear, RmsNorm,
+};
 use crate::model::{KvLayout, LayerKind, ModelInfo};
 use crate::models::{
     check_cache_states, check_rows_states, mix_cache, mix_rows, Built, Family, Network, StateMixer,
@@ -340,9 +342,11 @@ impl NemotronH {
                     let b = cfg.attention_bias;
                     let mixer = Mixer::Attention(
                         Attention {
-                            q_proj: w.linear(&format!("{m}.q_proj"), nh * hd, h, b)?,
-                            k_proj: w.linear(&format!("{m}.k_proj"), nkv * hd, h, b)?,
-                            v_proj: w.linear(&format!("{m}.v_proj"), nkv * hd, h, b)?,
+                            qkv: FusedLinear::new(vec![
+                                w.linear(&format!("{m}.q_proj"), nh * hd, h, b)?,
+                                w.linear(&format!("{m}.k_proj"), nkv * hd, h, b)?,
+                                w.linear(&format!("{m}.v_proj"), nkv * hd, h, b)?,
+                            ])?,
                             o_proj: w.linear(&format!("{m}.o_proj"), h, nh * hd, b)?,
                             q_norm: None,
                             k_norm: None,

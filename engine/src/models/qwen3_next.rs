@@ -24,7 +24,8 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 use crate::layers::{
-    softplus, step, CausalConv, Embedding, Linear, Mlp, RmsNorm, RopeScaling, RotaryEmbedding,
+    softplus, step, CausalConv, Embedding, FusedLinear, Linear, Mlp, RmsNorm, RopeScaling,
+    RotaryEmbedding,
 };
 use crate::model::{KvLayout, LayerKind, ModelInfo};
 use crate::models::{
@@ -175,9 +176,8 @@ fn repeat_heads(x: &Array, factor: i32) -> Result<Array> {
 /// Full attention with a per-head output gate and partial RoPE.
 #[derive(Debug)]
 struct GatedAttention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q_proj (queries and gates), k_proj and v_proj, stacked.
+    qkv: FusedLinear,
     o_proj: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
@@ -193,13 +193,14 @@ impl GatedAttention {
         let (b, l) = (x.shape()[0], x.shape()[1]);
         let (h, d) = (self.heads, self.head_dim);
         // 1. (B, L, H·2D) -> (B, L, H, 2D): each head's query, then its gate.
-        let qg = self.q_proj.forward(x)?.reshape(&[b, l, h, 2 * d])?;
+        let [qg, k, v] = self.qkv.forward(x)?;
+        let qg = qg.reshape(&[b, l, h, 2 * d])?;
         let q = qg.slice(&[0, 0, 0, 0], &[b, l, h, d])?;
         let gate = qg
             .slice(&[0, 0, 0, d], &[b, l, h, 2 * d])?
             .reshape(&[b, l, h * d])?;
-        let k = self.k_proj.forward(x)?.reshape(&[b, l, self.kv_heads, d])?;
-        let v = self.v_proj.forward(x)?.reshape(&[b, l, self.kv_heads, d])?;
+        let k = k.reshape(&[b, l, self.kv_heads, d])?;
+        let v = v.reshape(&[b, l, self.kv_heads, d])?;
         // 2. Per-head norms, then (B, L, H, D) -> (B, H, L, D).
         let t = [0, 2, 1, 3];
         Ok((
@@ -431,9 +432,11 @@ impl Qwen3Next {
                 let a = format!("{p}.self_attn");
                 let m = Mixer::Attention(
                     GatedAttention {
-                        q_proj: w.linear(&format!("{a}.q_proj"), 2 * nh * hd, h, bias)?,
-                        k_proj: w.linear(&format!("{a}.k_proj"), nkv * hd, h, bias)?,
-                        v_proj: w.linear(&format!("{a}.v_proj"), nkv * hd, h, bias)?,
+                        qkv: FusedLinear::new(vec![
+                            w.linear(&format!("{a}.q_proj"), 2 * nh * hd, h, bias)?,
+                            w.linear(&format!("{a}.k_proj"), nkv * hd, h, bias)?,
+                            w.linear(&format!("{a}.v_proj"), nkv * hd, h, bias)?,
+                        ])?,
                         o_proj: w.linear(&format!("{a}.o_proj"), h, nh * hd, bias)?,
                         q_norm: w.rms_norm(&format!("{a}.q_norm"), hd, eps)?,
                         k_norm: w.rms_norm(&format!("{a}.k_norm"), hd, eps)?,
@@ -451,11 +454,11 @@ impl Qwen3Next {
             let ff = cfg.intermediate_size;
             layers.push(Layer {
                 mixer,
-                mlp: Mlp {
-                    gate_proj: w.linear(&format!("{m}.gate_proj"), ff, h, false)?,
-                    up_proj: w.linear(&format!("{m}.up_proj"), ff, h, false)?,
-                    down_proj: w.linear(&format!("{m}.down_proj"), h, ff, false)?,
-                },
+                mlp: Mlp::new(
+                    w.linear(&format!("{m}.gate_proj"), ff, h, false)?,
+                    w.linear(&format!("{m}.up_proj"), ff, h, false)?,
+                    w.linear(&format!("{m}.down_proj"), h, ff, false)?,
+                )?,
                 input_layernorm: w.rms_norm(&format!("{p}.input_layernorm"), h, eps)?,
                 post_attention_layernorm: w.rms_norm(
                     &format!("{p}.post_attention_layernorm"),
