@@ -10,7 +10,7 @@ use serde::Serialize;
 use crate::constrained::Constraint;
 use crate::device_sampler::DeviceSampler;
 use crate::error::{EngineError, Result};
-use crate::model::{Model, DEFAULT_PREFILL_CHUNK};
+use crate::model::{default_prefill_chunk, Model, DEFAULT_PREFILL_CHUNK};
 use crate::sampler::{Sampled, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
@@ -29,7 +29,8 @@ pub struct GenerateParams {
     /// Per-request context limit (prompt + output), capped by the model's
     /// `max_position_embeddings`. Default: None (the model's).
     pub context_limit: Option<usize>,
-    /// Tokens per prefill step. Default: [`DEFAULT_PREFILL_CHUNK`].
+    /// Tokens per prefill step (with `serve`, while no other row decodes; while rows decode
+    /// the engine's smaller step bounds it). Default: [`default_prefill_chunk`].
     pub prefill_chunk: usize,
     /// A grammar the output must follow (structured output, forced tool calls): tokens it
     /// does not allow are never sampled, and an end-of-sequence token ends the output only
@@ -45,7 +46,7 @@ impl Default for GenerateParams {
             stop_at_eos: true,
             sampling: SamplingParams::default(),
             context_limit: None,
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: default_prefill_chunk(),
             constraint: None,
         }
     }

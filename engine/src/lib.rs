@@ -51,7 +51,10 @@ pub use generate::{
     generate, greedy_ids, FinishReason, GenerateParams, Generation, Timings, TokenEvent,
 };
 pub use layers::RopeScaling;
-pub use model::{aligned_chunk, KvLayout, LayerKind, Model, ModelInfo, DEFAULT_PREFILL_CHUNK};
+pub use model::{
+    aligned_chunk, default_prefill_chunk, KvLayout, LayerKind, Model, ModelInfo,
+    DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
+};
 pub use reuse::{
     auto_state_every, combined_salt, generate_with_reuse, namespace_description, HostPrefix,
     KvTiers, PinnedTiers, Prepared, ReuseConfig, ReuseReport,

@@ -101,10 +101,25 @@ impl std::fmt::Debug for Model {
     }
 }
 
-/// Tokens per prefill step unless told otherwise. Smaller than mlx-lm's 2048: on CPU it is
-/// as fast or faster at long prompts and peaks lower (figures: docs/benchmarks.md,
-/// "Generate").
+/// Tokens per prefill step on the CPU, and the most prompt tokens an engine step prefills
+/// while other rows decode ([`crate::EngineConfig::prefill_chunk`]). Smaller than mlx-lm's
+/// 2048: on CPU it is as fast or faster at long prompts and peaks lower (figures:
+/// docs/benchmarks.md, "Generate").
 pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
+/// Tokens per prefill step on a GPU (mlx-lm's `prefill_step_size`): a 512-token step leaves
+/// an H200 mostly waiting for kernel launches (SmolLM2's shape prefills 2,048 tokens at 21K
+/// tok/s in 512-token steps, 34K in 2,048-token steps; docs/benchmarks.md).
+pub const GPU_PREFILL_CHUNK: usize = 2048;
+
+/// The prefill step for the device MLX computes on: [`GPU_PREFILL_CHUNK`] on a GPU,
+/// [`DEFAULT_PREFILL_CHUNK`] on the CPU.
+pub fn default_prefill_chunk() -> usize {
+    match mlx::default_device() {
+        Ok(mlx::Device::Gpu) => GPU_PREFILL_CHUNK,
+        _ => DEFAULT_PREFILL_CHUNK,
+    }
+}
 
 impl Model {
     /// Builds the model of a checkpoint (its tensors are consumed by the layers).

@@ -15,7 +15,8 @@
 //! 5. prefills one chunk (at most `prefill_chunk` tokens) of the oldest prefilling request;
 //!    its last chunk picks the first token and the row joins the decode batch. So a long
 //!    prompt delays running streams by one chunk per step, never by its whole prefill (as
-//!    vLLM's and SGLang's chunked prefill). With no row decoding, chunks run back to back.
+//!    vLLM's and SGLang's chunked prefill). With no row decoding, chunks of the request's
+//!    own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
 //!
 //! A row under a grammar ([`GenerateParams::constraint`]) does not run ahead: before step
 //! 4 queues its next pick, its previous pick is read and committed to the grammar, whose
@@ -1114,13 +1115,15 @@ impl Worker {
                 return Some((id, computed));
             }
             let held = r.cache.offset();
-            let chunk = crate::model::aligned_chunk(
-                held,
-                r.p.request
-                    .params
-                    .prefill_chunk
-                    .clamp(1, self.config.prefill_chunk),
-            );
+            // While rows decode, a step prefills at most the engine's chunk; with none, the
+            // request's own (larger on a GPU, where small steps leave it waiting on launches).
+            let own = r.p.request.params.prefill_chunk.max(1);
+            let step = if self.active.is_empty() {
+                own
+            } else {
+                own.min(self.config.prefill_chunk)
+            };
+            let chunk = crate::model::aligned_chunk(held, step);
             let rest = &r.p.request.prompt[held..];
             let t = Instant::now();
             let result = if std::mem::take(&mut self.fail_next_prefill) {

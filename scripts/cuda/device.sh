@@ -260,6 +260,30 @@ case "$step" in
         --long-prompt 8192 --sessions 16 --turns 4 --json "$OUT/bench-serve.json" 2>&1; } | tail -n 6
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
+  pk) # decode and prefill beside mlx-lm (bench generate; LENS, SKIPSMOL, SKIP8B), with a
+      # bench_mlx_lm.py carried in x3 when one is (a variant that prints each pass), after x1, x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    py=$(command -v python3)
+    script=scripts/goldens/bench_mlx_lm.py
+    [ -f .cuda/x3/bench_mlx_lm.py ] && script=.cuda/x3/bench_mlx_lm.py
+    d=$K/smollm2-rand
+    if [ -z "${SKIPSMOL:-}" ]; then
+      { timeout 200 "$BIN/kvstore" bench generate --model "$d" --skip-mlx-lm --prompt-lens ${LENS:-2048,8000} \
+          --decode-tokens 128 ${CHUNK:+--prefill-chunk $CHUNK} 2>&1;
+        timeout 200 python3 "$script" "$d" ${LENS:-2048,8000} 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log" | tail -n 30
+    fi
+    [ -n "${SKIP8B:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+    [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+    { timeout 240 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+        --prompt-lens ${LENS8B:-512,2048} --decode-tokens 64 2>&1;
+      timeout 200 python3 "$script" "$K/llama8b" ${LENS8B:-512,2048} 64 stored 2>&1; } \
+        | tee "$OUT/bench-generate-llama8b.log" | tail -n 30
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
   pj) # direct host<->device copies and publication off the engine thread: the mlx ops test
       # binary (carried as ops-test.zst), bench cache's blocks part (both copy paths), the
       # 8B-shaped bf16 32K prefix (arms cold,device,ram,ssd; no mlx-lm), after x1 and x2

@@ -28,9 +28,10 @@ pub struct Args {
     /// The Python with mlx-lm; default: .venv-goldens/bin/python of this checkout.
     #[arg(long, value_name = "PATH")]
     python: Option<PathBuf>,
-    /// Tokens per prefill step of the engine (mlx-lm's side keeps its default, 2048).
-    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK)]
-    prefill_chunk: usize,
+    /// Tokens per prefill step of the engine (mlx-lm's side keeps its default, 2048);
+    /// default: the device's (2,048 on a GPU, 512 on the CPU).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Only measure kvstore.
     #[arg(long)]
     skip_mlx_lm: bool,
@@ -57,7 +58,9 @@ fn ours(model: &Model, tokenizer: &Tokenizer, args: &Args) -> anyhow::Result<Vec
         max_tokens: args.decode_tokens,
         stop_at_eos: false,
         context_limit: Some(usize::MAX),
-        prefill_chunk: args.prefill_chunk,
+        prefill_chunk: args
+            .prefill_chunk
+            .unwrap_or_else(engine::default_prefill_chunk),
         ..GenerateParams::default()
     };
     // Warm-up, as the mlx-lm side does.
