@@ -17,6 +17,7 @@
 //! - [`KvFormat`]: float or affine-quantized (KV4/KV8) storage.
 //! - [`attention_mask`]: causal and sliding-window masks for a step.
 
+mod batch_arena;
 mod chain;
 mod contiguous;
 mod error;

@@ -291,6 +291,11 @@ impl PagedKvCache {
         }
     }
 
+    /// Whether any layer is a sliding-window layer.
+    pub fn has_windows(&self) -> bool {
+        self.window.windows.iter().any(Option::is_some)
+    }
+
     /// The settings.
     pub fn config(&self) -> &PagedConfig {
         &self.config

@@ -3,21 +3,84 @@
 
 use mlx::{Array, Dtype};
 
+use crate::batch_arena::BatchArena;
 use crate::mask::visible;
 use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 
 /// A batch of rows (sequences) for decoding. Row `b` keeps its own [`PagedKvCache`]; a
 /// step appends each row's new keys and values and fetches all rows as one
 /// `[B, H, T, D]` batch, left-padded with zeros to the longest row `T`.
-#[derive(Clone, Debug, Default)]
+///
+/// With the batch arena on (the default on a GPU), [`PagedKvRows::attend`] keeps the
+/// batch's KV in one right-aligned array per layer while the rows stay the same, and
+/// writes the tokens decoded meanwhile back to the rows' caches when the batch changes or
+/// a row is read (module `batch_arena`).
+#[derive(Default)]
 pub struct PagedKvRows {
     rows: Vec<PagedKvCache>,
+    /// Whether [`PagedKvRows::attend`] may use a batch arena.
+    use_arena: bool,
+    arena: Option<BatchArena>,
+    /// The rows cannot share an arena (checked once per set of rows).
+    no_arena: bool,
+}
+
+impl Clone for PagedKvRows {
+    /// A copy of the rows as their caches hold them; the arena is not copied, so tokens it
+    /// holds that were not written back are not in the copy (call
+    /// [`PagedKvRows::settle`] first).
+    fn clone(&self) -> Self {
+        PagedKvRows {
+            rows: self.rows.clone(),
+            use_arena: self.use_arena,
+            arena: None,
+            no_arena: false,
+        }
+    }
+}
+
+impl std::fmt::Debug for PagedKvRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedKvRows")
+            .field("rows", &self.rows)
+            .field("use_arena", &self.use_arena)
+            .field("arena", &self.arena.is_some())
+            .finish()
+    }
 }
 
 impl PagedKvRows {
-    /// An empty batch.
+    /// An empty batch, with the batch arena on where MLX computes on a GPU (there a step's
+    /// per-row attention calls cost more in launches than in arithmetic; on the CPU they
+    /// do not, and each row attends over its own cache).
     pub fn new() -> Self {
-        Self::default()
+        PagedKvRows {
+            use_arena: matches!(mlx::default_device(), Ok(mlx::Device::Gpu)),
+            ..Self::default()
+        }
+    }
+
+    /// Turns the batch arena on or off (tests run it on the CPU; the numbers differ from
+    /// per-row attention only by float rounding). Writes back what an arena holds first.
+    pub fn set_batch_arena(&mut self, on: bool) -> Result<(), CacheError> {
+        self.settle()?;
+        self.no_arena = false;
+        self.use_arena = on;
+        Ok(())
+    }
+
+    /// Whether a batch arena holds the batch now.
+    pub fn has_arena(&self) -> bool {
+        self.arena.is_some()
+    }
+
+    /// Writes the tokens an arena holds back to the rows' caches and drops the arena (the
+    /// next step builds a new one): before the set of rows changes or a row is read.
+    pub fn settle(&mut self) -> Result<(), CacheError> {
+        if let Some(mut a) = self.arena.take() {
+            a.sync(&mut self.rows)?;
+        }
+        Ok(())
     }
 
     /// A batch of the given rows.
@@ -41,6 +104,8 @@ impl PagedKvRows {
 
     /// Adds one sequence as the last row.
     pub fn push(&mut self, row: PagedKvCache) -> Result<(), CacheError> {
+        self.settle()?;
+        self.no_arena = false;
         if let Some(first) = self.rows.first() {
             if (first.layers(), first.state_layers()) != (row.layers(), row.state_layers()) {
                 return Err(CacheError::Shape(format!(
@@ -58,7 +123,7 @@ impl PagedKvRows {
 
     /// Appends the rows of another batch after this one's.
     pub fn merge(&mut self, other: PagedKvRows) -> Result<(), CacheError> {
-        for r in other.rows {
+        for r in other.into_rows()? {
             self.push(r)?;
         }
         Ok(())
@@ -66,6 +131,8 @@ impl PagedKvRows {
 
     /// Keeps the rows at `keep` (in that order) and returns the others, in their order.
     pub fn filter(&mut self, keep: &[usize]) -> Result<Vec<PagedKvCache>, CacheError> {
+        self.settle()?;
+        self.no_arena = false;
         if let Some(&bad) = keep.iter().find(|&&i| i >= self.rows.len()) {
             return Err(CacheError::Shape(format!(
                 "row {bad} of a batch of {}",
@@ -86,38 +153,58 @@ impl PagedKvRows {
     }
 
     /// An independent copy of row `i`.
-    pub fn extract(&self, i: usize) -> Result<PagedKvCache, CacheError> {
+    pub fn extract(&mut self, i: usize) -> Result<PagedKvCache, CacheError> {
+        self.settle()?;
         self.rows
             .get(i)
             .cloned()
             .ok_or_else(|| CacheError::Shape(format!("row {i} of a batch of {}", self.rows.len())))
     }
 
-    /// Row `i`.
+    /// Row `i` as its cache holds it: without the tokens a batch arena holds and has not
+    /// written back yet ([`PagedKvRows::settle`] writes them; [`PagedKvRows::offsets`]
+    /// counts them).
     pub fn row(&self, i: usize) -> Option<&PagedKvCache> {
         self.rows.get(i)
     }
 
     /// Row `i`, mutably (to publish it, for example).
-    pub fn row_mut(&mut self, i: usize) -> Option<&mut PagedKvCache> {
-        self.rows.get_mut(i)
+    pub fn row_mut(&mut self, i: usize) -> Result<Option<&mut PagedKvCache>, CacheError> {
+        self.settle()?;
+        self.no_arena = false;
+        Ok(self.rows.get_mut(i))
     }
 
-    /// The rows, in order.
-    pub fn into_rows(self) -> Vec<PagedKvCache> {
-        self.rows
+    /// The rows, in order, with every token decoded so far.
+    pub fn into_rows(mut self) -> Result<Vec<PagedKvCache>, CacheError> {
+        self.settle()?;
+        Ok(self.rows)
     }
 
     /// Each row's offset (position of its next token) as an int32 `[B]` array: the RoPE
     /// offsets of a batched step.
     pub fn offsets(&self) -> Result<Array, CacheError> {
-        let offs: Vec<i32> = self.rows.iter().map(|r| r.offset() as i32).collect();
+        let ahead = self.arena.as_ref().map_or(0, BatchArena::unsynced);
+        let offs: Vec<i32> = self
+            .rows
+            .iter()
+            .map(|r| (r.offset() + ahead) as i32)
+            .collect();
         Ok(Array::from_slice(&offs, &[offs.len() as i32])?)
+    }
+
+    /// Each row's length in `layer`, with the tokens an arena holds.
+    fn lens(&self, layer: usize) -> Vec<usize> {
+        let ahead = self.arena.as_ref().map_or(0, BatchArena::unsynced);
+        self.rows
+            .iter()
+            .map(|r| r.layer_offset(layer) + ahead)
+            .collect()
     }
 
     /// Left padding of each row in a fetch of `layer`: the longest row's length minus its own.
     pub fn padding(&self, layer: usize) -> Vec<usize> {
-        let lens: Vec<usize> = self.rows.iter().map(|r| r.layer_offset(layer)).collect();
+        let lens = self.lens(layer);
         let t = lens.iter().copied().max().unwrap_or(0);
         lens.iter().map(|l| t - l).collect()
     }
@@ -130,6 +217,7 @@ impl PagedKvRows {
         keys: &Array,
         values: &Array,
     ) -> Result<(Array, Array), CacheError> {
+        self.settle()?;
         let s = keys.shape();
         if s.len() != 4 || s[0] as usize != self.rows.len() || values.shape() != s {
             return Err(CacheError::Shape(format!(
@@ -202,6 +290,18 @@ impl PagedKvRows {
                 values.shape()
             )));
         }
+        if window.is_none() && self.use_arena && !self.no_arena {
+            if self.arena.is_none() {
+                self.arena = BatchArena::plan(&self.rows);
+                self.no_arena = self.arena.is_none();
+            }
+            if let Some(a) = &mut self.arena {
+                return a.attend(&self.rows, layer, queries, keys, values, scale);
+            }
+        }
+        if self.arena.is_some() {
+            self.settle()?;
+        }
         let (h, d) = (s[1], s[3]);
         let n = self.rows.len();
         // One split per input (a single graph node each) instead of a slice per row.
@@ -236,6 +336,11 @@ impl PagedKvRows {
     /// `[B, ..]`; `None` when no row has one yet (rows that all start empty). Rows whose
     /// states differ in presence or shape are an error.
     pub fn layer_states(&self, layer: usize) -> Result<Option<LayerState>, CacheError> {
+        if self.arena.is_some() {
+            return Err(CacheError::Config(
+                "layer states of a batch held in an arena (settle it first)".into(),
+            ));
+        }
         let states: Vec<Option<LayerState>> = self
             .rows
             .iter()
@@ -273,6 +378,7 @@ impl PagedKvRows {
         tokens: usize,
         state: &[Array],
     ) -> Result<(), CacheError> {
+        self.settle()?;
         let b = self.rows.len() as i32;
         if let Some(bad) = state.iter().find(|a| a.shape().first() != Some(&b)) {
             return Err(CacheError::Shape(format!(
@@ -305,7 +411,7 @@ impl PagedKvRows {
         queries: usize,
         window: Option<usize>,
     ) -> Result<Array, CacheError> {
-        let lens: Vec<usize> = self.rows.iter().map(|r| r.layer_offset(layer)).collect();
+        let lens = self.lens(layer);
         let t = lens.iter().copied().max().unwrap_or(0);
         let mut allowed = Vec::with_capacity(lens.len() * queries * t);
         for &len in &lens {

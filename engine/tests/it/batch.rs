@@ -1,6 +1,6 @@
 //! Batched decode ([`engine::Model::forward_rows`]) against each row decoded alone.
 
-use cache::{PagedConfig, PagedKvCache, PagedKvRows};
+use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
 use engine::{argmax, greedy_ids, load, LoadOptions, Model, DEFAULT_PREFILL_CHUNK};
 
 use crate::common::{goldens, logit_tol, near_tie};
@@ -28,8 +28,9 @@ struct Batched {
 
 /// Greedy tokens of every prompt decoded together, compared at every step with each row's
 /// logits computed alone. `base`: the bound where matmuls are exact f32 (`logit_tol`).
-fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32) -> Batched {
+fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32, arena: bool) -> Batched {
     let mut rows = PagedKvRows::new();
+    rows.set_batch_arena(arena).unwrap();
     let mut alone: Vec<PagedKvCache> = Vec::new();
     let mut out: Vec<Vec<u32>> = Vec::new();
     let mut tie = Vec::new();
@@ -67,6 +68,32 @@ fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32) -> Batched 
             }
             out[b].push(argmax(row));
         }
+        assert_eq!(rows.has_arena(), arena && n > 1);
+    }
+    // Every row's cache holds what it holds alone once the batch lets go of it: an arena
+    // wrote back the tokens it decoded.
+    let keep: Vec<usize> = Vec::new();
+    for (got, want) in rows.filter(&keep).unwrap().iter().zip(&alone) {
+        assert_eq!(got.offset(), want.offset());
+        for l in 0..want.layers() {
+            let (Some((gk, gv)), Some((wk, wv))) = (got.fetch(l).unwrap(), want.fetch(l).unwrap())
+            else {
+                assert!(got.fetch(l).unwrap().is_none() && want.fetch(l).unwrap().is_none());
+                continue;
+            };
+            for (g, w) in [(gk, wk), (gv, wv)] {
+                let (g, w) = (
+                    g.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap(),
+                    w.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap(),
+                );
+                let gap = g
+                    .iter()
+                    .zip(&w)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(gap < 1e-3, "layer {l}: cached KV differs by {gap}");
+            }
+        }
     }
     Batched {
         tokens: out,
@@ -82,9 +109,13 @@ fn until_tie(tokens: &[u32], tie: Option<usize>) -> &[u32] {
 }
 
 fn check(name: &str) {
+    check_with(name, false);
+}
+
+fn check_with(name: &str, arena: bool) {
     let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
     let prompts = prompts();
-    let r = batched(&model, &prompts, 16, 1e-4);
+    let r = batched(&model, &prompts, 16, 1e-4, arena);
     for ((p, got), tie) in prompts.iter().zip(&r.tokens).zip(&r.tie) {
         let want = greedy_ids(&model, p, 16).unwrap();
         assert_eq!(until_tie(got, *tie), until_tie(&want, *tie), "{name}");
@@ -132,12 +163,81 @@ fn batched_decode_matches_each_row_alone_nemotron_h_with_mamba2_states() {
 }
 
 #[test]
+fn batched_decode_in_a_batch_arena_matches_each_row_alone_llama() {
+    check_with("tiny-llama", true);
+}
+
+#[test]
+fn batched_decode_in_a_batch_arena_matches_each_row_alone_qwen3() {
+    check_with("tiny-qwen3", true);
+}
+
+#[test]
+fn batched_decode_in_a_batch_arena_matches_each_row_alone_qwen2() {
+    check_with("tiny-qwen2", true);
+}
+
+#[test]
+fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
+    let (model, _) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
+    let ps = prompts();
+    let mut rows = PagedKvRows::new();
+    rows.set_batch_arena(true).unwrap();
+    let mut lens = Vec::new();
+    for p in &ps[1..] {
+        let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+        model.prefill(p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        lens.push(p.len());
+        rows.push(c).unwrap();
+    }
+    for step in 1..=3 {
+        model.forward_rows(&[7, 8], &mut rows).unwrap();
+        assert!(rows.has_arena());
+        // The rows' caches lag; the offsets (RoPE positions) do not.
+        let offs: Vec<i32> = rows.offsets().unwrap().to_vec().unwrap();
+        let want: Vec<i32> = lens.iter().map(|l| (l + step) as i32).collect();
+        assert_eq!(offs, want);
+        assert_eq!(rows.row(0).unwrap().offset(), lens[0]);
+    }
+    // A joining row makes the arena write back and go; the next step builds a new one.
+    let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+    model
+        .prefill(&ps[0], &mut c, DEFAULT_PREFILL_CHUNK)
+        .unwrap();
+    rows.push(c).unwrap();
+    assert!(!rows.has_arena());
+    assert_eq!(rows.row(0).unwrap().offset(), lens[0] + 3);
+    assert_eq!(rows.row(1).unwrap().offset(), lens[1] + 3);
+    model.forward_rows(&[7, 8, 9], &mut rows).unwrap();
+    assert!(rows.has_arena());
+    let caches = rows.into_rows().unwrap();
+    let offs: Vec<usize> = caches.iter().map(|c| c.offset()).collect();
+    assert_eq!(offs, vec![lens[0] + 4, lens[1] + 4, ps[0].len() + 1]);
+}
+
+#[test]
+fn rows_too_uneven_for_an_arena_attend_one_by_one() {
+    let (model, _) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
+    let mut rows = PagedKvRows::new();
+    rows.set_batch_arena(true).unwrap();
+    // 3 rows padded to 200 would hold 600 slots for 204 tokens.
+    for n in [200usize, 2, 2] {
+        let p: Vec<u32> = (0..n as u32).map(|i| i % 200 + 3).collect();
+        let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+        model.prefill(&p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        rows.push(c).unwrap();
+    }
+    model.forward_rows(&[7, 8, 9], &mut rows).unwrap();
+    assert!(!rows.has_arena());
+}
+
+#[test]
 fn a_batch_of_one_is_the_single_sequence_path() {
     let (model, _) = load(&goldens().join("tiny-qwen3"), &LoadOptions::default()).unwrap();
     let p = &prompts()[1];
     // One row takes the single-sequence path: the same kernels, so no TF32 slack and no
     // near-tie allowance.
-    let r = batched(&model, std::slice::from_ref(p), 12, 1e-5);
+    let r = batched(&model, std::slice::from_ref(p), 12, 1e-5, false);
     assert_eq!(r.tokens[0], greedy_ids(&model, p, 12).unwrap());
     assert!(r.worst < 1e-5, "{}", r.worst);
 }
