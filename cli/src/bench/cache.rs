@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use cache::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache};
+use cache::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, PagedKvRows};
 use mlx::fast::{scaled_dot_product_attention, AttentionMask};
 use mlx::{Array, Dtype};
 use serde::Serialize;
@@ -51,6 +51,9 @@ enum Part {
     Blocks,
     /// SSD → device restore vs `dd`.
     Ssd,
+    /// Batched decode step: rows attending one by one vs the batch arena vs one
+    /// mlx-lm-style batch cache with fused masked attention.
+    Batch,
 }
 
 const HQ: i32 = 9;
@@ -111,7 +114,24 @@ struct SsdRow {
 }
 
 #[derive(Serialize)]
+struct BatchRow {
+    rows: usize,
+    tokens: usize,
+    layers: usize,
+    /// A step (every layer: append + attention, evaluated) with each row attending alone.
+    per_row_ms: f64,
+    /// The same step through the batch arena.
+    arena_ms: f64,
+    /// The same step over one `[B, H, T, D]` cache per layer with MLX's fused attention
+    /// and a padding mask (what mlx-lm's batch cache does).
+    batch_cache_ms: f64,
+    /// A row joining: the arena written back and rebuilt at the next step, above a step.
+    arena_join_ms: f64,
+}
+
+#[derive(Serialize)]
 struct Report {
+    batch: Vec<BatchRow>,
     decode: Vec<DecodeRow>,
     blocks: Vec<BlockRow>,
     ssd: Vec<SsdRow>,
@@ -338,6 +358,133 @@ fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
     Ok(rows)
 }
 
+fn batch_rows(quick: bool) -> Result<Vec<BatchRow>> {
+    let shapes: &[(usize, usize)] = if quick {
+        &[(4, 128)]
+    } else {
+        &[(8, 1024), (16, 1024), (16, 4096)]
+    };
+    let layers = if quick { 2 } else { 30 };
+    let reps = if quick { 3 } else { 12 };
+    let scale = 1.0 / (D as f32).sqrt();
+    let mut out = Vec::new();
+    for &(b, n) in shapes {
+        let bi = b as i32;
+        let q = random(&[bi, HQ, 1, D], 3)?;
+        let step_k = random(&[bi, HKV, 1, D], 4)?;
+        let step_v = random(&[bi, HKV, 1, D], 5)?;
+        let config = PagedConfig {
+            block_size: 16,
+            format: KvFormat::Float,
+            initial_blocks: (n + 4 * reps + 64) / 16,
+            max_blocks: (n + 8 * reps + 512) / 16,
+        };
+        let make_rows = |arena: bool| -> Result<PagedKvRows> {
+            let mut rows = PagedKvRows::new();
+            rows.set_batch_arena(arena)?;
+            for r in 0..b {
+                let mut c = PagedKvCache::new(layers, config)?;
+                for l in 0..layers {
+                    let k = random(&[1, HKV, n as i32, D], 10 + r as u64)?;
+                    c.append(l, &k, &k)?;
+                }
+                rows.push(c)?;
+            }
+            Ok(rows)
+        };
+        let step = |rows: &mut PagedKvRows| -> Result<()> {
+            let mut outs = Vec::with_capacity(layers);
+            for l in 0..layers {
+                outs.push(rows.attend(l, &q, &step_k, &step_v, scale, None)?);
+            }
+            let refs: Vec<&Array> = outs.iter().collect();
+            mlx::eval(&refs)?;
+            Ok(())
+        };
+        let mut per_row = make_rows(false)?;
+        let mut arena = make_rows(true)?;
+        // mlx-lm's batch cache: one [B, H, cap, D] per layer, written in place.
+        let cap = (n + 4 * reps + 64) as i32;
+        let mut batch: Vec<(Option<Array>, Option<Array>)> = (0..layers)
+            .map(|_| -> Result<_> {
+                let k = random(&[bi, HKV, cap, D], 20)?;
+                Ok((Some(k.clone()), Some(k)))
+            })
+            .collect::<Result<_>>()?;
+        let mut len = n as i32;
+        let mut batch_step = || -> Result<()> {
+            let mask = mlx::ops::full(&[bi, 1, 1, len + 1], 1.0, Dtype::Bool)?;
+            let mut outs = Vec::with_capacity(layers);
+            for (k, v) in batch.iter_mut() {
+                let (start, stop) = ([0, 0, len, 0], [bi, HKV, len + 1, D]);
+                let kk = k.take().ok_or_else(|| anyhow::anyhow!("keys"))?;
+                let vv = v.take().ok_or_else(|| anyhow::anyhow!("values"))?;
+                let kk = kk.slice_update(&step_k, &start, &stop)?;
+                let vv = vv.slice_update(&step_v, &start, &stop)?;
+                let kv = kk.slice(&[0, 0, 0, 0], &[bi, HKV, len + 1, D])?;
+                let vv2 = vv.slice(&[0, 0, 0, 0], &[bi, HKV, len + 1, D])?;
+                outs.push(scaled_dot_product_attention(
+                    &q,
+                    &kv,
+                    &vv2,
+                    scale,
+                    AttentionMask::Array(&mask),
+                )?);
+                *k = Some(kk);
+                *v = Some(vv);
+            }
+            len += 1;
+            let refs: Vec<&Array> = outs.iter().collect();
+            mlx::eval(&refs)?;
+            Ok(())
+        };
+        let (mut tp, mut ta, mut tb) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps + 1 {
+            let t = Instant::now();
+            step(&mut per_row)?;
+            tp.push(t.elapsed());
+            let t = Instant::now();
+            step(&mut arena)?;
+            ta.push(t.elapsed());
+            let t = Instant::now();
+            batch_step()?;
+            tb.push(t.elapsed());
+        }
+        // A join: one more row, then the step that rebuilds the arena.
+        let mut c = PagedKvCache::new(layers, config)?;
+        for l in 0..layers {
+            let k = random(&[1, HKV, n as i32, D], 99)?;
+            c.append(l, &k, &k)?;
+        }
+        let t = Instant::now();
+        arena.push(c)?;
+        let qj = random(&[bi + 1, HQ, 1, D], 6)?;
+        let kj = random(&[bi + 1, HKV, 1, D], 7)?;
+        let mut outs = Vec::with_capacity(layers);
+        for l in 0..layers {
+            outs.push(arena.attend(l, &qj, &kj, &kj, scale, None)?);
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        mlx::eval(&refs)?;
+        let join = t.elapsed();
+        let (p, a, bc) = (
+            median_of(&mut tp[1..].to_vec()),
+            median_of(&mut ta[1..].to_vec()),
+            median_of(&mut tb[1..].to_vec()),
+        );
+        out.push(BatchRow {
+            rows: b,
+            tokens: n,
+            layers,
+            per_row_ms: p.as_secs_f64() * 1e3,
+            arena_ms: a.as_secs_f64() * 1e3,
+            batch_cache_ms: bc.as_secs_f64() * 1e3,
+            arena_join_ms: (join.as_secs_f64() - a.as_secs_f64()) * 1e3,
+        });
+    }
+    Ok(out)
+}
+
 fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
     if !mlx::direct_transfers() {
         return block_rows_on(quick, false);
@@ -449,6 +596,11 @@ pub fn run(args: Args) -> Result<()> {
     let dir = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let part = |p: Part| args.only.is_empty() || args.only.contains(&p);
     let report = Report {
+        batch: if part(Part::Batch) {
+            batch_rows(args.quick)?
+        } else {
+            Vec::new()
+        },
         decode: if part(Part::Decode) {
             decode_rows(args.quick)?
         } else {
@@ -468,6 +620,26 @@ pub fn run(args: Args) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
+    }
+    if !report.batch.is_empty() {
+        println!("batched decode step (every layer: append + attention; 9/3 heads, d64, f32)");
+        println!(
+            "{:>5} {:>7} {:>7} {:>12} {:>12} {:>12} {:>12}",
+            "rows", "tokens", "layers", "per row", "arena", "batch cache", "arena join"
+        );
+        for r in &report.batch {
+            println!(
+                "{:>5} {:>7} {:>7} {:>10.3}ms {:>10.3}ms {:>10.3}ms {:>10.3}ms",
+                r.rows,
+                r.tokens,
+                r.layers,
+                r.per_row_ms,
+                r.arena_ms,
+                r.batch_cache_ms,
+                r.arena_join_ms
+            );
+        }
+        println!();
     }
     println!("decode step (append 1 token + SDPA, 9/3 heads, d64, f32 compute)");
     println!(
