@@ -4,10 +4,11 @@
 //! (docs/cache.md, "Batched decode on a GPU").
 //!
 //! The rows' paged caches stay the home of their KV. An arena is built from them when a
-//! batch starts decoding (one copy of each row's KV), and the tokens decoded since are
-//! written back to them ([`BatchArena::sync`]) before a row is read, leaves or the batch
-//! changes. So a step costs no copy of any row's KV, and a row's cache is exact whenever
-//! anyone outside the batch sees it.
+//! batch starts decoding (one copy of each row's KV); a row that joins later is copied in
+//! ([`BatchArena::join`]), one that leaves gets the tokens decoded since it was last written
+//! back ([`BatchArena::retain`]), and [`BatchArena::sync`] writes back every row before a
+//! row is read. So a step costs no copy of any row's KV, and a row's cache is exact
+//! whenever anyone outside the batch sees it.
 
 use mlx::{Array, Dtype};
 
@@ -17,12 +18,11 @@ use crate::{CacheError, KvCache, PagedKvCache};
 const GROW: usize = 256;
 
 /// One layer's arena: keys and values `[B, H, cap, D]`; columns `start_b .. end` hold row
-/// b's tokens, and `.. synced` of them are in the rows' paged caches too.
+/// b's tokens.
 struct LayerArena {
     keys: Array,
     values: Array,
     end: usize,
-    synced: usize,
 }
 
 /// The arenas of a decode batch (see the module docs).
@@ -30,6 +30,8 @@ pub(crate) struct BatchArena {
     layers: Vec<Option<LayerArena>>,
     /// Column of each row's first token, in every layer.
     starts: Vec<usize>,
+    /// Per row, the column up to which its paged cache holds its tokens too.
+    synced: Vec<usize>,
     /// The column the rows ended at when the arena was built.
     built_end: usize,
     /// The current step's mask `[B, 1, 1, end]` (true = attend), for the `end` it was made for.
@@ -63,19 +65,95 @@ impl BatchArena {
         Some(BatchArena {
             layers: (0..layers).map(|_| None).collect(),
             starts: lens.iter().map(|l| end - l).collect(),
+            synced: vec![end; rows.len()],
             built_end: end,
             mask: None,
         })
     }
 
-    /// Tokens each row holds here beyond its paged cache (the same for every row).
-    pub(crate) fn unsynced(&self) -> usize {
+    /// The column every row ends at (between steps, the same in every layer).
+    fn end(&self) -> usize {
         self.layers
             .iter()
             .flatten()
-            .map(|a| a.end - a.synced)
+            .map(|a| a.end)
             .max()
-            .unwrap_or(0)
+            .unwrap_or(self.built_end)
+    }
+
+    /// Tokens row `b` holds here beyond its paged cache.
+    pub(crate) fn unsynced(&self, b: usize) -> usize {
+        self.end() - self.synced.get(b).copied().unwrap_or(self.end())
+    }
+
+    /// Whether every layer has its arena (after the first step).
+    fn built(&self) -> bool {
+        self.layers.iter().all(Option::is_some)
+    }
+
+    /// Takes `row` in as the last row: its KV copied into every layer's arena, ending where
+    /// the others end. `false` (nothing changed) when it cannot join: the arena is not
+    /// built yet, the row is longer than the others or not eligible, or the batch would
+    /// hold more padding than tokens; then the caller starts a new arena.
+    pub(crate) fn join(&mut self, row: &PagedKvCache) -> Result<bool, CacheError> {
+        let end = self.end();
+        let len = row.offset();
+        let lens: usize = self.starts.iter().map(|s| end - s).sum();
+        let fits = self.built()
+            && row.layers() == self.layers.len()
+            && Self::plan(std::slice::from_ref(row)).is_some()
+            && len <= end
+            && (self.starts.len() + 1) * end <= 2 * (lens + len);
+        if !fits {
+            return Ok(false);
+        }
+        for (layer, slot) in self.layers.iter_mut().enumerate() {
+            let Some(a) = slot else { return Ok(false) };
+            let (k, v) = row.fetch(layer)?.ok_or_else(|| {
+                CacheError::Config(format!("layer {layer} of a joining row holds nothing"))
+            })?;
+            let cap = a.keys.shape()[2] as usize;
+            let slab = |x: &Array| -> Result<Array, CacheError> {
+                let s = x.shape();
+                let before = mlx::ops::zeros(&[1, s[1], (end - len) as i32, s[3]], x.dtype())?;
+                let after = mlx::ops::zeros(&[1, s[1], (cap - end) as i32, s[3]], x.dtype())?;
+                Ok(mlx::ops::concatenate(&[&before, x, &after], 2)?)
+            };
+            a.keys = mlx::ops::concatenate(&[&a.keys, &slab(&k)?], 0)?;
+            a.values = mlx::ops::concatenate(&[&a.values, &slab(&v)?], 0)?;
+        }
+        self.starts.push(end - len);
+        self.synced.push(end);
+        self.mask = None;
+        Ok(true)
+    }
+
+    /// Keeps the rows at `keep` (in that order): the others first get their tokens written
+    /// back to their caches. `false` when the arena should go (no row left, not built, or
+    /// the rows left would hold more padding than tokens; the kept rows are then not written
+    /// back yet: [`BatchArena::sync`] does that).
+    pub(crate) fn retain(
+        &mut self,
+        rows: &mut [PagedKvCache],
+        keep: &[usize],
+    ) -> Result<bool, CacheError> {
+        let leaving: Vec<usize> = (0..rows.len()).filter(|i| !keep.contains(i)).collect();
+        self.sync_rows(rows, &leaving)?;
+        let end = self.end();
+        let lens: usize = keep.iter().map(|&i| end - self.starts[i]).sum();
+        if keep.is_empty() || !self.built() || keep.len() * end > 2 * lens {
+            return Ok(false);
+        }
+        let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
+        let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
+        for a in self.layers.iter_mut().flatten() {
+            a.keys = a.keys.take(&idx, 0)?;
+            a.values = a.values.take(&idx, 0)?;
+        }
+        self.starts = keep.iter().map(|&i| self.starts[i]).collect();
+        self.synced = keep.iter().map(|&i| self.synced[i]).collect();
+        self.mask = None;
+        Ok(true)
     }
 
     /// Appends every row's new key and value (`keys`, `values` `[B, H, 1, D]`) to `layer`
@@ -145,22 +223,30 @@ impl BatchArena {
 
     /// Writes the tokens decoded since the last sync back to each row's paged cache.
     pub(crate) fn sync(&mut self, rows: &mut [PagedKvCache]) -> Result<(), CacheError> {
-        for (layer, slot) in self.layers.iter_mut().enumerate() {
-            let Some(a) = slot else { continue };
-            if a.end == a.synced {
+        let all: Vec<usize> = (0..rows.len()).collect();
+        self.sync_rows(rows, &all)
+    }
+
+    /// [`BatchArena::sync`] of the rows at `which`.
+    fn sync_rows(&mut self, rows: &mut [PagedKvCache], which: &[usize]) -> Result<(), CacheError> {
+        let end = self.end();
+        for &b in which {
+            let (Some(row), Some(&from)) = (rows.get_mut(b), self.synced.get(b)) else {
+                continue;
+            };
+            if from >= end {
                 continue;
             }
-            let (ks, vs) = (a.keys.shape(), a.values.shape());
-            let (from, to) = (a.synced as i32, a.end as i32);
-            for (i, row) in rows.iter_mut().enumerate() {
-                let i = i as i32;
-                let k = a.keys.slice(&[i, 0, from, 0], &[i + 1, ks[1], to, ks[3]])?;
-                let v = a
-                    .values
-                    .slice(&[i, 0, from, 0], &[i + 1, vs[1], to, vs[3]])?;
+            let bi = b as i32;
+            for (layer, a) in self.layers.iter().enumerate() {
+                let Some(a) = a else { continue };
+                let (ks, vs) = (a.keys.shape(), a.values.shape());
+                let (f, t) = (from as i32, a.end as i32);
+                let k = a.keys.slice(&[bi, 0, f, 0], &[bi + 1, ks[1], t, ks[3]])?;
+                let v = a.values.slice(&[bi, 0, f, 0], &[bi + 1, vs[1], t, vs[3]])?;
                 row.append(layer, &k, &v)?;
             }
-            a.synced = a.end;
+            self.synced[b] = end;
         }
         Ok(())
     }
@@ -195,7 +281,6 @@ fn build(
         keys: mlx::ops::concatenate(&kr, 0)?,
         values: mlx::ops::concatenate(&vr, 0)?,
         end,
-        synced: end,
     })
 }
 

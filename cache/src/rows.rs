@@ -102,10 +102,9 @@ impl PagedKvRows {
         self.rows.is_empty()
     }
 
-    /// Adds one sequence as the last row.
+    /// Adds one sequence as the last row (into the batch arena when one holds the batch
+    /// and the row fits it).
     pub fn push(&mut self, row: PagedKvCache) -> Result<(), CacheError> {
-        self.settle()?;
-        self.no_arena = false;
         if let Some(first) = self.rows.first() {
             if (first.layers(), first.state_layers()) != (row.layers(), row.state_layers()) {
                 return Err(CacheError::Shape(format!(
@@ -117,6 +116,17 @@ impl PagedKvRows {
                 )));
             }
         }
+        if let Some(a) = &mut self.arena {
+            match a.join(&row) {
+                Ok(true) => {}
+                Ok(false) => self.settle()?,
+                Err(e) => {
+                    self.settle()?;
+                    return Err(e);
+                }
+            }
+        }
+        self.no_arena = false;
         self.rows.push(row);
         Ok(())
     }
@@ -131,14 +141,19 @@ impl PagedKvRows {
 
     /// Keeps the rows at `keep` (in that order) and returns the others, in their order.
     pub fn filter(&mut self, keep: &[usize]) -> Result<Vec<PagedKvCache>, CacheError> {
-        self.settle()?;
-        self.no_arena = false;
         if let Some(&bad) = keep.iter().find(|&&i| i >= self.rows.len()) {
             return Err(CacheError::Shape(format!(
                 "row {bad} of a batch of {}",
                 self.rows.len()
             )));
         }
+        // The rows that leave get their tokens back; the arena keeps the others.
+        if let Some(a) = &mut self.arena {
+            if !a.retain(&mut self.rows, keep)? {
+                self.settle()?;
+            }
+        }
+        self.no_arena = false;
         let mut slots: Vec<Option<PagedKvCache>> = std::mem::take(&mut self.rows)
             .into_iter()
             .map(Some)
@@ -184,22 +199,27 @@ impl PagedKvRows {
     /// Each row's offset (position of its next token) as an int32 `[B]` array: the RoPE
     /// offsets of a batched step.
     pub fn offsets(&self) -> Result<Array, CacheError> {
-        let ahead = self.arena.as_ref().map_or(0, BatchArena::unsynced);
         let offs: Vec<i32> = self
             .rows
             .iter()
-            .map(|r| (r.offset() + ahead) as i32)
+            .enumerate()
+            .map(|(b, r)| (r.offset() + self.ahead(b)) as i32)
             .collect();
         Ok(Array::from_slice(&offs, &[offs.len() as i32])?)
     }
 
     /// Each row's length in `layer`, with the tokens an arena holds.
     fn lens(&self, layer: usize) -> Vec<usize> {
-        let ahead = self.arena.as_ref().map_or(0, BatchArena::unsynced);
         self.rows
             .iter()
-            .map(|r| r.layer_offset(layer) + ahead)
+            .enumerate()
+            .map(|(b, r)| r.layer_offset(layer) + self.ahead(b))
             .collect()
+    }
+
+    /// Tokens row `b` holds in the batch arena beyond its cache.
+    fn ahead(&self, b: usize) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.unsynced(b))
     }
 
     /// Left padding of each row in a fetch of `layer`: the longest row's length minus its own.

@@ -199,20 +199,95 @@ fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
         assert_eq!(offs, want);
         assert_eq!(rows.row(0).unwrap().offset(), lens[0]);
     }
-    // A joining row makes the arena write back and go; the next step builds a new one.
+    // A shorter row joins the arena (copied in, ending where the others end); the others
+    // keep their tokens in it.
     let mut c = model.empty_cache(PagedConfig::default()).unwrap();
     model
         .prefill(&ps[0], &mut c, DEFAULT_PREFILL_CHUNK)
         .unwrap();
     rows.push(c).unwrap();
-    assert!(!rows.has_arena());
-    assert_eq!(rows.row(0).unwrap().offset(), lens[0] + 3);
-    assert_eq!(rows.row(1).unwrap().offset(), lens[1] + 3);
+    assert!(rows.has_arena());
+    let offs: Vec<i32> = rows.offsets().unwrap().to_vec().unwrap();
+    assert_eq!(
+        offs,
+        vec![
+            (lens[0] + 3) as i32,
+            (lens[1] + 3) as i32,
+            ps[0].len() as i32
+        ]
+    );
     model.forward_rows(&[7, 8, 9], &mut rows).unwrap();
+    // The joined row leaves with every token it decoded; the others stay in the arena
+    // (a leave that would leave more padding than tokens drops it instead).
+    let gone = rows.filter(&[0, 1]).unwrap();
+    assert!(rows.has_arena());
+    assert_eq!(gone[0].offset(), ps[0].len() + 1);
+    model.forward_rows(&[7, 9], &mut rows).unwrap();
+    // A row longer than the arena's rows cannot join it: the arena writes back and goes.
+    let long: Vec<u32> = (0..80u32).map(|i| i % 200 + 3).collect();
+    let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+    model.prefill(&long, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+    rows.push(c).unwrap();
+    assert!(!rows.has_arena());
+    assert_eq!(rows.row(0).unwrap().offset(), lens[0] + 5);
+    assert_eq!(rows.row(1).unwrap().offset(), lens[1] + 5);
+    model.forward_rows(&[7, 9, 11], &mut rows).unwrap();
     assert!(rows.has_arena());
     let caches = rows.into_rows().unwrap();
     let offs: Vec<usize> = caches.iter().map(|c| c.offset()).collect();
-    assert_eq!(offs, vec![lens[0] + 4, lens[1] + 4, ps[0].len() + 1]);
+    assert_eq!(offs, vec![lens[0] + 6, lens[1] + 6, long.len() + 1]);
+}
+
+/// Rows joining and leaving a batch arena mid-decode get the logits each gets alone.
+#[test]
+fn rows_joining_and_leaving_a_batch_arena_decode_as_alone() {
+    let (model, _) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
+    let ps = prompts();
+    let mut rows = PagedKvRows::new();
+    rows.set_batch_arena(true).unwrap();
+    let mut alone: Vec<PagedKvCache> = Vec::new();
+    let mut last: Vec<u32> = Vec::new();
+    let mut ids: Vec<usize> = Vec::new();
+    let step =
+        |rows: &mut PagedKvRows, alone: &mut [PagedKvCache], last: &mut [u32], ids: &[usize]| {
+            let logits: Vec<f32> = model.forward_rows(last, rows).unwrap().to_vec().unwrap();
+            let vocab = logits.len() / last.len();
+            for (b, row) in logits.chunks(vocab).enumerate() {
+                let single: Vec<f32> = model
+                    .forward(&[last[b]], &mut alone[ids[b]])
+                    .unwrap()
+                    .to_vec()
+                    .unwrap();
+                let tol = logit_tol(1e-4, &single);
+                let gap = row
+                    .iter()
+                    .zip(&single)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(gap < tol, "row {b}: {gap} > {tol}");
+                last[b] = argmax(&single);
+            }
+        };
+    // The longest first, so the shorter ones join the arena it holds.
+    for (i, p) in ps.iter().enumerate().rev() {
+        let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+        let logits = model.prefill(p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        alone.push(c.clone());
+        rows.push(c).unwrap();
+        last.push(argmax(&logits.to_vec::<f32>().unwrap()));
+        ids.push(ps.len() - 1 - i);
+        for _ in 0..3 {
+            step(&mut rows, &mut alone, &mut last, &ids);
+            assert!(rows.has_arena());
+        }
+    }
+    // The first row leaves with its tokens; the others decode on in the arena.
+    let gone = rows.filter(&[1, 2]).unwrap();
+    assert_eq!(gone[0].offset(), alone[ids[0]].offset());
+    last.remove(0);
+    ids.remove(0);
+    step(&mut rows, &mut alone, &mut last, &ids);
+    assert!(rows.has_arena());
 }
 
 #[test]
