@@ -20,7 +20,8 @@
 # an x1 call that made $K/smollm2-rand and x2; pf: bench serve beside mlx_lm.server (peer
 # wheels in x3); pg: bench trace, cache vs no cache (the trace in x3); ph: bench grammar;
 # pi: Claude Code against kvstore serve (its binary in x3 and x4); pj: the ops test, bench
-# cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3).
+# cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3); pk: bench generate
+# beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -220,8 +221,8 @@ case "$step" in
       tail -n 26 "$OUT/agent13.log"
       s=$(mem device)
       { timeout 200 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-          --arms device --turns "${TURNS:-75}" --kv-budget 4GiB --out "$OUT/agent32k-device" 2>&1; } > "$OUT/agent32k-device.log"
-      kill $s; tail -n 6 "$OUT/agent32k-device.log"; peak device
+          --arms ${ARMS32:-device} --turns "${TURNS:-75}" --kv-budget 4GiB --out "$OUT/agent32k-device" 2>&1; } > "$OUT/agent32k-device.log"
+      kill $s; tail -n 8 "$OUT/agent32k-device.log"; peak device
       s=$(mem mlxlm)
       { timeout 200 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
           --arms mlx-lm --turns "${TURNS:-75}" --out "$OUT/agent32k-mlxlm" 2>&1; } > "$OUT/agent32k-mlxlm.log"
