@@ -220,7 +220,7 @@ case "$step" in
           --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
       tail -n 26 "$OUT/agent13.log"
       s=$(mem device)
-      { timeout 200 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+      { timeout ${LIMIT32:-300} "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
           --arms ${ARMS32:-device} --turns "${TURNS:-75}" --kv-budget 4GiB --out "$OUT/agent32k-device" 2>&1; } > "$OUT/agent32k-device.log"
       kill $s; tail -n 8 "$OUT/agent32k-device.log"; peak device
       s=$(mem mlxlm)
