@@ -168,13 +168,15 @@ impl DeviceSampler {
         Ok(())
     }
 
-    /// The pick from `logits` (`[vocab]` f32, lazy), not yet computed.
+    /// The pick from `logits` (`[vocab]` f32, lazy), not yet computed (the engine always
+    /// goes through [`DeviceSampler::select_masked`]; the tests pick unmasked).
+    #[cfg(test)]
     pub(crate) fn select(&mut self, logits: &Array) -> Result<Selection> {
         self.select_masked(logits, None)
     }
 
-    /// [`DeviceSampler::select`] among the tokens `allowed` (`[vocab]` bool) holds, when
-    /// given: every other token's logit is -inf before the pick (a grammar's mask, see
+    /// The pick from `logits` (`[vocab]` f32, lazy), not yet computed, among the tokens
+    /// `allowed` (`[vocab]` bool) holds, when given: every other token's logit is -inf before the pick (a grammar's mask, see
     /// `constrained.rs`). Log-probabilities stay those of the raw logits.
     pub(crate) fn select_masked(
         &mut self,

@@ -1,6 +1,8 @@
 //! [`generate`]: prefill a prompt after whatever a [`KvCache`] already holds, then decode
 //! token by token, streaming text deltas, until EOS, a stop string, the token budget or the
-//! context limit; with TTFT, prefill and decode speeds and peak memory.
+//! context limit; with TTFT, prefill and decode speeds and peak memory. The loop itself is
+//! the engine's (engine/src/sequence.rs); this file holds the request types it shares with
+//! [`crate::Engine`] and the text stream.
 
 use std::time::Instant;
 
@@ -8,10 +10,10 @@ use cache::KvCache;
 use serde::Serialize;
 
 use crate::constrained::Constraint;
-use crate::device_sampler::DeviceSampler;
-use crate::error::{EngineError, Result};
+use crate::error::Result;
 use crate::model::{default_prefill_chunk, Model, DEFAULT_PREFILL_CHUNK};
 use crate::sampler::{Sampled, SamplingParams};
+use crate::sequence::{check_prompt, context_limit, decode_alone, prefill_alone, Sequence};
 use crate::tokenizer::Tokenizer;
 
 /// What to generate and when to stop.
@@ -156,6 +158,12 @@ impl TextStream<'_> {
 /// Generates after `prompt`. The first `cache.offset()` prompt tokens must already be in
 /// `cache` (a restored prefix, at most `prompt.len() - 1`); the rest is prefilled in
 /// chunks. `on_token` sees each token as it is sampled and returns false to stop.
+///
+/// This is the [`Engine`](crate::Engine)'s generation loop run as a batch of one in the
+/// caller's thread over the caller's cache: the same [`Sequence`] state and the same
+/// prefill, decode and emit steps the engine's worker runs (docs/engine.md, "One generation
+/// loop"). After the call the cache holds the prompt and every generated token but the
+/// last.
 pub fn generate(
     model: &Model,
     tokenizer: &Tokenizer,
@@ -165,150 +173,56 @@ pub fn generate(
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<Generation> {
     let start = Instant::now();
-    let context = params
-        .context_limit
-        .unwrap_or(usize::MAX)
-        .min(model.info().max_position_embeddings);
-    if prompt.is_empty() {
-        return Err(EngineError::InvalidParameter {
-            name: "prompt",
-            message: "the prompt is empty".into(),
-        });
-    }
-    if prompt.len() >= context {
-        return Err(EngineError::PromptTooLong {
-            prompt: prompt.len(),
-            context,
-        });
-    }
-    let cached = cache.offset();
-    if cached >= prompt.len() {
-        return Err(EngineError::InvalidParameter {
-            name: "cache",
-            message: format!(
-                "the cache holds {cached} tokens; at most prompt length - 1 = {} may be reused",
-                prompt.len() - 1
-            ),
-        });
-    }
+    let info = model.info();
+    let context = context_limit(params, None, info.max_position_embeddings);
+    check_prompt(prompt, context)?;
+    let mut seq = Sequence::new(
+        prompt.to_vec(),
+        params.clone(),
+        info.vocab_size,
+        context,
+        start,
+    )?;
+    seq.set_cached(cache)?;
     mlx::reset_peak_memory()?;
-    let vocab = model.info().vocab_size;
-    let mut sampler = DeviceSampler::new(params.sampling.clone(), vocab, prompt)?;
-    let mut constraint = params.constraint.clone();
-    let mask = |c: &mut Option<Constraint>| c.as_mut().map(|c| c.device_mask(vocab)).transpose();
-
-    // 1. Prefill what the cache lacks; pick the first token on the device.
-    let logits = model.prefill(&prompt[cached..], cache, params.prefill_chunk)?;
-    let mut pick = sampler.select_masked(&logits, mask(&mut constraint)?.as_ref())?;
-    pick.start()?;
-    let mut tokens: Vec<u32> = Vec::new();
-    let mut logprobs = Vec::new();
-    let mut stream = TextStream {
-        tokenizer,
-        stop: &params.stop,
-        emitted: 0,
-    };
-    let mut text;
-    let mut finish = FinishReason::Length;
-    let mut prefill_done = None;
-    let mut ttft = std::time::Duration::ZERO;
-    let mut first_token_at = Instant::now();
-
-    // 2. Decode, one step ahead: step n+1 is built from step n's pick, still on the device,
-    // and queued before the host waits for that pick, so the device never idles while the
-    // host reads, detokenizes and streams. A step queued for a token that turns out to end
-    // the generation is dropped from the cache. Under a grammar, step n+1's mask needs
-    // token n on the host: the step is queued only after the pick was read.
-    loop {
-        let n = tokens.len() + 1;
-        let last = n >= params.max_tokens || prompt.len() + n >= context;
-        let ahead = if last || constraint.is_some() {
-            None
-        } else {
-            sampler.observe(&pick.token, prompt, &tokens)?;
-            let logits = model.forward_token(&pick.token, cache)?;
-            let next = sampler.select(&logits)?;
-            next.start()?;
-            Some(next)
-        };
-        let sampled = pick.read()?;
-        if tokens.is_empty() {
-            prefill_done = Some(Instant::now());
-            ttft = start.elapsed();
-            first_token_at = Instant::now();
-        }
-        let is_eos = (params.stop_at_eos || constraint.is_some())
-            && tokenizer.eos_ids().contains(&sampled.token);
-        if let Some(c) = &mut constraint {
-            c.commit(sampled.token)?;
-        }
-        tokens.push(sampled.token);
-        let (delta, stopped, full) = stream.update(&tokens, is_eos || last)?;
-        text = full;
-        let keep_going = on_token(TokenEvent {
-            sampled: &sampled,
-            text: &delta,
-        });
-        if params.sampling.logprobs.is_some() {
-            logprobs.push(sampled);
-        }
-        let end = if is_eos || stopped {
-            Some(FinishReason::Stop)
-        } else if !keep_going {
-            Some(FinishReason::Cancelled)
-        } else {
-            None
-        };
-        match (end, ahead) {
-            (Some(reason), ahead) => {
-                finish = reason;
-                if ahead.is_some() {
-                    cache.trim(1)?;
-                }
-                break;
-            }
-            (None, Some(next)) => pick = next,
-            (None, None) if last => break,
-            (None, None) => {
-                // Constrained: the pick was read; queue the next step with its mask.
-                sampler.observe(&pick.token, prompt, &tokens[..tokens.len() - 1])?;
-                let logits = model.forward_token(&pick.token, cache)?;
-                let next = sampler.select_masked(&logits, mask(&mut constraint)?.as_ref())?;
-                next.start()?;
-                pick = next;
-            }
-        }
+    prefill_alone(&mut seq, model, cache)?;
+    let generation = decode_streaming(&mut seq, model, tokenizer, cache, on_token)?;
+    // The contract above: the last token's KV is not kept, whether or not a step ran
+    // ahead with it.
+    if cache.offset() == prompt.len() + seq.tokens.len() {
+        cache.trim(1)?;
     }
-    let prefill_done = prefill_done.unwrap_or_else(Instant::now);
-    let end = Instant::now();
-    let prefill_s = (prefill_done - start).as_secs_f64();
-    let decode_s = (end - first_token_at).as_secs_f64();
-    let decoded_after_first = tokens.len().saturating_sub(1);
-    Ok(Generation {
-        timings: Timings {
-            prompt_tokens: prompt.len(),
-            cached_tokens: cached,
-            generated_tokens: tokens.len(),
-            ttft_s: ttft.as_secs_f64(),
-            prefill_tok_per_s: rate(prompt.len() - cached, prefill_s),
-            decode_tok_per_s: rate(decoded_after_first, decode_s),
-            total_s: (end - start).as_secs_f64(),
-            peak_memory_bytes: mlx::peak_memory()?,
-            mask_s: constraint.map_or(0.0, |c| c.mask_stats().1.as_secs_f64()),
-        },
-        tokens,
-        text,
-        finish_reason: finish,
-        logprobs,
-    })
+    Ok(generation)
 }
 
-fn rate(n: usize, s: f64) -> f64 {
-    if s > 0.0 && n > 0 {
-        n as f64 / s
-    } else {
-        0.0
-    }
+/// Decodes a prefilled `seq` alone to its end ([`decode_alone`]), streaming each token to
+/// `on_token` and keeping log-probabilities when the request asks for them.
+pub(crate) fn decode_streaming(
+    seq: &mut Sequence,
+    model: &Model,
+    tokenizer: &Tokenizer,
+    cache: &mut dyn KvCache,
+    on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+) -> Result<Generation> {
+    let mut logprobs = Vec::new();
+    let keep_logprobs = seq.params.sampling.logprobs.is_some();
+    decode_alone(seq, model, tokenizer, cache, &mut |sampled, text| {
+        let keep_going = on_token(TokenEvent {
+            sampled: &sampled,
+            text: &text,
+        });
+        if keep_logprobs {
+            logprobs.push(sampled);
+        }
+        keep_going
+    })?;
+    Ok(Generation {
+        timings: seq.timings(0.0)?,
+        finish_reason: seq.finish.unwrap_or(FinishReason::Length),
+        text: seq.text.clone(),
+        tokens: seq.tokens.clone(),
+        logprobs,
+    })
 }
 
 /// Greedy ids for `n` tokens after `prompt` with a fresh contiguous cache, ignoring EOS: the

@@ -40,6 +40,7 @@ pub mod models;
 mod reuse;
 mod sampler;
 mod scheduler;
+mod sequence;
 pub mod server;
 mod tokenizer;
 mod weights;

@@ -32,8 +32,9 @@ use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreS
 
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
-use crate::generate::{generate, GenerateParams, Generation, TokenEvent};
+use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
 use crate::model::{LayerKind, Model};
+use crate::sequence::{check_prompt, context_limit, prefill_alone, Sequence};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of prefix reuse.
@@ -96,7 +97,8 @@ pub struct ReuseReport {
     /// rather than sharing it copy-on-write.
     pub device_handover: bool,
     /// Whether the host blocks were loaded by the I/O thread while the request waited for
-    /// admission (their load time is then not part of `restore_s`).
+    /// admission (their load time is then not part of `restore_s`, unless the engine had
+    /// nothing else to do and admission waited for the load: that wait is).
     pub prefetched: bool,
     /// Of those, restored from the RAM tier.
     pub cached_ram_tokens: usize,
@@ -1131,7 +1133,10 @@ fn poisoned() -> EngineError {
 }
 
 /// Generates after `prompt` reusing cached prefixes: restore, prefill the rest, generate,
-/// publish. Without a prefix cache it runs cold on a fresh paged cache (same code path).
+/// publish, in the caller's thread, through the engine's steps and publication (the
+/// [`Engine`](crate::Engine)'s worker does the same for each of its rows: the prompt's
+/// blocks are published at the first token, the rest when the sequence ends). Without a
+/// prefix cache it runs cold on a fresh paged cache (same code path).
 pub fn generate_with_reuse(
     model: &Model,
     tokenizer: &Tokenizer,
@@ -1140,7 +1145,18 @@ pub fn generate_with_reuse(
     params: &GenerateParams,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Generation, ReuseReport)> {
-    let (mut cache, chain, mut report) = match prefix {
+    let start = Instant::now();
+    let info = model.info();
+    let context = context_limit(params, None, info.max_position_embeddings);
+    check_prompt(prompt, context)?;
+    let mut seq = Sequence::new(
+        prompt.to_vec(),
+        params.clone(),
+        info.vocab_size,
+        context,
+        start,
+    )?;
+    let (mut cache, mut chain, mut report) = match prefix {
         Some(p) => {
             let p = p.prepare(prompt)?;
             (p.cache, Some(p.chain), p.report)
@@ -1161,18 +1177,17 @@ pub fn generate_with_reuse(
             (cache, None, report)
         }
     };
-    let mut generation = generate(model, tokenizer, &mut cache, prompt, params, on_token)?;
-    report.prefill_s = generation.timings.ttft_s;
+    seq.set_cached(&cache)?;
+    mlx::reset_peak_memory()?;
+    prefill_alone(&mut seq, model, &mut cache)?;
+    report.prefill_s = seq.prefill_s;
     report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
-    // One TTFT: what the user waited for, lookup and restore included.
-    generation.timings.ttft_s = report.ttft_s;
-    generation.timings.total_s += report.lookup_s + report.restore_s;
+    if let (Some(p), Some(chain)) = (prefix, chain.as_mut()) {
+        seq.publish_prompt(p, chain, &mut cache, &mut report);
+    }
+    let generation = decode_streaming(&mut seq, model, tokenizer, &mut cache, on_token)?;
     if let (Some(p), Some(chain)) = (prefix, chain) {
-        p.record_prefill(prompt.len() - report.cached_tokens, report.prefill_s);
-        let all: Vec<u32> = prompt.iter().chain(&generation.tokens).copied().collect();
-        let trimmed_before = p.window_trimmed_bytes();
-        report.published_blocks = p.retire(chain, cache, &all)?;
-        report.window_trimmed_bytes = p.window_trimmed_bytes() - trimmed_before;
+        seq.retire(p, chain, cache, &mut report)?;
     }
     Ok((generation, report))
 }

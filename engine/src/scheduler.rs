@@ -7,11 +7,12 @@
 //! 2. admits queued requests while the batch has room (`max_batch`, counting rows still
 //!    prefilling) and their KV reservation fits the budget: prefix reuse restores the
 //!    longest cached prefix into a fresh [`PagedKvCache`] and the request starts prefilling;
-//! 3. emits each row's pending token (text deltas held back as [`generate`] does) and drops
-//!    rows that finished, were cancelled or lost their receiver; their caches are published
-//!    to the prefix cache and freed;
-//! 4. runs one batched decode step over every decoding row ([`Model::forward_rows`]), each
-//!    row picking its next token on the device with its own sampler (as [`crate::generate`]);
+//! 3. queues one batched decode step over every decoding row ([`Model::forward_rows`]; a
+//!    batch of one runs the single-sequence step), each row picking its next token on the
+//!    device with its own sampler;
+//! 4. emits each row's previous pick (text deltas held back, EOS, stop strings, limits) and
+//!    drops rows that finished, were cancelled or lost their receiver; their caches are
+//!    published to the prefix cache and freed;
 //! 5. prefills one chunk (at most `prefill_chunk` tokens) of the oldest prefilling request;
 //!    its last chunk picks the first token and the row joins the decode batch. So a long
 //!    prompt delays running streams by one chunk per step, never by its whole prefill (as
@@ -19,10 +20,12 @@
 //!    own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
 //!
 //! A row under a grammar ([`GenerateParams::constraint`]) does not run ahead: before step
-//! 4 queues its next pick, its previous pick is read and committed to the grammar, whose
+//! 3 queues its next pick, its previous pick is read and committed to the grammar, whose
 //! mask for the new pick then goes to the device with the step (docs/engine.md).
 //!
-//! [`generate`]: crate::generate
+//! Each row's generation state and rules (and the steps themselves) are a
+//! [`Sequence`] (engine/src/sequence.rs), which [`crate::generate`] drives alone, as a batch
+//! of one, in the caller's thread.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,12 +39,12 @@ use serde::Serialize;
 use store::StoreStats;
 use tokio::sync::mpsc as chan;
 
-use crate::device_sampler::{DeviceSampler, Selection};
 use crate::error::{EngineError, ErrorClass, Result};
-use crate::generate::{FinishReason, GenerateParams, TextStream};
+use crate::generate::{FinishReason, GenerateParams, Timings};
 use crate::model::{Model, ModelInfo};
 use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
+use crate::sequence::{check_prompt, context_limit, decode_step, Sequence, StepKv};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of an [`Engine`].
@@ -152,12 +155,20 @@ pub struct Completion {
     pub completion_tokens: usize,
     /// The whole generated text (without stop strings).
     pub text: String,
+    /// The generated token ids (a trailing EOS included; the text stops before a stop
+    /// string).
+    pub tokens: Vec<u32>,
     /// Seconds waiting in the queue.
     pub queue_s: f64,
     /// Seconds from admission to the first token (restore + prefill + first sample).
     pub ttft_s: f64,
     /// Seconds from submission to the end.
     pub total_s: f64,
+    /// The request's timings as [`crate::generate`] reports them: TTFT from submission
+    /// (what the client waited for: queue, lookup, restore, prefill, first sample), prefill
+    /// and decode rates, MLX's peak memory when it ended (the process's peak since start or
+    /// the last `mlx::reset_peak_memory`), grammar mask time.
+    pub timings: Timings,
     /// What prefix reuse did.
     pub reuse: ReuseReport,
 }
@@ -444,7 +455,8 @@ struct Shared {
 /// module docs for the loop; docs/library.md for an example.
 pub struct Engine {
     tx: Mutex<mpsc::Sender<Command>>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    /// The engine thread; it hands the model back when it ends.
+    thread: Mutex<Option<JoinHandle<Model>>>,
     shared: Arc<Shared>,
     tokenizer: Arc<Tokenizer>,
     info: ModelInfo,
@@ -501,8 +513,12 @@ impl Engine {
                 .format
                 .bytes_per_head_token(kv.head_dim, kv.dtype.size()))
             as u64;
+        // Tiers handed back by an earlier engine ([`Engine::close`]) keep what is resident
+        // when the budget stays: resizing empties the device tier.
         if let Some(p) = &prefix {
-            p.set_kv_budget(config.kv_budget_bytes)?;
+            if p.resident_stats().budget_bytes != config.kv_budget_bytes {
+                p.set_kv_budget(config.kv_budget_bytes)?;
+            }
         }
         let tokenizer = Arc::new(tokenizer);
         let prefix = prefix.map(Arc::new);
@@ -519,20 +535,21 @@ impl Engine {
         });
         let (tx, rx) = mpsc::channel();
         // The I/O thread (with a prefix cache) ends when the worker drops its sender.
-        let io = match &prefix {
+        let (io, io_thread) = match &prefix {
             Some(pc) => {
                 let (io_tx, io_rx) = mpsc::channel();
                 let pc = pc.clone();
-                std::thread::Builder::new()
+                let thread = std::thread::Builder::new()
                     .name("kvstore-io".into())
                     .spawn(move || io_loop(pc, io_rx))
                     .map_err(|e| EngineError::io("kvstore-io thread", e))?;
-                Some(io_tx)
+                (Some(io_tx), Some(thread))
             }
-            None => None,
+            None => (None, None),
         };
         let mut worker = Worker {
             io,
+            io_thread,
             model,
             tokenizer: tokenizer.clone(),
             prefix: prefix.clone(),
@@ -551,7 +568,11 @@ impl Engine {
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                worker.run();
+                worker.stop_io();
+                worker.model
+            })
             .map_err(|e| EngineError::io("kvstore-engine thread", e))?;
         Ok(Engine {
             tx: Mutex::new(tx),
@@ -780,6 +801,35 @@ impl Engine {
         }
         self.flush()
     }
+
+    /// Finishes every queued and running request ([`Engine::shutdown`] without
+    /// cancelling), then hands back the model, the tokenizer and the tiers, so that another
+    /// engine can open on them without loading the model again (a benchmark's next arm, a
+    /// command's next phase). Fails with [`EngineError::EngineStopped`] when the engine
+    /// thread had panicked (the model went with it).
+    pub fn close(mut self) -> Result<(Model, Tokenizer, Option<KvTiers>)> {
+        self.shared.accepting.store(false, Ordering::SeqCst);
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Command::Shutdown { cancel: false });
+        }
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        let model = thread
+            .ok_or(EngineError::EngineStopped)?
+            .join()
+            .map_err(|_| EngineError::EngineStopped)?;
+        self.flush()?;
+        // The worker and its I/O thread have ended and dropped their shares; the engine's
+        // own go with it (its `Drop` then finds nothing left to stop or flush).
+        let tiers = self.prefix.take();
+        let tokenizer = self.tokenizer.clone();
+        drop(self);
+        let tokenizer = Arc::try_unwrap(tokenizer).map_err(|_| EngineError::EngineStopped)?;
+        let tiers = match tiers {
+            Some(t) => Some(Arc::try_unwrap(t).map_err(|_| EngineError::EngineStopped)?),
+            None => None,
+        };
+        Ok((model, tokenizer, tiers))
+    }
 }
 
 impl Drop for Engine {
@@ -788,32 +838,17 @@ impl Drop for Engine {
     }
 }
 
-/// A row of the batch: one admitted request. Fields drop in order: the picks first, so a
-/// step still in flight is waited for (`Selection`'s drop) before the sampler whose arrays
-/// it reads goes.
+/// A row of the batch: one admitted request. Its generation state (picks in flight, tokens,
+/// text, limits, timings) is its [`Sequence`]; the rest is the engine's bookkeeping.
 struct Row {
-    /// The pick of the last decode step, still on the device and not yet read.
-    unread: Option<Selection>,
-    /// The pick of the step queued this loop, which consumed `unread` (or `next`).
-    launched: Option<Selection>,
+    seq: Sequence,
     id: u64,
-    prompt: Vec<u32>,
-    params: GenerateParams,
-    sampler: DeviceSampler,
-    tokens: Vec<u32>,
-    text: String,
-    emitted: usize,
-    /// The sampled token not yet emitted (and not yet in the cache).
-    next: Option<Sampled>,
     tx: chan::UnboundedSender<Event>,
     cancel: CancelHandle,
-    context: usize,
     reserve: u64,
     submitted: Instant,
     queue_s: f64,
-    ttft_s: f64,
     report: ReuseReport,
-    finish: Option<FinishReason>,
     /// The row's chain keys in its namespace (with a prefix cache): derived at admission,
     /// extended as its blocks are published.
     chain: Option<Chain>,
@@ -822,22 +857,18 @@ struct Row {
 /// An admitted request whose prompt is being prefilled, a chunk per engine step.
 struct Prefilling {
     p: Pending,
-    admitted: Instant,
+    seq: Sequence,
     queue_s: f64,
-    sampler: DeviceSampler,
-    context: usize,
     cache: PagedKvCache,
     chain: Option<Chain>,
     report: ReuseReport,
-    /// Prompt tokens the cache held at admission (restored).
-    cached: usize,
-    /// Seconds spent computing chunks.
-    prefill_s: f64,
 }
 
 struct Worker {
     /// Jobs for the I/O thread, with a prefix cache.
     io: Option<mpsc::Sender<IoJob>>,
+    /// The I/O thread, joined when the worker ends ([`Worker::stop_io`]).
+    io_thread: Option<JoinHandle<()>>,
     model: Model,
     tokenizer: Arc<Tokenizer>,
     prefix: Option<Arc<KvTiers>>,
@@ -901,16 +932,17 @@ impl Worker {
             //    they are still on the device.
             let mut record = StepRecord::default();
             if !self.active.is_empty() {
-                record.decoded = self.active.iter().map(|r| r.id).collect();
-                if let Err(e) = self.launch() {
-                    self.fail_all(e);
+                match self.launch() {
+                    Ok(true) => record.decoded = self.active.iter().map(|r| r.id).collect(),
+                    Ok(false) => {}
+                    Err(e) => self.fail_all(e),
                 }
             }
             // 4. Read the previous step's picks, emit them, retire finished rows; the step
             //    just queued becomes the one to read next.
             self.emit_and_retire();
             for row in &mut self.active {
-                row.unread = row.launched.take();
+                row.seq.advance();
             }
             // 5. One chunk of the oldest prefill (back to back while nothing decodes).
             record.prefilled = self.prefill_step();
@@ -924,6 +956,14 @@ impl Worker {
             }
         }
         self.set_gauges();
+    }
+
+    /// Ends the I/O thread and waits for it, so its share of the tiers is dropped.
+    fn stop_io(&mut self) {
+        self.io = None;
+        if let Some(t) = self.io_thread.take() {
+            let _ = t.join();
+        }
     }
 
     fn command(&mut self, cmd: Command) {
@@ -957,15 +997,22 @@ impl Worker {
     fn refuse_cancelled(&self, p: Pending) {
         let c = self.counters();
         c.cancelled.fetch_add(1, Ordering::Relaxed);
+        let waited = p.submitted.elapsed().as_secs_f64();
         let _ = p.tx.send(Event::Finished(Completion {
             finish_reason: FinishReason::Cancelled,
             prompt_tokens: p.request.prompt.len(),
             cached_tokens: 0,
             completion_tokens: 0,
             text: String::new(),
-            queue_s: p.submitted.elapsed().as_secs_f64(),
+            tokens: Vec::new(),
+            queue_s: waited,
             ttft_s: 0.0,
-            total_s: p.submitted.elapsed().as_secs_f64(),
+            total_s: waited,
+            timings: Timings {
+                prompt_tokens: p.request.prompt.len(),
+                total_s: waited,
+                ..Timings::default()
+            },
             reuse: ReuseReport::default(),
         }));
     }
@@ -994,6 +1041,7 @@ impl Worker {
             // The front request's cached prefix comes from the I/O thread: rows decoding
             // now never wait for it; with none decoding, waiting for it is all there is.
             let idle = self.active.is_empty() && self.prefilling.is_empty();
+            let t = Instant::now();
             if !self
                 .queue
                 .front_mut()
@@ -1001,6 +1049,8 @@ impl Worker {
             {
                 break;
             }
+            // Waiting for the load with nothing else to do is the request's restore.
+            let waited = t.elapsed();
             let Some(p) = self.queue.pop_front() else {
                 break;
             };
@@ -1013,7 +1063,7 @@ impl Worker {
             self.set_gauges();
             let (id, tx) = (p.id, p.tx.clone());
             let reserve = p.reserve;
-            match self.begin(p) {
+            match self.begin(p, waited) {
                 Ok(r) => {
                     self.reserved += reserve;
                     self.prefilling.push_back(r);
@@ -1049,55 +1099,52 @@ impl Worker {
     }
 
     /// Admits `p`: checks its context, restores its cached prefix into a fresh cache, and
-    /// returns it ready to prefill the rest.
-    fn begin(&mut self, mut p: Pending) -> Result<Prefilling> {
-        let queue_s = p.submitted.elapsed().as_secs_f64();
-        let admitted = Instant::now();
-        let params = &p.request.params;
+    /// returns it ready to prefill the rest. `waited` is how long admission just waited for
+    /// its prefetched host blocks (an idle engine does): that load is billed to its restore,
+    /// not to its queue.
+    fn begin(&mut self, mut p: Pending, waited: std::time::Duration) -> Result<Prefilling> {
+        let now = Instant::now();
+        let admitted = now.checked_sub(waited).unwrap_or(now).max(p.submitted);
+        let queue_s = (admitted - p.submitted).as_secs_f64();
         let namespace = match &self.prefix {
             Some(pc) => Some(pc.namespace_for(p.request.cache_salt.as_deref())?),
             None => None,
         };
-        let vocab = self.model.info().vocab_size;
-        let sampler = DeviceSampler::new(params.sampling.clone(), vocab, &p.request.prompt)?;
-        let context = params
-            .context_limit
-            .unwrap_or(usize::MAX)
-            .min(self.config.context_limit.unwrap_or(usize::MAX))
-            .min(self.model.info().max_position_embeddings);
-        let prompt = &p.request.prompt;
-        if prompt.len() >= context {
-            return Err(EngineError::PromptTooLong {
-                prompt: prompt.len(),
-                context,
-            });
-        }
+        let info = self.model.info();
+        let prompt = std::mem::take(&mut p.request.prompt);
+        let params = std::mem::take(&mut p.request.params);
+        let context = context_limit(
+            &params,
+            self.config.context_limit,
+            info.max_position_embeddings,
+        );
+        check_prompt(&prompt, context)?;
+        let mut seq = Sequence::new(prompt, params, info.vocab_size, context, admitted)?;
         let (cache, chain, report) = match (&self.prefix, namespace) {
             (Some(pc), Some(ns)) => {
-                let r = pc.prepare_with(ns, prompt, p.prefetch.take())?;
+                let mut r = pc.prepare_with(ns, &seq.prompt, p.prefetch.take())?;
+                if r.report.prefetched {
+                    r.report.restore_s += (now - admitted).as_secs_f64();
+                }
                 (r.cache, Some(r.chain), r.report)
             }
             _ => (
                 self.model.empty_cache(self.paged)?,
                 None,
                 ReuseReport {
-                    prompt_tokens: prompt.len(),
+                    prompt_tokens: seq.prompt.len(),
                     ..ReuseReport::default()
                 },
             ),
         };
-        let cached = cache.offset();
+        seq.set_cached(&cache)?;
         Ok(Prefilling {
             p,
-            admitted,
+            seq,
             queue_s,
-            sampler,
-            context,
             cache,
             chain,
             report,
-            cached,
-            prefill_s: 0.0,
         })
     }
 
@@ -1114,46 +1161,35 @@ impl Worker {
                 self.cut_off(r);
                 return Some((id, computed));
             }
-            let held = r.cache.offset();
-            // While rows decode, a step prefills at most the engine's chunk; with none, the
-            // request's own (larger on a GPU, where small steps leave it waiting on launches).
-            let own = r.p.request.params.prefill_chunk.max(1);
-            let step = if self.active.is_empty() {
-                own
-            } else {
-                own.min(self.config.prefill_chunk)
-            };
-            let chunk = crate::model::aligned_chunk(held, step);
-            let rest = &r.p.request.prompt[held..];
-            let t = Instant::now();
             let result = if std::mem::take(&mut self.fail_next_prefill) {
                 Err(EngineError::InvalidParameter {
                     name: "tokens",
                     message: "fault injected by a test".into(),
                 })
-            } else if rest.len() > chunk {
-                self.model
-                    .prefill_chunk(&rest[..chunk], &mut r.cache)
-                    .map(|()| None)
             } else {
-                self.model.forward(rest, &mut r.cache).map(Some)
+                // While rows decode, a step prefills at most the engine's chunk; with none,
+                // the request's own (larger on a GPU, where small steps leave it waiting on
+                // launches).
+                let most = match self.active.is_empty() {
+                    true => usize::MAX,
+                    false => self.config.prefill_chunk,
+                };
+                r.seq.prefill_step(&self.model, &mut r.cache, most)
             };
-            r.prefill_s += t.elapsed().as_secs_f64();
-            computed += rest.len().min(chunk);
             match result {
-                Ok(None) if self.active.is_empty() => continue,
-                Ok(None) => {
+                Ok((n, None)) if self.active.is_empty() => computed += n,
+                Ok((n, None)) => {
                     self.prefilling.push_front(r);
-                    return Some((id, computed));
+                    return Some((id, computed + n));
                 }
-                Ok(Some(logits)) => {
+                Ok((n, Some(logits))) => {
                     let reserve = r.p.reserve;
                     let tx = r.p.tx.clone();
                     if let Err(e) = self.join_batch(r, &logits) {
                         self.fail_prefill(id, &tx, reserve, ours(e));
                         self.reserved = self.reserved.saturating_sub(reserve);
                     }
-                    return Some((id, computed));
+                    return Some((id, computed + n));
                 }
                 Err(e) => {
                     let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
@@ -1170,15 +1206,14 @@ impl Worker {
     fn cut_off(&mut self, r: Prefilling) {
         let Prefilling {
             p,
+            seq,
             cache,
             chain,
             report,
-            cached,
             queue_s,
-            ..
         } = r;
         self.reserved = self.reserved.saturating_sub(p.reserve);
-        let prompt = &p.request.prompt;
+        let prompt = &seq.prompt;
         if let Some(pc) = &self.prefix {
             if let Some(chain) = chain {
                 let held = cache.offset().min(prompt.len());
@@ -1192,15 +1227,23 @@ impl Worker {
         }
         tracing::debug!(request = p.id, "client gone during prefill: stopped");
         self.counters().cancelled.fetch_add(1, Ordering::Relaxed);
+        let total_s = p.submitted.elapsed().as_secs_f64();
         let _ = p.tx.send(Event::Finished(Completion {
             finish_reason: FinishReason::Cancelled,
             prompt_tokens: prompt.len(),
-            cached_tokens: cached,
+            cached_tokens: seq.cached,
             completion_tokens: 0,
             text: String::new(),
+            tokens: Vec::new(),
             queue_s,
             ttft_s: 0.0,
-            total_s: p.submitted.elapsed().as_secs_f64(),
+            total_s,
+            timings: Timings {
+                prompt_tokens: prompt.len(),
+                cached_tokens: seq.cached,
+                total_s,
+                ..Timings::default()
+            },
             reuse: report,
         }));
         self.set_gauges();
@@ -1230,47 +1273,22 @@ impl Worker {
     fn join_batch(&mut self, r: Prefilling, logits: &mlx::Array) -> Result<()> {
         let Prefilling {
             p,
-            admitted,
+            mut seq,
             queue_s,
-            mut sampler,
-            context,
             mut cache,
             mut chain,
             mut report,
-            cached,
-            prefill_s,
         } = r;
-        let prompt = p.request.prompt;
-        let mut params = p.request.params;
-        let t = Instant::now();
-        let vocab = self.model.info().vocab_size;
-        let mask = match &mut params.constraint {
-            Some(c) => Some(c.device_mask(vocab)?),
-            None => None,
-        };
-        let pick = sampler.select_masked(logits, mask.as_ref())?;
-        pick.start()?;
-        let first = pick.read()?;
-        if let Some(c) = &mut params.constraint {
-            c.commit(first.token)?;
-        }
-        report.prefill_s = prefill_s + t.elapsed().as_secs_f64();
+        seq.first_pick(logits)?;
+        report.prefill_s = seq.prefill_s;
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
         if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
-            pc.record_prefill(prompt.len() - cached, report.prefill_s);
-            // Publish the prompt's full blocks now, not at the end: a concurrent request
-            // with the same prefix (an agent's parallel calls) hits while this one decodes.
-            match pc.publish(chain, &mut cache, &prompt) {
-                Ok(n) => report.published_blocks = n,
-                Err(e) => {
-                    tracing::warn!(request = p.id, error = %e, "publishing the prompt failed")
-                }
-            }
+            seq.publish_prompt(pc, chain, &mut cache, &mut report);
         }
-        let ttft_s = admitted.elapsed().as_secs_f64();
+        let (prompt_tokens, cached) = (seq.prompt.len(), seq.cached);
         let c = self.counters();
         c.prompt_tokens
-            .fetch_add(prompt.len() as u64, Ordering::Relaxed);
+            .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
         c.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
         c.cached_device_tokens
             .fetch_add(report.cached_device_tokens as u64, Ordering::Relaxed);
@@ -1280,40 +1298,29 @@ impl Worker {
             .fetch_add(report.cached_ssd_tokens as u64, Ordering::Relaxed);
         c.cached_remote_tokens
             .fetch_add(report.cached_remote_tokens as u64, Ordering::Relaxed);
-        observe_ttft(c, queue_s + ttft_s);
+        observe_ttft(c, queue_s + seq.ttft_s);
         tracing::debug!(
             request = p.id,
-            prompt = prompt.len(),
+            prompt = prompt_tokens,
             cached,
-            ttft_s,
+            ttft_s = seq.ttft_s,
             "request admitted"
         );
         let _ = p.tx.send(Event::Started {
-            prompt_tokens: prompt.len(),
+            prompt_tokens,
             cached_tokens: cached,
         });
         self.rows.push(cache)?;
         self.active.push(Row {
+            seq,
             id: p.id,
-            prompt,
-            params,
-            sampler,
-            tokens: Vec::new(),
-            text: String::new(),
-            emitted: 0,
-            next: Some(first),
-            unread: None,
-            launched: None,
             tx: p.tx,
             cancel: p.cancel,
-            context,
             reserve: p.reserve,
             submitted: p.submitted,
             queue_s,
-            ttft_s,
             report,
             chain,
-            finish: None,
         });
         self.set_gauges();
         Ok(())
@@ -1335,81 +1342,32 @@ impl Worker {
         steps.push_back(record);
     }
 
-    /// Emits every row's pending token as [`crate::generate`] does, then removes the rows
-    /// that ended and publishes their blocks.
+    /// Emits every row's pending token ([`Sequence::emit`]: EOS, stop strings, limits),
+    /// then removes the rows that ended and publishes their blocks.
     fn emit_and_retire(&mut self) {
-        let eos = self.tokenizer.eos_ids().to_vec();
         let mut failed: Vec<(usize, EngineError)> = Vec::new();
+        let mut generated = 0u64;
         for (i, row) in self.active.iter_mut().enumerate() {
-            if row.finish.is_some() {
-                continue;
-            }
-            if row.cancel.is_cancelled() || row.tx.is_closed() {
-                row.finish = Some(FinishReason::Cancelled);
-                continue;
-            }
-            if row.tokens.len() >= row.params.max_tokens {
-                row.finish = Some(FinishReason::Length);
-                continue;
-            }
-            if row.next.is_none() {
-                if let Some(pick) = row.unread.take() {
-                    match pick.read() {
-                        Ok(sampled) => row.next = Some(sampled),
-                        Err(e) => {
-                            failed.push((i, ours(e)));
-                            continue;
-                        }
-                    }
-                }
-            }
-            let Some(sampled) = row.next.take() else {
-                continue;
-            };
-            row.tokens.push(sampled.token);
-            let is_eos = (row.params.stop_at_eos || row.params.constraint.is_some())
-                && eos.contains(&sampled.token);
-            let at_limit = row.tokens.len() >= row.params.max_tokens
-                || row.prompt.len() + row.tokens.len() >= row.context;
-            let mut stream = TextStream {
-                tokenizer: &self.tokenizer,
-                stop: &row.params.stop,
-                emitted: row.emitted,
-            };
-            let (delta, stopped, full) = match stream.update(&row.tokens, is_eos || at_limit) {
-                Ok(x) => x,
-                // The tokens are the engine's own: failing to decode them is not the
-                // request's fault.
-                Err(e) => {
-                    failed.push((i, EngineError::StepFailed(e.to_string())));
-                    continue;
-                }
-            };
-            row.emitted = stream.emitted;
-            row.text = full;
-            let delivered = row
-                .tx
-                .send(Event::Token {
-                    sampled,
-                    text: delta,
-                })
-                .is_ok();
-            self.shared
-                .counters
-                .generated_tokens
-                .fetch_add(1, Ordering::Relaxed);
-            if is_eos || stopped {
-                row.finish = Some(FinishReason::Stop);
-            } else if !delivered {
-                row.finish = Some(FinishReason::Cancelled);
-            } else if at_limit {
-                row.finish = Some(FinishReason::Length);
+            let cancelled = row.cancel.is_cancelled() || row.tx.is_closed();
+            let tx = &row.tx;
+            let emitted = row
+                .seq
+                .emit(&self.tokenizer, cancelled, &mut |sampled, text| {
+                    generated += 1;
+                    tx.send(Event::Token { sampled, text }).is_ok()
+                });
+            if let Err(e) = emitted {
+                failed.push((i, ours(e)));
             }
         }
+        self.shared
+            .counters
+            .generated_tokens
+            .fetch_add(generated, Ordering::Relaxed);
         for (i, e) in failed {
             self.shared.counters.failed.fetch_add(1, Ordering::Relaxed);
             let row = &mut self.active[i];
-            row.finish = Some(FinishReason::Cancelled);
+            row.seq.finish = Some(FinishReason::Cancelled);
             let _ = row.tx.send(Event::Failed(e));
             row.cancel.cancel();
         }
@@ -1417,11 +1375,11 @@ impl Worker {
     }
 
     fn retire(&mut self) {
-        if self.active.iter().all(|r| r.finish.is_none()) {
+        if self.active.iter().all(|r| r.seq.finish.is_none()) {
             return;
         }
         let keep: Vec<usize> = (0..self.active.len())
-            .filter(|&i| self.active[i].finish.is_none())
+            .filter(|&i| self.active[i].seq.finish.is_none())
             .collect();
         let caches = match self.rows.filter(&keep) {
             Ok(c) => c,
@@ -1433,7 +1391,7 @@ impl Worker {
         let mut rows = Vec::with_capacity(keep.len());
         let mut done = Vec::new();
         for r in std::mem::take(&mut self.active) {
-            if r.finish.is_none() {
+            if r.seq.finish.is_none() {
                 rows.push(r);
             } else {
                 done.push(r);
@@ -1446,28 +1404,30 @@ impl Worker {
         self.set_gauges();
     }
 
-    fn finish(&mut self, row: Row, mut cache: PagedKvCache) {
+    fn finish(&mut self, row: Row, cache: PagedKvCache) {
         self.reserved = self.reserved.saturating_sub(row.reserve);
-        // A step queued before the row's end was read may have fed a token the row never
-        // emitted: keep only the KV of the prompt and the emitted tokens.
-        let emitted = row.prompt.len() + row.tokens.len();
-        let fed = cache.offset();
-        // A hybrid's layer state that cannot go back that far is not kept for reuse.
-        let trimmed = fed <= emitted || cache.trim(fed - emitted).is_ok();
-        let mut report = row.report;
+        let Row {
+            seq,
+            id,
+            tx,
+            submitted,
+            queue_s,
+            mut report,
+            chain,
+            reserve,
+            ..
+        } = row;
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
-                r.release(row.reserve);
+                r.release(reserve);
             }
-            if let Some(chain) = row.chain.filter(|_| trimmed) {
-                let all: Vec<u32> = row.prompt.iter().chain(&row.tokens).copied().collect();
-                match pc.retire(chain, cache, &all) {
-                    Ok(n) => report.published_blocks += n,
-                    Err(e) => tracing::warn!(request = row.id, error = %e, "publishing failed"),
+            if let Some(chain) = chain {
+                if let Err(e) = seq.retire(pc, chain, cache, &mut report) {
+                    tracing::warn!(request = id, error = %e, "publishing failed");
                 }
             }
         }
-        let reason = row.finish.unwrap_or(FinishReason::Cancelled);
+        let reason = seq.finish.unwrap_or(FinishReason::Cancelled);
         let c = self.counters();
         match reason {
             FinishReason::Stop => &c.finished_stop,
@@ -1475,83 +1435,50 @@ impl Worker {
             FinishReason::Cancelled => &c.cancelled,
         }
         .fetch_add(1, Ordering::Relaxed);
+        let timings = match seq.timings(queue_s) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(request = id, error = %e, "reading MLX's peak memory failed");
+                Timings::default()
+            }
+        };
         let completion = Completion {
             finish_reason: reason,
-            prompt_tokens: row.prompt.len(),
+            prompt_tokens: seq.prompt.len(),
             cached_tokens: report.cached_tokens,
-            completion_tokens: row.tokens.len(),
-            text: row.text,
-            queue_s: row.queue_s,
-            ttft_s: row.ttft_s,
-            total_s: row.submitted.elapsed().as_secs_f64(),
+            completion_tokens: seq.tokens.len(),
+            queue_s,
+            ttft_s: seq.ttft_s,
+            total_s: submitted.elapsed().as_secs_f64(),
+            timings,
+            text: seq.text,
+            tokens: seq.tokens,
             reuse: report,
         };
         tracing::debug!(
-            request = row.id,
+            request = id,
             reason = ?reason,
             tokens = completion.completion_tokens,
             "request finished"
         );
-        let _ = row.tx.send(Event::Finished(completion));
+        let _ = tx.send(Event::Finished(completion));
     }
 
-    /// Queues one decode step over every row, fed with each row's latest token: the pick
-    /// of the previous step, still on the device (or a first token the prefill picked), so
-    /// the device computes while the host reads and emits the previous picks. Each row's
-    /// next pick is computed on the device from its slice of the logits.
-    fn launch(&mut self) -> Result<()> {
+    /// Queues one decode step over every row ([`decode_step`]), unless every row is at its
+    /// last token; returns whether it did.
+    fn launch(&mut self) -> Result<bool> {
         if std::mem::take(&mut self.fail_next_step) {
             return Err(EngineError::StepFailed("fault injected by a test".into()));
         }
-        let mut tokens = Vec::with_capacity(self.active.len());
-        for row in &mut self.active {
-            // A constrained row does not run ahead: its next mask needs this token on the
-            // host, so the pick is read (waiting for the step before) and committed now.
-            if let Some(c) = &mut row.params.constraint {
-                if let Some(pick) = row.unread.take() {
-                    let sampled = pick.read()?;
-                    c.commit(sampled.token)?;
-                    row.next = Some(sampled);
-                }
-            }
-            let token = match (&row.unread, &row.next) {
-                (Some(pick), _) => pick.token.clone(),
-                (None, Some(sampled)) => mlx::Array::from_slice(&[sampled.token], &[1])?,
-                (None, None) => {
-                    return Err(EngineError::StepFailed(format!(
-                        "row {} has no token to decode",
-                        row.id
-                    )))
-                }
-            };
-            row.sampler.observe(&token, &row.prompt, &row.tokens)?;
-            tokens.push(token);
+        let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
+        let ran = decode_step(&self.model, &mut seqs, StepKv::Rows(&mut self.rows))?;
+        if ran {
+            let c = &self.shared.counters;
+            c.decode_steps.fetch_add(1, Ordering::Relaxed);
+            c.decode_rows
+                .fetch_add(self.active.len() as u64, Ordering::Relaxed);
         }
-        let refs: Vec<&mlx::Array> = tokens.iter().collect();
-        let ids = mlx::ops::concatenate(&refs, 0)?;
-        let logits = self.model.forward_rows_tokens(&ids, &mut self.rows)?;
-        let vocab = self.model.info().vocab_size as i32;
-        let c = &self.shared.counters;
-        c.decode_steps.fetch_add(1, Ordering::Relaxed);
-        c.decode_rows
-            .fetch_add(self.active.len() as u64, Ordering::Relaxed);
-        let mut arrays = Vec::new();
-        for (i, row) in self.active.iter_mut().enumerate() {
-            let i = i as i32;
-            let l = logits.slice(&[i, 0], &[i + 1, vocab])?.reshape(&[vocab])?;
-            let mask = match &mut row.params.constraint {
-                Some(c) => Some(c.device_mask(vocab as usize)?),
-                None => None,
-            };
-            row.launched = Some(row.sampler.select_masked(&l, mask.as_ref())?);
-        }
-        for row in &self.active {
-            if let Some(pick) = &row.launched {
-                arrays.extend(pick.arrays());
-            }
-        }
-        mlx::async_eval(&arrays)?;
-        Ok(())
+        Ok(ran)
     }
 
     /// An error in a batched step fails every row in it (the batch's caches may be

@@ -1,0 +1,476 @@
+//! [`Sequence`]: one request's generation state, and the rules every generation follows,
+//! whoever drives it. The [`Engine`](crate::Engine)'s worker keeps one per row and drives
+//! them in batches; [`crate::generate`] drives one alone over the caller's cache, through
+//! the same steps ([`Sequence::prefill_step`], [`decode_step`], [`Sequence::emit`]).
+//!
+//! A sequence owns: the prompt and parameters, the device sampler, the accepted tokens and
+//! the text stream (stop strings held back), EOS under the constraint rule, `max_tokens`
+//! and the context limit, the finish reason, the picks in flight (one step ahead), and the
+//! timings (TTFT, prefill and decode rates). Publication to the tiers
+//! ([`Sequence::publish_prompt`], [`Sequence::retire`]) also lives here.
+
+use std::time::Instant;
+
+use cache::{Chain, KvCache, PagedKvCache, PagedKvRows};
+
+use crate::device_sampler::{DeviceSampler, Selection};
+use crate::error::{EngineError, Result};
+use crate::generate::{FinishReason, GenerateParams, TextStream, Timings};
+use crate::model::{aligned_chunk, Model};
+use crate::reuse::{KvTiers, ReuseReport};
+use crate::sampler::Sampled;
+use crate::tokenizer::Tokenizer;
+
+/// The context a request may fill (prompt + output): its own limit, the engine's and the
+/// model's, whichever is smallest.
+pub(crate) fn context_limit(params: &GenerateParams, engine: Option<usize>, model: usize) -> usize {
+    params
+        .context_limit
+        .unwrap_or(usize::MAX)
+        .min(engine.unwrap_or(usize::MAX))
+        .min(model)
+}
+
+/// Refuses a prompt that is empty or leaves no room for a token within `context`.
+pub(crate) fn check_prompt(prompt: &[u32], context: usize) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(EngineError::InvalidParameter {
+            name: "prompt",
+            message: "the prompt is empty".into(),
+        });
+    }
+    if prompt.len() >= context {
+        return Err(EngineError::PromptTooLong {
+            prompt: prompt.len(),
+            context,
+        });
+    }
+    Ok(())
+}
+
+/// One request's generation: see the module docs. Fields drop in order: the picks first,
+/// so a step still in flight is waited for (`Selection`'s drop) before the sampler whose
+/// arrays it reads goes.
+pub(crate) struct Sequence {
+    /// The pick of the last decode step, still on the device and not yet read.
+    unread: Option<Selection>,
+    /// The pick of the step queued now, which consumed `unread` (or `next`).
+    launched: Option<Selection>,
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) params: GenerateParams,
+    sampler: DeviceSampler,
+    vocab: usize,
+    /// Tokens emitted so far.
+    pub(crate) tokens: Vec<u32>,
+    /// The whole text so far, stop strings cut.
+    pub(crate) text: String,
+    /// Bytes of `text` released to the stream.
+    emitted: usize,
+    /// A sampled token read from the device, not yet emitted (and not yet in the cache).
+    next: Option<Sampled>,
+    pub(crate) context: usize,
+    /// Prompt tokens the cache held before prefill (restored or caller-provided).
+    pub(crate) cached: usize,
+    pub(crate) finish: Option<FinishReason>,
+    /// When the sequence was created: admission (before any restore), or `generate`'s call.
+    started: Instant,
+    /// Seconds computing prefill chunks and the first pick.
+    pub(crate) prefill_s: f64,
+    /// Seconds from `started` to the first token.
+    pub(crate) ttft_s: f64,
+    first_token_at: Option<Instant>,
+    last_token_at: Option<Instant>,
+}
+
+impl Sequence {
+    /// A sequence for `prompt` (already checked with [`check_prompt`] against `context`)
+    /// whose first `cached` tokens the cache already holds; `started` is when the request
+    /// began waiting for its first token on this side of the queue.
+    pub(crate) fn new(
+        prompt: Vec<u32>,
+        params: GenerateParams,
+        vocab: usize,
+        context: usize,
+        started: Instant,
+    ) -> Result<Sequence> {
+        let sampler = DeviceSampler::new(params.sampling.clone(), vocab, &prompt)?;
+        Ok(Sequence {
+            unread: None,
+            launched: None,
+            prompt,
+            params,
+            sampler,
+            vocab,
+            tokens: Vec::new(),
+            text: String::new(),
+            emitted: 0,
+            next: None,
+            context,
+            cached: 0,
+            finish: None,
+            started,
+            prefill_s: 0.0,
+            ttft_s: 0.0,
+            first_token_at: None,
+            last_token_at: None,
+        })
+    }
+
+    /// Records that `cache` holds the prompt's first tokens before prefill; refuses a cache
+    /// holding the whole prompt (at least its last token must be computed for its logits).
+    pub(crate) fn set_cached(&mut self, cache: &dyn KvCache) -> Result<()> {
+        let cached = cache.offset();
+        if cached >= self.prompt.len() {
+            return Err(EngineError::InvalidParameter {
+                name: "cache",
+                message: format!(
+                    "the cache holds {cached} tokens; at most prompt length - 1 = {} may be reused",
+                    self.prompt.len() - 1
+                ),
+            });
+        }
+        self.cached = cached;
+        Ok(())
+    }
+
+    /// Runs one prefill chunk (at most `max_chunk` tokens, and the request's own
+    /// `prefill_chunk`) of what `cache` lacks. Returns the prompt tokens computed and, for
+    /// the prompt's last chunk, its last position's logits.
+    pub(crate) fn prefill_step(
+        &mut self,
+        model: &Model,
+        cache: &mut dyn KvCache,
+        max_chunk: usize,
+    ) -> Result<(usize, Option<mlx::Array>)> {
+        let held = cache.offset();
+        let chunk = aligned_chunk(held, self.params.prefill_chunk.clamp(1, max_chunk.max(1)));
+        let rest = self.prompt.get(held..).unwrap_or_default();
+        let t = Instant::now();
+        let result = if rest.len() > chunk {
+            model.prefill_chunk(&rest[..chunk], cache).map(|()| None)
+        } else {
+            model.forward(rest, cache).map(Some)
+        };
+        self.prefill_s += t.elapsed().as_secs_f64();
+        Ok((rest.len().min(chunk), result?))
+    }
+
+    /// The first token, picked from the prompt's last `logits` and read now (it is the
+    /// first thing the client sees: TTFT ends here).
+    pub(crate) fn first_pick(&mut self, logits: &mlx::Array) -> Result<()> {
+        let t = Instant::now();
+        let mask = self.mask()?;
+        let pick = self.sampler.select_masked(logits, mask.as_ref())?;
+        pick.start()?;
+        let first = pick.read()?;
+        if let Some(c) = &mut self.params.constraint {
+            c.commit(first.token)?;
+        }
+        self.next = Some(first);
+        self.prefill_s += t.elapsed().as_secs_f64();
+        let now = Instant::now();
+        self.ttft_s = (now - self.started).as_secs_f64();
+        self.first_token_at = Some(now);
+        Ok(())
+    }
+
+    fn mask(&mut self) -> Result<Option<mlx::Array>> {
+        let vocab = self.vocab;
+        self.params
+            .constraint
+            .as_mut()
+            .map(|c| c.device_mask(vocab))
+            .transpose()
+    }
+
+    /// Whether the token waiting to be emitted will be followed by another: false when it
+    /// is the last `max_tokens` or the context allow (no step is queued after it then).
+    pub(crate) fn needs_step(&self) -> bool {
+        let n = self.tokens.len() + 1;
+        self.finish.is_none() && n < self.params.max_tokens && self.prompt.len() + n < self.context
+    }
+
+    /// The token the next decode step runs: the last pick, still on the device (or a
+    /// first token already read). A constrained sequence does not run ahead: its next mask
+    /// needs this token on the host, so the pick is read (waiting for the step before) and
+    /// committed to the grammar here.
+    fn input(&mut self) -> Result<mlx::Array> {
+        if let Some(c) = &mut self.params.constraint {
+            if let Some(pick) = self.unread.take() {
+                let sampled = pick.read()?;
+                c.commit(sampled.token)?;
+                self.next = Some(sampled);
+            }
+        }
+        let token = match (&self.unread, &self.next) {
+            (Some(pick), _) => pick.token.clone(),
+            (None, Some(sampled)) => mlx::Array::from_slice(&[sampled.token], &[1])?,
+            (None, None) => {
+                return Err(EngineError::StepFailed(
+                    "a sequence has no token to decode".into(),
+                ))
+            }
+        };
+        self.sampler.observe(&token, &self.prompt, &self.tokens)?;
+        Ok(token)
+    }
+
+    /// Queues this sequence's next pick from its row of the step's `logits`.
+    fn pick(&mut self, logits: &mlx::Array) -> Result<()> {
+        let mask = self.mask()?;
+        self.launched = Some(self.sampler.select_masked(logits, mask.as_ref())?);
+        Ok(())
+    }
+
+    /// After a step was queued (or not) and the previous pick emitted: the pick just
+    /// queued becomes the one to read next.
+    pub(crate) fn advance(&mut self) {
+        self.unread = self.launched.take();
+    }
+
+    /// Emits the pending token, if any: reads it (waiting for its step), applies EOS, stop
+    /// strings and the limits, and hands it with the text that became final to `deliver`,
+    /// which returns false when nobody listens any more. A sequence found `cancelled`, or
+    /// one at its `max_tokens` already, ends without emitting. Sets [`Sequence::finish`]
+    /// when the sequence ends.
+    pub(crate) fn emit(
+        &mut self,
+        tokenizer: &Tokenizer,
+        cancelled: bool,
+        deliver: &mut dyn FnMut(Sampled, String) -> bool,
+    ) -> Result<()> {
+        if self.finish.is_some() {
+            return Ok(());
+        }
+        if cancelled {
+            self.finish = Some(FinishReason::Cancelled);
+            return Ok(());
+        }
+        if self.tokens.len() >= self.params.max_tokens {
+            self.finish = Some(FinishReason::Length);
+            return Ok(());
+        }
+        if self.next.is_none() {
+            if let Some(pick) = self.unread.take() {
+                self.next = Some(pick.read()?);
+            }
+        }
+        let Some(sampled) = self.next.take() else {
+            return Ok(());
+        };
+        self.tokens.push(sampled.token);
+        self.last_token_at = Some(Instant::now());
+        let is_eos = (self.params.stop_at_eos || self.params.constraint.is_some())
+            && tokenizer.eos_ids().contains(&sampled.token);
+        let at_limit = self.tokens.len() >= self.params.max_tokens
+            || self.prompt.len() + self.tokens.len() >= self.context;
+        let mut stream = TextStream {
+            tokenizer,
+            stop: &self.params.stop,
+            emitted: self.emitted,
+        };
+        // The tokens are the engine's own: failing to decode them is not the request's
+        // fault.
+        let (delta, stopped, full) = stream
+            .update(&self.tokens, is_eos || at_limit)
+            .map_err(|e| EngineError::StepFailed(e.to_string()))?;
+        self.emitted = stream.emitted;
+        self.text = full;
+        let delivered = deliver(sampled, delta);
+        if is_eos || stopped {
+            self.finish = Some(FinishReason::Stop);
+        } else if !delivered {
+            self.finish = Some(FinishReason::Cancelled);
+        } else if at_limit {
+            self.finish = Some(FinishReason::Length);
+        }
+        Ok(())
+    }
+
+    /// Drops from `cache` the KV of a step queued before the sequence's end was read: it
+    /// fed a token the sequence never emitted. Afterwards the cache holds the prompt and
+    /// every emitted token but the last. Fails where a hybrid's layer state cannot go back.
+    pub(crate) fn trim_run_ahead(&self, cache: &mut dyn KvCache) -> Result<()> {
+        let emitted = self.prompt.len() + self.tokens.len();
+        let fed = cache.offset();
+        if fed > emitted {
+            cache.trim(fed - emitted)?;
+        }
+        Ok(())
+    }
+
+    /// Publishes the prompt's full blocks from `cache` once its first token is picked (a
+    /// concurrent request with the same prefix hits while this one decodes), and records
+    /// the measured prefill speed for the restore-or-recompute estimate.
+    pub(crate) fn publish_prompt(
+        &self,
+        tiers: &KvTiers,
+        chain: &mut Chain,
+        cache: &mut PagedKvCache,
+        report: &mut ReuseReport,
+    ) {
+        tiers.record_prefill(self.prompt.len() - self.cached, self.prefill_s);
+        let trimmed_before = tiers.window_trimmed_bytes();
+        match tiers.publish(chain, cache, &self.prompt) {
+            Ok(n) => report.published_blocks += n,
+            Err(e) => tracing::warn!(error = %e, "publishing the prompt failed"),
+        }
+        report.window_trimmed_bytes += tiers.window_trimmed_bytes() - trimmed_before;
+    }
+
+    /// At the end: drops the run-ahead step from `cache`, publishes what it holds and keeps
+    /// it resident on the device for the next request sharing its prefix. A hybrid's cache
+    /// whose state cannot go back that far is not kept.
+    pub(crate) fn retire(
+        &self,
+        tiers: &KvTiers,
+        chain: Chain,
+        mut cache: PagedKvCache,
+        report: &mut ReuseReport,
+    ) -> Result<()> {
+        if self.trim_run_ahead(&mut cache).is_err() {
+            return Ok(());
+        }
+        let all: Vec<u32> = self.prompt.iter().chain(&self.tokens).copied().collect();
+        let trimmed_before = tiers.window_trimmed_bytes();
+        report.published_blocks += tiers.retire(chain, cache, &all)?;
+        report.window_trimmed_bytes += tiers.window_trimmed_bytes() - trimmed_before;
+        Ok(())
+    }
+
+    /// The timings of the sequence so far; `waited_s` is added to its TTFT and total (time
+    /// before `started` the client already waited: the queue, a lookup and restore).
+    pub(crate) fn timings(&self, waited_s: f64) -> Result<Timings> {
+        let end = self.last_token_at.unwrap_or_else(Instant::now);
+        let decode_s = self.first_token_at.map_or(0.0, |f| (end - f).as_secs_f64());
+        Ok(Timings {
+            prompt_tokens: self.prompt.len(),
+            cached_tokens: self.cached,
+            generated_tokens: self.tokens.len(),
+            ttft_s: waited_s + self.ttft_s,
+            prefill_tok_per_s: rate(self.prompt.len() - self.cached, self.prefill_s),
+            decode_tok_per_s: rate(self.tokens.len().saturating_sub(1), decode_s),
+            total_s: waited_s + self.started.elapsed().as_secs_f64(),
+            peak_memory_bytes: mlx::peak_memory()?,
+            mask_s: self
+                .params
+                .constraint
+                .as_ref()
+                .map_or(0.0, |c| c.mask_stats().1.as_secs_f64()),
+        })
+    }
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 && n > 0 {
+        n as f64 / s
+    } else {
+        0.0
+    }
+}
+
+/// Where a decode step's rows keep their KV.
+pub(crate) enum StepKv<'a> {
+    /// The engine's batch: row `b` is `seqs[b]`'s cache.
+    Rows(&'a mut PagedKvRows),
+    /// One sequence alone over a cache of any kind (the caller's, in [`crate::generate`]).
+    One(&'a mut dyn KvCache),
+}
+
+/// Queues one decode step over `seqs`, fed with each sequence's latest token (the pick of
+/// the previous step, still on the device, or a first token the prefill picked), so the
+/// device computes while the host reads and emits the previous picks; each sequence's next
+/// pick is computed on the device from its slice of the logits. When no sequence needs
+/// another token (every one is at its last), nothing is queued: returns false.
+///
+/// A batch of one runs [`Model::forward_token`] on its cache (the step `generate` runs);
+/// more rows run [`Model::forward_rows_tokens`] over the batch.
+pub(crate) fn decode_step(
+    model: &Model,
+    seqs: &mut [&mut Sequence],
+    kv: StepKv<'_>,
+) -> Result<bool> {
+    if !seqs.iter().any(|s| s.needs_step()) {
+        return Ok(false);
+    }
+    let mut tokens = Vec::with_capacity(seqs.len());
+    for s in seqs.iter_mut() {
+        tokens.push(s.input()?);
+    }
+    let one = |cache: &mut dyn KvCache| -> Result<Vec<mlx::Array>> {
+        match tokens.as_slice() {
+            [token] => Ok(vec![model.forward_token(token, cache)?]),
+            _ => Err(EngineError::StepFailed(format!(
+                "one cache for {} sequences",
+                tokens.len()
+            ))),
+        }
+    };
+    let logits = match kv {
+        StepKv::One(cache) => one(cache)?,
+        StepKv::Rows(rows) if rows.len() == 1 => match rows.row_mut(0)? {
+            Some(cache) => one(cache)?,
+            None => Vec::new(),
+        },
+        StepKv::Rows(rows) => {
+            let refs: Vec<&mlx::Array> = tokens.iter().collect();
+            let ids = mlx::ops::concatenate(&refs, 0)?;
+            let all = model.forward_rows_tokens(&ids, rows)?;
+            let vocab = model.info().vocab_size as i32;
+            (0..seqs.len() as i32)
+                .map(|i| Ok(all.slice(&[i, 0], &[i + 1, vocab])?.reshape(&[vocab])?))
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
+    if logits.len() != seqs.len() {
+        return Err(EngineError::StepFailed(format!(
+            "a step of {} rows for {} sequences",
+            logits.len(),
+            seqs.len()
+        )));
+    }
+    for (s, l) in seqs.iter_mut().zip(&logits) {
+        s.pick(l)?;
+    }
+    let mut arrays = Vec::new();
+    for s in seqs.iter() {
+        if let Some(pick) = &s.launched {
+            arrays.extend(pick.arrays());
+        }
+    }
+    mlx::async_eval(&arrays)?;
+    Ok(true)
+}
+
+/// Prefills `seq` alone over `cache`, chunk after chunk, and picks its first token: the
+/// engine's prefill steps back to back, as the worker runs them while nothing decodes.
+pub(crate) fn prefill_alone(
+    seq: &mut Sequence,
+    model: &Model,
+    cache: &mut dyn KvCache,
+) -> Result<()> {
+    loop {
+        if let (_, Some(logits)) = seq.prefill_step(model, cache, usize::MAX)? {
+            return seq.first_pick(&logits);
+        }
+    }
+}
+
+/// Decodes `seq` (prefilled, its first token picked) alone to its end over `cache`: the
+/// engine's loop as a batch of one ([`decode_step`], [`Sequence::emit`],
+/// [`Sequence::advance`]), handing each token to `deliver` (false: stop, as a client that
+/// goes away). On return the run-ahead step is trimmed from the cache.
+pub(crate) fn decode_alone(
+    seq: &mut Sequence,
+    model: &Model,
+    tokenizer: &Tokenizer,
+    cache: &mut dyn KvCache,
+    deliver: &mut dyn FnMut(Sampled, String) -> bool,
+) -> Result<()> {
+    while seq.finish.is_none() {
+        decode_step(model, &mut [&mut *seq], StepKv::One(&mut *cache))?;
+        seq.emit(tokenizer, false, deliver)?;
+        seq.advance();
+    }
+    seq.trim_run_ahead(cache)
+}
