@@ -1,10 +1,11 @@
 //! `kvstore chat`: a multi-turn REPL that streams the model's replies. Each turn renders the
-//! whole conversation with the chat template; when it extends what the KV cache already
-//! holds, only the new tokens are prefilled.
+//! whole conversation with the chat template and runs as one request through an [`Engine`]
+//! (the loop `serve` runs) over tiers kept in memory: the previous turn's KV stays resident
+//! on the device, so when a turn extends the conversation only its new tokens are prefilled.
 
 use std::io::{BufRead, Write};
 
-use cache::KvCache;
+use engine::{Engine, KvTiers, Request, ReuseConfig};
 
 use crate::generate::{ModelArgs, SamplingArgs};
 
@@ -33,13 +34,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         path.display(),
         model.info().kv.layers
     );
+    // No store directory: blocks stay on the device and in RAM for this session only.
+    let reuse = ReuseConfig::default();
+    let kv_budget = reuse.kv_budget_bytes;
+    let tiers = KvTiers::open(&model, &tokenizer, reuse)?;
+    let config = crate::engine_run::config(Some(kv_budget), params.prefill_chunk);
+    let engine = Engine::open(model, tokenizer, Some(tiers), config)?;
     let mut messages: Vec<serde_json::Value> = Vec::new();
     if let Some(s) = &args.system {
         messages.push(serde_json::json!({"role": "system", "content": s}));
     }
     let base = messages.clone();
-    let mut cache = model.new_cache();
-    let mut cached: Vec<u32> = Vec::new();
     let stdin = std::io::stdin();
     let mut stdout = std::io::stdout();
     loop {
@@ -56,24 +61,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "/exit" | "/quit" => return Ok(()),
             "/reset" => {
                 messages = base.clone();
-                cache = model.new_cache();
-                cached.clear();
                 continue;
             }
             _ => {}
         }
         messages.push(serde_json::json!({"role": "user", "content": line}));
-        let prompt = tokenizer.encode_chat(&serde_json::to_string(&messages)?, None, true)?;
-        // Keep the cache only when this prompt extends exactly what it holds.
-        if !(prompt.starts_with(&cached)
-            && cached.len() < prompt.len()
-            && cache.offset() == cached.len())
-        {
-            cache = model.new_cache();
-            cached.clear();
-        }
-        let out = engine::generate(&model, &tokenizer, &mut cache, &prompt, &params, &mut |e| {
-            print!("{}", e.text);
+        let prompt =
+            engine
+                .tokenizer()
+                .encode_chat(&serde_json::to_string(&messages)?, None, true)?;
+        let request = Request::new(prompt, params.clone());
+        let out = crate::engine_run::complete(&engine, request, &mut |text| {
+            print!("{text}");
             std::io::stdout().flush().is_ok()
         });
         let out = match out {
@@ -81,8 +80,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Err(e) => {
                 eprintln!("\nerror: {e}");
                 messages.pop();
-                cache = model.new_cache();
-                cached.clear();
                 continue;
             }
         };
@@ -94,9 +91,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 t.prompt_tokens, t.cached_tokens, t.ttft_s, t.prefill_tok_per_s, t.decode_tok_per_s
             );
         }
-        // The cache holds the prompt and every generated token but the last.
-        cached = prompt;
-        cached.extend(&out.tokens[..out.tokens.len().saturating_sub(1)]);
         messages.push(serde_json::json!({"role": "assistant", "content": out.text}));
     }
 }

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use engine::{generate_with_reuse, GenerateParams, ReuseReport};
+use engine::{Engine, GenerateParams, Request, ReuseReport};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -68,37 +68,37 @@ fn run_turns(args: &Args, first: usize) -> Result<Vec<Turn>> {
     let (model, tokenizer) = args.model.load()?;
     spinner.finish_and_clear();
     let prefix = args.cache.open(&model, &tokenizer)?;
-    let tools = serde_json::to_string(&agent_session::tools())?;
+    let kv_budget = match &prefix {
+        Some(_) => Some(args.cache.kv_budget_bytes()?),
+        None => None,
+    };
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         ..GenerateParams::default()
     };
+    let config = crate::engine_run::config(kv_budget, params.prefill_chunk);
+    let engine = Engine::open(model, tokenizer, prefix, config)?;
+    let tools = serde_json::to_string(&agent_session::tools())?;
     let pb = bar((args.turns - first) as u64, "replaying the agent session");
     let mut out = Vec::new();
     for turn in first..args.turns {
         let messages = serde_json::to_string(&agent_session::messages(turn))?;
-        let prompt = tokenizer.encode_chat(&messages, Some(&tools), true)?;
+        let prompt = engine
+            .tokenizer()
+            .encode_chat(&messages, Some(&tools), true)?;
         pb.set_message(format!("turn {}: {} prompt tokens", turn + 1, prompt.len()));
-        let (generation, report) = generate_with_reuse(
-            &model,
-            &tokenizer,
-            prefix.as_ref(),
-            &prompt,
-            &params,
-            &mut |_| true,
-        )
-        .with_context(|| format!("turn {}", turn + 1))?;
+        let request = Request::new(prompt, params.clone());
+        let done = crate::engine_run::complete(&engine, request, &mut |_| true)
+            .with_context(|| format!("turn {}", turn + 1))?;
         out.push(Turn {
             turn: turn + 1,
-            report,
-            reply: generation.text,
+            report: done.reuse,
+            reply: done.text,
         });
         pb.inc(1);
     }
     pb.finish_and_clear();
-    if let Some(p) = &prefix {
-        p.flush().context("flushing the block store")?;
-    }
+    engine.shutdown(false).context("flushing the block store")?;
     Ok(out)
 }
 

@@ -1,12 +1,15 @@
 //! `kvstore generate`: one completion from a prompt or a messages file, streamed as plain
-//! text or printed as JSON with token ids and timings. Also the model selection shared by
-//! `chat` and `bench generate`.
+//! text or printed as JSON with token ids and timings, run as one request through an
+//! [`Engine`] (the loop `serve` runs). Also the model selection shared by `chat` and
+//! `bench generate`.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use engine::{GenerateParams, LoadOptions, Model, SamplingParams, Tokenizer};
+use engine::{
+    Engine, EngineConfig, GenerateParams, LoadOptions, Model, Request, SamplingParams, Tokenizer,
+};
 
 /// The default model's file name under `models/` (fetched by scripts/setup.sh).
 pub const DEFAULT_MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -144,6 +147,10 @@ pub struct Args {
     /// streaming text.
     #[arg(long)]
     json: bool,
+    /// With --json: also print the engine's step log (`engine_steps`: what each engine step
+    /// decoded and prefilled), for tests and debugging.
+    #[arg(long, hide = true, requires = "json")]
+    step_log: bool,
 }
 
 /// Runs `kvstore generate`.
@@ -166,32 +173,36 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, None) => bail!("give --prompt TEXT or --messages FILE.json"),
     };
     let prefix = args.cache.open(&model, &tokenizer)?;
+    let kv_budget = match &prefix {
+        Some(_) => Some(args.cache.kv_budget_bytes()?),
+        None => None,
+    };
+    let config = EngineConfig {
+        step_log: if args.step_log { usize::MAX } else { 0 },
+        ..crate::engine_run::config(kv_budget, params.prefill_chunk)
+    };
+    let engine = Engine::open(model, tokenizer, prefix, config)?;
     let mut stdout = std::io::stdout().lock();
     let mut write_failed = None;
-    let (out, reuse) = engine::generate_with_reuse(
-        &model,
-        &tokenizer,
-        prefix.as_ref(),
-        &prompt,
-        &params,
-        &mut |e| {
-            if args.json {
-                return true;
-            }
-            if let Err(err) = stdout
-                .write_all(e.text.as_bytes())
-                .and_then(|_| stdout.flush())
-            {
-                write_failed = Some(err);
-                return false;
-            }
-            true
-        },
-    )?;
-    if let Some(p) = &prefix {
-        p.flush().context("making the published blocks durable")?;
-    }
-    log_report(&reuse);
+    let request = Request::new(prompt, params);
+    let done = crate::engine_run::complete(&engine, request, &mut |text| {
+        if args.json {
+            return true;
+        }
+        if let Err(err) = stdout
+            .write_all(text.as_bytes())
+            .and_then(|_| stdout.flush())
+        {
+            write_failed = Some(err);
+            return false;
+        }
+        true
+    })?;
+    let steps = engine.step_log();
+    engine
+        .shutdown(false)
+        .context("making the published blocks durable")?;
+    log_report(&done.reuse);
     if let Some(err) = write_failed {
         if err.kind() == std::io::ErrorKind::BrokenPipe {
             return Ok(());
@@ -199,14 +210,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         return Err(err.into());
     }
     if args.json {
-        let report = serde_json::json!({
-            "prompt_tokens": prompt.len(),
-            "tokens": out.tokens,
-            "text": out.text,
-            "finish_reason": out.finish_reason,
-            "timings": out.timings,
-            "cache": reuse,
+        let mut report = serde_json::json!({
+            "prompt_tokens": done.prompt_tokens,
+            "tokens": done.tokens,
+            "text": done.text,
+            "finish_reason": done.finish_reason,
+            "timings": done.timings,
+            "cache": done.reuse,
         });
+        if args.step_log {
+            report["engine_steps"] = serde_json::to_value(&steps)?;
+        }
         writeln!(stdout, "{}", serde_json::to_string_pretty(&report)?)?;
     } else {
         writeln!(stdout)?;

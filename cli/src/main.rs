@@ -7,6 +7,7 @@ mod bench;
 mod cache_args;
 mod chat;
 mod demo;
+mod engine_run;
 mod gc;
 mod generate;
 mod inspect;

@@ -5,6 +5,7 @@ mod bitflips;
 mod cli_reuse;
 mod faults;
 mod linking;
+mod one_loop;
 mod openai_client;
 mod remote;
 mod reuse;

@@ -7,17 +7,17 @@
 //! arm with `--state-every 0`: blocks without layer-state snapshots, which a hybrid cannot
 //! resume from. Writes JSON and an SVG plot.
 
+use std::cell::RefCell;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use engine::{
-    generate_with_reuse, GenerateParams, KvTiers, Model, ReuseConfig, ReuseReport, Tokenizer,
-};
+use engine::{GenerateParams, KvTiers, Request, ReuseConfig, ReuseReport};
 use serde::Serialize;
 use store::StoreConfig;
 
 use crate::agent_session;
+use crate::engine_run::ModelSlot;
 use crate::generate::ModelArgs;
 
 /// Arguments of `kvstore bench agent`.
@@ -153,8 +153,9 @@ fn same_output(a: &Arm, b: &Arm) -> bool {
 }
 
 struct Ctx<'a> {
-    model: &'a Model,
-    tokenizer: &'a Tokenizer,
+    /// The model, lent to one engine per turn of each arm (an engine over that arm's
+    /// tiers, the loop `serve` runs).
+    slot: RefCell<ModelSlot>,
     prompts: &'a [Vec<u32>],
     params: GenerateParams,
     block_size: usize,
@@ -202,16 +203,26 @@ impl Ctx<'_> {
         }
     }
 
-    fn turn(&self, prefix: Option<&KvTiers>, prompt: &[u32]) -> Result<(Vec<u32>, ReuseReport)> {
-        let (g, r) = generate_with_reuse(
-            self.model,
-            self.tokenizer,
-            prefix,
-            prompt,
-            &self.params,
-            &mut |_| true,
-        )?;
-        Ok((g.tokens, r))
+    /// One turn through an engine over `prefix`, whose tiers come back with the result.
+    #[allow(clippy::type_complexity)]
+    fn turn(
+        &self,
+        prefix: Option<KvTiers>,
+        prompt: &[u32],
+    ) -> Result<((Vec<u32>, ReuseReport), Option<KvTiers>)> {
+        // The tiers' device budget: an engine with another one would empty the device tier.
+        let config = crate::engine_run::config(Some(self.kv_budget), 0);
+        let request = Request::new(prompt.to_vec(), self.params.clone());
+        let (done, prefix) = self
+            .slot
+            .borrow_mut()
+            .run(prefix, config, request, &mut |_| true)?;
+        Ok(((done.tokens, done.reuse), prefix))
+    }
+
+    fn open_tiers(&self, config: ReuseConfig) -> Result<KvTiers> {
+        let slot = self.slot.borrow();
+        Ok(KvTiers::open(slot.model()?, slot.tokenizer()?, config)?)
     }
 
     /// Runs the selected in-process arms turn by turn, interleaved, so that load on this
@@ -232,32 +243,36 @@ impl Ctx<'_> {
             tempfile::tempdir()?,
             tempfile::tempdir()?,
         ];
-        let open = |on: bool, dir: &Path, budget: u64| -> Result<Option<KvTiers>> {
+        let open = |on: bool, dir: &Path| -> Result<Option<KvTiers>> {
             Ok(match on {
-                true => Some(KvTiers::open(
-                    self.model,
-                    self.tokenizer,
-                    self.config(dir, budget),
-                )?),
+                true => Some(self.open_tiers(self.config(dir, self.kv_budget))?),
                 false => None,
             })
         };
-        let device_pc = open(device, dirs[0].path(), self.kv_budget)?;
-        // A zero device budget keeps nothing resident: every hit comes from host RAM.
-        let ram_pc = open(ram, dirs[1].path(), 0)?;
+        let mut device_pc = open(device, dirs[0].path())?;
+        let mut ram_pc = open(ram, dirs[1].path())?;
         let (mut c, mut d, mut r) = (Vec::new(), Vec::new(), Vec::new());
         let (mut s, mut s0, mut sw) = (Vec::new(), Vec::new(), Vec::new());
         for (i, p) in self.prompts.iter().enumerate() {
             eprintln!("turn {} ({} prompt tokens)", i + 1, p.len());
             if cold {
-                c.push(from_report(&self.turn(None, p)?, 0));
+                c.push(from_report(&self.turn(None, p)?.0, 0));
             }
-            for (pc, out) in [(&device_pc, &mut d), (&ram_pc, &mut r)] {
-                if let Some(pc) = pc {
-                    let before = pc.stats().bytes_written;
-                    let rep = self.turn(Some(pc), p)?;
-                    out.push(from_report(&rep, pc.stats().bytes_written - before));
+            for (pc, out, keep_resident) in
+                [(&mut device_pc, &mut d, true), (&mut ram_pc, &mut r, false)]
+            {
+                let Some(tiers) = pc.take() else {
+                    continue;
+                };
+                if !keep_resident {
+                    // An emptied device tier: every hit comes from host RAM.
+                    tiers.set_kv_budget(self.kv_budget)?;
                 }
+                let before = tiers.stats().bytes_written;
+                let (rep, back) = self.turn(Some(tiers), p)?;
+                let back = back.context("the engine kept the tiers")?;
+                out.push(from_report(&rep, back.stats().bytes_written - before));
+                *pc = Some(back);
             }
             for (on, dir, every, trim, out) in [
                 (ssd, &dirs[2], self.state_every, true, &mut s),
@@ -274,8 +289,9 @@ impl Ctx<'_> {
                     // A new store handle each turn: nothing on the device or in RAM, as after
                     // a restart (the cost model is read back from the store, as after one).
                     let config = self.config_with(dir.path(), self.kv_budget, every, trim);
-                    let pc = KvTiers::open(self.model, self.tokenizer, config)?;
-                    let rep = self.turn(Some(&pc), p)?;
+                    let pc = self.open_tiers(config)?;
+                    let (rep, pc) = self.turn(Some(pc), p)?;
+                    let pc = pc.context("the engine kept the tiers")?;
                     pc.flush()?;
                     let mut t = from_report(&rep, pc.stats().bytes_written);
                     t.ssd_stored_bytes = pc.stats().ssd_bytes;
@@ -450,8 +466,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     };
     let ctx = Ctx {
-        model: &model,
-        tokenizer: &tokenizer,
+        slot: RefCell::new(ModelSlot::new(model, tokenizer)),
         prompts: &prompts,
         params: GenerateParams {
             max_tokens: args.max_tokens,
@@ -466,6 +481,7 @@ pub fn run(args: Args) -> Result<()> {
     mlx::set_cache_limit(limit as usize)?;
     // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
     ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
+    // Peak device memory of the arms below, all turns (each engine reports the process's).
     const ARMS: [&str; 7] = [
         "cold",
         "device",

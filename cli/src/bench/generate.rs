@@ -1,13 +1,15 @@
 //! `kvstore bench generate`: prefill tok/s at several prompt lengths, decode tok/s and peak
-//! memory of the engine, beside mlx-lm run on the same weights and machine in the same run
+//! memory of the engine (each request through an [`Engine`], as `kvstore generate` and
+//! `serve` run them), beside mlx-lm run on the same weights and machine in the same run
 //! (through the goldens venv's Python; see scripts/goldens/make_goldens.sh).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context};
-use engine::{GenerateParams, Model, Tokenizer};
+use engine::{Engine, GenerateParams, Request, Tokenizer};
 
+use crate::engine_run::{complete, config};
 use crate::generate::{ModelArgs, DEFAULT_MODEL};
 
 /// Arguments of `kvstore bench generate`.
@@ -53,7 +55,10 @@ fn prompt(tokenizer: &Tokenizer, n: usize) -> anyhow::Result<Vec<u32>> {
     Ok(base.iter().copied().cycle().take(n).collect())
 }
 
-fn ours(model: &Model, tokenizer: &Tokenizer, args: &Args) -> anyhow::Result<Vec<Row>> {
+/// The engine's side: every request through an [`Engine`] (the loop `serve` runs), one at
+/// a time, as `kvstore generate` runs them.
+fn ours(engine: &Engine, args: &Args) -> anyhow::Result<Vec<Row>> {
+    let tokenizer = engine.tokenizer();
     let params = GenerateParams {
         max_tokens: args.decode_tokens,
         stop_at_eos: false,
@@ -68,30 +73,20 @@ fn ours(model: &Model, tokenizer: &Tokenizer, args: &Args) -> anyhow::Result<Vec
         max_tokens: 4,
         ..params.clone()
     };
-    engine::generate(
-        model,
-        tokenizer,
-        &mut model.new_cache(),
-        &prompt(tokenizer, 16)?,
-        &warm,
-        &mut |_| true,
-    )?;
+    let run = |prompt: Vec<u32>, params: &GenerateParams| {
+        // Peak memory per request: the engine reports the process's peak at its end.
+        mlx::reset_peak_memory()?;
+        complete(engine, Request::new(prompt, params.clone()), &mut |_| true)
+    };
+    run(prompt(tokenizer, 16)?, &warm)?;
     let mut rows = Vec::new();
     for &n in &args.prompt_lens {
-        let p = prompt(tokenizer, n)?;
-        let out = engine::generate(
-            model,
-            tokenizer,
-            &mut model.new_cache(),
-            &p,
-            &params,
-            &mut |_| true,
-        )?;
+        let done = run(prompt(tokenizer, n)?, &params)?;
         rows.push(Row {
             prompt_tokens: n,
-            prefill_tok_per_s: out.timings.prefill_tok_per_s,
-            decode_tok_per_s: out.timings.decode_tok_per_s,
-            peak_memory_bytes: out.timings.peak_memory_bytes,
+            prefill_tok_per_s: done.timings.prefill_tok_per_s,
+            decode_tok_per_s: done.timings.decode_tok_per_s,
+            peak_memory_bytes: done.timings.peak_memory_bytes,
         });
     }
     Ok(rows)
@@ -169,8 +164,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.decode_tokens,
         mlx::version()?
     );
-    let ours = ours(&model, &tokenizer, &args)?;
-    drop(model);
+    let engine = Engine::open(model, tokenizer, None, config(None, args.prefill_chunk))?;
+    let ours = ours(&engine, &args)?;
+    drop(engine);
     let theirs = if args.skip_mlx_lm {
         Vec::new()
     } else {

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use engine::{GenerateParams, GrammarCompiler};
+use engine::{Engine, GenerateParams, GrammarCompiler, Request};
 use serde_json::json;
 
 use crate::generate::ModelArgs;
@@ -80,6 +80,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "Describe a famous engineer as a JSON object with name, age, city, role, skills and address."}]);
     let prompt = tokenizer.encode_chat(&messages.to_string(), None, true)?;
     let vocab = model.info().vocab_size;
+    // Every run goes through an engine, as `serve` runs a request with `response_format`.
+    let engine = Engine::open(
+        model,
+        tokenizer,
+        None,
+        crate::engine_run::config(None, engine::DEFAULT_PREFILL_CHUNK),
+    )?;
     let best = |constrained: bool| -> anyhow::Result<Run> {
         let mut best: Option<Run> = None;
         for _ in 0..args.runs {
@@ -93,12 +100,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 },
                 ..GenerateParams::default()
             };
-            let out = engine::generate(
-                &model,
-                &tokenizer,
-                &mut model.new_cache(),
-                &prompt,
-                &params,
+            let out = crate::engine_run::complete(
+                &engine,
+                Request::new(prompt.clone(), params),
                 &mut |_| true,
             )?;
             let n = out.tokens.len().max(1);
@@ -116,7 +120,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let free = best(false)?;
     let forced = best(true)?;
     // The mask alone: the reference document's tokens committed one by one.
-    let ids = tokenizer.encode(REFERENCE, false)?;
+    let ids = engine.tokenizer().encode(REFERENCE, false)?;
     let mut c = compiler.compile(&grammar)?;
     let mut per_token = Vec::with_capacity(ids.len());
     for &id in &ids {

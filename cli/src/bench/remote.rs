@@ -3,16 +3,18 @@
 //! Redis remote tier: single node and, optionally, a cluster), and the chain fetch rate
 //! (blocks/s and MB/s through the store, verification included).
 //!
-//! Every repetition uses a fresh cache salt, so it publishes into a namespace nobody has
+//! Every request runs through an engine (the loop `serve` runs) opened over the arm's
+//! tiers. Every repetition uses a fresh cache salt, so it publishes into a namespace nobody has
 //! seen and reads it back from a fresh local store: nothing stale in Redis counts.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use engine::{generate_with_reuse, GenerateParams, KvTiers, Model, ReuseConfig, Tokenizer};
+use engine::{GenerateParams, KvTiers, Request, ReuseConfig, Tokenizer};
 use serde::Serialize;
 use store::{chain_keys, RemoteConfig, Store, StoreConfig};
 
+use crate::engine_run::{config as engine_config, ModelSlot};
 use crate::generate::ModelArgs;
 
 /// Arguments of `kvstore bench remote`.
@@ -100,15 +102,15 @@ fn prompt(tokenizer: &Tokenizer, n: usize) -> Result<Vec<u32>> {
     }
 }
 
-struct Bench<'a> {
-    model: &'a Model,
-    tokenizer: &'a Tokenizer,
+struct Bench {
+    /// The model, lent to one engine per request.
+    slot: ModelSlot,
     prompt: Vec<u32>,
     block_size: usize,
     params: GenerateParams,
 }
 
-impl Bench<'_> {
+impl Bench {
     fn config(&self, dir: &std::path::Path, remote: Option<&str>, salt: &str) -> ReuseConfig {
         ReuseConfig {
             store: StoreConfig::default()
@@ -124,31 +126,29 @@ impl Bench<'_> {
 
     fn open(&self, dir: &std::path::Path, remote: Option<&str>, salt: &str) -> Result<KvTiers> {
         Ok(KvTiers::open(
-            self.model,
-            self.tokenizer,
+            self.slot.model()?,
+            self.slot.tokenizer()?,
             self.config(dir, remote, salt),
         )?)
     }
 
-    /// TTFT and restore time of one request; `None` serves it without a cache.
-    fn request(&self, pc: Option<&KvTiers>) -> Result<(f64, f64, usize)> {
-        let (_, r) = generate_with_reuse(
-            self.model,
-            self.tokenizer,
-            pc,
-            &self.prompt,
-            &self.params,
-            &mut |_| true,
-        )?;
-        Ok((r.ttft_s, r.restore_s, r.cached_tokens))
+    /// TTFT and restore time of one request through an engine over `pc` (`None`: without
+    /// a cache); the tiers come back for their counters.
+    fn request(&mut self, pc: Option<KvTiers>) -> Result<((f64, f64, usize), Option<KvTiers>)> {
+        let config = engine_config(Some(ReuseConfig::default().kv_budget_bytes), 0);
+        let request = Request::new(self.prompt.clone(), self.params.clone());
+        let (done, pc) = self.slot.run(pc, config, request, &mut |_| true)?;
+        let r = done.reuse;
+        Ok(((r.ttft_s, r.restore_s, r.cached_tokens), pc))
     }
 
     /// Publishes the prompt's blocks into `remote` (and a local SSD tier) under `salt`;
     /// returns the publisher's store directory.
-    fn publish(&self, remote: Option<&str>, salt: &str) -> Result<tempfile::TempDir> {
+    fn publish(&mut self, remote: Option<&str>, salt: &str) -> Result<tempfile::TempDir> {
         let dir = tempfile::tempdir()?;
         let pc = self.open(dir.path(), remote, salt)?;
-        self.request(Some(&pc))?;
+        let (_, pc) = self.request(Some(pc))?;
+        let pc = pc.context("the engine kept the tiers")?;
         pc.flush()?;
         let st = pc.stats();
         if remote.is_some() && st.remote_blocks_written == 0 {
@@ -192,10 +192,10 @@ pub fn run(args: Args) -> Result<()> {
         anyhow::bail!("need --block-size ≥ 1, --prompt-tokens > --block-size and --reps ≥ 1");
     }
     let (model, tokenizer) = args.model.load()?;
-    let b = Bench {
-        model: &model,
-        tokenizer: &tokenizer,
-        prompt: prompt(&tokenizer, args.prompt_tokens)?,
+    let prompt = prompt(&tokenizer, args.prompt_tokens)?;
+    let mut b = Bench {
+        slot: ModelSlot::new(model, tokenizer),
+        prompt,
         block_size: args.block_size,
         params: GenerateParams {
             max_tokens: 1,
@@ -227,20 +227,19 @@ pub fn run(args: Args) -> Result<()> {
             restore[i].push(r);
             cached[i] = c;
         };
-        record(0, b.request(None)?);
+        record(0, b.request(None)?.0);
         // Local SSD: a fresh handle on the publisher's store, so its RAM tier is empty.
         let salt = format!("bench-remote-{run_id}-{rep}-ssd");
         let dir = b.publish(None, &salt)?;
-        record(1, b.request(Some(&b.open(dir.path(), None, &salt)?))?);
+        let reader = b.open(dir.path(), None, &salt)?;
+        record(1, b.request(Some(reader))?.0);
         for (i, (_, url)) in targets.iter().enumerate() {
             let salt = format!("bench-remote-{run_id}-{rep}-{i}");
             b.publish(Some(url), &salt)
                 .with_context(|| format!("publishing to {url}"))?;
             let reader = tempfile::tempdir()?;
-            record(
-                2 + i,
-                b.request(Some(&b.open(reader.path(), Some(url), &salt)?))?,
-            );
+            let tiers = b.open(reader.path(), Some(url), &salt)?;
+            record(2 + i, b.request(Some(tiers))?.0);
             let (secs, blocks, bytes) = b.fetch(url, &salt)?;
             fetch[i].push(secs);
             fetched[i] = (blocks, bytes);
