@@ -217,7 +217,7 @@ pub(crate) fn decode_streaming(
         keep_going
     })?;
     Ok(Generation {
-        timings: seq.timings(0.0)?,
+        timings: seq.timings()?,
         finish_reason: seq.finish.unwrap_or(FinishReason::Length),
         text: seq.text.clone(),
         tokens: seq.tokens.clone(),

@@ -1156,7 +1156,7 @@ pub fn generate_with_reuse(
         context,
         start,
     )?;
-    let (mut cache, mut chain, mut report) = match prefix {
+    let (mut cache, chain, mut report) = match prefix {
         Some(p) => {
             let p = p.prepare(prompt)?;
             (p.cache, Some(p.chain), p.report)
@@ -1180,12 +1180,10 @@ pub fn generate_with_reuse(
     seq.set_cached(&cache)?;
     mlx::reset_peak_memory()?;
     prefill_alone(&mut seq, model, &mut cache)?;
-    report.prefill_s = seq.prefill_s;
-    report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
-    if let (Some(p), Some(chain)) = (prefix, chain.as_mut()) {
-        seq.publish_prompt(p, chain, &mut cache, &mut report);
-    }
-    let generation = decode_streaming(&mut seq, model, tokenizer, &mut cache, on_token)?;
+    seq.prefilled(prefix, &mut report);
+    let mut generation = decode_streaming(&mut seq, model, tokenizer, &mut cache, on_token)?;
+    // One TTFT: the report's, what the user waited for (lookup and restore included).
+    generation.timings.ttft_s = report.ttft_s;
     if let (Some(p), Some(chain)) = (prefix, chain) {
         seq.retire(p, chain, cache, &mut report)?;
     }

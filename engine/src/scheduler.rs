@@ -164,10 +164,11 @@ pub struct Completion {
     pub ttft_s: f64,
     /// Seconds from submission to the end.
     pub total_s: f64,
-    /// The request's timings as [`crate::generate`] reports them: TTFT from submission
-    /// (what the client waited for: queue, lookup, restore, prefill, first sample), prefill
-    /// and decode rates, MLX's peak memory when it ended (the process's peak since start or
-    /// the last `mlx::reset_peak_memory`), grammar mask time.
+    /// The request's timings as [`crate::generate_with_reuse`] reports them: TTFT as the
+    /// reuse report counts it (lookup + restore + prefill and first sample: what the
+    /// client waited for once admitted; `queue_s` is the wait before), prefill and decode
+    /// rates, MLX's peak memory when it ended (the process's peak since start or the last
+    /// `mlx::reset_peak_memory`), grammar mask time; `total_s` from submission.
     pub timings: Timings,
     /// What prefix reuse did.
     pub reuse: ReuseReport,
@@ -1285,8 +1286,7 @@ impl Worker {
             mut report,
         } = r;
         seq.first_pick(logits)?;
-        report.prefill_s = seq.prefill_s;
-        report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
+        seq.prefilled(self.prefix.as_deref(), &mut report);
         if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
             seq.publish_prompt(pc, chain, &mut cache, &mut report);
         }
@@ -1440,13 +1440,17 @@ impl Worker {
             FinishReason::Cancelled => &c.cancelled,
         }
         .fetch_add(1, Ordering::Relaxed);
-        let timings = match seq.timings(queue_s) {
+        let mut timings = match seq.timings() {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!(request = id, error = %e, "reading MLX's peak memory failed");
                 Timings::default()
             }
         };
+        // One TTFT: the report's (lookup + restore + prefill), as `generate_with_reuse`
+        // reports it; `queue_s` is the wait before admission.
+        timings.ttft_s = report.ttft_s;
+        timings.total_s = submitted.elapsed().as_secs_f64();
         let completion = Completion {
             finish_reason: reason,
             prompt_tokens: seq.prompt.len(),

@@ -299,9 +299,21 @@ impl Sequence {
         Ok(())
     }
 
-    /// Publishes the prompt's full blocks from `cache` once its first token is picked (a
-    /// concurrent request with the same prefix hits while this one decodes), and records
-    /// the measured prefill speed for the restore-or-recompute estimate.
+    /// After the first pick: records the measured prefill speed for the tiers'
+    /// restore-or-recompute estimate, and completes `report`'s prefill and TTFT (lookup +
+    /// restore + prefill and first sample: what the client waited for once admitted).
+    pub(crate) fn prefilled(&self, tiers: Option<&KvTiers>, report: &mut ReuseReport) {
+        report.prefill_s = self.prefill_s;
+        report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
+        if let Some(tiers) = tiers {
+            tiers.record_prefill(self.prompt.len() - self.cached, self.prefill_s);
+        }
+    }
+
+    /// Publishes the prompt's full blocks from `cache` once its first token is picked, so
+    /// that a concurrent request with the same prefix (an agent's parallel calls) hits
+    /// while this one decodes (the engine's rows; a sequence run alone publishes once, at
+    /// [`Sequence::retire`]).
     pub(crate) fn publish_prompt(
         &self,
         tiers: &KvTiers,
@@ -309,7 +321,6 @@ impl Sequence {
         cache: &mut PagedKvCache,
         report: &mut ReuseReport,
     ) {
-        tiers.record_prefill(self.prompt.len() - self.cached, self.prefill_s);
         let trimmed_before = tiers.window_trimmed_bytes();
         match tiers.publish(chain, cache, &self.prompt) {
             Ok(n) => report.published_blocks += n,
@@ -338,19 +349,18 @@ impl Sequence {
         Ok(())
     }
 
-    /// The timings of the sequence so far; `waited_s` is added to its TTFT and total (time
-    /// before `started` the client already waited: the queue, a lookup and restore).
-    pub(crate) fn timings(&self, waited_s: f64) -> Result<Timings> {
+    /// The timings of the sequence so far: TTFT and total from `started`.
+    pub(crate) fn timings(&self) -> Result<Timings> {
         let end = self.last_token_at.unwrap_or_else(Instant::now);
         let decode_s = self.first_token_at.map_or(0.0, |f| (end - f).as_secs_f64());
         Ok(Timings {
             prompt_tokens: self.prompt.len(),
             cached_tokens: self.cached,
             generated_tokens: self.tokens.len(),
-            ttft_s: waited_s + self.ttft_s,
+            ttft_s: self.ttft_s,
             prefill_tok_per_s: rate(self.prompt.len() - self.cached, self.prefill_s),
             decode_tok_per_s: rate(self.tokens.len().saturating_sub(1), decode_s),
-            total_s: waited_s + self.started.elapsed().as_secs_f64(),
+            total_s: self.started.elapsed().as_secs_f64(),
             peak_memory_bytes: mlx::peak_memory()?,
             mask_s: self
                 .params
