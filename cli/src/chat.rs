@@ -38,7 +38,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let reuse = ReuseConfig::default();
     let kv_budget = reuse.kv_budget_bytes;
     let tiers = KvTiers::open(&model, &tokenizer, reuse)?;
-    let config = crate::engine_run::config(Some(kv_budget), params.prefill_chunk);
+    let config = crate::engine_run::config(Some(kv_budget));
     let engine = Engine::open(model, tokenizer, Some(tiers), config)?;
     let mut messages: Vec<serde_json::Value> = Vec::new();
     if let Some(s) = &args.system {

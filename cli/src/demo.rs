@@ -76,7 +76,7 @@ fn run_turns(args: &Args, first: usize) -> Result<Vec<Turn>> {
         max_tokens: args.max_tokens,
         ..GenerateParams::default()
     };
-    let config = crate::engine_run::config(kv_budget, params.prefill_chunk);
+    let config = crate::engine_run::config(kv_budget);
     let engine = Engine::open(model, tokenizer, prefix, config)?;
     let tools = serde_json::to_string(&agent_session::tools())?;
     let pb = bar((args.turns - first) as u64, "replaying the agent session");

@@ -4,18 +4,14 @@
 //! turns of a session over tiers that change between them) without loading it again.
 
 use anyhow::Context;
-use engine::{
-    Completion, Engine, EngineConfig, Event, KvTiers, Model, Request, Tokenizer,
-    DEFAULT_PREFILL_CHUNK,
-};
+use engine::{Completion, Engine, EngineConfig, Event, KvTiers, Model, Request, Tokenizer};
 
 /// The settings of an engine that serves one command's requests one at a time: the KV
 /// budget of `--kv-budget` (`None`: unbounded, for commands without tiers, where it only
-/// bounds admission), and prefill steps of up to `prefill_chunk` tokens.
-pub fn config(kv_budget_bytes: Option<u64>, prefill_chunk: usize) -> EngineConfig {
+/// bounds admission). A request alone prefills in steps of its own `prefill_chunk`.
+pub fn config(kv_budget_bytes: Option<u64>) -> EngineConfig {
     EngineConfig {
         kv_budget_bytes: kv_budget_bytes.unwrap_or(u64::MAX),
-        prefill_chunk: prefill_chunk.max(DEFAULT_PREFILL_CHUNK),
         ..EngineConfig::default()
     }
 }

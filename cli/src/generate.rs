@@ -179,7 +179,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let config = EngineConfig {
         step_log: if args.step_log { usize::MAX } else { 0 },
-        ..crate::engine_run::config(kv_budget, params.prefill_chunk)
+        ..crate::engine_run::config(kv_budget)
     };
     let engine = Engine::open(model, tokenizer, prefix, config)?;
     let mut stdout = std::io::stdout().lock();

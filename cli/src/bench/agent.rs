@@ -129,7 +129,10 @@ fn arm(name: &str, turns: Vec<TurnResult>) -> Arm {
     }
 }
 
-fn from_report((generated, r): &(Vec<u32>, ReuseReport), written: u64) -> TurnResult {
+/// What one turn of an in-process arm gave: the generated ids and the reuse report.
+type Turn = (Vec<u32>, ReuseReport);
+
+fn from_report((generated, r): &Turn, written: u64) -> TurnResult {
     TurnResult {
         generated: generated.clone(),
         prompt_tokens: r.prompt_tokens,
@@ -204,14 +207,13 @@ impl Ctx<'_> {
     }
 
     /// One turn through an engine over `prefix`, whose tiers come back with the result.
-    #[allow(clippy::type_complexity)]
     fn turn(
         &self,
         prefix: Option<KvTiers>,
         prompt: &[u32],
-    ) -> Result<((Vec<u32>, ReuseReport), Option<KvTiers>)> {
+    ) -> Result<(Turn, Option<KvTiers>)> {
         // The tiers' device budget: an engine with another one would empty the device tier.
-        let config = crate::engine_run::config(Some(self.kv_budget), 0);
+        let config = crate::engine_run::config(Some(self.kv_budget));
         let request = Request::new(prompt.to_vec(), self.params.clone());
         let (done, prefix) = self
             .slot

@@ -164,7 +164,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.decode_tokens,
         mlx::version()?
     );
-    let engine = Engine::open(model, tokenizer, None, config(None, args.prefill_chunk))?;
+    let engine = Engine::open(model, tokenizer, None, config(None))?;
     let ours = ours(&engine, &args)?;
     drop(engine);
     let theirs = if args.skip_mlx_lm {

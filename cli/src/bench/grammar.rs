@@ -81,12 +81,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let prompt = tokenizer.encode_chat(&messages.to_string(), None, true)?;
     let vocab = model.info().vocab_size;
     // Every run goes through an engine, as `serve` runs a request with `response_format`.
-    let engine = Engine::open(
-        model,
-        tokenizer,
-        None,
-        crate::engine_run::config(None, engine::DEFAULT_PREFILL_CHUNK),
-    )?;
+    let engine = Engine::open(model, tokenizer, None, crate::engine_run::config(None))?;
     let best = |constrained: bool| -> anyhow::Result<Run> {
         let mut best: Option<Run> = None;
         for _ in 0..args.runs {

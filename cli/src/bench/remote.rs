@@ -135,7 +135,7 @@ impl Bench {
     /// TTFT and restore time of one request through an engine over `pc` (`None`: without
     /// a cache); the tiers come back for their counters.
     fn request(&mut self, pc: Option<KvTiers>) -> Result<((f64, f64, usize), Option<KvTiers>)> {
-        let config = engine_config(Some(ReuseConfig::default().kv_budget_bytes), 0);
+        let config = engine_config(Some(ReuseConfig::default().kv_budget_bytes));
         let request = Request::new(self.prompt.clone(), self.params.clone());
         let (done, pc) = self.slot.run(pc, config, request, &mut |_| true)?;
         let r = done.reuse;
