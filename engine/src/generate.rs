@@ -4,8 +4,6 @@
 //! the engine's (engine/src/sequence.rs); this file holds the request types it shares with
 //! [`crate::Engine`] and the text stream.
 
-use std::time::Instant;
-
 use cache::KvCache;
 use serde::Serialize;
 
@@ -13,7 +11,7 @@ use crate::constrained::Constraint;
 use crate::error::Result;
 use crate::model::{default_prefill_chunk, Model, DEFAULT_PREFILL_CHUNK};
 use crate::sampler::{Sampled, SamplingParams};
-use crate::sequence::{check_prompt, context_limit, decode_alone, prefill_alone, Sequence};
+use crate::sequence::{decode_alone, prefill_alone, Sequence};
 use crate::tokenizer::Tokenizer;
 
 /// What to generate and when to stop.
@@ -172,17 +170,7 @@ pub fn generate(
     params: &GenerateParams,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<Generation> {
-    let start = Instant::now();
-    let info = model.info();
-    let context = context_limit(params, None, info.max_position_embeddings);
-    check_prompt(prompt, context)?;
-    let mut seq = Sequence::new(
-        prompt.to_vec(),
-        params.clone(),
-        info.vocab_size,
-        context,
-        start,
-    )?;
+    let mut seq = Sequence::alone(model, prompt, params)?;
     seq.set_cached(cache)?;
     mlx::reset_peak_memory()?;
     prefill_alone(&mut seq, model, cache)?;

@@ -34,7 +34,7 @@ use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
 use crate::model::{LayerKind, Model};
-use crate::sequence::{check_prompt, context_limit, prefill_alone, Sequence};
+use crate::sequence::{prefill_alone, Sequence};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of prefix reuse.
@@ -1133,10 +1133,9 @@ fn poisoned() -> EngineError {
 }
 
 /// Generates after `prompt` reusing cached prefixes: restore, prefill the rest, generate,
-/// publish, in the caller's thread, through the engine's steps and publication (the
-/// [`Engine`](crate::Engine)'s worker does the same for each of its rows: the prompt's
-/// blocks are published at the first token, the rest when the sequence ends). Without a
-/// prefix cache it runs cold on a fresh paged cache (same code path).
+/// publish, in the caller's thread, through the engine's steps and publication (as the
+/// [`Engine`](crate::Engine)'s worker runs a row; alone, the sequence publishes once, when
+/// it ends). Without a prefix cache it runs cold on a fresh paged cache (same code path).
 pub fn generate_with_reuse(
     model: &Model,
     tokenizer: &Tokenizer,
@@ -1145,17 +1144,7 @@ pub fn generate_with_reuse(
     params: &GenerateParams,
     on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<(Generation, ReuseReport)> {
-    let start = Instant::now();
-    let info = model.info();
-    let context = context_limit(params, None, info.max_position_embeddings);
-    check_prompt(prompt, context)?;
-    let mut seq = Sequence::new(
-        prompt.to_vec(),
-        params.clone(),
-        info.vocab_size,
-        context,
-        start,
-    )?;
+    let mut seq = Sequence::alone(model, prompt, params)?;
     let (mut cache, chain, mut report) = match prefix {
         Some(p) => {
             let p = p.prepare(prompt)?;

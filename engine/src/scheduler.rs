@@ -1412,7 +1412,7 @@ impl Worker {
     fn finish(&mut self, row: Row, cache: PagedKvCache) {
         self.reserved = self.reserved.saturating_sub(row.reserve);
         let Row {
-            seq,
+            mut seq,
             id,
             tx,
             submitted,
@@ -1426,11 +1426,15 @@ impl Worker {
             if let Ok(mut r) = pc.resident() {
                 r.release(reserve);
             }
-            if let Some(chain) = chain {
+        }
+        match (&self.prefix, chain) {
+            (Some(pc), Some(chain)) => {
                 if let Err(e) = seq.retire(pc, chain, cache, &mut report) {
                     tracing::warn!(request = id, error = %e, "publishing failed");
                 }
             }
+            // Freed before the client hears of the end: its next request finds the memory.
+            _ => drop(cache),
         }
         let reason = seq.finish.unwrap_or(FinishReason::Cancelled);
         let c = self.counters();
@@ -1460,10 +1464,11 @@ impl Worker {
             ttft_s: seq.ttft_s,
             total_s: submitted.elapsed().as_secs_f64(),
             timings,
-            text: seq.text,
-            tokens: seq.tokens,
+            text: std::mem::take(&mut seq.text),
+            tokens: std::mem::take(&mut seq.tokens),
             reuse: report,
         };
+        drop(seq);
         tracing::debug!(
             request = id,
             reason = ?reason,

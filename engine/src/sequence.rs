@@ -116,6 +116,26 @@ impl Sequence {
         })
     }
 
+    /// A sequence for `prompt` run alone in the caller's thread (no engine limit on the
+    /// context), started now.
+    pub(crate) fn alone(
+        model: &Model,
+        prompt: &[u32],
+        params: &GenerateParams,
+    ) -> Result<Sequence> {
+        let start = Instant::now();
+        let info = model.info();
+        let context = context_limit(params, None, info.max_position_embeddings);
+        check_prompt(prompt, context)?;
+        Sequence::new(
+            prompt.to_vec(),
+            params.clone(),
+            info.vocab_size,
+            context,
+            start,
+        )
+    }
+
     /// Records that `cache` holds the prompt's first tokens before prefill; refuses a cache
     /// holding the whole prompt (at least its last token must be computed for its logits).
     pub(crate) fn set_cached(&mut self, cache: &dyn KvCache) -> Result<()> {

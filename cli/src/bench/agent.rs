@@ -207,11 +207,7 @@ impl Ctx<'_> {
     }
 
     /// One turn through an engine over `prefix`, whose tiers come back with the result.
-    fn turn(
-        &self,
-        prefix: Option<KvTiers>,
-        prompt: &[u32],
-    ) -> Result<(Turn, Option<KvTiers>)> {
+    fn turn(&self, prefix: Option<KvTiers>, prompt: &[u32]) -> Result<(Turn, Option<KvTiers>)> {
         // The tiers' device budget: an engine with another one would empty the device tier.
         let config = crate::engine_run::config(Some(self.kv_budget));
         let request = Request::new(prompt.to_vec(), self.params.clone());
