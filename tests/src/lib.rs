@@ -1,6 +1,6 @@
 //! Shared helpers for the end-to-end tests.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The `kvstore` binary of this build (target/<profile>/kvstore), built on first use.
@@ -21,6 +21,28 @@ pub fn kvstore_bin() -> PathBuf {
         assert!(status.success(), "building the kvstore binary failed");
     }
     bin
+}
+
+/// Runs `kvstore generate --json` on `model` with the store `store` and `args`, quietly;
+/// asserts it succeeded and returns its report.
+pub fn generate_json(model: &Path, store: &Path, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(kvstore_bin())
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .arg("--store")
+        .arg(store)
+        .arg("--json")
+        .args(args)
+        .env("KVSTORE_QUIET", "1")
+        .output()
+        .expect("running kvstore generate");
+    assert!(
+        out.status.success(),
+        "kvstore generate failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("kvstore generate --json prints JSON")
 }
 
 /// A model folder committed with the engine's goldens (tiny random weights).

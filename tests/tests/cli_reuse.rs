@@ -3,38 +3,23 @@
 use std::path::Path;
 use std::process::Command;
 
-use kvstore_tests::{kvstore_bin, smollm2, tiny_model};
+use kvstore_tests::{generate_json, kvstore_bin, smollm2, tiny_model};
 use serde_json::Value;
 
 fn generate(model: &Path, store: &Path, prompt: &str, extra: &[&str]) -> Value {
-    let out = Command::new(kvstore_bin())
-        .arg("generate")
-        .arg("--model")
-        .arg(model)
-        .arg("--store")
-        .arg(store)
-        .args([
-            "--prompt",
-            prompt,
-            "--max-tokens",
-            "6",
-            "--json",
-            "--block-size",
-            "8",
-            // These tests check what each tier serves: no estimate may skip a tier.
-            "--restore",
-            "always",
-        ])
-        .args(extra)
-        .env("KVSTORE_QUIET", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "kvstore generate failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let mut args = vec![
+        "--prompt",
+        prompt,
+        "--max-tokens",
+        "6",
+        "--block-size",
+        "8",
+        // These tests check what each tier serves: no estimate may skip a tier.
+        "--restore",
+        "always",
+    ];
+    args.extend(extra);
+    generate_json(model, store, &args)
 }
 
 #[test]

@@ -4,36 +4,21 @@
 //! context limit; and a CLI run shows up as engine steps in the engine's step log.
 
 use std::path::Path;
-use std::process::Command;
 
 use engine::{
     load, Engine, EngineConfig, FinishReason, GenerateParams, KvTiers, LoadOptions, Request,
     ReuseConfig,
 };
-use kvstore_tests::{kvstore_bin, smollm2, tiny_model};
+use kvstore_tests::{generate_json, smollm2, tiny_model};
 use serde_json::Value;
 use store::StoreConfig;
 
 /// `kvstore generate --json` of a user message, greedy, with a fresh store.
 fn cli(model: &Path, message: &str, extra: &[&str]) -> Value {
     let store = tempfile::tempdir().unwrap();
-    let out = Command::new(kvstore_bin())
-        .arg("generate")
-        .arg("--model")
-        .arg(model)
-        .arg("--store")
-        .arg(store.path())
-        .args(["--prompt", message, "--json"])
-        .args(extra)
-        .env("KVSTORE_QUIET", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "kvstore generate failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let mut args = vec!["--prompt", message];
+    args.extend(extra);
+    generate_json(model, store.path(), &args)
 }
 
 /// What `serve`'s engine gives for the same message: an engine over tiers in a fresh
