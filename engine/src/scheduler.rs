@@ -66,6 +66,10 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Engine steps kept in [`Engine::step_log`] (the most recent; 0 keeps none). Default: 0.
     pub step_log: usize,
+    /// Whether the decode batch may keep its KV in a batch arena (docs/cache.md): `None`
+    /// follows `KVSTORE_BATCH_ARENA` (`0` off, `1` on) when set, else the device (on a GPU,
+    /// off on the CPU). A switch to compare both on one machine. Default: None.
+    pub batch_arena: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -77,6 +81,7 @@ impl Default for EngineConfig {
             context_limit: None,
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
             step_log: 0,
+            batch_arena: None,
         }
     }
 }
@@ -564,7 +569,7 @@ impl Engine {
             paged,
             rx,
             queue: VecDeque::new(),
-            rows: PagedKvRows::new(),
+            rows: new_rows(&config)?,
             active: Vec::new(),
             prefilling: VecDeque::new(),
             reserved: 0,
@@ -1503,7 +1508,7 @@ impl Worker {
             EngineError::StepFailed(m) => m,
             e => e.to_string(),
         };
-        self.rows = PagedKvRows::new();
+        self.rows = new_rows(&self.config).unwrap_or_default();
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
                 r.release(self.reserved);
@@ -1528,6 +1533,21 @@ fn ours(e: EngineError) -> EngineError {
         ErrorClass::Invalid => EngineError::StepFailed(e.to_string()),
         _ => e,
     }
+}
+
+/// An empty decode batch, with the batch arena as `config` (or `KVSTORE_BATCH_ARENA`) says.
+fn new_rows(config: &EngineConfig) -> Result<PagedKvRows> {
+    let mut rows = PagedKvRows::new();
+    let env = std::env::var("KVSTORE_BATCH_ARENA").ok();
+    let choice = config.batch_arena.or(match env.as_deref() {
+        Some("0") => Some(false),
+        Some("1") => Some(true),
+        _ => None,
+    });
+    if let Some(on) = choice {
+        rows.set_batch_arena(on)?;
+    }
+    Ok(rows)
 }
 
 fn observe_ttft(c: &Counters, s: f64) {

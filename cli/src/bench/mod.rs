@@ -8,6 +8,7 @@ mod child_server;
 mod generate;
 mod grammar;
 mod mlx;
+mod prefill;
 mod remote;
 mod serve;
 mod store;
@@ -38,6 +39,9 @@ enum Which {
     /// whole), and concurrent multi-turn sessions (throughput, TTFT/ITL P50/P99, hit share),
     /// in process and, with `--peer-python`, over HTTP beside mlx_lm.server.
     Serve(Box<serve::Args>),
+    /// An agent turn's prefill (new tokens after a long cached context) as a share of the
+    /// f32 matmul rate measured in the same run.
+    Prefill(prefill::Args),
     /// Store tiers: RAM and SSD GB/s at 1, 8, 32 MiB blocks and prefix restore, beside dd.
     Store(store::Args),
     /// Replay a Mooncake-format request trace: hit share against ideal, LRU and Belady, TTFT.
@@ -52,6 +56,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Which::Generate(a) => generate::run(a),
         Which::Grammar(a) => grammar::run(a),
         Which::Mlx(a) => mlx::run(a),
+        Which::Prefill(a) => prefill::run(a),
         Which::Remote(a) => remote::run(a),
         Which::Serve(a) => serve::run(*a),
         Which::Store(a) => store::run(a),

@@ -302,7 +302,6 @@ fn streaming_chat_arrives_in_chunks_with_usage_and_done() {
 
 #[test]
 fn concurrent_clients_each_get_their_greedy_output_alone() {
-    let srv = Arc::new(Server::start(None, EngineConfig::default()));
     let questions = [
         "Hi",
         "What is the capital of France? Answer briefly please.",
@@ -314,6 +313,30 @@ fn concurrent_clients_each_get_their_greedy_output_alone() {
         "Translate 'good morning' into French, Spanish, German and Italian, one per line.",
         "ok",
     ];
+    each_client_gets_its_greedy_output_alone(EngineConfig::default(), &questions);
+}
+
+/// The serving loop with the batch arena forced on (the GPU's default), on the CPU: every
+/// client still gets its greedy output alone.
+#[test]
+fn concurrent_clients_get_their_greedy_output_alone_through_a_batch_arena() {
+    let config = EngineConfig {
+        batch_arena: Some(true),
+        ..EngineConfig::default()
+    };
+    let questions = [
+        "What is the capital of France? Answer briefly please.",
+        "Write a haiku about the sea, the wind, and a small boat that sails at dawn.",
+        "List the planets of the solar system in order from the sun outwards.",
+        "Translate 'good morning' into French, Spanish, German and Italian, one per line.",
+    ];
+    each_client_gets_its_greedy_output_alone(config, &questions);
+}
+
+/// Sends every question at once and checks each answer against the same request run
+/// alone, and that the requests shared decode steps.
+fn each_client_gets_its_greedy_output_alone(config: EngineConfig, questions: &[&str]) {
+    let srv = Arc::new(Server::start(None, config));
     let bodies: Vec<Value> = questions.iter().map(|q| chat(q, 12)).collect();
     let handles: Vec<_> = bodies
         .iter()
