@@ -147,6 +147,13 @@ impl PagedKvRows {
                 self.rows.len()
             )));
         }
+        // Checked before anything moves, so a bad `keep` changes nothing.
+        let mut seen = vec![false; self.rows.len()];
+        for &i in keep {
+            if std::mem::replace(&mut seen[i], true) {
+                return Err(CacheError::Shape(format!("row {i} kept twice")));
+            }
+        }
         // The rows that leave get their tokens back; the arena keeps the others.
         if let Some(a) = &mut self.arena {
             if !a.retain(&mut self.rows, keep)? {
@@ -159,10 +166,9 @@ impl PagedKvRows {
             .map(Some)
             .collect();
         for &i in keep {
-            let row = slots[i]
-                .take()
-                .ok_or_else(|| CacheError::Shape(format!("row {i} kept twice")))?;
-            self.rows.push(row);
+            if let Some(row) = slots[i].take() {
+                self.rows.push(row);
+            }
         }
         Ok(slots.into_iter().flatten().collect())
     }
@@ -448,5 +454,54 @@ impl PagedKvRows {
             &[lens.len() as i32, 1, queries as i32, t as i32],
             Dtype::Bool,
         )?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PagedConfig;
+
+    fn row(tokens: i32, seed: u64) -> PagedKvCache {
+        let mut c = PagedKvCache::new(1, PagedConfig::default()).unwrap();
+        let k = mlx::random::normal(
+            &[1, 2, tokens, 8],
+            Dtype::F32,
+            &mlx::random::key(seed).unwrap(),
+        )
+        .unwrap();
+        c.append(0, &k, &k).unwrap();
+        c
+    }
+
+    #[test]
+    fn a_bad_filter_changes_nothing() {
+        for arena in [false, true] {
+            let mut rows = PagedKvRows::new();
+            rows.set_batch_arena(arena).unwrap();
+            for (n, seed) in [(5, 1), (7, 2), (6, 3)] {
+                rows.push(row(n, seed)).unwrap();
+            }
+            if arena {
+                let q = mlx::ops::zeros(&[3, 2, 1, 8], Dtype::F32).unwrap();
+                rows.attend(0, &q, &q, &q, 1.0, None).unwrap();
+                assert!(rows.has_arena());
+            }
+            assert!(rows.filter(&[0, 2, 0]).is_err(), "a row kept twice");
+            assert!(rows.filter(&[3]).is_err(), "a row that is not there");
+            assert_eq!(rows.len(), 3);
+            assert_eq!(rows.has_arena(), arena);
+            let gone = rows.filter(&[2, 0]).unwrap();
+            let lens: Vec<usize> = gone.iter().map(|c| c.offset()).collect();
+            let ahead = usize::from(arena);
+            assert_eq!(lens, vec![7 + ahead]);
+            let kept: Vec<usize> = rows
+                .into_rows()
+                .unwrap()
+                .iter()
+                .map(|c| c.offset())
+                .collect();
+            assert_eq!(kept, vec![6 + ahead, 5 + ahead]);
+        }
     }
 }
