@@ -12,13 +12,15 @@
 //! into a single device array: the host → device bandwidth of this machine.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Result;
 use cache::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, PagedKvRows};
 use mlx::fast::{scaled_dot_product_attention, AttentionMask};
 use mlx::{Array, Dtype};
 use serde::Serialize;
+
+use super::timing::{median, median_of, random};
 use store::NamespaceId;
 
 /// Arguments of `kvstore bench cache`.
@@ -234,29 +236,6 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
         });
     }
     Ok(rows)
-}
-
-fn median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
-    f()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        f()?;
-        times.push(t.elapsed());
-    }
-    times.sort();
-    Ok(times[times.len() / 2])
-}
-
-fn median_of(times: &mut [Duration]) -> Duration {
-    times.sort();
-    times[times.len() / 2]
-}
-
-fn random(shape: &[i32], seed: u64) -> Result<Array> {
-    let a = mlx::random::normal(shape, Dtype::F32, &mlx::random::key(seed)?)?;
-    a.eval()?;
-    Ok(a)
 }
 
 /// mlx-lm's KVCache: a buffer grown in steps, written in place, read through a slice.

@@ -2,12 +2,12 @@
 //! the same process: f32 matmul against a plain Rust loop, fused SDPA against attention
 //! composed of MLX ops, and `slice_update` in place against the copy a live clone forces.
 
-use std::time::{Duration, Instant};
-
 use anyhow::Result;
 use mlx::fast::{scaled_dot_product_attention, AttentionMask};
-use mlx::{Array, Dtype};
+use mlx::Dtype;
 use serde::Serialize;
+
+use super::timing::{median, random};
 
 /// Arguments of `kvstore bench mlx`.
 #[derive(clap::Args)]
@@ -43,25 +43,6 @@ struct Report {
     mlx_version: String,
     device: String,
     rows: Vec<Row>,
-}
-
-/// Median wall time of `reps` calls after one warm-up call.
-fn median(reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
-    f()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        f()?;
-        times.push(t.elapsed());
-    }
-    times.sort();
-    Ok(times[times.len() / 2])
-}
-
-fn random(shape: &[i32], seed: u64) -> Result<Array> {
-    let a = mlx::random::normal(shape, Dtype::F32, &mlx::random::key(seed)?)?;
-    a.eval()?;
-    Ok(a)
 }
 
 /// A cache-friendly (i, k, j) triple loop: what a matmul costs without a BLAS.

@@ -12,6 +12,7 @@ mod prefill;
 mod remote;
 mod serve;
 mod store;
+mod timing;
 mod trace;
 
 /// Arguments of `kvstore bench`.

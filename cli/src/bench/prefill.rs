@@ -6,14 +6,15 @@
 //! and token) and the attention products (q·kᵀ and p·v over every visible key). The LM
 //! head runs on the last token only and is left out, as are norms, RoPE and softmax.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use cache::KvCache;
 use engine::Model;
-use mlx::{Array, Dtype};
+use mlx::Array;
 use serde::Serialize;
 
+use super::timing::{matmul_gflops, median_of};
 use crate::generate::ModelArgs;
 
 /// Arguments of `kvstore bench prefill`.
@@ -101,27 +102,6 @@ fn flops(s: &Shape, cached: usize, new: usize) -> (f64, f64) {
     (weights, attention)
 }
 
-fn median(mut times: Vec<Duration>) -> Duration {
-    times.sort();
-    times[times.len() / 2]
-}
-
-fn gemm_gflops(reps: usize) -> Result<f64> {
-    let n = 2048;
-    let key = mlx::random::key(7)?;
-    let a = mlx::random::normal(&[n, n], Dtype::F32, &key)?;
-    let b = mlx::random::normal(&[n, n], Dtype::F32, &key)?;
-    mlx::eval(&[&a, &b])?;
-    a.matmul(&b)?.eval()?;
-    let mut times = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let t = Instant::now();
-        a.matmul(&b)?.eval()?;
-        times.push(t.elapsed());
-    }
-    Ok(2.0 * f64::from(n).powi(3) / median(times).as_secs_f64() / 1e9)
-}
-
 /// Runs the benchmark.
 pub fn run(args: Args) -> Result<()> {
     if args.new == 0 || args.reps == 0 {
@@ -142,6 +122,7 @@ pub fn run(args: Args) -> Result<()> {
         model.prefill(history, &mut cache, chunk)?.eval()?;
     }
     let mut times = Vec::with_capacity(args.reps);
+    // One warm-up turn, then the measured ones.
     for rep in 0..=args.reps {
         let t = Instant::now();
         let logits: Array = model.prefill(turn, &mut cache, chunk)?;
@@ -158,10 +139,10 @@ pub fn run(args: Args) -> Result<()> {
             );
         }
     }
-    let seconds = median(times).as_secs_f64();
+    let seconds = median_of(&mut times).as_secs_f64();
     let (weight_flops, attention_flops) = flops(&s, args.cached, args.new);
     let gflops = (weight_flops + attention_flops) / seconds / 1e9;
-    let gemm = gemm_gflops(args.reps.max(3))?;
+    let gemm = matmul_gflops(2048, args.reps.max(3))?;
     let r = Report {
         cached: args.cached,
         new: args.new,
