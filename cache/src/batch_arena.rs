@@ -34,7 +34,8 @@ pub(crate) struct BatchArena {
     synced: Vec<usize>,
     /// The column the rows ended at when the arena was built.
     built_end: usize,
-    /// The current step's mask `[B, 1, 1, end]` (true = attend), for the `end` it was made for.
+    /// The current step's additive mask `[B, 1, 1, end]` (0 where a row attends, -inf
+    /// elsewhere), for the `end` it was made for.
     mask: Option<(usize, Array)>,
 }
 
@@ -43,23 +44,13 @@ impl BatchArena {
     /// every attention layer as long as the row, and no more padding than real tokens
     /// (rows of very different lengths decode one by one instead). `None` otherwise.
     pub(crate) fn plan(rows: &[PagedKvCache]) -> Option<BatchArena> {
-        let first = rows.first()?;
-        let layers = first.layers();
-        let eligible = rows.iter().all(|r| {
-            r.config().format == crate::KvFormat::Float
-                && r.state_layers() == 0
-                && !r.has_windows()
-                && r.layers() == layers
-                && (0..layers).all(|l| r.layer_offset(l) == r.offset())
-                && r.offset() > 0
-        });
-        if !eligible {
+        let layers = rows.first()?.layers();
+        if !rows.iter().all(|r| eligible(r, layers)) {
             return None;
         }
         let lens: Vec<usize> = rows.iter().map(|r| r.offset()).collect();
         let end = lens.iter().copied().max()?;
-        let total: usize = lens.iter().sum();
-        if rows.len() * end > 2 * total {
+        if !padding_fits(rows.len(), end, lens.iter().sum()) {
             return None;
         }
         Some(BatchArena {
@@ -100,10 +91,9 @@ impl BatchArena {
         let len = row.offset();
         let lens: usize = self.starts.iter().map(|s| end - s).sum();
         let fits = self.built()
-            && row.layers() == self.layers.len()
-            && Self::plan(std::slice::from_ref(row)).is_some()
+            && eligible(row, self.layers.len())
             && len <= end
-            && (self.starts.len() + 1) * end <= 2 * (lens + len);
+            && padding_fits(self.starts.len() + 1, end, lens + len);
         if !fits {
             return Ok(false);
         }
@@ -141,7 +131,7 @@ impl BatchArena {
         self.sync_rows(rows, &leaving)?;
         let end = self.end();
         let lens: usize = keep.iter().map(|&i| end - self.starts[i]).sum();
-        if keep.is_empty() || !self.built() || keep.len() * end > 2 * lens {
+        if keep.is_empty() || !self.built() || !padding_fits(keep.len(), end, lens) {
             return Ok(false);
         }
         let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
@@ -201,22 +191,25 @@ impl BatchArena {
         let v = a.values.slice(&[0, 0, 0, 0], &[b, h, end, vd])?;
         let end = a.end;
         *slot = Some(a);
-        let mask = self.mask_for(end)?;
+        let mask = self.mask_for(end, queries.dtype())?;
         masked_attention(queries, &k, &v, &mask, scale)
     }
 
-    /// The mask `[B, 1, 1, end]` of a step whose rows end at column `end`: made once per
-    /// step, shared by its layers.
-    fn mask_for(&mut self, end: usize) -> Result<Array, CacheError> {
+    /// The additive mask `[B, 1, 1, end]` of a step whose rows end at column `end`, in
+    /// `dtype`: made once per step, shared by its layers.
+    fn mask_for(&mut self, end: usize, dtype: Dtype) -> Result<Array, CacheError> {
         if let Some((e, m)) = &self.mask {
-            if *e == end {
+            if *e == end && m.dtype() == dtype {
                 return Ok(m.clone());
             }
         }
         let starts: Vec<i32> = self.starts.iter().map(|&s| s as i32).collect();
         let starts = Array::from_slice(&starts, &[starts.len() as i32, 1, 1, 1])?;
         let cols = mlx::ops::arange(0.0, end as f64, 1.0, Dtype::I32)?;
-        let m = cols.reshape(&[1, 1, 1, end as i32])?.ge(&starts)?;
+        let visible = cols.reshape(&[1, 1, 1, end as i32])?.ge(&starts)?;
+        let zero = mlx::ops::full(&[1], 0.0, dtype)?;
+        let hidden = mlx::ops::full(&[1], f64::NEG_INFINITY, dtype)?;
+        let m = mlx::ops::where_(&visible, &zero, &hidden)?;
         self.mask = Some((end, m.clone()));
         Ok(m)
     }
@@ -252,6 +245,23 @@ impl BatchArena {
     }
 }
 
+/// Whether `row` can decode in an arena of `layers` layers: float KV, no state layers, no
+/// windows, every layer as long as the row, and at least one token.
+fn eligible(row: &PagedKvCache, layers: usize) -> bool {
+    row.config().format == crate::KvFormat::Float
+        && row.state_layers() == 0
+        && !row.has_windows()
+        && row.layers() == layers
+        && (0..layers).all(|l| row.layer_offset(l) == row.offset())
+        && row.offset() > 0
+}
+
+/// Whether `rows` rows ending at column `end` and holding `tokens` tokens together pad no
+/// more columns than they fill.
+fn padding_fits(rows: usize, end: usize, tokens: usize) -> bool {
+    rows * end <= 2 * tokens
+}
+
 /// A layer's arena from the rows' paged caches: row b's tokens right-aligned to end at
 /// `end`, zeros before them and `GROW` free columns after.
 fn build(
@@ -284,9 +294,9 @@ fn build(
     })
 }
 
-/// `softmax(q kᵀ · scale, masked) v` for queries `[B, Hq, 1, D]` over keys and values
-/// `[B, Hkv, T, D]` (grouped: Hq a multiple of Hkv), `mask` `[B, 1, 1, T]` true where a
-/// row may attend. Written as matmuls rather than MLX's fused attention: with a mask array
+/// `softmax(q kᵀ · scale + mask) v` for queries `[B, Hq, 1, D]` over keys and values
+/// `[B, Hkv, T, D]` (grouped: Hq a multiple of Hkv), `mask` `[B, 1, 1, T]` additive: 0
+/// where a row may attend, -inf elsewhere. Written as matmuls rather than MLX's fused attention: with a mask array
 /// MLX's CUDA backend leaves its decode kernel for cuDNN, which builds a graph for every new
 /// key length, i.e. every step.
 fn masked_attention(
@@ -308,9 +318,7 @@ fn masked_attention(
     let q = queries
         .mul_scalar(scale as f64)?
         .reshape(&[b, hkv, rep, d])?;
-    let scores = q.matmul(&keys.transpose(&[0, 1, 3, 2])?)?;
-    let neg = mlx::ops::full(&[1], f64::NEG_INFINITY, scores.dtype())?;
-    let scores = mlx::ops::where_(mask, &scores, &neg)?;
+    let scores = q.matmul(&keys.transpose(&[0, 1, 3, 2])?)?.add(mask)?;
     let p = scores.softmax(-1, true)?;
     let out = p.matmul(values)?;
     Ok(out.reshape(&[b, hq, 1, values.shape()[3]])?)
