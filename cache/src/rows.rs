@@ -25,20 +25,6 @@ pub struct PagedKvRows {
     no_arena: bool,
 }
 
-impl Clone for PagedKvRows {
-    /// A copy of the rows as their caches hold them; the arena is not copied, so tokens it
-    /// holds that were not written back are not in the copy (call
-    /// [`PagedKvRows::settle`] first).
-    fn clone(&self) -> Self {
-        PagedKvRows {
-            rows: self.rows.clone(),
-            use_arena: self.use_arena,
-            arena: None,
-            no_arena: false,
-        }
-    }
-}
-
 impl std::fmt::Debug for PagedKvRows {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PagedKvRows")
