@@ -1181,9 +1181,10 @@ impl Worker {
                 // While rows decode, a step prefills at most the engine's chunk; with none,
                 // the request's own (larger on a GPU, where small steps leave it waiting on
                 // launches).
-                let most = match self.active.is_empty() {
-                    true => usize::MAX,
-                    false => self.config.prefill_chunk,
+                let most = if self.active.is_empty() {
+                    usize::MAX
+                } else {
+                    self.config.prefill_chunk
                 };
                 r.seq.prefill_step(&self.model, &mut r.cache, most)
             };
