@@ -271,12 +271,12 @@ impl PagedKvRows {
         ))
     }
 
-    /// One decode step's attention for every row, each over its own cache through a view:
-    /// appends row b's `[1, H, 1, D]` slice of `keys` / `values` to `layer` and attends
-    /// row b's query (`queries` `[B, Hq, 1, D]`) over what row b holds, the last `window`
-    /// positions only when windowed. No row's KV is padded, concatenated or copied: the
-    /// step costs one fused attention per row instead of an O(context) copy of the batch.
-    /// Returns `[B, Hq, 1, D]`.
+    /// One decode step's attention for every row: appends row b's `[1, H, 1, D]` slice of
+    /// `keys` / `values` to `layer` and attends row b's query (`queries` `[B, Hq, 1, D]`)
+    /// over what row b holds, the last `window` positions only when windowed. With the
+    /// batch arena (unwindowed layers of rows that fit one), one write and one masked
+    /// attention for the whole batch; otherwise one fused attention per row over its own
+    /// cache through a view. Neither copies a row's KV per step. Returns `[B, Hq, 1, D]`.
     pub fn attend(
         &mut self,
         layer: usize,
