@@ -26,7 +26,9 @@ use mlx::Array;
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
 use crate::pool::BlockShape;
-use crate::scratch::with_scratch;
+use rayon::prelude::*;
+
+use crate::scratch::{with_scratch, with_scratch_pair};
 use crate::{CacheError, KvFormat, LayerState};
 
 /// What decides which published blocks carry their window layers' planes: a continuation
@@ -423,57 +425,227 @@ pub(crate) fn block_shape(
     })
 }
 
-/// Assembles one layer part of every block in `blocks` (each plane `[H, bs, width]` as
-/// `spec` says, checked by [`block_shape`]) into one `[H, capacity · bs, width]` array, the
-/// blocks first and zeros after them (`capacity` ≥ the number of blocks): one host buffer,
-/// one transfer. `index(b)` gives the part's plane in block `b` of the run, `None` where the
-/// block leaves it out (a window-trimmed block): those rows are zeros too.
-pub(crate) fn run_part<B: AsRef<Block>>(
-    blocks: &[B],
-    spec: &PlaneSpec,
-    index: impl Fn(usize) -> Option<usize>,
-    capacity: usize,
-) -> Result<Array, CacheError> {
-    let (heads, bs, width) = match spec.shape[..] {
-        [h, b, w] => (h as usize, b as usize, w as usize),
-        _ => {
-            return Err(CacheError::Shape(format!(
+/// One layer part of a run of blocks to restore: an `[H, capacity · bs, width]` array, the
+/// blocks first and zeros after them (`capacity` ≥ the number of blocks).
+pub(crate) struct RunPart<'a> {
+    /// The part's plane layout in every block (checked by [`block_shape`]).
+    pub spec: &'a PlaneSpec,
+    /// Per block of the run, the index of the part's plane; `None` where the block leaves
+    /// it out (a window-trimmed block): those rows are zeros too.
+    pub planes: Vec<Option<usize>>,
+    /// Blocks the array has room for.
+    pub capacity: usize,
+}
+
+impl RunPart<'_> {
+    /// `(heads, block_size, width, bytes of one head's rows in one block)`.
+    fn layout(&self) -> Result<(usize, usize, usize, usize), CacheError> {
+        match self.spec.shape[..] {
+            [h, b, w] => {
+                let (h, b, w) = (h as usize, b as usize, w as usize);
+                Ok((h, b, w, b * w * self.spec.dtype.size() as usize))
+            }
+            _ => Err(CacheError::Shape(format!(
                 "plane {} is {:?}, not [heads, block, width]",
-                spec.name, spec.shape
-            )))
+                self.spec.name, self.spec.shape
+            ))),
         }
-    };
-    let block_rows = bs * width * spec.dtype.size() as usize;
-    let n = blocks.len();
-    let cap = capacity.max(n);
-    with_scratch(heads * cap * block_rows, |host| {
-        for h in 0..heads {
-            for (b, block) in blocks.iter().enumerate() {
-                let dst = (h * cap + b) * block_rows;
-                // The scratch buffer is reused: a plane the block leaves out is cleared.
-                match index(b) {
-                    Some(i) => {
-                        let data = &block.as_ref().planes[i].data;
-                        host[dst..dst + block_rows]
-                            .copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
+    }
+
+    /// Bytes of the assembled array.
+    fn bytes(&self) -> Result<usize, CacheError> {
+        let (heads, _, _, block_rows) = self.layout()?;
+        Ok(heads * self.capacity.max(self.planes.len()) * block_rows)
+    }
+
+    /// Writes the part into `host` (exactly [`Self::bytes`] long): per head, each block's
+    /// rows, then zeros. Large parts are copied by several threads at once.
+    fn assemble<B: AsRef<Block> + Sync>(
+        &self,
+        blocks: &[B],
+        host: &mut [u8],
+    ) -> Result<(), CacheError> {
+        let (_, _, _, block_rows) = self.layout()?;
+        let n = self.planes.len().min(blocks.len());
+        let cap = self.capacity.max(self.planes.len());
+        // Slot `s` of the buffer is head `s / cap`'s rows of block `s % cap`.
+        let fill = |first: usize, chunk: &mut [u8]| {
+            for (i, dst) in chunk.chunks_exact_mut(block_rows).enumerate() {
+                let (h, b) = ((first + i) / cap, (first + i) % cap);
+                match (b < n).then(|| self.planes[b]).flatten() {
+                    Some(p) => {
+                        let data = &blocks[b].as_ref().planes[p].data;
+                        dst.copy_from_slice(&data[h * block_rows..(h + 1) * block_rows]);
                     }
-                    None => host[dst..dst + block_rows].fill(0),
+                    // The buffer is reused: rows without a block are cleared.
+                    None => dst.fill(0),
                 }
             }
-            // The scratch buffer is reused: clear the head's unused tail.
-            host[(h * cap + n) * block_rows..(h + 1) * cap * block_rows].fill(0);
+        };
+        if host.len() < PARALLEL_ASSEMBLY_BYTES || block_rows == 0 {
+            fill(0, host);
+        } else {
+            let slots = host.len() / block_rows;
+            let per = slots.div_ceil(rayon::current_num_threads().max(1) * 4);
+            host.par_chunks_mut(per * block_rows)
+                .enumerate()
+                .for_each(|(c, chunk)| fill(c * per, chunk));
         }
+        Ok(())
+    }
+
+    fn array(&self, host: &[u8]) -> Result<Array, CacheError> {
+        let (heads, bs, width, _) = self.layout()?;
+        let cap = self.capacity.max(self.planes.len());
         Ok(Array::from_bytes(
             host,
             &[heads as i32, (cap * bs) as i32, width as i32],
-            to_mlx_dtype(spec.dtype),
+            to_mlx_dtype(self.spec.dtype),
         )?)
+    }
+}
+
+/// Parts from this size on are assembled by several threads (below it, handing the copy
+/// out costs more than it saves).
+const PARALLEL_ASSEMBLY_BYTES: usize = 4 << 20;
+
+/// Assembles every part of `parts` from the run `blocks` on the host and moves each to the
+/// device with one transfer, in order. Pipelined: while the calling thread moves part `i`
+/// (a driver copy on CUDA, the thread that owns MLX's arrays), the thread pool assembles
+/// part `i + 1` in the other of two reused host buffers.
+pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
+    blocks: &[B],
+    parts: &[RunPart<'_>],
+) -> Result<Vec<Array>, CacheError> {
+    let mut sizes = Vec::with_capacity(parts.len());
+    for p in parts {
+        sizes.push(p.bytes()?);
+    }
+    let Some(&largest) = sizes.iter().max() else {
+        return Ok(Vec::new());
+    };
+    with_scratch_pair(largest, |a, b| {
+        let mut out = Vec::with_capacity(parts.len());
+        let (mut cur, mut next) = (a, b);
+        parts[0].assemble(blocks, &mut cur[..sizes[0]])?;
+        for (i, part) in parts.iter().enumerate() {
+            let following = parts.get(i + 1).map(|p| (p, sizes[i + 1]));
+            let mut assembled = Ok(());
+            let uploaded = rayon::in_place_scope(|s| {
+                if let Some((p, len)) = following {
+                    let (next, assembled) = (&mut next[..len], &mut assembled);
+                    s.spawn(move |_| *assembled = p.assemble(blocks, next));
+                }
+                part.array(&cur[..sizes[i]])
+            });
+            out.push(uploaded?);
+            assembled?;
+            std::mem::swap(&mut cur, &mut next);
+        }
+        Ok(out)
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Blocks of two planes `[heads, bs, width]` of f32, every byte from a counter.
+    fn counted_blocks(n: usize, heads: usize, bs: usize, width: usize) -> Vec<Block> {
+        let bytes = heads * bs * width * 4;
+        let mut counter = 0u32;
+        (0..n)
+            .map(|b| {
+                let planes = ["layers.0.k", "layers.0.v"]
+                    .iter()
+                    .map(|name| {
+                        let data: Vec<u8> = (0..bytes)
+                            .map(|_| {
+                                counter = counter.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+                                (counter >> 16) as u8
+                            })
+                            .collect();
+                        let shape = vec![heads as u64, bs as u64, width as u64];
+                        Plane::new(*name, store::Dtype::F32, shape, data)
+                    })
+                    .collect();
+                let meta =
+                    BlockMeta::new(store::NamespaceId([1; 32]), [0; 32], b as u32, vec![0; bs]);
+                Block { meta, planes }
+            })
+            .collect()
+    }
+
+    /// What a part must hold, written the plain way: per head, each block's rows or zeros.
+    fn naive_part(blocks: &[Block], part: &RunPart<'_>) -> Vec<u8> {
+        let (heads, _, _, rows) = part.layout().unwrap();
+        let mut out = Vec::new();
+        for h in 0..heads {
+            for b in 0..part.capacity.max(part.planes.len()) {
+                match part.planes.get(b).copied().flatten() {
+                    Some(p) => {
+                        out.extend_from_slice(&blocks[b].planes[p].data[h * rows..(h + 1) * rows])
+                    }
+                    None => out.extend(std::iter::repeat_n(0u8, rows)),
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_pipelined_run_holds_each_blocks_rows_per_head_and_zeros_where_none() {
+        // 4 heads × 16 tokens × 64 f32 = 4 KiB of rows per head and block: 300 blocks
+        // with room for 400 make parts of 6.25 MiB, assembled by several threads.
+        let (heads, bs, width) = (4, 16, 64);
+        let blocks = counted_blocks(300, heads, bs, width);
+        let spec = PlaneSpec::new(
+            "layers.0.k",
+            store::Dtype::F32,
+            vec![heads as u64, bs as u64, width as u64],
+        );
+        let every = |p: usize| (0..blocks.len()).map(|_| Some(p)).collect::<Vec<_>>();
+        let gaps: Vec<Option<usize>> = (0..blocks.len())
+            .map(|b| (b % 7 != 3).then_some(1))
+            .collect();
+        let parts = vec![
+            RunPart {
+                spec: &spec,
+                planes: every(0),
+                capacity: 400,
+            },
+            RunPart {
+                spec: &spec,
+                planes: gaps,
+                capacity: 300,
+            },
+            RunPart {
+                spec: &spec,
+                planes: every(1)[..5].to_vec(),
+                capacity: 5,
+            },
+            RunPart {
+                spec: &spec,
+                planes: every(1),
+                capacity: 400,
+            },
+        ];
+        assert!(parts[0].bytes().unwrap() >= PARALLEL_ASSEMBLY_BYTES);
+        // Twice: the second run reuses buffers the first left full of other bytes.
+        for _ in 0..2 {
+            let arrays = upload_run(&blocks, &parts).unwrap();
+            assert_eq!(arrays.len(), parts.len());
+            for (a, part) in arrays.iter().zip(&parts) {
+                let cap = part.capacity.max(part.planes.len());
+                assert_eq!(
+                    a.shape(),
+                    vec![heads as i32, (cap * bs) as i32, width as i32]
+                );
+                assert!(a.to_bytes().unwrap() == naive_part(&blocks, part));
+            }
+        }
+        assert!(upload_run(&blocks, &[]).unwrap().is_empty());
+    }
 
     #[test]
     fn a_block_keeps_its_window_planes_only_where_a_continuation_reads_them() {

@@ -698,7 +698,7 @@ impl PagedKvCache {
     /// Builds a cache holding `blocks` (positions 0, 1, … of one chain) whose next append
     /// continues after them. Blocks are checked before the cache sees them: the cache
     /// holds the longest valid prefix and `stopped` says why the rest was refused.
-    pub fn restore<B: AsRef<Block>>(
+    pub fn restore<B: AsRef<Block> + Sync>(
         layers: usize,
         config: PagedConfig,
         blocks: &[B],
@@ -710,7 +710,10 @@ impl PagedKvCache {
     /// block_size` on; the cache must end on a block boundary) in bulk: each layer part is
     /// assembled on the host and moved to the device in one transfer. Blocks are checked
     /// first; the longest valid prefix is appended and `stopped` says why the rest was not.
-    pub fn restore_onto<B: AsRef<Block>>(mut self, blocks: &[B]) -> Result<Restored, CacheError> {
+    pub fn restore_onto<B: AsRef<Block> + Sync>(
+        mut self,
+        blocks: &[B],
+    ) -> Result<Restored, CacheError> {
         let bs = self.config.block_size;
         let layers = self.layers.len();
         let offset = self.offset();
@@ -827,24 +830,37 @@ impl PagedKvCache {
         // from the host; on the CPU the host buffer already is the arena.
         let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, valid);
         let pad_on_device = mlx::default_device()? == mlx::Device::Gpu;
-        for (li, layer) in self.layers.iter_mut().enumerate() {
-            let fresh = layer.pool.is_none();
-            let host_capacity = if fresh && !pad_on_device {
+        let host_capacity = |fresh: bool| {
+            if fresh && !pad_on_device {
                 capacity
             } else {
                 valid
-            };
-            let mut parts: Vec<Array> = (0..per)
-                .map(|p| {
-                    let index = |b: usize| match (layouts[b].trimmed, global_rank[li]) {
+            }
+        };
+        // Every layer part of the run, layer by layer, assembled and moved in one pipeline.
+        let mut run_parts = Vec::with_capacity(layers * per);
+        for (li, layer) in self.layers.iter().enumerate() {
+            for p in 0..per {
+                let planes = layouts
+                    .iter()
+                    .map(|l| match (l.trimmed, global_rank[li]) {
                         (false, _) => Some(li * per + p),
                         (true, Some(r)) => Some(r * per + p),
                         (true, None) => None,
-                    };
-                    host::run_part(run, &specs[li * per + p], index, host_capacity)
-                })
-                .collect::<Result<_, _>>()?;
-            if fresh && host_capacity < capacity {
+                    })
+                    .collect();
+                run_parts.push(host::RunPart {
+                    spec: &specs[li * per + p],
+                    planes,
+                    capacity: host_capacity(layer.pool.is_none()),
+                });
+            }
+        }
+        let mut uploaded = host::upload_run(run, &run_parts)?.into_iter();
+        for layer in self.layers.iter_mut() {
+            let fresh = layer.pool.is_none();
+            let mut parts: Vec<Array> = uploaded.by_ref().take(per).collect();
+            if fresh && host_capacity(fresh) < capacity {
                 for a in &mut parts {
                     let s = a.shape();
                     let tail = ((capacity - valid) * bs) as i32;

@@ -37,34 +37,59 @@ impl Scratch {
 }
 
 thread_local! {
-    static SCRATCH: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+    /// Two buffers per thread: a pipelined restore fills one while the other is uploaded.
+    static SCRATCH: RefCell<[Option<Scratch>; 2]> = const { RefCell::new([None, None]) };
+}
+
+/// `slot`'s buffer with at least `len` bytes (grown ×1.5 at least, so a run of slowly
+/// growing requests reallocates rarely; never past what is kept), or `None` over the kept
+/// size.
+fn kept(slot: &mut Option<Scratch>, len: usize) -> Option<&mut [u8]> {
+    if len > KEEP_BYTES {
+        // Not kept: page-locking it would cost more than the copy it speeds up.
+        return None;
+    }
+    let big_enough = slot.as_mut().is_some_and(|s| s.bytes().len() >= len);
+    if !big_enough {
+        let have = slot.as_mut().map_or(0, |s| s.bytes().len());
+        let want = len.max(have + have / 2).min(KEEP_BYTES);
+        *slot = Some(Scratch::with_len(want));
+    }
+    slot.as_mut().map(|s| &mut s.bytes()[..len])
 }
 
 /// Runs `f` on a host buffer of `len` bytes whose contents are unspecified (the caller
 /// overwrites all of it).
 pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
-    if len > KEEP_BYTES {
-        // Not kept: page-locking it would cost more than the copy it speeds up.
-        return f(&mut vec![0u8; len]);
-    }
     SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut slot) => {
-            let big_enough = slot.as_mut().is_some_and(|s| s.bytes().len() >= len);
-            if !big_enough {
-                // Grown ×1.5 at least, so a run of slowly growing requests reallocates
-                // rarely; never past what is kept.
-                let have = slot.as_mut().map_or(0, |s| s.bytes().len());
-                let want = len.max(have + have / 2).min(KEEP_BYTES);
-                *slot = Some(Scratch::with_len(want));
-            }
-            let buf = slot.as_mut().map(|s| s.bytes());
-            match buf {
-                Some(b) => f(&mut b[..len]),
-                None => f(&mut vec![0u8; len]),
+        Ok(mut slots) => match kept(&mut slots[0], len) {
+            Some(a) => f(a),
+            None => f(&mut vec![0u8; len]),
+        },
+        // Re-entered on this thread (not done today): a buffer of its own.
+        Err(_) => f(&mut Scratch::with_len(len.max(1)).bytes()[..len]),
+    })
+}
+
+/// Runs `f` on two distinct host buffers of `len` bytes each, contents unspecified: one is
+/// filled while the other is moved to the device. The second is empty when `len` is 0.
+pub(crate) fn with_scratch_pair<R>(len: usize, f: impl FnOnce(&mut [u8], &mut [u8]) -> R) -> R {
+    let own = || vec![0u8; len];
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut slots) => {
+            let [a, b] = &mut *slots;
+            match (kept(a, len), kept(b, len)) {
+                (Some(a), Some(b)) => f(a, b),
+                (Some(a), None) => f(a, &mut own()),
+                (None, Some(b)) => f(&mut own(), b),
+                (None, None) => f(&mut own(), &mut own()),
             }
         }
-        // Re-entered on this thread (not done today): a buffer of its own.
-        Err(_) => f(&mut Scratch::with_len(len).bytes()[..len]),
+        // Re-entered on this thread (not done today): buffers of its own.
+        Err(_) => f(
+            &mut Scratch::with_len(len.max(1)).bytes()[..len],
+            &mut Scratch::with_len(len.max(1)).bytes()[..len],
+        ),
     })
 }
 
@@ -84,5 +109,23 @@ mod tests {
         // Larger: a new buffer of the size asked.
         assert_eq!(with_scratch(5000, |b| b.len()), 5000);
         assert_eq!(with_scratch(KEEP_BYTES + 1, |b| b.len()), KEEP_BYTES + 1);
+    }
+
+    #[test]
+    fn a_pair_is_two_distinct_buffers_and_its_first_is_the_single_buffer() {
+        let single = with_scratch(64, |b| {
+            b.fill(3);
+            b.as_ptr() as usize
+        });
+        let (a, b, seen) = with_scratch_pair(64, |a, b| {
+            b.fill(9);
+            (a.as_ptr() as usize, b.as_ptr() as usize, a[63])
+        });
+        assert_eq!((a, seen), (single, 3));
+        assert_ne!(a, b);
+        assert_eq!(
+            with_scratch_pair(KEEP_BYTES + 1, |a, b| (a.len(), b.len())),
+            (KEEP_BYTES + 1, KEEP_BYTES + 1)
+        );
     }
 }
