@@ -581,12 +581,20 @@ mod tests {
         let (heads, _, _, rows) = part.layout().unwrap();
         let mut out = Vec::new();
         for h in 0..heads {
-            for b in 0..part.capacity.max(part.planes.len()) {
-                match part.planes.get(b).copied().flatten() {
-                    Some(p) => {
-                        out.extend_from_slice(&blocks[b].planes[p].data[h * rows..(h + 1) * rows])
+            let cap = part.capacity.max(part.planes.len());
+            let planes = part.planes.iter().copied().chain(std::iter::repeat(None));
+            for (block, plane) in blocks
+                .iter()
+                .map(Some)
+                .chain(std::iter::repeat(None))
+                .zip(planes)
+                .take(cap)
+            {
+                match (block, plane) {
+                    (Some(block), Some(p)) => {
+                        out.extend_from_slice(&block.planes[p].data[h * rows..(h + 1) * rows])
                     }
-                    None => out.extend(std::iter::repeat_n(0u8, rows)),
+                    _ => out.extend(std::iter::repeat_n(0u8, rows)),
                 }
             }
         }
