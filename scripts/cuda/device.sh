@@ -304,6 +304,23 @@ case "$step" in
     tail -n 14 "$OUT/agent-8b-32k.log"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
+  pl) # bulk restore and SSD -> device copies (bench cache blocks, ssd), then the trace's
+      # no-cache arm with the batch arena off and on (ARENAS, default "0 1"), after x1 and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    { timeout 150 "$BIN/kvstore" bench cache --only blocks --only ssd --dir "$K" 2>&1; } | tee "$OUT/bench-cache-restore.log"
+    d=$K/smollm2-rand
+    T=$K/mooncake-conversation-part1.jsonl
+    S="--window ${WINDOW:-0..60} --speed ${SPEED:-0.5} --token-scale ${SCALE:-0.125} --max-concurrency 16 --max-batch 16"
+    if [ -f "$T" ]; then
+      for a in ${ARENAS:-0 1}; do
+        { KVSTORE_BATCH_ARENA=$a timeout 200 "$BIN/kvstore" bench trace "$T" --model "$d" $S --no-cache \
+            --label "no cache, arena $a" --json "$OUT/trace-nocache-arena$a.json" 2>&1; } | tail -n 8
+      done
+    fi
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
   pf) # bench serve, in process and over HTTP beside mlx_lm.server (mlx-lm 0.32.2 and its
       # dependencies carried as .cuda/x3/peer.tar: 0.28.4's server fails on MLX 0.32.4),
       # after x1 (which made $K/smollm2-rand) and x2
