@@ -18,6 +18,8 @@
 //! - A grammar's mask of allowed tokens ([`DeviceSampler::select_masked`]) sets every other
 //!   logit to -inf after the penalties, before the pick and its filters.
 
+use std::sync::{Arc, Mutex, OnceLock};
+
 use mlx::{Array, Dtype};
 
 use crate::error::Result;
@@ -27,45 +29,140 @@ use crate::sampler::{Sampled, SamplingParams};
 pub(crate) struct Selection {
     /// The token id, `[1]` u32.
     pub(crate) token: Array,
-    /// Its log-probability under the raw logits, `[1]` f32.
-    logprob: Array,
-    /// The most likely alternatives, ids `[n]` u32 and log-probabilities `[n]` f32.
-    top: Option<(Array, Array)>,
+    picked: Picked,
+}
+
+/// Where a selection's log-probabilities come from.
+enum Picked {
+    /// Its own ops: the log-probability `[1]` f32 under the raw logits and the most likely
+    /// alternatives, ids `[n]` u32 and log-probabilities `[n]` f32.
+    Own {
+        logprob: Array,
+        top: Option<(Array, Array)>,
+    },
+    /// Row `row` of a batch of greedy picks made together.
+    Batch { batch: Arc<GreedyBatch>, row: usize },
+}
+
+/// The greedy picks of several rows of one decode step, made by one argmax over the rows'
+/// logits `[B, vocab]` and read to the host once for all of them (instead of a few ops and
+/// two reads per row): for rows without penalties, grammar masks, draws or requested
+/// log-probabilities, where a pick is the argmax of the raw logits.
+pub(crate) struct GreedyBatch {
+    /// `[B]` u32 picks and `[B]` f32 log-probabilities under the raw logits (each pick's
+    /// logit, the row's maximum, minus the row's log-sum-exp); behind a lock only so the
+    /// rows' selections can move between threads with the sequences that hold them.
+    arrays: Mutex<(Array, Array)>,
+    /// The host's copy, read by the first row that needs it.
+    read: OnceLock<(Vec<u32>, Vec<f32>)>,
+}
+
+impl GreedyBatch {
+    /// The picks of every row of `logits` (`[B, vocab]`, lazy), not yet computed.
+    pub(crate) fn new(logits: &Array) -> Result<Arc<Self>> {
+        let tokens = logits.argmax(-1, false)?.astype(Dtype::U32)?;
+        let logprobs = logits.max(-1, false)?.sub(&logits.logsumexp(-1, false)?)?;
+        Ok(Arc::new(GreedyBatch {
+            arrays: Mutex::new((tokens, logprobs)),
+            read: OnceLock::new(),
+        }))
+    }
+
+    /// Row `row`'s pick.
+    pub(crate) fn selection(self: &Arc<Self>, row: usize) -> Result<Selection> {
+        let r = row as i32;
+        let (tokens, _) = self.arrays()?;
+        Ok(Selection {
+            token: tokens.slice(&[r], &[r + 1])?,
+            picked: Picked::Batch {
+                batch: Arc::clone(self),
+                row,
+            },
+        })
+    }
+
+    fn arrays(&self) -> Result<(Array, Array)> {
+        let a = self.arrays.lock().map_err(|_| {
+            crate::error::EngineError::StepFailed("a batch pick's lock was poisoned".into())
+        })?;
+        Ok((a.0.clone(), a.1.clone()))
+    }
+
+    fn host(&self) -> Result<&(Vec<u32>, Vec<f32>)> {
+        if let Some(r) = self.read.get() {
+            return Ok(r);
+        }
+        let (tokens, logprobs) = self.arrays()?;
+        let r = (tokens.to_vec::<u32>()?, logprobs.to_vec::<f32>()?);
+        Ok(self.read.get_or_init(|| r))
+    }
 }
 
 impl Selection {
     /// Everything the host will read.
-    pub(crate) fn arrays(&self) -> Vec<&Array> {
-        let mut arrays = vec![&self.token, &self.logprob];
-        if let Some((ids, lps)) = &self.top {
-            arrays.extend([ids, lps]);
-        }
-        arrays
+    pub(crate) fn arrays(&self) -> Result<Vec<Array>> {
+        Ok(match &self.picked {
+            Picked::Own { logprob, top } => {
+                let mut arrays = vec![self.token.clone(), logprob.clone()];
+                if let Some((ids, lps)) = top {
+                    arrays.extend([ids.clone(), lps.clone()]);
+                }
+                arrays
+            }
+            Picked::Batch { batch, .. } => {
+                let (tokens, logprobs) = batch.arrays()?;
+                vec![tokens, logprobs]
+            }
+        })
+    }
+
+    /// Whether this pick is a row of a [`GreedyBatch`].
+    pub(crate) fn is_batched(&self) -> bool {
+        matches!(self.picked, Picked::Batch { .. })
     }
 
     /// Starts computing everything the host will read, without waiting.
     pub(crate) fn start(&self) -> Result<()> {
-        mlx::async_eval(&self.arrays())?;
+        let arrays = self.arrays()?;
+        mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
         Ok(())
     }
 
     /// Waits for the pick and reads it.
     pub(crate) fn read(&self) -> Result<Sampled> {
-        let token = self.token.to_vec::<u32>()?.first().copied().unwrap_or(0);
-        let logprob = self.logprob.item_f32()?;
-        let top_logprobs = match &self.top {
-            Some((ids, lps)) => ids
-                .to_vec::<u32>()?
-                .into_iter()
-                .zip(lps.to_vec::<f32>()?)
-                .collect(),
-            None => Vec::new(),
-        };
-        Ok(Sampled {
-            token,
-            logprob,
-            top_logprobs,
-        })
+        match &self.picked {
+            Picked::Own { logprob, top } => {
+                let token = self.token.to_vec::<u32>()?.first().copied().unwrap_or(0);
+                let logprob = logprob.item_f32()?;
+                let top_logprobs = match top {
+                    Some((ids, lps)) => ids
+                        .to_vec::<u32>()?
+                        .into_iter()
+                        .zip(lps.to_vec::<f32>()?)
+                        .collect(),
+                    None => Vec::new(),
+                };
+                Ok(Sampled {
+                    token,
+                    logprob,
+                    top_logprobs,
+                })
+            }
+            Picked::Batch { batch, row } => {
+                let (tokens, logprobs) = batch.host()?;
+                match (tokens.get(*row), logprobs.get(*row)) {
+                    (Some(&token), Some(&logprob)) => Ok(Sampled {
+                        token,
+                        logprob,
+                        top_logprobs: Vec::new(),
+                    }),
+                    _ => Err(crate::error::EngineError::StepFailed(format!(
+                        "row {row} of a batch of {} picks",
+                        tokens.len()
+                    ))),
+                }
+            }
+        }
     }
 }
 
@@ -75,7 +172,11 @@ impl Drop for Selection {
     /// threads when its engine stops or the process exits. Waiting on a pick already read
     /// costs nothing.
     fn drop(&mut self) {
-        if let Err(e) = mlx::eval(&self.arrays()) {
+        let arrays = match self.arrays() {
+            Ok(a) => a,
+            Err(e) => return tracing::debug!(error = %e, "a dropped pick could not be waited for"),
+        };
+        if let Err(e) = mlx::eval(&arrays.iter().collect::<Vec<_>>()) {
             tracing::debug!(error = %e, "a dropped pick failed to compute");
         }
     }
@@ -130,6 +231,16 @@ impl DeviceSampler {
             window,
             output,
         })
+    }
+
+    /// Whether this sampler's pick is the argmax of the raw logits with nothing else to
+    /// compute (no penalties, no draw, no log-probabilities asked for), so it can be one row
+    /// of a [`GreedyBatch`] (a grammar's mask is the caller's to rule out).
+    pub(crate) fn plain_greedy(&self) -> bool {
+        self.key.is_none()
+            && self.window.is_none()
+            && self.output.is_none()
+            && self.params.logprobs.is_none()
     }
 
     fn one_hot(&self, token: &Array) -> Result<Array> {
@@ -232,8 +343,7 @@ impl DeviceSampler {
         };
         Ok(Selection {
             token,
-            logprob,
-            top,
+            picked: Picked::Own { logprob, top },
         })
     }
 
@@ -282,6 +392,45 @@ mod tests {
 
     fn logits(v: &[f32]) -> Array {
         Array::from_slice(v, &[v.len() as i32]).unwrap()
+    }
+
+    #[test]
+    fn a_greedy_batch_picks_what_each_row_picks_alone() {
+        // Row 2 has a tie (the first of equal maxima wins), row 3 is all equal.
+        let rows: [[f32; 6]; 4] = [
+            [0.1, 2.5, -1.0, 0.3, 2.4, 0.0],
+            [-3.0, -2.0, -1.0, -0.5, -4.0, -0.6],
+            [1.0, 5.0, 0.0, 5.0, 2.0, 4.9],
+            [0.7; 6],
+        ];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let all = Array::from_slice(&flat, &[4, 6]).unwrap();
+        let batch = GreedyBatch::new(&all).unwrap();
+        for (i, row) in rows.iter().enumerate() {
+            let mut own = DeviceSampler::new(SamplingParams::default(), 6, &[]).unwrap();
+            assert!(own.plain_greedy());
+            let want = own.select(&logits(row)).unwrap().read().unwrap();
+            let pick = batch.selection(i).unwrap();
+            assert!(pick.is_batched());
+            let got = pick.read().unwrap();
+            assert_eq!(got.token, want.token, "row {i}");
+            assert!(
+                (got.logprob - want.logprob).abs() < 1e-6,
+                "row {i}: {got:?} vs {want:?}"
+            );
+            assert!(got.top_logprobs.is_empty());
+            // The token the next step runs is the same array element.
+            assert_eq!(pick.token.to_vec::<u32>().unwrap(), vec![want.token]);
+        }
+        // Anything beyond the argmax of the raw logits keeps its own pick.
+        for p in [
+            params(|p| p.logprobs = Some(0)),
+            params(|p| p.repetition_penalty = 1.3),
+            params(|p| p.presence_penalty = 0.5),
+            params(|p| p.temperature = 0.7),
+        ] {
+            assert!(!DeviceSampler::new(p, 6, &[1, 2]).unwrap().plain_greedy());
+        }
     }
 
     /// `n` draws from a fresh device sampler over `x`, as a histogram.

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use cache::{Chain, KvCache, PagedKvCache, PagedKvRows};
 
-use crate::device_sampler::{DeviceSampler, Selection};
+use crate::device_sampler::{DeviceSampler, GreedyBatch, Selection};
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream, Timings};
 use crate::model::{aligned_chunk, Model};
@@ -235,6 +235,12 @@ impl Sequence {
         Ok(token)
     }
 
+    /// Whether this sequence's next pick can join a batch of greedy picks: greedy with
+    /// nothing else to compute, and no grammar.
+    fn plain_greedy(&self) -> bool {
+        self.params.constraint.is_none() && self.sampler.plain_greedy()
+    }
+
     /// Queues this sequence's next pick from its row of the step's `logits`.
     fn pick(&mut self, logits: &mlx::Array) -> Result<()> {
         let mask = self.mask()?;
@@ -436,22 +442,36 @@ pub(crate) fn decode_step(
             ))),
         }
     };
-    let logits = match kv {
-        StepKv::One(cache) => one(cache)?,
+    match kv {
+        StepKv::One(cache) => pick_each(seqs, &one(cache)?)?,
         StepKv::Rows(rows) if rows.len() == 1 => match rows.row_mut(0)? {
-            Some(cache) => one(cache)?,
-            None => Vec::new(),
+            Some(cache) => pick_each(seqs, &one(cache)?)?,
+            None => pick_each(seqs, &[])?,
         },
         StepKv::Rows(rows) => {
             let refs: Vec<&mlx::Array> = tokens.iter().collect();
             let ids = mlx::ops::concatenate(&refs, 0)?;
             let all = model.forward_rows_tokens(&ids, rows)?;
-            let vocab = model.info().vocab_size as i32;
-            (0..seqs.len() as i32)
-                .map(|i| Ok(all.slice(&[i, 0], &[i + 1, vocab])?.reshape(&[vocab])?))
-                .collect::<Result<Vec<_>>>()?
+            pick_rows(seqs, &all)?;
         }
-    };
+    }
+    let mut arrays = Vec::new();
+    // A step makes at most one batch of greedy picks: its arrays are queued once.
+    let mut batch_queued = false;
+    for s in seqs.iter() {
+        if let Some(pick) = &s.launched {
+            if pick.is_batched() && std::mem::replace(&mut batch_queued, true) {
+                continue;
+            }
+            arrays.extend(pick.arrays()?);
+        }
+    }
+    mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
+    Ok(true)
+}
+
+/// Queues each sequence's pick from its own `logits` (`[vocab]` each).
+fn pick_each(seqs: &mut [&mut Sequence], logits: &[mlx::Array]) -> Result<()> {
     if logits.len() != seqs.len() {
         return Err(EngineError::StepFailed(format!(
             "a step of {} rows for {} sequences",
@@ -459,17 +479,50 @@ pub(crate) fn decode_step(
             seqs.len()
         )));
     }
-    for (s, l) in seqs.iter_mut().zip(&logits) {
+    for (s, l) in seqs.iter_mut().zip(logits) {
         s.pick(l)?;
     }
-    let mut arrays = Vec::new();
-    for s in seqs.iter() {
-        if let Some(pick) = &s.launched {
-            arrays.extend(pick.arrays());
+    Ok(())
+}
+
+/// Queues every sequence's pick from its row of a batched step's `logits` (`[B, vocab]`):
+/// the plain greedy rows together ([`GreedyBatch`]: one argmax, one read), the others each
+/// from its own row.
+fn pick_rows(seqs: &mut [&mut Sequence], logits: &mlx::Array) -> Result<()> {
+    let shape = logits.shape();
+    if shape.len() != 2 || shape[0] as usize != seqs.len() {
+        return Err(EngineError::StepFailed(format!(
+            "a step's logits {shape:?} for {} sequences",
+            seqs.len()
+        )));
+    }
+    let vocab = shape[1];
+    let plain: Vec<bool> = seqs.iter().map(|s| s.plain_greedy()).collect();
+    let together: Vec<i32> = (0..seqs.len() as i32)
+        .filter(|&i| plain[i as usize])
+        .collect();
+    let batched = together.len() >= 2;
+    if batched {
+        let rows = if together.len() == seqs.len() {
+            logits.clone()
+        } else {
+            let idx = mlx::Array::from_slice(&together, &[together.len() as i32])?;
+            logits.take(&idx, 0)?
+        };
+        let batch = GreedyBatch::new(&rows)?;
+        for (j, &i) in together.iter().enumerate() {
+            seqs[i as usize].launched = Some(batch.selection(j)?);
         }
     }
-    mlx::async_eval(&arrays)?;
-    Ok(true)
+    for (i, s) in seqs.iter_mut().enumerate() {
+        if batched && plain[i] {
+            continue;
+        }
+        let r = i as i32;
+        let row = logits.slice(&[r, 0], &[r + 1, vocab])?.reshape(&[vocab])?;
+        s.pick(&row)?;
+    }
+    Ok(())
 }
 
 /// Prefills `seq` alone over `cache`, chunk after chunk, and picks its first token: the

@@ -333,6 +333,44 @@ fn concurrent_clients_get_their_greedy_output_alone_through_a_batch_arena() {
     each_client_gets_its_greedy_output_alone(config, &questions);
 }
 
+#[test]
+fn a_batch_mixing_plain_greedy_rows_with_a_logprobs_row_gives_each_its_output_alone() {
+    // The plain greedy rows pick together (one argmax over their rows of the step's logits),
+    // the row that asks for log-probabilities picks on its own: the same tokens either way.
+    let srv = Arc::new(Server::start(None, EngineConfig::default()));
+    let mut bodies: Vec<Value> = [
+        "Name three rivers of Europe, one per line.",
+        "What is two plus two? Answer in words.",
+        "Spell the word 'ocean' backwards, letter by letter.",
+    ]
+    .iter()
+    .map(|q| chat(q, 12))
+    .collect();
+    bodies[1]["logprobs"] = json!(true);
+    bodies[1]["top_logprobs"] = json!(2);
+    let handles: Vec<_> = bodies
+        .iter()
+        .cloned()
+        .map(|b| {
+            let srv = srv.clone();
+            std::thread::spawn(move || srv.post("/v1/chat/completions", &b))
+        })
+        .collect();
+    let got: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    for (b, r) in bodies.iter().zip(&got) {
+        assert_eq!(r.status, 200, "{}", r.body);
+        let choice = &r.json()["choices"][0];
+        assert_eq!(choice["message"]["content"], alone(b).text.as_str());
+        let logprobs = &choice["logprobs"]["content"];
+        assert_eq!(logprobs.is_array(), b.get("logprobs").is_some(), "{choice}");
+    }
+    let m = srv.idle();
+    assert!(
+        m.decode_rows > m.decode_steps,
+        "no shared decode steps: {m:?}"
+    );
+}
+
 /// Sends every question at once and checks each answer against the same request run
 /// alone, and that the requests shared decode steps.
 fn each_client_gets_its_greedy_output_alone(config: EngineConfig, questions: &[&str]) {
