@@ -309,14 +309,15 @@ case "$step" in
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
-    { timeout 150 "$BIN/kvstore" bench cache --only blocks --only ssd --dir "$K" 2>&1; } | tee "$OUT/bench-cache-restore.log"
+    { timeout 150 "$BIN/kvstore" bench cache ${CACHEPARTS:---only blocks --only ssd} --dir "$K" 2>&1; } | tee "$OUT/bench-cache-restore.log"
     d=$K/smollm2-rand
     T=$K/mooncake-conversation-part1.jsonl
     S="--window ${WINDOW:-0..60} --speed ${SPEED:-0.5} --token-scale ${SCALE:-0.125} --max-concurrency 16 --max-batch 16"
     if [ -f "$T" ]; then
       for a in ${ARENAS:-0 1}; do
         { KVSTORE_BATCH_ARENA=$a timeout 200 "$BIN/kvstore" bench trace "$T" --model "$d" $S --no-cache \
-            --label "no cache, arena $a" --json "$OUT/trace-nocache-arena$a.json" 2>&1; } | tail -n 8
+            --mlx-cache-limit "${CL:-1GiB}" --label "no cache, arena $a, MLX cache ${CL:-1GiB}" \
+            --json "$OUT/trace-nocache-arena$a.json" 2>&1; } | tail -n 8
       done
     fi
     echo "step $step: $(( $(date +%s) - START ))s"
