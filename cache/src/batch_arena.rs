@@ -378,6 +378,17 @@ impl BatchArena {
                 row.take_back(layer, &k, &v)?;
             }
         }
+        // The copies start now, so the arena's buffers need not outlive them until the
+        // rows are next read.
+        let copies: Vec<&Array> = which
+            .iter()
+            .filter_map(|&b| rows.get(b))
+            .flat_map(|r| (0..self.layers.len()).filter_map(|l| r.pool(l)))
+            .flat_map(|p| p.arrays())
+            .collect();
+        if !copies.is_empty() {
+            mlx::async_eval(&copies)?;
+        }
         Ok(())
     }
 }
