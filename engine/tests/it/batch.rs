@@ -75,12 +75,12 @@ fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32, arena: bool
         assert_eq!(rows.has_arena(), arena && n > 1);
     }
     // While an arena holds the batch it is the only home of the rows' KV.
-    for i in 0..rows.len() {
+    for (i, a) in alone.iter().enumerate() {
         let r = rows.row(i).unwrap();
         assert_eq!(r.is_lent(), arena && n > 1);
         assert_eq!(
             r.offset(),
-            alone[i].offset(),
+            a.offset(),
             "row {i}'s length counts the arena's"
         );
     }
