@@ -498,6 +498,23 @@ mod tests {
         c
     }
 
+    /// Rows of `(tokens, seed)` with the batch arena on, each reserving `reserve` bytes
+    /// when given, and copies of them to decode alone.
+    fn arena_rows(rows: &[(i32, u64)], reserve: Option<u64>) -> (PagedKvRows, Vec<PagedKvCache>) {
+        let mut batch = PagedKvRows::new();
+        batch.set_batch_arena(true).unwrap();
+        let mut alone = Vec::new();
+        for &(n, seed) in rows {
+            let c = layered(2, n, seed);
+            alone.push(c.clone());
+            match reserve {
+                Some(bytes) => batch.push_reserved(c, bytes).unwrap(),
+                None => batch.push(c).unwrap(),
+            }
+        }
+        (batch, alone)
+    }
+
     /// One decode step of `rows` (random keys and values, through `attend`) and the same
     /// tokens appended to `alone`, row b's to `alone[b]`.
     fn step(rows: &mut PagedKvRows, alone: &mut [&mut PagedKvCache], seed: u64) {
@@ -547,14 +564,7 @@ mod tests {
 
     #[test]
     fn a_row_in_the_arena_holds_no_pools_and_gets_its_exact_kv_back() {
-        let mut rows = PagedKvRows::new();
-        rows.set_batch_arena(true).unwrap();
-        let mut alone: Vec<PagedKvCache> = Vec::new();
-        for (n, seed) in [(5, 1), (7, 2), (6, 3)] {
-            let c = layered(2, n, seed);
-            alone.push(c.clone());
-            rows.push(c).unwrap();
-        }
+        let (mut rows, mut alone) = arena_rows(&[(5, 1), (7, 2), (6, 3)], None);
         for s in 0..3 {
             step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), s);
             assert!(rows.has_arena());
@@ -602,14 +612,7 @@ mod tests {
         // 2 layers × K and V × 2 heads × 8 dims × 4 bytes per token of a row.
         let per_token: u64 = 2 * 2 * 2 * 8 * 4;
         let reserve = 24 * per_token;
-        let mut rows = PagedKvRows::new();
-        rows.set_batch_arena(true).unwrap();
-        let mut alone: Vec<PagedKvCache> = Vec::new();
-        for (n, seed) in [(10, 1), (12, 2), (11, 3)] {
-            let c = layered(2, n, seed);
-            alone.push(c.clone());
-            rows.push_reserved(c, reserve).unwrap();
-        }
+        let (mut rows, mut alone) = arena_rows(&[(10, 1), (12, 2), (11, 3)], Some(reserve));
         let (mut in_arena, mut alone_steps) = (0, 0);
         for s in 0..16 {
             step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), s);
@@ -633,14 +636,7 @@ mod tests {
             assert_same_kv(rows.row(i).unwrap(), a);
         }
         // A row whose reservation leaves no room for the arena's rows does not join it.
-        let mut rows = PagedKvRows::new();
-        rows.set_batch_arena(true).unwrap();
-        let mut alone: Vec<PagedKvCache> = Vec::new();
-        for (n, seed) in [(10, 1), (12, 2)] {
-            let c = layered(2, n, seed);
-            alone.push(c.clone());
-            rows.push_reserved(c, 16 * per_token).unwrap();
-        }
+        let (mut rows, mut alone) = arena_rows(&[(10, 1), (12, 2)], Some(16 * per_token));
         step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 0);
         assert!(rows.has_arena());
         rows.push_reserved(layered(2, 3, 9), 3 * per_token).unwrap();
