@@ -40,6 +40,10 @@ struct Layer {
     pool: Option<BlockPool>,
     table: Vec<u32>,
     len: usize,
+    /// While a batch arena holds this layer's KV ([`PagedKvCache::lend`]): the shape of the
+    /// pool it gave up (`pool` is then `None` and `table` empty; `len` counts the tokens
+    /// the arena holds for it).
+    lent: Option<BlockShape>,
 }
 
 /// A sequence's KV cache in blocks: per layer, a [`BlockPool`] created lazily from the
@@ -330,6 +334,9 @@ impl PagedKvCache {
         let (heads, count, head_dim) = seq_shape("append", keys, values)?;
         let config = self.config;
         let l = self.layer_mut(layer)?;
+        if l.lent.is_some() {
+            return Err(lent_error(layer));
+        }
         if l.pool.is_none() {
             let shape = BlockShape {
                 kv_heads: heads,
@@ -382,6 +389,9 @@ impl PagedKvCache {
             .layers
             .get(layer)
             .ok_or(CacheError::NoSuchLayer { layer, layers })?;
+        if l.lent.is_some() {
+            return Err(lent_error(layer));
+        }
         let Some(pool) = &l.pool else { return Ok(None) };
         if l.len == 0 {
             let s = pool.shape();
@@ -402,6 +412,7 @@ impl PagedKvCache {
     /// trim to where a window would read keys a restore left out (before
     /// [`Self::window_floor`]) is refused with [`CacheError::WindowRewind`], likewise.
     pub fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {
+        self.check_not_lent()?;
         let held = self.offset();
         if !self.window_complete(held.saturating_sub(tokens)) {
             return Err(CacheError::WindowRewind {
@@ -444,10 +455,19 @@ impl PagedKvCache {
     /// first keys fixed the block shape; `None` before.
     pub fn projected_bytes(&self, tokens: usize) -> Option<usize> {
         let blocks = tokens.div_ceil(self.config.block_size);
+        let format = self.config.format;
         let per_block: usize = self
             .layers
             .iter()
-            .map(|l| l.pool.as_ref().map(|p| p.block_bytes()))
+            .map(|l| match (&l.pool, l.lent) {
+                (Some(p), _) => Some(p.block_bytes()),
+                (None, Some(s)) => Some(
+                    2 * s.kv_heads
+                        * s.block_size
+                        * format.bytes_per_head_token(s.head_dim, s.dtype.size()),
+                ),
+                (None, None) => None,
+            })
             .sum::<Option<usize>>()?;
         Some(blocks * per_block)
     }
@@ -456,6 +476,7 @@ impl PagedKvCache {
     /// (`layers.{i}.k`, `layers.{i}.v`, plus `_scales`/`_biases` when quantized), each
     /// `[1, H, len, width]` in the storage format.
     pub fn state(&self) -> Result<Vec<(String, Array)>, CacheError> {
+        self.check_not_lent()?;
         let suffixes = self.config.format.part_suffixes();
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
@@ -494,6 +515,7 @@ impl PagedKvCache {
         chain: &mut Chain,
         tokens: &[u32],
     ) -> Result<Option<Export>, CacheError> {
+        self.check_not_lent()?;
         let offset = self.offset();
         if tokens.len() != offset {
             return Err(CacheError::Publish(format!(
@@ -656,6 +678,7 @@ impl PagedKvCache {
         chain: &Chain,
         tokens: &[u32],
     ) -> Result<Option<Export>, CacheError> {
+        self.check_not_lent()?;
         let bs = self.config.block_size;
         let upto = self.published;
         let from = self.window.kept_from.max(self.window.floor.div_ceil(bs));
@@ -915,8 +938,122 @@ impl PagedKvCache {
     pub fn dtype(&self) -> Option<Dtype> {
         self.layers
             .iter()
-            .find_map(|l| l.pool.as_ref().map(|p| p.shape().dtype))
+            .find_map(|l| l.pool.as_ref().map(|p| p.shape()).or(l.lent))
+            .map(|s| s.dtype)
     }
+
+    /// Device bytes the cache holds: its pools' arenas (capacity, not just the tokens
+    /// held) and a hybrid's layer states and snapshots. A layer lent to a batch arena
+    /// holds none.
+    pub fn device_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .filter_map(|l| l.pool.as_ref())
+            .flat_map(|p| p.arrays())
+            .map(|a| a.nbytes() as u64)
+            .sum::<u64>()
+            + self.states.nbytes()
+    }
+
+    /// Whether a batch arena holds the KV of any layer (the cache is a row of a decoding
+    /// [`crate::PagedKvRows`]; `PagedKvRows::row` shows it so): such a layer has no pool
+    /// and [`Self::fetch`], appends, trims, publication and [`Self::state`] refuse it.
+    pub fn is_lent(&self) -> bool {
+        self.layers.iter().any(|l| l.lent.is_some())
+    }
+
+    /// Whether `layer`'s KV is lent to a batch arena.
+    pub(crate) fn layer_lent(&self, layer: usize) -> bool {
+        self.layers.get(layer).is_some_and(|l| l.lent.is_some())
+    }
+
+    /// Gives `layer`'s pool up to a batch arena that has taken a copy of its KV (from
+    /// [`Self::fetch`]): the pool and block table go, the layer keeps its length (which
+    /// [`Self::lent_grew`] advances), its block shape, and the cache everything else
+    /// (settings, publication marks, window floors and ends, layer states).
+    pub(crate) fn lend(&mut self, layer: usize) -> Result<(), CacheError> {
+        let l = self.layer_mut(layer)?;
+        let Some(pool) = l.pool.take() else {
+            return Err(CacheError::Config(format!(
+                "layer {layer} has no pool to lend (lent already, or empty)"
+            )));
+        };
+        l.lent = Some(pool.shape());
+        l.table.clear();
+        Ok(())
+    }
+
+    /// Counts `tokens` more tokens the batch arena holds for lent `layer`.
+    pub(crate) fn lent_grew(&mut self, layer: usize, tokens: usize) -> Result<(), CacheError> {
+        let l = self.layer_mut(layer)?;
+        if l.lent.is_none() {
+            return Err(CacheError::Config(format!("layer {layer} is not lent")));
+        }
+        l.len += tokens;
+        Ok(())
+    }
+
+    /// Takes lent `layer`'s KV back from a batch arena: `keys` and `values` (float
+    /// `[1, H, len, D]`, every token the layer holds) become a fresh pool at the capacity
+    /// the growth ladder gives `len` tokens (one write per part: the tokens, then zeros).
+    pub(crate) fn take_back(
+        &mut self,
+        layer: usize,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(), CacheError> {
+        let (_, count, _) = seq_shape("take back", keys, values)?;
+        let config = self.config;
+        let l = self.layer_mut(layer)?;
+        let Some(shape) = l.lent else {
+            return Err(CacheError::Config(format!("layer {layer} is not lent")));
+        };
+        if count != l.len {
+            return Err(CacheError::Shape(format!(
+                "layer {layer} holds {} tokens; {count} given back",
+                l.len
+            )));
+        }
+        let bs = config.block_size;
+        let blocks = count.div_ceil(bs);
+        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, blocks);
+        let mut parts = Vec::with_capacity(config.format.parts() * 2);
+        for x in [keys, values] {
+            for p in config.format.encode(x)? {
+                let s = p.shape();
+                let tail = (capacity * bs - count) as i32;
+                let zeros = mlx::ops::zeros(&[s[1], tail, s[3]], p.dtype())?;
+                parts.push(mlx::ops::concatenate(&[&p.squeeze(0)?, &zeros], 1)?);
+            }
+        }
+        let pool = BlockPool::restore_arrays(
+            shape,
+            config.format,
+            parts,
+            blocks,
+            config.max_blocks.max(capacity),
+        )?;
+        l.pool = Some(pool);
+        l.table = (0..blocks as u32).collect();
+        l.lent = None;
+        Ok(())
+    }
+
+    /// An error when a batch arena holds any layer's KV.
+    fn check_not_lent(&self) -> Result<(), CacheError> {
+        match self.layers.iter().position(|l| l.lent.is_some()) {
+            Some(layer) => Err(lent_error(layer)),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The error for an operation on a layer whose KV a batch arena holds.
+fn lent_error(layer: usize) -> CacheError {
+    CacheError::Config(format!(
+        "layer {layer}'s KV is held by a batch arena (take the row out of its PagedKvRows \
+         first)"
+    ))
 }
 
 impl KvCache for PagedKvCache {

@@ -92,17 +92,6 @@ pub struct ResidentPool {
     pins: Arc<Pins>,
 }
 
-/// Device bytes of a cache's arenas (capacity, not just the tokens held) and of a hybrid's
-/// layer states and snapshots.
-fn device_bytes(cache: &PagedKvCache) -> u64 {
-    (0..cache.layers())
-        .filter_map(|l| cache.pool(l))
-        .flat_map(|p| p.arrays())
-        .map(|a| a.nbytes() as u64)
-        .sum::<u64>()
-        + cache.states().nbytes()
-}
-
 /// A hit on all but at most 1/`HANDOVER_TAIL` of a resident sequence takes it over
 /// (trimmed, no copy) instead of forking it (a device copy of every layer's arena).
 const HANDOVER_TAIL: usize = 4;
@@ -296,7 +285,7 @@ impl ResidentPool {
         for k in chain.keys() {
             self.index.entry(*k).or_default().push(id);
         }
-        let bytes = device_bytes(&cache);
+        let bytes = cache.device_bytes();
         self.resident += bytes;
         self.entries.insert(
             id,

@@ -12,12 +12,15 @@ use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 /// `[B, H, T, D]` batch, left-padded with zeros to the longest row `T`.
 ///
 /// With the batch arena on (the default on a GPU), [`PagedKvRows::attend`] keeps the
-/// batch's KV in one right-aligned array per layer while the rows stay the same, and
-/// writes the tokens decoded meanwhile back to the rows' caches when the batch changes or
-/// a row is read (module `batch_arena`).
+/// batch's KV in one right-aligned array per layer, which is then its only home: the rows'
+/// caches give their pools up while they are in it and get their KV back when they leave
+/// or are handed out (module `batch_arena`). The arena holds no more bytes than the KV
+/// reservations of its rows ([`PagedKvRows::push_reserved`]) together.
 #[derive(Default)]
 pub struct PagedKvRows {
     rows: Vec<PagedKvCache>,
+    /// Each row's KV reservation in bytes (`None`: unbounded), which bounds the arena.
+    reserved: Vec<Option<u64>>,
     /// Whether [`PagedKvRows::attend`] may use a batch arena.
     use_arena: bool,
     arena: Option<BatchArena>,
@@ -47,7 +50,7 @@ impl PagedKvRows {
     }
 
     /// Turns the batch arena on or off (tests run it on the CPU; the numbers differ from
-    /// per-row attention only by float rounding). Writes back what an arena holds first.
+    /// per-row attention only by float rounding). Gives the rows their KV back first.
     pub fn set_batch_arena(&mut self, on: bool) -> Result<(), CacheError> {
         self.settle()?;
         self.no_arena = false;
@@ -60,13 +63,22 @@ impl PagedKvRows {
         self.arena.is_some()
     }
 
-    /// Writes the tokens an arena holds back to the rows' caches and drops the arena (the
-    /// next step builds a new one): before the set of rows changes or a row is read.
+    /// Gives every row its KV back from the batch arena (one write per layer part) and
+    /// drops the arena; the next step builds a new one. On an error the arena stays and
+    /// holds what it did not give back yet.
     pub fn settle(&mut self) -> Result<(), CacheError> {
-        if let Some(mut a) = self.arena.take() {
-            a.sync(&mut self.rows)?;
+        if let Some(a) = &mut self.arena {
+            a.give_back(&mut self.rows)?;
         }
+        self.arena = None;
         Ok(())
+    }
+
+    /// Device bytes of the batch's KV: the batch arena's and those of every row's cache
+    /// (a row in the arena holds none of its own).
+    pub fn device_bytes(&self) -> u64 {
+        self.arena.as_ref().map_or(0, |a| a.device_bytes())
+            + self.rows.iter().map(|r| r.device_bytes()).sum::<u64>()
     }
 
     /// A batch of the given rows.
@@ -89,8 +101,20 @@ impl PagedKvRows {
     }
 
     /// Adds one sequence as the last row (into the batch arena when one holds the batch
-    /// and the row fits it).
+    /// and the row fits it), with no bound on the arena's bytes for it.
     pub fn push(&mut self, row: PagedKvCache) -> Result<(), CacheError> {
+        self.add(row, None)
+    }
+
+    /// [`PagedKvRows::push`] for a row whose KV may take `bytes` on the device (its
+    /// reservation in the KV budget): a batch arena never holds more bytes than its rows'
+    /// reservations together (a row that would make it do so does not join it; when a
+    /// step would, the rows attend one by one).
+    pub fn push_reserved(&mut self, row: PagedKvCache, bytes: u64) -> Result<(), CacheError> {
+        self.add(row, Some(bytes))
+    }
+
+    fn add(&mut self, mut row: PagedKvCache, reserved: Option<u64>) -> Result<(), CacheError> {
         if let Some(first) = self.rows.first() {
             if (first.layers(), first.state_layers()) != (row.layers(), row.state_layers()) {
                 return Err(CacheError::Shape(format!(
@@ -103,7 +127,7 @@ impl PagedKvRows {
             }
         }
         if let Some(a) = &mut self.arena {
-            match a.join(&row) {
+            match a.join(&mut row, reserved) {
                 Ok(true) => {}
                 Ok(false) => self.settle()?,
                 Err(e) => {
@@ -114,13 +138,15 @@ impl PagedKvRows {
         }
         self.no_arena = false;
         self.rows.push(row);
+        self.reserved.push(reserved);
         Ok(())
     }
 
-    /// Appends the rows of another batch after this one's.
-    pub fn merge(&mut self, other: PagedKvRows) -> Result<(), CacheError> {
-        for r in other.into_rows()? {
-            self.push(r)?;
+    /// Appends the rows of another batch after this one's (with their reservations).
+    pub fn merge(&mut self, mut other: PagedKvRows) -> Result<(), CacheError> {
+        other.settle()?;
+        for (r, reserved) in other.rows.into_iter().zip(other.reserved) {
+            self.add(r, reserved)?;
         }
         Ok(())
     }
@@ -140,7 +166,7 @@ impl PagedKvRows {
                 return Err(CacheError::Shape(format!("row {i} kept twice")));
             }
         }
-        // The rows that leave get their tokens back; the arena keeps the others.
+        // The rows that leave get their KV back; the arena keeps the others.
         if let Some(a) = &mut self.arena {
             if !a.retain(&mut self.rows, keep)? {
                 self.settle()?;
@@ -156,10 +182,11 @@ impl PagedKvRows {
                 self.rows.push(row);
             }
         }
+        self.reserved = keep.iter().map(|&i| self.reserved[i]).collect();
         Ok(slots.into_iter().flatten().collect())
     }
 
-    /// An independent copy of row `i`.
+    /// An independent copy of row `i` (every row gets its KV back from the arena first).
     pub fn extract(&mut self, i: usize) -> Result<PagedKvCache, CacheError> {
         self.settle()?;
         self.rows
@@ -168,14 +195,18 @@ impl PagedKvRows {
             .ok_or_else(|| CacheError::Shape(format!("row {i} of a batch of {}", self.rows.len())))
     }
 
-    /// Row `i` as its cache holds it: without the tokens a batch arena holds and has not
-    /// written back yet ([`PagedKvRows::settle`] writes them; [`PagedKvRows::offsets`]
-    /// counts them).
+    /// Row `i`'s cache, to read its settings and bookkeeping: lengths and offsets (exact,
+    /// the tokens a batch arena holds for it included), layer states, publication marks.
+    /// While the batch arena holds the row ([`PagedKvCache::is_lent`]) its layers hold no
+    /// KV: fetches, publication and trims of it are refused; [`PagedKvRows::row_mut`],
+    /// [`PagedKvRows::extract`], [`PagedKvRows::filter`] and [`PagedKvRows::into_rows`]
+    /// give it its KV back.
     pub fn row(&self, i: usize) -> Option<&PagedKvCache> {
         self.rows.get(i)
     }
 
-    /// Row `i`, mutably (to publish it, for example).
+    /// Row `i`, mutably (to publish it, for example), with its KV (every row gets its KV
+    /// back from the arena first).
     pub fn row_mut(&mut self, i: usize) -> Result<Option<&mut PagedKvCache>, CacheError> {
         self.settle()?;
         self.no_arena = false;
@@ -191,27 +222,13 @@ impl PagedKvRows {
     /// Each row's offset (position of its next token) as an int32 `[B]` array: the RoPE
     /// offsets of a batched step.
     pub fn offsets(&self) -> Result<Array, CacheError> {
-        let offs: Vec<i32> = self
-            .rows
-            .iter()
-            .enumerate()
-            .map(|(b, r)| (r.offset() + self.ahead(b)) as i32)
-            .collect();
+        let offs: Vec<i32> = self.rows.iter().map(|r| r.offset() as i32).collect();
         Ok(Array::from_slice(&offs, &[offs.len() as i32])?)
     }
 
-    /// Each row's length in `layer`, with the tokens an arena holds.
+    /// Each row's length in `layer`.
     fn lens(&self, layer: usize) -> Vec<usize> {
-        self.rows
-            .iter()
-            .enumerate()
-            .map(|(b, r)| r.layer_offset(layer) + self.ahead(b))
-            .collect()
-    }
-
-    /// Tokens row `b` holds in the batch arena beyond its cache.
-    fn ahead(&self, b: usize) -> usize {
-        self.arena.as_ref().map_or(0, |a| a.unsynced(b))
+        self.rows.iter().map(|r| r.layer_offset(layer)).collect()
     }
 
     /// Left padding of each row in a fetch of `layer`: the longest row's length minus its own.
@@ -304,11 +321,16 @@ impl PagedKvRows {
         }
         if window.is_none() && self.use_arena && !self.no_arena {
             if self.arena.is_none() {
-                self.arena = BatchArena::plan(&self.rows);
+                self.arena = BatchArena::plan(&self.rows, &self.reserved);
                 self.no_arena = self.arena.is_none();
             }
             if let Some(a) = &mut self.arena {
-                return a.attend(&self.rows, layer, queries, keys, values, scale);
+                if a.has_room(layer) {
+                    return a.attend(&mut self.rows, layer, queries, keys, values, scale);
+                }
+                // Growing would take the arena past its rows' reservations: these rows
+                // attend one by one from here (every layer is full at the same step).
+                self.no_arena = true;
             }
         }
         if self.arena.is_some() {
@@ -458,6 +480,173 @@ mod tests {
         .unwrap();
         c.append(0, &k, &k).unwrap();
         c
+    }
+
+    /// A cache of `layers` layers holding `tokens` random tokens (values: twice the keys).
+    fn layered(layers: usize, tokens: i32, seed: u64) -> PagedKvCache {
+        let config = PagedConfig {
+            block_size: 4,
+            initial_blocks: 2,
+            ..PagedConfig::default()
+        };
+        let mut c = PagedKvCache::new(layers, config).unwrap();
+        for l in 0..layers {
+            let key = mlx::random::key(seed * 10 + l as u64).unwrap();
+            let k = mlx::random::normal(&[1, 2, tokens, 8], Dtype::F32, &key).unwrap();
+            c.append(l, &k, &k.mul_scalar(2.0).unwrap()).unwrap();
+        }
+        c
+    }
+
+    /// Rows of `(tokens, seed)` with the batch arena on, each reserving `reserve` bytes
+    /// when given, and copies of them to decode alone.
+    fn arena_rows(rows: &[(i32, u64)], reserve: Option<u64>) -> (PagedKvRows, Vec<PagedKvCache>) {
+        let mut batch = PagedKvRows::new();
+        batch.set_batch_arena(true).unwrap();
+        let mut alone = Vec::new();
+        for &(n, seed) in rows {
+            let c = layered(2, n, seed);
+            alone.push(c.clone());
+            match reserve {
+                Some(bytes) => batch.push_reserved(c, bytes).unwrap(),
+                None => batch.push(c).unwrap(),
+            }
+        }
+        (batch, alone)
+    }
+
+    /// One decode step of `rows` (random keys and values, through `attend`) and the same
+    /// tokens appended to `alone`, row b's to `alone[b]`.
+    fn step(rows: &mut PagedKvRows, alone: &mut [&mut PagedKvCache], seed: u64) {
+        let b = rows.len() as i32;
+        let layers = alone[0].layers();
+        for l in 0..layers {
+            let key = mlx::random::key(seed * 100 + l as u64).unwrap();
+            let k = mlx::random::normal(&[b, 2, 1, 8], Dtype::F32, &key).unwrap();
+            let v = k.mul_scalar(-3.0).unwrap();
+            let out = rows.attend(l, &k, &k, &v, 0.5, None).unwrap();
+            mlx::eval(&[&out]).unwrap();
+            for (i, c) in alone.iter_mut().enumerate() {
+                let i = i as i32;
+                let ki = k.slice(&[i, 0, 0, 0], &[i + 1, 2, 1, 8]).unwrap();
+                let vi = v.slice(&[i, 0, 0, 0], &[i + 1, 2, 1, 8]).unwrap();
+                c.append(l, &ki, &vi).unwrap();
+            }
+        }
+    }
+
+    /// Asserts that `got` holds exactly the KV `want` holds.
+    fn assert_same_kv(got: &PagedKvCache, want: &PagedKvCache) {
+        assert!(!got.is_lent());
+        assert_eq!(got.offset(), want.offset());
+        for l in 0..want.layers() {
+            let (gk, gv) = got.fetch(l).unwrap().unwrap();
+            let (wk, wv) = want.fetch(l).unwrap().unwrap();
+            for (g, w) in [(gk, wk), (gv, wv)] {
+                assert_eq!(g.shape(), w.shape());
+                assert_eq!(g.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+            }
+        }
+    }
+
+    /// Asserts that the arena is the only home of every row's KV.
+    fn assert_all_lent(rows: &PagedKvRows) {
+        for i in 0..rows.len() {
+            let r = rows.row(i).unwrap();
+            assert!(r.is_lent(), "row {i}");
+            assert_eq!(r.device_bytes(), 0, "row {i} holds device buffers");
+            for l in 0..r.layers() {
+                assert!(r.pool(l).is_none() && r.block_table(l).is_empty());
+                assert!(r.fetch(l).is_err(), "a lent layer cannot be read");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_in_the_arena_holds_no_pools_and_gets_its_exact_kv_back() {
+        let (mut rows, mut alone) = arena_rows(&[(5, 1), (7, 2), (6, 3)], None);
+        for s in 0..3 {
+            step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), s);
+            assert!(rows.has_arena());
+            assert_all_lent(&rows);
+            for (i, a) in alone.iter().enumerate() {
+                assert_eq!(rows.row(i).unwrap().offset(), a.offset());
+            }
+        }
+        // The batch's KV is on the device once: 2 layers × K and V × 3 rows × 2 heads ×
+        // (7 tokens + 256 free columns) × 8 dims × 4 bytes.
+        assert_eq!(rows.device_bytes(), 2 * 2 * 3 * 2 * (7 + 256) * 8 * 4);
+        assert!(rows.row(0).unwrap().clone().trim(1).is_err());
+        // A shorter row joins: it gives its pools up at once.
+        let c = layered(2, 4, 4);
+        alone.push(c.clone());
+        rows.push(c).unwrap();
+        assert!(rows.has_arena());
+        assert_all_lent(&rows);
+        step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 3);
+        // A row that leaves gets its whole KV back in a fresh pool; the others stay lent.
+        let gone = rows.filter(&[0, 2, 3]).unwrap();
+        assert!(rows.has_arena());
+        assert_all_lent(&rows);
+        assert_same_kv(&gone[0], &alone[1]);
+        let pool = gone[0].pool(0).unwrap();
+        let blocks = gone[0].offset().div_ceil(4);
+        assert_eq!(pool.capacity(), crate::ladder_capacity(2, 4096, blocks));
+        let mut alone: Vec<PagedKvCache> = [0, 2, 3].iter().map(|&i| alone[i].clone()).collect();
+        step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 4);
+        // A row handed out mutably has its KV, and so has every other row.
+        rows.row_mut(1).unwrap().unwrap();
+        assert!(!rows.has_arena());
+        for (i, a) in alone.iter().enumerate() {
+            assert_same_kv(rows.row(i).unwrap(), a);
+        }
+        step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 5);
+        assert!(rows.has_arena());
+        for (got, want) in rows.into_rows().unwrap().iter().zip(&alone) {
+            assert_same_kv(got, want);
+        }
+    }
+
+    #[test]
+    fn a_batch_arena_stays_within_its_rows_reservations() {
+        // 2 layers × K and V × 2 heads × 8 dims × 4 bytes per token of a row.
+        let per_token: u64 = 2 * 2 * 2 * 8 * 4;
+        let reserve = 24 * per_token;
+        let (mut rows, mut alone) = arena_rows(&[(10, 1), (12, 2), (11, 3)], Some(reserve));
+        let (mut in_arena, mut alone_steps) = (0, 0);
+        for s in 0..16 {
+            step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), s);
+            if rows.has_arena() {
+                in_arena += 1;
+                assert_all_lent(&rows);
+                assert!(
+                    rows.device_bytes() <= 3 * reserve,
+                    "step {s}: {} bytes for reservations of {}",
+                    rows.device_bytes(),
+                    3 * reserve
+                );
+            } else {
+                alone_steps += 1;
+            }
+        }
+        // 24 columns hold the longest row's 12 tokens and 12 steps; then the arena would
+        // outgrow the reservations, and the rows attend one by one with all their tokens.
+        assert_eq!((in_arena, alone_steps), (12, 4));
+        for (i, a) in alone.iter().enumerate() {
+            assert_same_kv(rows.row(i).unwrap(), a);
+        }
+        // A row whose reservation leaves no room for the arena's rows does not join it.
+        let (mut rows, mut alone) = arena_rows(&[(10, 1), (12, 2)], Some(16 * per_token));
+        step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 0);
+        assert!(rows.has_arena());
+        rows.push_reserved(layered(2, 3, 9), 3 * per_token).unwrap();
+        assert!(
+            !rows.has_arena(),
+            "(16 + 16 + 3) / 3 columns cannot hold 13 tokens"
+        );
+        for (i, a) in alone.iter().enumerate() {
+            assert_same_kv(rows.row(i).unwrap(), a);
+        }
     }
 
     #[test]

@@ -309,6 +309,8 @@ struct Counters {
     queue_depth: AtomicU64,
     active_rows: AtomicU64,
     kv_reserved_bytes: AtomicU64,
+    kv_device_peak_bytes: AtomicU64,
+    batch_arena_steps: AtomicU64,
     ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
     ttft_count: AtomicU64,
     ttft_sum_us: AtomicU64,
@@ -351,6 +353,13 @@ pub struct EngineMetrics {
     pub active_rows: u64,
     /// Gauge: KV bytes reserved by admitted requests.
     pub kv_reserved_bytes: u64,
+    /// The most device KV bytes the engine held after any step: the decoding batch (its
+    /// batch arena and its rows' caches), the caches of requests being prefilled, and the
+    /// resident sequences of the device tier (not MLX's buffer cache, nor a step's
+    /// transient copies).
+    pub kv_device_peak_bytes: u64,
+    /// Decode steps whose rows attended in a batch arena.
+    pub batch_arena_steps: u64,
     /// TTFT histogram: cumulative counts per bucket of [`TTFT_BUCKETS`].
     pub ttft_buckets: Vec<u64>,
     /// TTFT observations.
@@ -751,6 +760,8 @@ impl Engine {
             queue_depth: g(&c.queue_depth),
             active_rows: g(&c.active_rows),
             kv_reserved_bytes: g(&c.kv_reserved_bytes),
+            kv_device_peak_bytes: g(&c.kv_device_peak_bytes),
+            batch_arena_steps: g(&c.batch_arena_steps),
             ttft_buckets: c.ttft_buckets.iter().map(g).collect(),
             ttft_count: g(&c.ttft_count),
             ttft_sum_s: g(&c.ttft_sum_us) as f64 / 1e6,
@@ -957,6 +968,7 @@ impl Worker {
             }
             // 5. One chunk of the oldest prefill (back to back while nothing decodes).
             record.prefilled = self.prefill_step();
+            self.observe_device_kv();
             self.log_step(record);
             if self.draining.is_some()
                 && self.active.is_empty()
@@ -1321,7 +1333,8 @@ impl Worker {
             prompt_tokens,
             cached_tokens: cached,
         });
-        self.rows.push(cache)?;
+        // The batch arena holds no more than the rows' reservations (one KV budget).
+        self.rows.push_reserved(cache, p.reserve)?;
         self.active.push(Row {
             seq,
             id: p.id,
@@ -1497,8 +1510,25 @@ impl Worker {
             c.decode_steps.fetch_add(1, Ordering::Relaxed);
             c.decode_rows
                 .fetch_add(self.active.len() as u64, Ordering::Relaxed);
+            if self.rows.has_arena() {
+                c.batch_arena_steps.fetch_add(1, Ordering::Relaxed);
+            }
         }
+        self.observe_device_kv();
         Ok(ran)
+    }
+
+    /// Records the device KV held now in [`EngineMetrics::kv_device_peak_bytes`].
+    fn observe_device_kv(&self) {
+        let resident = self
+            .prefix
+            .as_ref()
+            .map_or(0, |pc| pc.resident_stats().resident_bytes);
+        let prefilling: u64 = self.prefilling.iter().map(|r| r.cache.device_bytes()).sum();
+        let held = self.rows.device_bytes() + prefilling + resident;
+        self.counters()
+            .kv_device_peak_bytes
+            .fetch_max(held, Ordering::Relaxed);
     }
 
     /// An error in a batched step fails every row in it (the batch's caches may be

@@ -127,8 +127,11 @@ struct BatchRow {
     /// The same step over one `[B, H, T, D]` cache per layer with MLX's fused attention
     /// and a padding mask (what mlx-lm's batch cache does).
     batch_cache_ms: f64,
-    /// A row joining: the arena written back and rebuilt at the next step, above a step.
+    /// A row joining: copied into the arena, and the next step, above a step (median of 5).
     arena_join_ms: f64,
+    /// A row leaving: its KV handed back to its cache (evaluated), and the next step of the
+    /// rows left, above a step (median of 5).
+    arena_leave_ms: f64,
 }
 
 #[derive(Serialize)]
@@ -429,23 +432,45 @@ fn batch_rows(quick: bool) -> Result<Vec<BatchRow>> {
             batch_step()?;
             tb.push(t.elapsed());
         }
-        // A join: one more row, then the step that rebuilds the arena.
-        let mut c = PagedKvCache::new(layers, config)?;
-        for l in 0..layers {
-            let k = random(&[1, HKV, n as i32, D], 99)?;
-            c.append(l, &k, &k)?;
-        }
-        let t = Instant::now();
-        arena.push(c)?;
+        // Joins and leaves, alternating: a row joins (copied in) and the next step runs;
+        // then the first row leaves (its cache gets its KV back, evaluated) and the next
+        // step of the rest runs. The joining row is evaluated before the clock starts.
         let qj = random(&[bi + 1, HQ, 1, D], 6)?;
         let kj = random(&[bi + 1, HKV, 1, D], 7)?;
-        let mut outs = Vec::with_capacity(layers);
-        for l in 0..layers {
-            outs.push(arena.attend(l, &qj, &kj, &kj, scale, None)?);
+        let (mut tj, mut tl) = (Vec::new(), Vec::new());
+        for cycle in 0..if quick { 2 } else { 5 } {
+            let mut c = PagedKvCache::new(layers, config)?;
+            for l in 0..layers {
+                let k = random(&[1, HKV, n as i32, D], 99 + cycle)?;
+                c.append(l, &k, &k)?;
+            }
+            let held: Vec<&Array> = (0..layers)
+                .filter_map(|l| c.pool(l))
+                .flat_map(|p| p.arrays())
+                .collect();
+            mlx::eval(&held)?;
+            let t = Instant::now();
+            arena.push(c)?;
+            let mut outs = Vec::with_capacity(layers);
+            for l in 0..layers {
+                outs.push(arena.attend(l, &qj, &kj, &kj, scale, None)?);
+            }
+            let refs: Vec<&Array> = outs.iter().collect();
+            mlx::eval(&refs)?;
+            tj.push(t.elapsed());
+            let t = Instant::now();
+            let keep: Vec<usize> = (1..=b).collect();
+            let gone = arena.filter(&keep)?;
+            let held: Vec<&Array> = gone
+                .iter()
+                .flat_map(|c| (0..layers).filter_map(|l| c.pool(l)))
+                .flat_map(|p| p.arrays())
+                .collect();
+            mlx::eval(&held)?;
+            step(&mut arena)?;
+            tl.push(t.elapsed());
         }
-        let refs: Vec<&Array> = outs.iter().collect();
-        mlx::eval(&refs)?;
-        let join = t.elapsed();
+        let (join, leave) = (median_of(&mut tj), median_of(&mut tl));
         let (p, a, bc) = (
             median_of(&mut tp[1..].to_vec()),
             median_of(&mut ta[1..].to_vec()),
@@ -459,6 +484,7 @@ fn batch_rows(quick: bool) -> Result<Vec<BatchRow>> {
             arena_ms: a.as_secs_f64() * 1e3,
             batch_cache_ms: bc.as_secs_f64() * 1e3,
             arena_join_ms: (join.as_secs_f64() - a.as_secs_f64()) * 1e3,
+            arena_leave_ms: (leave.as_secs_f64() - a.as_secs_f64()) * 1e3,
         });
     }
     Ok(out)
@@ -603,19 +629,27 @@ pub fn run(args: Args) -> Result<()> {
     if !report.batch.is_empty() {
         println!("batched decode step (every layer: append + attention; 9/3 heads, d64, f32)");
         println!(
-            "{:>5} {:>7} {:>7} {:>12} {:>12} {:>12} {:>12}",
-            "rows", "tokens", "layers", "per row", "arena", "batch cache", "arena join"
+            "{:>5} {:>7} {:>7} {:>12} {:>12} {:>12} {:>12} {:>12}",
+            "rows",
+            "tokens",
+            "layers",
+            "per row",
+            "arena",
+            "batch cache",
+            "arena join",
+            "arena leave"
         );
         for r in &report.batch {
             println!(
-                "{:>5} {:>7} {:>7} {:>10.3}ms {:>10.3}ms {:>10.3}ms {:>10.3}ms",
+                "{:>5} {:>7} {:>7} {:>10.3}ms {:>10.3}ms {:>10.3}ms {:>10.3}ms {:>10.3}ms",
                 r.rows,
                 r.tokens,
                 r.layers,
                 r.per_row_ms,
                 r.arena_ms,
                 r.batch_cache_ms,
-                r.arena_join_ms
+                r.arena_join_ms,
+                r.arena_leave_ms
             );
         }
         println!();

@@ -1,7 +1,11 @@
 //! Batched decode ([`engine::Model::forward_rows`]) against each row decoded alone.
 
 use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
-use engine::{argmax, greedy_ids, load, LoadOptions, Model, DEFAULT_PREFILL_CHUNK};
+use engine::{
+    argmax, greedy_ids, load, Engine, EngineConfig, GenerateParams, KvTiers, LoadOptions, Model,
+    Request, ReuseConfig, DEFAULT_PREFILL_CHUNK,
+};
+use store::StoreConfig;
 
 use crate::common::{goldens, logit_tol, near_tie};
 
@@ -70,36 +74,54 @@ fn batched(model: &Model, prompts: &[Vec<u32>], n: usize, base: f32, arena: bool
         }
         assert_eq!(rows.has_arena(), arena && n > 1);
     }
-    // Every row's cache holds what it holds alone once the batch lets go of it: an arena
-    // wrote back the tokens it decoded.
+    // While an arena holds the batch it is the only home of the rows' KV.
+    for (i, a) in alone.iter().enumerate() {
+        let r = rows.row(i).unwrap();
+        assert_eq!(r.is_lent(), arena && n > 1);
+        assert_eq!(
+            r.offset(),
+            a.offset(),
+            "row {i}'s length counts the arena's"
+        );
+    }
+    // Every row's cache holds what it holds alone once the batch lets go of it: the arena
+    // gave it its whole KV back.
     let keep: Vec<usize> = Vec::new();
     for (got, want) in rows.filter(&keep).unwrap().iter().zip(&alone) {
-        assert_eq!(got.offset(), want.offset());
-        for l in 0..want.layers() {
-            let (Some((gk, gv)), Some((wk, wv))) = (got.fetch(l).unwrap(), want.fetch(l).unwrap())
-            else {
-                assert!(got.fetch(l).unwrap().is_none() && want.fetch(l).unwrap().is_none());
-                continue;
-            };
-            for (g, w) in [(gk, wk), (gv, wv)] {
-                let (g, w) = (
-                    g.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap(),
-                    w.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap(),
-                );
-                let gap = g
-                    .iter()
-                    .zip(&w)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
-                assert!(gap < 1e-3, "layer {l}: cached KV differs by {gap}");
-            }
-        }
+        assert_kv_close(got, want);
     }
     Batched {
         tokens: out,
         worst,
         worst_ratio,
         tie,
+    }
+}
+
+/// Asserts that `got` holds the KV `want` holds (computed in a batch and alone: equal up to
+/// float rounding) and holds it itself (no arena lends it).
+fn assert_kv_close(got: &PagedKvCache, want: &PagedKvCache) {
+    assert!(!got.is_lent());
+    assert_eq!(got.offset(), want.offset());
+    for l in 0..want.layers() {
+        let (Some((gk, gv)), Some((wk, wv))) = (got.fetch(l).unwrap(), want.fetch(l).unwrap())
+        else {
+            assert!(got.fetch(l).unwrap().is_none() && want.fetch(l).unwrap().is_none());
+            continue;
+        };
+        for (g, w) in [(gk, wk), (gv, wv)] {
+            assert_eq!(g.shape(), w.shape(), "layer {l}");
+            let (g, w) = (
+                g.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap(),
+                w.astype(mlx::Dtype::F32).unwrap().to_vec::<f32>().unwrap(),
+            );
+            let gap = g
+                .iter()
+                .zip(&w)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(gap < 1e-3, "layer {l}: cached KV differs by {gap}");
+        }
     }
 }
 
@@ -178,7 +200,7 @@ fn batched_decode_in_a_batch_arena_matches_each_row_alone_qwen2() {
 }
 
 #[test]
-fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
+fn a_batch_arena_holds_the_rows_kv_and_gives_it_back_when_the_batch_changes() {
     let (model, _) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
     let ps = prompts();
     let mut rows = PagedKvRows::new();
@@ -193,11 +215,13 @@ fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
     for step in 1..=3 {
         model.forward_rows(&[7, 8], &mut rows).unwrap();
         assert!(rows.has_arena());
-        // The rows' caches lag; the offsets (RoPE positions) do not.
+        // The arena holds the rows' KV; their caches keep exact lengths.
         let offs: Vec<i32> = rows.offsets().unwrap().to_vec().unwrap();
         let want: Vec<i32> = lens.iter().map(|l| (l + step) as i32).collect();
         assert_eq!(offs, want);
-        assert_eq!(rows.row(0).unwrap().offset(), lens[0]);
+        let row = rows.row(0).unwrap();
+        assert_eq!(row.offset(), lens[0] + step);
+        assert!(row.is_lent() && row.pool(0).is_none() && row.device_bytes() == 0);
     }
     // A shorter row joins the arena (copied in, ending where the others end); the others
     // keep their tokens in it.
@@ -207,6 +231,10 @@ fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
         .unwrap();
     rows.push(c).unwrap();
     assert!(rows.has_arena());
+    assert!(
+        rows.row(2).unwrap().is_lent(),
+        "a joining row gives its pools up"
+    );
     let offs: Vec<i32> = rows.offsets().unwrap().to_vec().unwrap();
     assert_eq!(
         offs,
@@ -222,6 +250,7 @@ fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
     let gone = rows.filter(&[0, 1]).unwrap();
     assert!(rows.has_arena());
     assert_eq!(gone[0].offset(), ps[0].len() + 1);
+    assert!(!gone[0].is_lent() && gone[0].fetch(0).unwrap().is_some());
     model.forward_rows(&[7, 9], &mut rows).unwrap();
     // A row longer than the arena's rows cannot join it: the arena writes back and goes.
     let long: Vec<u32> = (0..80u32).map(|i| i % 200 + 3).collect();
@@ -229,6 +258,7 @@ fn a_batch_arena_writes_back_before_the_batch_changes_and_counts_its_tokens() {
     model.prefill(&long, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
     rows.push(c).unwrap();
     assert!(!rows.has_arena());
+    assert!(!rows.row(0).unwrap().is_lent());
     assert_eq!(rows.row(0).unwrap().offset(), lens[0] + 5);
     assert_eq!(rows.row(1).unwrap().offset(), lens[1] + 5);
     model.forward_rows(&[7, 9, 11], &mut rows).unwrap();
@@ -281,9 +311,9 @@ fn rows_joining_and_leaving_a_batch_arena_decode_as_alone() {
             assert!(rows.has_arena());
         }
     }
-    // The first row leaves with its tokens; the others decode on in the arena.
+    // The first row leaves with its KV; the others decode on in the arena.
     let gone = rows.filter(&[1, 2]).unwrap();
-    assert_eq!(gone[0].offset(), alone[ids[0]].offset());
+    assert_kv_close(&gone[0], &alone[ids[0]]);
     last.remove(0);
     ids.remove(0);
     step(&mut rows, &mut alone, &mut last, &ids);
@@ -323,4 +353,62 @@ fn a_batched_step_needs_one_token_per_row() {
     let mut rows = PagedKvRows::new();
     assert!(model.forward_rows(&[1, 2], &mut rows).is_err());
     assert!(model.forward_rows(&[], &mut rows).is_err());
+}
+
+/// One KV budget: with the batch arena forced on, the device KV the engine holds (the
+/// decoding batch with its arena, the caches being prefilled, the resident sequences) stays
+/// within `--kv-budget`. Each request reserves exactly one pool's initial capacity (128
+/// tokens of blocks of 8), so no capacity slack enters; a second copy of the batch's KV
+/// (the arena beside the rows' pools) would exceed the budget.
+#[test]
+fn an_engine_with_a_batch_arena_keeps_its_device_kv_within_the_kv_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tok) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
+    let kv = model.info().kv;
+    let per_token = (kv.layers * 2 * kv.kv_heads * kv.head_dim * kv.dtype.size()) as u64;
+    let reuse = ReuseConfig {
+        store: StoreConfig::default().root(dir.path()),
+        block_size: 8,
+        ..ReuseConfig::default()
+    };
+    let tiers = KvTiers::open(&model, &tok, reuse).unwrap();
+    // Three live reservations and one resident sequence.
+    let budget = 4 * 128 * per_token;
+    let config = EngineConfig {
+        kv_budget_bytes: budget,
+        max_batch: 3,
+        batch_arena: Some(true),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::open(model, tok, Some(tiers), config).unwrap();
+    // Distinct prompts (no shared blocks, whose buffers would be counted twice).
+    let handles: Vec<_> = (0..6u32)
+        .map(|r| {
+            let prompt: Vec<u32> = (0..24u32).map(|i| (i * 7 + r * 31) % 200 + 3).collect();
+            let params = GenerateParams {
+                max_tokens: 104,
+                stop_at_eos: false,
+                ..GenerateParams::default()
+            };
+            engine.submit(Request::new(prompt, params)).unwrap()
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.wait().unwrap().completion_tokens, 104);
+    }
+    let m = engine.metrics();
+    assert!(
+        m.batch_arena_steps > 0,
+        "no step ran in a batch arena: {m:?}"
+    );
+    assert!(
+        m.decode_rows > m.decode_steps,
+        "requests decoded together: {m:?}"
+    );
+    assert!(m.kv_device_peak_bytes > 3 * 24 * per_token);
+    assert!(
+        m.kv_device_peak_bytes <= budget,
+        "device KV peaked at {} bytes under a budget of {budget}",
+        m.kv_device_peak_bytes
+    );
 }
