@@ -49,7 +49,7 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
         .collect();
     let out2_cold = cold(&model, &tok, &turn2, 20);
 
-    let saved_estimate;
+    let (saved_estimate, saved_restore);
     {
         let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
         let (out1, rep1) = cached(&model, &tok, &pc, &turn1, 20);
@@ -71,9 +71,12 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
         pc.flush().unwrap();
         saved_estimate = pc.prefill_estimate();
         assert!(
-            saved_estimate.is_some_and(|s| s > 0.0),
+            saved_estimate.is_some_and(|f| f.seconds(512, 0) > 0.0),
             "{saved_estimate:?}"
         );
+        // Turn 2's restore from RAM was measured: the import fit is no longer the prior.
+        saved_restore = pc.restore_estimates();
+        assert!(saved_restore.import.is_some(), "{saved_restore:?}");
         // Both publications were finished by the export thread, every block inserted.
         let st = pc.export_stats();
         assert_eq!(
@@ -87,11 +90,57 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     // flush) is read back.
     let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
     assert_eq!(pc.prefill_estimate(), saved_estimate);
+    assert_eq!(pc.restore_estimates(), saved_restore);
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
     assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
     assert_eq!(rep.cached_ram_tokens + rep.cached_device_tokens, 0);
     assert!(rep.stopped.is_none(), "{rep:?}");
+}
+
+#[test]
+fn a_cost_file_of_per_unit_estimates_loads_as_priors_and_a_corrupt_one_is_ignored() {
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    let device = pc.cost_device().to_string();
+    // What the cost model wrote before its fits: one per-unit number per measure.
+    let old = format!(
+        r#"{{"{device}": {{"prefill_s_per_token": 0.00025, "ssd_s_per_block": 0.001,
+            "remote_s_per_block": null, "import_s_per_block": 0.0005}}}}"#
+    );
+    pc.store()
+        .save_costs(pc.namespace(), old.as_bytes())
+        .unwrap();
+    drop(pc);
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    let per_unit = |s: f64| engine::Fit {
+        per_unit_s: s,
+        ..engine::Fit::default()
+    };
+    assert_eq!(pc.prefill_estimate(), Some(per_unit(0.00025)));
+    let restore = pc.restore_estimates();
+    assert_eq!(restore.ssd, Some(per_unit(0.001)));
+    assert_eq!(restore.import, Some(per_unit(0.0005)));
+    assert_eq!(restore.remote, None);
+    pc.store()
+        .save_costs(pc.namespace(), b"{\"truncated\": {\"prefill\": [")
+        .unwrap();
+    drop(pc);
+    // A corrupt file: the cache opens, with no prefill estimate (the import is calibrated).
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert_eq!(pc.prefill_estimate(), None);
+    assert_eq!(pc.restore_estimates().ssd, None);
+    // It still serves, and its next save replaces the file with a readable one.
+    let prompt: Vec<u32> = (0..40).map(|i| i % 300 + 3).collect();
+    let (out, _) = cached(&model, &tok, &pc, &prompt, 4);
+    assert_eq!(out, cold(&model, &tok, &prompt, 4));
+    pc.flush().unwrap();
+    let estimate = pc.prefill_estimate();
+    assert!(estimate.is_some());
+    drop(pc);
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert_eq!(pc.prefill_estimate(), estimate);
 }
 
 #[test]
