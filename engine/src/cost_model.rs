@@ -90,6 +90,19 @@ pub struct RestoreEstimates {
     pub remote: Option<Fit>,
 }
 
+/// How many samples each measure of one device holds (at most [`WINDOW`] each).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CostSamples {
+    /// Prefills.
+    pub prefill: usize,
+    /// Host → device imports.
+    pub import: usize,
+    /// SSD reads.
+    pub ssd: usize,
+    /// Remote fetches.
+    pub remote: usize,
+}
+
 /// One measurement: `seconds` for `n` units after `c` cached tokens (0 for restores).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 struct Sample(f64, f64, f64);
@@ -142,7 +155,6 @@ impl Measure {
     }
 
     /// Samples held.
-    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.samples.len()
     }
@@ -303,6 +315,16 @@ impl Costs {
     /// The remote fetch fit.
     pub(crate) fn remote(&self) -> Option<Fit> {
         self.remote.fit(false)
+    }
+
+    /// How many samples each measure holds.
+    pub(crate) fn samples(&self) -> CostSamples {
+        CostSamples {
+            prefill: self.prefill.len(),
+            import: self.import.len(),
+            ssd: self.ssd.len(),
+            remote: self.remote.len(),
+        }
     }
 
     /// This device's entry of a costs.json's bytes; an unreadable file is ignored with a

@@ -15,9 +15,9 @@
 //! Restoring is not always cheaper than recomputing (a small model on a fast GPU prefills
 //! faster than a disk reads). [`KvTiers`] keeps fits of the prefill cost and of the restore
 //! cost by tier, each with a fixed and a per-unit term (engine/src/cost_model.rs), and
-//! restores the prefix of the cached run whose restore saves the most prefill time. The
-//! samples are saved in the store per namespace and device, so a new process starts from
-//! them.
+//! restores the prefix of the cached run with the largest estimated net saving (prefill
+//! time saved minus restore time). The samples are saved in the store per namespace and
+//! device, so a new process starts from them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -31,7 +31,7 @@ use serde::Serialize;
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
 
 use crate::cost_model::{
-    plan_restore, Costs, Fit, RestoreEstimates, RestorePlan, REMOTE_PROBE_EVERY,
+    plan_restore, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan, REMOTE_PROBE_EVERY,
 };
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
@@ -651,6 +651,11 @@ impl KvTiers {
         self.costs.lock().ok()?.prefill()
     }
 
+    /// How many recent measurements the cost model's fits are made of, per measure.
+    pub fn cost_samples(&self) -> CostSamples {
+        self.costs.lock().map(|c| c.samples()).unwrap_or_default()
+    }
+
     /// The device name the cost model is saved under in costs.json (MLX's default device
     /// and backend).
     pub fn cost_device(&self) -> &str {
@@ -753,10 +758,16 @@ impl KvTiers {
         host.lookup_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut done = 0;
-        // Two rounds at most: a probe of an unmeasured SSD, then the rest by the estimate.
-        for _ in 0..2 {
+        // Three rounds at most: an unmeasured SSD is probed first, in two loads of different
+        // sizes (its first block, then the rest of the probe), so that its first samples tell
+        // its fixed cost from its per-block one; then the estimate decides about the rest.
+        let mut probe_end = None;
+        for _ in 0..3 {
             let tiers = &hit.tiers[done..];
-            let (plan, had_ssd_estimate) = if self.restore_always {
+            let probe_rest = probe_end.take();
+            let (mut plan, had_ssd_estimate) = if let Some(end) = probe_rest {
+                (RestorePlan::first(tiers, end - done), false)
+            } else if self.restore_always {
                 (RestorePlan::first(tiers, tiers.len()), true)
             } else {
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
@@ -771,6 +782,13 @@ impl KvTiers {
                     !costs.ssd.is_unknown(),
                 )
             };
+            let first_ssd = tiers[..plan.usable].iter().position(|t| *t == Tier::Ssd);
+            if let (false, None, Some(s)) = (had_ssd_estimate, probe_rest, first_ssd) {
+                if s + 1 < plan.usable {
+                    probe_end = Some(done + plan.usable);
+                    plan = RestorePlan::first(tiers, s + 1);
+                }
+            }
             host.ram_skipped = plan.ram_skipped;
             host.ssd_skipped = plan.ssd_skipped;
             host.remote_skipped = plan.remote_skipped;

@@ -144,6 +144,49 @@ fn a_cost_file_of_per_unit_estimates_loads_as_priors_and_a_corrupt_one_is_ignore
 }
 
 #[test]
+fn an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes_then_restored_by_the_fit() {
+    let mut r = rng("an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes");
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let turn1 = random_tokens(&mut r, 77, 320);
+    let out1 = cold(&model, &tok, &turn1, 20);
+    let turn2: Vec<u32> = turn1
+        .iter()
+        .chain(&out1)
+        .copied()
+        .chain(random_tokens(&mut r, 29, 320))
+        .collect();
+    let estimates = |cfg: ReuseConfig| ReuseConfig {
+        restore_always: false,
+        ..cfg
+    };
+    {
+        let pc = KvTiers::open(&model, &tok, estimates(host_only(dir.path(), 8))).unwrap();
+        assert_eq!(cached(&model, &tok, &pc, &turn1, 20).1.published_blocks, 12);
+        pc.flush().unwrap();
+        // Recomputing made absurdly dear (1 s per token) and a free import, so that the
+        // plan restores all it may whatever this machine's timings; no SSD estimate.
+        let device = pc.cost_device().to_string();
+        let costs =
+            format!(r#"{{"{device}": {{"prefill_s_per_token": 1.0, "import_s_per_block": 0.0}}}}"#);
+        pc.store()
+            .save_costs(pc.namespace(), costs.as_bytes())
+            .unwrap();
+    }
+    let pc = KvTiers::open(&model, &tok, estimates(host_only(dir.path(), 8))).unwrap();
+    assert_eq!(pc.cost_samples().ssd, 0);
+    let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
+    assert_eq!(out2, cold(&model, &tok, &turn2, 20));
+    // The 12 SSD blocks came in three loads: the probe's first block, the probe's other 3
+    // (two sizes: the fit separates the SSD's fixed cost from its per-block cost), then the
+    // 8 the fit found worth reading.
+    assert_eq!(rep.cached_ssd_tokens, 96, "{rep:?}");
+    assert_eq!(rep.ssd_blocks_skipped, 0, "{rep:?}");
+    assert_eq!(pc.cost_samples().ssd, 3);
+    assert!(pc.restore_estimates().ssd.is_some());
+}
+
+#[test]
 fn device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output() {
     let mut r =
         rng("device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output");
