@@ -214,11 +214,12 @@ fn least_squares(samples: &[Sample], with_positions: bool) -> Fit {
         let k = subset.len();
         let mut normal = [[0.0f64; TERMS + 1]; TERMS];
         for s in samples {
-            for i in 0..k {
-                for j in 0..k {
-                    normal[i][j] += x(s, i) * x(s, j);
+            let xs: Vec<f64> = (0..k).map(|i| x(s, i)).collect();
+            for (row, xi) in normal.iter_mut().zip(&xs) {
+                for (cell, xj) in row.iter_mut().zip(&xs) {
+                    *cell += xi * xj;
                 }
-                normal[i][k] += x(s, i) * s.2;
+                row[k] += xi * s.2;
             }
         }
         let Some(solution) = solve(&mut normal, k) else {
@@ -264,10 +265,12 @@ fn solve(m: &mut [[f64; TERMS + 1]; TERMS], k: usize) -> Option<[f64; TERMS]> {
             return None;
         }
         m.swap(col, pivot);
-        for r in col + 1..k {
-            let f = m[r][col] / m[col][col];
-            for c in col..=k {
-                m[r][c] -= f * m[col][c];
+        let (top, below) = m.split_at_mut(col + 1);
+        let pivot_row = &top[col];
+        for row in &mut below[..k - col - 1] {
+            let f = row[col] / pivot_row[col];
+            for (cell, p) in row.iter_mut().zip(pivot_row).take(k + 1).skip(col) {
+                *cell -= f * p;
             }
         }
     }
