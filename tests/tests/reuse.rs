@@ -6,6 +6,7 @@ use std::path::Path;
 use engine::{Engine, EngineConfig, KvTiers, LoadOptions, Model, Request, ReuseConfig, Tokenizer};
 use kvstore_tests::tiny_model;
 use kvstore_tests::turns::{cached, cold, params, random_tokens, rng};
+use rand::rngs::StdRng;
 use store::StoreConfig;
 
 fn load(path: &Path) -> (Model, Tokenizer) {
@@ -34,19 +35,26 @@ fn host_only(dir: &Path, block_size: usize) -> ReuseConfig {
     }
 }
 
+/// Turn 1 (77 random tokens), its greedy reply served cold (20 tokens), and turn 2: turn 1,
+/// the reply and 29 new random tokens.
+fn two_turns(r: &mut StdRng, model: &Model, tok: &Tokenizer) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let turn1 = random_tokens(r, 77, 320);
+    let out1 = cold(model, tok, &turn1, 20);
+    let turn2 = turn1
+        .iter()
+        .chain(&out1)
+        .copied()
+        .chain(random_tokens(r, 29, 320))
+        .collect();
+    (turn1, out1, turn2)
+}
+
 #[test]
 fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     let mut r = rng("restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output");
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1_cold = cold(&model, &tok, &turn1, 20);
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1_cold)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
+    let (turn1, out1_cold, turn2) = two_turns(&mut r, &model, &tok);
     let out2_cold = cold(&model, &tok, &turn2, 20);
 
     let (saved_estimate, saved_restore);
@@ -148,14 +156,7 @@ fn an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes_then_restored_by_
     let mut r = rng("an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes");
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1 = cold(&model, &tok, &turn1, 20);
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
+    let (turn1, _, turn2) = two_turns(&mut r, &model, &tok);
     let estimates = |cfg: ReuseConfig| ReuseConfig {
         restore_always: false,
         ..cfg
@@ -193,17 +194,10 @@ fn device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
     let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1 = cold(&model, &tok, &turn1, 20);
+    let (turn1, out1, turn2) = two_turns(&mut r, &model, &tok);
     assert_eq!(cached(&model, &tok, &pc, &turn1, 20).0, out1);
     // Turn 2 extends everything turn 1 held (77 prompt + 19 generated tokens it forwarded):
     // the sequence's arenas are handed over, the partial block included.
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(
         out2,
@@ -383,19 +377,12 @@ fn the_io_thread_loads_a_queued_requests_ssd_prefix_and_the_output_matches_cold(
     let path = tiny_model("tiny-llama");
     let (model, tok) = load(&path);
     let dir = tempfile::tempdir().unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1 = cold(&model, &tok, &turn1, 20);
+    let (turn1, _, turn2) = two_turns(&mut r, &model, &tok);
     {
         let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
         cached(&model, &tok, &pc, &turn1, 20);
         pc.flush().unwrap();
     }
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
     let serve = |prefix: Option<KvTiers>| {
         let (model, tok) = load(&path);
         let engine = Engine::open(model, tok, prefix, EngineConfig::default()).unwrap();
