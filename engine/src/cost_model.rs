@@ -136,11 +136,26 @@ impl Measure {
     }
 
     /// The fit of the samples (with the attention term when `with_positions`), else the
-    /// prior; `None` when neither exists.
+    /// prior; `None` when neither exists. Samples all of one size cannot separate the
+    /// terms: they keep the prior's fixed part (at most their mean) and put the rest per
+    /// unit, or without a prior go through the origin.
     pub(crate) fn fit(&self, with_positions: bool) -> Option<Fit> {
-        match self.samples.is_empty() {
-            true => self.prior,
-            false => Some(least_squares(&self.samples, with_positions)),
+        let Some(&Sample(n, c, _)) = self.samples.first() else {
+            return self.prior;
+        };
+        let one_size = self.samples.iter().all(|s| s.0 == n && s.1 == c);
+        match (one_size, self.prior) {
+            (true, Some(prior)) => {
+                let mean =
+                    self.samples.iter().map(|s| s.2).sum::<f64>() / self.samples.len() as f64;
+                let fixed_s = prior.fixed_s.min(mean);
+                Some(Fit {
+                    fixed_s,
+                    per_unit_s: (mean - fixed_s) / n,
+                    per_position_s: 0.0,
+                })
+            }
+            _ => Some(least_squares(&self.samples, with_positions)),
         }
     }
 
@@ -629,6 +644,27 @@ mod tests {
         p.record(100, 200, 0.5);
         p.record(100, 200, 0.5);
         assert_eq!(p.fit(true), Some(fit(0.0, 0.005)));
+    }
+
+    #[test]
+    fn samples_of_one_size_keep_the_priors_fixed_part() {
+        let mut m = Measure::default();
+        m.set_prior(fit(0.004, 1e-4));
+        m.record(16, 0, 0.010);
+        m.record(16, 0, 0.012);
+        // Mean 11 ms for 16 blocks: the prior's 4 ms fixed, 7 ms over 16 blocks.
+        let f = m.fit(false).unwrap();
+        assert_eq!(f.fixed_s, 0.004, "{f:?}");
+        assert!(close(f.per_unit_s, 0.007 / 16.0, 1e-12), "{f:?}");
+        // A prior whose fixed part exceeds what was measured is capped at the measurement.
+        m.set_prior(fit(0.05, 0.0));
+        let f = m.fit(false).unwrap();
+        assert!(close(f.fixed_s, 0.011, 1e-12) && f.per_unit_s == 0.0, "{f:?}");
+        // Two sizes separate the terms: the prior no longer counts.
+        m.record(64, 0, 0.002 + 64.0 * 1e-3);
+        m.record(32, 0, 0.002 + 32.0 * 1e-3);
+        let f = m.fit(false).unwrap();
+        assert!(f.fixed_s < 0.011 && f.per_unit_s > 5e-4, "{f:?}");
     }
 
     #[test]

@@ -165,14 +165,14 @@ fn device_name() -> String {
     format!("{device}/{backend}")
 }
 
-/// Seconds to move one block of `block_bytes` from host bytes to the device, measured on a
-/// run of blocks in one transfer, as a restore moves them: the prior of the import estimate
-/// on a device that never restored (real restores replace it, with their fixed cost: a
-/// restore makes one transfer per layer part). A GPU gets a 256 MiB run: MLX
-/// moves large host buffers to a CUDA device markedly slower than small ones
-/// (docs/benchmarks.md, "Device tier"); on unified memory 64 MiB is plenty.
-fn calibrate_import(block_bytes: u64) -> Option<f64> {
-    let block_bytes = block_bytes.max(1);
+/// The prior of the import estimate on a device that never restored (real restores replace
+/// it): per block, one block's bytes moved in a run of blocks in one transfer, as a restore
+/// moves each layer part; fixed, what moving one block's parts (`plane_bytes`, one transfer
+/// each) costs beyond that. A GPU gets a 256 MiB run: MLX moves large host buffers to a
+/// CUDA device markedly slower than small ones (docs/benchmarks.md, "Device tier"); on
+/// unified memory 64 MiB is plenty.
+fn calibrate_import(plane_bytes: &[u64]) -> Option<Fit> {
+    let block_bytes = plane_bytes.iter().sum::<u64>().max(1);
     let run: u64 = if mlx::gpu_available().unwrap_or(false) {
         256 << 20
     } else {
@@ -184,15 +184,35 @@ fn calibrate_import(block_bytes: u64) -> Option<f64> {
     // (untouched zero pages would read faster than any block does).
     let planes = vec![1u8; (blocks * block_bytes) as usize];
     let mut host = vec![2u8; planes.len()];
-    let mut once = || -> Option<f64> {
+    let mut run_once = || -> Option<f64> {
         let t = Instant::now();
         host.copy_from_slice(&planes);
         let a = mlx::Array::from_bytes(&host, &[host.len() as i32], mlx::Dtype::U8).ok()?;
         a.eval().ok()?;
         Some(t.elapsed().as_secs_f64())
     };
-    once()?; // the first transfer pays one-off set-up
-    Some(once()? / blocks as f64)
+    run_once()?; // the first transfer pays one-off set-up
+    let per_block = run_once()? / blocks as f64;
+    let parts: Vec<Vec<u8>> = plane_bytes
+        .iter()
+        .map(|&b| vec![3u8; b.max(1) as usize])
+        .collect();
+    let one_block = || -> Option<f64> {
+        let t = Instant::now();
+        let arrays = parts
+            .iter()
+            .map(|p| mlx::Array::from_bytes(p, &[p.len() as i32], mlx::Dtype::U8))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .ok()?;
+        mlx::eval(&arrays.iter().collect::<Vec<_>>()).ok()?;
+        Some(t.elapsed().as_secs_f64())
+    };
+    one_block()?;
+    Some(Fit {
+        fixed_s: (one_block()? - per_block).max(0.0),
+        per_unit_s: per_block,
+        per_position_s: 0.0,
+    })
 }
 
 /// Merges `costs` under `device` into the namespace's saved estimates (read, merged,
@@ -505,12 +525,13 @@ impl KvTiers {
             .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
         if costs.import.is_unknown() {
-            let block_bytes: u64 = description.planes.iter().filter_map(|p| p.byte_len()).sum();
-            if let Some(per_block) = calibrate_import(block_bytes) {
-                costs.import.set_prior(Fit {
-                    per_unit_s: per_block,
-                    ..Fit::default()
-                });
+            let plane_bytes: Vec<u64> = description
+                .planes
+                .iter()
+                .filter_map(|p| p.byte_len())
+                .collect();
+            if let Some(prior) = calibrate_import(&plane_bytes) {
+                costs.import.set_prior(prior);
             }
         }
         let resident = pinned_pool(config.kv_budget_bytes, &store);
