@@ -659,7 +659,10 @@ mod tests {
         // A prior whose fixed part exceeds what was measured is capped at the measurement.
         m.set_prior(fit(0.05, 0.0));
         let f = m.fit(false).unwrap();
-        assert!(close(f.fixed_s, 0.011, 1e-12) && f.per_unit_s == 0.0, "{f:?}");
+        assert!(
+            close(f.fixed_s, 0.011, 1e-12) && f.per_unit_s == 0.0,
+            "{f:?}"
+        );
         // Two sizes separate the terms: the prior no longer counts.
         m.record(64, 0, 0.002 + 64.0 * 1e-3);
         m.record(32, 0, 0.002 + 32.0 * 1e-3);
