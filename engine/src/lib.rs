@@ -28,6 +28,7 @@
 #![deny(unsafe_code)]
 
 mod constrained;
+mod cost_model;
 mod device_sampler;
 mod error;
 mod export;
@@ -46,6 +47,7 @@ mod tokenizer;
 mod weights;
 
 pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
+pub use cost_model::{CostSamples, Fit, RestoreEstimates};
 pub use error::{EngineError, ErrorClass, Result};
 pub use export::{ExportStats, MAX_PENDING_BYTES};
 pub use generate::{

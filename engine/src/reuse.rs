@@ -13,11 +13,11 @@
 //! layer layout, RoPE, and an optional salt; a model never sees another model's blocks.
 //!
 //! Restoring is not always cheaper than recomputing (a small model on a fast GPU prefills
-//! faster than a disk reads). [`KvTiers`] keeps running estimates of the prefill cost
-//! per token and the restore cost per block by tier, and cuts the restored prefix at the
-//! first SSD block whenever reading the SSD part is estimated slower than recomputing it,
-//! and at the first remote block whenever fetching from the remote tier is. The estimates
-//! are saved in the store per namespace and device, so a new process starts from them.
+//! faster than a disk reads). [`KvTiers`] keeps fits of the prefill cost and of the restore
+//! cost by tier, each with a fixed and a per-unit term (engine/src/cost_model.rs), and
+//! restores the prefix of the cached run with the largest estimated net saving (prefill
+//! time saved minus restore time). The samples are saved in the store per namespace and
+//! device, so a new process starts from them.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,9 +27,12 @@ use cache::{
     plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, KvCache, KvFormat,
     PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
 };
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
 
+use crate::cost_model::{
+    plan_restore, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan, REMOTE_PROBE_EVERY,
+};
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
@@ -148,25 +151,6 @@ pub struct ReuseReport {
     pub window_trimmed_bytes: u64,
 }
 
-/// Running cost estimates used to pick restore or recompute, saved per device.
-#[derive(Debug, Default, Clone, Serialize, Deserialize)]
-struct Costs {
-    prefill_s_per_token: Option<f64>,
-    ssd_s_per_block: Option<f64>,
-    /// Fetch and verification of one block from the remote tier (measured per chain fetch).
-    remote_s_per_block: Option<f64>,
-    /// Moving one block from host bytes to the device (assembly + transfer), whatever tier
-    /// it came from: calibrated once per device when unknown, then measured on every import.
-    #[serde(default)]
-    import_s_per_block: Option<f64>,
-    /// Requests whose remote part was cut; every [`REMOTE_PROBE_EVERY`]th fetches anyway.
-    #[serde(skip)]
-    remote_cuts: u64,
-}
-
-/// The saved cost models of one namespace: device name → estimates.
-type SavedCosts = HashMap<String, Costs>;
-
 /// At most one save of the cost model per this interval (each is an fsync'd file).
 const COSTS_SAVE_EVERY: Duration = Duration::from_secs(5);
 
@@ -181,91 +165,14 @@ fn device_name() -> String {
     format!("{device}/{backend}")
 }
 
-/// A request that would skip the remote tier fetches anyway once in this many, so the
-/// estimate sees a remote that became fast again.
-const REMOTE_PROBE_EVERY: u64 = 16;
-
-/// Which prefix of a cached run to restore.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct RestorePlan {
-    /// Blocks to load (a prefix of the run).
-    usable: usize,
-    ram_skipped: usize,
-    ssd_skipped: usize,
-    remote_skipped: usize,
-}
-
-/// Cuts the run `tiers` at the first block of a tier whose restore is estimated slower than
-/// recomputing a block: a host-RAM block costs its import to the device; an SSD block its
-/// read and import; a remote block its fetch and import (unless `probe`: the remote part
-/// is then fetched anyway, to measure it again). Without a measured SSD speed, only
-/// [`SSD_PROBE_BLOCKS`] SSD blocks are read. Without a measured prefill speed everything is
-/// restored.
-fn plan_restore(tiers: &[Tier], costs: &Costs, block_size: usize, probe: bool) -> RestorePlan {
-    let count = |from: usize, tier: Tier| tiers[from..].iter().filter(|t| **t == tier).count();
-    let mut plan = RestorePlan {
-        usable: tiers.len(),
-        ram_skipped: 0,
-        ssd_skipped: 0,
-        remote_skipped: 0,
-    };
-    // Restore only where it is estimated clearly faster: near break-even the estimates'
-    // noise would make some requests slower than recomputing.
-    let Some(recompute) = costs
-        .prefill_s_per_token
-        .map(|p| p * block_size as f64 * RESTORE_MARGIN)
-    else {
-        return plan;
-    };
-    let cut_at = |first: usize, plan: &mut RestorePlan| {
-        if first < plan.usable {
-            plan.usable = first;
-            plan.ram_skipped = count(first, Tier::Ram);
-            plan.ssd_skipped = count(first, Tier::Ssd);
-            plan.remote_skipped = count(first, Tier::Remote);
-        }
-    };
-    let cut = |tier: Tier, cost: Option<f64>, plan: &mut RestorePlan| {
-        let first = tiers.iter().position(|t| *t == tier);
-        if let (Some(first), Some(cost)) = (first, cost) {
-            if cost > recompute {
-                cut_at(first, plan);
-            }
-        }
-    };
-    let import = costs.import_s_per_block.unwrap_or(0.0);
-    cut(Tier::Ram, costs.import_s_per_block, &mut plan);
-    cut(
-        Tier::Ssd,
-        costs.ssd_s_per_block.map(|s| s + import),
-        &mut plan,
-    );
-    // An SSD block costs at least its import: when that alone loses, no probe is needed.
-    cut(Tier::Ssd, costs.import_s_per_block, &mut plan);
-    if costs.ssd_s_per_block.is_none() {
-        // No SSD speed measured yet (on this device): read a few blocks to measure it and
-        // recompute the rest, so a first SSD hit can never cost much more than recomputing.
-        if let Some(first) = tiers.iter().position(|t| *t == Tier::Ssd) {
-            cut_at(first + SSD_PROBE_BLOCKS, &mut plan);
-        }
-    }
-    if !probe {
-        cut(
-            Tier::Remote,
-            costs.remote_s_per_block.map(|r| r + import),
-            &mut plan,
-        );
-    }
-    plan
-}
-
-/// Seconds to move one block of `block_bytes` from host bytes to the device, measured on a
-/// run of blocks in one transfer, as a restore moves them: the prior of the import estimate
-/// on a device that never restored (real restores refine it). A GPU gets a 256 MiB run: MLX
-/// moves large host buffers to a CUDA device markedly slower than small ones
-/// (docs/benchmarks.md, "Device tier"); on unified memory 64 MiB is plenty.
-fn calibrate_import(block_bytes: u64) -> Option<f64> {
-    let block_bytes = block_bytes.max(1);
+/// The prior of the import estimate on a device that never restored (real restores replace
+/// it): per block, one block's bytes moved in a run of blocks in one transfer, as a restore
+/// moves each layer part; fixed, what moving one block's parts (`plane_bytes`, one transfer
+/// each) costs beyond that. A GPU gets a 256 MiB run: MLX moves large host buffers to a
+/// CUDA device markedly slower than small ones (docs/benchmarks.md, "Device tier"); on
+/// unified memory 64 MiB is plenty.
+fn calibrate_import(plane_bytes: &[u64]) -> Option<Fit> {
+    let block_bytes = plane_bytes.iter().sum::<u64>().max(1);
     let run: u64 = if mlx::gpu_available().unwrap_or(false) {
         256 << 20
     } else {
@@ -277,41 +184,46 @@ fn calibrate_import(block_bytes: u64) -> Option<f64> {
     // (untouched zero pages would read faster than any block does).
     let planes = vec![1u8; (blocks * block_bytes) as usize];
     let mut host = vec![2u8; planes.len()];
-    let mut once = || -> Option<f64> {
+    let mut run_once = || -> Option<f64> {
         let t = Instant::now();
         host.copy_from_slice(&planes);
         let a = mlx::Array::from_bytes(&host, &[host.len() as i32], mlx::Dtype::U8).ok()?;
         a.eval().ok()?;
         Some(t.elapsed().as_secs_f64())
     };
-    once()?; // the first transfer pays one-off set-up
-    Some(once()? / blocks as f64)
+    run_once()?; // the first transfer pays one-off set-up
+    let per_block = run_once()? / blocks as f64;
+    let parts: Vec<Vec<u8>> = plane_bytes
+        .iter()
+        .map(|&b| vec![3u8; b.max(1) as usize])
+        .collect();
+    let one_block = || -> Option<f64> {
+        let t = Instant::now();
+        let arrays = parts
+            .iter()
+            .map(|p| mlx::Array::from_bytes(p, &[p.len() as i32], mlx::Dtype::U8))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .ok()?;
+        mlx::eval(&arrays.iter().collect::<Vec<_>>()).ok()?;
+        Some(t.elapsed().as_secs_f64())
+    };
+    one_block()?;
+    Some(Fit {
+        fixed_s: (one_block()? - per_block).max(0.0),
+        per_unit_s: per_block,
+        per_position_s: 0.0,
+    })
 }
 
 /// Merges `costs` under `device` into the namespace's saved estimates (read, merged,
 /// written back); a failure is logged.
 fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: Costs) {
-    let mut all: SavedCosts = store
-        .costs(namespace)
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
-    all.insert(device, costs);
-    let Ok(json) = serde_json::to_vec_pretty(&all) else {
+    let Some(json) = costs.merged_into(store.costs(namespace).as_deref(), &device) else {
         return;
     };
     if let Err(e) = store.save_costs(namespace, &json) {
         tracing::warn!(error = %e, "saving the restore-or-recompute estimates failed");
     }
-}
-
-/// A tier is restored only when its estimated cost is at most this share of recomputing.
-const RESTORE_MARGIN: f64 = 0.8;
-
-/// SSD blocks read to measure the SSD's speed when no estimate exists yet.
-const SSD_PROBE_BLOCKS: usize = 4;
-
-fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
-    Some(old.map_or(new, |o| 0.7 * o + 0.3 * new))
 }
 
 /// The engine's connection to its KV tiers for one model: the device tier (resident
@@ -608,15 +520,19 @@ impl KvTiers {
         };
         let namespace = store.register_namespace(&description)?;
         let device = device_name();
-        let costs = store
+        let mut costs = store
             .costs(namespace)
-            .and_then(|b| serde_json::from_slice::<SavedCosts>(&b).ok())
-            .and_then(|mut saved| saved.remove(&device))
+            .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
-        let mut costs = costs;
-        if costs.import_s_per_block.is_none() {
-            let block_bytes: u64 = description.planes.iter().filter_map(|p| p.byte_len()).sum();
-            costs.import_s_per_block = calibrate_import(block_bytes);
+        if costs.import.is_unknown() {
+            let plane_bytes: Vec<u64> = description
+                .planes
+                .iter()
+                .filter_map(|p| p.byte_len())
+                .collect();
+            if let Some(prior) = calibrate_import(&plane_bytes) {
+                costs.import.set_prior(prior);
+            }
         }
         let resident = pinned_pool(config.kv_budget_bytes, &store);
         let store = Arc::new(store);
@@ -750,10 +666,34 @@ impl KvTiers {
         }
     }
 
-    /// The prefill cost estimate in seconds per token (this device's, saved in the store
-    /// and read back at open), if measured.
-    pub fn prefill_estimate(&self) -> Option<f64> {
-        self.costs.lock().ok()?.prefill_s_per_token
+    /// The prefill cost estimate (this device's fit of the recent prefills, saved in the
+    /// store and read back at open), if measured.
+    pub fn prefill_estimate(&self) -> Option<Fit> {
+        self.costs.lock().ok()?.prefill()
+    }
+
+    /// How many recent measurements the cost model's fits are made of, per measure.
+    pub fn cost_samples(&self) -> CostSamples {
+        self.costs.lock().map(|c| c.samples()).unwrap_or_default()
+    }
+
+    /// The device name the cost model is saved under in costs.json (MLX's default device
+    /// and backend).
+    pub fn cost_device(&self) -> &str {
+        &self.device
+    }
+
+    /// The restore cost estimates of this device: host → device import, SSD read and remote
+    /// fetch, each for n blocks, if measured.
+    pub fn restore_estimates(&self) -> RestoreEstimates {
+        let Ok(c) = self.costs.lock() else {
+            return RestoreEstimates::default();
+        };
+        RestoreEstimates {
+            import: c.import(),
+            ssd: c.ssd(),
+            remote: c.remote(),
+        }
     }
 
     /// Counters of the export thread (publications finished off the engine thread).
@@ -839,29 +779,37 @@ impl KvTiers {
         host.lookup_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut done = 0;
-        // Two rounds at most: a probe of an unmeasured SSD, then the rest by the estimate.
-        for _ in 0..2 {
+        // Three rounds at most: an unmeasured SSD is probed first, in two loads of different
+        // sizes (its first block, then the rest of the probe), so that its first samples tell
+        // its fixed cost from its per-block one; then the estimate decides about the rest.
+        let mut probe_end = None;
+        for _ in 0..3 {
             let tiers = &hit.tiers[done..];
-            let (plan, had_ssd_estimate) = if self.restore_always {
-                let all = RestorePlan {
-                    usable: tiers.len(),
-                    ram_skipped: 0,
-                    ssd_skipped: 0,
-                    remote_skipped: 0,
-                };
-                (all, true)
+            let probe_rest = probe_end.take();
+            let (mut plan, had_ssd_estimate) = if let Some(end) = probe_rest {
+                (RestorePlan::first(tiers, end - done), false)
+            } else if self.restore_always {
+                (RestorePlan::first(tiers, tiers.len()), true)
             } else {
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
-                let cut = plan_restore(tiers, &costs, bs, false);
+                let start = (first + done) * bs;
+                let cut = plan_restore(tiers, &costs, start, bs, false);
                 let probe = cut.remote_skipped > 0 && {
                     costs.remote_cuts += 1;
                     costs.remote_cuts % REMOTE_PROBE_EVERY == 0
                 };
                 (
-                    plan_restore(tiers, &costs, bs, probe),
-                    costs.ssd_s_per_block.is_some(),
+                    plan_restore(tiers, &costs, start, bs, probe),
+                    !costs.ssd.is_unknown(),
                 )
             };
+            let first_ssd = tiers[..plan.usable].iter().position(|t| *t == Tier::Ssd);
+            if let (false, None, Some(s)) = (had_ssd_estimate, probe_rest, first_ssd) {
+                if s + 1 < plan.usable {
+                    probe_end = Some(done + plan.usable);
+                    plan = RestorePlan::first(tiers, s + 1);
+                }
+            }
             host.ram_skipped = plan.ram_skipped;
             host.ssd_skipped = plan.ssd_skipped;
             host.remote_skipped = plan.remote_skipped;
@@ -882,12 +830,12 @@ impl KvTiers {
             {
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
                 if ssd > 0 {
-                    let per_block = (load_s - loaded.remote_s).max(0.0) / ssd as f64;
-                    costs.ssd_s_per_block = ewma(costs.ssd_s_per_block, per_block);
+                    costs
+                        .ssd
+                        .record(ssd, 0, (load_s - loaded.remote_s).max(0.0));
                 }
                 if remote > 0 {
-                    let per_block = loaded.remote_s / remote as f64;
-                    costs.remote_s_per_block = ewma(costs.remote_s_per_block, per_block);
+                    costs.remote.record(remote, 0, loaded.remote_s);
                 }
             }
             for (b, tier) in loaded.blocks {
@@ -996,9 +944,9 @@ impl KvTiers {
                 }
             }
             if restored_blocks > 0 {
-                let per_block = t.elapsed().as_secs_f64() / restored_blocks as f64;
+                let seconds = t.elapsed().as_secs_f64();
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
-                costs.import_s_per_block = ewma(costs.import_s_per_block, per_block);
+                costs.import.record(restored_blocks, 0, seconds);
             }
         } else {
             tiers.clear();
@@ -1101,12 +1049,12 @@ impl KvTiers {
         Ok(n)
     }
 
-    /// Records a measured prefill speed for the restore-or-recompute estimate.
-    pub fn record_prefill(&self, tokens: usize, seconds: f64) {
-        if tokens >= 16 && seconds > 0.0 {
-            if let Ok(mut c) = self.costs.lock() {
-                c.prefill_s_per_token = ewma(c.prefill_s_per_token, seconds / tokens as f64);
-            }
+    /// Records a measured prefill for the restore-or-recompute estimate: `tokens` new tokens
+    /// after `cached` ones took `seconds` (the request's fixed part included: the fit
+    /// separates it).
+    pub fn record_prefill(&self, tokens: usize, cached: usize, seconds: f64) {
+        if let Ok(mut c) = self.costs.lock() {
+            c.prefill.record(tokens, cached, seconds);
         }
     }
 
@@ -1177,140 +1125,4 @@ pub fn generate_with_reuse(
         seq.retire(p, chain, cache, &mut report)?;
     }
     Ok((generation, report))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const R: Tier = Tier::Ram;
-    const S: Tier = Tier::Ssd;
-    const N: Tier = Tier::Remote;
-
-    fn costs(prefill_per_token: f64, ssd: f64, remote: f64) -> Costs {
-        Costs {
-            prefill_s_per_token: Some(prefill_per_token),
-            ssd_s_per_block: Some(ssd),
-            remote_s_per_block: Some(remote),
-            import_s_per_block: Some(0.0),
-            remote_cuts: 0,
-        }
-    }
-
-    #[test]
-    fn a_host_to_device_transfer_slower_than_recompute_cuts_at_the_first_ram_block() {
-        // Recomputing a 16-token block: 16 ms; moving a block to the device: 20 ms.
-        let slow_import = Costs {
-            import_s_per_block: Some(20e-3),
-            ..costs(1e-3, 1e-3, 1e-3)
-        };
-        let plan = plan_restore(&[R, R, S, N], &slow_import, 16, false);
-        assert_eq!(
-            plan,
-            RestorePlan {
-                usable: 0,
-                ram_skipped: 2,
-                ssd_skipped: 1,
-                remote_skipped: 1
-            }
-        );
-        // The import counts on top of an SSD read: 10 + 10 ms > 16 ms.
-        let both = Costs {
-            import_s_per_block: Some(10e-3),
-            ..costs(1e-3, 10e-3, 1e-3)
-        };
-        assert_eq!(plan_restore(&[R, S, S], &both, 16, false).usable, 1);
-    }
-
-    #[test]
-    fn a_remote_slower_than_recompute_is_cut_at_its_first_block() {
-        let run = [R, R, S, N, N, N];
-        // Recomputing a 16-token block: 16 ms; SSD 1 ms; remote 40 ms per block.
-        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 16, false);
-        assert_eq!(
-            plan,
-            RestorePlan {
-                usable: 3,
-                ram_skipped: 0,
-                ssd_skipped: 0,
-                remote_skipped: 3
-            }
-        );
-        // A probe fetches anyway, to measure again.
-        assert_eq!(
-            plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 16, true).usable,
-            6
-        );
-    }
-
-    #[test]
-    fn a_remote_faster_than_recompute_is_restored() {
-        let run = [R, S, N, N];
-        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 2e-3), 16, false);
-        assert_eq!(plan.usable, 4);
-        assert_eq!(plan.remote_skipped, 0);
-    }
-
-    #[test]
-    fn a_slow_ssd_cut_also_skips_the_remote_blocks_after_it() {
-        let run = [R, S, S, N];
-        let plan = plan_restore(&run, &costs(1e-3, 50e-3, 2e-3), 16, false);
-        assert_eq!(
-            plan,
-            RestorePlan {
-                usable: 1,
-                ram_skipped: 0,
-                ssd_skipped: 2,
-                remote_skipped: 1
-            }
-        );
-    }
-
-    #[test]
-    fn an_unmeasured_ssd_is_probed_with_a_few_blocks_once_prefill_speed_is_known() {
-        let run = [R, R, S, S, S, S, S, S, N];
-        let no_ssd_yet = Costs {
-            ssd_s_per_block: None,
-            ..costs(1e-3, 0.0, 1e-6)
-        };
-        let plan = plan_restore(&run, &no_ssd_yet, 16, false);
-        assert_eq!(
-            plan,
-            RestorePlan {
-                usable: 2 + SSD_PROBE_BLOCKS,
-                ram_skipped: 0,
-                ssd_skipped: 6 - SSD_PROBE_BLOCKS,
-                remote_skipped: 1
-            }
-        );
-        // Once measured fast, the whole run is restored.
-        assert_eq!(
-            plan_restore(&run, &costs(1e-3, 1e-4, 1e-6), 16, false).usable,
-            9
-        );
-    }
-
-    #[test]
-    fn an_unmeasured_ssd_is_not_probed_when_the_import_alone_loses() {
-        let slow_import = Costs {
-            ssd_s_per_block: None,
-            import_s_per_block: Some(20e-3),
-            ..costs(1e-3, 0.0, 0.0)
-        };
-        assert_eq!(
-            plan_restore(&[S, S, S, S, S, S], &slow_import, 16, false).usable,
-            0
-        );
-    }
-
-    #[test]
-    fn without_measurements_everything_is_restored() {
-        let run = [S, N, N];
-        assert_eq!(plan_restore(&run, &Costs::default(), 16, false).usable, 3);
-        let no_remote_yet = Costs {
-            remote_s_per_block: None,
-            ..costs(1e-3, 1e-3, 0.0)
-        };
-        assert_eq!(plan_restore(&run, &no_remote_yet, 16, false).usable, 3);
-    }
 }

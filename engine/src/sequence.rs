@@ -332,7 +332,7 @@ impl Sequence {
         report.prefill_s = self.prefill_s;
         report.ttft_s = report.lookup_s + report.restore_s + report.prefill_s;
         if let Some(tiers) = tiers {
-            tiers.record_prefill(self.prompt.len() - self.cached, self.prefill_s);
+            tiers.record_prefill(self.prompt.len() - self.cached, self.cached, self.prefill_s);
         }
     }
 

@@ -6,6 +6,7 @@ use std::path::Path;
 use engine::{Engine, EngineConfig, KvTiers, LoadOptions, Model, Request, ReuseConfig, Tokenizer};
 use kvstore_tests::tiny_model;
 use kvstore_tests::turns::{cached, cold, params, random_tokens, rng};
+use rand::rngs::StdRng;
 use store::StoreConfig;
 
 fn load(path: &Path) -> (Model, Tokenizer) {
@@ -34,22 +35,29 @@ fn host_only(dir: &Path, block_size: usize) -> ReuseConfig {
     }
 }
 
+/// Turn 1 (77 random tokens), its greedy reply served cold (20 tokens), and turn 2: turn 1,
+/// the reply and 29 new random tokens.
+fn two_turns(r: &mut StdRng, model: &Model, tok: &Tokenizer) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let turn1 = random_tokens(r, 77, 320);
+    let out1 = cold(model, tok, &turn1, 20);
+    let turn2 = turn1
+        .iter()
+        .chain(&out1)
+        .copied()
+        .chain(random_tokens(r, 29, 320))
+        .collect();
+    (turn1, out1, turn2)
+}
+
 #[test]
 fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     let mut r = rng("restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output");
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1_cold = cold(&model, &tok, &turn1, 20);
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1_cold)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
+    let (turn1, out1_cold, turn2) = two_turns(&mut r, &model, &tok);
     let out2_cold = cold(&model, &tok, &turn2, 20);
 
-    let saved_estimate;
+    let (saved_estimate, saved_restore);
     {
         let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
         let (out1, rep1) = cached(&model, &tok, &pc, &turn1, 20);
@@ -71,9 +79,12 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
         pc.flush().unwrap();
         saved_estimate = pc.prefill_estimate();
         assert!(
-            saved_estimate.is_some_and(|s| s > 0.0),
+            saved_estimate.is_some_and(|f| f.seconds(512, 0) > 0.0),
             "{saved_estimate:?}"
         );
+        // Turn 2's restore from RAM was measured: the import fit is no longer the prior.
+        saved_restore = pc.restore_estimates();
+        assert!(saved_restore.import.is_some(), "{saved_restore:?}");
         // Both publications were finished by the export thread, every block inserted.
         let st = pc.export_stats();
         assert_eq!(
@@ -87,11 +98,93 @@ fn restored_prefixes_from_ram_and_from_ssd_after_a_restart_match_cold_output() {
     // flush) is read back.
     let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
     assert_eq!(pc.prefill_estimate(), saved_estimate);
+    assert_eq!(pc.restore_estimates(), saved_restore);
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, out2_cold, "SSD-restored prefix changed the output");
     assert!(rep.cached_ssd_tokens >= 96, "{rep:?}");
     assert_eq!(rep.cached_ram_tokens + rep.cached_device_tokens, 0);
     assert!(rep.stopped.is_none(), "{rep:?}");
+}
+
+#[test]
+fn a_cost_file_of_per_unit_estimates_loads_as_priors_and_a_corrupt_one_is_ignored() {
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    let device = pc.cost_device().to_string();
+    // What the cost model wrote before its fits: one per-unit number per measure.
+    let old = format!(
+        r#"{{"{device}": {{"prefill_s_per_token": 0.00025, "ssd_s_per_block": 0.001,
+            "remote_s_per_block": null, "import_s_per_block": 0.0005}}}}"#
+    );
+    pc.store()
+        .save_costs(pc.namespace(), old.as_bytes())
+        .unwrap();
+    drop(pc);
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    let per_unit = |s: f64| engine::Fit {
+        per_unit_s: s,
+        ..engine::Fit::default()
+    };
+    assert_eq!(pc.prefill_estimate(), Some(per_unit(0.00025)));
+    let restore = pc.restore_estimates();
+    assert_eq!(restore.ssd, Some(per_unit(0.001)));
+    assert_eq!(restore.import, Some(per_unit(0.0005)));
+    assert_eq!(restore.remote, None);
+    pc.store()
+        .save_costs(pc.namespace(), b"{\"truncated\": {\"prefill\": [")
+        .unwrap();
+    drop(pc);
+    // A corrupt file: the cache opens, with no prefill estimate (the import is calibrated).
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert_eq!(pc.prefill_estimate(), None);
+    assert_eq!(pc.restore_estimates().ssd, None);
+    // It still serves, and its next save replaces the file with a readable one.
+    let prompt: Vec<u32> = (0..40).map(|i| i % 300 + 3).collect();
+    let (out, _) = cached(&model, &tok, &pc, &prompt, 4);
+    assert_eq!(out, cold(&model, &tok, &prompt, 4));
+    pc.flush().unwrap();
+    let estimate = pc.prefill_estimate();
+    assert!(estimate.is_some());
+    drop(pc);
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert_eq!(pc.prefill_estimate(), estimate);
+}
+
+#[test]
+fn an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes_then_restored_by_the_fit() {
+    let mut r = rng("an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes");
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let (turn1, _, turn2) = two_turns(&mut r, &model, &tok);
+    let estimates = |cfg: ReuseConfig| ReuseConfig {
+        restore_always: false,
+        ..cfg
+    };
+    {
+        let pc = KvTiers::open(&model, &tok, estimates(host_only(dir.path(), 8))).unwrap();
+        assert_eq!(cached(&model, &tok, &pc, &turn1, 20).1.published_blocks, 12);
+        pc.flush().unwrap();
+        // Recomputing made absurdly dear (1 s per token) and a free import, so that the
+        // plan restores all it may whatever this machine's timings; no SSD estimate.
+        let device = pc.cost_device().to_string();
+        let costs =
+            format!(r#"{{"{device}": {{"prefill_s_per_token": 1.0, "import_s_per_block": 0.0}}}}"#);
+        pc.store()
+            .save_costs(pc.namespace(), costs.as_bytes())
+            .unwrap();
+    }
+    let pc = KvTiers::open(&model, &tok, estimates(host_only(dir.path(), 8))).unwrap();
+    assert_eq!(pc.cost_samples().ssd, 0);
+    let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
+    assert_eq!(out2, cold(&model, &tok, &turn2, 20));
+    // The 12 SSD blocks came in three loads: the probe's first block, the probe's other 3
+    // (two sizes: the fit separates the SSD's fixed cost from its per-block cost), then the
+    // 8 the fit found worth reading.
+    assert_eq!(rep.cached_ssd_tokens, 96, "{rep:?}");
+    assert_eq!(rep.ssd_blocks_skipped, 0, "{rep:?}");
+    assert_eq!(pc.cost_samples().ssd, 3);
+    assert!(pc.restore_estimates().ssd.is_some());
 }
 
 #[test]
@@ -101,17 +194,10 @@ fn device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
     let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1 = cold(&model, &tok, &turn1, 20);
+    let (turn1, out1, turn2) = two_turns(&mut r, &model, &tok);
     assert_eq!(cached(&model, &tok, &pc, &turn1, 20).0, out1);
     // Turn 2 extends everything turn 1 held (77 prompt + 19 generated tokens it forwarded):
     // the sequence's arenas are handed over, the partial block included.
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(
         out2,
@@ -291,19 +377,12 @@ fn the_io_thread_loads_a_queued_requests_ssd_prefix_and_the_output_matches_cold(
     let path = tiny_model("tiny-llama");
     let (model, tok) = load(&path);
     let dir = tempfile::tempdir().unwrap();
-    let turn1 = random_tokens(&mut r, 77, 320);
-    let out1 = cold(&model, &tok, &turn1, 20);
+    let (turn1, _, turn2) = two_turns(&mut r, &model, &tok);
     {
         let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
         cached(&model, &tok, &pc, &turn1, 20);
         pc.flush().unwrap();
     }
-    let turn2: Vec<u32> = turn1
-        .iter()
-        .chain(&out1)
-        .copied()
-        .chain(random_tokens(&mut r, 29, 320))
-        .collect();
     let serve = |prefix: Option<KvTiers>| {
         let (model, tok) = load(&path);
         let engine = Engine::open(model, tok, prefix, EngineConfig::default()).unwrap();
