@@ -14,6 +14,11 @@ use std::cell::RefCell;
 /// ordinary buffer of its own, freed afterwards.
 const KEEP_BYTES: usize = 256 << 20;
 
+/// A thread's first buffer has at least this size: a conversation's restores grow from a
+/// few blocks to hundreds of megabytes, and each growth of a page-locked buffer costs a
+/// driver allocation that its restore pays (noise in the restore's cost samples).
+const FIRST_BYTES: usize = 16 << 20;
+
 enum Scratch {
     Heap(Vec<u8>),
     Pinned(mlx::PinnedBuffer),
@@ -52,7 +57,7 @@ fn kept(slot: &mut Option<Scratch>, len: usize) -> Option<&mut [u8]> {
     let big_enough = slot.as_mut().is_some_and(|s| s.bytes().len() >= len);
     if !big_enough {
         let have = slot.as_mut().map_or(0, |s| s.bytes().len());
-        let want = len.max(have + have / 2).min(KEEP_BYTES);
+        let want = len.max(have + have / 2).max(FIRST_BYTES).min(KEEP_BYTES);
         *slot = Some(Scratch::with_len(want));
     }
     slot.as_mut().map(|s| &mut s.bytes()[..len])

@@ -25,9 +25,10 @@ pub(crate) const RESTORE_MARGIN: f64 = 0.8;
 /// SSD blocks read to measure the SSD's speed when no estimate exists yet.
 pub(crate) const SSD_PROBE_BLOCKS: usize = 4;
 
-/// A request that would skip the remote tier fetches anyway once in this many, so the
-/// estimate sees a remote that became fast again.
-pub(crate) const REMOTE_PROBE_EVERY: u64 = 16;
+/// A request whose plan cuts the cached run restores all of it anyway once in this many,
+/// so the estimates of the tiers it stopped restoring from are measured again (a first
+/// restore that paid one-off costs, a remote that became fast again).
+pub(crate) const PROBE_EVERY: u64 = 16;
 
 /// A fitted cost: `seconds = fixed_s + per_unit_s · n + per_position_s · (n·c + n²/2)` for
 /// `n` units (tokens or blocks) after `c` cached tokens. The last term is prefill's
@@ -310,8 +311,8 @@ pub(crate) struct Costs {
     pub(crate) ssd: Measure,
     /// Fetching and verifying n blocks from the remote tier.
     pub(crate) remote: Measure,
-    /// Requests whose remote part was cut; every [`REMOTE_PROBE_EVERY`]th fetches anyway.
-    pub(crate) remote_cuts: u64,
+    /// Requests whose cached run was cut; every [`PROBE_EVERY`]th restores all of it.
+    pub(crate) cuts: u64,
 }
 
 impl Costs {
@@ -408,7 +409,7 @@ impl From<CostsFile> for Costs {
             import: measure(f.import, f.import_s_per_block),
             ssd: measure(f.ssd, f.ssd_s_per_block),
             remote: measure(f.remote, f.remote_s_per_block),
-            remote_cuts: 0,
+            cuts: 0,
         }
     }
 }
@@ -467,14 +468,13 @@ pub(crate) fn plan_restore(
     costs: &Costs,
     start: usize,
     block_size: usize,
-    probe: bool,
 ) -> RestorePlan {
     let Some(prefill) = costs.prefill() else {
         return RestorePlan::first(tiers, tiers.len());
     };
     let import = costs.import();
     let ssd = costs.ssd();
-    let remote = costs.remote().filter(|_| !probe);
+    let remote = costs.remote();
     let tier_cost = |fit: Option<Fit>, blocks: usize| match (fit, blocks) {
         (Some(f), 1..) => f.seconds(blocks, 0),
         _ => 0.0,
@@ -506,6 +506,27 @@ pub(crate) fn plan_restore(
     RestorePlan::first(tiers, usable)
 }
 
+/// [`plan_restore`], except that every [`PROBE_EVERY`]th request whose run it cuts restores
+/// the whole run: a tier the plan stopped restoring from gets no new samples otherwise, so
+/// one misleading sample (a first restore that paid one-off costs) or a tier that became
+/// faster would keep it cut for good. A probe costs at most what the estimates misjudge, on
+/// one cut request in sixteen.
+pub(crate) fn plan_with_probes(
+    tiers: &[Tier],
+    costs: &mut Costs,
+    start: usize,
+    block_size: usize,
+) -> RestorePlan {
+    let plan = plan_restore(tiers, costs, start, block_size);
+    if plan.usable < tiers.len() {
+        costs.cuts += 1;
+        if costs.cuts % PROBE_EVERY == 0 {
+            return RestorePlan::first(tiers, tiers.len());
+        }
+    }
+    plan
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -529,7 +550,7 @@ mod tests {
             import: measure(Some(Fit::default())),
             ssd: measure(Some(Fit::per_unit(ssd))),
             remote: measure(Some(Fit::per_unit(remote))),
-            remote_cuts: 0,
+            cuts: 0,
         }
     }
 
@@ -705,10 +726,10 @@ mod tests {
         // fixed (a transfer per layer part), 0.1 ms per block.
         let mut c = costs(30e-6, 0.0, 0.0);
         c.import.set_prior(fit(0.01, 1e-4));
-        let small = plan_restore(&[R; 8], &c, 0, 32, false);
+        let small = plan_restore(&[R; 8], &c, 0, 32);
         assert_eq!(small, RestorePlan::first(&[R; 8], 0));
         assert_eq!(small.ram_skipped, 8);
-        let long = plan_restore(&[R; 64], &c, 0, 32, false);
+        let long = plan_restore(&[R; 64], &c, 0, 32);
         assert_eq!(long.usable, 64);
     }
 
@@ -720,7 +741,7 @@ mod tests {
         c.import.set_prior(fit(1e-4, 1e-5));
         c.ssd.set_prior(fit(0.05, 5e-4));
         let run: Vec<Tier> = [[R; 10].as_slice(), &[S; 20]].concat();
-        let plan = plan_restore(&run, &c, 0, 32, false);
+        let plan = plan_restore(&run, &c, 0, 32);
         assert_eq!(
             plan,
             RestorePlan {
@@ -732,7 +753,7 @@ mod tests {
         );
         // 400 SSD blocks save ~390 ms and cost ~250: restored.
         let run: Vec<Tier> = [[R; 10].as_slice(), &[S; 400]].concat();
-        assert_eq!(plan_restore(&run, &c, 0, 32, false).usable, 410);
+        assert_eq!(plan_restore(&run, &c, 0, 32).usable, 410);
     }
 
     #[test]
@@ -746,8 +767,8 @@ mod tests {
             per_unit_s: 10e-6,
             per_position_s: 10e-9,
         });
-        assert_eq!(plan_restore(&[S; 8], &c, 0, 32, false).usable, 0);
-        assert_eq!(plan_restore(&[S; 8], &c, 8192, 32, false).usable, 8);
+        assert_eq!(plan_restore(&[S; 8], &c, 0, 32).usable, 0);
+        assert_eq!(plan_restore(&[S; 8], &c, 8192, 32).usable, 8);
     }
 
     #[test]
@@ -755,7 +776,7 @@ mod tests {
         // Recomputing a 16-token block: 16 ms; moving a block to the device: 20 ms.
         let mut slow_import = costs(1e-3, 1e-3, 1e-3);
         slow_import.import.set_prior(Fit::per_unit(20e-3));
-        let plan = plan_restore(&[R, R, S, N], &slow_import, 0, 16, false);
+        let plan = plan_restore(&[R, R, S, N], &slow_import, 0, 16);
         assert_eq!(
             plan,
             RestorePlan {
@@ -768,14 +789,14 @@ mod tests {
         // The import counts on top of an SSD read: 10 + 10 ms > 0.8 × 16 ms.
         let mut both = costs(1e-3, 10e-3, 1e-3);
         both.import.set_prior(Fit::per_unit(10e-3));
-        assert_eq!(plan_restore(&[R, S, S], &both, 0, 16, false).usable, 1);
+        assert_eq!(plan_restore(&[R, S, S], &both, 0, 16).usable, 1);
     }
 
     #[test]
     fn a_remote_slower_than_recompute_is_cut_at_its_first_block() {
         let run = [R, R, S, N, N, N];
         // Recomputing a 16-token block: 16 ms; SSD 1 ms; remote 40 ms per block.
-        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 0, 16, false);
+        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 0, 16);
         assert_eq!(
             plan,
             RestorePlan {
@@ -785,17 +806,26 @@ mod tests {
                 remote_skipped: 3
             }
         );
-        // A probe fetches anyway, to measure again.
-        assert_eq!(
-            plan_restore(&run, &costs(1e-3, 1e-3, 40e-3), 0, 16, true).usable,
-            6
-        );
+        // Every 16th request that is cut restores everything anyway, to measure again;
+        // requests restored whole are not counted.
+        let mut c = costs(1e-3, 1e-3, 40e-3);
+        let got: Vec<usize> = (0..32)
+            .map(|_| plan_with_probes(&run, &mut c, 0, 16).usable)
+            .collect();
+        let probes: Vec<usize> = (0..32).filter(|&i| got[i] == 6).collect();
+        assert_eq!(probes, vec![15, 31]);
+        assert!(got.iter().all(|&u| u == 3 || u == 6));
+        let mut fast = costs(1e-3, 1e-3, 2e-3);
+        for _ in 0..20 {
+            assert_eq!(plan_with_probes(&[R, N], &mut fast, 0, 16).usable, 2);
+        }
+        assert_eq!(fast.cuts, 0);
     }
 
     #[test]
     fn a_remote_faster_than_recompute_is_restored() {
         let run = [R, S, N, N];
-        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 2e-3), 0, 16, false);
+        let plan = plan_restore(&run, &costs(1e-3, 1e-3, 2e-3), 0, 16);
         assert_eq!(plan.usable, 4);
         assert_eq!(plan.remote_skipped, 0);
     }
@@ -803,7 +833,7 @@ mod tests {
     #[test]
     fn a_slow_ssd_cut_also_skips_the_remote_blocks_after_it() {
         let run = [R, S, S, N];
-        let plan = plan_restore(&run, &costs(1e-3, 50e-3, 2e-3), 0, 16, false);
+        let plan = plan_restore(&run, &costs(1e-3, 50e-3, 2e-3), 0, 16);
         assert_eq!(
             plan,
             RestorePlan {
@@ -820,7 +850,7 @@ mod tests {
         let run = [R, R, S, S, S, S, S, S, N];
         let mut no_ssd_yet = costs(1e-3, 0.0, 1e-6);
         no_ssd_yet.ssd = Measure::default();
-        let plan = plan_restore(&run, &no_ssd_yet, 0, 16, false);
+        let plan = plan_restore(&run, &no_ssd_yet, 0, 16);
         assert_eq!(
             plan,
             RestorePlan {
@@ -832,7 +862,7 @@ mod tests {
         );
         // Once measured fast, the whole run is restored.
         assert_eq!(
-            plan_restore(&run, &costs(1e-3, 1e-4, 1e-6), 0, 16, false).usable,
+            plan_restore(&run, &costs(1e-3, 1e-4, 1e-6), 0, 16).usable,
             9
         );
     }
@@ -843,7 +873,7 @@ mod tests {
         slow_import.ssd = Measure::default();
         slow_import.import.set_prior(Fit::per_unit(20e-3));
         assert_eq!(
-            plan_restore(&[S, S, S, S, S, S], &slow_import, 0, 16, false).usable,
+            plan_restore(&[S, S, S, S, S, S], &slow_import, 0, 16).usable,
             0
         );
     }
@@ -851,13 +881,10 @@ mod tests {
     #[test]
     fn without_measurements_everything_is_restored() {
         let run = [S, N, N];
-        assert_eq!(
-            plan_restore(&run, &Costs::default(), 0, 16, false).usable,
-            3
-        );
+        assert_eq!(plan_restore(&run, &Costs::default(), 0, 16).usable, 3);
         let mut no_remote_yet = costs(1e-3, 1e-3, 0.0);
         no_remote_yet.remote = Measure::default();
-        assert_eq!(plan_restore(&run, &no_remote_yet, 0, 16, false).usable, 3);
+        assert_eq!(plan_restore(&run, &no_remote_yet, 0, 16).usable, 3);
     }
 
     #[test]

@@ -30,9 +30,7 @@ use cache::{
 use serde::Serialize;
 use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
 
-use crate::cost_model::{
-    plan_restore, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan, REMOTE_PROBE_EVERY,
-};
+use crate::cost_model::{plan_with_probes, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan};
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
@@ -793,15 +791,8 @@ impl KvTiers {
             } else {
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
                 let start = (first + done) * bs;
-                let cut = plan_restore(tiers, &costs, start, bs, false);
-                let probe = cut.remote_skipped > 0 && {
-                    costs.remote_cuts += 1;
-                    costs.remote_cuts % REMOTE_PROBE_EVERY == 0
-                };
-                (
-                    plan_restore(tiers, &costs, start, bs, probe),
-                    !costs.ssd.is_unknown(),
-                )
+                let plan = plan_with_probes(tiers, &mut costs, start, bs);
+                (plan, !costs.ssd.is_unknown())
             };
             let first_ssd = tiers[..plan.usable].iter().position(|t| *t == Tier::Ssd);
             if let (false, None, Some(s)) = (had_ssd_estimate, probe_rest, first_ssd) {
