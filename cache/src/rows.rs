@@ -39,14 +39,13 @@ impl std::fmt::Debug for PagedKvRows {
 }
 
 impl PagedKvRows {
-    /// An empty batch, with the batch arena on where MLX computes on a GPU (there a step's
-    /// per-row attention calls cost more in launches than in arithmetic; on the CPU they
-    /// do not, and each row attends over its own cache).
+    /// An empty batch, its rows attending over their own caches: the batch arena is off
+    /// unless [`PagedKvRows::set_batch_arena`] turns it on. It saves GPU launches every
+    /// step, but serving mixed lengths it joined, left and fell back so often that it cost
+    /// `bench serve` on the H200 about 40 % of its throughput (docs/benchmarks.md, session
+    /// 8); on the CPU per-row attention is as fast.
     pub fn new() -> Self {
-        PagedKvRows {
-            use_arena: matches!(mlx::default_device(), Ok(mlx::Device::Gpu)),
-            ..Self::default()
-        }
+        Self::default()
     }
 
     /// Turns the batch arena on or off (tests run it on the CPU; the numbers differ from

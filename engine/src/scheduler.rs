@@ -67,8 +67,8 @@ pub struct EngineConfig {
     /// Engine steps kept in [`Engine::step_log`] (the most recent; 0 keeps none). Default: 0.
     pub step_log: usize,
     /// Whether the decode batch may keep its KV in a batch arena (docs/cache.md): `None`
-    /// follows `KVSTORE_BATCH_ARENA` (`0` off, `1` on) when set, else the device (on a GPU,
-    /// off on the CPU). A switch to compare both on one machine. Default: None.
+    /// follows `KVSTORE_BATCH_ARENA` (`0` off, `1` on) when set, else off (it lost
+    /// throughput serving on the H200: docs/benchmarks.md, session 8). Default: None.
     pub batch_arena: Option<bool>,
 }
 
