@@ -57,7 +57,7 @@ fn kept(slot: &mut Option<Scratch>, len: usize) -> Option<&mut [u8]> {
     let big_enough = slot.as_mut().is_some_and(|s| s.bytes().len() >= len);
     if !big_enough {
         let have = slot.as_mut().map_or(0, |s| s.bytes().len());
-        let want = len.max(have + have / 2).max(FIRST_BYTES).min(KEEP_BYTES);
+        let want = len.max(have + have / 2).clamp(FIRST_BYTES, KEEP_BYTES);
         *slot = Some(Scratch::with_len(want));
     }
     slot.as_mut().map(|s| &mut s.bytes()[..len])

@@ -520,7 +520,7 @@ pub(crate) fn plan_with_probes(
     let plan = plan_restore(tiers, costs, start, block_size);
     if plan.usable < tiers.len() {
         costs.cuts += 1;
-        if costs.cuts % PROBE_EVERY == 0 {
+        if costs.cuts.is_multiple_of(PROBE_EVERY) {
             return RestorePlan::first(tiers, tiers.len());
         }
     }

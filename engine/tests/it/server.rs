@@ -348,15 +348,7 @@ fn a_batch_mixing_plain_greedy_rows_with_a_logprobs_row_gives_each_its_output_al
     .collect();
     bodies[1]["logprobs"] = json!(true);
     bodies[1]["top_logprobs"] = json!(2);
-    let handles: Vec<_> = bodies
-        .iter()
-        .cloned()
-        .map(|b| {
-            let srv = srv.clone();
-            std::thread::spawn(move || srv.post("/v1/chat/completions", &b))
-        })
-        .collect();
-    let got: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let got = post_all(&srv, &bodies);
     for (b, r) in bodies.iter().zip(&got) {
         assert_eq!(r.status, 200, "{}", r.body);
         let choice = &r.json()["choices"][0];
@@ -371,11 +363,8 @@ fn a_batch_mixing_plain_greedy_rows_with_a_logprobs_row_gives_each_its_output_al
     );
 }
 
-/// Sends every question at once and checks each answer against the same request run
-/// alone, and that the requests shared decode steps.
-fn each_client_gets_its_greedy_output_alone(config: EngineConfig, questions: &[&str]) {
-    let srv = Arc::new(Server::start(None, config));
-    let bodies: Vec<Value> = questions.iter().map(|q| chat(q, 12)).collect();
+/// Posts every chat body at once, each from its own thread; the responses in order.
+fn post_all(srv: &Arc<Server>, bodies: &[Value]) -> Vec<Response> {
     let handles: Vec<_> = bodies
         .iter()
         .cloned()
@@ -384,7 +373,15 @@ fn each_client_gets_its_greedy_output_alone(config: EngineConfig, questions: &[&
             std::thread::spawn(move || srv.post("/v1/chat/completions", &b))
         })
         .collect();
-    let got: Vec<Response> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Sends every question at once and checks each answer against the same request run
+/// alone, and that the requests shared decode steps.
+fn each_client_gets_its_greedy_output_alone(config: EngineConfig, questions: &[&str]) {
+    let srv = Arc::new(Server::start(None, config));
+    let bodies: Vec<Value> = questions.iter().map(|q| chat(q, 12)).collect();
+    let got = post_all(&srv, &bodies);
     for (b, r) in bodies.iter().zip(&got) {
         assert_eq!(r.status, 200, "{}", r.body);
         let want = alone(b);
