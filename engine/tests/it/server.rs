@@ -33,6 +33,9 @@ fn open_salted_engine(
         store: StoreConfig::default().root(dir),
         block_size: 8,
         salt: salt.map(String::from),
+        // What these tests check is what a restore reports, not the restore-or-recompute
+        // choice, which on a tiny model is near break-even and so depends on the load.
+        restore_always: true,
         ..ReuseConfig::default()
     };
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
@@ -1746,6 +1749,9 @@ fn scripted_server_of(model: &str, script: &[&str]) -> Server {
     let reuse = ReuseConfig {
         store: StoreConfig::default().root(dir.path()),
         block_size: 8,
+        // What these tests check is what a restore reports, not the restore-or-recompute
+        // choice, which on a tiny model is near break-even and so depends on the load.
+        restore_always: true,
         ..ReuseConfig::default()
     };
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
@@ -2259,6 +2265,9 @@ fn tool_writing_server() -> (Server, Value) {
     let reuse = ReuseConfig {
         store: StoreConfig::default().root(store.path()),
         block_size: 8,
+        // What these tests check is what a restore reports, not the restore-or-recompute
+        // choice, which on a tiny model is near break-even and so depends on the load.
+        restore_always: true,
         ..ReuseConfig::default()
     };
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
@@ -2379,6 +2388,9 @@ fn roomy_server() -> Server {
     let reuse = ReuseConfig {
         store: StoreConfig::default().root(dir.path().join("store")),
         block_size: 8,
+        // What these tests check is what a restore reports, not the restore-or-recompute
+        // choice, which on a tiny model is near break-even and so depends on the load.
+        restore_always: true,
         ..ReuseConfig::default()
     };
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
