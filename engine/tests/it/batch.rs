@@ -3,9 +3,8 @@
 use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
 use engine::{
     argmax, greedy_ids, load, Engine, EngineConfig, GenerateParams, KvTiers, LoadOptions, Model,
-    Request, ReuseConfig, DEFAULT_PREFILL_CHUNK,
+    Request, DEFAULT_PREFILL_CHUNK,
 };
-use store::StoreConfig;
 
 use crate::common::{goldens, logit_tol, near_tie};
 
@@ -366,14 +365,7 @@ fn an_engine_with_a_batch_arena_keeps_its_device_kv_within_the_kv_budget() {
     let (model, tok) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
     let kv = model.info().kv;
     let per_token = (kv.layers * 2 * kv.kv_heads * kv.head_dim * kv.dtype.size()) as u64;
-    let reuse = ReuseConfig {
-        store: StoreConfig::default().root(dir.path()),
-        block_size: 8,
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..ReuseConfig::default()
-    };
+    let reuse = crate::common::reuse_config(dir.path(), 8);
     let tiers = KvTiers::open(&model, &tok, reuse).unwrap();
     // Three live reservations and one resident sequence.
     let budget = 4 * 128 * per_token;

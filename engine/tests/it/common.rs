@@ -212,3 +212,19 @@ pub fn no_eos(max_tokens: usize) -> GenerateParams {
         ..GenerateParams::default()
     }
 }
+
+/// The prefix tiers of the engine tests: a store at `root`, blocks of `block_size` tokens,
+/// every cached block restored. What these tests check is what a restore reports, not the
+/// restore-or-recompute choice (tested in engine/src/cost_model.rs), which on a tiny model
+/// is near break-even and so follows the machine's load.
+pub(crate) fn reuse_config(
+    root: impl AsRef<std::path::Path>,
+    block_size: usize,
+) -> engine::ReuseConfig {
+    engine::ReuseConfig {
+        store: store::StoreConfig::default().root(root.as_ref()),
+        block_size,
+        restore_always: true,
+        ..engine::ReuseConfig::default()
+    }
+}

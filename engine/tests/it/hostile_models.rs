@@ -182,14 +182,7 @@ fn a_store_whose_parent_is_not_writable_says_why_not_that_it_does_not_exist() {
         std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o555)).unwrap();
     }
     let (model, tok) = load(&goldens().join("tiny-qwen3"), &LoadOptions::default()).unwrap();
-    let reuse = engine::ReuseConfig {
-        store: store::StoreConfig::default().root(parent.join("store")),
-        block_size: 8,
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..engine::ReuseConfig::default()
-    };
+    let reuse = crate::common::reuse_config(parent.join("store"), 8);
     let result = engine::KvTiers::open(&model, &tok, reuse);
     if mounted {
         let _ = Command::new("umount").arg(&parent).status();

@@ -7,9 +7,8 @@
 use std::sync::Arc;
 
 use engine::{load, Completion, Engine, EngineConfig, Event, GenerateParams, KvTiers};
-use engine::{LoadOptions, Request, ReuseConfig, Tokenizer};
+use engine::{LoadOptions, Request, Tokenizer};
 use serde_json::{json, Value};
-use store::StoreConfig;
 
 const BLOCK: usize = 8;
 
@@ -22,14 +21,7 @@ fn session() -> Session {
     let dir = tempfile::tempdir().unwrap();
     let model_dir = crate::common::roomy_tiny_model("tiny-qwen3", dir.path());
     let (model, tok) = load(&model_dir, &LoadOptions::default()).unwrap();
-    let reuse = ReuseConfig {
-        store: StoreConfig::default().root(dir.path().join("store")),
-        block_size: BLOCK,
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..ReuseConfig::default()
-    };
+    let reuse = crate::common::reuse_config(dir.path().join("store"), BLOCK);
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     Session { engine, _dir: dir }

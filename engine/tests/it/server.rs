@@ -12,7 +12,6 @@ use engine::{
     KvTiers, LoadOptions, Request, ReuseConfig, SubmitError,
 };
 use serde_json::{json, Value};
-use store::StoreConfig;
 
 use crate::common::goldens;
 
@@ -30,13 +29,8 @@ fn open_salted_engine(
 ) -> Arc<Engine> {
     let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
     let reuse = ReuseConfig {
-        store: StoreConfig::default().root(dir),
-        block_size: 8,
         salt: salt.map(String::from),
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..ReuseConfig::default()
+        ..crate::common::reuse_config(dir, 8)
     };
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     Arc::new(Engine::open(model, tok, Some(prefix), config).unwrap())
@@ -1746,14 +1740,7 @@ pub(crate) fn scripted_server(script: &[&str]) -> Server {
 fn scripted_server_of(model: &str, script: &[&str]) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let (model, tok) = load(&goldens().join(model), &LoadOptions::default()).unwrap();
-    let reuse = ReuseConfig {
-        store: StoreConfig::default().root(dir.path()),
-        block_size: 8,
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..ReuseConfig::default()
-    };
+    let reuse = crate::common::reuse_config(dir.path(), 8);
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     let script = script.iter().map(|s| s.to_string()).collect();
@@ -2262,14 +2249,7 @@ fn tool_writing_server() -> (Server, Value) {
     let first = tool_writing_model(model_dir.path());
     let store = tempfile::tempdir().unwrap();
     let (model, tok) = load(model_dir.path(), &LoadOptions::default()).unwrap();
-    let reuse = ReuseConfig {
-        store: StoreConfig::default().root(store.path()),
-        block_size: 8,
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..ReuseConfig::default()
-    };
+    let reuse = crate::common::reuse_config(store.path(), 8);
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     let mut srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
@@ -2385,14 +2365,7 @@ fn roomy_server() -> Server {
     let dir = tempfile::tempdir().unwrap();
     let model_dir = crate::common::roomy_tiny_model(MODEL, dir.path());
     let (model, tok) = load(&model_dir, &LoadOptions::default()).unwrap();
-    let reuse = ReuseConfig {
-        store: StoreConfig::default().root(dir.path().join("store")),
-        block_size: 8,
-        // What these tests check is what a restore reports, not the restore-or-recompute
-        // choice, which on a tiny model is near break-even and so depends on the load.
-        restore_always: true,
-        ..ReuseConfig::default()
-    };
+    let reuse = crate::common::reuse_config(dir.path().join("store"), 8);
     let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Arc::new(Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap());
     let mut srv = Server::serve(engine, server_config(None), ConnectionLimits::default());
