@@ -163,56 +163,6 @@ fn device_name() -> String {
     format!("{device}/{backend}")
 }
 
-/// The prior of the import estimate on a device that never restored (real restores replace
-/// it): per block, one block's bytes moved in a run of blocks in one transfer, as a restore
-/// moves each layer part; fixed, what moving one block's parts (`plane_bytes`, one transfer
-/// each) costs beyond that. A GPU gets a 256 MiB run: MLX moves large host buffers to a
-/// CUDA device markedly slower than small ones (docs/benchmarks.md, "Device tier"); on
-/// unified memory 64 MiB is plenty.
-fn calibrate_import(plane_bytes: &[u64]) -> Option<Fit> {
-    let block_bytes = plane_bytes.iter().sum::<u64>().max(1);
-    let run: u64 = if mlx::gpu_available().unwrap_or(false) {
-        256 << 20
-    } else {
-        64 << 20
-    };
-    let blocks = (run / block_bytes).clamp(1, 1024);
-    // What a restore does per block: copy the block's planes into the run's host buffer
-    // (cache/src/host.rs), then move that buffer to the device. Real bytes on both sides
-    // (untouched zero pages would read faster than any block does).
-    let planes = vec![1u8; (blocks * block_bytes) as usize];
-    let mut host = vec![2u8; planes.len()];
-    let mut run_once = || -> Option<f64> {
-        let t = Instant::now();
-        host.copy_from_slice(&planes);
-        let a = mlx::Array::from_bytes(&host, &[host.len() as i32], mlx::Dtype::U8).ok()?;
-        a.eval().ok()?;
-        Some(t.elapsed().as_secs_f64())
-    };
-    run_once()?; // the first transfer pays one-off set-up
-    let per_block = run_once()? / blocks as f64;
-    let parts: Vec<Vec<u8>> = plane_bytes
-        .iter()
-        .map(|&b| vec![3u8; b.max(1) as usize])
-        .collect();
-    let one_block = || -> Option<f64> {
-        let t = Instant::now();
-        let arrays = parts
-            .iter()
-            .map(|p| mlx::Array::from_bytes(p, &[p.len() as i32], mlx::Dtype::U8))
-            .collect::<std::result::Result<Vec<_>, _>>()
-            .ok()?;
-        mlx::eval(&arrays.iter().collect::<Vec<_>>()).ok()?;
-        Some(t.elapsed().as_secs_f64())
-    };
-    one_block()?;
-    Some(Fit {
-        fixed_s: (one_block()? - per_block).max(0.0),
-        per_unit_s: per_block,
-        per_position_s: 0.0,
-    })
-}
-
 /// Merges `costs` under `device` into the namespace's saved estimates (read, merged,
 /// written back); a failure is logged.
 fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: Costs) {
@@ -518,20 +468,10 @@ impl KvTiers {
         };
         let namespace = store.register_namespace(&description)?;
         let device = device_name();
-        let mut costs = store
+        let costs = store
             .costs(namespace)
             .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
-        if costs.import.is_unknown() {
-            let plane_bytes: Vec<u64> = description
-                .planes
-                .iter()
-                .filter_map(|p| p.byte_len())
-                .collect();
-            if let Some(prior) = calibrate_import(&plane_bytes) {
-                costs.import.set_prior(prior);
-            }
-        }
         let resident = pinned_pool(config.kv_budget_bytes, &store);
         let store = Arc::new(store);
         let exporter = Exporter::start(store.clone())
@@ -1003,6 +943,92 @@ impl KvTiers {
         recent.insert(0, (namespace, held.to_vec()));
         recent.truncate(RECENT_SEQUENCES);
         Ok(n)
+    }
+
+    /// Runs the restore path once on synthetic blocks, on the calling thread, and sets the
+    /// import estimate's prior from it when this device has none. Call it where restores
+    /// will run (the engine does, on its thread, before its first request): the first
+    /// restore of a process otherwise pays the thread pool's start, the page-locked host
+    /// buffers of the calling thread and MLX's first kernels of the path (on the H200, the
+    /// 13-turn session's worst turn was that first restore: 2.2x of recomputing it).
+    /// Two runs of each size are made; the second of each is timed, as a real restore is
+    /// (assembled, moved and made real on the device). Returns the prior it measured.
+    pub fn warm_restore(&self) -> Result<Option<Fit>> {
+        // Every block a snapshot block (a hybrid's restore keeps only runs that end in one).
+        let specs: Vec<&store::PlaneSpec> = self
+            .description
+            .planes
+            .iter()
+            .chain(&self.description.state_planes)
+            .collect();
+        let block_bytes = specs
+            .iter()
+            .filter_map(|p| p.byte_len())
+            .sum::<u64>()
+            .max(1);
+        // A run large enough that each layer part is assembled by several threads on a GPU
+        // (cache/src/host.rs: 4 MiB a part), as a long prefix's restore is.
+        let run: u64 = if mlx::gpu_available().unwrap_or(false) {
+            256 << 20
+        } else {
+            16 << 20
+        };
+        // Within the device KV budget (two of them are held at once while the next is made).
+        let budget = self.resident.lock().map_err(|_| poisoned())?.budget();
+        let run = run.min(budget / 4);
+        let n = (run / block_bytes).clamp(2, 1024) as usize;
+        let bs = self.paged.block_size;
+        // One chain, linked as a real one is (the restore checks the links).
+        let mut parent = *self.namespace.as_bytes();
+        let blocks: Vec<Block> = (0..n)
+            .map(|i| {
+                let meta = store::BlockMeta::new(self.namespace, parent, i as u32, vec![0; bs]);
+                parent = *meta.key.as_bytes();
+                meta
+            })
+            .map(|meta| Block {
+                meta,
+                planes: specs
+                    .iter()
+                    .map(|p| {
+                        let len = p.byte_len().unwrap_or(0) as usize;
+                        // Small non-zero values (untouched zero pages read faster than
+                        // any block does), the same bit pattern in every element type.
+                        store::Plane::new(&p.name, p.dtype, p.shape.clone(), vec![1u8; len])
+                    })
+                    .collect(),
+            })
+            .collect();
+        let restore = |count: usize| -> Result<(usize, f64)> {
+            let t = Instant::now();
+            let restored = self.empty_cache()?.restore_onto(&blocks[..count])?;
+            for l in 0..self.layers {
+                if let Some(pool) = restored.cache.pool(l) {
+                    let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
+                    mlx::eval(&arrays)?;
+                }
+            }
+            Ok((restored.blocks, t.elapsed().as_secs_f64()))
+        };
+        restore(n)?;
+        restore(1)?;
+        let (many, t_many) = restore(n)?;
+        let (one, t_one) = restore(1)?;
+        // A restore that kept fewer blocks than it was given says nothing about a real one.
+        if one != 1 || many != n {
+            return Ok(None);
+        }
+        let per_block = ((t_many - t_one) / (many - 1) as f64).max(0.0);
+        let prior = Fit {
+            fixed_s: (t_one - per_block).max(0.0),
+            per_unit_s: per_block,
+            per_position_s: 0.0,
+        };
+        let mut costs = self.costs.lock().map_err(|_| poisoned())?;
+        if costs.import.is_unknown() {
+            costs.import.set_prior(prior);
+        }
+        Ok(Some(prior))
     }
 
     /// A fresh cache for this model's sequences: its layers, state layers, snapshots and

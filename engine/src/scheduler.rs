@@ -463,6 +463,14 @@ pub struct StepRecord {
     pub decoded: Vec<u64>,
     /// The request prefilled in the step and how many prompt tokens it ran.
     pub prefilled: Option<(u64, usize)>,
+    /// Microseconds the engine thread spent queueing the batched decode step (building
+    /// its graph and handing it to the device).
+    pub launch_us: u64,
+    /// Microseconds spent reading the previous step's picks (waiting for the device),
+    /// emitting them and retiring finished rows.
+    pub emit_us: u64,
+    /// Microseconds spent on the step's prefill chunk.
+    pub prefill_us: u64,
 }
 
 struct Shared {
@@ -914,6 +922,13 @@ struct Worker {
 
 impl Worker {
     fn run(&mut self) {
+        // Restores run on this thread: pay their one-off set-up now, not in a request's
+        // TTFT (and measure the import's prior on the path it will take).
+        if let Some(prefix) = &self.prefix {
+            if let Err(e) = prefix.warm_restore() {
+                tracing::warn!(error = %e, "warming the restore path failed");
+            }
+        }
         let mut open = true;
         loop {
             // 1. Take submissions: wait when there is nothing to do.
@@ -953,6 +968,7 @@ impl Worker {
             // 3. Queue one batched decode step, fed with the previous step's picks while
             //    they are still on the device.
             let mut record = StepRecord::default();
+            let t = Instant::now();
             if !self.active.is_empty() {
                 match self.launch() {
                     Ok(true) => record.decoded = self.active.iter().map(|r| r.id).collect(),
@@ -960,14 +976,19 @@ impl Worker {
                     Err(e) => self.fail_all(e),
                 }
             }
+            let launched = Instant::now();
             // 4. Read the previous step's picks, emit them, retire finished rows; the step
             //    just queued becomes the one to read next.
             self.emit_and_retire();
             for row in &mut self.active {
                 row.seq.advance();
             }
+            let emitted = Instant::now();
             // 5. One chunk of the oldest prefill (back to back while nothing decodes).
             record.prefilled = self.prefill_step();
+            record.launch_us = micros(launched - t);
+            record.emit_us = micros(emitted - launched);
+            record.prefill_us = micros(emitted.elapsed());
             self.observe_device_kv();
             self.log_step(record);
             if self.draining.is_some()
@@ -1589,4 +1610,9 @@ fn observe_ttft(c: &Counters, s: f64) {
     }
     c.ttft_count.fetch_add(1, Ordering::Relaxed);
     c.ttft_sum_us.fetch_add((s * 1e6) as u64, Ordering::Relaxed);
+}
+
+/// Whole microseconds of `d` (saturating).
+fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }

@@ -405,3 +405,61 @@ fn the_io_thread_loads_a_queued_requests_ssd_prefix_and_the_output_matches_cold(
     assert!(got.reuse.prefetched, "{:?}", got.reuse);
     assert!(got.reuse.cached_ssd_tokens >= 96, "{:?}", got.reuse);
 }
+
+#[test]
+fn warming_the_restore_path_measures_an_import_prior_and_keeps_a_saved_one() {
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    // Opening measures nothing: the restore path is warmed where restores run.
+    assert_eq!(pc.restore_estimates().import, None);
+    let prior = pc
+        .warm_restore()
+        .unwrap()
+        .expect("an attention model's synthetic blocks restore");
+    assert!(prior.fixed_s.is_finite() && prior.fixed_s >= 0.0);
+    assert!(prior.per_unit_s.is_finite() && prior.per_unit_s >= 0.0);
+    assert_eq!(pc.restore_estimates().import, Some(prior));
+    // A device with a saved estimate keeps it: warming measures, but does not replace it.
+    let device = pc.cost_device().to_string();
+    let saved = format!(r#"{{"{device}": {{"import_s_per_block": 0.0005}}}}"#);
+    pc.store()
+        .save_costs(pc.namespace(), saved.as_bytes())
+        .unwrap();
+    drop(pc);
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert!(pc.warm_restore().unwrap().is_some());
+    let per_unit = engine::Fit {
+        per_unit_s: 0.0005,
+        ..engine::Fit::default()
+    };
+    assert_eq!(pc.restore_estimates().import, Some(per_unit));
+    drop(pc);
+
+    // The engine warms the path on its own thread before its first request: a fresh
+    // store's engine has an import estimate once a request was served.
+    let fresh = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, host_only(fresh.path(), 8)).unwrap();
+    let engine = Engine::open(model, tok, Some(pc), EngineConfig::default()).unwrap();
+    let prompt: Vec<u32> = (0..20).map(|i| i % 300 + 3).collect();
+    engine
+        .submit(Request::new(prompt, params(4)))
+        .unwrap()
+        .wait()
+        .expect("a request is served");
+    assert!(engine
+        .kv_tiers()
+        .unwrap()
+        .restore_estimates()
+        .import
+        .is_some());
+}
+
+#[test]
+fn warming_a_hybrids_restore_path_restores_its_snapshot_blocks() {
+    let (model, tok) = load(&tiny_model("tiny-lfm2"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert!(pc.warm_restore().unwrap().is_some());
+    assert!(pc.restore_estimates().import.is_some());
+}
