@@ -103,6 +103,9 @@ fn quantiles(xs: &[f64]) -> Quantiles {
     }
 }
 
+/// Engine steps an in-process run keeps in its step log.
+const STEP_LOG: usize = 200_000;
+
 /// One interleave arm.
 #[derive(Debug, Serialize)]
 struct InterleaveArm {
@@ -128,6 +131,73 @@ struct Sessions {
     itl: Quantiles,
     /// Prompt tokens served from the prefix cache / prompt tokens, turns 2 and later.
     hit_share: f64,
+    /// Where the engine thread's time went (in process only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steps: Option<StepSummary>,
+}
+
+/// The engine steps of an in-process sessions run, from the engine's step log: how many
+/// decoded only, how many also ran a prefill chunk, and where each kind's time went.
+#[derive(Debug, Serialize)]
+struct StepSummary {
+    /// Steps that decoded and ran no prefill chunk.
+    decode_only: usize,
+    /// Steps that decoded and ran a prefill chunk.
+    decode_and_prefill: usize,
+    /// Steps that only prefilled (nothing was decoding).
+    prefill_only: usize,
+    /// Mean rows of a decoding step.
+    mean_rows: f64,
+    /// Wall time of a decode-only step, seconds.
+    decode_only_s: Quantiles,
+    /// Wall time of a step that decoded and prefilled, seconds.
+    decode_and_prefill_s: Quantiles,
+    /// Means over decoding steps, seconds: queueing the decode step, reading its picks
+    /// (waiting for the device) and emitting, and the prefill chunk.
+    mean_launch_s: f64,
+    mean_emit_s: f64,
+    mean_prefill_s: f64,
+}
+
+impl StepSummary {
+    fn of(steps: &[engine::StepRecord]) -> StepSummary {
+        let secs = |us: u64| us as f64 * 1e-6;
+        let total = |s: &engine::StepRecord| secs(s.launch_us + s.emit_us + s.prefill_us);
+        let decoding: Vec<_> = steps.iter().filter(|s| !s.decoded.is_empty()).collect();
+        let (mixed, alone): (Vec<&engine::StepRecord>, Vec<&engine::StepRecord>) =
+            decoding.iter().partition(|s| s.prefilled.is_some());
+        let n = decoding.len().max(1) as f64;
+        let mean = |f: &dyn Fn(&engine::StepRecord) -> u64| {
+            decoding.iter().map(|s| secs(f(s))).sum::<f64>() / n
+        };
+        StepSummary {
+            decode_only: alone.len(),
+            decode_and_prefill: mixed.len(),
+            prefill_only: steps.len() - decoding.len(),
+            mean_rows: decoding.iter().map(|s| s.decoded.len()).sum::<usize>() as f64 / n,
+            decode_only_s: quantiles(&alone.iter().map(|s| total(s)).collect::<Vec<_>>()),
+            decode_and_prefill_s: quantiles(&mixed.iter().map(|s| total(s)).collect::<Vec<_>>()),
+            mean_launch_s: mean(&|s| s.launch_us),
+            mean_emit_s: mean(&|s| s.emit_us),
+            mean_prefill_s: mean(&|s| s.prefill_us),
+        }
+    }
+
+    /// One line: step counts and times.
+    fn summary(&self) -> String {
+        format!(
+            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms, read+emit {:.1} ms, prefill {:.1} ms",
+            self.decode_only,
+            self.decode_only_s.p50 * 1e3,
+            self.decode_and_prefill,
+            self.decode_and_prefill_s.p50 * 1e3,
+            self.prefill_only,
+            self.mean_rows,
+            self.mean_launch_s * 1e3,
+            self.mean_emit_s * 1e3,
+            self.mean_prefill_s * 1e3,
+        )
+    }
 }
 
 /// The sessions part over HTTP against one server.
@@ -265,6 +335,8 @@ fn open_engine(args: &Args, prefill_chunk: usize, max_batch: usize) -> Result<(E
             max_batch,
             kv_budget_bytes: args.cache.kv_budget_bytes()?,
             prefill_chunk,
+            // Where the engine thread's time goes ([`StepSummary`]).
+            step_log: STEP_LOG,
             ..EngineConfig::default()
         },
     )?;
@@ -374,6 +446,7 @@ fn sessions(args: &Args) -> Result<Sessions> {
         prompt.extend(&t.tokens);
         prompt.extend(ids(args.new_tokens, 998 - turn as u32, vocab));
     }
+    let logged_before = engine.step_log().len();
     let t0 = Instant::now();
     let mut threads = Vec::new();
     for s in 0..args.sessions {
@@ -406,10 +479,20 @@ fn sessions(args: &Args) -> Result<Sessions> {
         );
     }
     let wall_s = t0.elapsed().as_secs_f64();
+    let log = engine.step_log();
+    // The warm-up's steps come first (a log that filled up lost them already).
+    let skip = if log.len() < STEP_LOG {
+        logged_before
+    } else {
+        0
+    };
+    let steps = StepSummary::of(&log[skip.min(log.len())..]);
     if let Ok(engine) = Arc::try_unwrap(engine) {
         engine.shutdown(false).context("shutting the engine down")?;
     }
-    Ok(summarize(args, &all, wall_s))
+    let mut out = summarize(args, &all, wall_s);
+    out.steps = Some(steps);
+    Ok(out)
 }
 
 /// Throughput, TTFT, ITL and hit share of finished sessions.
@@ -437,6 +520,7 @@ fn summarize(args: &Args, all: &[Vec<Timed>], wall_s: f64) -> Sessions {
         ttft: quantiles(&ttft),
         itl: quantiles(&itl),
         hit_share: cached as f64 / prompted.max(1) as f64,
+        steps: None,
     }
 }
 
@@ -622,6 +706,9 @@ pub fn run(mut args: Args) -> Result<()> {
             s.summary(),
             s.hit_share * 100.0
         );
+        if let Some(steps) = &s.steps {
+            eprintln!("sessions: {}", steps.summary());
+        }
         Some(s)
     } else {
         None
@@ -659,6 +746,35 @@ pub fn run(mut args: Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_summary_splits_decode_only_mixed_and_prefill_only_steps() {
+        let step =
+            |decoded: &[u64], prefilled: Option<(u64, usize)>, us: [u64; 3]| engine::StepRecord {
+                decoded: decoded.to_vec(),
+                prefilled,
+                launch_us: us[0],
+                emit_us: us[1],
+                prefill_us: us[2],
+            };
+        let log = [
+            step(&[1, 2], None, [1000, 3000, 0]),
+            step(&[1, 2, 3, 4], Some((5, 64)), [2000, 4000, 6000]),
+            step(&[], Some((6, 128)), [0, 0, 9000]),
+        ];
+        let s = StepSummary::of(&log);
+        assert_eq!(
+            (s.decode_only, s.decode_and_prefill, s.prefill_only),
+            (1, 1, 1)
+        );
+        assert!((s.mean_rows - 3.0).abs() < 1e-12);
+        assert!((s.decode_only_s.p50 - 0.004).abs() < 1e-12);
+        assert!((s.decode_and_prefill_s.p50 - 0.012).abs() < 1e-12);
+        assert!((s.mean_launch_s - 0.0015).abs() < 1e-12);
+        assert!((s.mean_emit_s - 0.0035).abs() < 1e-12);
+        // The prefill-only step is not a decoding step: its chunk is not in the mean.
+        assert!((s.mean_prefill_s - 0.003).abs() < 1e-12);
+    }
 
     #[test]
     fn quantiles_are_nearest_rank() {
