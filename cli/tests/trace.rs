@@ -354,3 +354,20 @@ fn an_unknown_eviction_policy_is_refused_with_the_names() {
         assert!(out.status.success(), "{ok}: {stderr}");
     }
 }
+
+#[test]
+fn several_engines_need_the_remote_tier_they_share() {
+    let f = fixture();
+    let file = f.to_str().unwrap();
+    let out = kvstore(&["bench", "trace", file, "--engines", "2"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--engines 2 shares blocks between the engines through the remote tier"),
+        "{stderr}"
+    );
+    let out = kvstore(&["bench", "trace", file, "--engines", "2", "--no-cache"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not with --url or --no-cache"), "{stderr}");
+    assert!(!out.status.success());
+}

@@ -89,8 +89,8 @@ pub use remote::RemoteConfig;
 pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
 pub use stats::StoreStats;
 pub use store::{
-    BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier, WritePolicy,
-    WritesPaused,
+    redact, BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier,
+    WritePolicy, WritesPaused,
 };
 pub use text::{escape_control, escape_path};
 pub use tier::{remote_tier, BlockTier, TierRead};

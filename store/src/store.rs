@@ -1236,8 +1236,9 @@ fn remote_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<RemoteJob>) {
     }
 }
 
-/// `url` without its password, for messages.
-fn redact(url: &str) -> String {
+/// `url` without its credentials (`redis://user:secret@host` → `redis://***@host`), for
+/// messages and reports.
+pub fn redact(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
         _ => url.to_string(),

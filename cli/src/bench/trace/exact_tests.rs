@@ -164,3 +164,97 @@ fn store_only_replay_hits_the_ideal_in_whole_kvstore_blocks() {
         assert_eq!(o.blocks_skipped, Some(0), "r{i}: {o:?}");
     }
 }
+
+/// A throwaway `redis-server` (shared with the store's tests).
+#[path = "../../../../store/tests/it/redis_server.rs"]
+#[allow(dead_code)]
+mod redis_server;
+
+/// Round robin over engines, every engine's publications made visible (flushed to its
+/// store and the remote tier) before the next request is sent.
+struct FlushedRoundRobin<'a> {
+    inner: super::inprocess::RoundRobin<'a>,
+    engines: &'a [Engine],
+}
+
+impl dispatch::Target for FlushedRoundRobin<'_> {
+    fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
+        let out = self.inner.send(prompt, max_tokens);
+        for e in self.engines {
+            e.flush().unwrap();
+        }
+        out
+    }
+}
+
+/// `--engines 2`: the fixture dealt round robin to two engines with their own stores and
+/// one Redis. r1 is the only request whose prefix only the other engine computed: it comes
+/// from the remote tier (blocks 0 1 of r0: 16 tokens, whole kvstore blocks). Every other
+/// hit is on the engine's own device tier: r2, r4, r6 on the first engine (r0's, r0's and
+/// r0's prefix), r3 and r5 on the second (r1's, r3's).
+#[test]
+fn two_engines_sharing_a_remote_tier_hit_each_others_blocks_there() {
+    let redis = redis_server::RedisServer::start();
+    let (ideal, lens) = ideal();
+    let model_dir =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let engines: Vec<Engine> = dirs
+        .iter()
+        .map(|dir| {
+            let (model, tok) = engine::load(&model_dir, &engine::LoadOptions::default()).unwrap();
+            let reuse = ReuseConfig {
+                store: StoreConfig::default()
+                    .root(dir.path())
+                    .remote(Some(store::RemoteConfig::new(redis.url()))),
+                block_size: KV_BLOCK,
+                kv_budget_bytes: 1 << 30,
+                restore_always: true,
+                ..ReuseConfig::default()
+            };
+            let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
+            let config = EngineConfig {
+                max_batch: 1,
+                kv_budget_bytes: 1 << 30,
+                max_queue: 16,
+                context_limit: None,
+                ..EngineConfig::default()
+            };
+            Engine::open(model, tok, Some(prefix), config).unwrap()
+        })
+        .collect();
+    let vocab = engines[0]
+        .info()
+        .vocab_size
+        .min(engines[0].tokenizer().vocab_size()) as u32;
+    let (trace, s) = (fixture(), scale());
+    let prompts: Vec<Vec<u32>> = trace.iter().map(|r| tokens::prompt(r, &s, vocab)).collect();
+    let make = |i: usize| (prompts[i].clone(), s.output_len(&trace[i]));
+    let target = FlushedRoundRobin {
+        inner: super::inprocess::RoundRobin {
+            targets: engines
+                .iter()
+                .map(|engine| EngineTarget { engine })
+                .collect(),
+            next: Default::default(),
+        },
+        engines: &engines,
+    };
+    let sent = dispatch::replay(&vec![0.0; trace.len()], &make, &target, 1);
+    drop(target);
+    for e in engines {
+        e.shutdown(false).unwrap();
+    }
+    for (i, x) in sent.iter().enumerate() {
+        let o = &x.outcome;
+        assert_eq!(o.error, None, "r{i}");
+        assert_eq!(o.cached_tokens, ideal[i].min(lens[i] - 1), "r{i}: {o:?}");
+        let remote = if i == 1 { 16 } else { 0 };
+        assert_eq!(o.cached_remote_tokens, Some(remote), "r{i}: {o:?}");
+        assert_eq!(
+            o.cached_device_tokens,
+            Some(o.cached_tokens - remote),
+            "r{i}: {o:?}"
+        );
+    }
+}

@@ -58,3 +58,22 @@ impl Target for EngineTarget<'_> {
         Outcome::failed("the engine closed the request's stream without an end")
     }
 }
+
+/// Sends requests to several engines in turn (servers behind a round-robin balancer): the
+/// k-th request sent goes to engine k mod N.
+pub struct RoundRobin<'a> {
+    /// The engines, in turn order.
+    pub targets: Vec<EngineTarget<'a>>,
+    /// Requests sent so far.
+    pub next: std::sync::atomic::AtomicUsize,
+}
+
+impl Target for RoundRobin<'_> {
+    fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
+        if self.targets.is_empty() {
+            return Outcome::failed("no engine to send to");
+        }
+        let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.targets[k % self.targets.len()].send(prompt, max_tokens)
+    }
+}

@@ -85,6 +85,11 @@ pub struct Args {
     /// In process: most requests decoding together (as `serve --max-batch`).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
+    /// In process: this many engines, each with its own device tier and local store (RAM,
+    /// SSD) and the same budgets, sharing the remote tier (`--remote`, required from 2 on);
+    /// requests go to them in turn, as to servers behind a round-robin balancer.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    engines: usize,
     #[command(flatten)]
     model: ModelArgs,
     /// In process: the prefix cache (a fresh temporary store unless `--store` is given).
@@ -111,6 +116,18 @@ impl Settings {
         }
         if args.max_concurrency == 0 {
             bail!("--max-concurrency must be at least 1");
+        }
+        if args.engines == 0 {
+            bail!("--engines must be at least 1");
+        }
+        if args.engines > 1 && (args.url.is_some() || args.cache.no_cache) {
+            bail!("--engines runs engines in this process with their caches: not with --url or --no-cache");
+        }
+        if args.engines > 1 && args.cache.remote.remote.is_none() {
+            bail!(
+                "--engines {} shares blocks between the engines through the remote tier: give                  it with --remote redis://host:port",
+                args.engines
+            );
         }
         let scale = TokenScale::new(args.token_scale)?;
         let window = args.window.unwrap_or(Window {

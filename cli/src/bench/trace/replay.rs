@@ -7,10 +7,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use engine::{Engine, EngineConfig};
 use serde_json::json;
+use store::StoreStats;
 
 use super::dispatch::{self, Sent};
 use super::http::HttpTarget;
-use super::inprocess::EngineTarget;
+use super::inprocess::{EngineTarget, RoundRobin};
 use super::plot::{self, Series};
 use super::report::{self, pct, Row, Summary};
 use super::sim::{self, Policy, SimTrace};
@@ -265,60 +266,82 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     );
 }
 
-/// The engine in this process, built as `kvstore serve` builds it.
+/// The engine in this process, built as `kvstore serve` builds it; with `--engines N`, N
+/// of them, each over its own store (`<store>/engine-<i>`) and all over the same remote
+/// tier, taking requests in turn.
 fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
-    let (model, tokenizer) = args.model.load()?;
     let scratch = tempfile::tempdir().context("creating a scratch store directory")?;
+    let base = args.cache.store.clone();
+    let mut engines = Vec::with_capacity(args.engines);
     let mut cache = args.cache.clone();
-    if cache.store.is_none() {
-        cache.store = Some(scratch.path().to_path_buf());
+    let mut bytes_per_token = 0;
+    for i in 0..args.engines {
+        let (model, tokenizer) = args.model.load()?;
+        let root = base.clone().unwrap_or_else(|| scratch.path().to_path_buf());
+        cache.store = Some(match args.engines {
+            1 => root,
+            _ => root.join(format!("engine-{i}")),
+        });
+        let prefix = cache.open(&model, &tokenizer)?;
+        let info = model.info().clone();
+        let kv_format = cache.reuse_config(info.kv.head_dim)?.kv_format;
+        bytes_per_token = (info.kv.layers
+            * 2
+            * info.kv.kv_heads
+            * kv_format.bytes_per_head_token(info.kv.head_dim, info.kv.dtype.size()))
+            as u64;
+        engines.push(Engine::open(
+            model,
+            tokenizer,
+            prefix,
+            EngineConfig {
+                max_batch: args.max_batch,
+                kv_budget_bytes: cache.kv_budget_bytes()?,
+                max_queue: s.max_concurrency.max(256),
+                context_limit: None,
+                ..EngineConfig::default()
+            },
+        )?);
     }
-    let prefix = cache.open(&model, &tokenizer)?;
-    let info = model.info().clone();
-    let kv_format = cache.reuse_config(info.kv.head_dim)?.kv_format;
-    let bytes_per_token = (info.kv.layers
-        * 2
-        * info.kv.kv_heads
-        * kv_format.bytes_per_head_token(info.kv.head_dim, info.kv.dtype.size()))
-        as u64;
     let kv_budget = cache.kv_budget_bytes()?;
     let size = |s: &str, flag: &str| crate::cache_args::parse_size(s).context(flag.to_string());
     let lru_budget = match (args.budget_tokens.first(), cache.no_cache) {
         (Some(&b), _) => Some(b),
         (None, true) => None,
-        // Every tier's bytes as distinct tokens: an upper bound of what the tiers hold
-        // (a block spilled to SSD may still be in RAM or on the device).
+        // Every tier's bytes of every engine as distinct tokens: an upper bound of what the
+        // local tiers hold (a block spilled to SSD may still be in RAM or on the device).
         (None, false) => Some(
-            (kv_budget
-                + size(&cache.ram_budget, "--ram-budget")?
-                + size(&cache.ssd_budget, "--ssd-budget")?)
+            args.engines as u64
+                * (kv_budget
+                    + size(&cache.ram_budget, "--ram-budget")?
+                    + size(&cache.ssd_budget, "--ssd-budget")?)
                 / bytes_per_token.max(1),
         ),
     };
-    let engine = Engine::open(
-        model,
-        tokenizer,
-        prefix,
-        EngineConfig {
-            max_batch: args.max_batch,
-            kv_budget_bytes: kv_budget,
-            max_queue: s.max_concurrency.max(256),
-            context_limit: None,
-            ..EngineConfig::default()
-        },
-    )?;
-    let vocab = engine
-        .info()
-        .vocab_size
-        .min(engine.tokenizer().vocab_size()) as u32;
-    let target = EngineTarget { engine: &engine };
-    // Kernels compiled and weights paged in before the clock starts; the warm-up prompt
-    // shares no block with the trace.
-    let warm = tokens::block_tokens(WARMUP_ID, s.scale.block().min(64), vocab);
-    if let Some(e) = dispatch::Target::send(&target, warm, 2).error {
-        bail!("the warm-up request failed: {e}");
+    let vocab = engines
+        .iter()
+        .map(|e| e.info().vocab_size.min(e.tokenizer().vocab_size()) as u32)
+        .min()
+        .unwrap_or(0);
+    let target = RoundRobin {
+        targets: engines
+            .iter()
+            .map(|engine| EngineTarget { engine })
+            .collect(),
+        next: Default::default(),
+    };
+    // Kernels compiled and weights paged in before the clock starts (on every engine; the
+    // warm-up prompt shares no block with the trace).
+    for t in &target.targets {
+        let warm = tokens::block_tokens(WARMUP_ID, s.scale.block().min(64), vocab);
+        if let Some(e) = dispatch::Target::send(t, warm, 2).error {
+            bail!("the warm-up request failed: {e}");
+        }
     }
-    let before = engine.cache_stats();
+    let stats = |engines: &[Engine]| -> Vec<Option<StoreStats>> {
+        engines.iter().map(Engine::cache_stats).collect()
+    };
+    let before = stats(&engines);
     let make = |i: usize| {
         let r = &s.requests[i];
         (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
@@ -326,17 +349,27 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
     let t0 = Instant::now();
     let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
     let wall_s = t0.elapsed().as_secs_f64();
-    let after = engine.cache_stats();
-    engine.shutdown(false).context("shutting the engine down")?;
+    let after = stats(&engines);
+    drop(target);
+    for engine in engines {
+        engine.shutdown(false).context("shutting the engine down")?;
+    }
+    let name = match (cache.no_cache, args.engines) {
+        (true, _) => "in process, no cache".to_string(),
+        (false, 1) => "in process".to_string(),
+        (false, n) => format!("in process, {n} engines sharing the remote tier, round robin"),
+    };
     Ok(Ran {
         target: json!({
-            "name": if cache.no_cache { "in process, no cache" } else { "in process" },
+            "name": name,
             "model": args.model.path()?.display().to_string(),
             "vocab": vocab,
+            "engines": args.engines,
             "block_size": cache.block_size,
             "kv_budget": cache.kv_budget,
             "ram_budget": cache.ram_budget,
             "ssd_budget": cache.ssd_budget,
+            "remote": cache.remote.remote.as_deref().map(store::redact),
             "eviction": cache.eviction.name(),
             "restore": format!("{:?}", cache.restore).to_lowercase(),
             "no_cache": cache.no_cache,
@@ -346,25 +379,49 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget,
-        tier_note: match (&before, &after) {
-            (Some(b), Some(a)) => Some(format!(
-                "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD \
-                 evictions, {} spills to SSD, {} RAM and {} SSD hits, {} blocks not admitted \
-                 to RAM (--eviction {})",
-                a.blocks_written.saturating_sub(b.blocks_written),
-                (a.bytes_written.saturating_sub(b.bytes_written)) as f64 / 1048576.0,
-                a.ram_evictions.saturating_sub(b.ram_evictions),
-                a.ssd_evictions.saturating_sub(b.ssd_evictions),
-                a.spills.saturating_sub(b.spills),
-                a.ram_hits.saturating_sub(b.ram_hits),
-                a.ssd_hits.saturating_sub(b.ssd_hits),
-                a.ram_not_admitted.saturating_sub(b.ram_not_admitted),
-                cache.eviction
-            )),
-            _ => None,
+        tier_note: store_note(&before, &after, &cache.eviction.to_string()),
+        counters: match args.engines {
+            1 => json!({"store_before": before[0], "store_after": after[0]}),
+            _ => json!({"store_before": before, "store_after": after}),
         },
-        counters: json!({"store_before": before, "store_after": after}),
     })
+}
+
+/// A line on the stores' counters over the run (summed over the engines), or `None`
+/// without a cache.
+fn store_note(
+    before: &[Option<StoreStats>],
+    after: &[Option<StoreStats>],
+    eviction: &str,
+) -> Option<String> {
+    let pairs: Vec<(&StoreStats, &StoreStats)> = before
+        .iter()
+        .zip(after)
+        .filter_map(|(b, a)| Some((b.as_ref()?, a.as_ref()?)))
+        .collect();
+    if pairs.is_empty() {
+        return None;
+    }
+    let sum = |f: &dyn Fn(&StoreStats) -> u64| -> u64 {
+        pairs.iter().map(|(b, a)| f(a).saturating_sub(f(b))).sum()
+    };
+    let remote = match sum(&|x| x.remote_hits) {
+        0 => String::new(),
+        n => format!(", {n} remote hits"),
+    };
+    Some(format!(
+        "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD evictions, {} \
+         spills to SSD, {} RAM and {} SSD hits{remote}, {} blocks not admitted to RAM \
+         (--eviction {eviction})",
+        sum(&|x| x.blocks_written),
+        sum(&|x| x.bytes_written) as f64 / 1048576.0,
+        sum(&|x| x.ram_evictions),
+        sum(&|x| x.ssd_evictions),
+        sum(&|x| x.spills),
+        sum(&|x| x.ram_hits),
+        sum(&|x| x.ssd_hits),
+        sum(&|x| x.ram_not_admitted),
+    ))
 }
 
 /// Counters of a server's `/metrics` that a replay reports the change of.
