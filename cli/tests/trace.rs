@@ -368,6 +368,69 @@ fn several_engines_need_the_remote_tier_they_share() {
     );
     let out = kvstore(&["bench", "trace", file, "--engines", "2", "--no-cache"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("not with --url or --no-cache"), "{stderr}");
+    assert!(
+        stderr.contains("not with --url, --peer-python or --no-cache"),
+        "{stderr}"
+    );
     assert!(!out.status.success());
+}
+
+#[path = "../../tests/src/prerequisite.rs"]
+mod prerequisite;
+
+/// The peer arm: the small fixture replayed against mlx_lm.server, started by the benchmark
+/// on the tiny model; every request answers, and the report says what it is (its target,
+/// the prompts sent as text, and how much of them re-tokenizes to the same ids).
+#[test]
+fn replay_against_mlx_lm_server_sends_text_and_reports_the_round_trip() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let python = root.join(".venv-peer/bin/python");
+    if !python.exists() {
+        prerequisite::missing(
+            "no .venv-peer (mlx_lm.server, the serving peer)",
+            "bash scripts/bench/setup_peer.sh",
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("peer.json");
+    let f = fixture();
+    let model = root.join("engine/tests/goldens/tiny-qwen3");
+    let out = kvstore(&[
+        "bench",
+        "trace",
+        f.to_str().unwrap(),
+        "--token-scale",
+        "0.015625",
+        "--speed",
+        "100",
+        "--model",
+        model.to_str().unwrap(),
+        "--peer-python",
+        python.to_str().unwrap(),
+        "--kv-budget",
+        "4MiB",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("re-tokenizing the prompts' text gives back"),
+        "{stdout}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(v["target"]["name"], "mlx_lm.server");
+    assert_eq!(v["target"]["prompt_cache_bytes"], 4 << 20);
+    let share = v["target"]["retokenized_prefix_share"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&share), "{share}");
+    assert_eq!(v["overall"]["requests"], 5);
+    assert_eq!(v["overall"]["failed"], 0, "{v}");
+    for r in v["requests"].as_array().unwrap() {
+        assert!(r["ttft_s"].as_f64().is_some_and(|t| t > 0.0), "{r}");
+    }
 }

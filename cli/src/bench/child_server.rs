@@ -42,14 +42,22 @@ impl ChildServer {
     /// `PYTHON -m mlx_lm.server --model MODEL --port P --prompt-cache-size N` (greedy by
     /// default, as kvstore). `N` prompt caches are kept: mlx-lm's default (10) would make
     /// more concurrent sessions than that evict each other, which a user serving them would
-    /// not configure.
-    pub fn mlx_lm(python: &str, model: &Path, prompt_caches: usize) -> Result<ChildServer> {
+    /// not configure. `cache_bytes`: `--prompt-cache-bytes`, the caches' byte budget.
+    pub fn mlx_lm(
+        python: &str,
+        model: &Path,
+        prompt_caches: usize,
+        cache_bytes: Option<u64>,
+    ) -> Result<ChildServer> {
         let port = free_port()?;
         let mut cmd = Command::new(python);
         cmd.args(["-m", "mlx_lm.server", "--model"])
             .arg(model)
             .args(["--port", &port.to_string(), "--log-level", "WARNING"])
             .args(["--prompt-cache-size", &prompt_caches.max(10).to_string()]);
+        if let Some(b) = cache_bytes {
+            cmd.args(["--prompt-cache-bytes", &b.to_string()]);
+        }
         ChildServer::start(cmd, port, "mlx_lm.server")
     }
 
@@ -91,7 +99,7 @@ impl ChildServer {
     }
 
     /// The last lines of the child's log, for an error message.
-    fn log_tail(&self) -> String {
+    pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(30)..].join("\n")

@@ -650,7 +650,7 @@ fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
         let child = if server == "kvstore serve" {
             ChildServer::kvstore(&model, &serve_args)?
         } else {
-            ChildServer::mlx_lm(python, &peer_model, 2 * (args.sessions + 1))?
+            ChildServer::mlx_lm(python, &peer_model, 2 * (args.sessions + 1), None)?
         };
         let arm = http_sessions(args, server, &child.url, &texts)?;
         eprintln!(

@@ -12,6 +12,7 @@ mod exact_tests;
 pub(crate) mod http;
 mod inprocess;
 mod parse;
+mod peer;
 mod plot;
 mod replay;
 pub(crate) mod report;
@@ -85,6 +86,16 @@ pub struct Args {
     /// In process: most requests decoding together (as `serve --max-batch`).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
+    /// Replay against mlx-lm's `mlx_lm.server`, started with this Python (mlx-lm ≥ 0.32,
+    /// `bash scripts/bench/setup_peer.sh` makes `.venv-peer`) on the `--model` folder (or
+    /// `--peer-model`), its prompt caches bounded by `--kv-budget`. It takes text: each
+    /// prompt is sent as the text the model's tokenizer decodes its token ids to.
+    #[arg(long, value_name = "PY", conflicts_with = "url")]
+    peer_python: Option<String>,
+    /// With `--peer-python`: the Hugging Face folder mlx_lm.server loads (when `--model`
+    /// is a GGUF file).
+    #[arg(long, value_name = "DIR", requires = "peer_python")]
+    peer_model: Option<std::path::PathBuf>,
     /// In process: this many engines, each with its own device tier and local store (RAM,
     /// SSD) and the same budgets, sharing the remote tier (`--remote`, required from 2 on);
     /// requests go to them in turn, as to servers behind a round-robin balancer.
@@ -120,8 +131,10 @@ impl Settings {
         if args.engines == 0 {
             bail!("--engines must be at least 1");
         }
-        if args.engines > 1 && (args.url.is_some() || args.cache.no_cache) {
-            bail!("--engines runs engines in this process with their caches: not with --url or --no-cache");
+        if args.engines > 1
+            && (args.url.is_some() || args.peer_python.is_some() || args.cache.no_cache)
+        {
+            bail!("--engines runs engines in this process with their caches: not with --url, --peer-python or --no-cache");
         }
         if args.engines > 1 && args.cache.remote.remote.is_none() {
             bail!(

@@ -12,10 +12,12 @@ use store::StoreStats;
 use super::dispatch::{self, Sent};
 use super::http::HttpTarget;
 use super::inprocess::{EngineTarget, RoundRobin};
+use super::peer;
 use super::plot::{self, Series};
 use super::report::{self, pct, Row, Summary};
 use super::sim::{self, Policy, SimTrace};
 use super::{tokens, Args, Settings};
+use crate::bench::child_server::ChildServer;
 
 /// A block id no Mooncake trace uses (ids count up from 0): the warm-up prompt's tokens.
 const WARMUP_ID: u64 = u64::MAX;
@@ -38,9 +40,10 @@ struct Ran {
 /// Runs the replay and writes its report.
 pub fn run(args: &Args, s: &Settings) -> Result<()> {
     let times: Vec<f64> = s.requests.iter().map(|r| s.send_at_s(r)).collect();
-    let mut ran = match &args.url {
-        Some(url) => http(args, s, url, &times)?,
-        None => in_process(args, s, &times)?,
+    let mut ran = match (&args.url, &args.peer_python) {
+        (Some(url), _) => http(args, s, url, &times)?,
+        (None, Some(python)) => mlx_lm_server(args, s, python, &times)?,
+        (None, None) => in_process(args, s, &times)?,
     };
     let t = SimTrace::new(&s.requests, &s.scale);
     let ideal = sim::ideal(&t);
@@ -422,6 +425,66 @@ fn store_note(
         sum(&|x| x.ssd_hits),
         sum(&|x| x.ram_not_admitted),
     ))
+}
+
+/// mlx-lm's `mlx_lm.server` as a child process, its prompt caches bounded by `--kv-budget`
+/// (its `--prompt-cache-bytes`), prompts sent as text ([`peer`]).
+fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Result<Ran> {
+    let folder = match &args.peer_model {
+        Some(d) => d.clone(),
+        None => args.model.path()?,
+    };
+    if !folder.is_dir() {
+        bail!(
+            "mlx_lm.server loads Hugging Face folders; {} is not one: pass --peer-model DIR",
+            folder.display()
+        );
+    }
+    let tokenizer = engine::Tokenizer::from_folder(&folder)
+        .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", folder.display()))?;
+    let vocab = tokenizer.vocab_size() as u32;
+    let make = |i: usize| {
+        let r = &s.requests[i];
+        (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
+    };
+    let prompts: Vec<Vec<u32>> = (0..s.requests.len()).map(|i| make(i).0).collect();
+    let kept = peer::retokenized_prefix_share(&tokenizer, &prompts)?;
+    let cache_bytes = args.cache.kv_budget_bytes()?;
+    let child = ChildServer::mlx_lm(python, &folder, 2 * s.max_concurrency, Some(cache_bytes))?;
+    let target = peer::TextTarget {
+        http: HttpTarget::new(&child.url, None, None)?,
+        tokenizer,
+    };
+    // mlx-lm compiles its kernels on first use too: one request that shares no block with
+    // the trace runs before the clock starts.
+    let warm = tokens::block_tokens(WARMUP_ID, s.scale.block().min(64), vocab);
+    if let Some(e) = dispatch::Target::send(&target, warm, 2).error {
+        bail!("the warm-up request failed: {e}\n{}", child.log_tail());
+    }
+    let t0 = Instant::now();
+    let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
+    let wall_s = t0.elapsed().as_secs_f64();
+    drop(child);
+    Ok(Ran {
+        target: json!({
+            "name": "mlx_lm.server",
+            "model": folder.display().to_string(),
+            "vocab": vocab,
+            "prompt_cache_bytes": cache_bytes,
+            "prompt_cache_size": 2 * s.max_concurrency,
+            "retokenized_prefix_share": kept,
+        }),
+        sent,
+        wall_s,
+        lru_budget: args.budget_tokens.first().copied(),
+        counters: json!({}),
+        tier_note: Some(format!(
+            "mlx_lm.server counts its own tokens (it re-tokenizes the text): hit shares above \
+             are of its prompt tokens, against the ideal of the trace's; re-tokenizing the \
+             prompts' text gives back {} of their tokens as the same leading ids",
+            pct(Some(kept))
+        )),
+    })
 }
 
 /// Counters of a server's `/metrics` that a replay reports the change of.
