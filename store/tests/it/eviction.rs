@@ -135,6 +135,78 @@ fn a_block_the_ram_tier_refuses_reaches_the_ssd_tier() {
     assert_eq!(got.blocks[0].1, Tier::Ssd);
 }
 
+/// Issue 18's eviction defect. Under freq-admit: a full SSD (S1 then S2), RAM (room for
+/// 2) holding A then B, and X, which RAM's gate refuses, spilled at once (evicting S1).
+/// The write-back flush then writes A and B with their RAM recency, older than X's: they
+/// take S2's place, then B takes A's (the oldest), and X survives. Written as the newest
+/// blocks (before the use clock), A evicted S2 and B evicted X. The order survives a
+/// restart: B is still the next to go.
+#[test]
+fn a_flush_keeps_a_refused_block_newer_than_older_ram_blocks() {
+    let d = common::desc("eviction", 4);
+    let [s1, s2, a, b, x]: [Block; 5] = (1..=5)
+        .map(|s| common::chain(&d, 1, s).0.remove(0))
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = common::per_block(&d);
+    {
+        let t = ssd(dir.path(), &d, EvictionPolicy::FreqAdmit);
+        t.put(&s1).unwrap();
+        t.put(&s2).unwrap();
+        t.sync().unwrap();
+    }
+    let cfg = StoreConfig::default()
+        .root(dir.path())
+        .ram_budget(2 * 256)
+        .ssd_budget(2 * file + file / 2)
+        .eviction(EvictionPolicy::FreqAdmit);
+    let s: Store = Store::open(cfg.clone()).unwrap();
+    let ns = s.register_namespace(&d).unwrap();
+    for blk in [&a, &b, &x] {
+        s.insert(Arc::new(blk.clone())).unwrap();
+    }
+    let st = s.stats();
+    assert_eq!((st.ram_not_admitted, st.ram_blocks), (1, 2), "{st:?}");
+    s.flush().unwrap();
+    let present = |s: &Store| -> Vec<bool> {
+        [&s1, &s2, &a, &b, &x]
+            .iter()
+            .map(|blk| s.lookup(ns, &[blk.meta.key]).blocks() == 1)
+            .collect()
+    };
+    assert_eq!(
+        s.ssd()
+            .unwrap()
+            .entries()
+            .iter()
+            .map(|e| e.key)
+            .collect::<Vec<_>>(),
+        vec![b.meta.key, x.meta.key],
+        "SSD, least recent first"
+    );
+    assert_eq!(present(&s), vec![false, false, true, true, true]);
+    drop(s);
+
+    // After a restart X is still more recent than B: a new block evicts B.
+    let s: Store = Store::open(cfg).unwrap();
+    assert_eq!(
+        s.ssd()
+            .unwrap()
+            .entries()
+            .iter()
+            .map(|e| e.key)
+            .collect::<Vec<_>>(),
+        vec![b.meta.key, x.meta.key],
+        "SSD after reopen, least recent first"
+    );
+    let y = common::chain(&d, 1, 6).0.remove(0);
+    s.ssd().unwrap().put(&y).unwrap();
+    assert_eq!(present(&s), vec![false, false, false, false, true]);
+    assert_eq!(s.lookup(ns, &[y.meta.key]).blocks(), 1);
+}
+
 #[derive(Debug, Clone)]
 enum Op {
     Insert(usize),
