@@ -6,8 +6,9 @@
 //! it (the RAM tier evicts only the leaves of its chains, cut-off blocks first; the SSD tier
 //! keeps its recency across restarts) and ask a [`PolicyState`] for counts, ranks and
 //! admission. Only the RAM tier gates: a block it does not admit is spilled to the SSD tier
-//! like an evicted one; the SSD tier, the last local tier, admits every block and evicts in
-//! LRU's order under `lru` and `freq-admit`, LFU's under `lfu`. `kvstore bench trace --simulate` runs the same [`PolicyState`] over a trace,
+//! like an evicted one; the SSD tier, the last local tier, has no gate and evicts in LRU's
+//! order under `lru` and `freq-admit`, LFU's under `lfu`. Both tiers stamp recency with the
+//! store's [`UseClock`], so a block leaves RAM with a recency the SSD ranks it by. `kvstore bench trace --simulate` runs the same [`PolicyState`] over a trace,
 //! so the simulated policy is the shipped one. docs/prefix-reuse.md ("Eviction") explains
 //! the default and what "not admitted" means in each tier.
 //!
@@ -632,6 +633,35 @@ mod tests {
         assert_eq!(o.eviction_order(), vec![2, 3]);
         assert!(!o.remove(1));
         assert_eq!(o.len(), 2);
+    }
+
+    /// A block leaves with the latest stamp of itself and of the descendants that left
+    /// before it, so a chain's root is never older than its leaves; the stamped eviction
+    /// order counts held children the same way. Stamps come from the shared clock.
+    #[test]
+    fn chain_order_stamps_a_parent_no_older_than_its_leaves() {
+        let clock = UseClock::default();
+        let mut o: ChainOrder<u32> = ChainOrder::with_clock(EvictionPolicy::Lru, clock.clone());
+        for (k, parent) in [(1, None), (2, Some(1)), (3, Some(2)), (4, None)] {
+            let u = o.used(k, 4);
+            o.insert(k, parent, u);
+        }
+        assert_eq!(clock.last(), 4);
+        assert_eq!(
+            o.eviction_order_stamped(),
+            vec![(3, 3), (2, 3), (1, 3), (4, 4)]
+        );
+        assert!(o.remove(3));
+        assert_eq!(o.leaving_stamp(2), Some(3));
+        assert_eq!(o.leaving_stamp(1), Some(1));
+        assert!(o.remove(2));
+        assert_eq!(o.leaving_stamp(1), Some(3));
+        // A later touch wins, and never moves a block back.
+        assert!(o.touch(1));
+        assert_eq!(o.leaving_stamp(1), Some(5));
+        assert!(o.touch_at(1, 2));
+        assert_eq!(o.leaving_stamp(1), Some(5));
+        assert_eq!(o.leaving_stamp(9), None);
     }
 
     /// Freq-admit's gate in a full order: a newcomer used less often than the first

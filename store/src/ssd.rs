@@ -3,19 +3,25 @@
 //! that persists the recency order, quarantine for files that fail verification, and one
 //! writer per root.
 //!
-//! Under LRU and freq-admit the least recently used block leaves first. Under LFU a write,
-//! a read hit and a re-publication are uses the policy counts (a touch only refreshes
-//! recency) and the least used block leaves first, ties by recency; the counts live in
-//! memory, so after a restart every block counts 0 and the order starts as LRU's.
+//! Recency is a stamp of the store's [`UseClock`], shared with the RAM tier: a block the
+//! store writes for RAM (a spill, a flush: [`SsdTier::put_at`]) keeps the stamp of its last
+//! use there, and blocks are ordered by stamp (an ordered set, O(log n) per use), which the
+//! access journal persists. Under LRU and freq-admit the least recently used block leaves
+//! first. Under LFU a write, a read hit and a re-publication are uses the policy counts (a
+//! touch only refreshes recency) and the least used block leaves first, ties by recency;
+//! the counts live in memory, so after a restart every block counts 0 and the order starts
+//! as LRU's.
 //!
-//! The SSD tier admits every block, whatever the policy: it is the last local tier, so a
-//! block it refused would be lost to this machine, and it sees only what leaves the RAM
-//! tier (a block's hits in RAM never reach it), too little to judge a newcomer by.
-//! Freq-admit's gate is the RAM tier's; behind it the SSD keeps recency order, so the
-//! newest blocks (those just refused by RAM among them) are the last to go, and a flush
-//! keeps what was inserted last. Counting uses on SSD too (LFU's order) got the same hits
-//! in the CPU replay of docs/benchmarks.md and lost just-refused blocks to older popular
-//! ones at the next flush.
+//! The SSD tier has no gate of its own: it is the last local tier, so a block it refused
+//! would be lost to this machine, and it sees only what leaves the RAM tier (a block's hits
+//! in RAM never reach it), too little to judge a newcomer by. Freq-admit's gate is the RAM
+//! tier's; behind it the SSD keeps recency order, so the most recently used blocks (those
+//! just refused by RAM among them) are the last to go, and a flush keeps the most recent
+//! block. In recency order a block older than every block it would displace is the first
+//! to go, so it is not written ([`WriteOutcome::NotAdmitted`]); under LFU every block is.
+//! Counting uses on SSD too (LFU's order) got the same hits in the CPU replay of
+//! docs/benchmarks.md and lost just-refused blocks to older popular ones at the next
+//! flush.
 //!
 //! Write path (crash cases in docs/store-format.md): encode into `tmp/`, fsync the file,
 //! rename into place, fsync the directory. A failed fsync or rename poisons the writer.
