@@ -1176,12 +1176,14 @@ impl<F: FileSystem> SsdTier<F> {
                 budget,
             });
         }
-        let (u, recency_order) = {
+        let (u, recency_order, stored_seq) = {
             let mut st = lock(&self.state);
             let capacity = st.capacity(budget, estimate);
-            (st.record_use((ns, key), capacity), st.is_lru())
+            let stored_seq = st.index.get(&(ns, key)).map_or(0, |e| e.seq);
+            (st.record_use((ns, key), capacity), st.is_lru(), stored_seq)
         };
-        let seq = stamp.unwrap_or_else(|| self.clock.tick());
+        // A copy of another layout replaced keeps its place if it was more recent.
+        let seq = stamp.unwrap_or_else(|| self.clock.tick()).max(stored_seq);
         // A pinned block is always admitted, as in the RAM tier.
         let newcomer = (recency_order && !self.pins.is_pinned(ns, key)).then_some(seq);
         self.evict_until(budget - estimate, None, newcomer)?;
