@@ -6,8 +6,9 @@
 //! it (the RAM tier evicts only the leaves of its chains, cut-off blocks first; the SSD tier
 //! keeps its recency across restarts) and ask a [`PolicyState`] for counts, ranks and
 //! admission. Only the RAM tier gates: a block it does not admit is spilled to the SSD tier
-//! like an evicted one; the SSD tier, the last local tier, admits every block and evicts in
-//! LRU's order under `lru` and `freq-admit`, LFU's under `lfu`. `kvstore bench trace --simulate` runs the same [`PolicyState`] over a trace,
+//! like an evicted one; the SSD tier, the last local tier, has no gate and evicts in LRU's
+//! order under `lru` and `freq-admit`, LFU's under `lfu`. Both tiers stamp recency with the
+//! store's [`UseClock`], so a block leaves RAM with a recency the SSD ranks it by. `kvstore bench trace --simulate` runs the same [`PolicyState`] over a trace,
 //! so the simulated policy is the shipped one. docs/prefix-reuse.md ("Eviction") explains
 //! the default and what "not admitted" means in each tier.
 //!
@@ -19,6 +20,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::Hash;
 
 use serde::{Deserialize, Serialize};
+
+use crate::clock::UseClock;
 
 /// Which block a full tier gives up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
@@ -214,8 +217,10 @@ pub type Order<K> = (u8, Rank, K);
 #[derive(Debug, Clone)]
 struct Node<K> {
     parent: Option<K>,
-    /// Recency: larger is more recent.
+    /// Recency: the [`UseClock`] stamp of the last use or refresh.
     stamp: u64,
+    /// The latest stamp of a descendant that left the order before this block (0: none).
+    below: u64,
     count: u64,
     last_use: u64,
     /// The order under which the block sits in `evictable`, while it has no held child.
@@ -233,26 +238,40 @@ struct Node<K> {
 /// not held [`admits`](Self::admits) (freq-admit's gate, when the tier is full),
 /// [`insert`](Self::insert), and [`victim`](Self::victim) / [`remove`](Self::remove) until
 /// the tier fits its budget.
+///
+/// Recency stamps come from a [`UseClock`]: the RAM tier shares the store's with the SSD
+/// tier, so the stamp a block leaves with ([`leaving_stamp`](Self::leaving_stamp)) ranks it
+/// among the SSD tier's blocks.
 #[derive(Debug, Clone)]
 pub struct ChainOrder<K> {
     nodes: HashMap<K, Node<K>>,
     /// Held children of each block (held or not).
     children: HashMap<K, Vec<K>>,
     evictable: BTreeSet<Order<K>>,
-    next_stamp: u64,
+    clock: UseClock,
     policy: PolicyState<K>,
 }
 
 impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
-    /// Nothing held yet.
+    /// Nothing held yet, stamping recency with a clock of its own.
     pub fn new(policy: EvictionPolicy) -> Self {
+        ChainOrder::with_clock(policy, UseClock::default())
+    }
+
+    /// Nothing held yet, stamping recency with `clock` (shared with other tiers).
+    pub fn with_clock(policy: EvictionPolicy, clock: UseClock) -> Self {
         ChainOrder {
             nodes: HashMap::new(),
             children: HashMap::new(),
             evictable: BTreeSet::new(),
-            next_stamp: 1,
+            clock,
             policy: PolicyState::new(policy),
         }
+    }
+
+    /// The clock recency is stamped with.
+    pub fn clock(&self) -> &UseClock {
+        &self.clock
     }
 
     /// The policy.
@@ -284,8 +303,14 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
     }
 
     fn stamp(&mut self) -> u64 {
-        self.next_stamp += 1;
-        self.next_stamp
+        self.clock.tick()
+    }
+
+    /// The recency `key` leaves the order with: the stamp of its last use or refresh, or a
+    /// later one of a descendant that left before it, so a chain's blocks leave no older
+    /// than the blocks below them (`None` when not held).
+    pub fn leaving_stamp(&self, key: K) -> Option<u64> {
+        self.nodes.get(&key).map(|n| n.stamp.max(n.below))
     }
 
     fn order_of(&self, key: K) -> Option<Order<K>> {
@@ -354,9 +379,16 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
             return false;
         }
         let stamp = self.stamp();
-        if let Some(n) = self.nodes.get_mut(&key) {
-            n.stamp = stamp;
-        }
+        self.touch_at(key, stamp)
+    }
+
+    /// Makes a held block at least as recent as `stamp` (from the order's clock), without
+    /// counting a use. Returns whether it is held.
+    pub fn touch_at(&mut self, key: K, stamp: u64) -> bool {
+        let Some(n) = self.nodes.get_mut(&key) else {
+            return false;
+        };
+        n.stamp = n.stamp.max(stamp);
         self.rerank(key);
         true
     }
@@ -401,6 +433,7 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
             Node {
                 parent,
                 stamp,
+                below: 0,
                 count: u.count,
                 last_use: u.at,
                 order: None,
@@ -431,6 +464,9 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
                     self.children.remove(&parent);
                 }
             }
+            if let Some(p) = self.nodes.get_mut(&parent) {
+                p.below = p.below.max(n.stamp).max(n.below);
+            }
             self.rerank(parent);
         }
         // Children left behind are cut off from their chain now.
@@ -442,6 +478,15 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
 
     /// Every held block in the order eviction would take them all (nothing changes).
     pub fn eviction_order(&self) -> Vec<K> {
+        self.eviction_order_stamped()
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect()
+    }
+
+    /// [`eviction_order`](Self::eviction_order), each block with the stamp it would leave
+    /// with ([`leaving_stamp`](Self::leaving_stamp), its held descendants leaving first).
+    pub fn eviction_order_stamped(&self) -> Vec<(K, u64)> {
         // Replay eviction on a copy of the bookkeeping: leaves leave first, and a parent
         // becomes evictable once its last held child has gone.
         let mut remaining: HashMap<K, usize> = self
@@ -451,6 +496,7 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
             .map(|(k, c)| (*k, c.len()))
             .collect();
         let mut gone: HashSet<K> = HashSet::new();
+        let mut below: HashMap<K, u64> = HashMap::new();
         let mut queue: BTreeSet<Order<K>> = self.evictable.clone();
         let mut order = Vec::with_capacity(self.nodes.len());
         while let Some((_, _, k)) = queue.pop_first() {
@@ -458,10 +504,13 @@ impl<K: Copy + Eq + Hash + Ord> ChainOrder<K> {
                 continue;
             };
             gone.insert(k);
-            order.push(k);
+            let stamp = n.stamp.max(n.below).max(below.remove(&k).unwrap_or(0));
+            order.push((k, stamp));
             let Some(parent) = n.parent else {
                 continue;
             };
+            let b = below.entry(parent).or_insert(0);
+            *b = (*b).max(stamp);
             let Some(left) = remaining.get_mut(&parent) else {
                 continue;
             };
@@ -584,6 +633,35 @@ mod tests {
         assert_eq!(o.eviction_order(), vec![2, 3]);
         assert!(!o.remove(1));
         assert_eq!(o.len(), 2);
+    }
+
+    /// A block leaves with the latest stamp of itself and of the descendants that left
+    /// before it, so a chain's root is never older than its leaves; the stamped eviction
+    /// order counts held children the same way. Stamps come from the shared clock.
+    #[test]
+    fn chain_order_stamps_a_parent_no_older_than_its_leaves() {
+        let clock = UseClock::default();
+        let mut o: ChainOrder<u32> = ChainOrder::with_clock(EvictionPolicy::Lru, clock.clone());
+        for (k, parent) in [(1, None), (2, Some(1)), (3, Some(2)), (4, None)] {
+            let u = o.used(k, 4);
+            o.insert(k, parent, u);
+        }
+        assert_eq!(clock.last(), 4);
+        assert_eq!(
+            o.eviction_order_stamped(),
+            vec![(3, 3), (2, 3), (1, 3), (4, 4)]
+        );
+        assert!(o.remove(3));
+        assert_eq!(o.leaving_stamp(2), Some(3));
+        assert_eq!(o.leaving_stamp(1), Some(1));
+        assert!(o.remove(2));
+        assert_eq!(o.leaving_stamp(1), Some(3));
+        // A later touch wins, and never moves a block back.
+        assert!(o.touch(1));
+        assert_eq!(o.leaving_stamp(1), Some(5));
+        assert!(o.touch_at(1, 2));
+        assert_eq!(o.leaving_stamp(1), Some(5));
+        assert_eq!(o.leaving_stamp(9), None);
     }
 
     /// Freq-admit's gate in a full order: a newcomer used less often than the first

@@ -54,6 +54,7 @@
 #![deny(unsafe_code)]
 
 mod block;
+mod clock;
 mod codec;
 mod error;
 pub mod eviction;
@@ -78,13 +79,14 @@ mod text;
 pub mod tier;
 
 pub use block::{Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
+pub use clock::UseClock;
 pub use codec::{BlockHeader, DecodeError};
 pub use error::{InsertError, OpenError, RegisterError, WriteError};
 pub use eviction::EvictionPolicy;
 pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
 pub use namespace::{KvQuantization, NamespaceDescription};
 pub use pins::{PinnedBytes, Pins, PERSIST_SLACK};
-pub use ram::RamTier;
+pub use ram::{Evicted, RamTier};
 pub use remote::RemoteConfig;
 pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
 pub use stats::StoreStats;

@@ -16,16 +16,33 @@
 //! has not sat idle for a whole turnover of the tier, is not admitted: [`RamTier::insert`]
 //! hands it back like an evicted block, and the [`Store`](crate::Store) spills it to the
 //! SSD tier as it does evicted blocks. A cut-off victim never refuses a newcomer.
+//!
+//! Recency is stamped by a [`UseClock`], the store's, shared with the SSD tier: a block that
+//! leaves ([`Evicted`]) and a block a flush writes ([`RamTier::snapshot_stamped`]) carry the
+//! stamp of their last use here, which the SSD tier ranks them by.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::block::Block;
+use crate::clock::UseClock;
 use crate::eviction::{ChainOrder, EvictionPolicy};
 use crate::key::{BlockKey, NamespaceId};
 use crate::pins::Pins;
 
 type Id = (NamespaceId, BlockKey);
+
+/// A block that left the RAM tier (evicted, or a new block not admitted), with the
+/// [`UseClock`] stamp of its last use there
+/// ([`ChainOrder::leaving_stamp`](crate::eviction::ChainOrder::leaving_stamp); for a block
+/// not admitted, its refused insert).
+#[derive(Debug, Clone)]
+pub struct Evicted {
+    /// The block.
+    pub block: Arc<Block>,
+    /// Its recency when it left.
+    pub stamp: u64,
+}
 
 /// A byte-bounded store of `Arc<Block>` that evicts chains leaves first. Not synchronized: the
 /// [`Store`](crate::Store) wraps it in a mutex.
@@ -54,9 +71,15 @@ impl RamTier {
 
     /// An empty tier holding at most `budget` bytes, evicting by `policy`.
     pub fn with_policy(budget: u64, policy: EvictionPolicy) -> Self {
+        RamTier::with_clock(budget, policy, UseClock::default())
+    }
+
+    /// An empty tier holding at most `budget` bytes, evicting by `policy`, stamping recency
+    /// with `clock` (the store's, shared with the SSD tier).
+    pub fn with_clock(budget: u64, policy: EvictionPolicy, clock: UseClock) -> Self {
         RamTier {
             slots: HashMap::new(),
-            order: ChainOrder::new(policy),
+            order: ChainOrder::with_clock(policy, clock),
             used: 0,
             budget,
             pins: Arc::new(Pins::new()),
@@ -106,6 +129,13 @@ impl RamTier {
         Some(block)
     }
 
+    /// Takes `id` out as an [`Evicted`] block, with the stamp it leaves with.
+    fn evict(&mut self, id: Id) -> Option<Evicted> {
+        let stamp = self.order.leaving_stamp(id)?;
+        let block = self.take(id)?;
+        Some(Evicted { block, stamp })
+    }
+
     /// Inserts `block` as most recently used and returns what had to leave to keep the
     /// budget, in eviction order. A block larger than the whole budget is not admitted and
     /// comes back as the only element, as does a new block the policy does not admit
@@ -113,10 +143,11 @@ impl RamTier {
     /// a present key replaces and refreshes it. Pinned blocks never leave, and a pinned new
     /// block is always admitted: when only pinned blocks (and ancestors of resident
     /// blocks) are left to evict, the new block itself leaves (it comes back last).
-    pub fn insert(&mut self, block: Arc<Block>) -> Vec<Arc<Block>> {
+    pub fn insert(&mut self, block: Arc<Block>) -> Vec<Evicted> {
         let size = block.data_len();
         if size > self.budget {
-            return vec![block];
+            let stamp = self.order.clock().tick();
+            return vec![Evicted { block, stamp }];
         }
         let meta = &block.meta;
         let id = (meta.namespace, meta.key);
@@ -133,7 +164,8 @@ impl RamTier {
             let full = self.used + size > self.budget;
             if full && !pinned(&id) && !self.order.admits(u, capacity, &pinned) {
                 self.not_admitted += 1;
-                return vec![block];
+                let stamp = self.order.clock().tick();
+                return vec![Evicted { block, stamp }];
             }
             self.slots.insert(id, block);
             self.used += size;
@@ -144,7 +176,7 @@ impl RamTier {
             // The new block makes room by others leaving, unless it is cut off itself.
             let victim = self.order.victim(Some(id), &pinned);
             // Nothing unpinned can go: the new block does not stay beside the pins.
-            match self.take(victim.unwrap_or(id)) {
+            match self.evict(victim.unwrap_or(id)) {
                 Some(p) => evicted.push(p),
                 None => break,
             }
@@ -171,6 +203,12 @@ impl RamTier {
         for &key in keys.iter().rev() {
             self.order.touch((ns, key));
         }
+    }
+
+    /// Makes a resident block at least as recent as `stamp` (a stamp of the tier's clock)
+    /// without counting a use; returns whether it is resident.
+    pub(crate) fn touch_at(&mut self, ns: NamespaceId, key: BlockKey, stamp: u64) -> bool {
+        self.order.touch_at((ns, key), stamp)
     }
 
     /// Whether the key is present, without changing recency.
@@ -206,11 +244,24 @@ impl RamTier {
     /// Every block, last to be evicted first: the reverse of the order in which the tier
     /// would evict them all (ranks unchanged).
     pub fn snapshot(&self) -> Vec<Arc<Block>> {
-        let mut order: Vec<Arc<Block>> = self
+        self.snapshot_stamped()
+            .into_iter()
+            .map(|e| e.block)
+            .collect()
+    }
+
+    /// [`RamTier::snapshot`], each block with the stamp it would leave with
+    /// ([`ChainOrder::eviction_order_stamped`](crate::eviction::ChainOrder::eviction_order_stamped)):
+    /// what a write-back flush writes to the SSD tier.
+    pub fn snapshot_stamped(&self) -> Vec<Evicted> {
+        let mut order: Vec<Evicted> = self
             .order
-            .eviction_order()
-            .iter()
-            .filter_map(|id| self.slots.get(id).cloned())
+            .eviction_order_stamped()
+            .into_iter()
+            .filter_map(|(id, stamp)| {
+                let block = self.slots.get(&id)?.clone();
+                Some(Evicted { block, stamp })
+            })
             .collect();
         order.reverse();
         order
@@ -257,7 +308,7 @@ mod tests {
                 "block {i}"
             );
         }
-        let order: Vec<u32> = evicted.iter().map(|b| b.meta.position).collect();
+        let order: Vec<u32> = evicted.iter().map(|e| e.block.meta.position).collect();
         assert_eq!(order, vec![4, 5, 6, 7, 8, 9]);
         let snap: Vec<u32> = ram.snapshot().iter().map(|b| b.meta.position).collect();
         assert_eq!(snap, vec![0, 1, 2, 3]);
@@ -312,7 +363,7 @@ mod tests {
                 out.push(
                     ram.insert(x.clone())
                         .iter()
-                        .map(|e| e.meta.tokens[0])
+                        .map(|e| e.block.meta.tokens[0])
                         .collect::<Vec<_>>(),
                 );
             }
@@ -348,7 +399,7 @@ mod tests {
         let mut refused = Vec::new();
         for x in &blocks {
             let out = ram.insert(x.clone());
-            refused.push(out.iter().any(|e| Arc::ptr_eq(e, x)));
+            refused.push(out.iter().any(|e| Arc::ptr_eq(&e.block, x)));
         }
         assert_eq!(refused, vec![false, false, true, false, false]);
         assert_eq!(
@@ -381,7 +432,7 @@ mod tests {
                 false,
             );
             let out = ram.insert(p.clone());
-            assert!(!out.iter().any(|e| Arc::ptr_eq(e, p)), "{policy}");
+            assert!(!out.iter().any(|e| Arc::ptr_eq(&e.block, p)), "{policy}");
             for x in &blocks[4..] {
                 ram.insert(x.clone());
                 assert!(ram.contains(p.meta.namespace, p.meta.key), "{policy}");

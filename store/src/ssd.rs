@@ -3,19 +3,25 @@
 //! that persists the recency order, quarantine for files that fail verification, and one
 //! writer per root.
 //!
-//! Under LRU and freq-admit the least recently used block leaves first. Under LFU a write,
-//! a read hit and a re-publication are uses the policy counts (a touch only refreshes
-//! recency) and the least used block leaves first, ties by recency; the counts live in
-//! memory, so after a restart every block counts 0 and the order starts as LRU's.
+//! Recency is a stamp of the store's [`UseClock`], shared with the RAM tier: a block the
+//! store writes for RAM (a spill, a flush: [`SsdTier::put_at`]) keeps the stamp of its last
+//! use there, and blocks are ordered by stamp (an ordered set, O(log n) per use), which the
+//! access journal persists. Under LRU and freq-admit the least recently used block leaves
+//! first. Under LFU a write, a read hit and a re-publication are uses the policy counts (a
+//! touch only refreshes recency) and the least used block leaves first, ties by recency;
+//! the counts live in memory, so after a restart every block counts 0 and the order starts
+//! as LRU's.
 //!
-//! The SSD tier admits every block, whatever the policy: it is the last local tier, so a
-//! block it refused would be lost to this machine, and it sees only what leaves the RAM
-//! tier (a block's hits in RAM never reach it), too little to judge a newcomer by.
-//! Freq-admit's gate is the RAM tier's; behind it the SSD keeps recency order, so the
-//! newest blocks (those just refused by RAM among them) are the last to go, and a flush
-//! keeps what was inserted last. Counting uses on SSD too (LFU's order) got the same hits
-//! in the CPU replay of docs/benchmarks.md and lost just-refused blocks to older popular
-//! ones at the next flush.
+//! The SSD tier has no gate of its own: it is the last local tier, so a block it refused
+//! would be lost to this machine, and it sees only what leaves the RAM tier (a block's hits
+//! in RAM never reach it), too little to judge a newcomer by. Freq-admit's gate is the RAM
+//! tier's; behind it the SSD keeps recency order, so the most recently used blocks (those
+//! just refused by RAM among them) are the last to go, and a flush keeps the most recent
+//! block. In recency order a block older than every block it would displace is the first
+//! to go, so it is not written ([`WriteOutcome::NotAdmitted`]); under LFU every block is.
+//! Counting uses on SSD too (LFU's order) got the same hits in the CPU replay of
+//! docs/benchmarks.md and lost just-refused blocks to older popular ones at the next
+//! flush.
 //!
 //! Write path (crash cases in docs/store-format.md): encode into `tmp/`, fsync the file,
 //! rename into place, fsync the directory. A failed fsync or rename poisons the writer.
@@ -29,10 +35,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use lru::LruCache;
 use serde::{Deserialize, Serialize};
 
 use crate::block::{now_unix_ms, Block};
+use crate::clock::UseClock;
 use crate::codec::{self, DecodeError, EncodeError};
 use crate::error::{OpenError, RegisterError, WriteError};
 use crate::eviction::{EvictionPolicy, PolicyState, Rank};
@@ -95,6 +101,9 @@ pub enum WriteOutcome {
     },
     /// A file for this key already existed; only its recency was updated.
     AlreadyPresent,
+    /// The tier is full of more recent blocks (and pinned ones): written with its stamp
+    /// ([`SsdTier::put_at`]) the block would be the first evicted, so it was not written.
+    NotAdmitted,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -109,8 +118,11 @@ pub(crate) struct Marker {
 struct Entry {
     phys: u64,
     last_ms: u64,
-    /// Recency: the journal's sequence number of the last write or touch.
+    /// Recency: the [`UseClock`] stamp of the last write, read or touch (the journal's
+    /// sequence number). A block written by a spill or flush keeps its RAM stamp.
     seq: u64,
+    /// Breaks ties between equal stamps: later writes and touches count as more recent.
+    tie: u64,
     /// The eviction policy's count (0 after a restart).
     count: u64,
     /// The eviction policy's use clock at the last write or read hit.
@@ -123,6 +135,7 @@ impl Entry {
             phys,
             last_ms,
             seq,
+            tie: 0,
             count: 0,
             last_use: 0,
         }
@@ -132,24 +145,27 @@ impl Entry {
 type Id = (NamespaceId, BlockKey);
 
 struct State<W: WritableFile> {
-    index: LruCache<Id, Entry>,
+    index: HashMap<Id, Entry>,
+    /// Every block by recency, least recent first: (stamp, tie, block).
+    recency: BTreeSet<(u64, u64, Id)>,
     used: u64,
     journal: Option<Journal<W>>,
-    next_seq: u64,
+    next_tie: u64,
     /// The eviction policy's counts and use clock.
     policy: PolicyState<Id>,
     /// Every block by the policy's rank, for the policies other than LRU (LRU evicts in
-    /// `index` order).
-    ranked: BTreeSet<(Rank, Id)>,
+    /// `recency` order).
+    ranked: BTreeSet<(Rank, u64, Id)>,
 }
 
 impl<W: WritableFile> State<W> {
     fn new(policy: EvictionPolicy) -> Self {
         State {
-            index: LruCache::unbounded(),
+            index: HashMap::new(),
+            recency: BTreeSet::new(),
             used: 0,
             journal: None,
-            next_seq: 1,
+            next_tie: 1,
             policy: PolicyState::new(policy),
             ranked: BTreeSet::new(),
         }
@@ -163,28 +179,32 @@ impl<W: WritableFile> State<W> {
         self.policy.rank(e.count, e.seq)
     }
 
-    /// Adds `k` as the most recent block; returns the entry it replaces, if any (the caller
-    /// adjusts `used`).
-    fn add(&mut self, k: Id, e: Entry) -> Option<Entry> {
+    /// Adds `k`, after every block of its stamp; returns the entry it replaces, if any
+    /// (the caller adjusts `used`).
+    fn add(&mut self, k: Id, mut e: Entry) -> Option<Entry> {
         let old = self.forget(&k);
+        e.tie = self.next_tie;
+        self.next_tie += 1;
         if !self.is_lru() {
-            self.ranked.insert((self.rank(&e), k));
+            self.ranked.insert((self.rank(&e), e.tie, k));
         }
-        self.index.push(k, e);
+        self.recency.insert((e.seq, e.tie, k));
+        self.index.insert(k, e);
         old
     }
 
     /// Forgets `k` (the caller adjusts `used`).
     fn forget(&mut self, k: &Id) -> Option<Entry> {
-        let e = self.index.pop(k)?;
+        let e = self.index.remove(k)?;
+        self.recency.remove(&(e.seq, e.tie, *k));
         if !self.is_lru() {
             let r = self.rank(&e);
-            self.ranked.remove(&(r, *k));
+            self.ranked.remove(&(r, e.tie, *k));
         }
         Some(e)
     }
 
-    /// Applies `f` to `k`'s entry and moves it to the front of the recency order.
+    /// Applies `f` to `k`'s entry and ranks it again.
     fn update(&mut self, k: &Id, f: impl FnOnce(&mut Entry)) -> bool {
         let Some(mut e) = self.forget(k) else {
             return false;
@@ -192,6 +212,18 @@ impl<W: WritableFile> State<W> {
         f(&mut e);
         self.add(*k, e);
         true
+    }
+
+    /// Ranks every block again (after a policy change or freq-admit's halving).
+    fn rerank_all(&mut self) {
+        self.ranked = if self.is_lru() {
+            BTreeSet::new()
+        } else {
+            self.index
+                .iter()
+                .map(|(k, e)| (self.policy.rank(e.count, e.seq), e.tie, *k))
+                .collect()
+        };
     }
 
     /// Blocks the tier holds when full: `budget` over the mean block file (over `size`
@@ -207,45 +239,52 @@ impl<W: WritableFile> State<W> {
     /// Counts a use of `k` (a write or a read hit); ranks every block again when
     /// freq-admit halved its counts.
     fn record_use(&mut self, k: Id, capacity: u64) -> crate::eviction::Use {
-        let cached = self.index.peek(&k).map(|e| e.count);
+        let cached = self.index.get(&k).map(|e| e.count);
         let u = self.policy.record_use(k, cached, capacity);
         if u.halved {
             let policy = &self.policy;
             for (k, e) in self.index.iter_mut() {
                 e.count = policy.count(*k);
             }
-            self.ranked = self
-                .index
-                .iter()
-                .map(|(k, e)| (self.policy.rank(e.count, e.seq), *k))
-                .collect();
+            self.rerank_all();
         }
-        if let Some(mut e) = self.index.peek(&k).copied() {
+        if let Some(mut e) = self.index.get(&k).copied() {
             if !self.is_lru() {
                 let r = self.rank(&e);
-                self.ranked.remove(&(r, k));
+                self.ranked.remove(&(r, e.tie, k));
             }
             e.count = u.count;
             e.last_use = u.at;
             if !self.is_lru() {
-                self.ranked.insert((self.rank(&e), k));
+                self.ranked.insert((self.rank(&e), e.tie, k));
             }
-            if let Some(slot) = self.index.peek_mut(&k) {
-                *slot = e;
-            }
+            self.index.insert(k, e);
         }
         u
     }
 
     /// The block eviction takes next, passing over `keep` and pinned blocks (which keep
-    /// their place).
-    fn victim(&self, keep: Option<Id>, pins: &Pins) -> Option<Id> {
+    /// their place), with its stamp.
+    fn victim(&self, keep: Option<Id>, pins: &Pins) -> Option<(Id, u64)> {
         let eligible = |k: &Id| Some(*k) != keep && !pins.is_pinned(k.0, k.1);
         if self.is_lru() {
-            self.index.iter().rev().map(|(k, _)| *k).find(eligible)
+            self.recency
+                .iter()
+                .find(|(_, _, k)| eligible(k))
+                .map(|&(seq, _, k)| (k, seq))
         } else {
-            self.ranked.iter().map(|(_, k)| *k).find(eligible)
+            self.ranked
+                .iter()
+                .find(|(_, _, k)| eligible(k))
+                .and_then(|&(_, _, k)| Some((k, self.index.get(&k)?.seq)))
         }
+    }
+
+    /// Every block, least recent first.
+    fn by_recency(&self) -> impl Iterator<Item = (Id, &Entry)> + '_ {
+        self.recency
+            .iter()
+            .filter_map(|(_, _, k)| Some((*k, self.index.get(k)?)))
     }
 }
 
@@ -264,6 +303,8 @@ pub struct SsdTier<F: FileSystem = RealFs> {
     tmp_seq: AtomicU64,
     /// Keys eviction skips ([`crate::Pins`]); empty until the store sets its pins.
     pins: Arc<Pins>,
+    /// Stamps recency; the store shares it with its RAM tier.
+    clock: UseClock,
 }
 
 fn io_err(path: &Path) -> impl FnOnce(io::Error) -> OpenError + '_ {
@@ -568,29 +609,32 @@ impl<F: FileSystem> SsdTier<F> {
         if read.damaged && !scan.blocks.is_empty() {
             tracing::info!(path = %crate::escape_path(&journal_path), "access journal missing or torn; recency of unlisted blocks comes from file times");
         }
-        let mut last: HashMap<(NamespaceId, BlockKey), Record> = HashMap::new();
-        for r in read.records {
-            let slot = last.entry((r.ns, r.key)).or_insert(r);
-            if r.seq >= slot.seq {
-                *slot = r;
-            }
+        // A block's last record is its recency. Its sequence number (a use-clock stamp)
+        // orders it; a later record of an equal stamp is the more recent. A spill or flush
+        // may append a stamp older than an earlier record of another block, never an older
+        // state of the same block, so "last record" and not "largest stamp" is the state
+        // (journals written before stamps had both in file order: they read the same).
+        let mut last: HashMap<(NamespaceId, BlockKey), (usize, Record)> = HashMap::new();
+        for (i, r) in read.records.into_iter().enumerate() {
+            last.insert((r.ns, r.key), (i, r));
         }
-        let mut entries: Vec<((NamespaceId, BlockKey), Entry)> = scan
+        let mut entries: Vec<((NamespaceId, BlockKey), usize, Entry)> = scan
             .blocks
             .iter()
             .map(|(ns, key, meta, _)| {
-                let (seq, last_ms) = match last.get(&(*ns, *key)) {
-                    Some(r) => (r.seq, r.unix_ms),
-                    None => (0, meta.modified_unix_ms),
+                let (seq, at, last_ms) = match last.get(&(*ns, *key)) {
+                    Some((i, r)) => (r.seq, *i, r.unix_ms),
+                    None => (0, 0, meta.modified_unix_ms),
                 };
-                ((*ns, *key), Entry::new(meta.physical_bytes, last_ms, seq))
+                let e = Entry::new(meta.physical_bytes, last_ms, seq);
+                ((*ns, *key), at, e)
             })
             .collect();
         // Journal order first; files the journal does not know are older, by mtime.
-        entries.sort_by_key(|(k, e)| (e.seq, e.last_ms, *k));
+        entries.sort_by_key(|(k, at, e)| (e.seq, *at, e.last_ms, *k));
         let mut state = State::new(EvictionPolicy::Lru);
         let mut records = Vec::with_capacity(entries.len());
-        for (i, (k, mut e)) in entries.into_iter().enumerate() {
+        for (i, (k, _, mut e)) in entries.into_iter().enumerate() {
             e.seq = i as u64 + 1;
             state.used += e.phys;
             records.push(Record {
@@ -601,7 +645,6 @@ impl<F: FileSystem> SsdTier<F> {
             });
             state.add(k, e);
         }
-        state.next_seq = records.len() as u64 + 1;
         state.journal = if options.read_only {
             None
         } else {
@@ -628,7 +671,14 @@ impl<F: FileSystem> SsdTier<F> {
             counters,
             tmp_seq: AtomicU64::new(0),
             pins: Arc::new(Pins::new()),
+            clock: UseClock::starting_after(records.len() as u64),
         })
+    }
+
+    /// The clock that stamps this tier's recency (blocks are numbered 1..n at open, so
+    /// its next stamp is n + 1). The store stamps its RAM tier's recency with it too.
+    pub fn clock(&self) -> &UseClock {
+        &self.clock
     }
 
     /// The store's root directory.
@@ -679,15 +729,13 @@ impl<F: FileSystem> SsdTier<F> {
     /// Every known block, least recently used first.
     pub fn entries(&self) -> Vec<SsdEntry> {
         let st = lock(&self.state);
-        st.index
-            .iter()
-            .rev()
+        st.by_recency()
             .map(|((ns, key), e)| SsdEntry {
-                namespace: *ns,
-                key: *key,
+                namespace: ns,
+                key,
                 physical_bytes: e.phys,
                 last_access_unix_ms: e.last_ms,
-                path: block_path(&self.root, *ns, *key),
+                path: block_path(&self.root, ns, key),
             })
             .collect()
     }
@@ -695,7 +743,7 @@ impl<F: FileSystem> SsdTier<F> {
     /// Whether a block is present, without reading it or changing its recency. A read-only
     /// handle also looks for files written after it opened.
     pub fn contains(&self, ns: NamespaceId, key: BlockKey) -> bool {
-        if lock(&self.state).index.contains(&(ns, key)) {
+        if lock(&self.state).index.contains_key(&(ns, key)) {
             return true;
         }
         self.read_only
@@ -716,7 +764,7 @@ impl<F: FileSystem> SsdTier<F> {
     /// refreshes the whole chain at the end, root last).
     pub(crate) fn read(&self, ns: NamespaceId, key: BlockKey, touch: bool) -> ReadOutcome {
         let path = self.block_path(ns, key);
-        let known = lock(&self.state).index.contains(&(ns, key));
+        let known = lock(&self.state).index.contains_key(&(ns, key));
         if !known && !self.read_only {
             Counters::inc(&self.counters.ssd_misses);
             return ReadOutcome::Miss;
@@ -816,17 +864,22 @@ impl<F: FileSystem> SsdTier<F> {
     /// Marks a block as just used (journal append; compacts the journal when it grows past
     /// four records per block).
     pub fn touch(&self, ns: NamespaceId, key: BlockKey) {
+        self.touch_at(ns, key, self.clock.tick());
+    }
+
+    /// Makes a block at least as recent as `stamp` (a [`UseClock`] stamp, such as its
+    /// last use in the RAM tier); a block already more recent keeps its place.
+    pub(crate) fn touch_at(&self, ns: NamespaceId, key: BlockKey, stamp: u64) {
         let mut st = lock(&self.state);
-        let seq = st.next_seq;
         let now = now_unix_ms();
-        let touched = st.update(&(ns, key), |e| {
+        if st.index.get(&(ns, key)).is_none_or(|e| e.seq > stamp) {
+            return;
+        }
+        let seq = stamp;
+        st.update(&(ns, key), |e| {
             e.seq = seq;
             e.last_ms = now;
         });
-        if !touched {
-            return;
-        }
-        st.next_seq += 1;
         self.journal_append(
             &mut st,
             Record {
@@ -840,15 +893,15 @@ impl<F: FileSystem> SsdTier<F> {
 
     /// Counts a use of a stored block that was not read (it was published again) and marks
     /// it as just used.
-    pub(crate) fn reuse(&self, ns: NamespaceId, key: BlockKey) {
+    pub(crate) fn reuse(&self, ns: NamespaceId, key: BlockKey, stamp: u64) {
         {
             let mut st = lock(&self.state);
-            if st.index.contains(&(ns, key)) {
+            if st.index.contains_key(&(ns, key)) {
                 let capacity = st.capacity(self.budget(), format::ASSUMED_FS_BLOCK);
                 st.record_use((ns, key), capacity);
             }
         }
-        self.touch(ns, key);
+        self.touch_at(ns, key, stamp);
     }
 
     /// Marks the stored blocks of a chain as used, from the last key back to the first, so
@@ -872,12 +925,10 @@ impl<F: FileSystem> SsdTier<F> {
         }
         if j.records > 4 * st.index.len() as u64 + 1024 {
             let records: Vec<Record> = st
-                .index
-                .iter()
-                .rev()
+                .by_recency()
                 .map(|((ns, key), e)| Record {
-                    ns: *ns,
-                    key: *key,
+                    ns,
+                    key,
                     seq: e.seq,
                     unix_ms: e.last_ms,
                 })
@@ -916,7 +967,7 @@ impl<F: FileSystem> SsdTier<F> {
         // the budget the moment it is written.
         let budget = used.saturating_sub(need).max(need);
         // Evict first: if a removal fails, the bytes held still fit the budget in force.
-        let evicted = self.evict_until(budget.saturating_sub(need), None)?;
+        let evicted = self.evict_until(budget.saturating_sub(need), None, None)?;
         let old = self.budget.fetch_min(budget, Ordering::Relaxed);
         if budget < old {
             tracing::warn!(
@@ -972,17 +1023,19 @@ impl<F: FileSystem> SsdTier<F> {
         let st = lock(&self.state);
         pinned
             .iter()
-            .filter_map(|k| st.index.peek(k))
+            .filter_map(|k| st.index.get(k))
             .map(|e| e.phys)
             .sum()
     }
 
     /// Evicts blocks in the policy's order until `used <= limit`, sparing `keep` and
-    /// pinned blocks (which keep their place in the order).
+    /// pinned blocks (which keep their place in the order), and stopping at a victim more
+    /// recent than `newcomer` (the stamp of a block about to be written in recency order).
     fn evict_until(
         &self,
         limit: u64,
         keep: Option<(NamespaceId, BlockKey)>,
+        newcomer: Option<u64>,
     ) -> Result<u64, WriteError> {
         let mut evicted = 0;
         let mut st = lock(&self.state);
@@ -990,9 +1043,12 @@ impl<F: FileSystem> SsdTier<F> {
             if st.used <= limit {
                 return Ok(evicted);
             }
-            let Some(k) = st.victim(keep, &self.pins) else {
+            let Some((k, seq)) = st.victim(keep, &self.pins) else {
                 return Ok(evicted);
             };
+            if newcomer.is_some_and(|n| seq > n) {
+                return Ok(evicted);
+            }
             let path = block_path(&self.root, k.0, k.1);
             match self.fs.remove_file(&path) {
                 Ok(()) => {}
@@ -1017,14 +1073,7 @@ impl<F: FileSystem> SsdTier<F> {
             EvictionPolicy::Lru | EvictionPolicy::FreqAdmit => EvictionPolicy::Lru,
         };
         st.policy = PolicyState::new(order);
-        st.ranked = if st.is_lru() {
-            BTreeSet::new()
-        } else {
-            st.index
-                .iter()
-                .map(|(k, e)| (st.policy.rank(e.count, e.seq), *k))
-                .collect()
-        };
+        st.rerank_all();
     }
 
     /// Evicts least recently used blocks until the physical bytes fit the budget; returns
@@ -1032,7 +1081,7 @@ impl<F: FileSystem> SsdTier<F> {
     pub fn enforce_budget(&self) -> Result<u64, WriteError> {
         self.check_writable()?;
         let _w = lock(&self.write_lock);
-        self.evict_until(self.budget(), None)
+        self.evict_until(self.budget(), None, None)
     }
 
     /// Changes the budget and records it in the store marker (for `kvstore inspect`).
@@ -1061,7 +1110,18 @@ impl<F: FileSystem> SsdTier<F> {
     /// Writes a block durably (temp file, fsync, rename, fsync directory), evicting least
     /// recently used blocks first so the budget holds. On `Ok` the block survives a crash.
     pub fn put(&self, block: &Block) -> Result<WriteOutcome, WriteError> {
-        self.put_or_replace(block, false)
+        self.put_or_replace(block, false, None)
+    }
+
+    /// [`SsdTier::put`] of a block last used at `stamp` (a stamp of this tier's
+    /// [`clock`](Self::clock), such as its last use in the RAM tier), ranked by it rather
+    /// than as the newest block. In recency order (`lru`, `freq-admit`) a full tier makes
+    /// room only from blocks no more recent than it: when the rest of the room would have
+    /// to come from more recent ones, the block is the first to go, so it is not written
+    /// ([`WriteOutcome::NotAdmitted`], counted as an eviction). A stored block is only made
+    /// at least that recent.
+    pub fn put_at(&self, block: &Block, stamp: u64) -> Result<WriteOutcome, WriteError> {
+        self.put_or_replace(block, false, Some(stamp))
     }
 
     /// Writes `block` in place of the stored file of its key when that file holds other
@@ -1071,15 +1131,25 @@ impl<F: FileSystem> SsdTier<F> {
     /// A file of the same length class (the same planes) is only touched; an absent key
     /// is put.
     pub fn replace(&self, block: &Block) -> Result<WriteOutcome, WriteError> {
-        self.put_or_replace(block, true)
+        self.put_or_replace(block, true, None)
     }
 
-    fn put_or_replace(&self, block: &Block, replace: bool) -> Result<WriteOutcome, WriteError> {
+    /// [`SsdTier::replace`] of a block last used at `stamp`, as [`SsdTier::put_at`].
+    pub(crate) fn replace_at(&self, block: &Block, stamp: u64) -> Result<WriteOutcome, WriteError> {
+        self.put_or_replace(block, true, Some(stamp))
+    }
+
+    fn put_or_replace(
+        &self,
+        block: &Block,
+        replace: bool,
+        stamp: Option<u64>,
+    ) -> Result<WriteOutcome, WriteError> {
         self.check_writable()?;
         let _w = lock(&self.write_lock);
         let ns = block.meta.namespace;
         let key = block.meta.key;
-        if lock(&self.state).index.contains(&(ns, key)) {
+        if lock(&self.state).index.contains_key(&(ns, key)) {
             // The same planes give a file of at least their bytes and at most the estimate.
             let same = !replace
                 || self
@@ -1089,7 +1159,7 @@ impl<F: FileSystem> SsdTier<F> {
                         (block.data_len()..=codec::estimate_file_len(block)).contains(&m.len)
                     });
             if same {
-                self.touch(ns, key);
+                self.touch_at(ns, key, stamp.unwrap_or_else(|| self.clock.tick()));
                 return Ok(WriteOutcome::AlreadyPresent);
             }
         }
@@ -1106,13 +1176,30 @@ impl<F: FileSystem> SsdTier<F> {
                 budget,
             });
         }
-        let u = {
+        let (u, recency_order, stored_seq) = {
             let mut st = lock(&self.state);
             let capacity = st.capacity(budget, estimate);
-            st.record_use((ns, key), capacity)
+            let stored_seq = st.index.get(&(ns, key)).map_or(0, |e| e.seq);
+            (st.record_use((ns, key), capacity), st.is_lru(), stored_seq)
         };
-        self.evict_until(budget - estimate, None)?;
-        let used = lock(&self.state).used;
+        // A copy of another layout replaced keeps its place if it was more recent.
+        let seq = stamp.unwrap_or_else(|| self.clock.tick()).max(stored_seq);
+        // A pinned block is always admitted, as in the RAM tier.
+        let newcomer = (recency_order && !self.pins.is_pinned(ns, key)).then_some(seq);
+        self.evict_until(budget - estimate, None, newcomer)?;
+        let (used, more_recent_left) = {
+            let st = lock(&self.state);
+            let left = newcomer.is_some()
+                && st
+                    .victim(None, &self.pins)
+                    .is_some_and(|(_, victim)| victim > seq);
+            (st.used, left)
+        };
+        if used + estimate > budget && more_recent_left {
+            // Written, it would be the least recent block: the first to go.
+            Counters::inc(&self.counters.ssd_evictions);
+            return Ok(WriteOutcome::NotAdmitted);
+        }
         if used + estimate > budget {
             // Only pinned blocks (or a write racing this one) are left: refuse rather than
             // evict a pin or overrun the budget.
@@ -1192,8 +1279,6 @@ impl<F: FileSystem> SsdTier<F> {
             .unwrap_or(estimate);
         {
             let mut st = lock(&self.state);
-            let seq = st.next_seq;
-            st.next_seq += 1;
             let now = now_unix_ms();
             let replaced = st.add(
                 (ns, key),
@@ -1201,6 +1286,7 @@ impl<F: FileSystem> SsdTier<F> {
                     phys,
                     last_ms: now,
                     seq,
+                    tie: 0,
                     count: u.count,
                     last_use: u.at,
                 },
@@ -1222,7 +1308,7 @@ impl<F: FileSystem> SsdTier<F> {
         Counters::add(&self.counters.bytes_written, file_len);
         Counters::inc(&self.counters.blocks_written);
         if phys > estimate || self.budget() < budget {
-            self.evict_until(self.budget(), Some((ns, key)))?;
+            self.evict_until(self.budget(), Some((ns, key)), None)?;
         }
         Ok(WriteOutcome::Written {
             physical_bytes: phys,

@@ -75,7 +75,9 @@ pub struct StoreStats {
     pub ssd_misses: u64,
     /// Blocks evicted from RAM.
     pub ram_evictions: u64,
-    /// Block files deleted by the SSD budget.
+    /// Block files deleted by the SSD budget, and blocks not written because, older than
+    /// everything they would displace, they would have been the first to go
+    /// ([`WriteOutcome::NotAdmitted`](crate::WriteOutcome::NotAdmitted)).
     pub ssd_evictions: u64,
     /// New blocks the RAM tier's eviction policy did not admit (freq-admit), handed to the
     /// SSD tier as evicted blocks are.

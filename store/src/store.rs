@@ -12,6 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::block::{Block, BlockMeta, LayoutError};
+use crate::clock::UseClock;
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::eviction::EvictionPolicy;
@@ -19,7 +20,7 @@ use crate::fs::{FileSystem, RealFs};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::pins::{PinnedBytes, Pins};
-use crate::ram::RamTier;
+use crate::ram::{Evicted, RamTier};
 use crate::read_ahead::{ReadAhead, ReadPlan};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::ssd::{is_storage_full, ReadOutcome, SsdOptions, SsdTier};
@@ -249,21 +250,25 @@ impl std::fmt::Debug for LoadedPrefix {
     }
 }
 
+/// Jobs of the write-behind worker. A block's `u64` is the [`UseClock`] stamp of its last
+/// use in the RAM tier: the SSD tier ranks it by that, not as its newest block
+/// ([`SsdTier::put_at`]).
 enum Job {
-    Write(Arc<Block>),
+    Write(Arc<Block>, u64),
     /// A block to write in place of the SSD's copy of its key when that holds other planes
     /// ([`SsdTier::replace`]); written like [`Job::Write`] when the SSD has none.
-    Replace(Arc<Block>),
+    Replace(Arc<Block>, u64),
     /// A block that left the RAM tier while the SSD held it: written only if the SSD no
     /// longer does when the job runs (its SSD recency is left as it is). The worker decides,
     /// not the evicting thread: the SSD copy seen at eviction time may be evicted by writes
     /// still queued before this job, and the block would be lost from both tiers.
-    Spill(Arc<Block>),
-    /// A stored block published again: a use of it (recency, and its count under the
-    /// frequency policies).
-    Touch(NamespaceId, BlockKey),
-    /// Re-applies a chain's recency after the writes queued before it.
-    TouchChain(NamespaceId, Vec<BlockKey>),
+    Spill(Arc<Block>, u64),
+    /// A stored block published again (at the stamp): a use of it (recency, and its count
+    /// under the frequency policies).
+    Touch(NamespaceId, BlockKey, u64),
+    /// Re-applies a chain's recency (each key with its stamp) after the writes queued
+    /// before it.
+    TouchChain(NamespaceId, Vec<(BlockKey, u64)>),
     Flush(SyncSender<()>),
 }
 
@@ -296,6 +301,8 @@ struct Shared<F: FileSystem> {
     queue_full_logged_ms: AtomicU64,
     /// Held by the write-behind worker for each job, and by [`Store::pause_writes`].
     write_gate: Mutex<()>,
+    /// Stamps recency in the RAM and SSD tiers (the SSD tier's when there is one).
+    clock: UseClock,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -387,9 +394,11 @@ impl<F: FileSystem> Store<F> {
             .as_ref()
             .map(|s| s.namespaces().into_iter().map(|d| (d.id(), d)).collect())
             .unwrap_or_default();
+        let clock = ssd.as_ref().map(|s| s.clock().clone()).unwrap_or_default();
         let shared = Arc::new(Shared {
             ram: Mutex::new({
-                let mut ram = RamTier::with_policy(config.ram_budget, config.eviction);
+                let mut ram =
+                    RamTier::with_clock(config.ram_budget, config.eviction, clock.clone());
                 ram.set_pins(pins.clone());
                 ram
             }),
@@ -403,6 +412,7 @@ impl<F: FileSystem> Store<F> {
             config,
             queue_full_logged_ms: AtomicU64::new(0),
             write_gate: Mutex::new(()),
+            clock,
         });
         let (tx, worker) = if shared.ssd.is_some() && !shared.config.read_only {
             let (tx, rx) = mpsc::sync_channel(shared.config.queue_capacity.max(1));
@@ -611,17 +621,17 @@ impl<F: FileSystem> Store<F> {
         let evicted = lock(&self.shared.ram).insert(payload.clone());
         if self.shared.config.write_policy == WritePolicy::WriteThrough {
             // The worker writes it, or only refreshes its recency if it is stored by then.
-            self.enqueue(payload.clone(), replace);
+            self.enqueue(payload.clone(), replace, self.shared.clock.tick());
         } else if replace && stored() {
             // The SSD copy (or the one queued) is another layout: replace it now, as a
             // later spill of the RAM copy would find the key stored and skip it.
-            self.enqueue(payload.clone(), true);
+            self.enqueue(payload.clone(), true, self.shared.clock.tick());
         } else if let Some(tx) = &self.tx {
             if stored() {
                 // Re-published while stored or queued: the SSD copy is recent again.
                 // Recency only, so a full queue just skips it; if the SSD copy is evicted
                 // meanwhile, the RAM copy is spilled again on eviction or flush.
-                let _ = tx.try_send(Job::Touch(ns, key));
+                let _ = tx.try_send(Job::Touch(ns, key, self.shared.clock.tick()));
             }
         }
         self.spill(evicted);
@@ -639,8 +649,16 @@ impl<F: FileSystem> Store<F> {
         }
     }
 
-    fn spill(&self, evicted: Vec<Arc<Block>>) {
-        for p in evicted {
+    fn spill(&self, evicted: Vec<Evicted>) {
+        // An eviction reaches the SSD as of the time it left RAM, as a victim cache takes
+        // it (the SSD keeps what RAM let go, newest first); its RAM recency would rank it
+        // below blocks the SSD took long ago, and freq-admit's evictions (RAM's least
+        // valuable, not its oldest) would then never be written (docs/benchmarks.md, "With
+        // the store-wide use clock": 1.07x the hits). Blocks leave leaves first, so the
+        // stamps keep a chain's root no older than its leaves. Write-back flushes keep
+        // RAM's recency (`flush`): RAM still holds those blocks.
+        for Evicted { block: p, .. } in evicted {
+            let stamp = self.shared.clock.tick();
             Counters::inc(&self.shared.counters.ram_evictions);
             let m = &p.meta;
             // A block already on SSD keeps its SSD recency: every use (load, touch_chain,
@@ -653,8 +671,8 @@ impl<F: FileSystem> Store<F> {
                 .as_ref()
                 .is_some_and(|s| s.contains(m.namespace, m.key));
             if on_ssd {
-                self.enqueue_spill_check(p);
-            } else if self.enqueue(p, false) {
+                self.enqueue_spill_check(p, stamp);
+            } else if self.enqueue(p, false, stamp) {
                 Counters::inc(&self.shared.counters.spills);
             }
         }
@@ -663,26 +681,26 @@ impl<F: FileSystem> Store<F> {
     /// Queues a [`Job::Spill`] without blocking: the block left RAM while the SSD held it,
     /// and the worker writes it only if the SSD no longer does when the job runs. It is not
     /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
-    fn enqueue_spill_check(&self, p: Arc<Block>) {
+    fn enqueue_spill_check(&self, p: Arc<Block>, stamp: u64) {
         if let Some(tx) = &self.tx {
-            if tx.try_send(Job::Spill(p)).is_err() {
+            if tx.try_send(Job::Spill(p, stamp)).is_err() {
                 Counters::inc(&self.shared.counters.skipped_queue_full);
             }
         }
     }
 
-    /// Queues a write (in place of the SSD's copy when `replace`) without blocking;
-    /// returns whether it was queued.
-    fn enqueue(&self, p: Arc<Block>, replace: bool) -> bool {
+    /// Queues a write (in place of the SSD's copy when `replace`) of a block last used at
+    /// `stamp` without blocking; returns whether it was queued.
+    fn enqueue(&self, p: Arc<Block>, replace: bool, stamp: u64) -> bool {
         let Some(tx) = &self.tx else {
             return false;
         };
         let k = (p.meta.namespace, p.meta.key);
         lock(&self.shared.pending).insert(k, p.clone());
         let job = if replace {
-            Job::Replace(p)
+            Job::Replace(p, stamp)
         } else {
-            Job::Write(p)
+            Job::Write(p, stamp)
         };
         match tx.try_send(job) {
             Ok(()) => true,
@@ -722,19 +740,37 @@ impl<F: FileSystem> Store<F> {
     /// [`chain_keys`](crate::chain_keys) returns them); absent keys are skipped.
     /// [`Store::load_prefix`] does the same for what it loads.
     pub fn touch_chain(&self, ns: NamespaceId, keys: &[BlockKey]) {
-        lock(&self.shared.ram).touch_chain(ns, keys);
+        // One stamp per key for both tiers, so the root is the most recent of the chain
+        // wherever its blocks are (a tier touched after the other would rank all its
+        // copies above the other's).
+        let stamped: Vec<(BlockKey, u64)> = keys
+            .iter()
+            .rev()
+            .map(|&k| (k, self.shared.clock.tick()))
+            .collect();
+        {
+            let mut ram = lock(&self.shared.ram);
+            for &(key, stamp) in &stamped {
+                ram.touch_at(ns, key, stamp);
+            }
+        }
         let Some(ssd) = &self.shared.ssd else {
             return;
         };
-        ssd.touch_chain(ns, keys);
+        if ssd.is_read_only() {
+            return;
+        }
+        for &(key, stamp) in &stamped {
+            ssd.touch_at(ns, key, stamp);
+        }
         let queued = {
             let pending = lock(&self.shared.pending);
             keys.iter().any(|k| pending.contains_key(&(ns, *k)))
         };
         if let (true, Some(tx)) = (queued, &self.tx) {
-            // Blocks still queued land on SSD as most recent: redo the chain after them.
-            // Recency only, so a full queue just skips it.
-            let _ = tx.try_send(Job::TouchChain(ns, keys.to_vec()));
+            // Blocks still queued land on SSD with their older RAM stamps: redo the chain
+            // after them. Recency only, so a full queue just skips it.
+            let _ = tx.try_send(Job::TouchChain(ns, stamped));
         }
     }
 
@@ -1021,15 +1057,17 @@ impl<F: FileSystem> Store<F> {
             return Ok(());
         };
         if self.shared.config.write_policy == WritePolicy::WriteBack {
-            // In the RAM tier's eviction order (a chain's leaves before its root), so the SSD
-            // tier's LRU order follows it.
-            let resident = lock(&self.shared.ram).snapshot();
-            for p in resident.into_iter().rev() {
+            // Each block with its RAM recency (a chain's blocks no older than those below
+            // them), in the RAM tier's eviction order (leaves before their root, so equal
+            // stamps rank the root more recent): the SSD tier ranks them among its own
+            // blocks by when they were used, not as newer than everything it holds.
+            let resident = lock(&self.shared.ram).snapshot_stamped();
+            for Evicted { block: p, stamp } in resident.into_iter().rev() {
                 let k = (p.meta.namespace, p.meta.key);
                 // The worker decides: it is the only thread that writes or evicts, so it
                 // sees whether the block is still stored when the job runs.
                 lock(&self.shared.pending).insert(k, p.clone());
-                let job = Job::Write(p);
+                let job = Job::Write(p, stamp);
                 if tx.send(job).is_err() {
                     return Err(WriteError::WorkerGone);
                 }
@@ -1150,16 +1188,18 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
     };
     for job in rx {
         let _gate = lock(&shared.write_gate);
-        let (p, refresh, replace) = match job {
-            Job::Write(p) => (p, true, false),
-            Job::Replace(p) => (p, true, true),
-            Job::Spill(p) => (p, false, false),
-            Job::Touch(ns, key) => {
-                ssd.reuse(ns, key);
+        let (p, stamp, refresh, replace) = match job {
+            Job::Write(p, stamp) => (p, stamp, true, false),
+            Job::Replace(p, stamp) => (p, stamp, true, true),
+            Job::Spill(p, stamp) => (p, stamp, false, false),
+            Job::Touch(ns, key, stamp) => {
+                ssd.reuse(ns, key, stamp);
                 continue;
             }
-            Job::TouchChain(ns, keys) => {
-                ssd.touch_chain(ns, &keys);
+            Job::TouchChain(ns, stamped) => {
+                for (key, stamp) in stamped {
+                    ssd.touch_at(ns, key, stamp);
+                }
                 continue;
             }
             Job::Flush(ack) => {
@@ -1172,15 +1212,15 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
         let k = (m.namespace, m.key);
         if !replace && ssd.contains(k.0, k.1) {
             if refresh {
-                ssd.touch(k.0, k.1);
+                ssd.touch_at(k.0, k.1, stamp);
                 lock(&shared.pending).remove(&k);
             }
             continue;
         }
         let result = if replace {
-            ssd.replace(&p)
+            ssd.replace_at(&p, stamp)
         } else {
-            ssd.put(&p)
+            ssd.put_at(&p, stamp)
         };
         if refresh {
             lock(&shared.pending).remove(&k);

@@ -38,6 +38,11 @@ fn ssd(dir: &std::path::Path, d: &store::NamespaceDescription, policy: EvictionP
     t
 }
 
+/// The SSD tier's blocks, least recent first.
+fn recency(t: &SsdTier) -> Vec<store::BlockKey> {
+    t.entries().iter().map(|e| e.key).collect()
+}
+
 fn on_disk(t: &SsdTier, blocks: &[Block]) -> Vec<bool> {
     blocks
         .iter()
@@ -133,6 +138,137 @@ fn a_block_the_ram_tier_refuses_reaches_the_ssd_tier() {
     assert_eq!(got.blocks.len(), 1);
     assert_eq!(&*got.blocks[0].0, c);
     assert_eq!(got.blocks[0].1, Tier::Ssd);
+}
+
+/// `put_at` ranks a block by its stamp, not as the newest: in a full tier (room for 2) a
+/// block older than every stored one is not written (it would be the first to go), one
+/// older than B but newer than A takes A's place and stays less recent than B, across a
+/// restart (the journal's records are replayed last-record-wins, not by stamp). Under lfu
+/// every block is admitted.
+#[test]
+fn put_at_ranks_a_block_by_its_stamp() {
+    let (d, blocks) = roots();
+    let [a, b, c, _] = &blocks[..] else {
+        unreachable!()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let t = ssd(dir.path(), &d, EvictionPolicy::FreqAdmit);
+        let older = t.clock().tick();
+        t.put(a).unwrap();
+        let between = t.clock().tick();
+        t.put(b).unwrap();
+        assert_eq!(t.put_at(c, older).unwrap(), WriteOutcome::NotAdmitted);
+        assert_eq!(on_disk(&t, &blocks), vec![true, true, false, false]);
+        assert_eq!(t.stats().ssd_evictions, 1);
+        assert!(matches!(
+            t.put_at(c, between).unwrap(),
+            WriteOutcome::Written { .. }
+        ));
+        assert_eq!(recency(&t), vec![c.meta.key, b.meta.key]);
+        // A stored block is only made more recent, never less.
+        assert_eq!(t.put_at(b, 1).unwrap(), WriteOutcome::AlreadyPresent);
+        assert_eq!(recency(&t), vec![c.meta.key, b.meta.key]);
+        t.sync().unwrap();
+    }
+    let t = ssd(dir.path(), &d, EvictionPolicy::FreqAdmit);
+    assert_eq!(recency(&t), vec![c.meta.key, b.meta.key], "after reopen");
+    // Under lfu the SSD admits every block, whatever its stamp.
+    let dir = tempfile::tempdir().unwrap();
+    let t = ssd(dir.path(), &d, EvictionPolicy::Lfu);
+    t.put(a).unwrap();
+    t.put(b).unwrap();
+    assert!(matches!(
+        t.put_at(c, 0).unwrap(),
+        WriteOutcome::Written { .. }
+    ));
+    assert_eq!(t.len(), 2);
+}
+
+/// The journal's last record of a block is its recency, even when an earlier record (of a
+/// copy since removed) had a larger stamp: A touched at 6, removed, written again at 3,
+/// is older than X (5) after a restart (by the largest stamp it would be newer).
+#[test]
+fn journal_replay_takes_each_blocks_last_record() {
+    let (d, blocks) = roots();
+    let (a, x) = (&blocks[0], &blocks[1]);
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let t = ssd(dir.path(), &d, EvictionPolicy::Lru);
+        t.put(a).unwrap(); // 1
+        for _ in 0..3 {
+            t.clock().tick(); // 2..4
+        }
+        t.put(x).unwrap(); // 5
+        t.touch(a.meta.namespace, a.meta.key); // 6
+        assert!(t.remove(a.meta.namespace, a.meta.key).unwrap());
+        t.put_at(a, 3).unwrap();
+        t.sync().unwrap();
+    }
+    let t = ssd(dir.path(), &d, EvictionPolicy::Lru);
+    assert_eq!(recency(&t), vec![a.meta.key, x.meta.key]);
+}
+
+/// Issue 18's eviction defect. Under freq-admit: a full SSD (S1 then S2), RAM (room for
+/// 2) holding A then B, and X, which RAM's gate refuses, spilled at once (evicting S1).
+/// The write-back flush then writes A and B with their RAM recency, older than X's: they
+/// take S2's place, then B takes A's (the oldest), and X survives. Written as the newest
+/// blocks (before the use clock), A evicted S2 and B evicted X. The order survives a
+/// restart: B is still the next to go.
+#[test]
+fn a_flush_keeps_a_refused_block_newer_than_older_ram_blocks() {
+    let d = common::desc("eviction", 4);
+    let [s1, s2, a, b, x]: [Block; 5] = (1..=5)
+        .map(|s| common::chain(&d, 1, s).0.remove(0))
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = common::per_block(&d);
+    {
+        let t = ssd(dir.path(), &d, EvictionPolicy::FreqAdmit);
+        t.put(&s1).unwrap();
+        t.put(&s2).unwrap();
+        t.sync().unwrap();
+    }
+    let cfg = StoreConfig::default()
+        .root(dir.path())
+        .ram_budget(2 * 256)
+        .ssd_budget(2 * file + file / 2)
+        .eviction(EvictionPolicy::FreqAdmit);
+    let s: Store = Store::open(cfg.clone()).unwrap();
+    let ns = s.register_namespace(&d).unwrap();
+    for blk in [&a, &b, &x] {
+        s.insert(Arc::new(blk.clone())).unwrap();
+    }
+    let st = s.stats();
+    assert_eq!((st.ram_not_admitted, st.ram_blocks), (1, 2), "{st:?}");
+    s.flush().unwrap();
+    let present = |s: &Store| -> Vec<bool> {
+        [&s1, &s2, &a, &b, &x]
+            .iter()
+            .map(|blk| s.lookup(ns, &[blk.meta.key]).blocks() == 1)
+            .collect()
+    };
+    assert_eq!(
+        recency(s.ssd().unwrap()),
+        vec![b.meta.key, x.meta.key],
+        "SSD, least recent first"
+    );
+    assert_eq!(present(&s), vec![false, false, true, true, true]);
+    drop(s);
+
+    // After a restart X is still more recent than B: a new block evicts B.
+    let s: Store = Store::open(cfg).unwrap();
+    assert_eq!(
+        recency(s.ssd().unwrap()),
+        vec![b.meta.key, x.meta.key],
+        "SSD after reopen, least recent first"
+    );
+    let y = common::chain(&d, 1, 6).0.remove(0);
+    s.ssd().unwrap().put(&y).unwrap();
+    assert_eq!(present(&s), vec![false, false, false, false, true]);
+    assert_eq!(s.lookup(ns, &[y.meta.key]).blocks(), 1);
 }
 
 #[derive(Debug, Clone)]
