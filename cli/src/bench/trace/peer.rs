@@ -72,7 +72,10 @@ mod tests {
         let tok = Tokenizer::from_folder(&dir).unwrap();
         // Ids of a sentence round-trip exactly.
         let ids = tok.encode("the cat sat on the mat", false).unwrap();
-        assert_eq!(retokenized_prefix_share(&tok, std::slice::from_ref(&ids)).unwrap(), 1.0);
+        assert_eq!(
+            retokenized_prefix_share(&tok, std::slice::from_ref(&ids)).unwrap(),
+            1.0
+        );
         // Single characters that the tokenizer merges come back as fewer, other ids: the
         // prompt keeps nothing past the first merge.
         let chars: Vec<u32> = "the"
