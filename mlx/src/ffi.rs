@@ -100,6 +100,13 @@ pub(crate) mod ffi {
             start: &[i32],
             stop: &[i32],
         ) -> Result<UniquePtr<Array>>;
+        fn scatter(
+            src: UniquePtr<Array>,
+            indices: &ArrayList,
+            updates: &Array,
+            axes: &[i32],
+            clamp: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn take(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn take_along_axis(a: &Array, indices: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn concatenate(arrays: &ArrayList, axis: i32) -> Result<UniquePtr<Array>>;

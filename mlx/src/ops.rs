@@ -211,6 +211,51 @@ impl Array {
         )
     }
 
+    /// Writes `updates` at the positions `indices` pick along `axes` (one integer index
+    /// array per axis, broadcast together; positions along other axes start at 0) and
+    /// returns the result: `updates` has the indices' shape followed by one slice of this
+    /// array (`self.shape()` with 1 on every indexed axis). Indices are clamped into range
+    /// (MLX does not check them); negative ones write at 0. Takes `self` by value, so MLX
+    /// can write in place as in [`Array::slice_update`].
+    pub fn scatter(self, indices: &[&Array], updates: &Array, axes: &[i32]) -> Result<Array> {
+        self.scatter_with(indices, updates, axes, true)
+    }
+
+    /// [`Array::scatter`] without clamping the indices: one op instead of one more per
+    /// index array.
+    ///
+    /// # Safety
+    /// Every index must lie in `0..self.shape()[axis]` of its axis: MLX does not check,
+    /// and an index outside writes outside the array's buffer.
+    pub unsafe fn scatter_unchecked(
+        self,
+        indices: &[&Array],
+        updates: &Array,
+        axes: &[i32],
+    ) -> Result<Array> {
+        self.scatter_with(indices, updates, axes, false)
+    }
+
+    fn scatter_with(
+        self,
+        indices: &[&Array],
+        updates: &Array,
+        axes: &[i32],
+        clamp: bool,
+    ) -> Result<Array> {
+        if indices.len() != axes.len() {
+            return Err(crate::Error::Mlx {
+                op: "scatter",
+                message: format!("{} index arrays for {} axes", indices.len(), axes.len()),
+            });
+        }
+        let l = list("scatter", indices)?;
+        Array::wrap(
+            "scatter",
+            ffi::scatter(self.raw, &l, updates.inner(), axes, clamp),
+        )
+    }
+
     /// Gathers entries at `indices` along `axis`.
     pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
         Array::wrap("take", ffi::take(self.inner(), indices.inner(), axis))

@@ -176,6 +176,26 @@ std::unique_ptr<Array> slice_update(std::unique_ptr<Array> src, const Array& upd
   return wrap(mx::slice_update(std::move(target), update.inner, to_shape(start), to_shape(stop)));
 }
 
+std::unique_ptr<Array> scatter(std::unique_ptr<Array> src, const ArrayList& indices, const Array& updates, rust::Slice<const int32_t> axes, bool clamp) {
+  // As slice_update: the graph holds the only reference, so MLX can write in place.
+  mx::array target = std::move(src->inner);
+  src.reset();
+  std::vector<int> ax(axes.begin(), axes.end());
+  std::vector<mx::array> idx = indices.items;
+  if (clamp) {
+    // MLX does not check scatter indices; out-of-range ones would write outside the array.
+    for (size_t i = 0; i < idx.size() && i < ax.size(); i++) {
+      int a = ax[i] < 0 ? ax[i] + static_cast<int>(target.ndim()) : ax[i];
+      if (a < 0 || a >= static_cast<int>(target.ndim())) {
+        throw std::invalid_argument("scatter: axis out of range");
+      }
+      int top = target.shape(a) - 1;
+      idx[i] = mx::clip(idx[i], mx::array(0, idx[i].dtype()), mx::array(top, idx[i].dtype()));
+    }
+  }
+  return wrap(mx::scatter(std::move(target), idx, updates.inner, ax));
+}
+
 std::unique_ptr<Array> take(const Array& a, const Array& indices, int32_t axis) { return wrap(mx::take(a.inner, indices.inner, axis)); }
 std::unique_ptr<Array> take_along_axis(const Array& a, const Array& indices, int32_t axis) { return wrap(mx::take_along_axis(a.inner, indices.inner, axis)); }
 std::unique_ptr<Array> concatenate(const ArrayList& arrays, int32_t axis) { return wrap(mx::concatenate(arrays.items, axis)); }

@@ -67,6 +67,7 @@ std::unique_ptr<Array> squeeze(const Array& a, int32_t axis);
 std::unique_ptr<Array> broadcast_to(const Array& a, rust::Slice<const int32_t> shape);
 std::unique_ptr<Array> slice(const Array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides);
 std::unique_ptr<Array> slice_update(std::unique_ptr<Array> src, const Array& update, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop);
+std::unique_ptr<Array> scatter(std::unique_ptr<Array> src, const ArrayList& indices, const Array& updates, rust::Slice<const int32_t> axes, bool clamp);
 std::unique_ptr<Array> take(const Array& a, const Array& indices, int32_t axis);
 std::unique_ptr<Array> take_along_axis(const Array& a, const Array& indices, int32_t axis);
 std::unique_ptr<Array> concatenate(const ArrayList& arrays, int32_t axis);

@@ -501,6 +501,87 @@ fn slice_update_writes_the_slice_in_place_when_it_owns_the_buffer() {
     assert_ne!(b.data_addr().unwrap(), keep.data_addr().unwrap());
 }
 
+/// Naive scatter of `updates` `[B, 1, H, 1, D]` into `a` `[S, H, C, D]` at row `slots[b]`,
+/// column `cols[b]` (a batch arena's decode write).
+fn naive_scatter_rows(
+    a: &[f32],
+    (s, h, c, d): (usize, usize, usize, usize),
+    slots: &[usize],
+    cols: &[usize],
+    updates: &[f32],
+) -> Vec<f32> {
+    let mut out = a.to_vec();
+    assert_eq!(out.len(), s * h * c * d);
+    for (b, (&slot, &col)) in slots.iter().zip(cols).enumerate() {
+        for hh in 0..h {
+            for dd in 0..d {
+                out[((slot * h + hh) * c + col) * d + dd] = updates[(b * h + hh) * d + dd];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn scatter_writes_each_row_at_its_own_column_like_a_naive_reference() {
+    let mut r = rng("scatter_writes_each_row_at_its_own_column_like_a_naive_reference");
+    let (s, h, c, d) = (6usize, 3usize, 9usize, 4usize);
+    let base = randn(&mut r, s * h * c * d);
+    let slots = [4usize, 0, 5, 2];
+    let cols: Vec<usize> = slots.iter().map(|_| r.gen_range(0..c)).collect();
+    let upd = randn(&mut r, slots.len() * h * d);
+    let want = naive_scatter_rows(&base, (s, h, c, d), &slots, &cols, &upd);
+    let idx = |v: &[usize]| {
+        let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+        Array::from_slice(&v, &[v.len() as i32]).unwrap()
+    };
+    let (si, ci) = (idx(&slots), idx(&cols));
+    let updates = arr(&upd, &[slots.len() as i32, 1, h as i32, 1, d as i32]);
+    let shape = [s as i32, h as i32, c as i32, d as i32];
+
+    let a = arr(&base, &shape).add_scalar(0.0).unwrap();
+    a.eval().unwrap();
+    let addr = a.data_addr().unwrap();
+    let got = a.scatter(&[&si, &ci], &updates, &[0, 2]).unwrap();
+    got.eval().unwrap();
+    assert_eq!(host(&got), want);
+    if mlx::default_device().unwrap() == mlx::Device::Cpu {
+        assert_eq!(
+            got.data_addr().unwrap(),
+            addr,
+            "scatter copied its sole-owned input"
+        );
+    }
+    // Unchecked: the same writes for indices in range.
+    let a = arr(&base, &shape);
+    // SAFETY: every slot is < 6 and every column < 9.
+    let got = unsafe { a.scatter_unchecked(&[&si, &ci], &updates, &[0, 2]) }.unwrap();
+    assert_eq!(host(&got), want);
+
+    // Out-of-range indices are clamped into the array, never written outside it.
+    let far = idx(&[s + 7, 0, 3, 2]);
+    let far_cols = idx(&[c + 3, cols[1], cols[2], cols[3]]);
+    let clamped = naive_scatter_rows(
+        &base,
+        (s, h, c, d),
+        &[s - 1, 0, 3, 2],
+        &[c - 1, cols[1], cols[2], cols[3]],
+        &upd,
+    );
+    let got = arr(&base, &shape)
+        .scatter(&[&far, &far_cols], &updates, &[0, 2])
+        .unwrap();
+    assert_eq!(host(&got), clamped);
+
+    // One index array per axis, or an error.
+    assert!(arr(&base, &shape)
+        .scatter(&[&si], &updates, &[0, 2])
+        .is_err());
+    assert!(arr(&base, &shape)
+        .scatter(&[&si, &ci], &updates, &[0, 7])
+        .is_err());
+}
+
 #[test]
 fn dtype_round_trips_are_exact() {
     let mut r = rng("dtype_round_trips_are_exact");

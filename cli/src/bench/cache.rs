@@ -344,7 +344,7 @@ fn batch_rows(quick: bool) -> Result<Vec<BatchRow>> {
     let shapes: &[(usize, usize)] = if quick {
         &[(4, 128)]
     } else {
-        &[(8, 1024), (16, 1024), (16, 4096)]
+        &[(8, 1024), (16, 1024), (8, 4096), (16, 4096)]
     };
     let layers = if quick { 2 } else { 30 };
     let reps = if quick { 3 } else { 12 };

@@ -6,7 +6,7 @@ use engine::{
     Request, DEFAULT_PREFILL_CHUNK,
 };
 
-use crate::common::{goldens, logit_tol, near_tie};
+use crate::common::{goldens, logit_tol, max_diff, near_tie};
 
 fn prompts() -> Vec<Vec<u32>> {
     // Three lengths that pad differently inside the batch and straddle a 32-token block.
@@ -222,8 +222,8 @@ fn a_batch_arena_holds_the_rows_kv_and_gives_it_back_when_the_batch_changes() {
         assert_eq!(row.offset(), lens[0] + step);
         assert!(row.is_lent() && row.pool(0).is_none() && row.device_bytes() == 0);
     }
-    // A shorter row joins the arena (copied in, ending where the others end); the others
-    // keep their tokens in it.
+    // A shorter row joins the arena (written into a free slot); the others keep their
+    // tokens in it, where they are.
     let mut c = model.empty_cache(PagedConfig::default()).unwrap();
     model
         .prefill(&ps[0], &mut c, DEFAULT_PREFILL_CHUNK)
@@ -244,20 +244,21 @@ fn a_batch_arena_holds_the_rows_kv_and_gives_it_back_when_the_batch_changes() {
         ]
     );
     model.forward_rows(&[7, 8, 9], &mut rows).unwrap();
-    // The joined row leaves with every token it decoded; the others stay in the arena
-    // (a leave that would leave more padding than tokens drops it instead).
+    // The joined row leaves with every token it decoded; the others stay in the arena.
     let gone = rows.filter(&[0, 1]).unwrap();
     assert!(rows.has_arena());
     assert_eq!(gone[0].offset(), ps[0].len() + 1);
     assert!(!gone[0].is_lent() && gone[0].fetch(0).unwrap().is_some());
     model.forward_rows(&[7, 9], &mut rows).unwrap();
-    // A row longer than the arena's rows cannot join it: the arena writes back and goes.
-    let long: Vec<u32> = (0..80u32).map(|i| i % 200 + 3).collect();
+    // A row longer than the arena's rows, and than its columns, joins it too.
+    let long: Vec<u32> = (0..300u32).map(|i| i % 200 + 3).collect();
     let mut c = model.empty_cache(PagedConfig::default()).unwrap();
     model.prefill(&long, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
     rows.push(c).unwrap();
-    assert!(!rows.has_arena());
-    assert!(!rows.row(0).unwrap().is_lent());
+    assert!(rows.has_arena());
+    for i in 0..3 {
+        assert!(rows.row(i).unwrap().is_lent(), "row {i}");
+    }
     assert_eq!(rows.row(0).unwrap().offset(), lens[0] + 5);
     assert_eq!(rows.row(1).unwrap().offset(), lens[1] + 5);
     model.forward_rows(&[7, 9, 11], &mut rows).unwrap();
@@ -265,6 +266,34 @@ fn a_batch_arena_holds_the_rows_kv_and_gives_it_back_when_the_batch_changes() {
     let caches = rows.into_rows().unwrap();
     let offs: Vec<usize> = caches.iter().map(|c| c.offset()).collect();
     assert_eq!(offs, vec![lens[0] + 6, lens[1] + 6, long.len() + 1]);
+}
+
+/// One batched decode step of `rows` (row b's last token `last[b]`), each row's logits
+/// checked against those of the same step decoded alone on `alone[ids[b]]`; `last` gets
+/// each row's greedy next token.
+fn step_as_alone(
+    model: &Model,
+    rows: &mut PagedKvRows,
+    alone: &mut [PagedKvCache],
+    last: &mut [u32],
+    ids: &[usize],
+) {
+    let logits: Vec<f32> = model.forward_rows(last, rows).unwrap().to_vec().unwrap();
+    let vocab = logits.len() / last.len();
+    for (b, row) in logits.chunks(vocab).enumerate() {
+        let single: Vec<f32> = model
+            .forward(&[last[b]], &mut alone[ids[b]])
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let tol = logit_tol(1e-4, &single);
+        assert!(
+            max_diff(row, &single) < tol,
+            "row {b}: {} > {tol}",
+            max_diff(row, &single)
+        );
+        last[b] = argmax(&single);
+    }
 }
 
 /// Rows joining and leaving a batch arena mid-decode get the logits each gets alone.
@@ -277,26 +306,10 @@ fn rows_joining_and_leaving_a_batch_arena_decode_as_alone() {
     let mut alone: Vec<PagedKvCache> = Vec::new();
     let mut last: Vec<u32> = Vec::new();
     let mut ids: Vec<usize> = Vec::new();
-    let step =
-        |rows: &mut PagedKvRows, alone: &mut [PagedKvCache], last: &mut [u32], ids: &[usize]| {
-            let logits: Vec<f32> = model.forward_rows(last, rows).unwrap().to_vec().unwrap();
-            let vocab = logits.len() / last.len();
-            for (b, row) in logits.chunks(vocab).enumerate() {
-                let single: Vec<f32> = model
-                    .forward(&[last[b]], &mut alone[ids[b]])
-                    .unwrap()
-                    .to_vec()
-                    .unwrap();
-                let tol = logit_tol(1e-4, &single);
-                let gap = row
-                    .iter()
-                    .zip(&single)
-                    .map(|(x, y)| (x - y).abs())
-                    .fold(0f32, f32::max);
-                assert!(gap < tol, "row {b}: {gap} > {tol}");
-                last[b] = argmax(&single);
-            }
-        };
+    let step = |rows: &mut PagedKvRows,
+                alone: &mut [PagedKvCache],
+                last: &mut [u32],
+                ids: &[usize]| { step_as_alone(&model, rows, alone, last, ids) };
     // The longest first, so the shorter ones join the arena it holds.
     for (i, p) in ps.iter().enumerate().rev() {
         let mut c = model.empty_cache(PagedConfig::default()).unwrap();
@@ -310,29 +323,83 @@ fn rows_joining_and_leaving_a_batch_arena_decode_as_alone() {
             assert!(rows.has_arena());
         }
     }
-    // The first row leaves with its KV; the others decode on in the arena.
-    let gone = rows.filter(&[1, 2]).unwrap();
-    assert_kv_close(&gone[0], &alone[ids[0]]);
-    last.remove(0);
-    ids.remove(0);
+    // Joins and leaves in every position, each leaving row with its KV; the others decode
+    // on in the arena, where they are.
+    let leave = |rows: &mut PagedKvRows,
+                 alone: &[PagedKvCache],
+                 keep: &[usize],
+                 last: &mut Vec<u32>,
+                 ids: &mut Vec<usize>| {
+        let gone = rows.filter(keep).unwrap();
+        let leaving: Vec<usize> = (0..ids.len()).filter(|i| !keep.contains(i)).collect();
+        assert_eq!(gone.len(), leaving.len());
+        for (c, &i) in gone.iter().zip(&leaving) {
+            assert_kv_close(c, &alone[ids[i]]);
+        }
+        *last = keep.iter().map(|&i| last[i]).collect();
+        *ids = keep.iter().map(|&i| ids[i]).collect();
+    };
+    let join = |rows: &mut PagedKvRows,
+                alone: &mut Vec<PagedKvCache>,
+                p: &[u32],
+                last: &mut Vec<u32>,
+                ids: &mut Vec<usize>| {
+        let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+        let logits = model.prefill(p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        alone.push(c.clone());
+        rows.push(c).unwrap();
+        last.push(argmax(&logits.to_vec::<f32>().unwrap()));
+        ids.push(alone.len() - 1);
+        assert!(rows.has_arena(), "a row of {} tokens joins", p.len());
+    };
+    // The first row leaves.
+    leave(&mut rows, &alone, &[1, 2], &mut last, &mut ids);
+    step(&mut rows, &mut alone, &mut last, &ids);
+    // A row longer than every other, and than the arena's 256 columns, joins.
+    let long: Vec<u32> = (0..300u32).map(|i| (i * 13) % 200 + 3).collect();
+    join(&mut rows, &mut alone, &long, &mut last, &mut ids);
+    for _ in 0..2 {
+        step(&mut rows, &mut alone, &mut last, &ids);
+        assert!(rows.has_arena());
+    }
+    // The middle row leaves; a short row joins its slot.
+    leave(&mut rows, &alone, &[0, 2], &mut last, &mut ids);
+    step(&mut rows, &mut alone, &mut last, &ids);
+    join(&mut rows, &mut alone, &ps[0], &mut last, &mut ids);
+    step(&mut rows, &mut alone, &mut last, &ids);
+    // The last row leaves, then every row at once: the arena goes.
+    leave(&mut rows, &alone, &[0, 1], &mut last, &mut ids);
     step(&mut rows, &mut alone, &mut last, &ids);
     assert!(rows.has_arena());
+    leave(&mut rows, &alone, &[], &mut last, &mut ids);
+    assert!(!rows.has_arena());
+    assert!(rows.is_empty());
 }
 
+/// Rows of very different lengths share one arena (each in its own slot, left-aligned)
+/// and get the logits each gets alone.
 #[test]
-fn rows_too_uneven_for_an_arena_attend_one_by_one() {
+fn rows_of_very_different_lengths_share_a_batch_arena_and_decode_as_alone() {
     let (model, _) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
     let mut rows = PagedKvRows::new();
     rows.set_batch_arena(true).unwrap();
-    // 3 rows padded to 200 would hold 600 slots for 204 tokens.
-    for n in [200usize, 2, 2] {
+    let mut alone = Vec::new();
+    let mut last = Vec::new();
+    for n in [200usize, 2, 37] {
         let p: Vec<u32> = (0..n as u32).map(|i| i % 200 + 3).collect();
         let mut c = model.empty_cache(PagedConfig::default()).unwrap();
-        model.prefill(&p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        let logits = model.prefill(&p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        alone.push(c.clone());
         rows.push(c).unwrap();
+        last.push(argmax(&logits.to_vec::<f32>().unwrap()));
     }
-    model.forward_rows(&[7, 8, 9], &mut rows).unwrap();
-    assert!(!rows.has_arena());
+    for _ in 0..4 {
+        step_as_alone(&model, &mut rows, &mut alone, &mut last, &[0, 1, 2]);
+        assert!(rows.has_arena());
+    }
+    for (got, want) in rows.into_rows().unwrap().iter().zip(&alone) {
+        assert_kv_close(got, want);
+    }
 }
 
 #[test]
@@ -357,8 +424,8 @@ fn a_batched_step_needs_one_token_per_row() {
 /// One KV budget: with the batch arena forced on, the device KV the engine holds (the
 /// decoding batch with its arena, the caches being prefilled, the resident sequences) stays
 /// within `--kv-budget`. Each request reserves exactly one pool's initial capacity (128
-/// tokens of blocks of 8), so no capacity slack enters; a second copy of the batch's KV
-/// (the arena beside the rows' pools) would exceed the budget.
+/// tokens of blocks of 8), so no capacity slack enters; the arena's padding beyond the
+/// rows' reservations is charged to the device tier, which evicts for it.
 #[test]
 fn an_engine_with_a_batch_arena_keeps_its_device_kv_within_the_kv_budget() {
     let dir = tempfile::tempdir().unwrap();
@@ -367,8 +434,9 @@ fn an_engine_with_a_batch_arena_keeps_its_device_kv_within_the_kv_budget() {
     let per_token = (kv.layers * 2 * kv.kv_heads * kv.head_dim * kv.dtype.size()) as u64;
     let reuse = crate::common::reuse_config(dir.path(), 8);
     let tiers = KvTiers::open(&model, &tok, reuse).unwrap();
-    // Three live reservations and one resident sequence.
-    let budget = 4 * 128 * per_token;
+    // Three live reservations (384 tokens), and 640 tokens for the arena's padding (4 slots
+    // × 256 columns) or resident sequences.
+    let budget = 8 * 128 * per_token;
     let config = EngineConfig {
         kv_budget_bytes: budget,
         max_batch: 3,
