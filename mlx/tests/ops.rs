@@ -230,7 +230,7 @@ fn sdpa_matches_naive_gqa_causal_mask_and_single_query() {
 
 /// (B, Hq, Hkv, Lq, Lk, D) for the fused CPU attention: one query, Lq = Lk, a cached
 /// prefix (Lq < Lk), GQA 3:1 and 1:1, head dims 64 and 128, lengths that are not multiples
-/// of its 32-query and 256-key blocks, batches of two.
+/// of its 64-query and 256-key blocks, batches of two.
 const FUSED_SHAPES: [(usize, usize, usize, usize, usize, usize); 9] = [
     (1, 9, 3, 1, 300, 64),
     (2, 3, 3, 1, 17, 128),
