@@ -341,13 +341,19 @@ fn gemm(
 /// `sum[r] = sum[r] · rescale[r] + Σ st[.., r]`. Hidden scores (−∞) become 0.
 type BlockKernel = fn(&mut [f32], &mut [f32], &mut [f32], &mut [f32]);
 
-/// The block kernel for this CPU: the generic code compiled for AVX2 + FMA when the CPU
-/// has them (the crate's baseline target is SSE2), else as is.
+/// The block kernel for this CPU: the generic code compiled for AVX-512 or AVX2 + FMA when
+/// the CPU has them (the crate's baseline target is SSE2), else as is.
 fn block_kernel() -> BlockKernel {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx2") && has!("fma") {
+            return |st, max, sum, rescale| {
+                // SAFETY: the CPU has AVX-512F, AVX2 and FMA (checked just above).
+                unsafe { softmax_block_avx512(st, max, sum, rescale) }
+            };
+        }
+        if has!("avx2") && has!("fma") {
             return |st, max, sum, rescale| {
                 // SAFETY: the CPU has AVX2 and FMA (checked just above).
                 unsafe { softmax_block_avx2(st, max, sum, rescale) }
@@ -355,6 +361,12 @@ fn block_kernel() -> BlockKernel {
         }
     }
     softmax_block
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn softmax_block_avx512(st: &mut [f32], max: &mut [f32], sum: &mut [f32], rescale: &mut [f32]) {
+    softmax_block(st, max, sum, rescale)
 }
 
 #[cfg(target_arch = "x86_64")]
