@@ -17,6 +17,7 @@
 //! ```
 
 mod array;
+pub mod cpu_attention;
 mod device;
 mod dtype;
 mod error;

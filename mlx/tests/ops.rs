@@ -5,6 +5,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use half::{bf16, f16};
+use mlx::cpu_attention::{attend, Dims};
 use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
 use mlx::{Array, Dtype, Error, QuantSpec};
 use rand::rngs::StdRng;
@@ -225,6 +226,215 @@ fn sdpa_matches_naive_gqa_causal_mask_and_single_query() {
         });
         assert_close(&host(&got), &want, atol, 1e-4);
     }
+}
+
+/// (B, Hq, Hkv, Lq, Lk, D) for the fused CPU attention: one query, Lq = Lk, a cached
+/// prefix (Lq < Lk), GQA 3:1 and 1:1, head dims 64 and 128, lengths that are not multiples
+/// of its 64-query and 256-key blocks, batches of two.
+const FUSED_SHAPES: [(usize, usize, usize, usize, usize, usize); 9] = [
+    (1, 9, 3, 1, 300, 64),
+    (2, 3, 3, 1, 17, 128),
+    (1, 9, 3, 45, 45, 64),
+    (1, 2, 2, 257, 257, 128),
+    (1, 9, 3, 37, 601, 64),
+    (2, 4, 4, 33, 290, 128),
+    (2, 6, 2, 70, 70, 64),
+    (1, 3, 1, 5, 1000, 128),
+    (1, 1, 1, 2, 3, 64),
+];
+
+fn attention_dims((batch, q_heads, kv_heads, q_len, kv_len, head_dim): Shape6) -> Dims {
+    Dims {
+        batch,
+        q_heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+    }
+}
+
+type Shape6 = (usize, usize, usize, usize, usize, usize);
+
+/// q (scaled by 3, so the softmax is peaked enough that a wrong key shows), k and v, and
+/// the naive f64-accumulated outputs without mask and with the causal mask.
+fn attention_case(r: &mut StdRng, shape: Shape6) -> (Dims, [Vec<f32>; 3], [Vec<f32>; 2]) {
+    let d = attention_dims(shape);
+    let q: Vec<f32> = randn(r, d.q_size()).iter().map(|x| 3.0 * x).collect();
+    let (k, v) = (randn(r, d.kv_size()), randn(r, d.kv_size()));
+    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    let offset = d.kv_len as isize - d.q_len as isize;
+    let none = naive_sdpa(&q, &k, &v, shape, scale, &|_, _, _, _| 0.0);
+    let causal = naive_sdpa(&q, &k, &v, shape, scale, &|_, _, i, j| {
+        if j as isize <= i as isize + offset {
+            0.0
+        } else {
+            f32::NEG_INFINITY
+        }
+    });
+    (d, [q, k, v], [none, causal])
+}
+
+/// The fused path's tolerance, |got − want| ≤ 2e-6 + 2e-5·|want|: scores of |s| ≲ 10 carry
+/// ~1e-6 absolute error in f32 (u = 2^-24 per operation, d ≤ 128 terms), the exp
+/// polynomial 4e-7 relative, f32 sums over ≤ 1,000 weights and products ~1e-6 relative;
+/// outputs are ≤ 1. A wrong key, a key too many under the mask or a wrong head moves an
+/// output by ~1e-2.
+const FUSED_ATOL: f32 = 2e-6;
+const FUSED_RTOL: f32 = 2e-5;
+
+#[test]
+fn fused_cpu_attention_matches_naive() {
+    let mut r = rng("fused_cpu_attention_matches_naive");
+    for shape in FUSED_SHAPES {
+        let (d, [q, k, v], wants) = attention_case(&mut r, shape);
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        for (causal, want) in [false, true].into_iter().zip(&wants) {
+            let mut out = vec![f32::NAN; d.q_size()];
+            attend(&q, &k, &v, &mut out, d, scale, causal).unwrap();
+            assert_close(&out, want, FUSED_ATOL, FUSED_RTOL);
+        }
+    }
+}
+
+#[test]
+fn sdpa_takes_the_fused_path_on_the_cpu_and_agrees_with_mlx_kernel() {
+    let mut r = rng("sdpa_takes_the_fused_path_on_the_cpu_and_agrees_with_mlx_kernel");
+    let fused_on = mlx::default_device().unwrap() == mlx::Device::Cpu && fast::cpu_attention();
+    for shape in FUSED_SHAPES {
+        let (d, [q, k, v], wants) = attention_case(&mut r, shape);
+        let (qa, ka, va) = (
+            arr(
+                &q,
+                &[d.batch, d.q_heads, d.q_len, d.head_dim].map(|x| x as i32),
+            ),
+            arr(
+                &k,
+                &[d.batch, d.kv_heads, d.kv_len, d.head_dim].map(|x| x as i32),
+            ),
+            arr(
+                &v,
+                &[d.batch, d.kv_heads, d.kv_len, d.head_dim].map(|x| x as i32),
+            ),
+        );
+        let scale = 1.0 / (d.head_dim as f32).sqrt();
+        let masks = [(AttentionMask::None, false), (AttentionMask::Causal, true)];
+        for ((mask, causal), want) in masks.into_iter().zip(&wants) {
+            let got = fast::scaled_dot_product_attention(&qa, &ka, &va, scale, mask).unwrap();
+            assert_eq!(got.shape(), qa.shape());
+            let got = host(&got);
+            let mlx =
+                host(&fast::mlx_scaled_dot_product_attention(&qa, &ka, &va, scale, mask).unwrap());
+            // Both paths against the naive reference (MLX's at its own tolerance).
+            assert_close(&mlx, want, 1e-5 + attention_slack(), 1e-4);
+            assert_close(&got, want, 1e-5 + attention_slack(), 1e-4);
+            // Which path ran: the fused one is deterministic, so its output is exactly what
+            // `attend` writes; one query, and a GPU, stay with MLX's kernel.
+            if fused_on && d.q_len > 1 {
+                let mut fused = vec![0f32; d.q_size()];
+                attend(&q, &k, &v, &mut fused, d, scale, causal).unwrap();
+                assert_eq!(got, fused, "{d:?} causal={causal}: the fused path");
+            } else {
+                assert_eq!(got, mlx, "{d:?} causal={causal}: MLX's kernel");
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_cpu_attention_reads_transposed_and_sliced_inputs() {
+    // The engine's q is a transpose of [B, L, H, D] and its k, v may be slices of a longer
+    // cache: the dispatch must make them row-major before it reads their buffers.
+    let mut r = rng("fused_cpu_attention_reads_transposed_and_sliced_inputs");
+    let shape = (1, 6, 2, 40, 90, 64);
+    let (d, [q, k, v], [_, want]) = attention_case(&mut r, shape);
+    let spare = Array::from_slice(&vec![7f32; 2 * 10 * 64], &[1, 2, 10, 64]).unwrap();
+    let cut = |x: &[f32]| {
+        let longer = mlx::ops::concatenate(&[&arr(x, &[1, 2, 90, 64]), &spare], 2).unwrap();
+        longer.slice(&[0, 0, 0, 0], &[1, 2, 90, 64]).unwrap()
+    };
+    let qt = arr(&q, &[1, 6, 40, 64])
+        .transpose(&[0, 2, 1, 3])
+        .unwrap()
+        .contiguous()
+        .unwrap()
+        .transpose(&[0, 2, 1, 3])
+        .unwrap();
+    let scale = 1.0 / (d.head_dim as f32).sqrt();
+    let got =
+        fast::scaled_dot_product_attention(&qt, &cut(&k), &cut(&v), scale, AttentionMask::Causal)
+            .unwrap();
+    assert_close(&host(&got), &want, 1e-5 + attention_slack(), 1e-4);
+}
+
+#[test]
+fn sdpa_leaves_other_dtypes_array_masks_and_bad_shapes_to_mlx() {
+    let mut r = rng("sdpa_leaves_other_dtypes_array_masks_and_bad_shapes_to_mlx");
+    let (q, k, v) = (
+        randn(&mut r, 4 * 12 * 64),
+        randn(&mut r, 2 * 20 * 64),
+        randn(&mut r, 2 * 20 * 64),
+    );
+    let (qa, ka, va) = (
+        arr(&q, &[1, 4, 12, 64]),
+        arr(&k, &[1, 2, 20, 64]),
+        arr(&v, &[1, 2, 20, 64]),
+    );
+    // bf16: MLX's kernel, bit for bit.
+    let bf = |a: &Array| a.astype(Dtype::BF16).unwrap();
+    let (qb, kb, vb) = (bf(&qa), bf(&ka), bf(&va));
+    let got =
+        fast::scaled_dot_product_attention(&qb, &kb, &vb, 0.125, AttentionMask::Causal).unwrap();
+    assert_eq!(got.dtype(), Dtype::BF16);
+    let mlx = fast::mlx_scaled_dot_product_attention(&qb, &kb, &vb, 0.125, AttentionMask::Causal)
+        .unwrap();
+    assert_eq!(got.to_vec::<bf16>().unwrap(), mlx.to_vec::<bf16>().unwrap());
+    // An array mask: MLX's kernel, bit for bit.
+    let allow: Vec<u8> = (0..12 * 20)
+        .map(|i| (i % 3 != 1 || i % 20 == 0) as u8)
+        .collect();
+    let mask = Array::from_bytes(&allow, &[12, 20], Dtype::Bool).unwrap();
+    let got = fast::scaled_dot_product_attention(&qa, &ka, &va, 0.125, AttentionMask::Array(&mask))
+        .unwrap();
+    let mlx =
+        fast::mlx_scaled_dot_product_attention(&qa, &ka, &va, 0.125, AttentionMask::Array(&mask))
+            .unwrap();
+    assert_eq!(host(&got), host(&mlx));
+    // q and k of different head dims: MLX's error, not a panic.
+    let k32 = Array::from_slice(&vec![0f32; 2 * 20 * 32], &[1, 2, 20, 32]).unwrap();
+    let result = fast::scaled_dot_product_attention(&qa, &k32, &k32, 0.125, AttentionMask::None)
+        .and_then(|a| a.eval());
+    assert!(
+        result.is_err(),
+        "q with D = 64 against k with D = 32 must fail"
+    );
+}
+
+#[test]
+fn fused_cpu_attention_refuses_shapes_it_cannot_compute() {
+    let ok = attention_dims((1, 4, 2, 3, 5, 8));
+    let (q, kv) = (vec![0f32; ok.q_size()], vec![0f32; ok.kv_size()]);
+    let mut out = vec![0f32; ok.q_size()];
+    let err = attend(&q[1..], &kv, &kv, &mut out, ok, 1.0, false).unwrap_err();
+    assert!(err.contains("q holds"), "{err}");
+    let err = attend(&q, &kv, &kv[1..], &mut out, ok, 1.0, false).unwrap_err();
+    assert!(err.contains("v holds"), "{err}");
+    let odd = Dims { q_heads: 3, ..ok };
+    let n = odd.q_size();
+    let err = attend(&q[..n], &kv, &kv, &mut out[..n], odd, 1.0, false).unwrap_err();
+    assert!(err.contains("not a multiple"), "{err}");
+    // Causal with more queries than keys: the first queries would see no key.
+    let wide = Dims {
+        q_len: 6,
+        kv_len: 5,
+        ..ok
+    };
+    let (qw, mut ow) = (vec![0f32; wide.q_size()], vec![0f32; wide.q_size()]);
+    let err = attend(&qw, &kv, &kv, &mut ow, wide, 1.0, true).unwrap_err();
+    assert!(err.contains("no key"), "{err}");
+    attend(&qw, &kv, &kv, &mut ow, wide, 1.0, false).unwrap();
+    let empty = Dims { kv_len: 0, ..ok };
+    assert!(attend(&q, &[], &[], &mut out, empty, 1.0, false).is_err());
 }
 
 /// Naive RoPE on [B, H, L, D]; positions are (offset(b) + l) * scale; `inv_freq[i]` per pair.
