@@ -70,8 +70,7 @@ fn bench_serve_reports_both_arms_and_the_sessions_hit_share() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--streams must be at least 1"));
 }
 
-#[path = "../../tests/src/prerequisite.rs"]
-mod prerequisite;
+mod peer;
 
 /// The peer comparison: the same text sessions over HTTP against `kvstore serve` and
 /// mlx-lm's `mlx_lm.server`, each started by the benchmark on the tiny model; both arms
@@ -80,14 +79,9 @@ mod prerequisite;
 #[test]
 fn bench_serve_runs_the_same_http_sessions_against_kvstore_and_mlx_lm_server() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = root.join(".venv-peer/bin/python");
-    if !python.exists() {
-        prerequisite::missing(
-            "no .venv-peer (mlx_lm.server, the serving peer)",
-            "bash scripts/bench/setup_peer.sh",
-        );
+    let Some(python) = peer::python() else {
         return;
-    }
+    };
     let model = root.join("engine/tests/goldens/tiny-qwen3");
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("serve.json");

@@ -375,8 +375,7 @@ fn several_engines_need_the_remote_tier_they_share() {
     assert!(!out.status.success());
 }
 
-#[path = "../../tests/src/prerequisite.rs"]
-mod prerequisite;
+mod peer;
 
 /// The peer arm: the small fixture replayed against mlx_lm.server, started by the benchmark
 /// on the tiny model; every request answers, and the report says what it is (its target,
@@ -384,14 +383,9 @@ mod prerequisite;
 #[test]
 fn replay_against_mlx_lm_server_sends_text_and_reports_the_round_trip() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let python = root.join(".venv-peer/bin/python");
-    if !python.exists() {
-        prerequisite::missing(
-            "no .venv-peer (mlx_lm.server, the serving peer)",
-            "bash scripts/bench/setup_peer.sh",
-        );
+    let Some(python) = peer::python() else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("peer.json");
     let f = fixture();
