@@ -39,6 +39,24 @@ impl ChildServer {
         ChildServer::start(cmd, port, "kvstore serve")
     }
 
+    /// The Hugging Face folder mlx_lm.server would load (`peer_model`, else `model`) and
+    /// its tokenizer; an error naming `--peer-model` when it is not a folder.
+    pub fn mlx_lm_folder(
+        model: PathBuf,
+        peer_model: Option<PathBuf>,
+    ) -> Result<(PathBuf, engine::Tokenizer)> {
+        let folder = peer_model.unwrap_or(model);
+        if !folder.is_dir() {
+            bail!(
+                "mlx_lm.server loads Hugging Face folders; {} is not one: pass --peer-model DIR",
+                folder.display()
+            );
+        }
+        let tokenizer = engine::Tokenizer::from_folder(&folder)
+            .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", folder.display()))?;
+        Ok((folder, tokenizer))
+    }
+
     /// `PYTHON -m mlx_lm.server --model MODEL --port P --prompt-cache-size N` (greedy by
     /// default, as kvstore). `N` prompt caches are kept: mlx-lm's default (10) would make
     /// more concurrent sessions than that evict each other, which a user serving them would

@@ -621,15 +621,8 @@ fn http_sessions(
 /// each started here, one after the other (never both loaded at once).
 fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
     let model = args.model.path()?;
-    let peer_model = args.peer_model.clone().unwrap_or_else(|| model.clone());
-    if !peer_model.is_dir() {
-        bail!(
-            "mlx_lm.server loads Hugging Face folders; {} is not one: pass --peer-model DIR",
-            peer_model.display()
-        );
-    }
-    let tokenizer = engine::Tokenizer::from_folder(&peer_model)
-        .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", peer_model.display()))?;
+    let (peer_model, tokenizer) =
+        ChildServer::mlx_lm_folder(model.clone(), args.peer_model.clone())?;
     let texts = SessionTexts::new(args, &tokenizer)?;
     let store = tempfile::tempdir().context("creating a scratch store for kvstore serve")?;
     let mut serve_args = vec![

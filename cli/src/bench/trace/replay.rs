@@ -430,18 +430,8 @@ fn store_note(
 /// mlx-lm's `mlx_lm.server` as a child process, its prompt caches bounded by `--kv-budget`
 /// (its `--prompt-cache-bytes`), prompts sent as text ([`peer`]).
 fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Result<Ran> {
-    let folder = match &args.peer_model {
-        Some(d) => d.clone(),
-        None => args.model.path()?,
-    };
-    if !folder.is_dir() {
-        bail!(
-            "mlx_lm.server loads Hugging Face folders; {} is not one: pass --peer-model DIR",
-            folder.display()
-        );
-    }
-    let tokenizer = engine::Tokenizer::from_folder(&folder)
-        .map_err(|e| anyhow::anyhow!("loading the tokenizer of {}: {e}", folder.display()))?;
+    let (folder, tokenizer) =
+        ChildServer::mlx_lm_folder(args.model.path()?, args.peer_model.clone())?;
     let vocab = tokenizer.vocab_size() as u32;
     let make = |i: usize| {
         let r = &s.requests[i];
