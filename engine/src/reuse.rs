@@ -868,12 +868,7 @@ impl KvTiers {
             cache = restored.cache;
             report.cached_device_tokens = first * bs;
             // Make the restored arenas real now, so the restore is not billed to prefill.
-            for l in 0..self.layers {
-                if let Some(pool) = cache.pool(l) {
-                    let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
-                    mlx::eval(&arrays)?;
-                }
-            }
+            self.eval_pools(&cache)?;
             if restored_blocks > 0 {
                 let seconds = t.elapsed().as_secs_f64();
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
@@ -1002,12 +997,7 @@ impl KvTiers {
         let restore = |count: usize| -> Result<(usize, f64)> {
             let t = Instant::now();
             let restored = self.empty_cache()?.restore_onto(&blocks[..count])?;
-            for l in 0..self.layers {
-                if let Some(pool) = restored.cache.pool(l) {
-                    let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
-                    mlx::eval(&arrays)?;
-                }
-            }
+            self.eval_pools(&restored.cache)?;
             Ok((restored.blocks, t.elapsed().as_secs_f64()))
         };
         restore(n)?;
@@ -1029,6 +1019,17 @@ impl KvTiers {
             costs.import.set_prior(prior);
         }
         Ok(Some(prior))
+    }
+
+    /// Evaluates every layer's pool of `cache` (a restore's arrays made real on the device).
+    fn eval_pools(&self, cache: &PagedKvCache) -> Result<()> {
+        for l in 0..self.layers {
+            if let Some(pool) = cache.pool(l) {
+                let arrays: Vec<&mlx::Array> = pool.arrays().iter().collect();
+                mlx::eval(&arrays)?;
+            }
+        }
+        Ok(())
     }
 
     /// A fresh cache for this model's sequences: its layers, state layers, snapshots and
