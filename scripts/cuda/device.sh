@@ -21,7 +21,8 @@
 # wheels in x3); pg: bench trace, cache vs no cache (the trace in x3); ph: bench grammar;
 # pi: Claude Code against kvstore serve (its binary in x3 and x4); pj: the ops test, bench
 # cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3); pk: bench generate
-# beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B).
+# beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B); pm: bench trace at real speed, one
+# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -353,6 +354,41 @@ case "$step" in
         --label cache --json "$OUT/trace-cache.json" 2>&1; } | tail -n 14
     { timeout 280 "$BIN/kvstore" bench trace "$T" --model "$d" $S --no-cache \
         --label "no cache" --json "$OUT/trace-nocache.json" 2>&1; } | tail -n 8
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pm) # bench trace at real speed, one arm at a time, each in its own process session
+      # (setsid: it outlives the call), so a 10-minute slice spans calls. Each call waits
+      # for the running arm (at most WAIT s), starts the next arm of ARMS that has not run
+      # when none runs, and copies every finished arm's log, JSON and plot to $OUT.
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    T=$K/mooncake-conversation-part1.jsonl
+    R=$K/trace-runs; mkdir -p "$R"
+    S="--window ${WINDOW:-0..600} --speed ${SPEED:-1} --token-scale ${SCALE:-0.125} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline ${DEADLINE_S:-630}"
+    TIERS=${TIERS:---kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB}
+    running() { [ -f "$R/pid" ] && kill -0 "$(cat "$R/pid")" 2>/dev/null; }
+    end=$(( $(date +%s) + ${WAIT:-540} ))
+    for arm in ${ARMS:-cache nocache}; do
+      [ -f "$R/$arm.started" ] && continue
+      while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+      running && break
+      case "$arm" in
+        nocache) A="--no-cache --label no-cache" ;;
+        device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
+        *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
+      esac
+      touch "$R/$arm.started"
+      echo "starting $arm at $(date +%T): $S $A"
+      setsid bash -c "'$BIN/kvstore' bench trace '$T' --model '$d' $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
+      echo $! > "$R/pid"
+    done
+    while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    for f in "$R"/*.log; do [ -f "$f" ] || continue; echo "== $f"; grep -E '^request .* at ' "$f" | tail -n 1; tail -n 12 "$f"; done
+    cp "$R"/*.json "$R"/*.svg "$R"/*.log "$OUT"/ 2>/dev/null
+    running && echo "still running: $(cat "$R/pid")"
+    free -g | head -2; df -h /opt | tail -1
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   ph) # bench grammar (constrained vs unconstrained decode, mask ms per token), after x1 and x2

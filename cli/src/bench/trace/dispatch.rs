@@ -1,6 +1,8 @@
 //! Sending a trace's requests at their (compressed) arrival times to a [`Target`], with at
 //! most `max_concurrency` in flight: a request whose slot is not free yet waits and is sent
 //! late (its lateness is recorded; TTFT counts from the actual send, as a client sees it).
+//! With a deadline, nothing is sent after it: a run that cannot keep up with the arrivals
+//! still ends (the requests in flight finish) and reports the rest as unsent.
 
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -58,38 +60,47 @@ pub trait Target: Sync {
 pub struct Sent {
     /// Seconds after the start when the trace says to send it.
     pub scheduled_s: f64,
-    /// Seconds after the start when it was sent.
+    /// Seconds after the start when it was sent (NaN when it was not).
     pub sent_s: f64,
+    /// Not sent: the deadline came before its time or before a slot was free.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub unsent: bool,
     /// What came back.
     #[serde(flatten)]
     pub outcome: Outcome,
 }
 
 /// Sends request `i` at `times[i]` seconds after the start (`make(i)` gives its prompt and
-/// `max_tokens`), at most `max_concurrency` at once; returns them in trace order.
+/// `max_tokens`), at most `max_concurrency` at once; returns them in trace order. With a
+/// `deadline` (after the start), no request is sent after it: those left are returned
+/// [`Sent::unsent`]; the ones in flight finish.
 pub fn replay<T: Target>(
     times: &[f64],
     make: &(dyn Fn(usize) -> (Vec<u32>, usize) + Sync),
     target: &T,
     max_concurrency: usize,
+    deadline: Option<Duration>,
 ) -> Vec<Sent> {
     let start = Instant::now();
+    let stop = deadline.map(|d| start + d);
     let busy = Mutex::new(0usize);
     let freed = Condvar::new();
     let results: Mutex<Vec<Option<Sent>>> = Mutex::new(vec![None; times.len()]);
     let report_every = (times.len() / 20).max(1);
+    let mut sent_all = times.len();
     std::thread::scope(|scope| {
         for (i, &at) in times.iter().enumerate() {
             let due = start + Duration::from_secs_f64(at.max(0.0));
+            if stop.is_some_and(|stop| due >= stop) {
+                sent_all = i;
+                break;
+            }
             if let Some(wait) = due.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }
-            {
-                let mut n = busy.lock().unwrap_or_else(PoisonError::into_inner);
-                while *n >= max_concurrency.max(1) {
-                    n = freed.wait(n).unwrap_or_else(PoisonError::into_inner);
-                }
-                *n += 1;
+            if !take_slot(&busy, &freed, max_concurrency.max(1), stop) {
+                sent_all = i;
+                break;
             }
             let (prompt, max_tokens) = make(i);
             let sent_s = start.elapsed().as_secs_f64();
@@ -107,6 +118,7 @@ pub fn replay<T: Target>(
                 results.lock().unwrap_or_else(PoisonError::into_inner)[i] = Some(Sent {
                     scheduled_s: at,
                     sent_s,
+                    unsent: false,
                     outcome,
                 });
                 *busy.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
@@ -119,14 +131,42 @@ pub fn replay<T: Target>(
         .unwrap_or_else(PoisonError::into_inner)
         .into_iter()
         .zip(times)
-        .map(|(s, &at)| {
+        .enumerate()
+        .map(|(i, (s, &at))| {
             s.unwrap_or_else(|| Sent {
                 scheduled_s: at,
                 sent_s: f64::NAN,
-                outcome: Outcome::failed("the sending thread ended without a result"),
+                unsent: i >= sent_all,
+                outcome: if i >= sent_all {
+                    Outcome::default()
+                } else {
+                    Outcome::failed("the sending thread ended without a result")
+                },
             })
         })
         .collect()
+}
+
+/// Waits until fewer than `max` requests are in flight and counts one more; `false` (and
+/// nothing counted) when `stop` comes first.
+fn take_slot(busy: &Mutex<usize>, freed: &Condvar, max: usize, stop: Option<Instant>) -> bool {
+    let mut n = busy.lock().unwrap_or_else(PoisonError::into_inner);
+    while *n >= max {
+        n = match stop {
+            None => freed.wait(n).unwrap_or_else(PoisonError::into_inner),
+            Some(stop) => {
+                let Some(left) = stop.checked_duration_since(Instant::now()) else {
+                    return false;
+                };
+                freed
+                    .wait_timeout(n, left)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+        };
+    }
+    *n += 1;
+    true
 }
 
 #[cfg(test)]
@@ -163,7 +203,7 @@ mod tests {
         };
         let times = vec![0.0; 12];
         let make = |i: usize| (vec![7; i + 1], i + 100);
-        let out = replay(&times, &make, &probe, 3);
+        let out = replay(&times, &make, &probe, 3, None);
         assert_eq!(out.len(), 12);
         for (i, s) in out.iter().enumerate() {
             assert_eq!(s.outcome.prompt_tokens, i + 1);
@@ -172,5 +212,47 @@ mod tests {
         }
         let max = probe.max.load(Ordering::SeqCst);
         assert!((1..=3).contains(&max), "{max} in flight");
+    }
+
+    /// Sleeps `ms` per request.
+    struct Slow(u64);
+
+    impl Target for Slow {
+        fn send(&self, prompt: Vec<u32>, _max_tokens: usize) -> Outcome {
+            std::thread::sleep(Duration::from_millis(self.0));
+            Outcome {
+                prompt_tokens: prompt.len(),
+                ..Outcome::default()
+            }
+        }
+    }
+
+    #[test]
+    fn nothing_is_sent_after_the_deadline_and_the_rest_is_reported_unsent() {
+        let make = |i: usize| (vec![1; i + 1], 1);
+        // Request 2's time comes an hour after a 1-second deadline.
+        let out = replay(
+            &[0.0, 0.0, 3600.0],
+            &make,
+            &Slow(1),
+            4,
+            Some(Duration::from_secs(1)),
+        );
+        let unsent: Vec<bool> = out.iter().map(|s| s.unsent).collect();
+        assert_eq!(unsent, [false, false, true]);
+        assert_eq!(out[1].outcome.prompt_tokens, 2);
+        assert!(out[2].sent_s.is_nan() && out[2].outcome.error.is_none());
+        // One slot, held 400 ms by the first request: the deadline at 50 ms passes while
+        // the second and third wait for it.
+        let out = replay(
+            &[0.0; 3],
+            &make,
+            &Slow(400),
+            1,
+            Some(Duration::from_millis(50)),
+        );
+        let unsent: Vec<bool> = out.iter().map(|s| s.unsent).collect();
+        assert_eq!(unsent, [false, true, true]);
+        assert_eq!(out[0].outcome.prompt_tokens, 1);
     }
 }

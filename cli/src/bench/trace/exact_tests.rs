@@ -95,7 +95,7 @@ fn replay(kv_budget: u64) -> (Vec<Outcome>, Vec<Vec<u32>>) {
     let prompts: Vec<Vec<u32>> = trace.iter().map(|r| tokens::prompt(r, &s, vocab)).collect();
     let make = |i: usize| (prompts[i].clone(), s.output_len(&trace[i]));
     let times = vec![0.0; trace.len()];
-    let sent = dispatch::replay(&times, &make, &EngineTarget { engine: &engine }, 1);
+    let sent = dispatch::replay(&times, &make, &EngineTarget { engine: &engine }, 1, None);
     engine.shutdown(false).unwrap();
     let out = sent.into_iter().map(|x| x.outcome).collect();
     (out, prompts)
@@ -240,7 +240,7 @@ fn two_engines_sharing_a_remote_tier_hit_each_others_blocks_there() {
         },
         engines: &engines,
     };
-    let sent = dispatch::replay(&vec![0.0; trace.len()], &make, &target, 1);
+    let sent = dispatch::replay(&vec![0.0; trace.len()], &make, &target, 1, None);
     drop(target);
     for e in engines {
         e.shutdown(false).unwrap();

@@ -45,6 +45,11 @@ pub struct Args {
     /// Most requests in flight at once; later ones wait for a slot (and are sent late).
     #[arg(long, value_name = "N", default_value_t = 16)]
     max_concurrency: usize,
+    /// Stop sending this many seconds (wall time) after the start: requests not sent by
+    /// then are reported as unsent and left out of every share and percentile; those in
+    /// flight finish. A run that cannot keep up with the arrivals still ends and reports.
+    #[arg(long, value_name = "SECONDS")]
+    deadline: Option<f64>,
     /// Multiplies every length and the 512-token block by F (512 × F must be whole).
     #[arg(long, value_name = "F", default_value_t = 1.0)]
     token_scale: f64,
@@ -115,6 +120,8 @@ struct Settings {
     speed: f64,
     max_concurrency: usize,
     scale: TokenScale,
+    /// `--deadline`.
+    deadline: Option<std::time::Duration>,
 }
 
 impl Settings {
@@ -138,10 +145,16 @@ impl Settings {
         }
         if args.engines > 1 && args.cache.remote.remote.is_none() {
             bail!(
-                "--engines {} shares blocks between the engines through the remote tier: give                  it with --remote redis://host:port",
+                "--engines {} shares blocks between the engines through the remote tier: give \
+                 it with --remote redis://host:port",
                 args.engines
             );
         }
+        let deadline = match args.deadline {
+            None => None,
+            Some(d) if d.is_finite() && d > 0.0 => Some(std::time::Duration::from_secs_f64(d)),
+            Some(d) => bail!("--deadline must be a number of seconds above 0, not {d}"),
+        };
         let scale = TokenScale::new(args.token_scale)?;
         let window = args.window.unwrap_or(Window {
             start_s: 0.0,
@@ -162,6 +175,7 @@ impl Settings {
             speed: args.speed,
             max_concurrency: args.max_concurrency,
             scale,
+            deadline,
         })
     }
 

@@ -83,8 +83,15 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             r.sent.outcome.error.as_deref().unwrap_or("")
         );
     }
+    if overall.unsent > 0 {
+        eprintln!(
+            "{} of {} requests were NOT sent: --deadline came before their time or before a \
+             slot was free; every share and percentile above is of the requests sent",
+            overall.unsent, overall.requests
+        );
+    }
     let throughput = json!({
-        "requests_per_s": overall.requests as f64 / ran.wall_s,
+        "requests_per_s": (overall.requests - overall.unsent) as f64 / ran.wall_s,
         "prompt_tokens_per_s": overall.prompt_tokens as f64 / ran.wall_s,
         "completion_tokens_per_s": overall.completion_tokens as f64 / ran.wall_s,
     });
@@ -98,6 +105,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "token_scale": s.scale.factor(),
             "block_tokens": s.scale.block(),
             "max_concurrency": s.max_concurrency,
+            "deadline_s": s.deadline.map(|d| d.as_secs_f64()),
             "label": label,
             "target": ran.target,
             "lru_budget_tokens": ran.lru_budget,
@@ -114,7 +122,13 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
         let per = |f: &dyn Fn(&Summary) -> Option<f64>| -> Vec<Option<f64>> {
             minutes
                 .iter()
-                .map(|m| if m.requests > m.failed { f(m) } else { None })
+                .map(|m| {
+                    if m.requests > m.failed + m.unsent {
+                        f(m)
+                    } else {
+                        None
+                    }
+                })
                 .collect()
         };
         let mut series = vec![Series {
@@ -182,7 +196,8 @@ fn earlier_run(path: &std::path::Path) -> Result<Earlier> {
         .map(|a| {
             a.iter()
                 .map(|m| {
-                    let ran = m["requests"].as_u64() > m["failed"].as_u64();
+                    let count = |k: &str| m[k].as_u64().unwrap_or(0);
+                    let ran = count("requests") > count("failed") + count("unsent");
                     m["hit_share"].as_f64().filter(|_| ran)
                 })
                 .collect()
@@ -257,12 +272,17 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     if let Some(note) = &ran.tier_note {
         println!("{note}");
     }
+    let sent = overall.requests - overall.unsent;
     println!(
-        "{} requests in {:.1} s: {:.2} req/s, {:.0} prompt tok/s, {:.1} completion tok/s \
+        "{sent} requests in {:.1} s{}: {:.2} req/s, {:.0} prompt tok/s, {:.1} completion tok/s \
          (trace time compressed {}x)",
-        overall.requests,
         ran.wall_s,
-        overall.requests as f64 / ran.wall_s,
+        if overall.unsent > 0 {
+            format!(" ({} more not sent before --deadline)", overall.unsent)
+        } else {
+            String::new()
+        },
+        sent as f64 / ran.wall_s,
         overall.prompt_tokens as f64 / ran.wall_s,
         overall.completion_tokens as f64 / ran.wall_s,
         s.speed
@@ -350,7 +370,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
     };
     let t0 = Instant::now();
-    let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
+    let sent = dispatch::replay(times, &make, &target, s.max_concurrency, s.deadline);
     let wall_s = t0.elapsed().as_secs_f64();
     let after = stats(&engines);
     drop(target);
@@ -452,7 +472,7 @@ fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Resu
         bail!("the warm-up request failed: {e}\n{}", child.log_tail());
     }
     let t0 = Instant::now();
-    let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
+    let sent = dispatch::replay(times, &make, &target, s.max_concurrency, s.deadline);
     let wall_s = t0.elapsed().as_secs_f64();
     drop(child);
     Ok(Ran {
@@ -500,7 +520,7 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
     };
     let t0 = Instant::now();
-    let sent = dispatch::replay(times, &make, &target, s.max_concurrency);
+    let sent = dispatch::replay(times, &make, &target, s.max_concurrency, s.deadline);
     let wall_s = t0.elapsed().as_secs_f64();
     let after = target.metrics(METRICS).unwrap_or_default();
     let delta: serde_json::Map<String, serde_json::Value> = after

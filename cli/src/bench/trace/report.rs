@@ -75,6 +75,8 @@ pub struct Summary {
     pub requests: usize,
     /// Of those, failed (left out of every share and percentile).
     pub failed: usize,
+    /// Of those, not sent: `--deadline` came first (left out likewise).
+    pub unsent: usize,
     /// Prompt tokens of the requests that succeeded.
     pub prompt_tokens: usize,
     /// Of those, served from the cache.
@@ -103,8 +105,9 @@ pub struct Summary {
 pub fn summarize(rows: &[&Row]) -> Summary {
     let ok: Vec<&&Row> = rows
         .iter()
-        .filter(|r| r.sent.outcome.error.is_none())
+        .filter(|r| !r.sent.unsent && r.sent.outcome.error.is_none())
         .collect();
+    let unsent = rows.iter().filter(|r| r.sent.unsent).count();
     let prompt: usize = ok.iter().map(|r| r.prompt_len).sum();
     let share = |n: usize| {
         if prompt == 0 {
@@ -125,7 +128,8 @@ pub fn summarize(rows: &[&Row]) -> Summary {
     };
     Summary {
         requests: rows.len(),
-        failed: rows.len() - ok.len(),
+        failed: rows.len() - ok.len() - unsent,
+        unsent,
         prompt_tokens: prompt,
         cached_tokens: cached,
         hit_share: share(cached),
@@ -182,6 +186,7 @@ mod tests {
             sent: Sent {
                 scheduled_s: 1.0,
                 sent_s: 1.5,
+                unsent: false,
                 outcome: Outcome {
                     prompt_tokens: len,
                     cached_tokens: cached,
@@ -205,7 +210,7 @@ mod tests {
     }
 
     #[test]
-    fn summaries_skip_failures_and_split_by_minute() {
+    fn summaries_skip_failures_and_unsent_requests_and_split_by_minute() {
         let mut rows = vec![
             row(0, 0, 100, 0, 0, 1.0),
             row(1, 30_000, 100, 50, 80, 3.0),
@@ -218,8 +223,16 @@ mod tests {
             },
             ..row(3, 140_000, 1000, 0, 500, 9.0)
         });
+        rows.push(Row {
+            sent: Sent {
+                unsent: true,
+                sent_s: f64::NAN,
+                ..rows[0].sent.clone()
+            },
+            ..row(4, 150_000, 700, 0, 600, 8.0)
+        });
         let all = summarize(&rows.iter().collect::<Vec<_>>());
-        assert_eq!((all.requests, all.failed), (4, 1));
+        assert_eq!((all.requests, all.failed, all.unsent), (5, 1, 1));
         assert_eq!(all.prompt_tokens, 400);
         assert_eq!(all.hit_share, 150.0 / 400.0);
         assert_eq!(all.ideal_share, 180.0 / 400.0);
@@ -233,8 +246,8 @@ mod tests {
         assert_eq!(m[0].requests, 2);
         assert_eq!(m[1].requests, 0);
         assert_eq!(
-            (m[2].requests, m[2].failed, m[2].prompt_tokens),
-            (2, 1, 200)
+            (m[2].requests, m[2].failed, m[2].unsent, m[2].prompt_tokens),
+            (3, 1, 1, 200)
         );
     }
 }
