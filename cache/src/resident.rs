@@ -384,13 +384,14 @@ impl ResidentPool {
     }
 
     /// Reserves `bytes` for a live sequence, evicting resident sequences (least recently
-    /// used first) to make room. Returns whether the live reservations fit the budget (the
-    /// caller's admission decides what to do when they do not; the bytes are reserved
-    /// either way, and [`Self::release`] returns them).
+    /// used first) to make room. Returns whether resident and live bytes fit the budget
+    /// now (only sequences with live sharers can keep them from fitting once every other
+    /// one is evicted; the caller's admission decides what to do when they do not; the
+    /// bytes are reserved either way, and [`Self::release`] returns them).
     pub fn reserve(&mut self, bytes: u64) -> bool {
         self.live = self.live.saturating_add(bytes);
         self.evict_to(self.budget, None);
-        self.live <= self.budget
+        self.resident + self.live <= self.budget
     }
 
     /// Returns a reservation made by [`Self::reserve`].
