@@ -28,7 +28,8 @@ fn median(mut v: Vec<Duration>) -> f64 {
     v[v.len() / 2].as_secs_f64() * 1e3
 }
 
-/// A hit of `n` tokens on a resident sequence of `n + 64`: shared when `share`, else forked.
+/// A hit of `n` tokens on a resident sequence of `2n` (not a handover): shared when
+/// `share`, else forked.
 fn hit(n: usize, share: bool) -> Result<PagedKvCache, Box<dyn std::error::Error>> {
     let ns = NamespaceId([9; 32]);
     let config = PagedConfig {
@@ -37,7 +38,7 @@ fn hit(n: usize, share: bool) -> Result<PagedKvCache, Box<dyn std::error::Error>
         max_blocks: 8192,
         ..PagedConfig::default()
     };
-    let held = n + 64;
+    let held = 2 * n;
     let tokens: Vec<u32> = (0..held as u32).collect();
     let mut cache = PagedKvCache::new(1, config)?;
     let (k, v) = (
@@ -66,7 +67,10 @@ fn steps(
     reps: usize,
 ) -> Result<(f64, f64), Box<dyn std::error::Error>> {
     let q = random(&[1, HQ, q_len, D], 3)?;
-    let (k, v) = (random(&[1, HKV, q_len, D], 4)?, random(&[1, HKV, q_len, D], 5)?);
+    let (k, v) = (
+        random(&[1, HKV, q_len, D], 4)?,
+        random(&[1, HKV, q_len, D], 5)?,
+    );
     let mask = if q_len > 1 {
         AttentionMask::Causal
     } else {
@@ -76,7 +80,9 @@ fn steps(
     let mut times = Vec::new();
     for _ in 0..reps + 1 {
         let t = Instant::now();
-        cache.update_and_attend(0, &q, &k, &v, scale, mask)?.eval()?;
+        cache
+            .update_and_attend(0, &q, &k, &v, scale, mask)?
+            .eval()?;
         times.push(t.elapsed());
         cache.trim(q_len as usize)?;
     }
@@ -88,7 +94,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::args().any(|a| a == "--quick");
     let sizes: &[usize] = if quick { &[1024] } else { &[1024, 4096, 16384] };
     let reps = if quick { 3 } else { 15 };
-    println!("| tokens | step | fork first ms | fork ms | shared first ms | shared ms | shared / fork |");
+    println!(
+        "| tokens | step | fork first ms | fork ms | shared first ms | shared ms | shared / fork |"
+    );
     println!("|---:|---|---:|---:|---:|---:|---:|");
     for &n in sizes {
         for (what, q_len) in [("decode", 1), ("prefill 512", CHUNK)] {

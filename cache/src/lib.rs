@@ -97,10 +97,7 @@ pub trait KvCache {
         scale: f32,
         mask: AttentionMask<'_>,
     ) -> Result<Array, CacheError> {
-        let (k, v) = self.update_and_fetch(layer, keys, values)?;
-        Ok(mlx::fast::scaled_dot_product_attention(
-            queries, &k, &v, scale, mask,
-        )?)
+        fetch_and_attend(self, layer, queries, keys, values, scale, mask)
     }
 
     /// Drops the last `tokens` tokens of every layer (all of them if fewer are held) and
@@ -139,4 +136,21 @@ pub trait KvCache {
         let _ = (tokens, state);
         Err(CacheError::NoSuchLayer { layer, layers: 0 })
     }
+}
+
+/// [`KvCache::update_and_attend`] through [`KvCache::update_and_fetch`] and the fused
+/// attention over what it returns.
+pub(crate) fn fetch_and_attend<C: KvCache + ?Sized>(
+    cache: &mut C,
+    layer: usize,
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: AttentionMask<'_>,
+) -> Result<Array, CacheError> {
+    let (k, v) = cache.update_and_fetch(layer, keys, values)?;
+    Ok(mlx::fast::scaled_dot_product_attention(
+        queries, &k, &v, scale, mask,
+    )?)
 }

@@ -1256,10 +1256,7 @@ impl KvCache for PagedKvCache {
     ) -> Result<Array, CacheError> {
         let shared = self.layers.get(layer).is_some_and(|l| l.prefix.is_some());
         if !shared || matches!(mask, AttentionMask::Array(_)) {
-            let (k, v) = self.update_and_fetch(layer, keys, values)?;
-            return Ok(mlx::fast::scaled_dot_product_attention(
-                queries, &k, &v, scale, mask,
-            )?);
+            return crate::fetch_and_attend(self, layer, queries, keys, values, scale, mask);
         }
         // The shared prefix and the layer's own tokens are two parts of one softmax: the
         // prefix is read through its views, never copied (docs/cache.md, "Shared prefixes").

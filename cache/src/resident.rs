@@ -121,10 +121,12 @@ pub struct ShareCount {
     pub source: Option<u64>,
 }
 
-/// The default of [`ResidentPool::set_share_min_tokens`]: below it a fork copies the
-/// prefix (one device copy per layer at the first write) rather than sharing it, whose
-/// attention then runs over two parts each step (docs/benchmarks.md, "Shared prefixes").
-pub const DEFAULT_SHARE_MIN_TOKENS: usize = 1024;
+/// The default of [`ResidentPool::set_share_min_tokens`]: never share (opt-in). On cpu-vm
+/// a shared prefix makes a decode step's attention 1.7-2.2x a fork's at 1K-16K tokens
+/// while saving a copy worth only 5-20 such steps (docs/benchmarks.md, "Shared
+/// prefixes"): it pays in device memory (one copy of the prefix for all sharers), not in
+/// time, so sharing is for callers that need the memory.
+pub const DEFAULT_SHARE_MIN_TOKENS: usize = usize::MAX;
 
 /// A hit on all but at most 1/`HANDOVER_TAIL` of a resident sequence takes it over
 /// (trimmed, no copy) instead of forking it (a device copy of every layer's arena).

@@ -70,7 +70,7 @@ pub struct ReuseConfig {
     /// The fewest tokens a device hit that is not a handover shares (the request reads the
     /// resident arenas as a prefix, no copy) rather than forks (one device copy per layer
     /// at its first write); `usize::MAX` never shares. Default:
-    /// [`cache::DEFAULT_SHARE_MIN_TOKENS`] (docs/cache.md, "Shared prefixes").
+    /// [`cache::DEFAULT_SHARE_MIN_TOKENS`], never (docs/cache.md, "Shared prefixes").
     pub share_min_tokens: usize,
 }
 

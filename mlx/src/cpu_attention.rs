@@ -155,14 +155,14 @@ pub fn attend_parts(
     }
     let per_token = dims.batch * dims.kv_heads * dims.head_dim;
     for (i, p) in parts.iter().enumerate() {
-        if p.k.len() != p.len * per_token || p.v.len() != p.len * per_token {
-            return Err(format!(
-                "part {i} of {} keys holds {} keys and {} values elements, {dims:?} needs {}",
-                p.len,
-                p.k.len(),
-                p.v.len(),
-                p.len * per_token
-            ));
+        for (name, len) in [("k", p.k.len()), ("v", p.v.len())] {
+            if len != p.len * per_token {
+                return Err(format!(
+                    "{name} holds {len} elements, {dims:?} needs {} (part {i} of {} keys)",
+                    p.len * per_token,
+                    p.len
+                ));
+            }
         }
     }
     // Keys transposed per (batch, kv head), `[B, Hkv, D, Lk]`: with them, and the queries
