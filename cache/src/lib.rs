@@ -30,6 +30,7 @@ mod pool;
 mod resident;
 mod rows;
 mod scratch;
+mod share;
 mod state;
 
 pub use chain::Chain;
@@ -41,10 +42,14 @@ pub use host::{plane_specs, state_plane_specs, trimmed_plane_specs};
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
 pub use pool::{ladder_capacity, BlockPool, BlockShape};
-pub use resident::{ResidentHit, ResidentPool, ResidentStats};
+pub use resident::{
+    ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
+};
 pub use rows::PagedKvRows;
+pub use share::ShareHandle;
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 
+use mlx::fast::AttentionMask;
 use mlx::Array;
 
 /// The KV cache of one sequence across all layers of a model, as a forward pass uses it.
@@ -77,6 +82,23 @@ pub trait KvCache {
         keys: &Array,
         values: &Array,
     ) -> Result<(Array, Array), CacheError>;
+
+    /// Appends `keys` and `values` to `layer` and returns the attention of `queries`
+    /// (`[1, Hq, L, D]`) over everything the layer holds: `softmax(q kᵀ · scale + mask) v`.
+    /// The default fetches the layer's KV ([`KvCache::update_and_fetch`]) and runs the
+    /// fused attention; a cache whose KV lives in several arrays (a shared prefix and its
+    /// own blocks) attends over them without concatenating them.
+    fn update_and_attend(
+        &mut self,
+        layer: usize,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+        mask: AttentionMask<'_>,
+    ) -> Result<Array, CacheError> {
+        fetch_and_attend(self, layer, queries, keys, values, scale, mask)
+    }
 
     /// Drops the last `tokens` tokens of every layer (all of them if fewer are held) and
     /// returns how many were dropped; the next append goes where they began. A generation
@@ -114,4 +136,21 @@ pub trait KvCache {
         let _ = (tokens, state);
         Err(CacheError::NoSuchLayer { layer, layers: 0 })
     }
+}
+
+/// [`KvCache::update_and_attend`] through [`KvCache::update_and_fetch`] and the fused
+/// attention over what it returns.
+pub(crate) fn fetch_and_attend<C: KvCache + ?Sized>(
+    cache: &mut C,
+    layer: usize,
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: AttentionMask<'_>,
+) -> Result<Array, CacheError> {
+    let (k, v) = cache.update_and_fetch(layer, keys, values)?;
+    Ok(mlx::fast::scaled_dot_product_attention(
+        queries, &k, &v, scale, mask,
+    )?)
 }

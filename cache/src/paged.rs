@@ -1,12 +1,14 @@
 //! [`PagedKvCache`]: one sequence's keys and values in fixed-size blocks, per layer, with
 //! publication of full blocks as host bytes and restore from them, in bulk.
 
+use mlx::fast::AttentionMask;
 use mlx::{Array, Dtype};
 use store::{Block, BlockMeta};
 
 use crate::export::{Export, WindowExport};
 use crate::host;
 use crate::pool::{ladder_capacity, BlockPool, BlockShape};
+use crate::share::{LayerPrefix, ShareHandle};
 use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 use crate::{CacheError, Chain, KvCache, KvFormat};
 
@@ -44,6 +46,56 @@ struct Layer {
     /// pool it gave up (`pool` is then `None` and `table` empty; `len` counts the tokens
     /// the arena holds for it).
     lent: Option<BlockShape>,
+    /// A shared prefix this layer starts with: `len` and the pool then count the tokens
+    /// after it (the pool's first block starts where the prefix ends).
+    prefix: Option<LayerPrefix>,
+}
+
+impl Layer {
+    /// Tokens the layer holds: its shared prefix's and its own.
+    fn held(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.len) + self.len
+    }
+
+    /// Tokens of its shared prefix.
+    fn prefix_len(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.len)
+    }
+
+    /// The block shape of its shared prefix, if it has one.
+    fn prefix_shape(&self) -> Option<BlockShape> {
+        self.prefix.as_ref().map(|p| p.shape)
+    }
+
+    /// The block shape, from its pool, its shared prefix or what it lent.
+    fn shape(&self) -> Option<BlockShape> {
+        self.pool
+            .as_ref()
+            .map(|p| p.shape())
+            .or(self.prefix.as_ref().map(|p| p.shape))
+            .or(self.lent)
+    }
+
+    /// Every token's encoded parts (K parts then V parts, `[1, H, held, width]`): a view of
+    /// the pool, the shared prefix, or both concatenated. `None` before the first keys.
+    fn read(&self) -> Result<Option<Vec<Array>>, CacheError> {
+        let own = match &self.pool {
+            Some(pool) => Some(pool.read(&self.table, self.len)?),
+            None => None,
+        };
+        Ok(match (&self.prefix, own) {
+            (None, own) => own,
+            (Some(p), None) => Some(p.parts.clone()),
+            (Some(p), Some(_)) if self.len == 0 => Some(p.parts.clone()),
+            (Some(p), Some(own)) => Some(
+                p.parts
+                    .iter()
+                    .zip(&own)
+                    .map(|(a, b)| mlx::ops::concatenate(&[a, b], 2))
+                    .collect::<Result<_, _>>()?,
+            ),
+        })
+    }
 }
 
 /// A sequence's KV cache in blocks: per layer, a [`BlockPool`] created lazily from the
@@ -58,6 +110,9 @@ pub struct PagedKvCache {
     published: usize,
     states: LayerStates,
     window: WindowState,
+    /// The resident entry a shared prefix of some layer reads from (docs/cache.md,
+    /// "Shared prefixes"); held while any layer has one.
+    share: Option<ShareHandle>,
 }
 
 /// What a cache knows about its sliding-window layers (docs/cache.md, "Window layers").
@@ -180,6 +235,35 @@ fn append_parts(
     Ok(())
 }
 
+/// Fresh copies of positions `a..b` of a layer (encoded parts, `[1, H, b − a, width]`):
+/// from its shared prefix (views of a resident entry's arenas, which are never written while
+/// shared, and never donated to an in-place write while a view holds them) and its own pool
+/// (a gather), concatenated where the range straddles the prefix's end.
+fn copy_positions(l: &Layer, a: usize, b: usize) -> Result<Vec<Array>, CacheError> {
+    let m = l.prefix_len();
+    let mut pieces: Vec<Vec<Array>> = Vec::with_capacity(2);
+    if let Some(p) = l.prefix.as_ref().filter(|_| a < m) {
+        pieces.push(p.range(a, b.min(m))?);
+    }
+    if b > m {
+        let pool = l
+            .pool
+            .as_ref()
+            .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
+        pieces.push(pool.copy_range(&l.table, a.max(m) - m, b - m)?);
+    }
+    match pieces.len() {
+        2 => Ok(pieces[0]
+            .iter()
+            .zip(&pieces[1])
+            .map(|(x, y)| mlx::ops::concatenate(&[x, y], 2))
+            .collect::<Result<_, _>>()?),
+        _ => pieces
+            .pop()
+            .ok_or_else(|| CacheError::Publish(format!("positions {a}..{b} of an empty layer"))),
+    }
+}
+
 /// Checks that `block` can sit at `position` of a chain, after `prev`. The key's derivation
 /// (`blake3(parent ‖ tokens)`) is verified once, by the store, where the bytes enter
 /// (`Store::load_prefix`); here only the links between blocks are.
@@ -213,6 +297,7 @@ impl PagedKvCache {
             published: 0,
             states: LayerStates::default(),
             window: WindowState::default(),
+            share: None,
         })
     }
 
@@ -224,6 +309,7 @@ impl PagedKvCache {
             published: 0,
             states: LayerStates::default(),
             window: WindowState::default(),
+            share: None,
         }
     }
 
@@ -298,6 +384,80 @@ impl PagedKvCache {
     /// Whether any layer is a sliding-window layer.
     pub fn has_windows(&self) -> bool {
         self.window.windows.iter().any(Option::is_some)
+    }
+
+    /// A cache that starts with the first `tokens` tokens of `source` as a read-only
+    /// shared prefix: per layer, views of `source`'s arenas (no copy), kept alive and
+    /// counted by `handle` (docs/cache.md, "Shared prefixes"). Its own pools hold the tokens
+    /// appended after them. Only an attention-only cache without sliding windows, holding
+    /// its KV (not lent) and no shared prefix of its own, can be a source.
+    pub fn share_prefix(
+        source: &PagedKvCache,
+        tokens: usize,
+        handle: ShareHandle,
+    ) -> Result<Self, CacheError> {
+        if !source.can_share() || tokens == 0 || tokens > source.offset() {
+            return Err(CacheError::Config(format!(
+                "cannot share {tokens} tokens of a cache holding {} (sources: attention-only, \
+                 no windows, not lent, no shared prefix)",
+                source.offset()
+            )));
+        }
+        let mut layers = Vec::with_capacity(source.layers.len());
+        for l in &source.layers {
+            let pool = l
+                .pool
+                .as_ref()
+                .ok_or_else(|| CacheError::Config("a layer of the source holds no keys".into()))?;
+            layers.push(Layer {
+                prefix: Some(LayerPrefix {
+                    parts: pool.read(&l.table, tokens)?,
+                    len: tokens,
+                    shape: pool.shape(),
+                }),
+                ..Layer::default()
+            });
+        }
+        Ok(Self {
+            config: source.config,
+            layers,
+            published: source.published.min(tokens / source.config.block_size),
+            states: LayerStates::default(),
+            window: WindowState::default(),
+            share: Some(handle),
+        })
+    }
+
+    /// Whether [`Self::share_prefix`] can take a prefix of this cache.
+    pub fn can_share(&self) -> bool {
+        self.states.layers() == 0
+            && !self.has_windows()
+            && self.share.is_none()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.pool.is_some() && l.lent.is_none())
+    }
+
+    /// The resident entry this cache shares a prefix of and the prefix's tokens (the
+    /// longest over its layers), if it shares one.
+    pub fn shared_prefix(&self) -> Option<(u64, usize)> {
+        let share = self.share.as_ref()?;
+        let tokens = self.layers.iter().map(Layer::prefix_len).max()?;
+        Some((share.entry(), tokens))
+    }
+
+    /// The views of a resident entry's arenas that `layer`'s shared prefix reads (K parts
+    /// then V parts), if it has one: their buffers are the entry's.
+    pub fn prefix_parts(&self, layer: usize) -> Option<&[Array]> {
+        Some(&self.layers.get(layer)?.prefix.as_ref()?.parts)
+    }
+
+    /// Lets the resident entry go once no layer reads a shared prefix any more.
+    fn release_unused_share(&mut self) {
+        if self.layers.iter().all(|l| l.prefix.is_none()) {
+            self.share = None;
+        }
     }
 
     /// The settings.
@@ -392,13 +552,17 @@ impl PagedKvCache {
         if l.lent.is_some() {
             return Err(lent_error(layer));
         }
-        let Some(pool) = &l.pool else { return Ok(None) };
-        if l.len == 0 {
-            let s = pool.shape();
+        let Some(shape) = l.shape() else {
+            return Ok(None);
+        };
+        if l.held() == 0 {
+            let s = shape;
             let empty = mlx::ops::zeros(&[1, s.kv_heads as i32, 0, s.head_dim as i32], s.dtype)?;
             return Ok(Some((empty.clone(), empty)));
         }
-        let seq = pool.read(&l.table, l.len)?;
+        let Some(seq) = l.read()? else {
+            return Ok(None);
+        };
         let per = self.config.format.parts();
         let k = self.config.format.decode(&seq[..per])?;
         let v = self.config.format.decode(&seq[per..])?;
@@ -433,9 +597,16 @@ impl PagedKvCache {
         let bs = self.config.block_size;
         let mut trimmed = 0;
         for l in &mut self.layers {
-            let n = tokens.min(l.len);
-            l.len -= n;
+            let n = tokens.min(l.held());
             trimmed = trimmed.max(n);
+            // Past its own tokens, a layer cuts its shared prefix (a shorter view; its own
+            // pool is then empty and starts where the cut prefix ends).
+            let into_prefix = n.saturating_sub(l.len);
+            l.len -= n - into_prefix;
+            if let Some(p) = l.prefix.as_ref().filter(|_| into_prefix > 0) {
+                let left = p.len - into_prefix;
+                l.prefix = (left > 0).then(|| p.cut(left)).transpose()?;
+            }
             let keep = l.len.div_ceil(bs);
             if let Some(pool) = l.pool.as_mut() {
                 for b in l.table.drain(keep..).rev() {
@@ -443,6 +614,7 @@ impl PagedKvCache {
                 }
             }
         }
+        self.release_unused_share();
         self.published = self.published.min(self.offset() / bs);
         self.window.kept_from = self.window.kept_from.min(self.published);
         if self.offset() == 0 {
@@ -459,7 +631,7 @@ impl PagedKvCache {
         let per_block: usize = self
             .layers
             .iter()
-            .map(|l| match (&l.pool, l.lent) {
+            .map(|l| match (&l.pool, l.lent.or(l.prefix_shape())) {
                 (Some(p), _) => Some(p.block_bytes()),
                 (None, Some(s)) => Some(
                     2 * s.kv_heads
@@ -480,8 +652,8 @@ impl PagedKvCache {
         let suffixes = self.config.format.part_suffixes();
         let mut out = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
-            let Some(pool) = &l.pool else { continue };
-            for (j, p) in pool.read(&l.table, l.len)?.into_iter().enumerate() {
+            let Some(parts) = l.read()? else { continue };
+            for (j, p) in parts.into_iter().enumerate() {
                 let kv = if j < suffixes.len() { "k" } else { "v" };
                 out.push((
                     format!("layers.{i}.{kv}{}", suffixes[j % suffixes.len()]),
@@ -523,7 +695,7 @@ impl PagedKvCache {
                 tokens.len()
             )));
         }
-        if self.layers.iter().any(|l| l.len != offset) {
+        if self.layers.iter().any(|l| l.held() != offset) {
             return Err(CacheError::Publish(
                 "layers hold different token counts (a forward step is half done)".into(),
             ));
@@ -656,11 +828,7 @@ impl PagedKvCache {
                 parts.push(Vec::new());
                 continue;
             }
-            let pool = l
-                .pool
-                .as_ref()
-                .ok_or_else(|| CacheError::Publish("a layer has no pool".into()))?;
-            parts.push(pool.copy_run(&l.table[from..to], (to - from) * bs)?);
+            parts.push(copy_positions(l, from * bs, to * bs)?);
         }
         Ok(parts)
     }
@@ -740,7 +908,7 @@ impl PagedKvCache {
         let bs = self.config.block_size;
         let layers = self.layers.len();
         let offset = self.offset();
-        if !offset.is_multiple_of(bs) || self.layers.iter().any(|l| l.len != offset) {
+        if !offset.is_multiple_of(bs) || self.layers.iter().any(|l| l.held() != offset) {
             return Err(CacheError::Restore {
                 position: offset / bs,
                 reason: format!("the cache holds {offset} tokens, not whole blocks of {bs}"),
@@ -752,7 +920,7 @@ impl PagedKvCache {
         let mut shape = self
             .layers
             .iter()
-            .find_map(|l| l.pool.as_ref().map(|p| p.shape()));
+            .find_map(|l| l.pool.as_ref().map(|p| p.shape()).or(l.prefix_shape()));
         // Without known windows every layer is global: trimmed blocks are then refused.
         let windows = match self.window.windows.is_empty() {
             true => vec![None; layers],
@@ -911,7 +1079,7 @@ impl PagedKvCache {
                     append_parts(pool, &mut layer.table, layer.len, bs, k, v)?;
                 }
             }
-            layer.len = offset + valid * bs;
+            layer.len += valid * bs;
         }
         if let Some(states) = states {
             self.states.restore(offset + valid * bs, states)?;
@@ -936,10 +1104,7 @@ impl PagedKvCache {
 
     /// The float dtype keys are fetched in, once known.
     pub fn dtype(&self) -> Option<Dtype> {
-        self.layers
-            .iter()
-            .find_map(|l| l.pool.as_ref().map(|p| p.shape()).or(l.lent))
-            .map(|s| s.dtype)
+        self.layers.iter().find_map(Layer::shape).map(|s| s.dtype)
     }
 
     /// Device bytes the cache holds: its pools' arenas (capacity, not just the tokens
@@ -980,6 +1145,10 @@ impl PagedKvCache {
         };
         l.lent = Some(pool.shape());
         l.table.clear();
+        // The arena's copy holds the shared prefix too: the layer no longer reads it.
+        l.len = l.held();
+        l.prefix = None;
+        self.release_unused_share();
         Ok(())
     }
 
@@ -1062,7 +1231,7 @@ impl KvCache for PagedKvCache {
     }
 
     fn layer_offset(&self, layer: usize) -> usize {
-        self.layers.get(layer).map_or(0, |l| l.len)
+        self.layers.get(layer).map_or(0, Layer::held)
     }
 
     fn update_and_fetch(
@@ -1074,6 +1243,45 @@ impl KvCache for PagedKvCache {
         self.append(layer, keys, values)?;
         self.fetch(layer)?
             .ok_or_else(|| CacheError::Config(format!("layer {layer} has no pool after an append")))
+    }
+
+    fn update_and_attend(
+        &mut self,
+        layer: usize,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+        mask: AttentionMask<'_>,
+    ) -> Result<Array, CacheError> {
+        let shared = self.layers.get(layer).is_some_and(|l| l.prefix.is_some());
+        if !shared || matches!(mask, AttentionMask::Array(_)) {
+            return crate::fetch_and_attend(self, layer, queries, keys, values, scale, mask);
+        }
+        // The shared prefix and the layer's own tokens are two parts of one softmax: the
+        // prefix is read through its views, never copied (docs/cache.md, "Shared prefixes").
+        self.append(layer, keys, values)?;
+        let l = &self.layers[layer];
+        let (Some(prefix), Some(pool)) = (&l.prefix, &l.pool) else {
+            return Err(CacheError::Config(format!(
+                "layer {layer} has no pool after an append"
+            )));
+        };
+        let format = self.config.format;
+        let per = format.parts();
+        let own = pool.read(&l.table, l.len)?;
+        let (pk, pv) = (
+            format.decode(&prefix.parts[..per])?,
+            format.decode(&prefix.parts[per..])?,
+        );
+        let (ok, ov) = (format.decode(&own[..per])?, format.decode(&own[per..])?);
+        let causal = matches!(mask, AttentionMask::Causal);
+        Ok(mlx::fast::attention_over_parts(
+            queries,
+            &[(&pk, &pv), (&ok, &ov)],
+            scale,
+            causal,
+        )?)
     }
 
     fn trim(&mut self, tokens: usize) -> Result<usize, CacheError> {

@@ -330,17 +330,28 @@ impl BlockPool {
     /// fresh buffers (a gather), so later writes to the pool cannot reach them and the
     /// arenas stay free to be updated in place.
     pub fn copy_run(&self, table: &[u32], len: usize) -> Result<Vec<Array>, CacheError> {
+        self.copy_range(table, 0, len)
+    }
+
+    /// Tokens `start..end` of the blocks `table` (in order), as [`Self::copy_run`] gives
+    /// them: `[1, H, end − start, width]` per part, in fresh buffers.
+    pub fn copy_range(
+        &self,
+        table: &[u32],
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<Array>, CacheError> {
         let bs = self.shape.block_size;
-        if len > table.len() * bs {
+        if end > table.len() * bs || start > end {
             return Err(CacheError::Shape(format!(
-                "{len} tokens copied from {} blocks of {bs}",
+                "tokens {start}..{end} copied from {} blocks of {bs}",
                 table.len()
             )));
         }
-        let idx: Vec<u32> = (0..len)
+        let idx: Vec<u32> = (start..end)
             .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
             .collect();
-        let idx = Array::from_slice(&idx, &[len as i32])?;
+        let idx = Array::from_slice(&idx, &[(end - start) as i32])?;
         self.arenas
             .iter()
             .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))

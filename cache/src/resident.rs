@@ -11,6 +11,15 @@
 //! arena once on the device (copy on write), so the resident sequence is never altered.
 //! Matches are token-granular: the partial last block is reused too.
 //!
+//! A hit of at least [`ResidentPool::set_share_min_tokens`] tokens that is not a handover
+//! is a *share* instead of a fork: the request's cache starts with views of the resident
+//! sequence's arenas as a read-only prefix ([`PagedKvCache::share_prefix`]) and writes only
+//! its own tokens, so concurrent requests that branch from one resident prefix read the
+//! same physical KV and nothing is copied at admission. An entry with live sharers is never
+//! evicted, handed over, superseded or altered; its bytes count once (resident), each
+//! sharer's own pools as live. A sharer that is parked keeps its source referenced while it
+//! is resident (a refcount tree); when the last sharer ends the entry is evictable again.
+//!
 //! Eviction is least recently used, whole sequences at a time, when resident plus live
 //! bytes exceed the budget. Every full block was exported to the host tiers when it was
 //! published, so an evicted sequence is still restorable from RAM, SSD or the remote tier.
@@ -25,7 +34,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use store::{BlockKey, NamespaceId, Pins};
 
-use crate::{CacheError, Chain, KvCache, PagedKvCache};
+use crate::{CacheError, Chain, KvCache, PagedKvCache, ShareHandle};
 
 /// A resident sequence.
 #[derive(Debug)]
@@ -35,6 +44,8 @@ struct Entry {
     cache: PagedKvCache,
     bytes: u64,
     used: u64,
+    /// Counts the caches that share a prefix of this one (its live sharers).
+    handle: ShareHandle,
 }
 
 /// What [`ResidentPool::take`] found.
@@ -47,6 +58,9 @@ pub struct ResidentHit {
     /// Whether the resident sequence's arenas were handed over (no copy) rather than
     /// shared copy-on-write with a sequence that stays resident.
     pub handed_over: bool,
+    /// Whether the cache reads the resident sequence's arenas as a shared prefix (no copy,
+    /// now or at its first write) rather than holding a copy-on-write clone.
+    pub shared: bool,
 }
 
 /// Counters and gauges of the device tier.
@@ -68,6 +82,8 @@ pub struct ResidentStats {
     pub handovers: u64,
     /// Hits served by a copy-on-write fork.
     pub forks: u64,
+    /// Hits served by a shared prefix (no copy).
+    pub shares: u64,
     /// Prompt tokens served from the device tier.
     pub hit_tokens: u64,
     /// Sequences evicted to make room.
@@ -90,7 +106,27 @@ pub struct ResidentPool {
     stats: ResidentStats,
     /// Keys whose sequences eviction spares.
     pins: Arc<Pins>,
+    /// The fewest matched tokens a hit shares rather than forks.
+    share_min_tokens: usize,
 }
+
+/// What [`ResidentPool::share_counts`] reports of one resident sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShareCount {
+    /// The entry's id (as [`PagedKvCache::shared_prefix`] names it).
+    pub entry: u64,
+    /// Caches alive that read a prefix of it (live requests and parked sequences).
+    pub sharers: usize,
+    /// The entry whose prefix this one's cache reads, if it is itself a sharer.
+    pub source: Option<u64>,
+}
+
+/// The default of [`ResidentPool::set_share_min_tokens`]: never share (opt-in). On cpu-vm
+/// a shared prefix makes a decode step's attention 1.7-2.2x a fork's at 1K-16K tokens
+/// while saving a copy worth only 5-20 such steps (docs/benchmarks.md, "Shared
+/// prefixes"): it pays in device memory (one copy of the prefix for all sharers), not in
+/// time, so sharing is for callers that need the memory.
+pub const DEFAULT_SHARE_MIN_TOKENS: usize = usize::MAX;
 
 /// A hit on all but at most 1/`HANDOVER_TAIL` of a resident sequence takes it over
 /// (trimmed, no copy) instead of forking it (a device copy of every layer's arena).
@@ -113,7 +149,37 @@ impl ResidentPool {
             clock: 0,
             stats: ResidentStats::default(),
             pins: Arc::new(Pins::new()),
+            share_min_tokens: DEFAULT_SHARE_MIN_TOKENS,
         }
+    }
+
+    /// Sets the fewest matched tokens a hit that is not a handover shares (the request's
+    /// cache reads the resident arenas as a prefix) rather than forks (copy on write);
+    /// `usize::MAX` never shares.
+    pub fn set_share_min_tokens(&mut self, tokens: usize) {
+        self.share_min_tokens = tokens.max(1);
+    }
+
+    /// Live sharers of resident entry `entry` (`None` when it is not resident).
+    pub fn sharers(&self, entry: u64) -> Option<usize> {
+        self.entries.get(&entry).map(|e| e.handle.others())
+    }
+
+    /// Every resident sequence's sharers and source (in no particular order).
+    pub fn share_counts(&self) -> Vec<ShareCount> {
+        self.entries
+            .iter()
+            .map(|(id, e)| ShareCount {
+                entry: *id,
+                sharers: e.handle.others(),
+                source: e.cache.shared_prefix().map(|(s, _)| s),
+            })
+            .collect()
+    }
+
+    /// Device bytes of resident entry `entry` (counted once, however many share it).
+    pub fn entry_bytes(&self, entry: u64) -> Option<u64> {
+        self.entries.get(&entry).map(|e| e.bytes)
     }
 
     /// Sets the pins eviction spares (the block store's, so one pin covers every tier).
@@ -186,8 +252,11 @@ impl ResidentPool {
         self.clock += 1;
         self.stats.hits += 1;
         self.stats.hit_tokens += m as u64;
-        let len = self.entries.get(&id).map_or(0, |e| e.tokens.len());
-        if (len - m) * HANDOVER_TAIL <= len {
+        let (len, sharers) = self
+            .entries
+            .get(&id)
+            .map_or((0, 0), |e| (e.tokens.len(), e.handle.others()));
+        if sharers == 0 && (len - m) * HANDOVER_TAIL <= len {
             // The prompt takes (nearly) all of it: hand the arenas over, trimmed in place.
             // The tail dropped is mostly the previous reply the client did not send back
             // (a scripted or edited turn, stripped reasoning); its full blocks stay in the
@@ -201,12 +270,23 @@ impl ResidentPool {
                 cache: e.cache,
                 tokens: m,
                 handed_over: true,
+                shared: false,
             }));
         }
         let e = self.entries.get_mut(&id).ok_or_else(|| {
             CacheError::Config("a resident sequence vanished during a lookup".into())
         })?;
         e.used = self.clock;
+        if m >= self.share_min_tokens && e.cache.can_share() {
+            let cache = PagedKvCache::share_prefix(&e.cache, m, e.handle.clone())?;
+            self.stats.shares += 1;
+            return Ok(Some(ResidentHit {
+                cache,
+                tokens: m,
+                handed_over: false,
+                shared: true,
+            }));
+        }
         let mut cache = e.cache.clone();
         cache.trim(e.tokens.len() - m)?;
         self.stats.forks += 1;
@@ -214,6 +294,7 @@ impl ResidentPool {
             cache,
             tokens: m,
             handed_over: false,
+            shared: false,
         }))
     }
 
@@ -262,7 +343,8 @@ impl ResidentPool {
     /// the keys of its full blocks) and its cache. Resident sequences of the namespace that
     /// it extends are dropped (it holds everything they did). Then the least recently used
     /// sequences are evicted until resident and live bytes fit the budget; returns how many
-    /// were evicted (the new one among them if it alone does not fit).
+    /// were evicted (the new one among them if it alone does not fit). Sequences with live
+    /// sharers are neither superseded nor evicted.
     pub fn park(&mut self, mut chain: Chain, tokens: Vec<u32>, cache: PagedKvCache) -> usize {
         chain.extend(&tokens);
         chain.truncate(tokens.len() / chain.block_size());
@@ -273,7 +355,9 @@ impl ResidentPool {
         let superseded: Vec<u64> = self
             .entries
             .iter()
-            .filter(|(_, e)| e.chain.namespace() == ns && tokens.starts_with(&e.tokens))
+            .filter(|(_, e)| {
+                e.chain.namespace() == ns && tokens.starts_with(&e.tokens) && e.handle.others() == 0
+            })
             .map(|(id, _)| *id)
             .collect();
         for id in superseded {
@@ -295,19 +379,21 @@ impl ResidentPool {
                 cache,
                 bytes,
                 used: self.clock,
+                handle: ShareHandle::new(id),
             },
         );
         self.evict_to(self.budget, Some(id))
     }
 
     /// Reserves `bytes` for a live sequence, evicting resident sequences (least recently
-    /// used first) to make room. Returns whether the live reservations fit the budget (the
-    /// caller's admission decides what to do when they do not; the bytes are reserved
-    /// either way, and [`Self::release`] returns them).
+    /// used first) to make room. Returns whether resident and live bytes fit the budget
+    /// now (only sequences with live sharers can keep them from fitting once every other
+    /// one is evicted; the caller's admission decides what to do when they do not; the
+    /// bytes are reserved either way, and [`Self::release`] returns them).
     pub fn reserve(&mut self, bytes: u64) -> bool {
         self.live = self.live.saturating_add(bytes);
         self.evict_to(self.budget, None);
-        self.live <= self.budget
+        self.resident + self.live <= self.budget
     }
 
     /// Returns a reservation made by [`Self::reserve`].
@@ -318,12 +404,14 @@ impl ResidentPool {
     /// Evicts least recently used sequences until resident and live bytes fit `budget`,
     /// unpinned ones first. Then, after a park (`parked`: the new sequence) the new one
     /// goes rather than a pinned one; for a live reservation (`None`) pinned ones go too.
+    /// A sequence with live sharers never goes (evicting a sharer may free its source).
     fn evict_to(&mut self, budget: u64, parked: Option<u64>) -> usize {
         let mut evicted = 0;
         while self.resident + self.live > budget {
             let lru = |pinned_too: bool| {
                 self.entries
                     .iter()
+                    .filter(|(_, e)| e.handle.others() == 0)
                     .filter(|(_, e)| pinned_too || !self.is_pinned(e))
                     .min_by_key(|(_, e)| e.used)
                     .map(|(id, _)| *id)

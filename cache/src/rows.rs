@@ -380,6 +380,12 @@ impl PagedKvRows {
         );
         let mut out = Vec::with_capacity(n);
         for (((row, k), v), q) in self.rows.iter_mut().zip(&ks).zip(&vs).zip(&qs) {
+            if window.is_none() {
+                // A row with a shared prefix attends over it and its own KV as two parts.
+                let none = mlx::fast::AttentionMask::None;
+                out.push(row.update_and_attend(layer, q, k, v, scale, none)?);
+                continue;
+            }
             let (mut rk, mut rv) = row.update_and_fetch(layer, k, v)?;
             let t = rk.shape()[2];
             if let Some(w) = window.filter(|&w| (w as i32) < t) {

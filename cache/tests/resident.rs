@@ -1,12 +1,16 @@
 //! The device tier ([`ResidentPool`]) against a simple model: random admit / extend / fork /
 //! finish / evict / restore sequences, with every token's keys and values a known function
 //! of its id and position, so any block served from the wrong place, freed while in use or
-//! overwritten by another sequence shows up as a wrong byte.
+//! overwritten by another sequence shows up as a wrong byte. Admissions may share a
+//! resident prefix (the cache reads the entry's arenas) instead of forking it: a referenced
+//! entry must never be freed or overwritten, and its count of sharers must always equal the
+//! caches that read it.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use cache::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool};
+use mlx::fast::AttentionMask;
 use mlx::Array;
 use proptest::prelude::*;
 use store::{Block, BlockKey, NamespaceId};
@@ -78,6 +82,8 @@ enum Op {
         base: usize,
         keep: usize,
         fresh: Vec<u32>,
+        /// Whether a device hit that is not a handover shares the prefix (else it forks).
+        share: bool,
     },
     /// A live request generates `n` tokens and finishes (publish + park).
     Finish { which: usize, n: usize },
@@ -87,8 +93,8 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0usize..8, 0usize..40, prop::collection::vec(0u32..3, 1..12))
-            .prop_map(|(base, keep, fresh)| Op::Admit { base, keep, fresh }),
+        3 => (0usize..8, 0usize..40, prop::collection::vec(0u32..3, 1..12), any::<bool>())
+            .prop_map(|(base, keep, fresh, share)| Op::Admit { base, keep, fresh, share }),
         3 => (0usize..4, 0usize..9).prop_map(|(which, n)| Op::Finish { which, n }),
         1 => (0usize..4).prop_map(|which| Op::Drop { which }),
     ]
@@ -111,7 +117,13 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
     let mut live: Vec<Live> = Vec::new();
     for op in ops {
         match op {
-            Op::Admit { base, keep, fresh } => {
+            Op::Admit {
+                base,
+                keep,
+                fresh,
+                share,
+            } => {
+                pool.set_share_min_tokens(if share { 1 } else { usize::MAX });
                 let base = &known[base % known.len()];
                 let mut prompt = base[..keep.min(base.len())].to_vec();
                 prompt.extend(fresh);
@@ -134,6 +146,11 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
                 let (mut cache, got) = match hit {
                     Some(h) => {
                         assert_eq!(h.tokens, best, "match length");
+                        if h.shared {
+                            let (entry, tokens) = h.cache.shared_prefix().unwrap();
+                            assert_eq!(tokens, h.tokens, "shared prefix length");
+                            assert!(pool.sharers(entry).unwrap() >= 1, "an unreferenced share");
+                        }
                         if h.handed_over {
                             // Handed over: all but at most a quarter of a sequence matched.
                             assert!(resident.iter().any(
@@ -163,8 +180,16 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
                 let held = cache.offset();
                 assert_holds(&cache, &prompt[..held]);
                 append(&mut cache, &prompt[held..], held);
-                let reserve = (prompt.len() + 8).div_ceil(BS) as u64 * block_bytes;
-                pool.reserve(reserve);
+                // A sharer's own pools hold what follows the prefix (one block more where
+                // the prefix ends inside a block); the prefix is the entry's, counted once.
+                let shared = cache.shared_prefix().map_or(0, |(_, m)| m);
+                let own_blocks = (prompt.len() + 8 - shared).div_ceil(BS) + usize::from(shared > 0);
+                let reserve = own_blocks as u64 * block_bytes;
+                if !pool.reserve(reserve) {
+                    // Admission refused: it does not fit beside what the pool must keep.
+                    pool.release(reserve);
+                    continue;
+                }
                 live.push(Live {
                     tokens: prompt,
                     chain,
@@ -198,9 +223,10 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
         }
         let s = pool.stats();
         assert!(
-            s.sequences == 0 || s.resident_bytes + s.live_bytes <= s.budget_bytes,
+            s.resident_bytes + s.live_bytes <= s.budget_bytes,
             "over budget: {s:?}"
         );
+        assert_share_counts(&pool, live.iter().map(|l| &l.cache));
         // Live sequences were never altered by anything the pool did.
         for l in &live {
             assert_holds(&l.cache, &l.tokens);
@@ -210,6 +236,19 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
         pool.release(l.reserve);
     }
     assert_eq!(pool.stats().live_bytes, 0, "reservations leaked");
+    // Only parked sharers still reference entries; evicting everything brings every count
+    // back to zero (a source goes once its parked sharers went).
+    assert_share_counts(&pool, std::iter::empty());
+    let kept = pool.stats().sequences;
+    let probe_pool = pool.stats().budget_bytes;
+    if kept > 0 {
+        assert!(
+            pool.reserve(probe_pool),
+            "all but shared sequences are evictable"
+        );
+        assert_eq!(pool.stats().sequences, 0, "a sequence outlived its sharers");
+        pool.release(probe_pool);
+    }
     // Every sequence still resident holds exactly its tokens: handing over the last one
     // returns it intact.
     let resident: Vec<Vec<u32>> = pool.sequences(ns).iter().map(|s| s.to_vec()).collect();
@@ -224,6 +263,37 @@ fn run(ops: Vec<Op>, budget_blocks: u64) {
             assert_holds(&h.cache, &probe[..h.tokens]);
         }
     }
+}
+
+/// Every resident entry's count of sharers equals the caches that read it: the `live`
+/// ones and the resident sequences whose cache is a sharer; a live cache's source is
+/// resident.
+fn assert_share_counts<'a>(pool: &ResidentPool, live: impl Iterator<Item = &'a PagedKvCache>) {
+    let mut want: HashMap<u64, usize> = HashMap::new();
+    for c in live {
+        if let Some((entry, _)) = c.shared_prefix() {
+            assert!(
+                pool.sharers(entry).is_some(),
+                "a referenced entry was freed"
+            );
+            *want.entry(entry).or_default() += 1;
+        }
+    }
+    let counts = pool.share_counts();
+    for c in &counts {
+        if let Some(source) = c.source {
+            *want.entry(source).or_default() += 1;
+        }
+    }
+    for c in &counts {
+        assert_eq!(
+            c.sharers,
+            want.remove(&c.entry).unwrap_or(0),
+            "sharers of {}",
+            c.entry
+        );
+    }
+    assert!(want.is_empty(), "sharers of entries not resident: {want:?}");
 }
 
 proptest! {
@@ -338,4 +408,122 @@ fn a_pinned_sequence_survives_eviction_until_its_pin_expires() {
     }
     assert_eq!(pool.peek(&chain, &pinned, 8), 0, "an expired pin protected");
     assert_eq!(pool.pinned_bytes(), 0);
+}
+
+/// Float keys and values of every element `x`, to read a cache's attention against.
+fn attend_reference(cache: &PagedKvCache, q: &Array) -> Vec<f32> {
+    let (k, v) = cache.fetch(0).unwrap().unwrap();
+    let o =
+        mlx::fast::mlx_scaled_dot_product_attention(q, &k, &v, 0.5, AttentionMask::Causal).unwrap();
+    o.to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn two_live_requests_share_the_physical_blocks_of_a_resident_prefix() {
+    let ns = NamespaceId([5; 32]);
+    let block_bytes = (2 * H * BS * D * 4) as u64;
+    let mut pool = ResidentPool::new(1000 * block_bytes);
+    pool.set_share_min_tokens(1);
+    let base: Vec<u32> = (0..20).map(|i| i % 3).collect();
+    let mut parked = PagedKvCache::new(1, config()).unwrap();
+    append(&mut parked, &base, 0);
+    let mut chain = Chain::of(ns, BS, &[]);
+    let published = parked.publish(&mut chain, &base).unwrap();
+    parked.pool(0).unwrap().arrays()[0].eval().unwrap();
+    let arena = parked.pool(0).unwrap().arrays()[0].data_addr().unwrap();
+    pool.park(chain, base.clone(), parked);
+    let entry_bytes = pool.stats().resident_bytes;
+    // Two prompts branch from the resident sequence after 10 tokens (inside block 2).
+    let prompts: Vec<Vec<u32>> = [7, 8]
+        .iter()
+        .map(|&t| base[..10].iter().copied().chain([t, t, 1, t, 0]).collect())
+        .collect();
+    let mut caches = Vec::new();
+    for p in &prompts {
+        let limit = p.len() - 1;
+        let hit = pool
+            .take(&Chain::of(ns, BS, &p[..limit]), p, limit)
+            .unwrap()
+            .unwrap();
+        assert_eq!((hit.tokens, hit.shared, hit.handed_over), (10, true, false));
+        caches.push(hit.cache);
+    }
+    let entry = caches[0].shared_prefix().unwrap().0;
+    assert_eq!(caches[1].shared_prefix(), Some((entry, 10)));
+    assert_eq!(pool.sharers(entry), Some(2));
+    assert_eq!(pool.stats().shares, 2);
+    // Each request computes its own tokens and attends over the prefix and them.
+    for (c, p) in caches.iter_mut().zip(&prompts) {
+        let (k, v) = kv(&p[10..], 10);
+        let q = k.mul_scalar(0.01).unwrap();
+        let got = c
+            .update_and_attend(0, &q, &k, &v, 0.5, AttentionMask::Causal)
+            .unwrap();
+        let want = attend_reference(c, &q);
+        for (g, w) in got.to_vec::<f32>().unwrap().iter().zip(&want) {
+            assert!((g - w).abs() <= 1e-4 * w.abs().max(1.0), "{g} vs {w}");
+        }
+        assert_holds(c, p);
+    }
+    // Both still read the resident arena itself: the same device buffer, never copied.
+    for c in &caches {
+        let view = &c.prefix_parts(0).unwrap()[0];
+        view.eval().unwrap();
+        assert_eq!(
+            view.data_addr().unwrap(),
+            arena,
+            "the prefix is the entry's buffer"
+        );
+        // Own bytes only: the prefix is counted once, resident.
+        assert!(c.device_bytes() < entry_bytes);
+    }
+    assert_eq!(pool.stats().resident_bytes, entry_bytes);
+    assert_eq!(pool.entry_bytes(entry), Some(entry_bytes));
+    // Shared: neither evicted by a reservation that needs its room nor handed over.
+    assert!(!pool.reserve(1000 * block_bytes));
+    assert_eq!(pool.stats().sequences, 1);
+    pool.release(1000 * block_bytes);
+    let mut whole = base.clone();
+    whole.push(9);
+    let hit = pool
+        .take(&Chain::of(ns, BS, &base), &whole, base.len())
+        .unwrap()
+        .unwrap();
+    assert_eq!((hit.tokens, hit.handed_over, hit.shared), (20, false, true));
+    assert_holds(&hit.cache, &base);
+    drop(hit);
+    // A sharer's full blocks, the one straddling the prefix's end included, publish as the
+    // blocks of its tokens: a fresh cache restored from them holds exactly those tokens.
+    let mut c = caches.pop().unwrap();
+    let p = prompts[1].clone();
+    let mut chain = Chain::of(ns, BS, &[]);
+    let blocks = c.publish(&mut chain, &p).unwrap();
+    assert_eq!(
+        blocks.len(),
+        3 - 2,
+        "blocks 0 and 1 were published by the entry"
+    );
+    let mut all: Vec<Block> = published[..2].to_vec();
+    all.extend(blocks);
+    let restored = PagedKvCache::restore(1, config(), &all).unwrap();
+    assert_eq!(restored.blocks, 3, "{:?}", restored.stopped);
+    assert_holds(&restored.cache, &p[..12]);
+    // Trimming into the prefix cuts the view; appending after it continues exactly.
+    c.trim(8).unwrap();
+    assert_eq!(c.shared_prefix(), Some((entry, 7)));
+    append(&mut c, &[2, 2, 2], 7);
+    let mut want = base[..7].to_vec();
+    want.extend([2, 2, 2]);
+    assert_holds(&c, &want);
+    // A parked sharer keeps its source referenced (and resident) while it is resident.
+    let mut chain = Chain::of(ns, BS, &[]);
+    c.publish(&mut chain, &want).unwrap();
+    pool.park(chain, want.clone(), c);
+    assert_eq!(pool.sharers(entry), Some(2));
+    drop(caches);
+    assert_eq!(pool.sharers(entry), Some(1));
+    // Evicting everything: the parked sharer goes, then its source; counts are back at 0.
+    assert!(pool.reserve(1000 * block_bytes));
+    assert_eq!(pool.stats().sequences, 0);
+    pool.release(1000 * block_bytes);
 }

@@ -453,15 +453,15 @@ impl Attention {
         // Rotate by absolute position.
         let q = rope.forward(&q, offset)?;
         let k = rope.forward(&k, offset)?;
-        // Append to the cache; attend over everything it holds. MLX's causal mask is
+        // Append to the cache; attend over everything it holds (a shared prefix and the
+        // cache's own KV as parts of one softmax, docs/cache.md). MLX's causal mask is
         // bottom-right aligned, so it is right with a cached prefix too.
-        let (keys, values) = cache.update_and_fetch(layer, &k, &v)?;
         let mask = if l > 1 {
             AttentionMask::Causal
         } else {
             AttentionMask::None
         };
-        let o = fast::scaled_dot_product_attention(&q, &keys, &values, self.scale, mask)?;
+        let o = cache.update_and_attend(layer, &q, &k, &v, self.scale, mask)?;
         self.output(&o)
     }
 

@@ -67,6 +67,11 @@ pub struct ReuseConfig {
     /// "Window layers"); `false` stores every plane of every block, in the namespace such
     /// stores had before (for comparison). Default: true.
     pub window_trim: bool,
+    /// The fewest tokens a device hit that is not a handover shares (the request reads the
+    /// resident arenas as a prefix, no copy) rather than forks (one device copy per layer
+    /// at its first write); `usize::MAX` never shares. Default:
+    /// [`cache::DEFAULT_SHARE_MIN_TOKENS`], never (docs/cache.md, "Shared prefixes").
+    pub share_min_tokens: usize,
 }
 
 impl Default for ReuseConfig {
@@ -81,6 +86,7 @@ impl Default for ReuseConfig {
             restore_always: false,
             state_every: None,
             window_trim: true,
+            share_min_tokens: cache::DEFAULT_SHARE_MIN_TOKENS,
         }
     }
 }
@@ -97,6 +103,9 @@ pub struct ReuseReport {
     /// Whether the device hit took over a resident sequence's KV as is (no copy at all)
     /// rather than sharing it copy-on-write.
     pub device_handover: bool,
+    /// Whether the device hit reads the resident sequence's KV as a shared prefix (no
+    /// copy, now or later) rather than a copy-on-write fork.
+    pub device_shared: bool,
     /// Whether the host blocks were loaded by the I/O thread while the request waited for
     /// admission (their load time is then not part of `restore_s`, unless the engine had
     /// nothing else to do and admission waited for the load: that wait is).
@@ -204,6 +213,7 @@ pub struct KvTiers {
     device: String,
     costs_saved: Mutex<Option<Instant>>,
     restore_always: bool,
+    share_min_tokens: usize,
 }
 
 const RECENT_SEQUENCES: usize = 8;
@@ -219,9 +229,10 @@ pub struct PinnedTiers {
 }
 
 /// A device tier of `bytes` whose eviction spares `store`'s pins.
-fn pinned_pool(bytes: u64, store: &Store) -> ResidentPool {
+fn pinned_pool(bytes: u64, store: &Store, share_min_tokens: usize) -> ResidentPool {
     let mut pool = ResidentPool::new(bytes);
     pool.set_pins(store.pins().clone());
+    pool.set_share_min_tokens(share_min_tokens);
     pool
 }
 
@@ -472,7 +483,7 @@ impl KvTiers {
             .costs(namespace)
             .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
-        let resident = pinned_pool(config.kv_budget_bytes, &store);
+        let resident = pinned_pool(config.kv_budget_bytes, &store, config.share_min_tokens);
         let store = Arc::new(store);
         let exporter = Exporter::start(store.clone())
             .map_err(|e| EngineError::io("kvstore-export thread", e))?;
@@ -503,6 +514,7 @@ impl KvTiers {
             device,
             costs_saved: Mutex::new(None),
             restore_always: config.restore_always,
+            share_min_tokens: config.share_min_tokens,
         })
     }
 
@@ -519,7 +531,7 @@ impl KvTiers {
     /// Sets the device budget (live and resident KV together).
     /// Resizing drops what is resident: call it at start-up, before any request.
     pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
-        *self.resident()? = pinned_pool(bytes, &self.store);
+        *self.resident()? = pinned_pool(bytes, &self.store, self.share_min_tokens);
         Ok(())
     }
 
@@ -836,6 +848,7 @@ impl KvTiers {
         let mut cache = match resident {
             Some(h) => {
                 report.device_handover = h.handed_over;
+                report.device_shared = h.shared;
                 h.cache
             }
             None => self.empty_cache()?,

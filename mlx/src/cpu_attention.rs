@@ -95,10 +95,56 @@ pub fn attend(
     causal: bool,
 ) -> Result<(), String> {
     dims.check(causal)?;
+    let part = KvPart {
+        k,
+        v,
+        len: dims.kv_len,
+    };
+    attend_parts(q, &[part], out, dims, scale, causal)
+}
+
+/// The keys and values of one part of a sequence: row-major `[batch, kv_heads, len,
+/// head_dim]` each.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPart<'a> {
+    /// Keys.
+    pub k: &'a [f32],
+    /// Values.
+    pub v: &'a [f32],
+    /// Key positions in the part.
+    pub len: usize,
+}
+
+/// [`attend`] over the union of `parts` (in order; one softmax over all their keys), with
+/// `dims.kv_len` their total length. The causal mask, when `causal`, applies to the last
+/// part only and is bottom-right aligned with it (query i sees every key of the earlier
+/// parts and keys `0 ..= i + len − q_len` of the last), so the last part must hold at
+/// least `q_len` keys. Parts of 0 keys are skipped.
+pub fn attend_parts(
+    q: &[f32],
+    parts: &[KvPart<'_>],
+    out: &mut [f32],
+    dims: Dims,
+    scale: f32,
+    causal: bool,
+) -> Result<(), String> {
+    dims.check(false)?;
+    let total: usize = parts.iter().map(|p| p.len).sum();
+    if total != dims.kv_len {
+        return Err(format!(
+            "parts hold {total} keys, {dims:?} says {}",
+            dims.kv_len
+        ));
+    }
+    let last = parts.last().map_or(0, |p| p.len);
+    if causal && last < dims.q_len {
+        return Err(format!(
+            "causal attention of {} queries needs a last part of as many keys, not {last}",
+            dims.q_len
+        ));
+    }
     for (name, len, want) in [
         ("q", q.len(), dims.q_size()),
-        ("k", k.len(), dims.kv_size()),
-        ("v", v.len(), dims.kv_size()),
         ("out", out.len(), dims.q_size()),
     ] {
         if len != want {
@@ -107,15 +153,35 @@ pub fn attend(
             ));
         }
     }
+    let per_token = dims.batch * dims.kv_heads * dims.head_dim;
+    for (i, p) in parts.iter().enumerate() {
+        for (name, len) in [("k", p.k.len()), ("v", p.v.len())] {
+            if len != p.len * per_token {
+                return Err(format!(
+                    "{name} holds {len} elements, {dims:?} needs {} (part {i} of {} keys)",
+                    p.len * per_token,
+                    p.len
+                ));
+            }
+        }
+    }
     // Keys transposed per (batch, kv head), `[B, Hkv, D, Lk]`: with them, and the queries
     // and scores kept transposed too, every panel the GEMM packs is a run of contiguous
     // elements (a packed GEMM copies its operands into panels; gathering them with a stride
     // cost as much as the products at d = 64).
-    let span = dims.kv_len * dims.head_dim;
-    let mut kt = vec![0f32; dims.kv_size()];
-    kt.par_chunks_mut(span)
-        .zip(k.par_chunks(span))
-        .for_each(|(t, src)| transpose(src, dims.kv_len, dims.head_dim, t));
+    let kts: Vec<Vec<f32>> = parts
+        .iter()
+        .map(|p| {
+            let span = p.len * dims.head_dim;
+            let mut kt = vec![0f32; p.k.len()];
+            if span > 0 {
+                kt.par_chunks_mut(span)
+                    .zip(p.k.par_chunks(span))
+                    .for_each(|(t, src)| transpose(src, p.len, dims.head_dim, t));
+            }
+            kt
+        })
+        .collect();
     let blocks = dims.q_len.div_ceil(QUERY_BLOCK);
     let units: Vec<Unit> = (0..dims.batch)
         .flat_map(|b| (0..dims.kv_heads).map(move |kvh| (b, kvh)))
@@ -133,8 +199,15 @@ pub fn attend(
         .collect();
     let inputs = Inputs {
         q,
-        kt: &kt,
-        v,
+        parts: parts
+            .iter()
+            .zip(&kts)
+            .map(|(p, kt)| PartInput {
+                kt,
+                v: p.v,
+                len: p.len,
+            })
+            .collect(),
         dims,
         scale,
         causal,
@@ -193,11 +266,16 @@ struct Scratch {
     rescale: Vec<f32>,
 }
 
-struct Inputs<'a> {
-    q: &'a [f32],
-    /// k transposed, `[B, Hkv, D, Lk]`.
+/// One part's keys (transposed, `[B, Hkv, D, len]`) and values.
+struct PartInput<'a> {
     kt: &'a [f32],
     v: &'a [f32],
+    len: usize,
+}
+
+struct Inputs<'a> {
+    q: &'a [f32],
+    parts: Vec<PartInput<'a>>,
     dims: Dims,
     scale: f32,
     causal: bool,
@@ -210,7 +288,6 @@ impl Inputs<'_> {
             q_heads,
             kv_heads,
             q_len,
-            kv_len,
             head_dim: d,
             ..
         } = self.dims;
@@ -238,57 +315,67 @@ impl Inputs<'_> {
             buf.resize(rows, init);
         }
         let mut out = vec![0f32; rows * d];
-        // Query i sees keys ..= i + shift; the unit's last query bounds the keys read.
-        let shift = kv_len - q_len.min(kv_len);
-        let keys = if self.causal {
-            (unit.start + unit.len + shift).min(kv_len)
-        } else {
-            kv_len
-        };
-        let kv_at = (unit.batch * kv_heads + unit.kv_head) * kv_len * d;
-        let (kt, v) = (
-            &self.kt[kv_at..kv_at + kv_len * d],
-            &self.v[kv_at..kv_at + kv_len * d],
-        );
         let softmax = block_kernel();
-        for first in (0..keys).step_by(KEY_BLOCK) {
-            let n = KEY_BLOCK.min(keys - first);
-            let st = &mut scratch.st[..n * rows];
-            // 2. Scores of the block, transposed: Sᵀ[n, rows] = K[first..first + n] · Qᵀ.
-            gemm(
-                (n, d, rows),
-                (&kt[first..], 1, kv_len),
-                (&scratch.qt, rows, 1),
-                0.0,
-                (st, rows, 1),
+        let last = self.parts.len().saturating_sub(1);
+        for (pi, part) in self.parts.iter().enumerate() {
+            let len = part.len;
+            if len == 0 {
+                continue;
+            }
+            // The causal mask applies to the last part: query i sees its keys ..= i + shift;
+            // the unit's last query bounds the keys read.
+            let causal = self.causal && pi == last;
+            let shift = len - q_len.min(len);
+            let keys = if causal {
+                (unit.start + unit.len + shift).min(len)
+            } else {
+                len
+            };
+            let kv_at = (unit.batch * kv_heads + unit.kv_head) * len * d;
+            let (kt, v) = (
+                &part.kt[kv_at..kv_at + len * d],
+                &part.v[kv_at..kv_at + len * d],
             );
-            // 3. The causal mask: key `first + j` is hidden from query positions below
-            //    `first + j − shift` (only blocks past the unit's first query's last key).
-            if self.causal && first + n > unit.start + shift + 1 {
-                for (j, scores) in st.chunks_exact_mut(rows).enumerate() {
-                    let hidden = (first + j).saturating_sub(shift + unit.start).min(unit.len);
-                    for g in 0..group {
-                        scores[g * unit.len..g * unit.len + hidden].fill(f32::NEG_INFINITY);
+            for first in (0..keys).step_by(KEY_BLOCK) {
+                let n = KEY_BLOCK.min(keys - first);
+                let st = &mut scratch.st[..n * rows];
+                // 2. Scores of the block, transposed: Sᵀ[n, rows] = K[first..first + n] · Qᵀ.
+                gemm(
+                    (n, d, rows),
+                    (&kt[first..], 1, len),
+                    (&scratch.qt, rows, 1),
+                    0.0,
+                    (st, rows, 1),
+                );
+                // 3. The causal mask: key `first + j` is hidden from query positions below
+                //    `first + j − shift` (only blocks past the unit's first query's last key).
+                if causal && first + n > unit.start + shift + 1 {
+                    for (j, scores) in st.chunks_exact_mut(rows).enumerate() {
+                        let hidden = (first + j).saturating_sub(shift + unit.start).min(unit.len);
+                        for g in 0..group {
+                            scores[g * unit.len..g * unit.len + hidden].fill(f32::NEG_INFINITY);
+                        }
                     }
                 }
-            }
-            // 4. Online softmax, vectorized across the rows.
-            softmax(st, &mut scratch.max, &mut scratch.sum, &mut scratch.rescale);
-            for (o, &f) in out.chunks_exact_mut(d).zip(&scratch.rescale) {
-                if f != 1.0 {
-                    o.iter_mut().for_each(|x| *x *= f);
+                // 4. Online softmax, vectorized across the rows.
+                softmax(st, &mut scratch.max, &mut scratch.sum, &mut scratch.rescale);
+                for (o, &f) in out.chunks_exact_mut(d).zip(&scratch.rescale) {
+                    if f != 1.0 {
+                        o.iter_mut().for_each(|x| *x *= f);
+                    }
                 }
+                // 5. Accumulate: O[rows, d] += P[rows, n] · V[first..first + n].
+                gemm(
+                    (rows, n, d),
+                    (st, 1, rows),
+                    (&v[first * d..(first + n) * d], d, 1),
+                    1.0,
+                    (&mut out, d, 1),
+                );
             }
-            // 5. Accumulate: O[rows, d] += P[rows, n] · V[first..first + n].
-            gemm(
-                (rows, n, d),
-                (st, 1, rows),
-                (&v[first * d..(first + n) * d], d, 1),
-                1.0,
-                (&mut out, d, 1),
-            );
         }
-        // 6. Normalize (every row saw key 0, so its sum is ≥ its largest term, 1).
+        // 6. Normalize (every row saw a key of the first non-empty part, so its sum is ≥ its
+        //    largest term, 1).
         for (o, sum) in out.chunks_exact_mut(d).zip(&scratch.sum) {
             let inv = 1.0 / sum;
             o.iter_mut().for_each(|x| *x *= inv);

@@ -196,19 +196,232 @@ fn attend_on_cpu(
     scale: f32,
     causal: bool,
 ) -> Result<Array> {
+    attend_parts_on_cpu(q, &[(k, v)], dims, scale, causal)
+}
+
+/// Evaluates q and every part's k and v as row-major buffers and runs the fused CPU
+/// attention over the union of the parts (`dims.kv_len` keys in all).
+fn attend_parts_on_cpu(
+    q: &Array,
+    parts: &[(&Array, &Array)],
+    dims: Dims,
+    scale: f32,
+    causal: bool,
+) -> Result<Array> {
     const OP: &str = "scaled_dot_product_attention";
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    crate::eval(&[&q, &k, &v])?;
-    let (qb, kb, vb) = (
-        host_f32(&q, dims.q_size())?,
-        host_f32(&k, dims.kv_size())?,
-        host_f32(&v, dims.kv_size())?,
-    );
+    let q = q.contiguous()?;
+    let kv: Vec<(Array, Array)> = parts
+        .iter()
+        .map(|(k, v)| Ok((k.contiguous()?, v.contiguous()?)))
+        .collect::<Result<_>>()?;
+    let mut all: Vec<&Array> = vec![&q];
+    all.extend(kv.iter().flat_map(|(k, v)| [k, v]));
+    crate::eval(&all)?;
+    let qb = host_f32(&q, dims.q_size())?;
+    let per_token = dims.batch * dims.kv_heads * dims.head_dim;
+    let mut host_parts = Vec::with_capacity(kv.len());
+    for (k, v) in &kv {
+        let len = k.shape().get(2).copied().unwrap_or(0) as usize;
+        host_parts.push(cpu_attention::KvPart {
+            k: host_f32(k, len * per_token)?,
+            v: host_f32(v, len * per_token)?,
+            len,
+        });
+    }
     let mut out = vec![0f32; dims.q_size()];
-    cpu_attention::attend(qb, kb, vb, &mut out, dims, scale, causal)
+    cpu_attention::attend_parts(qb, &host_parts, &mut out, dims, scale, causal)
         .map_err(|message| Error::InvalidArgument { op: OP, message })?;
     let shape = [dims.batch, dims.q_heads, dims.q_len, dims.head_dim].map(|x| x as i32);
     Array::from_slice(&out, &shape)
+}
+
+/// Scores of one log-sum-exp slice stay below this many bytes (f32 `[B, Hq, rows, Lk]`).
+const LSE_SLICE_BYTES: usize = 64 << 20;
+
+/// Exact `softmax(q kᵀ · scale + mask) v` over the union of the key/value `parts` (each
+/// `[B, Hkv, L_i, D]`, in sequence order), without concatenating them: the attention of a
+/// sequence whose KV lives in several arrays (a shared prefix and a cache's own blocks).
+/// With `causal_last` the causal mask applies to the last part only, bottom-right aligned
+/// with it (its keys must number at least q's length); every query sees all keys of the
+/// earlier parts. Parts of 0 keys are skipped. The output is shaped and typed like q.
+///
+/// On the CPU, f32 with more than one query runs the fused CPU attention over the parts'
+/// blocks in turn ([`crate::cpu_attention::attend_parts`]). Elsewhere each part goes
+/// through [`scaled_dot_product_attention`] with its log-sum-exp (`q·kᵀ·scale`, then
+/// `logsumexp` over keys, in query slices of at most 64 MiB of scores), merged as
+/// `o = Σ o_i · exp(lse_i − lse)`.
+pub fn attention_over_parts(
+    q: &Array,
+    parts: &[(&Array, &Array)],
+    scale: f32,
+    causal_last: bool,
+) -> Result<Array> {
+    const OP: &str = "attention_over_parts";
+    let bad = |message: String| Error::InvalidArgument { op: OP, message };
+    let qs = q.shape();
+    if qs.len() != 4 {
+        return Err(bad(format!("q must be [B, Hq, L, D], got {qs:?}")));
+    }
+    for (i, (k, v)) in parts.iter().enumerate() {
+        let (ks, vs) = (k.shape(), v.shape());
+        if ks.len() != 4
+            || vs.len() != 4
+            || ks[..3] != vs[..3]
+            || ks[0] != qs[0]
+            || ks[3] != qs[3]
+            || ks[1] == 0
+            || qs[1] % ks[1] != 0
+            || ks[1] != parts[0].0.shape()[1]
+        {
+            return Err(bad(format!(
+                "part {i}: keys {ks:?} and values {vs:?} do not fit queries {qs:?}"
+            )));
+        }
+    }
+    let last_len = parts.last().map_or(0, |(k, _)| k.shape()[2]);
+    if causal_last && last_len < qs[2] {
+        return Err(bad(format!(
+            "causal attention of {} queries needs a last part of as many keys, not {last_len}",
+            qs[2]
+        )));
+    }
+    let last = parts.len().saturating_sub(1);
+    let live: Vec<(usize, &Array, &Array)> = parts
+        .iter()
+        .enumerate()
+        .filter(|(_, (k, _))| k.shape()[2] > 0)
+        .map(|(i, (k, v))| (i, *k, *v))
+        .collect();
+    let mask_of = |i: usize| match causal_last && i == last {
+        true => AttentionMask::Causal,
+        false => AttentionMask::None,
+    };
+    match live.as_slice() {
+        [] => return Err(bad("no part holds a key".into())),
+        [(i, k, v)] => return scaled_dot_product_attention(q, k, v, scale, mask_of(*i)),
+        _ => {}
+    }
+    let pairs: Vec<(&Array, &Array)> = live.iter().map(|(_, k, v)| (*k, *v)).collect();
+    if let Some(dims) = cpu_parts_case(q, &pairs)? {
+        return attend_parts_on_cpu(q, &pairs, dims, scale, causal_last);
+    }
+    let mut outs = Vec::with_capacity(live.len());
+    let mut lses = Vec::with_capacity(live.len());
+    for (i, k, v) in &live {
+        let causal = matches!(mask_of(*i), AttentionMask::Causal);
+        outs.push(scaled_dot_product_attention(q, k, v, scale, mask_of(*i))?.astype(Dtype::F32)?);
+        lses.push(log_sum_exp(q, k, scale, causal, LSE_SLICE_BYTES)?);
+    }
+    // lse = m + log Σ exp(lse_i − m), m the largest; o = Σ o_i · exp(lse_i − lse).
+    let mut m = lses[0].clone();
+    for l in &lses[1..] {
+        m = m.maximum(l)?;
+    }
+    let mut total: Option<Array> = None;
+    for l in &lses {
+        let e = l.sub(&m)?.exp()?;
+        total = Some(match total {
+            Some(t) => t.add(&e)?,
+            None => e,
+        });
+    }
+    let Some(total) = total else {
+        return Err(bad("no part holds a key".into()));
+    };
+    let lse = m.add(&total.log()?)?;
+    let mut o: Option<Array> = None;
+    for (oi, l) in outs.iter().zip(&lses) {
+        let w = oi.mul(&l.sub(&lse)?.exp()?)?;
+        o = Some(match o {
+            Some(acc) => acc.add(&w)?,
+            None => w,
+        });
+    }
+    let o = o.ok_or_else(|| bad("no part holds a key".into()))?;
+    o.astype(q.dtype())
+}
+
+/// `log Σ_j exp(q·k_jᵀ · scale)` over the keys each query sees (all of them, or with
+/// `causal` those up to its bottom-right aligned position), f32 `[B, Hq, Lq, 1]`. Computed
+/// in query slices so that no slice's scores exceed `slice_bytes` (at least one query per
+/// slice).
+fn log_sum_exp(
+    q: &Array,
+    k: &Array,
+    scale: f32,
+    causal: bool,
+    slice_bytes: usize,
+) -> Result<Array> {
+    let (qs, ks) = (q.shape(), k.shape());
+    let (b, hq, lq, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let (hkv, lk) = (ks[1], ks[2]);
+    let group = hq / hkv;
+    // q heads h·G .. (h+1)·G read kv head h: [B, Hkv, G, Lq, D] against [B, Hkv, 1, D, Lk].
+    let q = q
+        .astype(Dtype::F32)?
+        .reshape(&[b, hkv, group, lq, d])?
+        .mul_scalar(scale as f64)?;
+    let kt = k
+        .astype(Dtype::F32)?
+        .transpose(&[0, 1, 3, 2])?
+        .expand_dims(2)?;
+    let row_bytes = (b * hq) as usize * lk as usize * 4;
+    let rows = (slice_bytes / row_bytes.max(1)).clamp(1, lq.max(1) as usize) as i32;
+    let shift = (lk - lq) as f64;
+    let mut slices = Vec::new();
+    let mut start = 0;
+    while start < lq {
+        let end = (start + rows).min(lq);
+        let qslice = q.slice(&[0, 0, 0, start, 0], &[b, hkv, group, end, d])?;
+        let mut scores = qslice.matmul(&kt)?;
+        if causal {
+            let qi = crate::ops::arange(start as f64 + shift, end as f64 + shift, 1.0, Dtype::F32)?
+                .reshape(&[end - start, 1])?;
+            let kj = crate::ops::arange(0.0, lk as f64, 1.0, Dtype::F32)?.reshape(&[1, lk])?;
+            let zero = crate::ops::zeros(&[1], Dtype::F32)?;
+            let hidden = crate::ops::full(&[1], f64::NEG_INFINITY, Dtype::F32)?;
+            let mask = crate::ops::where_(&kj.le(&qi)?, &zero, &hidden)?;
+            scores = scores.add(&mask)?;
+        }
+        slices.push(scores.logsumexp(-1, true)?);
+        start = end;
+    }
+    let refs: Vec<&Array> = slices.iter().collect();
+    let lse = match refs.as_slice() {
+        [one] => (*one).clone(),
+        _ => crate::ops::concatenate(&refs, 3)?,
+    };
+    lse.reshape(&[b, hq, lq, 1])
+}
+
+/// The shape of an [`attention_over_parts`] call the fused CPU attention handles (f32 on
+/// the CPU, more than one query, switched on), or `None`.
+fn cpu_parts_case(q: &Array, parts: &[(&Array, &Array)]) -> Result<Option<Dims>> {
+    if !cpu_attention() || crate::default_device()? != Device::Cpu {
+        return Ok(None);
+    }
+    if q.dtype() != Dtype::F32
+        || parts
+            .iter()
+            .any(|(k, v)| k.dtype() != Dtype::F32 || v.dtype() != Dtype::F32)
+    {
+        return Ok(None);
+    }
+    let qs = q.shape();
+    let ks = parts[0].0.shape();
+    let dims = Dims {
+        batch: qs[0] as usize,
+        q_heads: qs[1] as usize,
+        kv_heads: ks[1] as usize,
+        q_len: qs[2] as usize,
+        kv_len: parts.iter().map(|(k, _)| k.shape()[2] as usize).sum(),
+        head_dim: qs[3] as usize,
+    };
+    // One query (a decode step) stays in MLX's graph, as in scaled_dot_product_attention.
+    if dims.q_len < 2 || dims.check(false).is_err() {
+        return Ok(None);
+    }
+    Ok(Some(dims))
 }
 
 /// The elements of an evaluated, row-contiguous f32 array (the output of `contiguous`
@@ -227,4 +440,31 @@ fn host_f32(a: &Array, len: usize) -> Result<&[f32]> {
     // and an evaluated array's buffer is not written again (MLX arrays are immutable; a
     // donation only happens to inputs of a later op, which needs `a` dropped or moved).
     Ok(unsafe { std::slice::from_raw_parts(addr as *const f32, len) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_sum_exp_in_query_slices_equals_one_slice() {
+        let (kq, kk) = crate::random::split(&crate::random::key(7).unwrap()).unwrap();
+        let q = crate::random::normal(&[1, 6, 37, 16], Dtype::F32, &kq).unwrap();
+        let k = crate::random::normal(&[1, 2, 45, 16], Dtype::F32, &kk).unwrap();
+        for causal in [false, true] {
+            let whole = log_sum_exp(&q, &k, 0.25, causal, usize::MAX).unwrap();
+            // One row of scores per slice, then a few: 1 × 6 × 45 × 4 bytes each.
+            for rows in [1, 5] {
+                let sliced = log_sum_exp(&q, &k, 0.25, causal, rows * 6 * 45 * 4).unwrap();
+                assert_eq!(sliced.shape(), vec![1, 6, 37, 1]);
+                let (a, b) = (
+                    whole.to_vec::<f32>().unwrap(),
+                    sliced.to_vec::<f32>().unwrap(),
+                );
+                for (x, y) in a.iter().zip(&b) {
+                    assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{x} vs {y}");
+                }
+            }
+        }
+    }
 }

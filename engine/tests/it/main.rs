@@ -16,4 +16,5 @@ mod parity;
 mod prerequisite;
 mod reasoning_reuse;
 mod server;
+mod share;
 mod templates;
