@@ -121,11 +121,8 @@ pub struct ShareCount {
     pub source: Option<u64>,
 }
 
-/// The default of [`ResidentPool::set_share_min_tokens`]: never share (opt-in). On cpu-vm
-/// a shared prefix makes a decode step's attention 1.7-2.2x a fork's at 1K-16K tokens
-/// while saving a copy worth only 5-20 such steps (docs/benchmarks.md, "Shared
-/// prefixes"): it pays in device memory (one copy of the prefix for all sharers), not in
-/// time, so sharing is for callers that need the memory.
+/// The default of [`ResidentPool::set_share_min_tokens`] for a pool made without a device
+/// in mind: never share (the engine picks per device: `engine::default_share_min_tokens`).
 pub const DEFAULT_SHARE_MIN_TOKENS: usize = usize::MAX;
 
 /// A hit on all but at most 1/`HANDOVER_TAIL` of a resident sequence takes it over

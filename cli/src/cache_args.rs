@@ -74,9 +74,26 @@ pub struct CacheArgs {
     /// fewest blocks whose K/V outweighs one snapshot.
     #[arg(long, value_name = "N|auto", default_value = "auto", value_parser = parse_state_every)]
     pub state_every: StateEvery,
+    /// A device-tier hit of at least N tokens that another request may still extend reads
+    /// the resident KV in place (shared by every request on it, no copy) instead of
+    /// copying it; `never` always copies. Default: 256 on the CPU, never on a GPU.
+    #[arg(long, value_name = "N|never", value_parser = parse_share_min_tokens)]
+    pub share_min_tokens: Option<usize>,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
+}
+
+/// Parses `--share-min-tokens`: a token count (at least 1) or `never`.
+pub fn parse_share_min_tokens(s: &str) -> std::result::Result<usize, String> {
+    if s == "never" {
+        return Ok(usize::MAX);
+    }
+    match s.parse::<usize>() {
+        Ok(0) => Err("0: a hit shares from at least 1 token (or `never`)".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?}: a number of tokens or never ({e})")),
+    }
 }
 
 /// `--state-every`: a block count, or `auto` (`None`: [`engine::auto_state_every`]).
@@ -196,6 +213,9 @@ impl CacheArgs {
             salt: self.cache_salt.clone(),
             restore_always: self.restore == RestoreChoice::Always,
             state_every: self.state_every.0,
+            share_min_tokens: self
+                .share_min_tokens
+                .unwrap_or_else(engine::default_share_min_tokens),
             ..ReuseConfig::default()
         })
     }
@@ -231,5 +251,20 @@ impl CacheArgs {
                 Some(d) => format!("opening the block store at {}", d.display()),
                 None => "opening the block store".to_string(),
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn share_min_tokens_takes_a_count_or_never_and_refuses_zero() {
+        assert_eq!(parse_share_min_tokens("300"), Ok(300));
+        assert_eq!(parse_share_min_tokens("never"), Ok(usize::MAX));
+        assert!(parse_share_min_tokens("0")
+            .unwrap_err()
+            .contains("at least 1"));
+        assert!(parse_share_min_tokens("lots").is_err());
     }
 }

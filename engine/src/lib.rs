@@ -59,8 +59,9 @@ pub use model::{
     DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
 };
 pub use reuse::{
-    auto_state_every, combined_salt, generate_with_reuse, namespace_description, HostPrefix,
-    KvTiers, PinnedTiers, Prepared, ReuseConfig, ReuseReport,
+    auto_state_every, combined_salt, default_share_min_tokens, generate_with_reuse,
+    namespace_description, HostPrefix, KvTiers, PinnedTiers, Prepared, ReuseConfig, ReuseReport,
+    SHARE_MIN_TOKENS_CPU,
 };
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{

@@ -70,8 +70,24 @@ pub struct ReuseConfig {
     /// The fewest tokens a device hit that is not a handover shares (the request reads the
     /// resident arenas as a prefix, no copy) rather than forks (one device copy per layer
     /// at its first write); `usize::MAX` never shares. Default:
-    /// [`cache::DEFAULT_SHARE_MIN_TOKENS`], never (docs/cache.md, "Shared prefixes").
+    /// [`default_share_min_tokens`] (docs/cache.md, "Shared prefixes").
     pub share_min_tokens: usize,
+}
+
+/// The fewest tokens a device hit shares on the CPU: [`SHARE_MIN_TOKENS_CPU`].
+/// On cpu-vm a decode step and a prefill chunk over a shared prefix cost what they cost
+/// over a forked copy (docs/benchmarks.md, "Shared prefixes"), and the copy is saved.
+pub const SHARE_MIN_TOKENS_CPU: usize = 256;
+
+/// [`ReuseConfig::share_min_tokens`]'s default for the device MLX computes on:
+/// [`SHARE_MIN_TOKENS_CPU`] on the CPU; never on a GPU, where sharing is not measured yet
+/// and every shared row's attention adds graph nodes to a step that is bound by the host
+/// building it (docs/benchmarks.md, "Where a serving step goes").
+pub fn default_share_min_tokens() -> usize {
+    match mlx::default_device() {
+        Ok(mlx::Device::Cpu) => SHARE_MIN_TOKENS_CPU,
+        _ => cache::DEFAULT_SHARE_MIN_TOKENS,
+    }
 }
 
 impl Default for ReuseConfig {
@@ -86,7 +102,7 @@ impl Default for ReuseConfig {
             restore_always: false,
             state_every: None,
             window_trim: true,
-            share_min_tokens: cache::DEFAULT_SHARE_MIN_TOKENS,
+            share_min_tokens: default_share_min_tokens(),
         }
     }
 }

@@ -302,6 +302,11 @@ pub fn attention_over_parts(
         _ => {}
     }
     let pairs: Vec<(&Array, &Array)> = live.iter().map(|(_, k, v)| (*k, *v)).collect();
+    if qs[2] == 1 {
+        // A decode step: its one query sees every key of every part (a causal last part
+        // included, bottom-right aligned), so one softmax over the joined scores does it.
+        return one_query_over_parts(q, &pairs, scale);
+    }
     if let Some(dims) = cpu_parts_case(q, &pairs)? {
         return attend_parts_on_cpu(q, &pairs, dims, scale, causal_last);
     }
@@ -339,6 +344,47 @@ pub fn attention_over_parts(
     }
     let o = o.ok_or_else(|| bad("no part holds a key".into()))?;
     o.astype(q.dtype())
+}
+
+/// [`attention_over_parts`] for one query per head (a decode step): the scores against
+/// every part are joined (`[B, Hkv, G, 1, Σ S]`: scores only, no key or value is copied),
+/// soft-maxed once in f32 and applied to each part's values. Exact like one attention over
+/// the concatenated KV, in fewer graph nodes than a merge by log-sum-exp and reading each
+/// part's keys once. The products run in the inputs' dtype, as MLX's unfused attention
+/// does.
+fn one_query_over_parts(q: &Array, parts: &[(&Array, &Array)], scale: f32) -> Result<Array> {
+    let qs = q.shape();
+    let (b, hq, d) = (qs[0], qs[1], qs[3]);
+    let hkv = parts[0].0.shape()[1];
+    let group = hq / hkv;
+    let dv = parts[0].1.shape()[3];
+    // The G q heads that read kv head h are G rows of one product: [B, Hkv, G, D] against
+    // [B, Hkv, D, S] (no batch broadcast, which would copy the keys G times).
+    let q = q.reshape(&[b, hkv, group, d])?.mul_scalar(scale as f64)?;
+    let mut scores = Vec::with_capacity(parts.len());
+    for (k, _) in parts {
+        scores.push(q.matmul(&k.transpose(&[0, 1, 3, 2])?)?);
+    }
+    let refs: Vec<&Array> = scores.iter().collect();
+    let p = crate::ops::concatenate(&refs, 3)?.softmax(-1, true)?;
+    let mut o: Option<Array> = None;
+    let mut start = 0;
+    for (k, v) in parts {
+        let n = k.shape()[2];
+        let oi = p
+            .slice(&[0, 0, 0, start], &[b, hkv, group, start + n])?
+            .matmul(v)?;
+        o = Some(match o {
+            Some(acc) => acc.add(&oi)?,
+            None => oi,
+        });
+        start += n;
+    }
+    let o = o.ok_or_else(|| Error::InvalidArgument {
+        op: "attention_over_parts",
+        message: "no part holds a key".into(),
+    })?;
+    o.reshape(&[b, hq, 1, dv])
 }
 
 /// `log Σ_j exp(q·k_jᵀ · scale)` over the keys each query sees (all of them, or with

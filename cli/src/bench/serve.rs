@@ -87,7 +87,7 @@ pub struct Args {
 
 /// P50 and P99 of a sample, seconds (not a number for an empty sample).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
-struct Quantiles {
+pub(crate) struct Quantiles {
     n: usize,
     p50: f64,
     p99: f64,
@@ -104,7 +104,7 @@ fn quantiles(xs: &[f64]) -> Quantiles {
 }
 
 /// Engine steps an in-process run keeps in its step log.
-const STEP_LOG: usize = 200_000;
+pub(crate) const STEP_LOG: usize = 200_000;
 
 /// One interleave arm.
 #[derive(Debug, Serialize)]
@@ -139,7 +139,7 @@ struct Sessions {
 /// The engine steps of an in-process sessions run, from the engine's step log: how many
 /// decoded only, how many also ran a prefill chunk, and where each kind's time went.
 #[derive(Debug, Serialize)]
-struct StepSummary {
+pub(crate) struct StepSummary {
     /// Steps that decoded and ran no prefill chunk.
     decode_only: usize,
     /// Steps that decoded and ran a prefill chunk.
@@ -160,7 +160,7 @@ struct StepSummary {
 }
 
 impl StepSummary {
-    fn of(steps: &[engine::StepRecord]) -> StepSummary {
+    pub(crate) fn of(steps: &[engine::StepRecord]) -> StepSummary {
         let secs = |us: u64| us as f64 * 1e-6;
         let total = |s: &engine::StepRecord| secs(s.launch_us + s.emit_us + s.prefill_us);
         let decoding: Vec<_> = steps.iter().filter(|s| !s.decoded.is_empty()).collect();
@@ -184,7 +184,7 @@ impl StepSummary {
     }
 
     /// One line: step counts and times.
-    fn summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         format!(
             "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms, read+emit {:.1} ms, prefill {:.1} ms",
             self.decode_only,
@@ -215,7 +215,7 @@ struct HttpSessions {
 
 impl Sessions {
     /// One line: sessions, wall time, throughput, TTFT and ITL.
-    fn summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         format!(
             "{} x {} turns in {:.1} s: {:.1} completion tok/s, TTFT P50 {:.3} s P99 {:.3} s, ITL P50 {:.1} ms P99 {:.1} ms",
             self.sessions,

@@ -18,6 +18,7 @@ use super::report::{self, pct, Row, Summary};
 use super::sim::{self, Policy, SimTrace};
 use super::{tokens, Args, Settings};
 use crate::bench::child_server::ChildServer;
+use crate::bench::serve::{StepSummary, STEP_LOG};
 
 /// A block id no Mooncake trace uses (ids count up from 0): the warm-up prompt's tokens.
 const WARMUP_ID: u64 = u64::MAX;
@@ -35,6 +36,8 @@ struct Ran {
     /// Lines on the tiers' counters over the run (hit shares by tier where only the
     /// server's counters know them, evictions, bytes written).
     tier_note: Option<String>,
+    /// Where the engine threads' time went (in process only).
+    steps: Option<StepSummary>,
 }
 
 /// Runs the replay and writes its report.
@@ -114,6 +117,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "overall": overall,
             "per_minute": minutes,
             "counters": ran.counters,
+            "steps": ran.steps,
             "requests": rows,
         });
         super::write_json(path, &doc)?;
@@ -213,10 +217,11 @@ fn earlier_run(path: &std::path::Path) -> Result<Earlier> {
 fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     println!("target: {}", ran.target);
     println!(
-        "{:>6} {:>5} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
+        "{:>6} {:>5} {:>6} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>9} {:>9} {:>9}",
         "minute",
         "reqs",
         "failed",
+        "unsent",
         "hit",
         "device",
         "ram",
@@ -229,9 +234,10 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     );
     let line = |label: String, m: &Summary| {
         println!(
-            "{label:>6} {:>5} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8.3}s {:>8.3}s {:>8.3}s",
+            "{label:>6} {:>5} {:>6} {:>6} {:>7} {:>7} {:>7} {:>7} {:>7} {:>7} {:>8.3}s {:>8.3}s {:>8.3}s",
             m.requests,
             m.failed,
+            m.unsent,
             pct(Some(m.hit_share)),
             pct(m.tiers.device),
             pct(m.tiers.ram),
@@ -271,6 +277,9 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     );
     if let Some(note) = &ran.tier_note {
         println!("{note}");
+    }
+    if let Some(steps) = &ran.steps {
+        println!("{}", steps.summary());
     }
     let sent = overall.requests - overall.unsent;
     println!(
@@ -322,6 +331,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
                 kv_budget_bytes: cache.kv_budget_bytes()?,
                 max_queue: s.max_concurrency.max(256),
                 context_limit: None,
+                step_log: STEP_LOG,
                 ..EngineConfig::default()
             },
         )?);
@@ -365,6 +375,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         engines.iter().map(Engine::cache_stats).collect()
     };
     let before = stats(&engines);
+    let logged_before: Vec<usize> = engines.iter().map(|e| e.step_log().len()).collect();
     let make = |i: usize| {
         let r = &s.requests[i];
         (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
@@ -373,6 +384,14 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
     let sent = dispatch::replay(times, &make, &target, s.max_concurrency, s.deadline);
     let wall_s = t0.elapsed().as_secs_f64();
     let after = stats(&engines);
+    // The replay's steps of every engine (the warm-up's come first, unless a full log
+    // lost them already).
+    let mut steps = Vec::new();
+    for (engine, before) in engines.iter().zip(logged_before) {
+        let log = engine.step_log();
+        let skip = if log.len() < STEP_LOG { before } else { 0 };
+        steps.extend_from_slice(&log[skip.min(log.len())..]);
+    }
     drop(target);
     for engine in engines {
         engine.shutdown(false).context("shutting the engine down")?;
@@ -403,6 +422,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         wall_s,
         lru_budget,
         tier_note: store_note(&before, &after, &cache.eviction.to_string()),
+        steps: Some(StepSummary::of(&steps)),
         counters: match args.engines {
             1 => json!({"store_before": before[0], "store_after": after[0]}),
             _ => json!({"store_before": before, "store_after": after}),
@@ -488,6 +508,7 @@ fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Resu
         wall_s,
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({}),
+        steps: None,
         tier_note: Some(format!(
             "mlx_lm.server counts its own tokens (it re-tokenizes the text): hit shares above \
              are of its prompt tokens, against the ideal of the trace's; re-tokenizing the \
@@ -551,6 +572,7 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         wall_s,
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({"server_metrics_delta": delta}),
+        steps: None,
         tier_note: (!tiers.is_empty()).then(|| {
             let n = |k: &str| delta.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
             format!(
