@@ -103,7 +103,32 @@ pub fn scaled_dot_product_attention(
     if let Some((dims, causal)) = cpu_attention_case(q, k, v, mask)? {
         return attend_on_cpu(q, k, v, dims, scale, causal);
     }
+    if one_query_on_cpu(q, k, mask)? {
+        return one_query_over_parts(q, &[(k, v)], scale);
+    }
     mlx_scaled_dot_product_attention(q, k, v, scale, mask)
+}
+
+/// Whether a call is a decode step on the CPU (one query per head, no mask array, the
+/// switch on) that [`one_query_over_parts`] computes in MLX's graph: scores as one product
+/// per kv head, a softmax, a product with the values. MLX's CPU kernel for it measured
+/// slower (docs/benchmarks.md, "Shared prefixes": a decode step over one part, 4K-16K keys).
+fn one_query_on_cpu(q: &Array, k: &Array, mask: AttentionMask<'_>) -> Result<bool> {
+    if matches!(mask, AttentionMask::Array(_))
+        || !cpu_attention()
+        || crate::default_device()? != Device::Cpu
+    {
+        return Ok(false);
+    }
+    let (qs, ks) = (q.shape(), k.shape());
+    Ok(qs.len() == 4
+        && ks.len() == 4
+        && qs[2] == 1
+        && ks[2] > 0
+        && ks[1] > 0
+        && qs[1] % ks[1] == 0
+        && qs[0] == ks[0]
+        && qs[3] == ks[3])
 }
 
 /// MLX's own `scaled_dot_product_attention`, never the CPU path of this crate: the
