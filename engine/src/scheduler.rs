@@ -584,6 +584,7 @@ impl Engine {
             shared: shared.clone(),
             config: config.clone(),
             paged,
+            bytes_per_token,
             rx,
             queue: VecDeque::new(),
             rows: new_rows(&config)?,
@@ -906,6 +907,8 @@ struct Worker {
     shared: Arc<Shared>,
     config: EngineConfig,
     paged: PagedConfig,
+    /// KV bytes of one token in the cache's format (what a reservation counts per token).
+    bytes_per_token: u64,
     rx: mpsc::Receiver<Command>,
     queue: VecDeque<Pending>,
     rows: PagedKvRows,
@@ -1112,8 +1115,9 @@ impl Worker {
             let (id, tx) = (p.id, p.tx.clone());
             let reserve = p.reserve;
             match self.begin(p, waited) {
-                Ok(r) => {
-                    self.reserved += reserve;
+                Ok(mut r) => {
+                    self.unreserve_shared(&mut r);
+                    self.reserved += r.p.reserve;
                     self.prefilling.push_back(r);
                 }
                 Err(e) => self.fail_prefill(id, &tx, reserve, e),
@@ -1194,6 +1198,24 @@ impl Worker {
             chain,
             report,
         })
+    }
+
+    /// One budget, the prefix counted once: a request whose cache reads a resident
+    /// sequence's KV as a shared prefix (docs/cache.md, "Shared prefixes") holds no bytes of
+    /// that prefix's whole blocks (the resident entry counts them), so its reservation,
+    /// made before the lookup for the whole prompt, gives them back.
+    fn unreserve_shared(&mut self, r: &mut Prefilling) {
+        let Some((_, tokens)) = r.cache.shared_prefix() else {
+            return;
+        };
+        let bs = self.paged.block_size.max(1);
+        let bytes = ((tokens / bs * bs) as u64 * self.bytes_per_token).min(r.p.reserve);
+        r.p.reserve -= bytes;
+        if let Some(pc) = &self.prefix {
+            if let Ok(mut pool) = pc.resident() {
+                pool.release(bytes);
+            }
+        }
     }
 
     /// Runs one chunk of the oldest prefill, or, while no row decodes, every chunk of it.

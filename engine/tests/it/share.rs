@@ -2,7 +2,7 @@
 //! device tier hands each a view of the resident arenas, docs/cache.md "Shared prefixes")
 //! and decode, batched, exactly what a cold engine decodes.
 
-use engine::{load, Engine, EngineConfig, GenerateParams, KvTiers, LoadOptions, Request};
+use engine::{load, Engine, EngineConfig, Event, GenerateParams, KvTiers, LoadOptions, Request};
 
 use crate::common::{goldens, no_eos, reuse_config};
 
@@ -40,22 +40,7 @@ fn check(name: &str) {
         let engine = Engine::open(model, tok, None, config.clone()).unwrap();
         together(&engine, &prompts, 16)
     };
-    let (model, tok) = load(&path, &LoadOptions::default()).unwrap();
-    let mut reuse = reuse_config(dir.path(), 8);
-    reuse.share_min_tokens = 1;
-    let tiers = KvTiers::open(&model, &tok, reuse).unwrap();
-    let engine = Engine::open(model, tok, Some(tiers), config).unwrap();
-    // The prefix becomes resident: a finished request is parked on the device.
-    let params = GenerateParams {
-        max_tokens: 8,
-        stop_at_eos: false,
-        ..GenerateParams::default()
-    };
-    engine
-        .submit(Request::new(base.clone(), params))
-        .unwrap()
-        .wait()
-        .unwrap();
+    let engine = sharing_engine(&path, dir.path(), config.clone(), &base);
     let before = engine.metrics();
     let warm = together(&engine, &prompts, 16);
     let after = engine.metrics();
@@ -86,6 +71,72 @@ fn check(name: &str) {
         .filter(|c| c.source == Some(source.entry))
         .count();
     assert_eq!(source.sharers, readers, "{name}: {counts:?}");
+    let dir = tempfile::tempdir().unwrap();
+    let engine = sharing_engine(&path, dir.path(), config, &base);
+    reservations_leave_out_the_shared_prefix(name, &engine, &prompts);
+}
+
+/// An engine that shares device hits from 1 token on (8-token blocks), `base` resident.
+fn sharing_engine(
+    path: &std::path::Path,
+    store: &std::path::Path,
+    config: EngineConfig,
+    base: &[u32],
+) -> Engine {
+    let (model, tok) = load(path, &LoadOptions::default()).unwrap();
+    let mut reuse = reuse_config(store, 8);
+    reuse.share_min_tokens = 1;
+    let tiers = KvTiers::open(&model, &tok, reuse).unwrap();
+    let engine = Engine::open(model, tok, Some(tiers), config).unwrap();
+    // The prefix becomes resident: a finished request is parked on the device.
+    let params = GenerateParams {
+        max_tokens: 8,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    };
+    engine
+        .submit(Request::new(base.to_vec(), params))
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine
+}
+
+/// One budget, the prefix counted once: while two requests read the resident prefix, each
+/// one's reservation leaves out the prefix's whole blocks (3 blocks of 8 of the 27 tokens).
+fn reservations_leave_out_the_shared_prefix(name: &str, engine: &Engine, prompts: &[Vec<u32>]) {
+    let params = GenerateParams {
+        max_tokens: 300,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    };
+    let mut handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine
+                .submit(Request::new(p.clone(), params.clone()))
+                .unwrap()
+        })
+        .collect();
+    for h in &mut handles {
+        match h.recv_blocking() {
+            Some(Event::Started { cached_tokens, .. }) => assert_eq!(cached_tokens, 27),
+            other => panic!("{name}: the request did not start: {other:?}"),
+        }
+    }
+    // Both are admitted and decoding (300 tokens each): their reservations are the gauge.
+    let reserved = engine.metrics().kv_reserved_bytes;
+    let each = engine.reservation(prompts[0].len(), 300) - engine.reservation(24, 0);
+    assert_eq!(
+        reserved,
+        2 * each,
+        "{name}: whole prompt and budget {} each, minus the shared blocks {}",
+        engine.reservation(prompts[0].len(), 300),
+        engine.reservation(24, 0)
+    );
+    for h in handles {
+        assert_eq!(h.wait().unwrap().tokens.len(), 300, "{name}");
+    }
 }
 
 #[test]
