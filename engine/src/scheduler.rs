@@ -13,12 +13,11 @@
 //! 4. emits each row's previous pick (text deltas held back, EOS, stop strings, limits) and
 //!    drops rows that finished, were cancelled or lost their receiver; their caches are
 //!    published to the prefix cache and freed;
-//! 5. prefills one chunk (at most `prefill_chunk` tokens: the step's prefill budget) of
-//!    the oldest prefilling request (with `fill_prefill_budget`, chunks of several, oldest
-//!    first, until the budget is used); a prompt's last chunk picks the first token and
-//!    the row joins the decode batch. So a long prompt delays running streams by one budget per step, never
-//!    by its whole prefill (as vLLM's and SGLang's chunked prefill). With no row decoding,
-//!    chunks of the request's own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
+//! 5. prefills one chunk (at most `prefill_chunk` tokens) of the oldest prefilling request;
+//!    its last chunk picks the first token and the row joins the decode batch. So a long
+//!    prompt delays running streams by one chunk per step, never by its whole prefill (as
+//!    vLLM's and SGLang's chunked prefill). With no row decoding, chunks of the request's
+//!    own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
 //!
 //! A row under a grammar ([`GenerateParams::constraint`]) does not run ahead: before step
 //! 3 queues its next pick, its previous pick is read and committed to the grammar, whose
@@ -71,13 +70,6 @@ pub struct EngineConfig {
     /// follows `KVSTORE_BATCH_ARENA` (`0` off, `1` on) when set, else off (it lost
     /// throughput serving on the H200: docs/benchmarks.md, session 8). Default: None.
     pub batch_arena: Option<bool>,
-    /// Whether a step's prefill budget (`prefill_chunk`) may run chunks of several waiting
-    /// prompts (a prompt that ends leaves the rest to the next) rather than one chunk of the
-    /// oldest: `None` follows `KVSTORE_FILL_PREFILL` (`1` on, `0` off) when set, else off.
-    /// On cpu-vm it made no difference beyond noise (docs/benchmarks.md, "Filling a step's
-    /// prefill budget"); it is meant for GPUs, where a step is bound by the host building
-    /// it, and not measured there yet. Default: None.
-    pub fill_prefill_budget: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -90,7 +82,6 @@ impl Default for EngineConfig {
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
             step_log: 0,
             batch_arena: None,
-            fill_prefill_budget: None,
         }
     }
 }
@@ -470,10 +461,8 @@ fn io_loop(prefix: Arc<KvTiers>, jobs: mpsc::Receiver<IoJob>) {
 pub struct StepRecord {
     /// Requests whose rows ran in the step's batched decode (empty: no decode).
     pub decoded: Vec<u64>,
-    /// The requests prefilled in the step, in order, and how many prompt tokens each ran:
-    /// while rows decode, together at most the engine's `prefill_chunk` (the step's
-    /// prefill budget); with none decoding, one whole prompt.
-    pub prefilled: Vec<(u64, usize)>,
+    /// The request prefilled in the step and how many prompt tokens it ran.
+    pub prefilled: Option<(u64, usize)>,
     /// Microseconds the engine thread spent queueing the batched decode step (building
     /// its graph and handing it to the device).
     pub launch_us: u64,
@@ -596,9 +585,6 @@ impl Engine {
             config: config.clone(),
             paged,
             bytes_per_token,
-            fill_prefill: config
-                .fill_prefill_budget
-                .unwrap_or_else(|| std::env::var("KVSTORE_FILL_PREFILL").is_ok_and(|v| v == "1")),
             rx,
             queue: VecDeque::new(),
             rows: new_rows(&config)?,
@@ -923,8 +909,6 @@ struct Worker {
     paged: PagedConfig,
     /// KV bytes of one token in the cache's format (what a reservation counts per token).
     bytes_per_token: u64,
-    /// [`EngineConfig::fill_prefill_budget`], resolved.
-    fill_prefill: bool,
     rx: mpsc::Receiver<Command>,
     queue: VecDeque<Pending>,
     rows: PagedKvRows,
@@ -1007,9 +991,8 @@ impl Worker {
                 row.seq.advance();
             }
             let emitted = Instant::now();
-            // 5. Prefill chunks, oldest request first, up to the step's token budget (one
-            //    whole prompt while nothing decodes).
-            record.prefilled = self.prefill_steps();
+            // 5. One chunk of the oldest prefill (back to back while nothing decodes).
+            record.prefilled = self.prefill_step();
             record.launch_us = micros(launched - t);
             record.emit_us = micros(emitted - launched);
             record.prefill_us = micros(emitted.elapsed());
@@ -1235,34 +1218,9 @@ impl Worker {
         }
     }
 
-    /// The step's prefill: while rows decode, one chunk of at most `prefill_chunk` tokens
-    /// of the oldest waiting prompt, or with [`EngineConfig::fill_prefill_budget`] chunks
-    /// of the waiting prompts, oldest first, until `prefill_chunk` tokens ran (a prompt that
-    /// finishes leaves its budget's rest to the next, as vLLM's and SGLang's token budget
-    /// per step; a rest below a quarter of the budget is not worth a forward pass of its
-    /// own); with no row decoding, the oldest prompt whole. Returns each request prefilled
-    /// and the prompt tokens it ran.
-    fn prefill_steps(&mut self) -> Vec<(u64, usize)> {
-        let mut ran = Vec::new();
-        let budget = self.config.prefill_chunk;
-        let mut left = budget;
-        while !self.prefilling.is_empty() {
-            let idle = self.active.is_empty();
-            let Some((id, n)) = self.prefill_step(if idle { usize::MAX } else { left }) else {
-                break;
-            };
-            ran.push((id, n));
-            left = left.saturating_sub(n);
-            if !self.fill_prefill || idle || n == 0 || left < budget.div_ceil(4) {
-                break;
-            }
-        }
-        ran
-    }
-
-    /// Runs one chunk of at most `most` tokens of the oldest prefill, or, while no row
-    /// decodes, every chunk of it. Returns the request and the prompt tokens computed.
-    fn prefill_step(&mut self, most: usize) -> Option<(u64, usize)> {
+    /// Runs one chunk of the oldest prefill, or, while no row decodes, every chunk of it.
+    /// Returns the request and the prompt tokens computed.
+    fn prefill_step(&mut self) -> Option<(u64, usize)> {
         let mut r = self.prefilling.pop_front()?;
         let id = r.p.id;
         let mut computed = 0;
@@ -1279,13 +1237,13 @@ impl Worker {
                     message: "fault injected by a test".into(),
                 })
             } else {
-                // While rows decode, a step prefills at most its budget's rest; with none,
-                // chunks of the request's own size (larger on a GPU, where small steps
-                // leave it waiting on launches).
+                // While rows decode, a step prefills at most the engine's chunk; with none,
+                // the request's own (larger on a GPU, where small steps leave it waiting on
+                // launches).
                 let most = if self.active.is_empty() {
                     usize::MAX
                 } else {
-                    most
+                    self.config.prefill_chunk
                 };
                 r.seq.prefill_step(&self.model, &mut r.cache, most)
             };
@@ -1444,7 +1402,7 @@ impl Worker {
     /// Keeps `record` in the step log when one is kept.
     fn log_step(&self, record: StepRecord) {
         let keep = self.config.step_log;
-        if keep == 0 || (record.decoded.is_empty() && record.prefilled.is_empty()) {
+        if keep == 0 || (record.decoded.is_empty() && record.prefilled.is_none()) {
             return;
         }
         let mut steps = match self.shared.steps.lock() {

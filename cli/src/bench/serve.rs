@@ -165,7 +165,7 @@ impl StepSummary {
         let total = |s: &engine::StepRecord| secs(s.launch_us + s.emit_us + s.prefill_us);
         let decoding: Vec<_> = steps.iter().filter(|s| !s.decoded.is_empty()).collect();
         let (mixed, alone): (Vec<&engine::StepRecord>, Vec<&engine::StepRecord>) =
-            decoding.iter().partition(|s| !s.prefilled.is_empty());
+            decoding.iter().partition(|s| s.prefilled.is_some());
         let n = decoding.len().max(1) as f64;
         let mean = |f: &dyn Fn(&engine::StepRecord) -> u64| {
             decoding.iter().map(|s| secs(f(s))).sum::<f64>() / n
@@ -745,7 +745,7 @@ mod tests {
         let step =
             |decoded: &[u64], prefilled: Option<(u64, usize)>, us: [u64; 3]| engine::StepRecord {
                 decoded: decoded.to_vec(),
-                prefilled: prefilled.into_iter().collect(),
+                prefilled,
                 launch_us: us[0],
                 emit_us: us[1],
                 prefill_us: us[2],
