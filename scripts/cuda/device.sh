@@ -22,8 +22,7 @@
 # pi: Claude Code against kvstore serve (its binary in x3 and x4); pj: the ops test, bench
 # cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3); pk: bench generate
 # beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B); pm: bench trace at real speed, one
-# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3); pn:
-# bench trace with and without a filled prefill budget per step (short window, no cache).
+# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -390,21 +389,6 @@ case "$step" in
     cp "$R"/*.json "$R"/*.svg "$R"/*.log "$OUT"/ 2>/dev/null
     running && echo "still running: $(cat "$R/pid")"
     free -g | head -2; df -h /opt | tail -1
-    echo "step $step: $(( $(date +%s) - START ))s"
-    ;;
-  pn) # bench trace, no cache, the step's prefill budget filled or not (KVSTORE_FILL_PREFILL
-      # 0 then 1, same binary), a short real-speed window (WINDOW, SCALE); trace in x3
-    stash >/dev/null
-    assemble_mlx >/dev/null || exit 1
-    env_setup
-    d=$K/smollm2-rand
-    T=$K/mooncake-conversation-part1.jsonl
-    S="--window ${WINDOW:-0..45} --speed 1 --token-scale ${SCALE:-0.125} --max-concurrency 64 --max-batch 16 --deadline ${DEADLINE_S:-50} --no-cache"
-    for f in 0 1; do
-      echo "== KVSTORE_FILL_PREFILL=$f"
-      KVSTORE_FILL_PREFILL=$f timeout ${LIMIT:-100} "$BIN/kvstore" bench trace "$T" --model "$d" $S \
-          --label "fill $f" --json "$OUT/trace-fill$f.json" 2>&1 | grep -E '^hit share|^steps|requests in|NOT sent'
-    done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   ph) # bench grammar (constrained vs unconstrained decode, mask ms per token), after x1 and x2
