@@ -56,6 +56,9 @@ enum Part {
     /// Batched decode step: rows attending one by one vs the batch arena vs one
     /// mlx-lm-style batch cache with fused masked attention.
     Batch,
+    /// A device-tier hit read as a shared prefix vs forked (copied): decode step and
+    /// prefill chunk over it.
+    Share,
 }
 
 const HQ: i32 = 9;
@@ -140,6 +143,117 @@ struct Report {
     decode: Vec<DecodeRow>,
     blocks: Vec<BlockRow>,
     ssd: Vec<SsdRow>,
+    share: Vec<ShareRow>,
+}
+
+/// One step after a device-tier hit of `tokens` tokens on a resident sequence of twice as
+/// many (not a hand-over): the request's cache forked (copy on write) or reading the
+/// resident arenas as a shared prefix (docs/cache.md, "Shared prefixes"); one layer of
+/// SmolLM2's attention shape, f32, each step through `KvCache::update_and_attend` and
+/// trimmed off again.
+#[derive(Serialize)]
+struct ShareRow {
+    tokens: usize,
+    /// Queries of the step: 1 (decode) or a prefill chunk.
+    queries: usize,
+    /// The fork's first step (its copy of the arena) and the median of the rest.
+    fork_first_ms: f64,
+    fork_ms: f64,
+    shared_first_ms: f64,
+    shared_ms: f64,
+    /// shared_ms / fork_ms.
+    ratio: f64,
+}
+
+/// A hit of `n` tokens on a resident sequence of `2n`: shared when `share`, else forked.
+fn share_hit(n: usize, share: bool) -> Result<PagedKvCache> {
+    let config = PagedConfig {
+        block_size: 32,
+        initial_blocks: 8,
+        max_blocks: 8192,
+        ..PagedConfig::default()
+    };
+    let held = 2 * n;
+    let tokens: Vec<u32> = (0..held as u32).collect();
+    let mut cache = PagedKvCache::new(1, config)?;
+    let (k, v) = (
+        random(&[1, HKV, held as i32, D], 1)?,
+        random(&[1, HKV, held as i32, D], 2)?,
+    );
+    cache.update_and_fetch(0, &k, &v)?;
+    let ns = NamespaceId([9; 32]);
+    let mut pool = cache::ResidentPool::new(u64::MAX);
+    pool.set_share_min_tokens(if share { 1 } else { usize::MAX });
+    pool.park(Chain::of(ns, 32, &[]), tokens.clone(), cache);
+    let mut prompt = tokens[..n].to_vec();
+    prompt.push(u32::MAX);
+    let chain = Chain::of(ns, 32, &prompt[..n]);
+    let hit = pool
+        .take(&chain, &prompt, n)?
+        .ok_or_else(|| anyhow::anyhow!("the resident prefix of {n} tokens was not found"))?;
+    anyhow::ensure!(
+        hit.tokens == n && hit.shared == share,
+        "a hit of {} tokens (shared: {}) instead of {n} (shared: {share})",
+        hit.tokens,
+        hit.shared
+    );
+    Ok(hit.cache)
+}
+
+/// The first of `reps + 1` steps of `q_len` queries on `cache` and the median of the rest,
+/// in ms (each step trimmed off again).
+fn share_steps(cache: &mut PagedKvCache, q_len: i32, reps: usize) -> Result<(f64, f64)> {
+    let q = random(&[1, HQ, q_len, D], 3)?;
+    let (k, v) = (
+        random(&[1, HKV, q_len, D], 4)?,
+        random(&[1, HKV, q_len, D], 5)?,
+    );
+    let mask = if q_len > 1 {
+        AttentionMask::Causal
+    } else {
+        AttentionMask::None
+    };
+    let scale = 1.0 / (D as f32).sqrt();
+    let mut times = Vec::with_capacity(reps + 1);
+    for _ in 0..reps + 1 {
+        let t = Instant::now();
+        cache
+            .update_and_attend(0, &q, &k, &v, scale, mask)?
+            .eval()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        cache.trim(q_len as usize)?;
+    }
+    let first = times.remove(0);
+    times.sort_by(f64::total_cmp);
+    Ok((first, times[times.len() / 2]))
+}
+
+/// Shared vs forked prefix at 1K-32K tokens: a decode step and a 512-token prefill chunk.
+fn share_rows(quick: bool) -> Result<Vec<ShareRow>> {
+    let sizes: &[usize] = if quick {
+        &[256]
+    } else {
+        &[1024, 4096, 16384, 32768]
+    };
+    let reps = if quick { 3 } else { 15 };
+    let mut rows = Vec::new();
+    for &n in sizes {
+        for q_len in [1, 512] {
+            let (mut fork, mut shared) = (share_hit(n, false)?, share_hit(n, true)?);
+            let (fork_first_ms, fork_ms) = share_steps(&mut fork, q_len, reps)?;
+            let (shared_first_ms, shared_ms) = share_steps(&mut shared, q_len, reps)?;
+            rows.push(ShareRow {
+                tokens: n,
+                queries: q_len as usize,
+                fork_first_ms,
+                fork_ms,
+                shared_first_ms,
+                shared_ms,
+                ratio: shared_ms / fork_ms,
+            });
+        }
+    }
+    Ok(rows)
 }
 
 /// A prefix of `tokens` SmolLM2-shaped tokens (30 layers, f32) published to a store on
@@ -621,6 +735,11 @@ pub fn run(args: Args) -> Result<()> {
         } else {
             Vec::new()
         },
+        share: if part(Part::Share) {
+            share_rows(args.quick)?
+        } else {
+            Vec::new()
+        },
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -698,6 +817,25 @@ pub fn run(args: Args) -> Result<()> {
             r.device_to_host_gb_s
         );
     }
+    if !report.share.is_empty() {
+        println!("\nshared prefix vs fork after a device hit (one layer, 9/3 heads, d64, f32)");
+        println!(
+            "{:>7} {:>7} {:>12} {:>10} {:>14} {:>10} {:>8}",
+            "tokens", "queries", "fork first", "fork", "shared first", "shared", "ratio"
+        );
+        for r in &report.share {
+            println!(
+                "{:>7} {:>7} {:>10.2}ms {:>8.3}ms {:>12.2}ms {:>8.3}ms {:>7.2}x",
+                r.tokens,
+                r.queries,
+                r.fork_first_ms,
+                r.fork_ms,
+                r.shared_first_ms,
+                r.shared_ms,
+                r.ratio
+            );
+        }
+    }
     for r in &report.ssd {
         println!(
             "\nSSD → device: {} tokens ({:.0} MB, 30 layers, f32), {} reader(s): store load + bulk import {:.2} GB/s (load {:.2}, import {:.2}); dd iflag=direct {:.2} GB/s; ratio {:.2}{}",
@@ -713,4 +851,26 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_share_rows_compare_a_shared_hit_with_a_fork_of_the_same_tokens() {
+        let shared = share_hit(64, true).unwrap();
+        assert_eq!(shared.shared_prefix().map(|(_, t)| t), Some(64));
+        assert_eq!(shared.offset(), 64);
+        let fork = share_hit(64, false).unwrap();
+        assert!(fork.shared_prefix().is_none());
+        assert_eq!(fork.offset(), 64);
+        let rows = share_rows(true).unwrap();
+        let shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.tokens, r.queries)).collect();
+        assert_eq!(shapes, [(256, 1), (256, 512)]);
+        for r in &rows {
+            assert!(r.fork_ms > 0.0 && r.shared_ms > 0.0, "{}", r.tokens);
+            assert!((r.ratio - r.shared_ms / r.fork_ms).abs() < 1e-12);
+        }
+    }
 }
