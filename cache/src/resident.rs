@@ -157,6 +157,11 @@ impl ResidentPool {
         self.share_min_tokens = tokens.max(1);
     }
 
+    /// The fewest tokens a hit shares ([`Self::set_share_min_tokens`]).
+    pub fn share_min_tokens(&self) -> usize {
+        self.share_min_tokens
+    }
+
     /// Live sharers of resident entry `entry` (`None` when it is not resident).
     pub fn sharers(&self, entry: u64) -> Option<usize> {
         self.entries.get(&entry).map(|e| e.handle.others())

@@ -117,7 +117,7 @@ pub struct ReuseReport {
     /// Of those, found resident on the device (no transfer).
     pub cached_device_tokens: usize,
     /// Whether the device hit took over a resident sequence's KV as is (no copy at all)
-    /// rather than sharing it copy-on-write.
+    /// rather than sharing it as a prefix or forking it.
     pub device_handover: bool,
     /// Whether the device hit reads the resident sequence's KV as a shared prefix (no
     /// copy, now or later) rather than a copy-on-write fork.
@@ -229,7 +229,6 @@ pub struct KvTiers {
     device: String,
     costs_saved: Mutex<Option<Instant>>,
     restore_always: bool,
-    share_min_tokens: usize,
 }
 
 const RECENT_SEQUENCES: usize = 8;
@@ -530,7 +529,6 @@ impl KvTiers {
             device,
             costs_saved: Mutex::new(None),
             restore_always: config.restore_always,
-            share_min_tokens: config.share_min_tokens,
         })
     }
 
@@ -547,7 +545,8 @@ impl KvTiers {
     /// Sets the device budget (live and resident KV together).
     /// Resizing drops what is resident: call it at start-up, before any request.
     pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
-        *self.resident()? = pinned_pool(bytes, &self.store, self.share_min_tokens);
+        let mut resident = self.resident()?;
+        *resident = pinned_pool(bytes, &self.store, resident.share_min_tokens());
         Ok(())
     }
 

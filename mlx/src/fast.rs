@@ -91,8 +91,10 @@ pub enum AttentionMask<'a> {
 ///
 /// On the CPU, f32 attention with no mask or the causal mask and more than one query runs
 /// in [`crate::cpu_attention`] (q, k and v are evaluated first and the result is a new,
-/// evaluated array); every other case, and every GPU call, is MLX's kernel
-/// ([`mlx_scaled_dot_product_attention`]). docs/mlx.md, "Attention on the CPU", says why.
+/// evaluated array), and one query (a decode step, any dtype) stays in MLX's graph as a
+/// product per kv head, a softmax and a product with the values; every other case, and
+/// every GPU call, is MLX's kernel ([`mlx_scaled_dot_product_attention`]). docs/mlx.md,
+/// "Attention on the CPU", says why.
 pub fn scaled_dot_product_attention(
     q: &Array,
     k: &Array,
@@ -100,35 +102,37 @@ pub fn scaled_dot_product_attention(
     scale: f32,
     mask: AttentionMask<'_>,
 ) -> Result<Array> {
-    if let Some((dims, causal)) = cpu_attention_case(q, k, v, mask)? {
-        return attend_on_cpu(q, k, v, dims, scale, causal);
-    }
-    if one_query_on_cpu(q, k, mask)? {
-        return one_query_over_parts(q, &[(k, v)], scale);
+    // The CPU paths: the switch on, no mask array, the CPU as the device (asked once).
+    let cpu = !matches!(mask, AttentionMask::Array(_))
+        && cpu_attention()
+        && crate::default_device()? == Device::Cpu;
+    if cpu {
+        if let Some(dims) = cpu_attention_case(q, k, v, mask) {
+            return attend_on_cpu(q, k, v, dims, scale, matches!(mask, AttentionMask::Causal));
+        }
+        if one_query_case(q, k, v) {
+            return one_query_over_parts(q, &[(k, v)], scale);
+        }
     }
     mlx_scaled_dot_product_attention(q, k, v, scale, mask)
 }
 
-/// Whether a call is a decode step on the CPU (one query per head, no mask array, the
-/// switch on) that [`one_query_over_parts`] computes in MLX's graph: scores as one product
-/// per kv head, a softmax, a product with the values. MLX's CPU kernel for it measured
-/// slower (docs/benchmarks.md, "Shared prefixes": a decode step over one part, 4K-16K keys).
-fn one_query_on_cpu(q: &Array, k: &Array, mask: AttentionMask<'_>) -> Result<bool> {
-    if matches!(mask, AttentionMask::Array(_))
-        || !cpu_attention()
-        || crate::default_device()? != Device::Cpu
-    {
-        return Ok(false);
-    }
-    let (qs, ks) = (q.shape(), k.shape());
-    Ok(qs.len() == 4
+/// Whether a call on the CPU is a decode step (one query per head) that
+/// [`one_query_over_parts`] computes in MLX's graph: scores as one product per kv head, a
+/// softmax, a product with the values. MLX's CPU kernel for it measured slower
+/// (docs/benchmarks.md, "Shared prefixes": a decode step over one part, 4K-16K keys).
+fn one_query_case(q: &Array, k: &Array, v: &Array) -> bool {
+    let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
+    qs.len() == 4
         && ks.len() == 4
+        && vs.len() == 4
+        && vs[..3] == ks[..3]
         && qs[2] == 1
         && ks[2] > 0
         && ks[1] > 0
         && qs[1] % ks[1] == 0
         && qs[0] == ks[0]
-        && qs[3] == ks[3])
+        && qs[3] == ks[3]
 }
 
 /// MLX's own `scaled_dot_product_attention`, never the CPU path of this crate: the
@@ -174,27 +178,15 @@ pub fn cpu_attention() -> bool {
     cpu_attention_switch().load(Ordering::Relaxed)
 }
 
-/// The shape and causality of a call the CPU path handles, or `None` for MLX's kernel.
-fn cpu_attention_case(
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    mask: AttentionMask<'_>,
-) -> Result<Option<(Dims, bool)>> {
-    let causal = match mask {
-        AttentionMask::None => false,
-        AttentionMask::Causal => true,
-        AttentionMask::Array(_) => return Ok(None),
-    };
-    if !cpu_attention() || crate::default_device()? != Device::Cpu {
-        return Ok(None);
-    }
+/// The shape of a call on the CPU that the fused attention handles, or `None`.
+fn cpu_attention_case(q: &Array, k: &Array, v: &Array, mask: AttentionMask<'_>) -> Option<Dims> {
+    let causal = matches!(mask, AttentionMask::Causal);
     if [q, k, v].iter().any(|a| a.dtype() != Dtype::F32) {
-        return Ok(None);
+        return None;
     }
     let (qs, ks, vs) = (q.shape(), k.shape(), v.shape());
     if qs.len() != 4 || ks != vs || ks.len() != 4 || qs[0] != ks[0] || qs[3] != ks[3] {
-        return Ok(None);
+        return None;
     }
     let dims = Dims {
         batch: qs[0] as usize,
@@ -207,9 +199,9 @@ fn cpu_attention_case(
     // One query (a decode step) stays in MLX's graph: the fused path evaluates q, k and v,
     // which would stall the engine's pipelined decode (docs/mlx.md).
     if dims.q_len < 2 || dims.check(causal).is_err() {
-        return Ok(None);
+        return None;
     }
-    Ok(Some((dims, causal)))
+    Some(dims)
 }
 
 /// Evaluates q, k and v as row-major buffers and runs the fused CPU attention over them.
@@ -270,11 +262,12 @@ const LSE_SLICE_BYTES: usize = 64 << 20;
 /// with it (its keys must number at least q's length); every query sees all keys of the
 /// earlier parts. Parts of 0 keys are skipped. The output is shaped and typed like q.
 ///
-/// On the CPU, f32 with more than one query runs the fused CPU attention over the parts'
-/// blocks in turn ([`crate::cpu_attention::attend_parts`]). Elsewhere each part goes
-/// through [`scaled_dot_product_attention`] with its log-sum-exp (`q·kᵀ·scale`, then
-/// `logsumexp` over keys, in query slices of at most 64 MiB of scores), merged as
-/// `o = Σ o_i · exp(lse_i − lse)`.
+/// One query (a decode step, any device) joins its scores against every part and
+/// soft-maxes them once. On the CPU, f32 with more than one query runs the fused CPU
+/// attention over the parts' blocks in turn ([`crate::cpu_attention::attend_parts`]).
+/// Elsewhere each part goes through [`scaled_dot_product_attention`] with its log-sum-exp
+/// (`q·kᵀ·scale`, then `logsumexp` over keys, in query slices of at most 64 MiB of
+/// scores), merged as `o = Σ o_i · exp(lse_i − lse)`.
 pub fn attention_over_parts(
     q: &Array,
     parts: &[(&Array, &Array)],

@@ -6,16 +6,10 @@
 use mlx::fast::{self, AttentionMask};
 use mlx::{Array, Dtype};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("KVSTORE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    eprintln!("{test}: KVSTORE_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
+mod common;
+use common::rng;
 
 fn randn(rng: &mut StdRng, shape: &[i32]) -> Array {
     let n: i32 = shape.iter().product();

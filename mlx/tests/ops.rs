@@ -9,16 +9,10 @@ use mlx::cpu_attention::{attend, Dims};
 use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
 use mlx::{Array, Dtype, Error, QuantSpec};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("KVSTORE_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    eprintln!("{test}: KVSTORE_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
+mod common;
+use common::rng;
 
 fn randn(rng: &mut StdRng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect()
