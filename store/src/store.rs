@@ -634,7 +634,15 @@ impl<F: FileSystem> Store<F> {
                 let _ = tx.try_send(Job::Touch(ns, key, self.shared.clock.tick()));
             }
         }
+        let displaced = !evicted.is_empty();
         self.spill(evicted);
+        if displaced {
+            // The blocks it displaced were stamped as they left, after this insert's use:
+            // the insert is the later event, and a write-back flush must not write its block
+            // as older than them (the SSD would then give it up first).
+            let stamp = self.shared.clock.tick();
+            lock(&self.shared.ram).touch_at(ns, key, stamp);
+        }
         self.publish_remote(payload);
         Ok(())
     }
