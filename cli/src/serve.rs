@@ -37,6 +37,12 @@ pub struct Args {
     /// prompt delays running streams by one such chunk per step, not by its whole prefill.
     #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     prefill_chunk: usize,
+    /// While requests decode, a step with a prefill chunk takes at most this multiple of a
+    /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from
+    /// measured step times, putting running streams before a long prompt's TTFT; `none`
+    /// (the default) always runs the whole --prefill-chunk.
+    #[arg(long, value_name = "X|none", default_value = "none", value_parser = parse_itl_stretch)]
+    itl_stretch: ItlStretch,
     /// Require `Authorization: Bearer KEY` on /v1/* and /admin/* (default:
     /// $KVSTORE_API_KEY). Other users can read a command line: prefer --api-key-file.
     #[arg(long, value_name = "KEY", conflicts_with = "api_key_file")]
@@ -138,6 +144,7 @@ pub fn run(args: Args) -> Result<()> {
         max_queue: args.max_queue,
         context_limit: None,
         prefill_chunk: args.prefill_chunk,
+        itl_stretch: args.itl_stretch,
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);
@@ -331,5 +338,41 @@ async fn signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// `--itl-stretch`: `None` for `none` (an alias, so clap does not read it as optional).
+pub(crate) type ItlStretch = Option<f64>;
+
+/// Parses `--itl-stretch`: `none`, or a multiple above 1.
+pub(crate) fn parse_itl_stretch(s: &str) -> std::result::Result<Option<f64>, String> {
+    if s.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 1.0 => Ok(Some(x)),
+        _ => Err(format!(
+            "`{s}` is not a multiple above 1 (such as 1.5) or `none`"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn itl_stretch_takes_a_multiple_above_one_or_none() {
+        assert_eq!(parse_itl_stretch("none"), Ok(None));
+        assert_eq!(parse_itl_stretch("NONE"), Ok(None));
+        assert_eq!(parse_itl_stretch("2"), Ok(Some(2.0)));
+        assert_eq!(
+            parse_itl_stretch("1.5"),
+            Ok(Some(engine::SUGGESTED_ITL_STRETCH))
+        );
+        for bad in ["1", "0.5", "-2", "nan", "inf", "", "fast"] {
+            let e = parse_itl_stretch(bad).unwrap_err();
+            assert!(e.contains("multiple above 1"), "{bad}: {e}");
+        }
     }
 }

@@ -160,6 +160,18 @@ impl Measure {
         }
     }
 
+    /// [`Measure::fit`] where the samples span two sizes at least; where all have one size
+    /// (whatever their cached tokens), its whole mean cost per unit, through the origin:
+    /// the pessimistic reading, which makes a caller that sizes by it try a smaller size.
+    pub(crate) fn fit_or_per_unit(&self, with_positions: bool) -> Option<Fit> {
+        let &Sample(n, _, _) = self.samples.first()?;
+        if self.samples.iter().any(|s| s.0 != n) {
+            return self.fit(with_positions);
+        }
+        let mean = self.samples.iter().map(|s| s.2).sum::<f64>() / self.samples.len() as f64;
+        Some(Fit::per_unit(mean / n))
+    }
+
     /// Whether nothing is known: no sample and no prior.
     pub(crate) fn is_unknown(&self) -> bool {
         self.samples.is_empty() && self.prior.is_none()

@@ -408,8 +408,22 @@ impl Attention {
     /// to `[B, H, L, D]`, before RoPE.
     pub(crate) fn heads(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let (b, l) = (x.shape()[0], x.shape()[1]);
-        // 1. Projections (one matmul), split into heads: (B, L, H·D) -> (B, L, H, D).
+        // 1. Projections (one matmul).
         let [q, k, v] = self.qkv.forward(x)?;
+        self.split_heads(&q, &k, &v, b, l)
+    }
+
+    /// Projected `q`, `k`, `v` of `[B, L]` tokens (any shape holding them in that order)
+    /// split into heads, normalized (qwen3) and moved to `[B, H, L, D]`, before RoPE.
+    fn split_heads(
+        &self,
+        q: &Array,
+        k: &Array,
+        v: &Array,
+        b: i32,
+        l: i32,
+    ) -> Result<(Array, Array, Array)> {
+        // (B, L, H·D) -> (B, L, H, D).
         let q = q.reshape(&[b, l, self.num_heads, self.head_dim])?;
         let k = k.reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
         let v = v.reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
@@ -448,21 +462,80 @@ impl Attention {
         rope: &RotaryEmbedding,
         cache: &mut dyn KvCache,
     ) -> Result<Array> {
-        let l = x.shape()[1];
         let (q, k, v) = self.heads(x)?;
-        // Rotate by absolute position.
+        let o = self.attend_sequence(q, k, v, layer, offset, rope, cache)?;
+        self.output(&o)
+    }
+
+    /// Heads `[1, H, L, D]` of `L` tokens at `offset`: rotated, appended to `cache`, and
+    /// attended over everything it holds (a shared prefix and the cache's own KV as parts
+    /// of one softmax, docs/cache.md). MLX's causal mask is bottom-right aligned, so it is
+    /// right with a cached prefix too. → `[1, H, L, D]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_sequence(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        layer: usize,
+        offset: usize,
+        rope: &RotaryEmbedding,
+        cache: &mut dyn KvCache,
+    ) -> Result<Array> {
         let q = rope.forward(&q, offset)?;
         let k = rope.forward(&k, offset)?;
-        // Append to the cache; attend over everything it holds (a shared prefix and the
-        // cache's own KV as parts of one softmax, docs/cache.md). MLX's causal mask is
-        // bottom-right aligned, so it is right with a cached prefix too.
-        let mask = if l > 1 {
+        let mask = if q.shape()[2] > 1 {
             AttentionMask::Causal
         } else {
             AttentionMask::None
         };
-        let o = cache.update_and_attend(layer, &q, &k, &v, self.scale, mask)?;
-        self.output(&o)
+        Ok(cache.update_and_attend(layer, &q, &k, &v, self.scale, mask)?)
+    }
+
+    /// One pass of a mixed step (`x` `[1, B + L, hidden]`: one token of each of the `B`
+    /// rows of `rows`, then `L` prompt tokens after what `cache` holds): the projections
+    /// run once over all of them, the attention of each part as in
+    /// [`Attention::forward_rows`] and [`Attention::forward`] → `[1, B + L, hidden]`.
+    pub(crate) fn forward_mixed(
+        &self,
+        x: &Array,
+        layer: usize,
+        rope: &RotaryEmbedding,
+        kv: &mut MixedKv<'_>,
+    ) -> Result<Array> {
+        let MixedKv {
+            rows,
+            offsets,
+            cache,
+            offset,
+        } = kv;
+        let (offsets, offset) = (*offsets, *offset);
+        let b = rows.len() as i32;
+        let l = x.shape()[1] - b;
+        let [q, k, v] = self.qkv.forward(x)?;
+        let part = |a: &Array, from: i32, to: i32| {
+            let w = a.shape()[2];
+            a.slice(&[0, from, 0], &[1, to, w])
+        };
+        // The rows' tokens: [1, B, ·] read as [B, 1, ·].
+        let (rq, rk, rv) =
+            self.split_heads(&part(&q, 0, b)?, &part(&k, 0, b)?, &part(&v, 0, b)?, b, 1)?;
+        let rq = rope.forward_rows(&rq, offsets)?;
+        let rk = rope.forward_rows(&rk, offsets)?;
+        let ro = rows.attend(layer, &rq, &rk, &rv, self.scale, None)?;
+        let (cq, ck, cv) = self.split_heads(
+            &part(&q, b, b + l)?,
+            &part(&k, b, b + l)?,
+            &part(&v, b, b + l)?,
+            1,
+            l,
+        )?;
+        let co = self.attend_sequence(cq, ck, cv, layer, offset, rope, &mut **cache)?;
+        // [B, H, 1, D] -> [1, B, H·D] and [1, H, L, D] -> [1, L, H·D], one output projection.
+        let width = self.num_heads * self.head_dim;
+        let ro = ro.transpose(&[0, 2, 1, 3])?.reshape(&[1, b, width])?;
+        let co = co.transpose(&[0, 2, 1, 3])?.reshape(&[1, l, width])?;
+        self.o_proj.forward(&mlx::ops::concatenate(&[&ro, &co], 1)?)
     }
 
     /// One decode step of a batch: `x` `[B, 1, hidden]`, row b at position `offsets[b]`,
@@ -481,6 +554,17 @@ impl Attention {
         let o = rows.attend(layer, &q, &k, &v, self.scale, None)?;
         self.output(&o)
     }
+}
+
+/// The caches of a mixed step's two parts ([`Attention::forward_mixed`]): the decoding
+/// rows with their positions, and the prompt's cache with its position.
+pub(crate) struct MixedKv<'a> {
+    pub(crate) rows: &'a mut PagedKvRows,
+    /// Each row's position, int32 `[B]`.
+    pub(crate) offsets: &'a Array,
+    pub(crate) cache: &'a mut dyn KvCache,
+    /// The prompt chunk's first position.
+    pub(crate) offset: usize,
 }
 
 /// A pre-norm decoder layer: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
@@ -503,6 +587,24 @@ impl DecoderLayer {
     ) -> Result<Array> {
         let h = self.input_layernorm.forward(x)?;
         let h = x.add(&self.self_attn.forward(&h, layer, offset, rope, cache)?)?;
+        let m = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&h)?)?;
+        Ok(h.add(&m)?)
+    }
+
+    /// [`DecoderLayer::forward`] for a mixed step ([`Attention::forward_mixed`]): norms,
+    /// projections and MLP run once over the rows' tokens and the prompt's.
+    pub(crate) fn forward_mixed(
+        &self,
+        x: &Array,
+        layer: usize,
+        rope: &RotaryEmbedding,
+        kv: &mut MixedKv<'_>,
+    ) -> Result<Array> {
+        let h = self.input_layernorm.forward(x)?;
+        let a = self.self_attn.forward_mixed(&h, layer, rope, kv)?;
+        let h = x.add(&a)?;
         let m = self
             .mlp
             .forward(&self.post_attention_layernorm.forward(&h)?)?;
@@ -559,6 +661,36 @@ impl crate::models::Network for Decoder {
             h = layer.forward_rows(&h, i, &offsets, &self.rope, rows)?;
         }
         self.norm.forward(&h)
+    }
+
+    fn hidden_mixed(
+        &self,
+        row_tokens: &Array,
+        rows: &mut PagedKvRows,
+        tokens: &Array,
+        cache: &mut dyn KvCache,
+    ) -> Result<Option<(Array, Array)>> {
+        let (b, l) = (rows.len() as i32, tokens.shape()[1]);
+        let offsets = rows.offsets()?;
+        let offset = cache.offset();
+        let ids = mlx::ops::concatenate(&[&row_tokens.reshape(&[1, b])?, tokens], 1)?;
+        let mut h = self.embed_tokens.forward(&ids)?;
+        let mut kv = MixedKv {
+            rows,
+            offsets: &offsets,
+            cache,
+            offset,
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward_mixed(&h, i, &self.rope, &mut kv)?;
+        }
+        let h = self.norm.forward(&h)?;
+        let hidden = h.shape()[2];
+        let rows_h = h
+            .slice(&[0, 0, 0], &[1, b, hidden])?
+            .reshape(&[b, 1, hidden])?;
+        let prompt_h = h.slice(&[0, b, 0], &[1, b + l, hidden])?;
+        Ok(Some((rows_h, prompt_h)))
     }
 
     fn logits(&self, h: &Array) -> Result<Array> {

@@ -27,6 +27,7 @@
 
 #![deny(unsafe_code)]
 
+mod chunk_budget;
 mod constrained;
 mod cost_model;
 mod device_sampler;
@@ -55,7 +56,7 @@ pub use generate::{
 };
 pub use layers::RopeScaling;
 pub use model::{
-    aligned_chunk, default_prefill_chunk, KvLayout, LayerKind, Model, ModelInfo,
+    aligned_chunk, default_prefill_chunk, KvLayout, LayerKind, MixedStep, Model, ModelInfo,
     DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
 };
 pub use reuse::{
@@ -66,7 +67,7 @@ pub use reuse::{
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{
     CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, InjectedFault, Request,
-    RequestHandle, StepRecord, SubmitError, TTFT_BUCKETS,
+    RequestHandle, StepRecord, SubmitError, SUGGESTED_ITL_STRETCH, TTFT_BUCKETS,
 };
 pub use tokenizer::{
     chat_request_parts, render_template, Tokenizer, MAX_RENDER_BYTES, RENDER_FUEL_BASE,

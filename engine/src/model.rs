@@ -302,6 +302,43 @@ impl Model {
         Ok(logits.astype(Dtype::F32)?)
     }
 
+    /// One pass over a decode step of `rows` (`row_tokens` `[B]` u32, possibly not computed
+    /// yet) and a prefill chunk `tokens` after what `cache` holds, with the weights read
+    /// once ([`MixedStep`]). `None` where the family has no such pass, `cache` keeps state
+    /// snapshots (a chunk then stops at each), or an id is out of the vocabulary (nothing
+    /// changed: the caller runs the two steps, and the prefill reports the bad id).
+    pub fn forward_mixed(
+        &self,
+        row_tokens: &Array,
+        rows: &mut PagedKvRows,
+        tokens: &[u32],
+        cache: &mut dyn KvCache,
+    ) -> Result<Option<MixedStep>> {
+        let b = rows.len() as i32;
+        if b == 0 || row_tokens.size() != rows.len() || tokens.is_empty() {
+            return Ok(None);
+        }
+        if cache.state_snapshot_every().is_some() {
+            return Ok(None);
+        }
+        let Ok(ids) = self.ids(tokens) else {
+            return Ok(None);
+        };
+        let Some((rows_h, prompt_h)) = self.decoder.hidden_mixed(row_tokens, rows, &ids, cache)?
+        else {
+            return Ok(None);
+        };
+        let rows_logits = self.decoder.logits(&rows_h)?.reshape(&[b, -1])?;
+        let l = prompt_h.shape()[1];
+        let last = prompt_h.slice(&[0, l - 1, 0], &[1, l, self.info.hidden_size as i32])?;
+        let prompt_logits = self.decoder.logits(&last)?.reshape(&[-1])?;
+        Ok(Some(MixedStep {
+            rows_logits: rows_logits.astype(Dtype::F32)?,
+            prompt_logits: prompt_logits.astype(Dtype::F32)?,
+            prompt_hidden: prompt_h,
+        }))
+    }
+
     /// Like [`Model::forward`] but returns logits for every position, `[L, vocab]` (tests),
     /// in one step whatever snapshots the cache keeps.
     pub fn forward_all(&self, tokens: &[u32], cache: &mut dyn KvCache) -> Result<Array> {
@@ -367,6 +404,16 @@ impl Model {
         h.eval()?;
         Ok(())
     }
+}
+
+/// What [`Model::forward_mixed`] built (lazily: nothing is computed until evaluated).
+pub struct MixedStep {
+    /// The rows' logits, `[B, vocab]`, f32.
+    pub rows_logits: Array,
+    /// The logits of the chunk's last token, `[vocab]`, f32 (read when it ends the prompt).
+    pub prompt_logits: Array,
+    /// The chunk's hidden states: evaluating them computes its keys and values.
+    pub prompt_hidden: Array,
 }
 
 /// Tokens of the next prefill step for a cache holding `offset` tokens: up to the next

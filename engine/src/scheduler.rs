@@ -13,11 +13,13 @@
 //! 4. emits each row's previous pick (text deltas held back, EOS, stop strings, limits) and
 //!    drops rows that finished, were cancelled or lost their receiver; their caches are
 //!    published to the prefix cache and freed;
-//! 5. prefills one chunk (at most `prefill_chunk` tokens) of the oldest prefilling request;
-//!    its last chunk picks the first token and the row joins the decode batch. So a long
-//!    prompt delays running streams by one chunk per step, never by its whole prefill (as
-//!    vLLM's and SGLang's chunked prefill). With no row decoding, chunks of the request's
-//!    own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
+//! 5. prefills one chunk (at most `prefill_chunk` tokens, fewer under a step budget,
+//!    [`EngineConfig::itl_stretch`]) of the oldest prefilling request, inside step 3's
+//!    forward pass where the model has a mixed pass ([`EngineConfig::mixed_steps`]), else
+//!    in a pass of its own; its last chunk picks the first token and the row joins the
+//!    decode batch. So a long prompt delays running streams by one chunk per step, never by
+//!    its whole prefill (as vLLM's and SGLang's chunked prefill). With no row decoding,
+//!    chunks of the request's own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
 //!
 //! A row under a grammar ([`GenerateParams::constraint`]) does not run ahead: before step
 //! 3 queues its next pick, its previous pick is read and committed to the grammar, whose
@@ -39,12 +41,15 @@ use serde::Serialize;
 use store::StoreStats;
 use tokio::sync::mpsc as chan;
 
+use crate::chunk_budget::ChunkBudget;
 use crate::error::{EngineError, ErrorClass, Result};
 use crate::generate::{FinishReason, GenerateParams, Timings};
 use crate::model::{Model, ModelInfo};
 use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
-use crate::sequence::{check_prompt, context_limit, decode_step, Sequence, StepKv};
+use crate::sequence::{
+    check_prompt, context_limit, decode_step, decode_step_mixed, ChunkJob, Sequence, StepKv,
+};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of an [`Engine`].
@@ -64,12 +69,24 @@ pub struct EngineConfig {
     /// Most prompt tokens prefilled in one engine step while other rows decode (a request's
     /// own `prefill_chunk` may be smaller). Default: [`crate::DEFAULT_PREFILL_CHUNK`].
     pub prefill_chunk: usize,
+    /// While rows decode, a step with a prefill chunk may take at most this multiple of a
+    /// decode-only step: the chunk (at most `prefill_chunk`) is sized from the engine's
+    /// measured step times (engine/src/chunk_budget.rs). `None` always runs the whole
+    /// `prefill_chunk`. Default: None (a long prompt's TTFT before the streams' latency, as
+    /// vLLM's and SGLang's fixed token budgets; [`SUGGESTED_ITL_STRETCH`] puts the streams
+    /// first).
+    pub itl_stretch: Option<f64>,
     /// Engine steps kept in [`Engine::step_log`] (the most recent; 0 keeps none). Default: 0.
     pub step_log: usize,
     /// Whether the decode batch may keep its KV in a batch arena (docs/cache.md): `None`
     /// follows `KVSTORE_BATCH_ARENA` (`0` off, `1` on) when set, else off (it lost
     /// throughput serving on the H200: docs/benchmarks.md, session 8). Default: None.
     pub batch_arena: Option<bool>,
+    /// Whether a step that decodes rows runs the oldest prompt's prefill chunk in the same
+    /// forward pass (the weights read once, not twice), where the model family has such a
+    /// pass (llama, qwen2, qwen3): `None` follows `KVSTORE_MIXED_STEPS` (`0` off, `1` on)
+    /// when set, else on. Default: None.
+    pub mixed_steps: Option<bool>,
 }
 
 impl Default for EngineConfig {
@@ -80,11 +97,17 @@ impl Default for EngineConfig {
             max_queue: 256,
             context_limit: None,
             prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
+            itl_stretch: None,
             step_log: 0,
             batch_arena: None,
+            mixed_steps: None,
         }
     }
 }
+
+/// An [`EngineConfig::itl_stretch`] that keeps the running streams' steps within 1.5 times
+/// their length while a long prompt prefills (what `kvstore bench serve` measures it with).
+pub const SUGGESTED_ITL_STRETCH: f64 = 1.5;
 
 /// Why [`Engine::submit`] refused a request.
 #[derive(Debug, thiserror::Error)]
@@ -556,6 +579,12 @@ impl Engine {
                 message: "must be at least 1".into(),
             });
         }
+        if let Some(x) = config.itl_stretch.filter(|x| !(x.is_finite() && *x > 1.0)) {
+            return Err(EngineError::InvalidParameter {
+                name: "itl_stretch",
+                message: format!("{x} is not a multiple above 1 (leave it unset for no budget)"),
+            });
+        }
         let shared = Arc::new(Shared {
             counters: Counters::default(),
             accepting: AtomicBool::new(true),
@@ -595,6 +624,9 @@ impl Engine {
             draining: None,
             fail_next_step: false,
             fail_next_prefill: false,
+            chunk_budget: ChunkBudget::new(config.itl_stretch),
+            chunk_cached: 0,
+            mixed_steps: mixed_steps(&config),
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
@@ -925,6 +957,21 @@ struct Worker {
     fail_next_step: bool,
     /// Set by [`InjectedFault::FailNextPrefill`].
     fail_next_prefill: bool,
+    /// How many prompt tokens a step prefills while rows decode.
+    chunk_budget: ChunkBudget,
+    /// Tokens the request prefilled in this step held before its chunk.
+    chunk_cached: usize,
+    /// [`EngineConfig::mixed_steps`] as the environment resolved it.
+    mixed_steps: bool,
+}
+
+/// A prefill chunk that ran inside the step's decode pass: the request (out of the
+/// prefilling queue until the step is over), the tokens it ran and, when it ended the
+/// prompt, its last logits.
+struct MixedChunk {
+    r: Prefilling,
+    tokens: usize,
+    logits: Option<mlx::Array>,
 }
 
 impl Worker {
@@ -974,10 +1021,20 @@ impl Worker {
             self.admit();
             // 3. Queue one batched decode step, fed with the previous step's picks while
             //    they are still on the device.
+            //    Where it can, the oldest prompt's next chunk runs in the same pass.
             let mut record = StepRecord::default();
             let t = Instant::now();
+            let mut mixed = None;
             if !self.active.is_empty() {
-                match self.launch() {
+                let launched = match self.launch_mixed() {
+                    Ok(Some(m)) => {
+                        mixed = Some(m);
+                        Ok(true)
+                    }
+                    Ok(None) => self.launch(),
+                    Err(e) => Err(e),
+                };
+                match launched {
                     Ok(true) => record.decoded = self.active.iter().map(|r| r.id).collect(),
                     Ok(false) => {}
                     Err(e) => self.fail_all(e),
@@ -991,11 +1048,24 @@ impl Worker {
                 row.seq.advance();
             }
             let emitted = Instant::now();
-            // 5. One chunk of the oldest prefill (back to back while nothing decodes).
-            record.prefilled = self.prefill_step();
+            // 5. One chunk of the oldest prefill (back to back while nothing decodes), unless
+            //    it ran in the decode pass.
+            record.prefilled = match mixed {
+                Some(m) => Some(self.mixed_chunk_done(m)),
+                None => self.prefill_step(),
+            };
             record.launch_us = micros(launched - t);
             record.emit_us = micros(emitted - launched);
             record.prefill_us = micros(emitted.elapsed());
+            if !record.decoded.is_empty() {
+                let seconds = t.elapsed().as_secs_f64();
+                match record.prefilled {
+                    None => self.chunk_budget.observe_decode(seconds),
+                    Some((_, n)) => self
+                        .chunk_budget
+                        .observe_chunk(n, self.chunk_cached, seconds),
+                }
+            }
             self.observe_device_kv();
             self.log_step(record);
             if self.draining.is_some()
@@ -1240,10 +1310,12 @@ impl Worker {
                 // While rows decode, a step prefills at most the engine's chunk; with none,
                 // the request's own (larger on a GPU, where small steps leave it waiting on
                 // launches).
+                self.chunk_cached = r.cache.offset();
                 let most = if self.active.is_empty() {
                     usize::MAX
                 } else {
-                    self.config.prefill_chunk
+                    self.chunk_budget
+                        .most(self.chunk_cached, self.config.prefill_chunk)
                 };
                 r.seq.prefill_step(&self.model, &mut r.cache, most)
             };
@@ -1558,18 +1630,79 @@ impl Worker {
         self.rows.set_arena_allowance(left);
         let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
         let ran = decode_step(&self.model, &mut seqs, StepKv::Rows(&mut self.rows))?;
-        self.charge_arena();
         if ran {
-            let c = &self.shared.counters;
-            c.decode_steps.fetch_add(1, Ordering::Relaxed);
-            c.decode_rows
-                .fetch_add(self.active.len() as u64, Ordering::Relaxed);
-            if self.rows.has_arena() {
-                c.batch_arena_steps.fetch_add(1, Ordering::Relaxed);
-            }
+            self.count_step();
+        } else {
+            self.charge_arena();
+            self.observe_device_kv();
+        }
+        Ok(ran)
+    }
+
+    /// Books a queued decode step: the arena's charge, the step counters, the device KV.
+    fn count_step(&mut self) {
+        self.charge_arena();
+        let c = &self.shared.counters;
+        c.decode_steps.fetch_add(1, Ordering::Relaxed);
+        c.decode_rows
+            .fetch_add(self.active.len() as u64, Ordering::Relaxed);
+        if self.rows.has_arena() {
+            c.batch_arena_steps.fetch_add(1, Ordering::Relaxed);
         }
         self.observe_device_kv();
-        Ok(ran)
+    }
+
+    /// Queues the decode step with the oldest prefill's next chunk in the same forward pass
+    /// ([`decode_step_mixed`]); `None` where that does not apply (mixed steps off, a fault
+    /// to inject, a request to cut off first, no mixed pass for the model): nothing changed.
+    fn launch_mixed(&mut self) -> Result<Option<MixedChunk>> {
+        if !self.mixed_steps || self.fail_next_step || self.fail_next_prefill {
+            return Ok(None);
+        }
+        match self.prefilling.front() {
+            Some(r) if !(r.p.cancel.is_cancelled() || r.p.tx.is_closed()) => {}
+            _ => return Ok(None),
+        }
+        let Some(mut r) = self.prefilling.pop_front() else {
+            return Ok(None);
+        };
+        let left = self.config.kv_budget_bytes.saturating_sub(self.reserved);
+        self.rows.set_arena_allowance(left);
+        self.chunk_cached = r.cache.offset();
+        let job = ChunkJob {
+            seq: &mut r.seq,
+            cache: &mut r.cache,
+            max_chunk: self
+                .chunk_budget
+                .most(self.chunk_cached, self.config.prefill_chunk),
+        };
+        let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
+        let ran = decode_step_mixed(&self.model, &mut seqs, &mut self.rows, job);
+        let Ok(Some((tokens, logits))) = ran else {
+            self.prefilling.push_front(r);
+            return ran.map(|_| None);
+        };
+        self.count_step();
+        Ok(Some(MixedChunk { r, tokens, logits }))
+    }
+
+    /// After a step whose decode pass ran a prefill chunk: the request goes back to the
+    /// front of the prefilling queue, or, when the chunk ended its prompt, picks its first
+    /// token and joins the batch (as [`Worker::prefill_step`] does after its own chunk).
+    fn mixed_chunk_done(&mut self, m: MixedChunk) -> (u64, usize) {
+        let MixedChunk { r, tokens, logits } = m;
+        let id = r.p.id;
+        match logits {
+            None => self.prefilling.push_front(r),
+            Some(logits) => {
+                let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
+                if let Err(e) = self.join_batch(r, &logits) {
+                    self.fail_prefill(id, &tx, reserve, ours(e));
+                    self.reserved = self.reserved.saturating_sub(reserve);
+                }
+            }
+        }
+        (id, tokens)
     }
 
     /// Charges the batch arena's bytes beyond its rows' reservations to the device tier's
@@ -1636,6 +1769,12 @@ fn ours(e: EngineError) -> EngineError {
         ErrorClass::Invalid => EngineError::StepFailed(e.to_string()),
         _ => e,
     }
+}
+
+/// [`EngineConfig::mixed_steps`], else `KVSTORE_MIXED_STEPS` (`0` off, `1` on), else on.
+fn mixed_steps(config: &EngineConfig) -> bool {
+    let env = std::env::var("KVSTORE_MIXED_STEPS").ok();
+    config.mixed_steps.unwrap_or(env.as_deref() != Some("0"))
 }
 
 /// An empty decode batch, with the batch arena as `config` (or `KVSTORE_BATCH_ARENA`) says.

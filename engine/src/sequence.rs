@@ -163,7 +163,7 @@ impl Sequence {
         max_chunk: usize,
     ) -> Result<(usize, Option<mlx::Array>)> {
         let held = cache.offset();
-        let chunk = aligned_chunk(held, self.params.prefill_chunk.clamp(1, max_chunk.max(1)));
+        let chunk = self.chunk_len(held, max_chunk);
         let rest = self.prompt.get(held..).unwrap_or_default();
         let t = Instant::now();
         let result = if rest.len() > chunk {
@@ -173,6 +173,12 @@ impl Sequence {
         };
         self.prefill_s += t.elapsed().as_secs_f64();
         Ok((rest.len().min(chunk), result?))
+    }
+
+    /// Tokens of the next prefill chunk after `held` prompt tokens: at most `max_chunk` and
+    /// the request's own `prefill_chunk`, ending on a multiple of the latter.
+    fn chunk_len(&self, held: usize, max_chunk: usize) -> usize {
+        aligned_chunk(held, self.params.prefill_chunk.clamp(1, max_chunk.max(1)))
     }
 
     /// The first token, picked from the prompt's last `logits` and read now (it is the
@@ -455,8 +461,15 @@ pub(crate) fn decode_step(
             pick_rows(seqs, &all)?;
         }
     }
+    let arrays = launched_arrays(seqs)?;
+    mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
+    Ok(true)
+}
+
+/// The arrays of every pick a step launched, to evaluate: a step makes at most one batch
+/// of greedy picks, whose arrays are queued once.
+fn launched_arrays(seqs: &[&mut Sequence]) -> Result<Vec<mlx::Array>> {
     let mut arrays = Vec::new();
-    // A step makes at most one batch of greedy picks: its arrays are queued once.
     let mut batch_queued = false;
     for s in seqs.iter() {
         if let Some(pick) = &s.launched {
@@ -466,8 +479,63 @@ pub(crate) fn decode_step(
             arrays.extend(pick.arrays()?);
         }
     }
+    Ok(arrays)
+}
+
+/// A prefill chunk to run inside a decode step ([`decode_step_mixed`]): the next chunk (at
+/// most `max_chunk` tokens) of `seq`'s prompt after what `cache` holds.
+pub(crate) struct ChunkJob<'a> {
+    pub(crate) seq: &'a mut Sequence,
+    pub(crate) cache: &'a mut dyn KvCache,
+    pub(crate) max_chunk: usize,
+}
+
+/// [`decode_step`] over the engine's `rows` with the next prefill chunk of `job` in the
+/// same forward pass ([`Model::forward_mixed`]: the weights read once, not twice).
+/// Returns the prompt tokens the chunk ran and, when it ended the prompt, its last logits
+/// (the first pick is the caller's, as after [`Sequence::prefill_step`]); `None` when no
+/// mixed step was queued (no row needs a step, or the model has no mixed pass for this
+/// cache): nothing changed, and the caller runs the two steps apart.
+pub(crate) fn decode_step_mixed(
+    model: &Model,
+    seqs: &mut [&mut Sequence],
+    rows: &mut PagedKvRows,
+    job: ChunkJob<'_>,
+) -> Result<Option<(usize, Option<mlx::Array>)>> {
+    if seqs.len() != rows.len() || !seqs.iter().any(|s| s.needs_step()) {
+        return Ok(None);
+    }
+    let ChunkJob {
+        seq,
+        cache,
+        max_chunk,
+    } = job;
+    let held = cache.offset();
+    let rest = seq.prompt.get(held..).unwrap_or_default();
+    if rest.is_empty() {
+        return Ok(None);
+    }
+    let n = rest.len().min(seq.chunk_len(held, max_chunk));
+    let ends_prompt = n == rest.len();
+    let t = Instant::now();
+    let mut tokens = Vec::with_capacity(seqs.len());
+    for s in seqs.iter_mut() {
+        tokens.push(s.input()?);
+    }
+    let refs: Vec<&mlx::Array> = tokens.iter().collect();
+    let ids = mlx::ops::concatenate(&refs, 0)?;
+    let Some(step) = model.forward_mixed(&ids, rows, &rest[..n], cache)? else {
+        return Ok(None);
+    };
+    pick_rows(seqs, &step.rows_logits)?;
+    let mut arrays = launched_arrays(seqs)?;
+    // The chunk's keys and values are computed with the step; its last logits only when
+    // the first pick needs them.
+    let logits = ends_prompt.then_some(step.prompt_logits);
+    arrays.push(logits.clone().unwrap_or(step.prompt_hidden));
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
-    Ok(true)
+    seq.prefill_s += t.elapsed().as_secs_f64();
+    Ok(Some((n, logits)))
 }
 
 /// Queues each sequence's pick from its own `logits` (`[vocab]` each).

@@ -3,9 +3,10 @@
 //!
 //! - **interleave**: `--streams` requests decode while one `--long-prompt`-token prompt
 //!   arrives (a second round, after one that compiles every shape). Reports the streams' inter-token latency (ITL) P50/P99 before the long prompt
-//!   and while it is prefilled, with chunked prefill (`--prefill-chunk`) and with the whole
-//!   prompt prefilled in one step (the engine before chunked prefill): the ratio of the two
-//!   P99s is how much a long prompt stalls running streams.
+//!   and while it is prefilled: with the chunk sized to the step budget (`--itl-stretch`,
+//!   the engine's default), with a fixed chunk (`--prefill-chunk`), and with the whole
+//!   prompt prefilled in one step (the engine before chunked prefill): the ratio of the
+//!   two P99s is how much a long prompt stalls running streams.
 //! - **sessions**: `--sessions` concurrent multi-turn sessions of `--turns` turns; each turn
 //!   sends the previous prompt, its reply and `--new-tokens` new tokens. Reports throughput,
 //!   TTFT and ITL P50/P99 and the share of prompt tokens served from the prefix cache from
@@ -21,7 +22,7 @@
 //! template on either side).
 
 use std::path::PathBuf;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -52,6 +53,11 @@ pub struct Args {
     /// Prompt tokens prefilled per engine step while rows decode (the chunked arm).
     #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK)]
     prefill_chunk: usize,
+    /// The engine's step budget, as `kvstore serve --itl-stretch` (the sessions part and
+    /// the interleave's first arm); the interleave's budgeted arm takes it, or 1.5 with
+    /// `none`.
+    #[arg(long, value_name = "X|none", default_value = "none", value_parser = crate::serve::parse_itl_stretch)]
+    itl_stretch: crate::serve::ItlStretch,
     /// Concurrent sessions of the sessions part (0 skips it).
     #[arg(long, default_value_t = 16)]
     sessions: usize,
@@ -110,11 +116,16 @@ pub(crate) const STEP_LOG: usize = 200_000;
 #[derive(Debug, Serialize)]
 struct InterleaveArm {
     prefill_chunk: usize,
-    /// ITL of the streams before the long prompt arrived.
-    itl_before: Quantiles,
+    /// The engine's step budget ([`EngineConfig::itl_stretch`]); null: a fixed chunk.
+    itl_stretch: Option<f64>,
+    /// Whether the chunk ran in the decode pass ([`EngineConfig::mixed_steps`]).
+    mixed_steps: bool,
+    /// ITL of the streams without the long prompt: before it arrived and after its first
+    /// token.
+    itl_without: Quantiles,
     /// ITL of the streams' tokens that arrived while the long prompt was prefilled.
     itl_during: Quantiles,
-    /// itl_during.p99 / itl_before.p99.
+    /// itl_during.p99 / itl_without.p99.
     p99_ratio: f64,
     /// TTFT of the long prompt, seconds.
     long_ttft_s: f64,
@@ -324,7 +335,45 @@ fn run_request_with(
     bail!("the engine ended the request without finishing it")
 }
 
-fn open_engine(args: &Args, prefill_chunk: usize, max_batch: usize) -> Result<(Engine, u32)> {
+/// How an interleave arm's engine schedules prefill among decoding rows.
+#[derive(Clone, Copy, Debug)]
+struct Schedule {
+    prefill_chunk: usize,
+    itl_stretch: Option<f64>,
+    /// `None`: the engine's default (`KVSTORE_MIXED_STEPS` when set, else on).
+    mixed_steps: Option<bool>,
+}
+
+impl Schedule {
+    /// What `kvstore serve` does with these arguments.
+    fn served(args: &Args) -> Self {
+        Schedule {
+            prefill_chunk: args.prefill_chunk,
+            itl_stretch: args.itl_stretch,
+            mixed_steps: None,
+        }
+    }
+
+    fn name(&self) -> String {
+        let pass = match self.mixed_steps {
+            Some(false) => "in passes of its own",
+            Some(true) => "in the decode pass",
+            None => "as the engine runs it",
+        };
+        match (self.prefill_chunk, self.itl_stretch) {
+            (usize::MAX, _) => "whole prompt".into(),
+            (c, Some(x)) => format!("at most {c} {pass}, steps within {x}x"),
+            (c, None) => format!("{c} {pass}"),
+        }
+    }
+}
+
+fn open_engine(args: &Args, schedule: Schedule, max_batch: usize) -> Result<(Engine, u32)> {
+    let Schedule {
+        prefill_chunk,
+        itl_stretch,
+        mixed_steps,
+    } = schedule;
     let (model, tokenizer) = args.model.load()?;
     let prefix = args.cache.open(&model, &tokenizer)?;
     let engine = Engine::open(
@@ -335,6 +384,8 @@ fn open_engine(args: &Args, prefill_chunk: usize, max_batch: usize) -> Result<(E
             max_batch,
             kv_budget_bytes: args.cache.kv_budget_bytes()?,
             prefill_chunk,
+            itl_stretch,
+            mixed_steps,
             // Where the engine thread's time goes ([`StepSummary`]).
             step_log: STEP_LOG,
             ..EngineConfig::default()
@@ -352,13 +403,16 @@ fn open_engine(args: &Args, prefill_chunk: usize, max_batch: usize) -> Result<(E
 /// Streams decode; once each has produced a few tokens the long prompt arrives. The round
 /// runs twice in one engine and the first is thrown away: every batch size and prefill
 /// shape is compiled by then (MLX compiles kernels on first use of a shape).
-fn interleave(args: &Args, prefill_chunk: usize, arm: u32) -> Result<InterleaveArm> {
-    let (engine, vocab) = open_engine(args, prefill_chunk, args.streams + 1)?;
+fn interleave(args: &Args, schedule: Schedule, arm: u32) -> Result<InterleaveArm> {
+    let prefill_chunk = schedule.prefill_chunk;
+    let (engine, vocab) = open_engine(args, schedule, args.streams + 1)?;
     let engine = Arc::new(engine);
     // The arms share the store: their prompts must differ, or a later arm restores what an
     // earlier one prefilled.
     round(args, &engine, vocab, prefill_chunk, 2 * arm)?;
-    let arm = round(args, &engine, vocab, prefill_chunk, 2 * arm + 1)?;
+    let mut arm = round(args, &engine, vocab, prefill_chunk, 2 * arm + 1)?;
+    arm.itl_stretch = schedule.itl_stretch;
+    arm.mixed_steps = schedule.mixed_steps.unwrap_or(true);
     if let Ok(engine) = Arc::try_unwrap(engine) {
         engine.shutdown(false).context("shutting the engine down")?;
     }
@@ -373,28 +427,41 @@ fn round(
     prefill_chunk: usize,
     round: u32,
 ) -> Result<InterleaveArm> {
-    let warm = Arc::new(Barrier::new(args.streams + 1));
+    // Streams count themselves in at their eighth token and read on without waiting (a
+    // stream that waited would record the wait as a gap); the long prompt comes once all
+    // have.
+    let warm = Arc::new((Mutex::new(0usize), Condvar::new()));
     let mut threads = Vec::new();
     for s in 0..args.streams {
         let (engine, warm) = (engine.clone(), warm.clone());
         let n = args.stream_tokens;
         let seed = 1 + s as u32 + 100 * round;
         threads.push(std::thread::spawn(move || -> Result<Timed> {
-            // Eight tokens in, the stream waits for the others; then the long prompt comes.
-            let mut waited = false;
+            let count_in = || {
+                let (count, cv) = &*warm;
+                *count.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+                cv.notify_all();
+            };
+            let mut counted = false;
             let t = run_request_with(&engine, ids(64, seed, vocab), n, prefill_chunk, |k| {
                 if k == 8 {
-                    warm.wait();
-                    waited = true;
+                    count_in();
+                    counted = true;
                 }
-            })?;
-            if !waited {
-                warm.wait();
+            });
+            if !counted {
+                count_in();
             }
-            Ok(t)
+            t
         }));
     }
-    warm.wait();
+    {
+        let (count, cv) = &*warm;
+        let mut n = count.lock().unwrap_or_else(|e| e.into_inner());
+        while *n < args.streams {
+            n = cv.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+    }
     let long = run_request(
         engine,
         ids(args.long_prompt, 0xABCD + round, vocab),
@@ -405,27 +472,37 @@ fn round(
     let Some(end) = end else {
         bail!("the long prompt produced no token");
     };
-    let (mut before, mut during) = (Vec::new(), Vec::new());
+    let (mut without, mut during) = (Vec::new(), Vec::new());
     for t in threads {
         let t = t
             .join()
             .map_err(|_| anyhow::anyhow!("a stream thread panicked"))??;
         // From the third token on: the first gaps include the other streams' admission.
+        // Gaps wholly before the long prompt arrived or after its first token are the
+        // streams without it; the others overlap its prefill.
         for w in t.arrivals.windows(2).skip(2) {
             let gap = (w[1] - w[0]).as_secs_f64();
-            if w[1] <= start {
-                before.push(gap);
-            } else if w[0] < end {
+            if w[1] <= start || w[0] >= end {
+                without.push(gap);
+            } else {
                 during.push(gap);
             }
         }
     }
-    let (itl_before, itl_during) = (quantiles(&before), quantiles(&during));
+    if without.is_empty() || during.is_empty() {
+        bail!(
+            "the streams' tokens did not cover the long prompt's prefill and a time without \
+             it: raise --stream-tokens"
+        );
+    }
+    let (itl_without, itl_during) = (quantiles(&without), quantiles(&during));
     Ok(InterleaveArm {
         prefill_chunk,
-        itl_before,
+        itl_stretch: None,
+        mixed_steps: false,
+        itl_without,
         itl_during,
-        p99_ratio: itl_during.p99 / itl_before.p99.max(1e-9),
+        p99_ratio: itl_during.p99 / itl_without.p99.max(1e-9),
         long_ttft_s: (end - start).as_secs_f64(),
     })
 }
@@ -433,7 +510,7 @@ fn round(
 /// Concurrent multi-turn sessions, after one unmeasured session of the same shape (compiles
 /// the kernels of the shapes it meets).
 fn sessions(args: &Args) -> Result<Sessions> {
-    let (engine, vocab) = open_engine(args, args.prefill_chunk, args.max_batch)?;
+    let (engine, vocab) = open_engine(args, Schedule::served(args), args.max_batch)?;
     let engine = Arc::new(engine);
     let mut prompt = ids(args.first_prompt, 999, vocab);
     for turn in 0..args.turns {
@@ -632,6 +709,8 @@ fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
         args.max_batch.to_string(),
         "--prefill-chunk".into(),
         args.prefill_chunk.to_string(),
+        "--itl-stretch".into(),
+        args.itl_stretch.map_or("none".into(), |x| x.to_string()),
         "--kv-budget".into(),
         args.cache.kv_budget.clone(),
     ];
@@ -671,20 +750,41 @@ pub fn run(mut args: Args) -> Result<()> {
         args.cache.store = Some(scratch.path().to_path_buf());
     }
     let model = args.model.path()?.display().to_string();
-    // The whole prompt in one step is what the engine did before chunked prefill.
+    // Arms: what `serve` does, the chunk in the decode pass sized to a step budget, the
+    // fixed chunk in passes of its own (the engine before mixed steps), and the whole
+    // prompt in one step (before chunked prefill).
     let mut interleave_arms = Vec::new();
-    let in_process = if args.http_only {
-        vec![]
-    } else {
-        vec![args.prefill_chunk, usize::MAX]
-    };
-    for (i, chunk) in in_process.into_iter().enumerate() {
-        let arm = interleave(&args, chunk, i as u32)?;
+    let mut in_process = Vec::new();
+    if !args.http_only {
+        let served = Schedule::served(&args);
+        let fixed = Schedule {
+            itl_stretch: None,
+            mixed_steps: Some(true),
+            ..served
+        };
+        in_process.push(served);
+        in_process.push(Schedule {
+            itl_stretch: Some(args.itl_stretch.unwrap_or(engine::SUGGESTED_ITL_STRETCH)),
+            ..fixed
+        });
+        in_process.push(Schedule {
+            mixed_steps: Some(false),
+            ..fixed
+        });
+        in_process.push(Schedule {
+            prefill_chunk: usize::MAX,
+            mixed_steps: Some(false),
+            ..fixed
+        });
+    }
+    for (i, schedule) in in_process.into_iter().enumerate() {
+        let arm = interleave(&args, schedule, i as u32)?;
+        let name = schedule.name();
         eprintln!(
-            "interleave, prefill chunk {}: {} streams' ITL P99 {:.1} ms before, {:.1} ms while a {}-token prompt prefills ({:.2}x); its TTFT {:.2} s",
-            if chunk == usize::MAX { "whole prompt".to_string() } else { chunk.to_string() },
+            "interleave, prefill chunk {}: {} streams' ITL P99 {:.1} ms without it, {:.1} ms while a {}-token prompt prefills ({:.2}x); its TTFT {:.2} s",
+            name,
             args.streams,
-            arm.itl_before.p99 * 1e3,
+            arm.itl_without.p99 * 1e3,
             arm.itl_during.p99 * 1e3,
             args.long_prompt,
             arm.p99_ratio,

@@ -475,3 +475,97 @@ fn an_engine_with_a_batch_arena_keeps_its_device_kv_within_the_kv_budget() {
         m.kv_device_peak_bytes
     );
 }
+
+/// A mixed step ([`Model::forward_mixed`]: a decode step of the rows and a prefill chunk
+/// of another prompt in one forward pass) gives what the two give apart: each row's logits
+/// within the batched bound, and the chunk's last logits and every cache's keys and values
+/// within float rounding. Two mixed steps: a chunk that does not end its prompt, then one
+/// that does.
+fn mixed_step_matches_the_two_apart(name: &str) {
+    let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
+    let mut mixed_rows = PagedKvRows::new();
+    let mut apart_rows = PagedKvRows::new();
+    let mut last = Vec::new();
+    for p in prompts() {
+        let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+        let logits = model.prefill(&p, &mut c, DEFAULT_PREFILL_CHUNK).unwrap();
+        last.push(argmax(&logits.to_vec::<f32>().unwrap()));
+        apart_rows.push(c.clone()).unwrap();
+        mixed_rows.push(c).unwrap();
+    }
+    // A prompt of 70 tokens, 20 of them cached: chunks of 33 and 17 tokens after them.
+    let prompt: Vec<u32> = (0..70u32).map(|i| (i * 7919 + 11) % 250 + 3).collect();
+    let mut mixed_cache = model.empty_cache(PagedConfig::default()).unwrap();
+    model
+        .prefill(&prompt[..20], &mut mixed_cache, DEFAULT_PREFILL_CHUNK)
+        .unwrap();
+    let mut apart_cache = mixed_cache.clone();
+    for (from, to) in [(20, 53), (53, 70)] {
+        let chunk = &prompt[from..to];
+        let ids = mlx::Array::from_slice(&last, &[last.len() as i32]).unwrap();
+        let step = model
+            .forward_mixed(&ids, &mut mixed_rows, chunk, &mut mixed_cache)
+            .unwrap()
+            .expect("this family has a mixed pass");
+        let rows: Vec<f32> = step.rows_logits.to_vec().unwrap();
+        let want_rows: Vec<f32> = model
+            .forward_rows(&last, &mut apart_rows)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let got: Vec<f32> = step.prompt_logits.to_vec().unwrap();
+        let want: Vec<f32> = model
+            .forward(chunk, &mut apart_cache)
+            .unwrap()
+            .to_vec()
+            .unwrap();
+        let vocab = want.len();
+        for (b, (g, w)) in rows.chunks(vocab).zip(want_rows.chunks(vocab)).enumerate() {
+            let gap = max_diff(g, w);
+            assert!(gap < logit_tol(1e-4, w), "{name}: row {b} differs by {gap}");
+        }
+        let gap = max_diff(&got, &want);
+        assert!(
+            gap < logit_tol(1e-4, &want),
+            "{name}: chunk logits differ by {gap}"
+        );
+        last = want_rows.chunks(vocab).map(argmax).collect();
+    }
+    assert_kv_close(&mixed_cache, &apart_cache);
+    let keep: Vec<usize> = (0..prompts().len()).collect();
+    let got = mixed_rows.filter(&keep).unwrap();
+    let want = apart_rows.filter(&keep).unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        assert_kv_close(g, w);
+    }
+}
+
+#[test]
+fn a_mixed_step_matches_the_two_apart_llama() {
+    mixed_step_matches_the_two_apart("tiny-llama");
+}
+
+#[test]
+fn a_mixed_step_matches_the_two_apart_qwen3() {
+    mixed_step_matches_the_two_apart("tiny-qwen3");
+}
+
+/// A family without a mixed pass (a hybrid) says so and changes nothing.
+#[test]
+fn a_hybrid_has_no_mixed_pass_and_is_left_unchanged() {
+    let (model, _) = load(&goldens().join("tiny-lfm2"), &LoadOptions::default()).unwrap();
+    let mut rows = PagedKvRows::new();
+    let mut c = model.empty_cache(PagedConfig::default()).unwrap();
+    model
+        .prefill(&[5, 6, 7], &mut c, DEFAULT_PREFILL_CHUNK)
+        .unwrap();
+    rows.push(c).unwrap();
+    let mut cache = model.empty_cache(PagedConfig::default()).unwrap();
+    let ids = mlx::Array::from_slice(&[9u32], &[1]).unwrap();
+    let step = model
+        .forward_mixed(&ids, &mut rows, &[3, 4, 5], &mut cache)
+        .unwrap();
+    assert!(step.is_none());
+    assert_eq!(cache.offset(), 0);
+    assert_eq!(rows.row(0).unwrap().offset(), 3);
+}

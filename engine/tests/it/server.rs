@@ -1063,13 +1063,50 @@ fn no_eos(max_tokens: usize) -> GenerateParams {
 /// step log, not from timing).
 #[test]
 fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
+    let (chunk, long) = (16, 300);
+    let steps = long_prompt_among_rows(chunk, None, long);
+    assert_eq!(steps.len(), long.div_ceil(chunk), "{steps:?}");
+}
+
+/// With the step budget on, the chunk sizes follow measured step times: whatever they are,
+/// the long prompt is prefilled once, no step takes more than `prefill_chunk` of it, and
+/// both rows advance in every one of its steps.
+#[test]
+fn a_budgeted_chunk_stays_within_the_prefill_chunk() {
+    long_prompt_among_rows(64, Some(1.5), 400);
+}
+
+/// An engine refuses a step budget that is not a multiple above 1.
+#[test]
+fn an_itl_stretch_of_one_or_less_is_refused() {
+    for bad in [1.0, 0.5, f64::NAN] {
+        let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+        let config = EngineConfig {
+            itl_stretch: Some(bad),
+            ..EngineConfig::default()
+        };
+        let Err(e) = Engine::open(model, tok, None, config) else {
+            panic!("itl_stretch {bad} accepted");
+        };
+        assert!(e.to_string().contains("itl_stretch"), "{bad}: {e}");
+    }
+}
+
+/// Two rows decode while a `long`-token prompt arrives; returns the steps that prefilled
+/// it, after checking that every prompt token was prefilled once, no step ran more than
+/// `chunk` of them and both rows decoded in each.
+fn long_prompt_among_rows(
+    chunk: usize,
+    itl_stretch: Option<f64>,
+    long: usize,
+) -> Vec<engine::StepRecord> {
     let dir = tempfile::tempdir().unwrap();
-    let chunk = 16;
     let engine = open_engine(
         dir.path(),
         EngineConfig {
             max_batch: 4,
             prefill_chunk: chunk,
+            itl_stretch,
             step_log: 100_000,
             ..EngineConfig::default()
         },
@@ -1091,9 +1128,8 @@ fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
         .unwrap();
     first_token(&mut a);
     first_token(&mut b);
-    let long = 300;
     let c = engine
-        .submit(Request::new(ids(long, 3), params(2)))
+        .submit(Request::new(ids(long as u32, 3), params(2)))
         .unwrap();
     let c_id = c.id();
     let done = c.wait().unwrap();
@@ -1104,19 +1140,11 @@ fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
 
     let log = engine.step_log();
     let c_steps: Vec<_> = log
-        .iter()
+        .into_iter()
         .filter(|s| s.prefilled.is_some_and(|(id, _)| id == c_id))
         .collect();
     let prefilled: usize = c_steps.iter().map(|s| s.prefilled.unwrap().1).sum();
-    assert_eq!(
-        prefilled, long as usize,
-        "every prompt token prefilled once"
-    );
-    assert_eq!(
-        c_steps.len(),
-        (long as usize).div_ceil(chunk),
-        "{c_steps:?}"
-    );
+    assert_eq!(prefilled, long, "every prompt token prefilled once");
     for s in &c_steps {
         assert!(s.prefilled.unwrap().1 <= chunk, "{s:?}");
         for row in [a.id(), b.id()] {
@@ -1126,6 +1154,7 @@ fn a_long_prompt_is_prefilled_a_chunk_per_step_while_rows_decode() {
             );
         }
     }
+    c_steps
 }
 
 /// Token ids and the completion of a request run to its end.

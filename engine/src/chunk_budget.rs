@@ -1,0 +1,200 @@
+//! [`ChunkBudget`]: how many prompt tokens an engine step prefills while rows decode.
+//!
+//! A step that carries a prefill chunk delays every decoding row by that chunk's cost. With
+//! a fixed chunk the delay is whatever the chunk costs on this machine and model: on the
+//! CPU a 512-token chunk of SmolLM2 takes several decode steps, so a long prompt arriving
+//! triples the running streams' inter-token latency (docs/benchmarks.md). As Sarathi-Serve
+//! does, the budget here is time, learned from the engine's own steps: a step with a chunk
+//! may take at most `stretch` times a decode-only step, and the chunk is the largest that
+//! the measured chunk cost says fits (a power of two, so chunk starts stay aligned).
+//!
+//! Two limits keep prefill from crawling: where a chunk's fixed cost (its pass over the
+//! layers, whatever its tokens; the H200's case) alone exceeds the budget, shrinking cannot
+//! help and the full chunk runs; and a chunk is never so small that its fixed cost is more
+//! than half of it (at most 2x the prefill time per token while rows decode).
+
+use crate::cost_model::{Fit, Measure};
+
+/// The smallest chunk the budget picks (a pass of fewer tokens is mostly its fixed cost).
+pub(crate) const MIN_CHUNK: usize = 16;
+
+/// Weight of the newest decode-only step in the running estimate of its time.
+const DECODE_WEIGHT: f64 = 0.25;
+
+/// The chunk budget of one engine: its setting and what it has measured.
+#[derive(Debug)]
+pub(crate) struct ChunkBudget {
+    /// A step with a chunk may take this multiple of a decode-only step; `None` always
+    /// runs the engine's whole `prefill_chunk`.
+    stretch: Option<f64>,
+    /// Running estimate of a decode-only step's seconds.
+    decode_s: Option<f64>,
+    /// What a chunk adds to a step: seconds beyond the decode estimate for n prompt tokens
+    /// after c cached ones.
+    chunks: Measure,
+}
+
+impl ChunkBudget {
+    /// A budget of `stretch` times a decode-only step (`None`: no budget).
+    pub(crate) fn new(stretch: Option<f64>) -> Self {
+        ChunkBudget {
+            stretch: stretch.filter(|s| s.is_finite() && *s > 1.0),
+            decode_s: None,
+            chunks: Measure::default(),
+        }
+    }
+
+    /// A step that decoded and prefilled nothing took `seconds`.
+    pub(crate) fn observe_decode(&mut self, seconds: f64) {
+        if !(seconds.is_finite() && seconds > 0.0) {
+            return;
+        }
+        self.decode_s = Some(match self.decode_s {
+            Some(d) => d + DECODE_WEIGHT * (seconds - d),
+            None => seconds,
+        });
+    }
+
+    /// A step that decoded and prefilled `tokens` after `cached` took `seconds`.
+    pub(crate) fn observe_chunk(&mut self, tokens: usize, cached: usize, seconds: f64) {
+        if let Some(d) = self.decode_s {
+            self.chunks.record(tokens, cached, (seconds - d).max(1e-6));
+        }
+    }
+
+    /// The most prompt tokens a step prefills after `cached` while rows decode, at most
+    /// `ceiling` (the engine's `prefill_chunk`).
+    pub(crate) fn most(&self, cached: usize, ceiling: usize) -> usize {
+        // Chunks all of one size cannot tell a fixed cost from a cost per token: read them
+        // as per token, so the next chunk is smaller and the fit then separates the two.
+        match (
+            self.stretch,
+            self.decode_s,
+            self.chunks.fit_or_per_unit(true),
+        ) {
+            (Some(stretch), Some(decode_s), Some(fit)) => {
+                chunk_within(&fit, cached, (stretch - 1.0) * decode_s, ceiling)
+            }
+            _ => ceiling,
+        }
+    }
+}
+
+/// The largest power-of-two chunk (at least [`MIN_CHUNK`], at most `ceiling`) whose cost
+/// after `cached` tokens, by `fit`, is at most `budget_s`; `ceiling` where the fixed cost
+/// alone is over the budget; never one whose fixed cost is over half of it.
+pub(crate) fn chunk_within(fit: &Fit, cached: usize, budget_s: f64, ceiling: usize) -> usize {
+    let ceiling = ceiling.max(1);
+    if fit.fixed_s >= budget_s || ceiling <= MIN_CHUNK {
+        return ceiling;
+    }
+    let cost = |n: usize| fit.seconds(n, cached);
+    let mut n = MIN_CHUNK;
+    while n * 2 <= ceiling && cost(n * 2) <= budget_s {
+        n *= 2;
+    }
+    // Half of a chunk's time at least goes to its tokens.
+    while n * 2 <= ceiling && cost(n) < 2.0 * fit.fixed_s {
+        n *= 2;
+    }
+    if n * 2 > ceiling && cost(ceiling) <= budget_s {
+        return ceiling;
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fit(fixed_s: f64, per_unit_s: f64) -> Fit {
+        Fit {
+            fixed_s,
+            per_unit_s,
+            per_position_s: 0.0,
+        }
+    }
+
+    #[test]
+    fn the_chunk_is_the_largest_power_of_two_within_the_budget() {
+        // 1 ms fixed + 1 ms a token, 100 ms of budget: 64 tokens cost 65 ms, 128 cost 129.
+        assert_eq!(chunk_within(&fit(0.001, 0.001), 0, 0.100, 512), 64);
+        // Everything fits: the ceiling, even when it is not a power of two.
+        assert_eq!(chunk_within(&fit(0.001, 0.0001), 0, 1.0, 500), 500);
+        // Nothing fits: the smallest chunk.
+        assert_eq!(chunk_within(&fit(0.001, 0.01), 0, 0.05, 512), MIN_CHUNK);
+    }
+
+    #[test]
+    fn a_fixed_cost_over_the_budget_keeps_the_whole_chunk() {
+        // A pass costs 40 ms whatever its tokens, the budget is 10 ms: shrinking cannot help.
+        assert_eq!(chunk_within(&fit(0.040, 0.00001), 0, 0.010, 512), 512);
+    }
+
+    #[test]
+    fn a_chunk_is_never_mostly_its_fixed_cost() {
+        // 20 ms fixed, 0.5 ms a token, 30 ms budget: 16 tokens would fit (28 ms) but spend
+        // 71 % of it on the fixed cost; 64 tokens are the first with half on their tokens.
+        assert_eq!(chunk_within(&fit(0.020, 0.0005), 0, 0.030, 512), 64);
+    }
+
+    #[test]
+    fn attention_over_the_cached_context_shrinks_the_chunk() {
+        let f = Fit {
+            fixed_s: 0.0,
+            per_unit_s: 0.001,
+            per_position_s: 1e-6,
+        };
+        // After 0 cached: 64 tokens cost 66 ms; after 4,096 cached they cost 328 ms.
+        assert_eq!(chunk_within(&f, 0, 0.100, 512), 64);
+        assert_eq!(chunk_within(&f, 4096, 0.100, 512), 16);
+    }
+
+    #[test]
+    fn without_a_stretch_or_measurements_the_ceiling_runs() {
+        let mut b = ChunkBudget::new(None);
+        b.observe_decode(0.1);
+        b.observe_chunk(512, 0, 0.74);
+        assert_eq!(b.most(0, 512), 512);
+        let mut b = ChunkBudget::new(Some(1.5));
+        assert_eq!(b.most(0, 512), 512, "no decode step measured yet");
+        b.observe_decode(0.1);
+        assert_eq!(b.most(0, 512), 512, "no chunk measured yet");
+        // 512 tokens added 0.64 s to a 0.1 s step: through the origin, 1.25 ms a token;
+        // the budget is 50 ms: 32 tokens.
+        b.observe_chunk(512, 0, 0.74);
+        assert_eq!(b.most(0, 512), 32);
+        // A stretch of 1 or less (or not finite) is no budget.
+        assert_eq!(ChunkBudget::new(Some(1.0)).stretch, None);
+        assert_eq!(ChunkBudget::new(Some(f64::NAN)).stretch, None);
+    }
+
+    #[test]
+    fn chunks_of_one_size_are_read_as_cost_per_token_until_another_size_runs() {
+        let mut b = ChunkBudget::new(Some(1.5));
+        b.observe_decode(0.1);
+        // 512-token chunks after growing contexts, each 0.5 s: a fixed cost and a cost per
+        // attended position would explain them as well; per token it is 0.98 ms, so the
+        // 50 ms budget takes 32 tokens.
+        for c in [0, 512, 1024, 1536] {
+            b.observe_chunk(512, c, 0.6);
+        }
+        assert_eq!(b.most(2048, 512), 32);
+        // A 32-token chunk then costs 40 ms: about 9 ms fixed and 0.96 ms a token fit both
+        // sizes, so 64 tokens would take 70 ms: 32 stays.
+        b.observe_chunk(32, 2048, 0.14);
+        assert_eq!(b.most(2048, 512), 32);
+    }
+
+    #[test]
+    fn the_decode_estimate_follows_recent_steps() {
+        let mut b = ChunkBudget::new(Some(2.0));
+        b.observe_decode(0.1);
+        b.observe_decode(0.2);
+        let d = b.decode_s.unwrap();
+        assert!((d - 0.125).abs() < 1e-12, "{d}");
+        b.observe_decode(f64::NAN);
+        b.observe_decode(-1.0);
+        assert_eq!(b.decode_s, Some(d));
+    }
+}
