@@ -3,11 +3,11 @@
 use std::path::Path;
 use std::process::Command;
 
-/// Both interleave arms and the sessions part run and report; sessions reuse their earlier
+/// Every interleave arm and the sessions part run and report; sessions reuse their earlier
 /// turns (every turn after the first extends the previous prompt and reply, so almost all
 /// of its prompt comes from the prefix cache); bad arguments are refused with a message.
 #[test]
-fn bench_serve_reports_both_arms_and_the_sessions_hit_share() {
+fn bench_serve_reports_every_arm_and_the_sessions_hit_share() {
     let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("serve.json");
@@ -45,11 +45,30 @@ fn bench_serve_reports_both_arms_and_the_sessions_hit_share() {
         String::from_utf8_lossy(&out.stderr)
     );
     let r: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    // As served (the chunk in the decode pass), budgeted (1.5 when --itl-stretch is none),
+    // the chunk in a pass of its own, the whole prompt.
     let arms = r["interleave"].as_array().unwrap();
-    assert_eq!(arms.len(), 2);
-    assert_eq!(arms[0]["prefill_chunk"], 16);
-    assert_eq!(arms[1]["prefill_chunk"], u64::MAX);
+    let schedules: Vec<(u64, Option<f64>, bool)> = arms
+        .iter()
+        .map(|a| {
+            (
+                a["prefill_chunk"].as_u64().unwrap(),
+                a["itl_stretch"].as_f64(),
+                a["mixed_steps"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        schedules,
+        [
+            (16, None, true),
+            (16, Some(1.5), true),
+            (16, None, false),
+            (u64::MAX, None, false)
+        ]
+    );
     for arm in arms {
+        assert!(arm["itl_without"]["n"].as_u64().unwrap() > 0, "{arm}");
         assert!(arm["itl_during"]["n"].as_u64().unwrap() > 0, "{arm}");
         assert!(arm["long_ttft_s"].as_f64().unwrap() > 0.0, "{arm}");
     }
