@@ -1,9 +1,10 @@
 //! A running `kvstore serve` (or any OpenAI-compatible server that takes token-id prompts)
 //! as a replay target: `POST /v1/completions` with the prompt as token ids, streamed (SSE)
-//! so the first token's arrival is seen, `logprobs: 0` so that every token gets its own
-//! event (the server holds back tokens whose text is not complete yet otherwise), and
-//! `stream_options.include_usage` for the cached-token count. Plain HTTP/1.1 over one
-//! connection per request (`Connection: close`), so no client library is needed.
+//! so the first text's arrival is seen (TTFT, as AIPerf and other clients measure it), and
+//! `stream_options.include_usage` for the token counts. No `logprobs`: a client of a trace
+//! does not ask for them, and they cost the server a log-softmax and a read per token and
+//! keep a greedy row out of the batch's shared pick. Plain HTTP/1.1 over one connection
+//! per request (`Connection: close`), so no client library is needed.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -232,7 +233,7 @@ pub struct Streamed {
 
 impl Target for HttpTarget {
     fn send(&self, prompt: Vec<u32>, max_tokens: usize) -> Outcome {
-        self.stream_completion(json!(prompt), max_tokens, true)
+        self.stream_completion(json!(prompt), max_tokens, false)
             .map(|s| s.outcome)
             .unwrap_or_else(|e| Outcome::failed(format!("{e:#}")))
     }
