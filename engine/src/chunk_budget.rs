@@ -62,6 +62,12 @@ impl ChunkBudget {
         }
     }
 
+    /// What a step of `seconds` that decoded and ran a chunk spent beyond a decode-only
+    /// step (all of it before a decode-only step was measured): the chunk's share.
+    pub(crate) fn beyond_decode(&self, seconds: f64) -> f64 {
+        (seconds - self.decode_s.unwrap_or(0.0)).max(0.0)
+    }
+
     /// The most prompt tokens a step prefills after `cached` while rows decode, at most
     /// `ceiling` (the engine's `prefill_chunk`).
     pub(crate) fn most(&self, cached: usize, ceiling: usize) -> usize {
@@ -184,6 +190,19 @@ mod tests {
         // sizes, so 64 tokens would take 70 ms: 32 stays.
         b.observe_chunk(32, 2048, 0.14);
         assert_eq!(b.most(2048, 512), 32);
+    }
+
+    #[test]
+    fn a_chunk_is_charged_what_its_step_took_beyond_a_decode_step() {
+        let mut b = ChunkBudget::new(None);
+        assert_eq!(
+            b.beyond_decode(0.3),
+            0.3,
+            "no decode step measured: all of it"
+        );
+        b.observe_decode(0.1);
+        assert!((b.beyond_decode(0.3) - 0.2).abs() < 1e-12);
+        assert_eq!(b.beyond_decode(0.05), 0.0);
     }
 
     #[test]

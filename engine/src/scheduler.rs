@@ -1050,6 +1050,7 @@ impl Worker {
             let emitted = Instant::now();
             // 5. One chunk of the oldest prefill (back to back while nothing decodes), unless
             //    it ran in the decode pass.
+            let in_decode_pass = mixed.is_some();
             record.prefilled = match mixed {
                 Some(m) => Some(self.mixed_chunk_done(m)),
                 None => self.prefill_step(),
@@ -1061,9 +1062,13 @@ impl Worker {
                 let seconds = t.elapsed().as_secs_f64();
                 match record.prefilled {
                     None => self.chunk_budget.observe_decode(seconds),
-                    Some((_, n)) => self
-                        .chunk_budget
-                        .observe_chunk(n, self.chunk_cached, seconds),
+                    Some((id, n)) => {
+                        self.chunk_budget
+                            .observe_chunk(n, self.chunk_cached, seconds);
+                        if in_decode_pass {
+                            self.charge_chunk(id, seconds);
+                        }
+                    }
                 }
             }
             self.observe_device_kv();
@@ -1684,6 +1689,17 @@ impl Worker {
         };
         self.count_step();
         Ok(Some(MixedChunk { r, tokens, logits }))
+    }
+
+    /// Charges request `id`, still prefilling, what a step of `seconds` whose decode pass
+    /// ran its chunk took beyond a decode-only step: its prefill time (which the cost
+    /// model's prefill fit learns from) then holds its chunks' share of the steps. A
+    /// request whose chunk ended its prompt was charged by its first pick's wait.
+    fn charge_chunk(&mut self, id: u64, seconds: f64) {
+        let share = self.chunk_budget.beyond_decode(seconds);
+        if let Some(r) = self.prefilling.iter_mut().find(|r| r.p.id == id) {
+            r.seq.prefill_s += share;
+        }
     }
 
     /// After a step whose decode pass ran a prefill chunk: the request goes back to the
