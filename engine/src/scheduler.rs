@@ -1630,9 +1630,7 @@ impl Worker {
         if std::mem::take(&mut self.fail_next_step) {
             return Err(EngineError::StepFailed("fault injected by a test".into()));
         }
-        // The batch arena may pad into what the live reservations leave of the budget.
-        let left = self.config.kv_budget_bytes.saturating_sub(self.reserved);
-        self.rows.set_arena_allowance(left);
+        self.allow_arena();
         let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
         let ran = decode_step(&self.model, &mut seqs, StepKv::Rows(&mut self.rows))?;
         if ran {
@@ -1642,6 +1640,12 @@ impl Worker {
             self.observe_device_kv();
         }
         Ok(ran)
+    }
+
+    /// The batch arena may pad into what the live reservations leave of the budget.
+    fn allow_arena(&mut self) {
+        let left = self.config.kv_budget_bytes.saturating_sub(self.reserved);
+        self.rows.set_arena_allowance(left);
     }
 
     /// Books a queued decode step: the arena's charge, the step counters, the device KV.
@@ -1671,8 +1675,7 @@ impl Worker {
         let Some(mut r) = self.prefilling.pop_front() else {
             return Ok(None);
         };
-        let left = self.config.kv_budget_bytes.saturating_sub(self.reserved);
-        self.rows.set_arena_allowance(left);
+        self.allow_arena();
         self.chunk_cached = r.cache.offset();
         let job = ChunkJob {
             seq: &mut r.seq,

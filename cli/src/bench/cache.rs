@@ -230,11 +230,7 @@ fn share_steps(cache: &mut PagedKvCache, q_len: i32, reps: usize) -> Result<(f64
 
 /// Shared vs forked prefix at 1K-32K tokens: a decode step and a 512-token prefill chunk.
 fn share_rows(quick: bool) -> Result<Vec<ShareRow>> {
-    let sizes: &[usize] = if quick {
-        &[256]
-    } else {
-        &[1024, 4096, 16384, 32768]
-    };
+    let sizes = context_sizes(quick);
     let reps = if quick { 3 } else { 15 };
     let mut rows = Vec::new();
     for &n in sizes {
@@ -394,12 +390,17 @@ impl PreallocatedCache {
     }
 }
 
-fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
-    let sizes: &[usize] = if quick {
+/// Context lengths the decode and share rows measure: issue 15's 1K-32K, or one short one.
+fn context_sizes(quick: bool) -> &'static [usize] {
+    if quick {
         &[256]
     } else {
         &[1024, 4096, 16384, 32768]
-    };
+    }
+}
+
+fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
+    let sizes = context_sizes(quick);
     let reps = if quick { 3 } else { 20 };
     let scale = 1.0 / (D as f32).sqrt();
     let mut rows = Vec::new();

@@ -404,15 +404,12 @@ fn open_engine(args: &Args, schedule: Schedule, max_batch: usize) -> Result<(Eng
 /// runs twice in one engine and the first is thrown away: every batch size and prefill
 /// shape is compiled by then (MLX compiles kernels on first use of a shape).
 fn interleave(args: &Args, schedule: Schedule, arm: u32) -> Result<InterleaveArm> {
-    let prefill_chunk = schedule.prefill_chunk;
     let (engine, vocab) = open_engine(args, schedule, args.streams + 1)?;
     let engine = Arc::new(engine);
     // The arms share the store: their prompts must differ, or a later arm restores what an
     // earlier one prefilled.
-    round(args, &engine, vocab, prefill_chunk, 2 * arm)?;
-    let mut arm = round(args, &engine, vocab, prefill_chunk, 2 * arm + 1)?;
-    arm.itl_stretch = schedule.itl_stretch;
-    arm.mixed_steps = schedule.mixed_steps.unwrap_or(true);
+    round(args, &engine, vocab, schedule, 2 * arm)?;
+    let arm = round(args, &engine, vocab, schedule, 2 * arm + 1)?;
     if let Ok(engine) = Arc::try_unwrap(engine) {
         engine.shutdown(false).context("shutting the engine down")?;
     }
@@ -424,9 +421,10 @@ fn round(
     args: &Args,
     engine: &Arc<Engine>,
     vocab: u32,
-    prefill_chunk: usize,
+    schedule: Schedule,
     round: u32,
 ) -> Result<InterleaveArm> {
+    let prefill_chunk = schedule.prefill_chunk;
     // Streams count themselves in at their eighth token and read on without waiting (a
     // stream that waited would record the wait as a gap); the long prompt comes once all
     // have.
@@ -498,8 +496,8 @@ fn round(
     let (itl_without, itl_during) = (quantiles(&without), quantiles(&during));
     Ok(InterleaveArm {
         prefill_chunk,
-        itl_stretch: None,
-        mixed_steps: false,
+        itl_stretch: schedule.itl_stretch,
+        mixed_steps: schedule.mixed_steps.unwrap_or(true),
         itl_without,
         itl_during,
         p99_ratio: itl_during.p99 / itl_without.p99.max(1e-9),
