@@ -194,6 +194,93 @@ impl Array {
     }
 }
 
+/// Host bytes that become an array's storage without a copy where MLX computes on the
+/// host: [`HostBuffer::into_array`] hands the buffer to MLX, which frees it (once) when the
+/// array's data is released. Built for bulk imports (a restore assembles each layer's KV
+/// straight into one of these). The memory comes from MLX's allocator, so it counts in
+/// MLX's memory figures.
+///
+/// Where the default device is a GPU, [`HostBuffer::into_array`] uploads the bytes as
+/// [`Array::from_bytes`] does (one driver copy on CUDA) and frees the buffer.
+pub struct HostBuffer {
+    raw: UniquePtr<ffi::HostBuffer>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain host memory owned by this value alone (no array or other
+// handle points into it until `into_array` gives it away); moving it to another thread and
+// freeing it there is sound, as for a `Vec<u8>`. MLX's allocator is thread-safe.
+unsafe impl Send for HostBuffer {}
+
+impl HostBuffer {
+    /// `len` zeroed bytes.
+    pub fn new(len: usize) -> Result<HostBuffer> {
+        let raw = check("host_buffer", ffi::host_buffer_new(len))?;
+        let Some(b) = raw.as_ref() else {
+            return Err(Error::Mlx {
+                op: "host_buffer",
+                message: "returned a null buffer".into(),
+            });
+        };
+        let ptr = ffi::host_buffer_addr(b) as *mut u8;
+        Ok(HostBuffer { raw, ptr, len })
+    }
+
+    /// Bytes in the buffer.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The array of `shape` and `dtype` (row-major) whose elements are these bytes, which
+    /// must be exactly as many as the shape and dtype need. On the CPU the array takes the
+    /// buffer over (no copy); on a GPU the bytes are uploaded.
+    pub fn into_array(self, shape: &[i32], dtype: Dtype) -> Result<Array> {
+        if crate::default_device()? == crate::Device::Gpu {
+            return Array::from_bytes(&self, shape, dtype);
+        }
+        Array::wrap(
+            "from_host_buffer",
+            ffi::array_from_host_buffer(self.raw, shape, dtype.code()),
+        )
+    }
+
+    /// Host buffers allocated and not yet freed, in this process (by their owner or by the
+    /// array that took them over). For tests of ownership.
+    pub fn live() -> usize {
+        ffi::host_buffers_live()
+    }
+}
+
+impl std::ops::Deref for HostBuffer {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` points to `len` initialized (zeroed at allocation) bytes this value
+        // owns until drop or `into_array`, both of which consume it.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl std::ops::DerefMut for HostBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`, and `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl std::fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
 impl Clone for Array {
     /// A second handle to the same array node (no copy of the data).
     fn clone(&self) -> Self {
@@ -239,4 +326,53 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     let l = list("async_eval", arrays)?;
     check("async_eval", ffi::async_eval(&l))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_adopted_host_buffer_is_read_in_place_and_freed_once_with_the_array() {
+        // The only test of this binary that makes host buffers: the live count is ours.
+        let before = HostBuffer::live();
+        let values: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let mut b = HostBuffer::new(values.len() * 4).unwrap();
+        assert!(b.iter().all(|&x| x == 0), "a new buffer is zeroed");
+        b.copy_from_slice(bytemuck::cast_slice(&values));
+        let addr = b.as_ptr() as usize;
+        assert_eq!(HostBuffer::live(), before + 1);
+        let a = b.into_array(&[2, 3, 4], Dtype::F32).unwrap();
+        // Taken over, not copied (on the CPU), and still counted as live.
+        if crate::default_device().unwrap() == crate::Device::Cpu {
+            a.eval().unwrap();
+            assert_eq!(a.data_addr().unwrap(), addr);
+            assert_eq!(HostBuffer::live(), before + 1);
+        }
+        assert_eq!(a.to_vec::<f32>().unwrap(), values);
+        // A second handle keeps the buffer; the last one frees it.
+        let b2 = a.clone();
+        let plus = a.add_scalar(1.0).unwrap();
+        drop(a);
+        let want: Vec<f32> = values.iter().map(|v| v + 1.0).collect();
+        assert_eq!(plus.to_vec::<f32>().unwrap(), want);
+        assert_eq!(b2.to_vec::<f32>().unwrap(), values);
+        drop((b2, plus));
+        assert_eq!(HostBuffer::live(), before);
+        // Dropped without being handed over: freed by its owner.
+        drop(HostBuffer::new(1000).unwrap());
+        assert_eq!(HostBuffer::live(), before);
+        // A shape that does not match the bytes is an error, and the buffer is freed.
+        let b = HostBuffer::new(12).unwrap();
+        assert!(b.into_array(&[4], Dtype::F32).is_err());
+        assert_eq!(HostBuffer::live(), before);
+        // Empty.
+        let e = HostBuffer::new(0)
+            .unwrap()
+            .into_array(&[0, 3], Dtype::F32)
+            .unwrap();
+        assert!(e.to_vec::<f32>().unwrap().is_empty());
+        drop(e);
+        assert_eq!(HostBuffer::live(), before);
+    }
 }

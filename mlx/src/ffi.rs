@@ -62,11 +62,20 @@ pub(crate) mod ffi {
         type Array;
         type ArrayList;
         type Loaded;
+        type HostBuffer;
 
         fn array_from_bytes(data: &[u8], shape: &[i32], dtype: u8) -> Result<UniquePtr<Array>>;
         fn array_scalar(value: f64, dtype: u8) -> Result<UniquePtr<Array>>;
         fn array_clone(a: &Array) -> Result<UniquePtr<Array>>;
         fn array_read_into(a: &Array, out: &mut [u8]) -> Result<()>;
+        fn host_buffer_new(n: usize) -> Result<UniquePtr<HostBuffer>>;
+        fn host_buffer_addr(b: &HostBuffer) -> usize;
+        fn array_from_host_buffer(
+            b: UniquePtr<HostBuffer>,
+            shape: &[i32],
+            dtype: u8,
+        ) -> Result<UniquePtr<Array>>;
+        fn host_buffers_live() -> usize;
         fn direct_transfers_available() -> bool;
         fn set_direct_transfers(on: bool) -> bool;
         fn pinned_alloc(n: usize) -> usize;

@@ -34,7 +34,7 @@ mod quantized;
 pub mod random;
 pub mod validate;
 
-pub use array::{async_eval, eval, Array};
+pub use array::{async_eval, eval, Array, HostBuffer};
 pub use device::{
     active_memory, cache_memory, clear_cache, default_device, direct_transfers,
     f32_matmul_unit_roundoff, gpu_available, peak_memory, reset_peak_memory, set_cache_limit,

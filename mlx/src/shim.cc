@@ -3,9 +3,11 @@
 #include "shim.h"
 #include "direct_copy.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <utility>
 
 #include "kvstore-mlx/src/ffi.rs.h"
 
@@ -57,6 +59,19 @@ std::unique_ptr<Loaded> from_pairs(std::unordered_map<std::string, mx::array> ar
   return out;
 }
 
+// Throws unless an array of `sh` and `dt` takes exactly `bytes` bytes.
+void check_host_bytes(const mx::Shape& sh, mx::Dtype dt, size_t bytes) {
+  size_t count = 1;
+  for (auto d : sh) {
+    if (d < 0) throw std::invalid_argument("negative dimension in shape");
+    count *= static_cast<size_t>(d);
+  }
+  if (count * dt.size() != bytes) {
+    throw std::invalid_argument("host buffer holds " + std::to_string(bytes) + " bytes, shape and dtype need " +
+                                std::to_string(count * dt.size()));
+  }
+}
+
 }  // namespace
 
 // Host buffers from this size on are uploaded with one driver copy on CUDA (smaller ones,
@@ -66,26 +81,67 @@ constexpr size_t kDirectUploadMin = 1 << 20;
 std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype) {
   auto dt = to_dtype(dtype);
   auto sh = to_shape(shape);
-  size_t count = 1;
-  for (auto d : sh) {
-    if (d < 0) throw std::invalid_argument("negative dimension in shape");
-    count *= static_cast<size_t>(d);
-  }
-  if (count * dt.size() != data.size()) {
-    throw std::invalid_argument("host buffer holds " + std::to_string(data.size()) +
-                                " bytes, shape and dtype need " + std::to_string(count * dt.size()));
-  }
+  check_host_bytes(sh, dt, data.size());
   // Large buffers go straight into CUDA device memory where possible (direct_copy.h).
   if (data.size() >= kDirectUploadMin) {
     if (auto a = direct::upload(data.data(), data.size(), sh, dt)) return wrap(std::move(*a));
   }
-  // MLX may keep the pointer (no-copy) or copy and release it; a private heap copy is safe
-  // either way and frees the caller's slice immediately.
-  void* buf = std::malloc(data.size() == 0 ? 1 : data.size());
-  if (buf == nullptr) throw std::bad_alloc();
-  if (data.size() > 0) std::memcpy(buf, data.data(), data.size());
-  return wrap(mx::array(buf, std::move(sh), dt, [](void* p) { std::free(p); }));
+  // One copy, into memory from MLX's allocator that the array then owns (a malloc'd copy
+  // handed to MLX's `array(void*, ..., deleter)` is copied a second time on the CPU, whose
+  // allocator cannot wrap foreign memory).
+  auto buf = mx::allocator::allocator().malloc(data.size() == 0 ? 1 : data.size());
+  if (buf.ptr() == nullptr || buf.raw_ptr() == nullptr) throw std::bad_alloc();
+  if (data.size() > 0) std::memcpy(buf.raw_ptr(), data.data(), data.size());
+  return wrap(mx::array(mx::allocator::Data(buf, [](mx::allocator::Buffer b) { mx::allocator::allocator().free(b); }),
+                        std::move(sh), dt));
 }
+
+namespace {
+// Host buffers allocated and not yet freed (by their owner or by the array that adopted
+// them): lets tests check that each is freed exactly once.
+std::atomic<size_t> host_buffers{0};
+
+void free_host(mx::allocator::Buffer b) {
+  mx::allocator::allocator().free(b);
+  host_buffers.fetch_sub(1, std::memory_order_relaxed);
+}
+}  // namespace
+
+HostBuffer::~HostBuffer() {
+  if (buf.ptr() != nullptr) free_host(buf);
+}
+
+// Memory from MLX's own allocator (not malloc): on the CPU its arrays point straight into
+// such a buffer, so the array below takes it over without copying (MLX's `array(void*,
+// ..., deleter)` constructor copies unless the allocator can wrap foreign memory, which
+// the CPU allocator cannot). Zeroed: the caller may leave bytes unwritten.
+std::unique_ptr<HostBuffer> host_buffer_new(size_t n) {
+  auto out = std::make_unique<HostBuffer>();
+  auto b = mx::allocator::allocator().malloc(n == 0 ? 1 : n);
+  if (b.ptr() == nullptr || b.raw_ptr() == nullptr) throw std::bad_alloc();
+  host_buffers.fetch_add(1, std::memory_order_relaxed);
+  out->buf = b;
+  out->len = n;
+  std::memset(b.raw_ptr(), 0, n);
+  return out;
+}
+
+size_t host_buffer_addr(const HostBuffer& b) {
+  auto buf = b.buf;
+  return reinterpret_cast<size_t>(buf.raw_ptr());
+}
+
+std::unique_ptr<Array> array_from_host_buffer(std::unique_ptr<HostBuffer> b, rust::Slice<const int32_t> shape, uint8_t dtype) {
+  auto dt = to_dtype(dtype);
+  auto sh = to_shape(shape);
+  if (b == nullptr || b->buf.ptr() == nullptr) throw std::invalid_argument("host buffer already given away");
+  check_host_bytes(sh, dt, b->len);
+  // From here the array owns the buffer and frees it (once) when its data goes.
+  auto buf = std::exchange(b->buf, mx::allocator::Buffer{nullptr});
+  return wrap(mx::array(mx::allocator::Data(buf, free_host), std::move(sh), dt));
+}
+
+size_t host_buffers_live() { return host_buffers.load(std::memory_order_relaxed); }
 
 // The f64 scalar is cast on the CPU stream: MLX's GPU backends (CUDA, Metal) have no
 // float64, so a cast on the default GPU stream fails with "float64 is not supported on the

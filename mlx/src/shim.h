@@ -38,11 +38,23 @@ struct Loaded {
   std::vector<mlx::core::array> meta_arrays;
 };
 
+// Host memory from MLX's allocator that an array adopts without a copy. `buf` is null once
+// adopted (or when empty).
+struct HostBuffer {
+  mlx::core::allocator::Buffer buf{nullptr};
+  size_t len = 0;
+  ~HostBuffer();
+};
+
 // Arrays and lists.
 std::unique_ptr<Array> array_from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, uint8_t dtype);
 std::unique_ptr<Array> array_scalar(double value, uint8_t dtype);
 std::unique_ptr<Array> array_clone(const Array& a);
 void array_read_into(const Array& a, rust::Slice<uint8_t> out);
+std::unique_ptr<HostBuffer> host_buffer_new(size_t n);
+size_t host_buffer_addr(const HostBuffer& b);
+std::unique_ptr<Array> array_from_host_buffer(std::unique_ptr<HostBuffer> b, rust::Slice<const int32_t> shape, uint8_t dtype);
+size_t host_buffers_live();
 bool direct_transfers_available();
 bool set_direct_transfers(bool on);
 size_t pinned_alloc(size_t n);
