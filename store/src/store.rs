@@ -227,6 +227,15 @@ pub enum StopReason {
     UnknownNamespace,
 }
 
+/// What [`Store::load_in_order`] walks over and where it puts the blocks.
+struct Walk<'a, 'scope, T> {
+    keys: &'a [BlockKey],
+    tokens_per_block: &'a [T],
+    ahead: &'a mut ReadAhead<'scope>,
+    out: &'a mut LoadedPrefix,
+    each: &'a mut dyn FnMut(usize, &Arc<Block>, Tier),
+}
+
 /// The valid prefix a load returned.
 pub struct LoadedPrefix {
     /// Validated blocks in order, each with the tier it came from.
@@ -829,6 +838,26 @@ impl<F: FileSystem> Store<F> {
         keys: &[BlockKey],
         tokens_per_block: &[T],
     ) -> LoadedPrefix {
+        self.load_prefix_each(ns, keys, tokens_per_block, |_, _, _| {})
+    }
+
+    /// [`load_prefix`](Self::load_prefix), handing each block to `each` as soon as it is
+    /// validated (and promoted), in chain order: `each(index, block, tier)` for index 0,
+    /// 1, … up to the block before the one the load stops at, so a consumer can import
+    /// the first blocks while the later ones are still being read. `each` runs on the
+    /// calling thread and cannot stop the load; the returned [`LoadedPrefix`] holds the
+    /// same blocks and the same stop reason as `load_prefix` would.
+    pub fn load_prefix_each<T, E>(
+        &self,
+        ns: NamespaceId,
+        keys: &[BlockKey],
+        tokens_per_block: &[T],
+        mut each: E,
+    ) -> LoadedPrefix
+    where
+        T: AsRef<[u32]>,
+        E: FnMut(usize, &Arc<Block>, Tier),
+    {
         let mut out = LoadedPrefix {
             blocks: Vec::with_capacity(keys.len()),
             stopped: None,
@@ -843,7 +872,14 @@ impl<F: FileSystem> Store<F> {
         let plan = ReadPlan::new(self.ssd_read_plan(ns, keys), self.shared.config.ssd_readers);
         std::thread::scope(|scope| {
             let mut ahead = ReadAhead::start(scope, self.shared.ssd.as_ref(), ns, keys, &plan);
-            self.load_in_order(ns, &desc, keys, tokens_per_block, &mut ahead, &mut out);
+            let mut walk = Walk {
+                keys,
+                tokens_per_block,
+                ahead: &mut ahead,
+                out: &mut out,
+                each: &mut each,
+            };
+            self.load_in_order(ns, &desc, &mut walk);
         });
         self.touch_chain(ns, &keys[..out.blocks.len()]);
         out
@@ -876,11 +912,16 @@ impl<F: FileSystem> Store<F> {
         &self,
         ns: NamespaceId,
         desc: &NamespaceDescription,
-        keys: &[BlockKey],
-        tokens_per_block: &[T],
-        ahead: &mut ReadAhead<'_>,
-        out: &mut LoadedPrefix,
+        walk: &mut Walk<'_, '_, T>,
     ) {
+        let Walk {
+            keys,
+            tokens_per_block,
+            ahead,
+            out,
+            each,
+        } = walk;
+        let keys: &[BlockKey] = keys;
         let c = &self.shared.counters;
         let mut first_position = None;
         let mut remote_batch = None;
@@ -917,6 +958,7 @@ impl<F: FileSystem> Store<F> {
                 }
                 Counters::inc(&c.ram_hits);
                 first_position.get_or_insert(p.meta.position);
+                each(index, &p, Tier::Ram);
                 out.blocks.push((p, Tier::Ram));
                 continue;
             }
@@ -978,6 +1020,7 @@ impl<F: FileSystem> Store<F> {
             let evicted = lock(&self.shared.ram).insert(p.clone());
             Counters::inc(&c.promotions);
             self.spill(evicted);
+            each(index, &p, tier);
             out.blocks.push((p, tier));
         }
     }

@@ -30,6 +30,18 @@ fn path_of(dir: &std::path::Path, b: &Block) -> std::path::PathBuf {
         .join(format!("{k}.safetensors"))
 }
 
+/// Whether the load stopped at `at` on an SSD block that failed verification.
+fn stopped_at_corrupt(loaded: &store::LoadedPrefix, at: usize) -> bool {
+    matches!(
+        loaded.stopped,
+        Some(StopReason::Invalid {
+            index,
+            tier: Tier::Ssd,
+            problem: BlockProblem::Corrupt(_)
+        }) if index == at
+    )
+}
+
 #[test]
 fn random_bit_flips_and_truncations_are_always_detected() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(42);
@@ -155,18 +167,7 @@ fn a_long_mixed_chain_loads_in_order_and_stops_at_a_corrupt_file() {
     let reads_before = st.ssd_hits;
     let loaded = s.load_prefix(d.id(), &keys, &toks);
     assert_eq!(loaded.blocks.len(), victim, "{:?}", loaded.stopped);
-    assert!(
-        matches!(
-            loaded.stopped,
-            Some(StopReason::Invalid {
-                index,
-                tier: Tier::Ssd,
-                problem: BlockProblem::Corrupt(_)
-            }) if index == victim
-        ),
-        "{:?}",
-        loaded.stopped
-    );
+    assert!(stopped_at_corrupt(&loaded, victim), "{:?}", loaded.stopped);
     for (i, (b, tier)) in loaded.blocks.iter().enumerate() {
         assert_eq!(**b, blocks[i], "block {i}");
         // The earlier loads promoted blocks 0..=27 (each load takes the whole prefix).
@@ -178,4 +179,43 @@ fn a_long_mixed_chain_loads_in_order_and_stops_at_a_corrupt_file() {
     assert!(s.stats().ssd_hits > reads_before);
     let report = store::inspect::inspect(dir.path(), true).unwrap();
     assert!(report.corrupt.is_empty(), "{:?}", report.corrupt);
+}
+
+#[test]
+fn a_streamed_load_hands_over_each_block_before_a_corrupt_one_in_chain_order() {
+    for (corrupt, readers) in [(5usize, 8usize), (5, 1), (0, 8), (7, 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let (d, blocks, toks) = filled_store(dir.path(), 8);
+        let path = path_of(dir.path(), &blocks[corrupt]);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0x10;
+        std::fs::write(&path, &bytes).unwrap();
+        let s: Store =
+            Store::open(StoreConfig::default().root(dir.path()).ssd_readers(readers)).unwrap();
+        let keys: Vec<_> = blocks.iter().map(|b| b.meta.key).collect();
+        // The first blocks are in RAM already: the stream mixes tiers, in chain order.
+        let expect_ram = 2.min(corrupt);
+        let warm = s.load_prefix(d.id(), &keys[..expect_ram], &toks[..expect_ram]);
+        assert_eq!(warm.blocks.len(), expect_ram);
+        let mut seen = Vec::new();
+        let loaded = s.load_prefix_each(d.id(), &keys, &toks, |i, b, tier| {
+            seen.push((i, b.clone(), tier));
+        });
+        assert_eq!(loaded.blocks.len(), corrupt, "corrupt {corrupt}");
+        assert!(stopped_at_corrupt(&loaded, corrupt), "{:?}", loaded.stopped);
+        // Exactly the returned blocks, in order, each handed over once, bit for bit the
+        // published ones.
+        assert_eq!(seen.len(), loaded.blocks.len());
+        for (n, ((i, b, tier), (lb, lt))) in seen.iter().zip(&loaded.blocks).enumerate() {
+            assert_eq!(*i, n);
+            assert!(Arc::ptr_eq(b, lb));
+            assert_eq!(tier, lt);
+            assert_eq!(b.meta, blocks[n].meta);
+            assert_eq!(b.planes, blocks[n].planes);
+        }
+        assert!(seen[..expect_ram].iter().all(|(_, _, t)| *t == Tier::Ram));
+        assert!(seen[expect_ram..].iter().all(|(_, _, t)| *t == Tier::Ssd));
+        assert_eq!(s.stats().verify_failures, 1);
+    }
 }
