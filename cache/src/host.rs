@@ -22,7 +22,7 @@
 //! restorable end can attend to its keys through a window ([`WindowPlan::keeps`] decides).
 //! A restore fills the missing rows with zeros, which the window mask never reads.
 
-use mlx::Array;
+use mlx::{Array, HostBuffer};
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
 use crate::pool::BlockShape;
@@ -494,14 +494,84 @@ impl RunPart<'_> {
         Ok(())
     }
 
-    fn array(&self, host: &[u8]) -> Result<Array, CacheError> {
+    /// The array's shape: `[heads, capacity · bs, width]`.
+    fn shape(&self) -> Result<[i32; 3], CacheError> {
         let (heads, bs, width, _) = self.layout()?;
         let cap = self.capacity.max(self.planes.len());
-        Ok(Array::from_bytes(
-            host,
-            &[heads as i32, (cap * bs) as i32, width as i32],
-            to_mlx_dtype(self.spec.dtype),
-        )?)
+        Ok([heads as i32, (cap * bs) as i32, width as i32])
+    }
+
+    fn array(&self, host: &[u8]) -> Result<Array, CacheError> {
+        let dtype = to_mlx_dtype(self.spec.dtype);
+        Ok(Array::from_bytes(host, &self.shape()?, dtype)?)
+    }
+}
+
+/// A run of blocks assembled as they arrive, straight into the layer parts' final memory:
+/// one [`HostBuffer`] per part, `[heads, capacity · bs, width]`, which the part's array
+/// takes over (host compute only; see `PagedKvCache::restore_streaming`).
+pub(crate) struct RunAssembly {
+    /// Per part (plane order of an untrimmed block): its layout and buffer.
+    parts: Vec<(PlaneSpec, HostBuffer)>,
+    capacity: usize,
+}
+
+impl RunAssembly {
+    /// Zeroed parts for `capacity` blocks whose planes are `specs` (each
+    /// `[heads, block_size, width]`).
+    pub fn new(specs: Vec<PlaneSpec>, capacity: usize) -> Result<Self, CacheError> {
+        let parts = specs
+            .into_iter()
+            .map(|spec| {
+                let len = spec.byte_len().and_then(|b| usize::try_from(b).ok());
+                let bytes = len.and_then(|b| b.checked_mul(capacity)).ok_or_else(|| {
+                    CacheError::Shape(format!("plane {} is too large", spec.name))
+                })?;
+                Ok((spec, HostBuffer::new(bytes)?))
+            })
+            .collect::<Result<_, CacheError>>()?;
+        Ok(Self { parts, capacity })
+    }
+
+    /// Copies `block`'s planes (checked against the specs by [`block_shape`]) into slot
+    /// `slot` of every part: per head, the block's rows.
+    pub fn put(&mut self, slot: usize, block: &Block) -> Result<(), CacheError> {
+        if slot >= self.capacity || block.planes.len() < self.parts.len() {
+            return Err(CacheError::Shape(format!(
+                "block {slot} of {} planes for a run of {} blocks of {} parts",
+                block.planes.len(),
+                self.capacity,
+                self.parts.len()
+            )));
+        }
+        for ((spec, buf), plane) in self.parts.iter_mut().zip(&block.planes) {
+            let heads = spec.shape.first().copied().unwrap_or(0) as usize;
+            let rows = plane.data.len() / heads.max(1);
+            if plane.spec() != *spec || rows * heads != plane.data.len() {
+                return Err(CacheError::Shape(format!(
+                    "plane {} is {:?} {}, the run's parts are {:?} {}",
+                    plane.name, plane.shape, plane.dtype, spec.shape, spec.dtype
+                )));
+            }
+            for (h, src) in plane.data.chunks_exact(rows.max(1)).enumerate() {
+                let at = (h * self.capacity + slot) * rows;
+                buf[at..at + rows].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+
+    /// Every part as an array, in order (the rows of slots no block was put in are zeros).
+    pub fn into_arrays(self) -> Result<Vec<Array>, CacheError> {
+        let capacity = self.capacity;
+        self.parts
+            .into_iter()
+            .map(|(spec, buf)| {
+                let s: Vec<i32> = spec.shape.iter().map(|&d| d as i32).collect();
+                let shape = [s[0], s[1] * capacity as i32, s[2]];
+                Ok(buf.into_array(&shape, to_mlx_dtype(spec.dtype))?)
+            })
+            .collect()
     }
 }
 
@@ -517,6 +587,18 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
     blocks: &[B],
     parts: &[RunPart<'_>],
 ) -> Result<Vec<Array>, CacheError> {
+    if mlx::default_device()? == mlx::Device::Cpu {
+        // No transfer to overlap: each part is assembled straight into the memory its
+        // array takes over.
+        return parts
+            .iter()
+            .map(|part| {
+                let mut buf = HostBuffer::new(part.bytes()?)?;
+                part.assemble(blocks, &mut buf)?;
+                Ok(buf.into_array(&part.shape()?, to_mlx_dtype(part.spec.dtype))?)
+            })
+            .collect();
+    }
     let mut sizes = Vec::with_capacity(parts.len());
     for p in parts {
         sizes.push(p.bytes()?);

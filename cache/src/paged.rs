@@ -3,6 +3,8 @@
 
 use mlx::fast::AttentionMask;
 use mlx::{Array, Dtype};
+use std::sync::Arc;
+
 use store::{Block, BlockMeta};
 
 use crate::export::{Export, WindowExport};
@@ -1047,16 +1049,150 @@ impl PagedKvCache {
                 });
             }
         }
-        let mut uploaded = host::upload_run(run, &run_parts)?.into_iter();
+        let uploaded = host::upload_run(run, &run_parts)?;
+        let last_trimmed = layouts.iter().rposition(|l| l.trimmed);
+        self.install_run(uploaded, shape, valid, capacity, states, last_trimmed)?;
+        Ok(Restored {
+            cache: self,
+            blocks: valid,
+            stopped,
+            state_cut,
+            window_cut,
+        })
+    }
+
+    /// [`restore_onto`](Self::restore_onto) fed block by block: `feed` is called once with
+    /// a function that takes the blocks of the run in chain order, as a store load hands
+    /// them over ([`store::Store::load_prefix_each`]), so the run is assembled while the
+    /// later blocks are still being read instead of after the load. `expected` is how many
+    /// blocks the feed may bring (it sizes the arenas).
+    ///
+    /// The outcome is the one `restore_onto` gives for the blocks fed. Where the cache
+    /// computes on the host and starts empty, without layer states or window layers, each
+    /// block is checked as it arrives and copied at once into the layer arenas (memory the
+    /// arrays then take over, no further copy); a block refused stops the run there, and
+    /// the later blocks are ignored. Otherwise (a GPU, a cache that already holds tokens, a
+    /// hybrid or windowed model, or a run cut short to a smaller arena) the blocks are kept
+    /// and restored by `restore_onto` once the feed returns.
+    pub fn restore_streaming<F>(self, expected: usize, feed: F) -> Result<Restored, CacheError>
+    where
+        F: FnOnce(&mut dyn FnMut(&Arc<Block>)),
+    {
+        let layers = self.layers.len();
+        let PagedConfig {
+            block_size: bs,
+            format,
+            initial_blocks,
+            max_blocks,
+        } = self.config;
+        let direct = mlx::default_device()? == mlx::Device::Cpu
+            && self.states.layers() == 0
+            && self.window.windows.iter().all(Option::is_none)
+            && self
+                .layers
+                .iter()
+                .all(|l| l.held() == 0 && l.shape().is_none());
+        let capacity = ladder_capacity(initial_blocks, max_blocks, expected);
+        let globals = vec![None; layers];
+        let mut blocks: Vec<Arc<Block>> = Vec::with_capacity(expected);
+        let mut refused = None;
+        let mut shape = None;
+        let mut assembly: Option<Result<host::RunAssembly, CacheError>> = None;
+        feed(&mut |block: &Arc<Block>| {
+            if !direct {
+                blocks.push(block.clone());
+                return;
+            }
+            if refused.is_some() {
+                return;
+            }
+            let position = blocks.len();
+            let checked = check_link(block, position, blocks.last().map(|b| &b.meta))
+                .and_then(|()| host::block_shape(block, &globals, bs, format))
+                .and_then(|l| match shape {
+                    Some(e) if e != l.shape => Err(format!(
+                        "its shape {:?} differs from the blocks before it ({e:?})",
+                        l.shape
+                    )),
+                    _ => Ok(l.shape),
+                });
+            match checked {
+                Ok(s) => {
+                    shape = Some(s);
+                    let run = assembly.get_or_insert_with(|| {
+                        host::RunAssembly::new(host::plane_specs(layers, s, format)?, capacity)
+                    });
+                    // A failed copy (never expected: the block was checked) leaves the run
+                    // to `restore_onto`, which reports it properly.
+                    let put = match run {
+                        Ok(run) => run.put(position, block),
+                        Err(_) => Ok(()),
+                    };
+                    if let Err(e) = put {
+                        assembly = Some(Err(e));
+                    }
+                    blocks.push(block.clone());
+                }
+                Err(reason) => refused = Some(CacheError::Restore { position, reason }),
+            }
+        });
+        let valid = blocks.len();
+        let assembled = match (assembly, shape) {
+            (Some(Ok(run)), Some(shape))
+                if ladder_capacity(initial_blocks, max_blocks, valid) == capacity =>
+            {
+                Some((run, shape))
+            }
+            _ => None,
+        };
+        let Some((run, shape)) = assembled else {
+            let mut restored = self.restore_onto(&blocks)?;
+            if restored.stopped.is_none() {
+                restored.stopped = refused;
+            }
+            return Ok(restored);
+        };
+        let mut this = self;
+        this.install_run(run.into_arrays()?, shape, valid, capacity, None, None)?;
+        Ok(Restored {
+            cache: this,
+            blocks: valid,
+            stopped: refused,
+            state_cut: 0,
+            window_cut: 0,
+        })
+    }
+
+    /// Puts the arrays of a checked run of `valid` blocks (`uploaded`: per layer, its
+    /// parts) after what each layer holds: a fresh layer's pool becomes them (padded with
+    /// zeros to `capacity` blocks if they hold fewer), an existing pool appends them. Then
+    /// the layer `states` of the run's end and the window bookkeeping (`last_trimmed`: the
+    /// run's last window-trimmed block).
+    fn install_run(
+        &mut self,
+        uploaded: Vec<Array>,
+        shape: BlockShape,
+        valid: usize,
+        capacity: usize,
+        states: Option<Vec<LayerState>>,
+        last_trimmed: Option<usize>,
+    ) -> Result<(), CacheError> {
+        let config = self.config;
+        let bs = config.block_size;
+        let per = config.format.parts() * 2;
+        let offset = self.offset();
+        let first = offset / bs;
+        let mut uploaded = uploaded.into_iter();
         for layer in self.layers.iter_mut() {
             let fresh = layer.pool.is_none();
             let mut parts: Vec<Array> = uploaded.by_ref().take(per).collect();
-            if fresh && host_capacity(fresh) < capacity {
-                for a in &mut parts {
-                    let s = a.shape();
-                    let tail = ((capacity - valid) * bs) as i32;
+            for a in &mut parts {
+                let s = a.shape();
+                let held = s.get(1).map_or(0, |&t| t as usize / bs);
+                if fresh && held < capacity {
+                    let tail = ((capacity - held) * bs) as i32;
                     let zeros = mlx::ops::zeros(&[s[0], tail, s[2]], a.dtype())?;
-                    *a = mlx::ops::concatenate(&[a, &zeros], 1)?;
+                    *a = mlx::ops::concatenate(&[&*a, &zeros], 1)?;
                 }
             }
             match layer.pool.as_mut() {
@@ -1084,22 +1220,13 @@ impl PagedKvCache {
         if let Some(states) = states {
             self.states.restore(offset + valid * bs, states)?;
         }
-        let floor = layouts
-            .iter()
-            .rposition(|l| l.trimmed)
-            .map_or(self.window.floor, |i| (first + i + 1) * bs);
+        let floor = last_trimmed.map_or(self.window.floor, |i| (first + i + 1) * bs);
         if self.window.kept_from >= self.published {
             self.window.kept_from = first.max(floor / bs);
         }
         self.window.floor = floor;
         self.published = first + valid;
-        Ok(Restored {
-            cache: self,
-            blocks: valid,
-            stopped,
-            state_cut,
-            window_cut,
-        })
+        Ok(())
     }
 
     /// The float dtype keys are fetched in, once known.

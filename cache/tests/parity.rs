@@ -791,3 +791,192 @@ fn restored_pools_have_the_capacity_of_grown_ones() {
         }
     }
 }
+
+/// Per layer, its pool's capacity and arena bytes.
+type PoolBytes = Vec<(usize, Vec<Vec<u8>>)>;
+
+/// Everything a restored cache holds that a later step reads: offset, published blocks,
+/// and per layer the pool's capacity and arena bytes.
+fn restored_state(r: &cache::Restored) -> (usize, usize, PoolBytes) {
+    let c = &r.cache;
+    let layers = (0..c.layers())
+        .map(|l| match c.pool(l) {
+            Some(p) => (p.capacity(), p.arrays().iter().map(bytes).collect()),
+            None => (0, Vec::new()),
+        })
+        .collect();
+    (c.offset(), c.published_blocks(), layers)
+}
+
+/// `restore_streaming` fed `run` against `restore_onto` of the same blocks: the same
+/// blocks, stop position and bytes.
+fn assert_streamed_equals_batch(
+    base: &PagedKvCache,
+    run: &[Arc<Block>],
+    expected: usize,
+    what: &str,
+) -> usize {
+    let batch = base.clone().restore_onto(run).unwrap();
+    let streamed = base
+        .clone()
+        .restore_streaming(expected, |push| run.iter().for_each(push))
+        .unwrap();
+    assert_eq!(streamed.blocks, batch.blocks, "{what}");
+    let position = |r: &cache::Restored| match r.stopped {
+        Some(CacheError::Restore { position, .. }) => Some(position),
+        ref other => {
+            assert!(other.is_none(), "{what}: {other:?}");
+            None
+        }
+    };
+    assert_eq!(position(&streamed), position(&batch), "{what}");
+    assert!(
+        restored_state(&streamed) == restored_state(&batch),
+        "{what}: the restored caches differ"
+    );
+    streamed.blocks
+}
+
+#[test]
+fn a_streamed_restore_equals_the_batch_restore() {
+    let mut r = rng("a_streamed_restore_equals_the_batch_restore");
+    let (layers, bs) = (3, 4);
+    for (format, dtype) in [
+        (KvFormat::Float, Dtype::F32),
+        (KvFormat::Float, Dtype::BF16),
+        (KvFormat::KV8, Dtype::F32),
+    ] {
+        let ns = namespace(layers, bs, format, dtype).id();
+        let n = 9;
+        let tokens: Vec<u32> = (0..(n * bs) as u32).collect();
+        let other: Vec<u32> = (500..500 + (n * bs) as u32).collect();
+        let mut publish = |ids: &[u32]| -> Vec<Arc<Block>> {
+            let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
+            for l in 0..layers {
+                let (k, v) = (kv(&mut r, ids.len(), dtype), kv(&mut r, ids.len(), dtype));
+                live.update_and_fetch(l, &k, &v).unwrap();
+            }
+            let blocks = live.publish(&mut Chain::new(ns, bs), ids).unwrap();
+            blocks.into_iter().map(Arc::new).collect()
+        };
+        let good = publish(&tokens);
+        let foreign = publish(&other);
+        let fresh = PagedKvCache::new(layers, config(bs, format)).unwrap();
+        let what = |case: &str| format!("{format:?} {dtype}: {case}");
+        // Everything, as announced.
+        assert_eq!(
+            assert_streamed_equals_batch(&fresh, &good, n, &what("all")),
+            n
+        );
+        // A block from another chain in the middle: the run stops there.
+        let mut mixed = good.clone();
+        mixed[5] = foreign[5].clone();
+        let kept = assert_streamed_equals_batch(&fresh, &mixed, n, &what("foreign block 5"));
+        assert_eq!(kept, 5);
+        // Fewer blocks than announced (a load cut short), down to none: the arenas get the
+        // capacity of the blocks that came.
+        for fed in [8, 6, 3, 1, 0] {
+            let case = what(&format!("{fed} of {n} fed"));
+            assert_eq!(
+                assert_streamed_equals_batch(&fresh, &good[..fed], n, &case),
+                fed
+            );
+        }
+        // More than announced.
+        assert_eq!(
+            assert_streamed_equals_batch(&fresh, &good, 4, &what("9 of 4")),
+            n
+        );
+        // Onto a cache that already holds blocks: restored after them.
+        let started = fresh.clone().restore_onto(&good[..3]).unwrap().cache;
+        let rest = &good[3..];
+        assert_eq!(
+            assert_streamed_equals_batch(&started, rest, rest.len(), &what("onto 3")),
+            6
+        );
+        // The wrong model (another layer count) restores nothing.
+        let wider = PagedKvCache::new(layers + 1, config(bs, format)).unwrap();
+        assert_eq!(
+            assert_streamed_equals_batch(&wider, &good, n, &what("layers")),
+            0
+        );
+    }
+}
+
+#[test]
+fn a_streamed_restore_from_disk_keeps_the_blocks_before_a_corrupt_file() {
+    let mut r = rng("a_streamed_restore_from_disk_keeps_the_blocks_before_a_corrupt_file");
+    let (layers, bs, n) = (2, 8, 12);
+    let desc = namespace(layers, bs, KvFormat::Float, Dtype::F32);
+    let dir = tempfile::tempdir().unwrap();
+    let open = || -> Store {
+        Store::open(
+            StoreConfig::default()
+                .root(dir.path())
+                .ram_budget(64 << 20)
+                .ssd_budget(256 << 20),
+        )
+        .unwrap()
+    };
+    let tokens: Vec<u32> = (0..(n * bs) as u32).map(|t| t * 7 + 3).collect();
+    let ns;
+    let published = {
+        let store = open();
+        ns = store.register_namespace(&desc).unwrap();
+        let mut live = PagedKvCache::new(layers, config(bs, KvFormat::Float)).unwrap();
+        for l in 0..layers {
+            let (k, v) = (
+                kv(&mut r, n * bs, Dtype::F32),
+                kv(&mut r, n * bs, Dtype::F32),
+            );
+            live.update_and_fetch(l, &k, &v).unwrap();
+        }
+        let blocks: Vec<Arc<Block>> = live
+            .publish(&mut Chain::new(ns, bs), &tokens)
+            .unwrap()
+            .into_iter()
+            .map(Arc::new)
+            .collect();
+        for b in &blocks {
+            store.insert(b.clone()).unwrap();
+        }
+        store.flush().unwrap();
+        blocks
+    };
+    // Flip a bit of block 7's file: it fails verification when read.
+    let key = published[7].meta.key.to_string();
+    let path = dir
+        .path()
+        .join(ns.to_string())
+        .join(&key[..2])
+        .join(format!("{key}.safetensors"));
+    let mut file = std::fs::read(&path).unwrap();
+    let last = file.len() - 1;
+    file[last] ^= 1;
+    std::fs::write(&path, &file).unwrap();
+
+    let store = open();
+    store.register_namespace(&desc).unwrap();
+    let keys = chain_keys(ns, &tokens, bs);
+    let per_block: Vec<&[u32]> = tokens.chunks(bs).collect();
+    let mut loaded = None;
+    let streamed = PagedKvCache::new(layers, config(bs, KvFormat::Float))
+        .unwrap()
+        .restore_streaming(keys.len(), |push| {
+            loaded = Some(store.load_prefix_each(ns, &keys, &per_block, |_, b, _| push(b)));
+        })
+        .unwrap();
+    let loaded = loaded.unwrap();
+    assert_eq!(loaded.blocks.len(), 7, "{:?}", loaded.stopped);
+    assert!(matches!(
+        loaded.stopped,
+        Some(store::StopReason::Invalid { index: 7, .. })
+    ));
+    assert_eq!(streamed.blocks, 7);
+    assert!(streamed.stopped.is_none());
+    // Bit for bit what the published blocks restore to.
+    let batch =
+        PagedKvCache::restore(layers, config(bs, KvFormat::Float), &published[..7]).unwrap();
+    assert!(restored_state(&streamed) == restored_state(&batch));
+    assert_eq!(streamed.cache.offset(), 7 * bs);
+}
