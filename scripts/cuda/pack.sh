@@ -13,7 +13,7 @@ C=$ROOT/.cuda
 BUDGET=${BUDGET:-61000000}   # bytes a call carries beside the ~3 MB tree
 BIN=$ROOT/target/cuda/release
 rm -rf "$C"/x1 "$C"/x2 "$C"/x3 "$C"/x4 && mkdir -p "$C"/x1/tok "$C"/x2 "$C"/x3 "$C"/x4
-cp "$ROOT"/target/goldens/smollm2-hf/{tokenizer.json,tokenizer_config.json,special_tokens_map.json,chat_template.jinja} "$C"/x1/tok/
+cp "$ROOT"/target/goldens/smollm2-hf/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$C"/x1/tok/
 # zstd for the GPU machine (its image has none): the binary and the compression libs it links
 mkdir -p "$C/x1/zt" && cp /usr/bin/zstd "$C/x1/zt/"
 for l in $(ldd /usr/bin/zstd | awk '/=>/{print $3}' | grep -E "zstd|lzma|lz4|libz"); do cp -L "$l" "$C/x1/zt/"; done

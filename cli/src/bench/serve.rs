@@ -340,7 +340,7 @@ fn run_request_with(
 struct Schedule {
     prefill_chunk: usize,
     itl_stretch: Option<f64>,
-    /// `None`: the engine's default (`KVSTORE_MIXED_STEPS` when set, else on).
+    /// `None`: the engine's default (`KVSTORE_MIXED_STEPS` when set, else on the CPU only).
     mixed_steps: Option<bool>,
 }
 
