@@ -22,7 +22,9 @@
 # pi: Claude Code against kvstore serve (its binary in x3 and x4); pj: the ops test, bench
 # cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3); pk: bench generate
 # beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B); pm: bench trace at real speed, one
-# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3).
+# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3; an
+# arm still running when the machine goes back, 30 s after a call ends, is lost); pn: short
+# no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -389,6 +391,22 @@ case "$step" in
     cp "$R"/*.json "$R"/*.svg "$R"/*.log "$OUT"/ 2>/dev/null
     running && echo "still running: $(cat "$R/pid")"
     free -g | head -2; df -h /opt | tail -1
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pn) # where a chunk step's time goes under the trace (session 12: 149-157 ms P50 against
+      # 44 ms in bench serve, mostly the host's launch): short no-cache replays, one per
+      # VARIANTS entry "MIXED:GRAPHS" (KVSTORE_MIXED_STEPS, MLX_USE_CUDA_GRAPHS), after x1, x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    T=$K/mooncake-conversation-part1.jsonl
+    for v in ${VARIANTS:-1:1 0:1 1:0 0:0}; do
+      echo "== mixed ${v%%:*}, CUDA graphs ${v##*:}"
+      KVSTORE_MIXED_STEPS=${v%%:*} MLX_USE_CUDA_GRAPHS=${v##*:} timeout 150 "$BIN/kvstore" bench trace "$T" \
+          --model "$d" --window 0..${SECS:-100} --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 \
+          --max-batch 16 --deadline $(( ${SECS:-100} + 10 )) --no-cache 2>&1 | grep -E "^steps|requests in|TTFT p50"
+    done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   ph) # bench grammar (constrained vs unconstrained decode, mask ms per token), after x1 and x2
