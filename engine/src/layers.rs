@@ -492,26 +492,19 @@ impl Attention {
         Ok(cache.update_and_attend(layer, &q, &k, &v, self.scale, mask)?)
     }
 
-    /// One pass of a mixed step (`x` `[1, B + L, hidden]`: one token of each of the `B`
-    /// rows of `rows`, then `L` prompt tokens after what `cache` holds): the projections
-    /// run once over all of them, the attention of each part as in
-    /// [`Attention::forward_rows`] and [`Attention::forward`] → `[1, B + L, hidden]`.
+    /// One pass of a mixed step (`x` `[1, B + ΣL, hidden]`: one token of each of the `B`
+    /// rows of `rows`, then each prompt's `L` tokens after what its cache holds, in the
+    /// order of `kv.prompts`): the projections run once over all of them, the attention of
+    /// each part as in [`Attention::forward_rows`] and [`Attention::forward`] →
+    /// `[1, B + ΣL, hidden]`.
     pub(crate) fn forward_mixed(
         &self,
         x: &Array,
         layer: usize,
         rope: &RotaryEmbedding,
-        kv: &mut MixedKv<'_>,
+        kv: &mut MixedKv<'_, '_>,
     ) -> Result<Array> {
-        let MixedKv {
-            rows,
-            offsets,
-            cache,
-            offset,
-        } = kv;
-        let (offsets, offset) = (*offsets, *offset);
-        let b = rows.len() as i32;
-        let l = x.shape()[1] - b;
+        let b = kv.rows.len() as i32;
         let [q, k, v] = self.qkv.forward(x)?;
         let part = |a: &Array, from: i32, to: i32| {
             let w = a.shape()[2];
@@ -520,22 +513,29 @@ impl Attention {
         // The rows' tokens: [1, B, ·] read as [B, 1, ·].
         let (rq, rk, rv) =
             self.split_heads(&part(&q, 0, b)?, &part(&k, 0, b)?, &part(&v, 0, b)?, b, 1)?;
-        let rq = rope.forward_rows(&rq, offsets)?;
-        let rk = rope.forward_rows(&rk, offsets)?;
-        let ro = rows.attend(layer, &rq, &rk, &rv, self.scale, None)?;
-        let (cq, ck, cv) = self.split_heads(
-            &part(&q, b, b + l)?,
-            &part(&k, b, b + l)?,
-            &part(&v, b, b + l)?,
-            1,
-            l,
-        )?;
-        let co = self.attend_sequence(cq, ck, cv, layer, offset, rope, &mut **cache)?;
-        // [B, H, 1, D] -> [1, B, H·D] and [1, H, L, D] -> [1, L, H·D], one output projection.
+        let rq = rope.forward_rows(&rq, kv.offsets)?;
+        let rk = rope.forward_rows(&rk, kv.offsets)?;
+        let ro = kv.rows.attend(layer, &rq, &rk, &rv, self.scale, None)?;
+        // [B, H, 1, D] -> [1, B, H·D], then each prompt's [1, H, L, D] -> [1, L, H·D]; one
+        // output projection over them all.
         let width = self.num_heads * self.head_dim;
-        let ro = ro.transpose(&[0, 2, 1, 3])?.reshape(&[1, b, width])?;
-        let co = co.transpose(&[0, 2, 1, 3])?.reshape(&[1, l, width])?;
-        self.o_proj.forward(&mlx::ops::concatenate(&[&ro, &co], 1)?)
+        let mut outs = vec![ro.transpose(&[0, 2, 1, 3])?.reshape(&[1, b, width])?];
+        let mut start = b;
+        for (cache, &(offset, l)) in kv.caches.iter_mut().zip(&kv.prompts) {
+            let l = l as i32;
+            let (cq, ck, cv) = self.split_heads(
+                &part(&q, start, start + l)?,
+                &part(&k, start, start + l)?,
+                &part(&v, start, start + l)?,
+                1,
+                l,
+            )?;
+            let co = self.attend_sequence(cq, ck, cv, layer, offset, rope, &mut **cache)?;
+            outs.push(co.transpose(&[0, 2, 1, 3])?.reshape(&[1, l, width])?);
+            start += l;
+        }
+        let refs: Vec<&Array> = outs.iter().collect();
+        self.o_proj.forward(&mlx::ops::concatenate(&refs, 1)?)
     }
 
     /// One decode step of a batch: `x` `[B, 1, hidden]`, row b at position `offsets[b]`,
@@ -556,15 +556,15 @@ impl Attention {
     }
 }
 
-/// The caches of a mixed step's two parts ([`Attention::forward_mixed`]): the decoding
-/// rows with their positions, and the prompt's cache with its position.
-pub(crate) struct MixedKv<'a> {
+/// The caches of a mixed step's parts ([`Attention::forward_mixed`]): the decoding rows
+/// with their positions, and each prompt's cache with the position and length of its chunk.
+pub(crate) struct MixedKv<'a, 'c> {
     pub(crate) rows: &'a mut PagedKvRows,
     /// Each row's position, int32 `[B]`.
     pub(crate) offsets: &'a Array,
-    pub(crate) cache: &'a mut dyn KvCache,
-    /// The prompt chunk's first position.
-    pub(crate) offset: usize,
+    pub(crate) caches: &'a mut [&'c mut dyn KvCache],
+    /// Per prompt (as `caches`): its chunk's first position and its token count.
+    pub(crate) prompts: Vec<(usize, usize)>,
 }
 
 /// A pre-norm decoder layer: `x + attn(norm(x))`, then `h + mlp(norm(h))`.
@@ -600,7 +600,7 @@ impl DecoderLayer {
         x: &Array,
         layer: usize,
         rope: &RotaryEmbedding,
-        kv: &mut MixedKv<'_>,
+        kv: &mut MixedKv<'_, '_>,
     ) -> Result<Array> {
         let h = self.input_layernorm.forward(x)?;
         let a = self.self_attn.forward_mixed(&h, layer, rope, kv)?;
@@ -667,19 +667,27 @@ impl crate::models::Network for Decoder {
         &self,
         row_tokens: &Array,
         rows: &mut PagedKvRows,
-        tokens: &Array,
-        cache: &mut dyn KvCache,
-    ) -> Result<Option<(Array, Array)>> {
-        let (b, l) = (rows.len() as i32, tokens.shape()[1]);
+        chunks: &[Array],
+        caches: &mut [&mut dyn KvCache],
+    ) -> Result<Option<(Array, Vec<Array>)>> {
+        let b = rows.len() as i32;
         let offsets = rows.offsets()?;
-        let offset = cache.offset();
-        let ids = mlx::ops::concatenate(&[&row_tokens.reshape(&[1, b])?, tokens], 1)?;
-        let mut h = self.embed_tokens.forward(&ids)?;
+        let prompts: Vec<(usize, usize)> = chunks
+            .iter()
+            .zip(caches.iter())
+            .map(|(c, cache)| (cache.offset(), c.shape()[1] as usize))
+            .collect();
+        let mut ids = vec![row_tokens.reshape(&[1, b])?];
+        ids.extend(chunks.iter().cloned());
+        let refs: Vec<&Array> = ids.iter().collect();
+        let mut h = self
+            .embed_tokens
+            .forward(&mlx::ops::concatenate(&refs, 1)?)?;
         let mut kv = MixedKv {
             rows,
             offsets: &offsets,
-            cache,
-            offset,
+            caches,
+            prompts,
         };
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward_mixed(&h, i, &self.rope, &mut kv)?;
@@ -689,7 +697,13 @@ impl crate::models::Network for Decoder {
         let rows_h = h
             .slice(&[0, 0, 0], &[1, b, hidden])?
             .reshape(&[b, 1, hidden])?;
-        let prompt_h = h.slice(&[0, b, 0], &[1, b + l, hidden])?;
+        let mut start = b;
+        let mut prompt_h = Vec::with_capacity(kv.prompts.len());
+        for &(_, l) in &kv.prompts {
+            let end = start + l as i32;
+            prompt_h.push(h.slice(&[0, start, 0], &[1, end, hidden])?);
+            start = end;
+        }
         Ok(Some((rows_h, prompt_h)))
     }
 

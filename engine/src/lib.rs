@@ -57,7 +57,7 @@ pub use generate::{
 pub use layers::RopeScaling;
 pub use model::{
     aligned_chunk, default_prefill_chunk, KvLayout, LayerKind, MixedStep, Model, ModelInfo,
-    DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
+    PromptChunk, PromptPass, DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
 };
 pub use reuse::{
     auto_state_every, combined_salt, default_share_min_tokens, generate_with_reuse,

@@ -303,39 +303,56 @@ impl Model {
     }
 
     /// One pass over a decode step of `rows` (`row_tokens` `[B]` u32, possibly not computed
-    /// yet) and a prefill chunk `tokens` after what `cache` holds, with the weights read
-    /// once ([`MixedStep`]). `None` where the family has no such pass, `cache` keeps state
-    /// snapshots (a chunk then stops at each), or an id is out of the vocabulary (nothing
-    /// changed: the caller runs the two steps, and the prefill reports the bad id).
+    /// yet) and a prefill chunk of each of `prompts`, after what its cache holds, with the
+    /// weights read once ([`MixedStep`]). `None` where the family has no such pass, a
+    /// prompt's cache keeps state snapshots (a chunk then stops at each), or an id is out
+    /// of the vocabulary (nothing changed: the caller runs the steps apart, and the
+    /// prefill reports the bad id).
     pub fn forward_mixed(
         &self,
         row_tokens: &Array,
         rows: &mut PagedKvRows,
-        tokens: &[u32],
-        cache: &mut dyn KvCache,
+        prompts: &mut [PromptChunk<'_>],
     ) -> Result<Option<MixedStep>> {
         let b = rows.len() as i32;
-        if b == 0 || row_tokens.size() != rows.len() || tokens.is_empty() {
+        if b == 0 || row_tokens.size() != rows.len() || prompts.is_empty() {
             return Ok(None);
         }
-        if cache.state_snapshot_every().is_some() {
-            return Ok(None);
+        let mut ids = Vec::with_capacity(prompts.len());
+        for p in prompts.iter() {
+            if p.tokens.is_empty() || p.cache.state_snapshot_every().is_some() {
+                return Ok(None);
+            }
+            let Ok(i) = self.ids(p.tokens) else {
+                return Ok(None);
+            };
+            ids.push(i);
         }
-        let Ok(ids) = self.ids(tokens) else {
-            return Ok(None);
-        };
-        let Some((rows_h, prompt_h)) = self.decoder.hidden_mixed(row_tokens, rows, &ids, cache)?
+        let mut caches: Vec<&mut dyn KvCache> = Vec::with_capacity(prompts.len());
+        for p in prompts.iter_mut() {
+            caches.push(&mut *p.cache);
+        }
+        let Some((rows_h, prompt_h)) =
+            self.decoder
+                .hidden_mixed(row_tokens, rows, &ids, &mut caches)?
         else {
             return Ok(None);
         };
         let rows_logits = self.decoder.logits(&rows_h)?.reshape(&[b, -1])?;
-        let l = prompt_h.shape()[1];
-        let last = prompt_h.slice(&[0, l - 1, 0], &[1, l, self.info.hidden_size as i32])?;
-        let prompt_logits = self.decoder.logits(&last)?.reshape(&[-1])?;
+        let hidden = self.info.hidden_size as i32;
+        let mut out = Vec::with_capacity(prompt_h.len());
+        for h in prompt_h {
+            let l = h.shape()[1];
+            let last = h.slice(&[0, l - 1, 0], &[1, l, hidden])?;
+            let logits = self.decoder.logits(&last)?.reshape(&[-1])?;
+            out.push(PromptPass {
+                logits: logits.astype(Dtype::F32)?,
+                hidden: h,
+            });
+        }
         Ok(Some(MixedStep {
             rows_logits: rows_logits.astype(Dtype::F32)?,
-            prompt_logits: prompt_logits.astype(Dtype::F32)?,
-            prompt_hidden: prompt_h,
+            prompts: out,
         }))
     }
 
@@ -410,10 +427,24 @@ impl Model {
 pub struct MixedStep {
     /// The rows' logits, `[B, vocab]`, f32.
     pub rows_logits: Array,
+    /// Each prompt's part, in the order given.
+    pub prompts: Vec<PromptPass>,
+}
+
+/// One prompt chunk's part of a [`MixedStep`].
+pub struct PromptPass {
     /// The logits of the chunk's last token, `[vocab]`, f32 (read when it ends the prompt).
-    pub prompt_logits: Array,
+    pub logits: Array,
     /// The chunk's hidden states: evaluating them computes its keys and values.
-    pub prompt_hidden: Array,
+    pub hidden: Array,
+}
+
+/// A prefill chunk for [`Model::forward_mixed`]: `tokens` placed after what `cache` holds.
+pub struct PromptChunk<'a> {
+    /// The chunk's prompt tokens.
+    pub tokens: &'a [u32],
+    /// The prompt's cache, which the chunk's keys and values are appended to.
+    pub cache: &'a mut dyn KvCache,
 }
 
 /// Tokens of the next prefill step for a cache holding `offset` tokens: up to the next

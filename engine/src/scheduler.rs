@@ -487,6 +487,10 @@ pub struct StepRecord {
     pub decoded: Vec<u64>,
     /// The request prefilled in the step and how many prompt tokens it ran.
     pub prefilled: Option<(u64, usize)>,
+    /// Requests whose whole remaining prompt ran in the same forward pass after
+    /// `prefilled`'s chunk, within the step's prefill budget (mixed steps), and their
+    /// token counts.
+    pub riders: Vec<(u64, usize)>,
     /// Microseconds the engine thread spent queueing the batched decode step (building
     /// its graph and handing it to the device).
     pub launch_us: u64,
@@ -968,7 +972,7 @@ struct Worker {
 
 /// A prefill chunk that ran inside the step's decode pass: the request (out of the
 /// prefilling queue until the step is over), the tokens it ran and, when it ended the
-/// prompt, its last logits.
+/// prompt, its last logits. A step runs the oldest prompt's chunk first, then its riders.
 struct MixedChunk {
     r: Prefilling,
     tokens: usize,
@@ -1025,7 +1029,7 @@ impl Worker {
             //    Where it can, the oldest prompt's next chunk runs in the same pass.
             let mut record = StepRecord::default();
             let t = Instant::now();
-            let mut mixed = None;
+            let mut mixed: Option<Vec<MixedChunk>> = None;
             if !self.active.is_empty() {
                 let launched = match self.launch_mixed() {
                     Ok(Some(m)) => {
@@ -1053,7 +1057,12 @@ impl Worker {
             //    it ran in the decode pass.
             let in_decode_pass = mixed.is_some();
             record.prefilled = match mixed {
-                Some(m) => Some(self.mixed_chunk_done(m)),
+                Some(parts) => {
+                    let mut done = parts.into_iter().map(|m| self.mixed_chunk_done(m));
+                    let first = done.next();
+                    record.riders = done.collect();
+                    first
+                }
                 None => self.prefill_step(),
             };
             record.launch_us = micros(launched - t);
@@ -1064,10 +1073,11 @@ impl Worker {
                 match record.prefilled {
                     None => self.chunk_budget.observe_decode(seconds),
                     Some((id, n)) => {
+                        let riders: usize = record.riders.iter().map(|r| r.1).sum();
                         self.chunk_budget
-                            .observe_chunk(n, self.chunk_cached, seconds);
+                            .observe_chunk(n + riders, self.chunk_cached, seconds);
                         if in_decode_pass {
-                            self.charge_chunk(id, seconds);
+                            self.charge_chunk(id, n, n + riders, seconds);
                         }
                     }
                 }
@@ -1663,44 +1673,94 @@ impl Worker {
     }
 
     /// Queues the decode step with the oldest prefill's next chunk in the same forward pass
-    /// ([`decode_step_mixed`]); `None` where that does not apply (mixed steps off, a fault
-    /// to inject, a request to cut off first, no mixed pass for the model): nothing changed.
-    fn launch_mixed(&mut self) -> Result<Option<MixedChunk>> {
+    /// ([`decode_step_mixed`]), and after it, as riders, later prompts whose whole rest fits
+    /// in what that chunk leaves of the step's prefill budget (many short prompts then
+    /// share one pass instead of taking a step each); `None` where that does not apply
+    /// (mixed steps off, a fault to inject, a request to cut off first, no mixed pass for
+    /// the model): nothing changed.
+    fn launch_mixed(&mut self) -> Result<Option<Vec<MixedChunk>>> {
         if !self.mixed_steps || self.fail_next_step || self.fail_next_prefill {
             return Ok(None);
         }
-        match self.prefilling.front() {
-            Some(r) if !(r.p.cancel.is_cancelled() || r.p.tx.is_closed()) => {}
-            _ => return Ok(None),
-        }
-        let Some(mut r) = self.prefilling.pop_front() else {
+        let live = |r: &Prefilling| !(r.p.cancel.is_cancelled() || r.p.tx.is_closed());
+        let Some(front) = self.prefilling.front().filter(|r| live(r)) else {
             return Ok(None);
         };
-        self.allow_arena();
-        self.chunk_cached = r.cache.offset();
-        let job = ChunkJob {
-            seq: &mut r.seq,
-            cache: &mut r.cache,
-            max_chunk: self
-                .chunk_budget
-                .most(self.chunk_cached, self.config.prefill_chunk),
+        let ceiling = self.config.prefill_chunk;
+        let held = front.cache.offset();
+        let max_chunk = self.chunk_budget.most(held, ceiling);
+        let rest = |r: &Prefilling| r.seq.prompt.len().saturating_sub(r.cache.offset());
+        let first = rest(front).min(front.seq.chunk_len(held, max_chunk));
+        let mut left = max_chunk.saturating_sub(first);
+        let mut riders = Vec::new();
+        for (i, r) in self.prefilling.iter().enumerate().skip(1) {
+            let n = rest(r);
+            if left == 0 {
+                break;
+            }
+            if n == 0
+                || n > left
+                || !live(r)
+                || r.cache.state_snapshot_every().is_some()
+                || r.seq.chunk_len(r.cache.offset(), ceiling) < n
+            {
+                continue;
+            }
+            riders.push(i);
+            left -= n;
+        }
+        // Out of the queue while the step runs: riders from the back, then the oldest.
+        let mut taken: Vec<(usize, Prefilling)> = Vec::with_capacity(riders.len() + 1);
+        for &i in riders.iter().rev() {
+            if let Some(r) = self.prefilling.remove(i) {
+                taken.push((i, r));
+            }
+        }
+        let Some(r) = self.prefilling.pop_front() else {
+            return Ok(None);
         };
+        taken.push((0, r));
+        taken.reverse();
+        self.allow_arena();
+        self.chunk_cached = held;
+        let jobs: Vec<ChunkJob> = taken
+            .iter_mut()
+            .enumerate()
+            .map(|(k, (_, r))| ChunkJob {
+                seq: &mut r.seq,
+                cache: &mut r.cache,
+                max_chunk: if k == 0 { max_chunk } else { ceiling },
+            })
+            .collect();
         let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
-        let ran = decode_step_mixed(&self.model, &mut seqs, &mut self.rows, job);
-        let Ok(Some((tokens, logits))) = ran else {
-            self.prefilling.push_front(r);
-            return ran.map(|_| None);
+        let ran = decode_step_mixed(&self.model, &mut seqs, &mut self.rows, jobs);
+        let parts = match ran {
+            Ok(Some(parts)) => parts,
+            other => {
+                // Back where they were, the oldest first.
+                for (i, r) in taken {
+                    self.prefilling.insert(i, r);
+                }
+                return other.map(|_| None);
+            }
         };
         self.count_step();
-        Ok(Some(MixedChunk { r, tokens, logits }))
+        Ok(Some(
+            taken
+                .into_iter()
+                .zip(parts)
+                .map(|((_, r), (tokens, logits))| MixedChunk { r, tokens, logits })
+                .collect(),
+        ))
     }
 
-    /// Charges request `id`, still prefilling, what a step of `seconds` whose decode pass
-    /// ran its chunk took beyond a decode-only step: its prefill time (which the cost
-    /// model's prefill fit learns from) then holds its chunks' share of the steps. A
-    /// request whose chunk ended its prompt was charged by its first pick's wait.
-    fn charge_chunk(&mut self, id: u64, seconds: f64) {
-        let share = self.chunk_budget.beyond_decode(seconds);
+    /// Charges request `id`, still prefilling, its share (`tokens` of the step's `total`
+    /// prompt tokens) of what a step of `seconds` whose decode pass ran its chunk took
+    /// beyond a decode-only step: its prefill time (which the cost model's prefill fit
+    /// learns from) then holds its chunks' share of the steps. A request whose chunk ended
+    /// its prompt (every rider) was charged by its first pick's wait.
+    fn charge_chunk(&mut self, id: u64, tokens: usize, total: usize, seconds: f64) {
+        let share = self.chunk_budget.beyond_decode(seconds) * tokens as f64 / total.max(1) as f64;
         if let Some(r) = self.prefilling.iter_mut().find(|r| r.p.id == id) {
             r.seq.prefill_s += share;
         }

@@ -16,7 +16,7 @@ use cache::{Chain, KvCache, PagedKvCache, PagedKvRows};
 use crate::device_sampler::{DeviceSampler, GreedyBatch, Selection};
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream, Timings};
-use crate::model::{aligned_chunk, Model};
+use crate::model::{aligned_chunk, Model, PromptChunk};
 use crate::reuse::{KvTiers, ReuseReport};
 use crate::sampler::Sampled;
 use crate::tokenizer::Tokenizer;
@@ -177,7 +177,7 @@ impl Sequence {
 
     /// Tokens of the next prefill chunk after `held` prompt tokens: at most `max_chunk` and
     /// the request's own `prefill_chunk`, ending on a multiple of the latter.
-    fn chunk_len(&self, held: usize, max_chunk: usize) -> usize {
+    pub(crate) fn chunk_len(&self, held: usize, max_chunk: usize) -> usize {
         aligned_chunk(held, self.params.prefill_chunk.clamp(1, max_chunk.max(1)))
     }
 
@@ -490,52 +490,69 @@ pub(crate) struct ChunkJob<'a> {
     pub(crate) max_chunk: usize,
 }
 
-/// [`decode_step`] over the engine's `rows` with the next prefill chunk of `job` in the
-/// same forward pass ([`Model::forward_mixed`]: the weights read once, not twice).
-/// Returns the prompt tokens the chunk ran and, when it ended the prompt, its last logits
-/// (the first pick is the caller's, as after [`Sequence::prefill_step`]); `None` when no
-/// mixed step was queued (no row needs a step, or the model has no mixed pass for this
-/// cache): nothing changed, and the caller runs the two steps apart.
+/// What one job's chunk of a [`decode_step_mixed`] ran: its prompt tokens and, when it
+/// ended the prompt, the prompt's last logits.
+pub(crate) type ChunkRan = (usize, Option<mlx::Array>);
+
+/// [`decode_step`] over the engine's `rows` with the next prefill chunk of each of `jobs`
+/// in the same forward pass ([`Model::forward_mixed`]: the weights read once, not once
+/// per part). Returns, per job, the prompt tokens its chunk ran and, when it ended the
+/// prompt, its last logits (the first pick is the caller's, as after
+/// [`Sequence::prefill_step`]); `None` when no mixed step was queued (no row needs a step,
+/// a job has nothing left to prefill, or the model has no mixed pass for these caches):
+/// nothing changed, and the caller runs the steps apart.
 pub(crate) fn decode_step_mixed(
     model: &Model,
     seqs: &mut [&mut Sequence],
     rows: &mut PagedKvRows,
-    job: ChunkJob<'_>,
-) -> Result<Option<(usize, Option<mlx::Array>)>> {
-    if seqs.len() != rows.len() || !seqs.iter().any(|s| s.needs_step()) {
+    jobs: Vec<ChunkJob<'_>>,
+) -> Result<Option<Vec<ChunkRan>>> {
+    if jobs.is_empty() || seqs.len() != rows.len() || !seqs.iter().any(|s| s.needs_step()) {
         return Ok(None);
     }
-    let ChunkJob {
-        seq,
-        cache,
-        max_chunk,
-    } = job;
-    let held = cache.offset();
-    let rest = seq.prompt.get(held..).unwrap_or_default();
-    if rest.is_empty() {
-        return Ok(None);
+    let mut lens = Vec::with_capacity(jobs.len());
+    let mut prompts = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let ChunkJob {
+            seq,
+            cache,
+            max_chunk,
+        } = job;
+        let held = cache.offset();
+        let rest = seq.prompt.get(held..).unwrap_or_default();
+        if rest.is_empty() {
+            return Ok(None);
+        }
+        let n = rest.len().min(seq.chunk_len(held, max_chunk));
+        lens.push((n, n == rest.len()));
+        prompts.push(PromptChunk {
+            tokens: &rest[..n],
+            cache,
+        });
     }
-    let n = rest.len().min(seq.chunk_len(held, max_chunk));
-    let ends_prompt = n == rest.len();
     let mut tokens = Vec::with_capacity(seqs.len());
     for s in seqs.iter_mut() {
         tokens.push(s.input()?);
     }
     let refs: Vec<&mlx::Array> = tokens.iter().collect();
     let ids = mlx::ops::concatenate(&refs, 0)?;
-    let Some(step) = model.forward_mixed(&ids, rows, &rest[..n], cache)? else {
+    let Some(step) = model.forward_mixed(&ids, rows, &mut prompts)? else {
         return Ok(None);
     };
     pick_rows(seqs, &step.rows_logits)?;
     let mut arrays = launched_arrays(seqs)?;
-    // The chunk's keys and values are computed with the step; its last logits only when
+    // Each chunk's keys and values are computed with the step; its last logits only when
     // the first pick needs them.
-    let logits = ends_prompt.then_some(step.prompt_logits);
-    arrays.push(logits.clone().unwrap_or(step.prompt_hidden));
+    let mut out = Vec::with_capacity(lens.len());
+    for (part, (n, ends_prompt)) in step.prompts.into_iter().zip(lens) {
+        let logits = ends_prompt.then_some(part.logits);
+        arrays.push(logits.clone().unwrap_or(part.hidden));
+        out.push((n, logits));
+    }
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
-    // The chunk's time is charged by the caller, who sees the whole step (what it took
-    // beyond a decode step), or, for the prompt's last chunk, by the first pick's wait.
-    Ok(Some((n, logits)))
+    // The chunks' time is charged by the caller, who sees the whole step (what it took
+    // beyond a decode step), or, for a prompt's last chunk, by the first pick's wait.
+    Ok(Some(out))
 }
 
 /// Queues each sequence's pick from its own `logits` (`[vocab]` each).

@@ -844,6 +844,7 @@ mod tests {
             |decoded: &[u64], prefilled: Option<(u64, usize)>, us: [u64; 3]| engine::StepRecord {
                 decoded: decoded.to_vec(),
                 prefilled,
+                riders: Vec::new(),
                 launch_us: us[0],
                 emit_us: us[1],
                 prefill_us: us[2],

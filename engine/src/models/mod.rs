@@ -29,17 +29,18 @@ pub(crate) trait Network: Send + std::fmt::Debug {
     /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array>;
     /// One pass over one token of each row of `rows` (`row_tokens` `[B]` or `[B, 1]`) and
-    /// `tokens` `[1, L]` placed after what `cache` holds: the rows' hidden states `[B, 1,
-    /// hidden]` and the prompt's `[1, L, hidden]`, as [`Network::hidden_rows`] and
-    /// [`Network::hidden`] would give them, with the weights read once. `None` where the
-    /// family has no such pass (the caller runs the two).
+    /// each prompt chunk of `chunks` (`[1, L]` ids) placed after what its cache in `caches`
+    /// holds: the rows' hidden states `[B, 1, hidden]` and each chunk's `[1, L, hidden]`,
+    /// as [`Network::hidden_rows`] and [`Network::hidden`] would give them, with the
+    /// weights read once. `None` where the family has no such pass (the caller runs them
+    /// apart).
     fn hidden_mixed(
         &self,
         _row_tokens: &Array,
         _rows: &mut PagedKvRows,
-        _tokens: &Array,
-        _cache: &mut dyn KvCache,
-    ) -> Result<Option<(Array, Array)>> {
+        _chunks: &[Array],
+        _caches: &mut [&mut dyn KvCache],
+    ) -> Result<Option<(Array, Vec<Array>)>> {
         Ok(None)
     }
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`.

@@ -3,7 +3,7 @@
 use cache::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
 use engine::{
     argmax, greedy_ids, load, Engine, EngineConfig, GenerateParams, KvTiers, LoadOptions, Model,
-    Request, DEFAULT_PREFILL_CHUNK,
+    PromptChunk, Request, DEFAULT_PREFILL_CHUNK,
 };
 
 use crate::common::{goldens, logit_tol, max_diff, near_tie};
@@ -476,13 +476,9 @@ fn an_engine_with_a_batch_arena_keeps_its_device_kv_within_the_kv_budget() {
     );
 }
 
-/// A mixed step ([`Model::forward_mixed`]: a decode step of the rows and a prefill chunk
-/// of another prompt in one forward pass) gives what the two give apart: each row's logits
-/// within the batched bound, and the chunk's last logits and every cache's keys and values
-/// within float rounding. Two mixed steps: a chunk that does not end its prompt, then one
-/// that does.
-fn mixed_step_matches_the_two_apart(name: &str) {
-    let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
+/// The test prompts prefilled as two identical batches of rows (one for the pass under
+/// test, one for the reference) and each row's next token.
+fn twin_rows(model: &Model) -> (PagedKvRows, PagedKvRows, Vec<u32>) {
     let mut mixed_rows = PagedKvRows::new();
     let mut apart_rows = PagedKvRows::new();
     let mut last = Vec::new();
@@ -493,6 +489,40 @@ fn mixed_step_matches_the_two_apart(name: &str) {
         apart_rows.push(c.clone()).unwrap();
         mixed_rows.push(c).unwrap();
     }
+    (mixed_rows, apart_rows, last)
+}
+
+/// Checks a mixed step's row logits against a decode step of `last` over `apart_rows`
+/// (within the batched bound) and returns the reference logits, `[B · vocab]`.
+fn rows_match_apart(
+    name: &str,
+    model: &Model,
+    step: &engine::MixedStep,
+    last: &[u32],
+    apart_rows: &mut PagedKvRows,
+) -> Vec<f32> {
+    let rows: Vec<f32> = step.rows_logits.to_vec().unwrap();
+    let want_rows: Vec<f32> = model
+        .forward_rows(last, apart_rows)
+        .unwrap()
+        .to_vec()
+        .unwrap();
+    let vocab = rows.len() / last.len();
+    for (b, (g, w)) in rows.chunks(vocab).zip(want_rows.chunks(vocab)).enumerate() {
+        let gap = max_diff(g, w);
+        assert!(gap < logit_tol(1e-4, w), "{name}: row {b} differs by {gap}");
+    }
+    want_rows
+}
+
+/// A mixed step ([`Model::forward_mixed`]: a decode step of the rows and a prefill chunk
+/// of another prompt in one forward pass) gives what the two give apart: each row's logits
+/// within the batched bound, and the chunk's last logits and every cache's keys and values
+/// within float rounding. Two mixed steps: a chunk that does not end its prompt, then one
+/// that does.
+fn mixed_step_matches_the_two_apart(name: &str) {
+    let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
+    let (mut mixed_rows, mut apart_rows, mut last) = twin_rows(&model);
     // A prompt of 70 tokens, 20 of them cached: chunks of 33 and 17 tokens after them.
     let prompt: Vec<u32> = (0..70u32).map(|i| (i * 7919 + 11) % 250 + 3).collect();
     let mut mixed_cache = model.empty_cache(PagedConfig::default()).unwrap();
@@ -503,27 +533,22 @@ fn mixed_step_matches_the_two_apart(name: &str) {
     for (from, to) in [(20, 53), (53, 70)] {
         let chunk = &prompt[from..to];
         let ids = mlx::Array::from_slice(&last, &[last.len() as i32]).unwrap();
+        let mut prompts = [PromptChunk {
+            tokens: chunk,
+            cache: &mut mixed_cache,
+        }];
         let step = model
-            .forward_mixed(&ids, &mut mixed_rows, chunk, &mut mixed_cache)
+            .forward_mixed(&ids, &mut mixed_rows, &mut prompts)
             .unwrap()
             .expect("this family has a mixed pass");
-        let rows: Vec<f32> = step.rows_logits.to_vec().unwrap();
-        let want_rows: Vec<f32> = model
-            .forward_rows(&last, &mut apart_rows)
-            .unwrap()
-            .to_vec()
-            .unwrap();
-        let got: Vec<f32> = step.prompt_logits.to_vec().unwrap();
+        let want_rows = rows_match_apart(name, &model, &step, &last, &mut apart_rows);
+        let got: Vec<f32> = step.prompts[0].logits.to_vec().unwrap();
         let want: Vec<f32> = model
             .forward(chunk, &mut apart_cache)
             .unwrap()
             .to_vec()
             .unwrap();
         let vocab = want.len();
-        for (b, (g, w)) in rows.chunks(vocab).zip(want_rows.chunks(vocab)).enumerate() {
-            let gap = max_diff(g, w);
-            assert!(gap < logit_tol(1e-4, w), "{name}: row {b} differs by {gap}");
-        }
         let gap = max_diff(&got, &want);
         assert!(
             gap < logit_tol(1e-4, &want),
@@ -550,6 +575,69 @@ fn a_mixed_step_matches_the_two_apart_qwen3() {
     mixed_step_matches_the_two_apart("tiny-qwen3");
 }
 
+/// Several prompts in one mixed pass (the oldest's chunk and riders: a fresh prompt and
+/// one after a cached prefix) give what each gives alone: each prompt's last logits and
+/// cache within float rounding, the rows' logits within the batched bound.
+fn mixed_step_with_several_prompts_matches_each_alone(name: &str) {
+    let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
+    let (mut mixed_rows, mut apart_rows, last) = twin_rows(&model);
+    let prompt =
+        |seed: u32, n: u32| -> Vec<u32> { (0..n).map(|i| (i * 7919 + seed) % 250 + 3).collect() };
+    // A 40-token chunk after 24 cached tokens, a fresh 9-token prompt, 13 tokens after 5.
+    let (a, b, c) = (prompt(11, 64), prompt(17, 9), prompt(29, 18));
+    let cached = [24, 0, 5];
+    let mut mixed: Vec<_> = [&a, &b, &c]
+        .iter()
+        .zip(cached)
+        .map(|(p, n)| {
+            let mut cache = model.empty_cache(PagedConfig::default()).unwrap();
+            if n > 0 {
+                model
+                    .prefill(&p[..n], &mut cache, DEFAULT_PREFILL_CHUNK)
+                    .unwrap();
+            }
+            cache
+        })
+        .collect();
+    let mut apart: Vec<_> = mixed.to_vec();
+    let ids = mlx::Array::from_slice(&last, &[last.len() as i32]).unwrap();
+    let chunks: Vec<&[u32]> = vec![&a[24..], &b[..], &c[5..]];
+    let mut parts: Vec<PromptChunk> = chunks
+        .iter()
+        .zip(mixed.iter_mut())
+        .map(|(t, cache)| PromptChunk { tokens: t, cache })
+        .collect();
+    let step = model
+        .forward_mixed(&ids, &mut mixed_rows, &mut parts)
+        .unwrap()
+        .expect("this family has a mixed pass");
+    drop(parts);
+    assert_eq!(step.prompts.len(), 3);
+    rows_match_apart(name, &model, &step, &last, &mut apart_rows);
+    for (i, ((part, chunk), cache)) in step.prompts.iter().zip(&chunks).zip(&mut apart).enumerate()
+    {
+        let want: Vec<f32> = model.forward(chunk, cache).unwrap().to_vec().unwrap();
+        let got: Vec<f32> = part.logits.to_vec().unwrap();
+        let gap = max_diff(&got, &want);
+        assert!(
+            gap < logit_tol(1e-4, &want),
+            "{name}: prompt {i}'s logits differ by {gap}"
+        );
+        assert_eq!(mixed[i].offset(), cached[i] + chunk.len());
+        assert_kv_close(&mixed[i], cache);
+    }
+}
+
+#[test]
+fn a_mixed_step_with_several_prompts_matches_each_alone_llama() {
+    mixed_step_with_several_prompts_matches_each_alone("tiny-llama");
+}
+
+#[test]
+fn a_mixed_step_with_several_prompts_matches_each_alone_qwen3() {
+    mixed_step_with_several_prompts_matches_each_alone("tiny-qwen3");
+}
+
 /// A family without a mixed pass (a hybrid) says so and changes nothing.
 #[test]
 fn a_hybrid_has_no_mixed_pass_and_is_left_unchanged() {
@@ -562,9 +650,11 @@ fn a_hybrid_has_no_mixed_pass_and_is_left_unchanged() {
     rows.push(c).unwrap();
     let mut cache = model.empty_cache(PagedConfig::default()).unwrap();
     let ids = mlx::Array::from_slice(&[9u32], &[1]).unwrap();
-    let step = model
-        .forward_mixed(&ids, &mut rows, &[3, 4, 5], &mut cache)
-        .unwrap();
+    let mut prompts = [PromptChunk {
+        tokens: &[3, 4, 5],
+        cache: &mut cache,
+    }];
+    let step = model.forward_mixed(&ids, &mut rows, &mut prompts).unwrap();
     assert!(step.is_none());
     assert_eq!(cache.offset(), 0);
     assert_eq!(rows.row(0).unwrap().offset(), 3);

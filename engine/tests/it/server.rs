@@ -1139,6 +1139,9 @@ fn long_prompt_among_rows(
     b.cancel();
 
     let log = engine.step_log();
+    for s in &log {
+        assert!(step_prefill(s) <= chunk, "{s:?}");
+    }
     let c_steps: Vec<_> = log
         .into_iter()
         .filter(|s| s.prefilled.is_some_and(|(id, _)| id == c_id))
@@ -1146,7 +1149,6 @@ fn long_prompt_among_rows(
     let prefilled: usize = c_steps.iter().map(|s| s.prefilled.unwrap().1).sum();
     assert_eq!(prefilled, long, "every prompt token prefilled once");
     for s in &c_steps {
-        assert!(s.prefilled.unwrap().1 <= chunk, "{s:?}");
         for row in [a.id(), b.id()] {
             assert!(
                 s.decoded.contains(&row),
@@ -1155,6 +1157,87 @@ fn long_prompt_among_rows(
         }
     }
     c_steps
+}
+
+/// Prompt tokens a step prefilled: its chunk and its riders'.
+fn step_prefill(s: &engine::StepRecord) -> usize {
+    s.prefilled.map_or(0, |p| p.1) + s.riders.iter().map(|r| r.1).sum::<usize>()
+}
+
+/// Short prompts that arrive together while rows decode ride in the oldest one's mixed
+/// pass: some step prefills several of them at once (riders), no step prefills more than
+/// the chunk, every prompt token is prefilled exactly once and every request completes.
+#[test]
+fn short_prompts_ride_together_in_one_mixed_step() {
+    let chunk = 64;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            max_batch: 16,
+            prefill_chunk: chunk,
+            mixed_steps: Some(true),
+            step_log: 100_000,
+            ..EngineConfig::default()
+        },
+    );
+    let (ids, params) = (distinct_ids, no_eos);
+    let mut a = engine
+        .submit(Request::new(ids(12, 1), params(100_000)))
+        .unwrap();
+    loop {
+        match a.recv_blocking() {
+            Some(Event::Token { .. }) => break,
+            Some(Event::Failed(e)) => panic!("{e}"),
+            Some(_) => {}
+            None => panic!("no token"),
+        }
+    }
+    let mut lens = std::collections::HashMap::new();
+    let mut rode = false;
+    for round in 0..5u32 {
+        // A burst: each submission takes microseconds, an engine step milliseconds.
+        let handles: Vec<_> = (0..4u32)
+            .map(|i| {
+                let prompt = ids(5 + 3 * i, 10 + 4 * round + i);
+                let h = engine
+                    .submit(Request::new(prompt.clone(), params(3)))
+                    .unwrap();
+                lens.insert(h.id(), prompt.len());
+                h
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(h.wait().unwrap().completion_tokens, 3);
+        }
+        if engine.step_log().iter().any(|s| !s.riders.is_empty()) {
+            rode = true;
+            break;
+        }
+    }
+    a.cancel();
+    assert!(rode, "no step carried riders in five bursts");
+    let log = engine.step_log();
+    let mut prefilled = std::collections::HashMap::new();
+    for s in &log {
+        assert!(step_prefill(s) <= chunk, "{s:?}");
+        for &(id, n) in s.prefilled.iter().chain(&s.riders) {
+            *prefilled.entry(id).or_insert(0) += n;
+        }
+        if !s.riders.is_empty() {
+            assert!(
+                s.decoded.contains(&a.id()),
+                "riders without a decode: {s:?}"
+            );
+        }
+    }
+    for (id, n) in &lens {
+        assert_eq!(
+            prefilled.get(id),
+            Some(n),
+            "request {id}'s prompt prefilled once"
+        );
+    }
 }
 
 /// Token ids and the completion of a request run to its end.
