@@ -1694,10 +1694,10 @@ impl Worker {
         let mut left = max_chunk.saturating_sub(first);
         let mut riders = Vec::new();
         for (i, r) in self.prefilling.iter().enumerate().skip(1) {
-            let n = rest(r);
             if left == 0 {
                 break;
             }
+            let n = rest(r);
             if n == 0
                 || n > left
                 || !live(r)

@@ -1112,22 +1112,14 @@ fn long_prompt_among_rows(
         },
     );
     let (ids, params) = (distinct_ids, no_eos);
-    let first_token = |h: &mut engine::RequestHandle| loop {
-        match h.recv_blocking() {
-            Some(Event::Token { .. }) => break,
-            Some(Event::Failed(e)) => panic!("{e}"),
-            Some(_) => {}
-            None => panic!("no token"),
-        }
-    };
     let mut a = engine
         .submit(Request::new(ids(12, 1), params(100_000)))
         .unwrap();
     let mut b = engine
         .submit(Request::new(ids(9, 2), params(100_000)))
         .unwrap();
-    first_token(&mut a);
-    first_token(&mut b);
+    wait_first_token(&mut a);
+    wait_first_token(&mut b);
     let c = engine
         .submit(Request::new(ids(long as u32, 3), params(2)))
         .unwrap();
@@ -1159,6 +1151,18 @@ fn long_prompt_among_rows(
     c_steps
 }
 
+/// Waits for `h`'s first token (panics on a failure or an end without one).
+fn wait_first_token(h: &mut engine::RequestHandle) {
+    loop {
+        match h.recv_blocking() {
+            Some(Event::Token { .. }) => return,
+            Some(Event::Failed(e)) => panic!("{e}"),
+            Some(_) => {}
+            None => panic!("no token"),
+        }
+    }
+}
+
 /// Prompt tokens a step prefilled: its chunk and its riders'.
 fn step_prefill(s: &engine::StepRecord) -> usize {
     s.prefilled.map_or(0, |p| p.1) + s.riders.iter().map(|r| r.1).sum::<usize>()
@@ -1185,14 +1189,7 @@ fn short_prompts_ride_together_in_one_mixed_step() {
     let mut a = engine
         .submit(Request::new(ids(12, 1), params(100_000)))
         .unwrap();
-    loop {
-        match a.recv_blocking() {
-            Some(Event::Token { .. }) => break,
-            Some(Event::Failed(e)) => panic!("{e}"),
-            Some(_) => {}
-            None => panic!("no token"),
-        }
-    }
+    wait_first_token(&mut a);
     let mut lens = std::collections::HashMap::new();
     let mut rode = false;
     for round in 0..5u32 {
