@@ -42,6 +42,10 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if serves_many(&cli.command) {
+        // Before any thread starts or MLX runs: libmlx reads it once (mlx::cuda_graphs).
+        mlx::default_cuda_graphs(false);
+    }
     if !matches!(cli.command, Command::Serve(_)) {
         quiet_on_closed_pipe();
     }
@@ -72,4 +76,18 @@ fn exit_with(code: i32) -> anyhow::Result<()> {
         std::process::exit(code);
     }
     Ok(())
+}
+
+/// Whether the command runs the engine under a serving load (`serve`, `bench serve`,
+/// `bench trace`): there, prompt chunks and batches keep changing shape, and a CUDA graph
+/// instantiated for each new shape costs more than graphs save, so these run without them
+/// unless `MLX_USE_CUDA_GRAPHS` says otherwise (docs/server.md, "CUDA graphs"). The others
+/// (one request at a time: `generate`, `chat`, `demo`, the other benchmarks) keep MLX's
+/// default, on: their decode steps repeat one shape.
+fn serves_many(command: &Command) -> bool {
+    match command {
+        Command::Serve(_) => true,
+        Command::Bench(args) => args.serves_many(),
+        _ => false,
+    }
 }

@@ -504,23 +504,27 @@ impl Attention {
         rope: &RotaryEmbedding,
         kv: &mut MixedKv<'_, '_>,
     ) -> Result<Array> {
-        let b = kv.rows.len() as i32;
         let [q, k, v] = self.qkv.forward(x)?;
         let part = |a: &Array, from: i32, to: i32| {
             let w = a.shape()[2];
             a.slice(&[0, from, 0], &[1, to, w])
         };
-        // The rows' tokens: [1, B, ·] read as [B, 1, ·].
-        let (rq, rk, rv) =
-            self.split_heads(&part(&q, 0, b)?, &part(&k, 0, b)?, &part(&v, 0, b)?, b, 1)?;
-        let rq = rope.forward_rows(&rq, kv.offsets)?;
-        let rk = rope.forward_rows(&rk, kv.offsets)?;
-        let ro = kv.rows.attend(layer, &rq, &rk, &rv, self.scale, None)?;
         // [B, H, 1, D] -> [1, B, H·D], then each prompt's [1, H, L, D] -> [1, L, H·D]; one
         // output projection over them all.
         let width = self.num_heads * self.head_dim;
-        let mut outs = vec![ro.transpose(&[0, 2, 1, 3])?.reshape(&[1, b, width])?];
-        let mut start = b;
+        let mut outs = Vec::with_capacity(kv.prompts.len() + 1);
+        let mut start = 0;
+        if let Some((offsets, rows)) = &mut kv.rows {
+            // The rows' tokens: [1, B, ·] read as [B, 1, ·].
+            let b = rows.len() as i32;
+            let (rq, rk, rv) =
+                self.split_heads(&part(&q, 0, b)?, &part(&k, 0, b)?, &part(&v, 0, b)?, b, 1)?;
+            let rq = rope.forward_rows(&rq, offsets)?;
+            let rk = rope.forward_rows(&rk, offsets)?;
+            let ro = rows.attend(layer, &rq, &rk, &rv, self.scale, None)?;
+            outs.push(ro.transpose(&[0, 2, 1, 3])?.reshape(&[1, b, width])?);
+            start = b;
+        }
         for (cache, &(offset, l)) in kv.caches.iter_mut().zip(&kv.prompts) {
             let l = l as i32;
             let (cq, ck, cv) = self.split_heads(
@@ -557,11 +561,10 @@ impl Attention {
 }
 
 /// The caches of a mixed step's parts ([`Attention::forward_mixed`]): the decoding rows
-/// with their positions, and each prompt's cache with the position and length of its chunk.
+/// with their positions (if any), and each prompt's cache with the position and length of its chunk.
 pub(crate) struct MixedKv<'a, 'c> {
-    pub(crate) rows: &'a mut PagedKvRows,
-    /// Each row's position, int32 `[B]`.
-    pub(crate) offsets: &'a Array,
+    /// Each row's position (int32 `[B]`) and their cache; none in a pass of prompts only.
+    pub(crate) rows: Option<(Array, &'a mut PagedKvRows)>,
     pub(crate) caches: &'a mut [&'c mut dyn KvCache],
     /// Per prompt (as `caches`): its chunk's first position and its token count.
     pub(crate) prompts: Vec<(usize, usize)>,
@@ -665,19 +668,25 @@ impl crate::models::Network for Decoder {
 
     fn hidden_mixed(
         &self,
-        row_tokens: &Array,
-        rows: &mut PagedKvRows,
+        rows: Option<(&Array, &mut PagedKvRows)>,
         chunks: &[Array],
         caches: &mut [&mut dyn KvCache],
-    ) -> Result<Option<(Array, Vec<Array>)>> {
-        let b = rows.len() as i32;
-        let offsets = rows.offsets()?;
+    ) -> Result<Option<(Option<Array>, Vec<Array>)>> {
         let prompts: Vec<(usize, usize)> = chunks
             .iter()
             .zip(caches.iter())
             .map(|(c, cache)| (cache.offset(), c.shape()[1] as usize))
             .collect();
-        let mut ids = vec![row_tokens.reshape(&[1, b])?];
+        let mut ids = Vec::with_capacity(chunks.len() + 1);
+        let rows = match rows {
+            Some((tokens, rows)) => {
+                let b = rows.len() as i32;
+                ids.push(tokens.reshape(&[1, b])?);
+                Some((rows.offsets()?, rows))
+            }
+            None => None,
+        };
+        let b = rows.as_ref().map_or(0, |(_, r)| r.len() as i32);
         ids.extend(chunks.iter().cloned());
         let refs: Vec<&Array> = ids.iter().collect();
         let mut h = self
@@ -685,7 +694,6 @@ impl crate::models::Network for Decoder {
             .forward(&mlx::ops::concatenate(&refs, 1)?)?;
         let mut kv = MixedKv {
             rows,
-            offsets: &offsets,
             caches,
             prompts,
         };
@@ -694,9 +702,13 @@ impl crate::models::Network for Decoder {
         }
         let h = self.norm.forward(&h)?;
         let hidden = h.shape()[2];
-        let rows_h = h
-            .slice(&[0, 0, 0], &[1, b, hidden])?
-            .reshape(&[b, 1, hidden])?;
+        let rows_h = match b {
+            0 => None,
+            _ => Some(
+                h.slice(&[0, 0, 0], &[1, b, hidden])?
+                    .reshape(&[b, 1, hidden])?,
+            ),
+        };
         let mut start = b;
         let mut prompt_h = Vec::with_capacity(kv.prompts.len());
         for &(_, l) in &kv.prompts {

@@ -315,7 +315,41 @@ impl Model {
         prompts: &mut [PromptChunk<'_>],
     ) -> Result<Option<MixedStep>> {
         let b = rows.len() as i32;
-        if b == 0 || row_tokens.size() != rows.len() || prompts.is_empty() {
+        if b == 0 || row_tokens.size() != rows.len() {
+            return Ok(None);
+        }
+        let Some((rows_h, prompts)) = self.pass(Some((row_tokens, rows)), prompts)? else {
+            return Ok(None);
+        };
+        let Some(rows_h) = rows_h else {
+            return Ok(None);
+        };
+        let rows_logits = self.decoder.logits(&rows_h)?.reshape(&[b, -1])?;
+        Ok(Some(MixedStep {
+            rows_logits: rows_logits.astype(Dtype::F32)?,
+            prompts,
+        }))
+    }
+
+    /// One prefill pass over a chunk of each of `prompts`, after what its cache holds: the
+    /// weights read once for all of them (a burst of short prompts is one pass, not one
+    /// each). `None` as for [`Model::forward_mixed`].
+    pub fn forward_prompts(
+        &self,
+        prompts: &mut [PromptChunk<'_>],
+    ) -> Result<Option<Vec<PromptPass>>> {
+        Ok(self.pass(None, prompts)?.map(|(_, p)| p))
+    }
+
+    /// The pass of [`Model::forward_mixed`] and [`Model::forward_prompts`]: the rows'
+    /// hidden states (with rows) and each prompt's part.
+    #[allow(clippy::type_complexity)]
+    fn pass(
+        &self,
+        rows: Option<(&Array, &mut PagedKvRows)>,
+        prompts: &mut [PromptChunk<'_>],
+    ) -> Result<Option<(Option<Array>, Vec<PromptPass>)>> {
+        if prompts.is_empty() {
             return Ok(None);
         }
         let mut ids = Vec::with_capacity(prompts.len());
@@ -332,13 +366,9 @@ impl Model {
         for p in prompts.iter_mut() {
             caches.push(&mut *p.cache);
         }
-        let Some((rows_h, prompt_h)) =
-            self.decoder
-                .hidden_mixed(row_tokens, rows, &ids, &mut caches)?
-        else {
+        let Some((rows_h, prompt_h)) = self.decoder.hidden_mixed(rows, &ids, &mut caches)? else {
             return Ok(None);
         };
-        let rows_logits = self.decoder.logits(&rows_h)?.reshape(&[b, -1])?;
         let hidden = self.info.hidden_size as i32;
         let mut out = Vec::with_capacity(prompt_h.len());
         for h in prompt_h {
@@ -350,10 +380,7 @@ impl Model {
                 hidden: h,
             });
         }
-        Ok(Some(MixedStep {
-            rows_logits: rows_logits.astype(Dtype::F32)?,
-            prompts: out,
-        }))
+        Ok(Some((rows_h, out)))
     }
 
     /// Like [`Model::forward`] but returns logits for every position, `[L, vocab]` (tests),
@@ -431,7 +458,7 @@ pub struct MixedStep {
     pub prompts: Vec<PromptPass>,
 }
 
-/// One prompt chunk's part of a [`MixedStep`].
+/// One prompt chunk's part of a [`MixedStep`] or of [`Model::forward_prompts`].
 pub struct PromptPass {
     /// The logits of the chunk's last token, `[vocab]`, f32 (read when it ends the prompt).
     pub logits: Array,
@@ -439,7 +466,8 @@ pub struct PromptPass {
     pub hidden: Array,
 }
 
-/// A prefill chunk for [`Model::forward_mixed`]: `tokens` placed after what `cache` holds.
+/// A prefill chunk for [`Model::forward_mixed`] and [`Model::forward_prompts`]: `tokens`
+/// placed after what `cache` holds.
 pub struct PromptChunk<'a> {
     /// The chunk's prompt tokens.
     pub tokens: &'a [u32],

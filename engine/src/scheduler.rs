@@ -48,7 +48,8 @@ use crate::model::{Model, ModelInfo};
 use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
 use crate::sequence::{
-    check_prompt, context_limit, decode_step, decode_step_mixed, ChunkJob, Sequence, StepKv,
+    check_prompt, context_limit, decode_step, decode_step_mixed, prefill_packed, ChunkJob,
+    ChunkRan, Sequence, StepKv,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -979,6 +980,33 @@ struct MixedChunk {
     logits: Option<mlx::Array>,
 }
 
+/// The chunk jobs of prompts [`Worker::take_chunks`] took: the oldest's next chunk within
+/// `max_chunk`, each rider's whole rest (within the engine's chunk `ceiling`).
+fn chunk_jobs(
+    taken: &mut [(usize, Prefilling)],
+    max_chunk: usize,
+    ceiling: usize,
+) -> Vec<ChunkJob<'_>> {
+    taken
+        .iter_mut()
+        .enumerate()
+        .map(|(k, (_, r))| ChunkJob {
+            seq: &mut r.seq,
+            cache: &mut r.cache,
+            max_chunk: if k == 0 { max_chunk } else { ceiling },
+        })
+        .collect()
+}
+
+/// Each taken prompt with what its chunk ran.
+fn mixed_chunks(taken: Vec<(usize, Prefilling)>, parts: Vec<ChunkRan>) -> Vec<MixedChunk> {
+    taken
+        .into_iter()
+        .zip(parts)
+        .map(|((_, r), (tokens, logits))| MixedChunk { r, tokens, logits })
+        .collect()
+}
+
 impl Worker {
     fn run(&mut self) {
         // Restores run on this thread: pay their one-off set-up now, not in a request's
@@ -1063,7 +1091,13 @@ impl Worker {
                     record.riders = done.collect();
                     first
                 }
-                None => self.prefill_step(),
+                None => match self.prefill_packed_step() {
+                    Some(mut done) => {
+                        record.riders = done.split_off(1);
+                        done.pop()
+                    }
+                    None => self.prefill_step(),
+                },
             };
             record.launch_us = micros(launched - t);
             record.emit_us = micros(emitted - launched);
@@ -1682,13 +1716,80 @@ impl Worker {
         if !self.mixed_steps || self.fail_next_step || self.fail_next_prefill {
             return Ok(None);
         }
-        let live = |r: &Prefilling| !(r.p.cancel.is_cancelled() || r.p.tx.is_closed());
-        let Some(front) = self.prefilling.front().filter(|r| live(r)) else {
+        let Some((mut taken, max_chunk)) = self.take_chunks(false) else {
             return Ok(None);
         };
+        self.allow_arena();
+        let jobs = chunk_jobs(&mut taken, max_chunk, self.config.prefill_chunk);
+        let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
+        let ran = decode_step_mixed(&self.model, &mut seqs, &mut self.rows, jobs);
+        let parts = match ran {
+            Ok(Some(parts)) => parts,
+            other => {
+                self.put_back(taken);
+                return other.map(|_| None);
+            }
+        };
+        self.count_step();
+        Ok(Some(mixed_chunks(taken, parts)))
+    }
+
+    /// The oldest prompt's next chunk and, as riders, later prompts whose whole rest fits
+    /// in what it leaves of the prefill budget, in one pass of their own
+    /// ([`prefill_packed`]): the pass a step runs beside the decode pass (mixed steps off)
+    /// or alone (nothing decoding), when at least one prompt rides. `None` when none rides
+    /// or a fault is to be injected (nothing changed: [`Worker::prefill_step`] runs).
+    fn prefill_packed_step(&mut self) -> Option<Vec<(u64, usize)>> {
+        if self.fail_next_prefill {
+            return None;
+        }
+        let (mut taken, max_chunk) = self.take_chunks(true)?;
+        let jobs = chunk_jobs(&mut taken, max_chunk, self.config.prefill_chunk);
+        let t = Instant::now();
+        let parts = match prefill_packed(&self.model, jobs) {
+            Ok(Some(parts)) => parts,
+            Ok(None) => {
+                self.put_back(taken);
+                return None;
+            }
+            Err(e) => {
+                // The pass failed as a whole: every prompt in it fails with the error.
+                let msg = ours(e).to_string();
+                let mut done = Vec::with_capacity(taken.len());
+                for (_, r) in taken {
+                    let (id, reserve, tx) = (r.p.id, r.p.reserve, r.p.tx.clone());
+                    let e = EngineError::StepFailed(msg.clone());
+                    self.fail_prefill(id, &tx, reserve, e);
+                    self.reserved = self.reserved.saturating_sub(reserve);
+                    done.push((id, 0));
+                }
+                return Some(done);
+            }
+        };
+        // Each prompt's prefill time holds its tokens' share of the pass.
+        let seconds = t.elapsed().as_secs_f64();
+        let total: usize = parts.iter().map(|p| p.0).sum();
+        for ((_, r), (n, _)) in taken.iter_mut().zip(&parts) {
+            r.seq.prefill_s += seconds * *n as f64 / total.max(1) as f64;
+        }
+        let done = mixed_chunks(taken, parts);
+        Some(done.into_iter().map(|m| self.mixed_chunk_done(m)).collect())
+    }
+
+    /// Takes the oldest prompt (if live) and the prompts that ride with its next chunk out
+    /// of the queue, each with its place, and the oldest's chunk budget. The budget is the
+    /// step's prefill budget while rows decode, the engine's chunk when none does. With
+    /// `need_riders`, `None` (nothing taken) when no prompt rides.
+    fn take_chunks(&mut self, need_riders: bool) -> Option<(Vec<(usize, Prefilling)>, usize)> {
+        let live = |r: &Prefilling| !(r.p.cancel.is_cancelled() || r.p.tx.is_closed());
+        let front = self.prefilling.front().filter(|r| live(r))?;
         let ceiling = self.config.prefill_chunk;
         let held = front.cache.offset();
-        let max_chunk = self.chunk_budget.most(held, ceiling);
+        let max_chunk = if self.active.is_empty() {
+            ceiling
+        } else {
+            self.chunk_budget.most(held, ceiling)
+        };
         let rest = |r: &Prefilling| r.seq.prompt.len().saturating_sub(r.cache.offset());
         let first = rest(front).min(front.seq.chunk_len(held, max_chunk));
         let mut left = max_chunk.saturating_sub(first);
@@ -1709,6 +1810,9 @@ impl Worker {
             riders.push(i);
             left -= n;
         }
+        if need_riders && riders.is_empty() {
+            return None;
+        }
         // Out of the queue while the step runs: riders from the back, then the oldest.
         let mut taken: Vec<(usize, Prefilling)> = Vec::with_capacity(riders.len() + 1);
         for &i in riders.iter().rev() {
@@ -1716,42 +1820,18 @@ impl Worker {
                 taken.push((i, r));
             }
         }
-        let Some(r) = self.prefilling.pop_front() else {
-            return Ok(None);
-        };
+        let r = self.prefilling.pop_front()?;
         taken.push((0, r));
         taken.reverse();
-        self.allow_arena();
         self.chunk_cached = held;
-        let jobs: Vec<ChunkJob> = taken
-            .iter_mut()
-            .enumerate()
-            .map(|(k, (_, r))| ChunkJob {
-                seq: &mut r.seq,
-                cache: &mut r.cache,
-                max_chunk: if k == 0 { max_chunk } else { ceiling },
-            })
-            .collect();
-        let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
-        let ran = decode_step_mixed(&self.model, &mut seqs, &mut self.rows, jobs);
-        let parts = match ran {
-            Ok(Some(parts)) => parts,
-            other => {
-                // Back where they were, the oldest first.
-                for (i, r) in taken {
-                    self.prefilling.insert(i, r);
-                }
-                return other.map(|_| None);
-            }
-        };
-        self.count_step();
-        Ok(Some(
-            taken
-                .into_iter()
-                .zip(parts)
-                .map(|((_, r), (tokens, logits))| MixedChunk { r, tokens, logits })
-                .collect(),
-        ))
+        Some((taken, max_chunk))
+    }
+
+    /// Puts prompts [`Worker::take_chunks`] took back where they were, the oldest first.
+    fn put_back(&mut self, taken: Vec<(usize, Prefilling)>) {
+        for (i, r) in taken {
+            self.prefilling.insert(i, r);
+        }
     }
 
     /// Charges request `id`, still prefilling, its share (`tokens` of the step's `total`
@@ -1859,16 +1939,19 @@ fn mixed_steps(config: &EngineConfig) -> bool {
     config.mixed_steps.unwrap_or_else(|| match env.as_deref() {
         Some("0") => false,
         Some(_) => true,
-        None => mixed_steps_by_default(device),
+        None => mixed_steps_by_default(device, mlx::cuda_graphs_enabled()),
     })
 }
 
-/// Whether steps are mixed when nothing says: on the CPU a step is bound by reading the
+/// Whether steps are mixed when nothing says, on `device` with MLX recording CUDA graphs
+/// or not (`cuda_graphs`, [`mlx::cuda_graphs_enabled`]): on the CPU a step is bound by reading the
 /// weights, which a mixed pass reads once instead of twice (a chunk step 10-15 % shorter,
-/// docs/benchmarks.md); on the H200 the mixed pass cost more to build than it saved (a
-/// chunk step's P50 66 vs 60 ms and TTFT P50 0.57 vs 0.46 s under the trace, session 12).
-fn mixed_steps_by_default(device: mlx::Device) -> bool {
-    device == mlx::Device::Cpu
+/// docs/benchmarks.md). On a GPU, with graphs no: each mixed pass has new shapes and instantiates new
+/// graphs (TTFT P50 0.57 vs 0.46 s under the trace, session 12); without graphs yes (TTFT
+/// P50 0.16 vs 0.21 s, an 8,192-token prompt stretching 8 streams' ITL P99 1.63x vs 2.23x:
+/// docs/benchmarks.md, "CUDA graphs").
+fn mixed_steps_by_default(device: mlx::Device, cuda_graphs: bool) -> bool {
+    device == mlx::Device::Cpu || !cuda_graphs
 }
 
 /// An empty decode batch, with the batch arena as `config` (or `KVSTORE_BATCH_ARENA`) says.
@@ -1906,9 +1989,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn steps_are_mixed_by_default_on_the_cpu_only_and_a_config_overrides_the_default() {
-        assert!(mixed_steps_by_default(mlx::Device::Cpu));
-        assert!(!mixed_steps_by_default(mlx::Device::Gpu));
+    fn steps_are_mixed_by_default_unless_a_gpu_records_cuda_graphs_and_a_config_overrides_it() {
+        for graphs in [false, true] {
+            assert!(mixed_steps_by_default(mlx::Device::Cpu, graphs));
+        }
+        assert!(!mixed_steps_by_default(mlx::Device::Gpu, true));
+        assert!(mixed_steps_by_default(mlx::Device::Gpu, false));
         for set in [false, true] {
             let config = EngineConfig {
                 mixed_steps: Some(set),

@@ -510,26 +510,9 @@ pub(crate) fn decode_step_mixed(
     if jobs.is_empty() || seqs.len() != rows.len() || !seqs.iter().any(|s| s.needs_step()) {
         return Ok(None);
     }
-    let mut lens = Vec::with_capacity(jobs.len());
-    let mut prompts = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        let ChunkJob {
-            seq,
-            cache,
-            max_chunk,
-        } = job;
-        let held = cache.offset();
-        let rest = seq.prompt.get(held..).unwrap_or_default();
-        if rest.is_empty() {
-            return Ok(None);
-        }
-        let n = rest.len().min(seq.chunk_len(held, max_chunk));
-        lens.push((n, n == rest.len()));
-        prompts.push(PromptChunk {
-            tokens: &rest[..n],
-            cache,
-        });
-    }
+    let Some((lens, mut prompts)) = chunks_of(jobs) else {
+        return Ok(None);
+    };
     let mut tokens = Vec::with_capacity(seqs.len());
     for s in seqs.iter_mut() {
         tokens.push(s.input()?);
@@ -543,16 +526,74 @@ pub(crate) fn decode_step_mixed(
     let mut arrays = launched_arrays(seqs)?;
     // Each chunk's keys and values are computed with the step; its last logits only when
     // the first pick needs them.
-    let mut out = Vec::with_capacity(lens.len());
-    for (part, (n, ends_prompt)) in step.prompts.into_iter().zip(lens) {
-        let logits = ends_prompt.then_some(part.logits);
-        arrays.push(logits.clone().unwrap_or(part.hidden));
-        out.push((n, logits));
-    }
+    let out = chunks_ran(step.prompts, lens, &mut arrays);
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
     // The chunks' time is charged by the caller, who sees the whole step (what it took
     // beyond a decode step), or, for a prompt's last chunk, by the first pick's wait.
     Ok(Some(out))
+}
+
+/// The next prefill chunk of each of `jobs`, all in one forward pass with no decoding rows
+/// ([`Model::forward_prompts`]), computed before it returns (the caller charges its time).
+/// Returns what [`decode_step_mixed`] does; `None` (nothing changed) where a job has
+/// nothing left to prefill or the model has no such pass.
+pub(crate) fn prefill_packed(
+    model: &Model,
+    jobs: Vec<ChunkJob<'_>>,
+) -> Result<Option<Vec<ChunkRan>>> {
+    let Some((lens, mut prompts)) = chunks_of(jobs) else {
+        return Ok(None);
+    };
+    let Some(parts) = model.forward_prompts(&mut prompts)? else {
+        return Ok(None);
+    };
+    let mut arrays = Vec::with_capacity(lens.len());
+    let out = chunks_ran(parts, lens, &mut arrays);
+    mlx::eval(&arrays.iter().collect::<Vec<_>>())?;
+    Ok(Some(out))
+}
+
+/// Each job's chunk ([`ChunkJob`]) as a [`PromptChunk`], with its length and whether it
+/// ends the prompt; `None` when a job has nothing left to prefill.
+#[allow(clippy::type_complexity)]
+fn chunks_of(jobs: Vec<ChunkJob<'_>>) -> Option<(Vec<(usize, bool)>, Vec<PromptChunk<'_>>)> {
+    let mut lens = Vec::with_capacity(jobs.len());
+    let mut prompts = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let ChunkJob {
+            seq,
+            cache,
+            max_chunk,
+        } = job;
+        let held = cache.offset();
+        let rest = seq.prompt.get(held..).unwrap_or_default();
+        if rest.is_empty() {
+            return None;
+        }
+        let n = rest.len().min(seq.chunk_len(held, max_chunk));
+        lens.push((n, n == rest.len()));
+        prompts.push(PromptChunk {
+            tokens: &rest[..n],
+            cache,
+        });
+    }
+    Some((lens, prompts))
+}
+
+/// What each chunk of a pass ran ([`ChunkRan`]), adding to `arrays` what evaluating it
+/// takes: its last logits when it ends the prompt, else its hidden states.
+fn chunks_ran(
+    parts: Vec<crate::model::PromptPass>,
+    lens: Vec<(usize, bool)>,
+    arrays: &mut Vec<mlx::Array>,
+) -> Vec<ChunkRan> {
+    let mut out = Vec::with_capacity(lens.len());
+    for (part, (n, ends_prompt)) in parts.into_iter().zip(lens) {
+        let logits = ends_prompt.then_some(part.logits);
+        arrays.push(logits.clone().unwrap_or(part.hidden));
+        out.push((n, logits));
+    }
+    out
 }
 
 /// Queues each sequence's pick from its own `logits` (`[vocab]` each).

@@ -18,6 +18,7 @@
 
 mod array;
 pub mod cpu_attention;
+mod cuda_graphs;
 mod device;
 mod dtype;
 mod error;
@@ -35,6 +36,9 @@ pub mod random;
 pub mod validate;
 
 pub use array::{async_eval, eval, Array, HostBuffer};
+pub use cuda_graphs::{
+    cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,
+};
 pub use device::{
     active_memory, cache_memory, clear_cache, default_device, direct_transfers,
     f32_matmul_unit_roundoff, gpu_available, peak_memory, reset_peak_memory, set_cache_limit,

@@ -49,6 +49,14 @@ enum Which {
     Trace(Box<trace::Args>),
 }
 
+impl Args {
+    /// Whether the benchmark runs the engine under a serving load (`serve`, `trace`): see
+    /// `serves_many` in main.rs.
+    pub fn serves_many(&self) -> bool {
+        matches!(self.which, Which::Serve(_) | Which::Trace(_))
+    }
+}
+
 /// Runs the chosen benchmark.
 pub fn run(args: Args) -> anyhow::Result<()> {
     match args.which {

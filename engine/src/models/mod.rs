@@ -28,19 +28,18 @@ pub(crate) trait Network: Send + std::fmt::Debug {
     /// Hidden states after the final norm, `[B, 1, hidden]`, for one token per row of
     /// `rows` (`tokens` `[B, 1]`), each at its own row's position.
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array>;
-    /// One pass over one token of each row of `rows` (`row_tokens` `[B]` or `[B, 1]`) and
-    /// each prompt chunk of `chunks` (`[1, L]` ids) placed after what its cache in `caches`
-    /// holds: the rows' hidden states `[B, 1, hidden]` and each chunk's `[1, L, hidden]`,
-    /// as [`Network::hidden_rows`] and [`Network::hidden`] would give them, with the
-    /// weights read once. `None` where the family has no such pass (the caller runs them
-    /// apart).
+    /// One pass over one token of each decoding row (`rows`: the tokens `[B]` or `[B, 1]`
+    /// and their cache; none for a pass of prompts only) and each prompt chunk of `chunks`
+    /// (`[1, L]` ids) placed after what its cache in `caches` holds: the rows' hidden
+    /// states `[B, 1, hidden]` and each chunk's `[1, L, hidden]`, as
+    /// [`Network::hidden_rows`] and [`Network::hidden`] would give them, with the weights
+    /// read once. `None` where the family has no such pass (the caller runs them apart).
     fn hidden_mixed(
         &self,
-        _row_tokens: &Array,
-        _rows: &mut PagedKvRows,
+        _rows: Option<(&Array, &mut PagedKvRows)>,
         _chunks: &[Array],
         _caches: &mut [&mut dyn KvCache],
-    ) -> Result<Option<(Array, Vec<Array>)>> {
+    ) -> Result<Option<(Option<Array>, Vec<Array>)>> {
         Ok(None)
     }
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`.

@@ -575,10 +575,11 @@ fn a_mixed_step_matches_the_two_apart_qwen3() {
     mixed_step_matches_the_two_apart("tiny-qwen3");
 }
 
-/// Several prompts in one mixed pass (the oldest's chunk and riders: a fresh prompt and
-/// one after a cached prefix) give what each gives alone: each prompt's last logits and
-/// cache within float rounding, the rows' logits within the batched bound.
-fn mixed_step_with_several_prompts_matches_each_alone(name: &str) {
+/// Several prompts in one pass (the oldest's chunk and riders: a fresh prompt and one
+/// after a cached prefix) give what each gives alone: each prompt's last logits and cache
+/// within float rounding, and, in a mixed pass (`with_rows`), the rows' logits within the
+/// batched bound; without rows it is the packed prefill pass ([`Model::forward_prompts`]).
+fn several_prompts_in_one_pass_match_each_alone(name: &str, with_rows: bool) {
     let (model, _) = load(&goldens().join(name), &LoadOptions::default()).unwrap();
     let (mut mixed_rows, mut apart_rows, last) = twin_rows(&model);
     let prompt =
@@ -607,15 +608,29 @@ fn mixed_step_with_several_prompts_matches_each_alone(name: &str) {
         .zip(mixed.iter_mut())
         .map(|(t, cache)| PromptChunk { tokens: t, cache })
         .collect();
-    let step = model
-        .forward_mixed(&ids, &mut mixed_rows, &mut parts)
-        .unwrap()
-        .expect("this family has a mixed pass");
+    let prompts = if with_rows {
+        let step = model
+            .forward_mixed(&ids, &mut mixed_rows, &mut parts)
+            .unwrap()
+            .expect("this family has a mixed pass");
+        rows_match_apart(name, &model, &step, &last, &mut apart_rows);
+        step.prompts
+    } else {
+        let before = mixed_rows.row(0).unwrap().offset();
+        let passes = model
+            .forward_prompts(&mut parts)
+            .unwrap()
+            .expect("this family has a packed prefill pass");
+        assert_eq!(
+            mixed_rows.row(0).unwrap().offset(),
+            before,
+            "{name}: rows moved"
+        );
+        passes
+    };
     drop(parts);
-    assert_eq!(step.prompts.len(), 3);
-    rows_match_apart(name, &model, &step, &last, &mut apart_rows);
-    for (i, ((part, chunk), cache)) in step.prompts.iter().zip(&chunks).zip(&mut apart).enumerate()
-    {
+    assert_eq!(prompts.len(), 3);
+    for (i, ((part, chunk), cache)) in prompts.iter().zip(&chunks).zip(&mut apart).enumerate() {
         let want: Vec<f32> = model.forward(chunk, cache).unwrap().to_vec().unwrap();
         let got: Vec<f32> = part.logits.to_vec().unwrap();
         let gap = max_diff(&got, &want);
@@ -630,12 +645,22 @@ fn mixed_step_with_several_prompts_matches_each_alone(name: &str) {
 
 #[test]
 fn a_mixed_step_with_several_prompts_matches_each_alone_llama() {
-    mixed_step_with_several_prompts_matches_each_alone("tiny-llama");
+    several_prompts_in_one_pass_match_each_alone("tiny-llama", true);
 }
 
 #[test]
 fn a_mixed_step_with_several_prompts_matches_each_alone_qwen3() {
-    mixed_step_with_several_prompts_matches_each_alone("tiny-qwen3");
+    several_prompts_in_one_pass_match_each_alone("tiny-qwen3", true);
+}
+
+#[test]
+fn a_packed_prefill_pass_matches_each_prompt_alone_llama() {
+    several_prompts_in_one_pass_match_each_alone("tiny-llama", false);
+}
+
+#[test]
+fn a_packed_prefill_pass_matches_each_prompt_alone_qwen3() {
+    several_prompts_in_one_pass_match_each_alone("tiny-qwen3", false);
 }
 
 /// A family without a mixed pass (a hybrid) says so and changes nothing.

@@ -1168,11 +1168,21 @@ fn step_prefill(s: &engine::StepRecord) -> usize {
     s.prefilled.map_or(0, |p| p.1) + s.riders.iter().map(|r| r.1).sum::<usize>()
 }
 
-/// Short prompts that arrive together while rows decode ride in the oldest one's mixed
-/// pass: some step prefills several of them at once (riders), no step prefills more than
-/// the chunk, every prompt token is prefilled exactly once and every request completes.
-#[test]
-fn short_prompts_ride_together_in_one_mixed_step() {
+/// Where riders go: in the decode pass (mixed steps), in a prefill pass of their own
+/// beside it (two passes), or in a prefill pass with nothing decoding (an idle engine).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum RideIn {
+    DecodePass,
+    OwnPass,
+    Idle,
+}
+
+/// Short prompts that arrive together ride in one pass with the oldest one's chunk: some
+/// step prefills several of them at once (riders), no step prefills more than the chunk,
+/// every prompt token is prefilled exactly once and every request completes. Where the
+/// riders went is read from the step log: with a row decoding in mixed steps or in two
+/// passes, or with nothing decoding (requests of one token each on an idle engine).
+fn short_prompts_ride_together(mode: RideIn) {
     let chunk = 64;
     let dir = tempfile::tempdir().unwrap();
     let engine = open_engine(
@@ -1180,16 +1190,20 @@ fn short_prompts_ride_together_in_one_mixed_step() {
         EngineConfig {
             max_batch: 16,
             prefill_chunk: chunk,
-            mixed_steps: Some(true),
+            mixed_steps: Some(mode == RideIn::DecodePass),
             step_log: 100_000,
             ..EngineConfig::default()
         },
     );
     let (ids, params) = (distinct_ids, no_eos);
-    let mut a = engine
-        .submit(Request::new(ids(12, 1), params(100_000)))
-        .unwrap();
-    wait_first_token(&mut a);
+    let mut a = (mode != RideIn::Idle).then(|| {
+        let mut a = engine
+            .submit(Request::new(ids(12, 1), params(100_000)))
+            .unwrap();
+        wait_first_token(&mut a);
+        a
+    });
+    let each = if mode == RideIn::Idle { 1 } else { 3 };
     let mut lens = std::collections::HashMap::new();
     let mut rode = false;
     for round in 0..5u32 {
@@ -1198,22 +1212,24 @@ fn short_prompts_ride_together_in_one_mixed_step() {
             .map(|i| {
                 let prompt = ids(5 + 3 * i, 10 + 4 * round + i);
                 let h = engine
-                    .submit(Request::new(prompt.clone(), params(3)))
+                    .submit(Request::new(prompt.clone(), params(each)))
                     .unwrap();
                 lens.insert(h.id(), prompt.len());
                 h
             })
             .collect();
         for h in handles {
-            assert_eq!(h.wait().unwrap().completion_tokens, 3);
+            assert_eq!(h.wait().unwrap().completion_tokens, each);
         }
         if engine.step_log().iter().any(|s| !s.riders.is_empty()) {
             rode = true;
             break;
         }
     }
-    a.cancel();
-    assert!(rode, "no step carried riders in five bursts");
+    if let Some(a) = &a {
+        a.cancel();
+    }
+    assert!(rode, "{mode:?}: no step carried riders in five bursts");
     let log = engine.step_log();
     let mut prefilled = std::collections::HashMap::new();
     for s in &log {
@@ -1222,19 +1238,38 @@ fn short_prompts_ride_together_in_one_mixed_step() {
             *prefilled.entry(id).or_insert(0) += n;
         }
         if !s.riders.is_empty() {
-            assert!(
-                s.decoded.contains(&a.id()),
-                "riders without a decode: {s:?}"
-            );
+            match &a {
+                Some(a) => assert!(
+                    s.decoded.contains(&a.id()),
+                    "riders without a decode: {s:?}"
+                ),
+                None => assert!(s.decoded.is_empty(), "{mode:?}: a row decoded: {s:?}"),
+            }
         }
     }
     for (id, n) in &lens {
         assert_eq!(
             prefilled.get(id),
             Some(n),
-            "request {id}'s prompt prefilled once"
+            "{mode:?}: request {id}'s prompt prefilled once"
         );
     }
+    drop(a.take());
+}
+
+#[test]
+fn short_prompts_ride_together_in_one_mixed_step() {
+    short_prompts_ride_together(RideIn::DecodePass);
+}
+
+#[test]
+fn short_prompts_ride_together_in_a_prefill_pass_beside_the_decode_pass() {
+    short_prompts_ride_together(RideIn::OwnPass);
+}
+
+#[test]
+fn short_prompts_arriving_at_an_idle_engine_ride_together() {
+    short_prompts_ride_together(RideIn::Idle);
 }
 
 /// Token ids and the completion of a request run to its end.
