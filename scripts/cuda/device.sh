@@ -411,34 +411,6 @@ case "$step" in
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
-  pq) # where the engine thread spends a chunk step under the trace: a no-cache replay
-      # (mixed steps MIXED, default 1) with SAMPLES stack samples of every thread, one every
-      # GAP s from AFTER s on, taken by attaching cuda-gdb (the image has no gdb or perf);
-      # the raw backtraces go to $OUT/stacks.txt, the step log line to stdout. After x1, x2
-    stash >/dev/null
-    assemble_mlx >/dev/null || exit 1
-    env_setup
-    d=$K/smollm2-rand
-    T=$K/mooncake-conversation-part1.jsonl
-    G=$(command -v cuda-gdb || ls /usr/local/cuda*/bin/cuda-gdb 2>/dev/null | head -n 1)
-    [ -n "$G" ] || { echo "no cuda-gdb"; exit 1; }
-    KVSTORE_MIXED_STEPS=${MIXED:-1} "$BIN/kvstore" bench trace "$T" --model "$d" --window 0..${SECS:-150} \
-        --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 --max-batch 16 \
-        --deadline $(( ${SECS:-150} + 10 )) --no-cache > "$OUT/pq-trace.log" 2>&1 &
-    pid=$!
-    sleep "${AFTER:-40}"
-    for i in $(seq "${SAMPLES:-20}"); do
-      kill -0 "$pid" 2>/dev/null || break
-      echo "=== sample $i $(date +%T.%N)" >> "$OUT/stacks.txt"
-      timeout 60 "$G" -q -batch -nx -p "$pid" -ex "set pagination off" -ex "thread apply all bt 40" \
-          >> "$OUT/stacks.txt" 2>&1
-      sleep "${GAP:-2}"
-    done
-    wait "$pid"
-    grep -E "^steps|requests in|TTFT p50" "$OUT/pq-trace.log"
-    grep -c "^=== sample" "$OUT/stacks.txt"; wc -c "$OUT/stacks.txt"
-    echo "step $step: $(( $(date +%s) - START ))s"
-    ;;
   ph) # bench grammar (constrained vs unconstrained decode, mask ms per token), after x1 and x2
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
