@@ -24,7 +24,8 @@
 # beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B); pm: bench trace at real speed, one
 # arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3; an
 # arm still running when the machine goes back, 30 s after a call ends, is lost); pn: short
-# no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS).
+# no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS); pt: a
+# short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -408,6 +409,27 @@ case "$step" in
       KVSTORE_MIXED_STEPS=$mx MLX_USE_CUDA_GRAPHS=$gr ${cs:+MLX_CUDA_GRAPH_CACHE_SIZE=$cs} timeout 150 "$BIN/kvstore" bench trace "$T" \
           --model "$d" --window 0..${SECS:-100} --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 \
           --max-batch 16 --deadline $(( ${SECS:-100} + 10 )) --no-cache 2>&1 | grep -E "^steps|requests in|TTFT p50"
+    done
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pt) # a short slice of the trace at real speed, full tiering then no cache, in the
+      # foreground (WINDOW, SCALE; one call), after x1 and x2; logs and JSON to $OUT
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    T=$K/mooncake-conversation-part1.jsonl
+    W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
+    S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 --max-batch 16 --deadline $(( end - start + 10 ))"
+    for arm in ${ARMS:-cache nocache}; do
+      case "$arm" in
+        nocache) A="--no-cache --label no-cache" ;;
+        *) rm -rf "$K/tstore"; A="--kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB --store $K/tstore --label full-tiering" ;;
+      esac
+      echo "== $arm"
+      timeout $(( end - start + 40 )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
+          --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
+      grep -E "^hit share|^steps|requests in" "$OUT/pt-$arm.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
