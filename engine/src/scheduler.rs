@@ -981,7 +981,7 @@ struct MixedChunk {
 }
 
 /// The chunk jobs of prompts [`Worker::take_chunks`] took: the oldest's next chunk within
-/// `max_chunk`, each rider's whole rest (within the engine's chunk `ceiling`).
+/// `max_chunk`, each rider's whole rest (within the pass's `ceiling`).
 fn chunk_jobs(
     taken: &mut [(usize, Prefilling)],
     max_chunk: usize,
@@ -1716,11 +1716,11 @@ impl Worker {
         if !self.mixed_steps || self.fail_next_step || self.fail_next_prefill {
             return Ok(None);
         }
-        let Some((mut taken, max_chunk)) = self.take_chunks(false) else {
+        let Some((mut taken, max_chunk, ceiling)) = self.take_chunks(false) else {
             return Ok(None);
         };
         self.allow_arena();
-        let jobs = chunk_jobs(&mut taken, max_chunk, self.config.prefill_chunk);
+        let jobs = chunk_jobs(&mut taken, max_chunk, ceiling);
         let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
         let ran = decode_step_mixed(&self.model, &mut seqs, &mut self.rows, jobs);
         let parts = match ran {
@@ -1743,8 +1743,8 @@ impl Worker {
         if self.fail_next_prefill {
             return None;
         }
-        let (mut taken, max_chunk) = self.take_chunks(true)?;
-        let jobs = chunk_jobs(&mut taken, max_chunk, self.config.prefill_chunk);
+        let (mut taken, max_chunk, ceiling) = self.take_chunks(true)?;
+        let jobs = chunk_jobs(&mut taken, max_chunk, ceiling);
         let t = Instant::now();
         let parts = match prefill_packed(&self.model, jobs) {
             Ok(Some(parts)) => parts,
@@ -1777,18 +1777,25 @@ impl Worker {
     }
 
     /// Takes the oldest prompt (if live) and the prompts that ride with its next chunk out
-    /// of the queue, each with its place, and the oldest's chunk budget. The budget is the
-    /// step's prefill budget while rows decode, the engine's chunk when none does. With
-    /// `need_riders`, `None` (nothing taken) when no prompt rides.
-    fn take_chunks(&mut self, need_riders: bool) -> Option<(Vec<(usize, Prefilling)>, usize)> {
+    /// of the queue, each with its place, the oldest's chunk budget and the pass's ceiling.
+    /// While rows decode the ceiling is the engine's chunk and the budget the step's prefill
+    /// budget; with none decoding both are the oldest request's own prefill step (2,048
+    /// tokens on a GPU), as when it prefills alone. With `need_riders`, `None` (nothing
+    /// taken) when no prompt rides.
+    #[allow(clippy::type_complexity)]
+    fn take_chunks(
+        &mut self,
+        need_riders: bool,
+    ) -> Option<(Vec<(usize, Prefilling)>, usize, usize)> {
         let live = |r: &Prefilling| !(r.p.cancel.is_cancelled() || r.p.tx.is_closed());
         let front = self.prefilling.front().filter(|r| live(r))?;
-        let ceiling = self.config.prefill_chunk;
         let held = front.cache.offset();
-        let max_chunk = if self.active.is_empty() {
-            ceiling
+        let (ceiling, max_chunk) = if self.active.is_empty() {
+            let own = front.seq.params.prefill_chunk.max(1);
+            (own, own)
         } else {
-            self.chunk_budget.most(held, ceiling)
+            let ceiling = self.config.prefill_chunk;
+            (ceiling, self.chunk_budget.most(held, ceiling))
         };
         let rest = |r: &Prefilling| r.seq.prompt.len().saturating_sub(r.cache.offset());
         let first = rest(front).min(front.seq.chunk_len(held, max_chunk));
@@ -1824,7 +1831,7 @@ impl Worker {
         taken.push((0, r));
         taken.reverse();
         self.chunk_cached = held;
-        Some((taken, max_chunk))
+        Some((taken, max_chunk, ceiling))
     }
 
     /// Puts prompts [`Worker::take_chunks`] took back where they were, the oldest first.
