@@ -1946,19 +1946,24 @@ fn mixed_steps(config: &EngineConfig) -> bool {
     config.mixed_steps.unwrap_or_else(|| match env.as_deref() {
         Some("0") => false,
         Some(_) => true,
-        None => mixed_steps_by_default(device, mlx::cuda_graphs_enabled()),
+        // CUDA is the GPU off macOS; Metal keeps two passes (not measured there).
+        None => mixed_steps_by_default(
+            device,
+            cfg!(target_os = "macos") || mlx::cuda_graphs_enabled(),
+        ),
     })
 }
 
-/// Whether steps are mixed when nothing says, on `device` with MLX recording CUDA graphs
-/// or not (`cuda_graphs`, [`mlx::cuda_graphs_enabled`]): on the CPU a step is bound by reading the
-/// weights, which a mixed pass reads once instead of twice (a chunk step 10-15 % shorter,
-/// docs/benchmarks.md). On a GPU, with graphs no: each mixed pass has new shapes and instantiates new
-/// graphs (TTFT P50 0.57 vs 0.46 s under the trace, session 12); without graphs yes (TTFT
-/// P50 0.16 vs 0.21 s, an 8,192-token prompt stretching 8 streams' ITL P99 1.63x vs 2.23x:
-/// docs/benchmarks.md, "CUDA graphs").
-fn mixed_steps_by_default(device: mlx::Device, cuda_graphs: bool) -> bool {
-    device == mlx::Device::Cpu || !cuda_graphs
+/// Whether steps are mixed when nothing says, on `device`, where a GPU records its passes
+/// as graphs or not (`gpu_graphs`: CUDA graphs, [`mlx::cuda_graphs_enabled`]; Metal is
+/// counted as graphs, keeping the two passes it has always run). On the CPU a step is
+/// bound by reading the weights, which a mixed pass reads once instead of twice (a chunk
+/// step 10-15 % shorter, docs/benchmarks.md). On a GPU with graphs, no: each mixed pass
+/// has new shapes and instantiates new graphs (TTFT P50 0.57 vs 0.46 s under the trace,
+/// session 12); without graphs, yes (TTFT P50 0.16 vs 0.21 s, an 8,192-token prompt
+/// stretching 8 streams' ITL P99 1.63x vs 2.23x: docs/benchmarks.md, "CUDA graphs").
+fn mixed_steps_by_default(device: mlx::Device, gpu_graphs: bool) -> bool {
+    device == mlx::Device::Cpu || !gpu_graphs
 }
 
 /// An empty decode batch, with the batch arena as `config` (or `KVSTORE_BATCH_ARENA`) says.
