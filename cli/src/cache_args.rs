@@ -51,9 +51,10 @@ pub struct CacheArgs {
     /// sequences kept resident for reuse (the device tier) together, e.g. 8GiB.
     #[arg(long, value_name = "SIZE", default_value = "4GiB")]
     pub kv_budget: String,
-    /// Bound on MLX's buffer cache (freed device buffers kept for reuse). MLX's own default
-    /// is the whole device memory; a long session then holds every buffer it ever freed.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    /// Bound on MLX's buffer cache (freed device buffers kept for reuse), or `auto`: the
+    /// KV budget (at least 1 GiB) on the CPU, 1 GiB on a GPU. MLX's own default is the whole
+    /// device memory; a long session then holds every buffer it ever freed.
+    #[arg(long, value_name = "SIZE|auto", default_value = "auto")]
     pub mlx_cache_limit: String,
     /// KV format of the live cache and the stored blocks.
     #[arg(long, value_enum, default_value = "float")]
@@ -231,9 +232,7 @@ impl CacheArgs {
 
     /// Applies `--mlx-cache-limit` to MLX's buffer cache.
     pub fn apply_mlx_cache_limit(&self) -> Result<()> {
-        let bytes = parse_size(&self.mlx_cache_limit).context("--mlx-cache-limit")?;
-        mlx::set_cache_limit(bytes as usize).context("setting the MLX cache limit")?;
-        Ok(())
+        apply_mlx_cache_limit(&self.mlx_cache_limit, self.kv_budget_bytes()?)
     }
 
     /// Opens the prefix cache for `model`, or `None` with `--no-cache`. Applies
@@ -254,9 +253,50 @@ impl CacheArgs {
     }
 }
 
+/// Sets MLX's buffer cache limit from `--mlx-cache-limit` (`spec`, see
+/// [`mlx_cache_limit_bytes`]) on the default device.
+pub fn apply_mlx_cache_limit(spec: &str, kv_budget: u64) -> Result<()> {
+    let cpu = mlx::default_device().context("reading MLX's default device")? == mlx::Device::Cpu;
+    let bytes = mlx_cache_limit_bytes(spec, kv_budget, cpu)?;
+    mlx::set_cache_limit(bytes as usize).context("setting the MLX cache limit")?;
+    Ok(())
+}
+
+/// The buffer cache limit `spec` asks for: a size, or `auto`. `auto` is 1 GiB on a GPU,
+/// where MLX's own default (the whole device) let one 32K-token session hold 143 GB; on
+/// the CPU it is the KV budget (at least 1 GiB): there the cache is host memory like the
+/// KV itself, and a smaller one makes every restore and prefill allocate fresh pages, which
+/// the kernel must fault in and zero (on cpu-vm 0.85 s per GiB; with a 1 GiB cache the SSD
+/// arm of the 13-turn session took 1.28x the RAM arm, with 4 GiB 1.01x: docs/benchmarks.md,
+/// "The MLX buffer cache on the CPU").
+pub fn mlx_cache_limit_bytes(spec: &str, kv_budget: u64, cpu: bool) -> Result<u64> {
+    const GIB: u64 = 1 << 30;
+    if spec.trim().eq_ignore_ascii_case("auto") {
+        return Ok(if cpu { kv_budget.max(GIB) } else { GIB });
+    }
+    parse_size(spec).context("--mlx-cache-limit")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_mlx_cache_limit_is_a_size_or_auto_by_device() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(
+            mlx_cache_limit_bytes("auto", 4 * GIB, true).unwrap(),
+            4 * GIB
+        );
+        assert_eq!(mlx_cache_limit_bytes("AUTO", 256 << 20, true).unwrap(), GIB);
+        assert_eq!(mlx_cache_limit_bytes("auto", 16 * GIB, false).unwrap(), GIB);
+        assert_eq!(
+            mlx_cache_limit_bytes("2GiB", 16 * GIB, true).unwrap(),
+            2 * GIB
+        );
+        assert_eq!(mlx_cache_limit_bytes("0", GIB, false).unwrap(), 0);
+        assert!(mlx_cache_limit_bytes("lots", GIB, true).is_err());
+    }
 
     #[test]
     fn share_min_tokens_takes_a_count_or_never_and_refuses_zero() {

@@ -54,8 +54,9 @@ pub struct Args {
     /// Device memory for all KV of the device arm (live and resident).
     #[arg(long, value_name = "SIZE", default_value = "4GiB")]
     kv_budget: String,
-    /// Bound on MLX's buffer cache.
-    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    /// Bound on MLX's buffer cache, or `auto` (as `serve`'s: the KV budget on the CPU,
+    /// 1 GiB on a GPU).
+    #[arg(long, value_name = "SIZE|auto", default_value = "auto")]
     mlx_cache_limit: String,
     /// The model as an mlx-lm folder (made by scripts/goldens/make_goldens.sh from the
     /// same GGUF).
@@ -474,9 +475,7 @@ pub fn run(args: Args) -> Result<()> {
         kv_budget: crate::cache_args::parse_size(&args.kv_budget).context("--kv-budget")?,
         state_every: args.state_every.0,
     };
-    let limit =
-        crate::cache_args::parse_size(&args.mlx_cache_limit).context("--mlx-cache-limit")?;
-    mlx::set_cache_limit(limit as usize)?;
+    crate::cache_args::apply_mlx_cache_limit(&args.mlx_cache_limit, ctx.kv_budget)?;
     // Warm-up (weights paged in, kernels ready), as every arm would otherwise pay it once.
     ctx.turn(None, &prompts[0][..prompts[0].len().min(64)])?;
     // Peak device memory of the arms below, all turns (each engine reports the process's).
