@@ -561,7 +561,8 @@ impl Attention {
 }
 
 /// The caches of a mixed step's parts ([`Attention::forward_mixed`]): the decoding rows
-/// with their positions (if any), and each prompt's cache with the position and length of its chunk.
+/// with their positions (if any), and each prompt's cache with the position and length of
+/// its chunk.
 pub(crate) struct MixedKv<'a, 'c> {
     /// Each row's position (int32 `[B]`) and their cache; none in a pass of prompts only.
     pub(crate) rows: Option<(Array, &'a mut PagedKvRows)>,

@@ -489,8 +489,8 @@ pub struct StepRecord {
     /// The request prefilled in the step and how many prompt tokens it ran.
     pub prefilled: Option<(u64, usize)>,
     /// Requests whose whole remaining prompt ran in the same forward pass after
-    /// `prefilled`'s chunk, within the step's prefill budget (mixed steps), and their
-    /// token counts.
+    /// `prefilled`'s chunk, within the step's prefill budget (the decode pass with mixed
+    /// steps, else the step's prefill pass), and their token counts.
     pub riders: Vec<(u64, usize)>,
     /// Microseconds the engine thread spent queueing the batched decode step (building
     /// its graph and handing it to the device).
@@ -1754,7 +1754,7 @@ impl Worker {
             }
             Err(e) => {
                 // The pass failed as a whole: every prompt in it fails with the error.
-                let msg = ours(e).to_string();
+                let msg = step_message(ours(e));
                 let mut done = Vec::with_capacity(taken.len());
                 for (_, r) in taken {
                     let (id, reserve, tx) = (r.p.id, r.p.reserve, r.p.tx.clone());
@@ -1906,10 +1906,7 @@ impl Worker {
     /// partly updated, so none of them is published).
     fn fail_all(&mut self, e: EngineError) {
         tracing::error!(error = %e, rows = self.active.len(), "batched step failed");
-        let msg = match e {
-            EngineError::StepFailed(m) => m,
-            e => e.to_string(),
-        };
+        let msg = step_message(e);
         self.rows = new_rows(&self.config).unwrap_or_default();
         if let Some(pc) = &self.prefix {
             if let Ok(mut r) = pc.resident() {
@@ -1931,6 +1928,15 @@ impl Worker {
 /// An error of work the engine does for a request it admitted (a prefill chunk, the first
 /// pick): the request was checked at submission and admission, so this is the engine's
 /// failure even when its type reads like a bad argument (a model's check on its inputs).
+/// What a failed step tells each request it fails (a `StepFailed`'s own message, not
+/// wrapped twice).
+fn step_message(e: EngineError) -> String {
+    match e {
+        EngineError::StepFailed(m) => m,
+        e => e.to_string(),
+    }
+}
+
 fn ours(e: EngineError) -> EngineError {
     match e.class() {
         ErrorClass::Invalid => EngineError::StepFailed(e.to_string()),

@@ -38,6 +38,8 @@ OUT=${OUT:-/tmp/out}
 BIN=/work/main/target/cuda/release
 mkdir -p "$K" "$OUT"
 step=${1:?step}
+# the trace replays' full-tiering budgets (pm, pt): device KV, RAM, SSD (64 GiB disk there)
+TIERS=${TIERS:---kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB}
 START=$(date +%s)
 
 stash() { # copy the parts that came with this call
@@ -370,7 +372,6 @@ case "$step" in
     T=$K/mooncake-conversation-part1.jsonl
     R=$K/trace-runs; mkdir -p "$R"
     S="--window ${WINDOW:-0..600} --speed ${SPEED:-1} --token-scale ${SCALE:-0.125} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline ${DEADLINE_S:-630}"
-    TIERS=${TIERS:---kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB}
     running() { [ -f "$R/pid" ] && kill -0 "$(cat "$R/pid")" 2>/dev/null; }
     end=$(( $(date +%s) + ${WAIT:-540} ))
     for arm in ${ARMS:-cache nocache}; do
@@ -424,7 +425,7 @@ case "$step" in
     for arm in ${ARMS:-cache nocache}; do
       case "$arm" in
         nocache) A="--no-cache --label no-cache" ;;
-        *) rm -rf "$K/tstore"; A="--kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB --store $K/tstore --label full-tiering" ;;
+        *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
       esac
       echo "== $arm"
       timeout $(( end - start + 40 )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \

@@ -1179,10 +1179,10 @@ enum RideIn {
 
 /// Short prompts that arrive together ride in one pass with the oldest one's chunk: some
 /// step prefills several of them at once (riders), no step prefills more than the chunk
-/// (the request's own prefill step with nothing decoding),
-/// every prompt token is prefilled exactly once and every request completes. Where the
-/// riders went is read from the step log: with a row decoding in mixed steps or in two
-/// passes, or with nothing decoding (requests of one token each on an idle engine).
+/// (the request's own prefill step with nothing decoding), every prompt token is
+/// prefilled exactly once and every request completes. Where the riders went is read from
+/// the step log: with a row decoding in mixed steps or in two passes, or with nothing
+/// decoding (requests of one token each on an idle engine).
 fn short_prompts_ride_together(mode: RideIn) {
     let chunk = 64;
     let dir = tempfile::tempdir().unwrap();
@@ -1197,7 +1197,7 @@ fn short_prompts_ride_together(mode: RideIn) {
         },
     );
     let (ids, params) = (distinct_ids, no_eos);
-    let mut a = (mode != RideIn::Idle).then(|| {
+    let a = (mode != RideIn::Idle).then(|| {
         let mut a = engine
             .submit(Request::new(ids(12, 1), params(100_000)))
             .unwrap();
@@ -1260,7 +1260,6 @@ fn short_prompts_ride_together(mode: RideIn) {
             "{mode:?}: request {id}'s prompt prefilled once"
         );
     }
-    drop(a.take());
 }
 
 #[test]
