@@ -1777,11 +1777,10 @@ impl Worker {
     }
 
     /// Takes the oldest prompt (if live) and the prompts that ride with its next chunk out
-    /// of the queue, each with its place, the oldest's chunk budget and the pass's ceiling.
-    /// While rows decode the ceiling is the engine's chunk and the budget the step's prefill
-    /// budget; with none decoding both are the oldest request's own prefill step (2,048
-    /// tokens on a GPU), as when it prefills alone. With `need_riders`, `None` (nothing
-    /// taken) when no prompt rides.
+    /// of the queue, each with its place, the oldest's chunk budget and the pass's ceiling
+    /// (the engine's chunk: no step prefills more). While rows decode the budget is the
+    /// step's prefill budget, with none decoding the ceiling. With `need_riders`, `None`
+    /// (nothing taken) when no prompt rides.
     #[allow(clippy::type_complexity)]
     fn take_chunks(
         &mut self,
@@ -1790,12 +1789,11 @@ impl Worker {
         let live = |r: &Prefilling| !(r.p.cancel.is_cancelled() || r.p.tx.is_closed());
         let front = self.prefilling.front().filter(|r| live(r))?;
         let held = front.cache.offset();
-        let (ceiling, max_chunk) = if self.active.is_empty() {
-            let own = front.seq.params.prefill_chunk.max(1);
-            (own, own)
+        let ceiling = self.config.prefill_chunk;
+        let max_chunk = if self.active.is_empty() {
+            ceiling
         } else {
-            let ceiling = self.config.prefill_chunk;
-            (ceiling, self.chunk_budget.most(held, ceiling))
+            self.chunk_budget.most(held, ceiling)
         };
         let rest = |r: &Prefilling| r.seq.prompt.len().saturating_sub(r.cache.offset());
         let first = rest(front).min(front.seq.chunk_len(held, max_chunk));

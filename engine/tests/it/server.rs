@@ -1178,9 +1178,8 @@ enum RideIn {
 }
 
 /// Short prompts that arrive together ride in one pass with the oldest one's chunk: some
-/// step prefills several of them at once (riders), no step prefills more than the chunk
-/// (the request's own prefill step with nothing decoding), every prompt token is
-/// prefilled exactly once and every request completes. Where the riders went is read from
+/// step prefills several of them at once (riders), no step prefills more than the chunk,
+/// every prompt token is prefilled exactly once and every request completes. Where the riders went is read from
 /// the step log: with a row decoding in mixed steps or in two passes, or with nothing
 /// decoding (requests of one token each on an idle engine).
 fn short_prompts_ride_together(mode: RideIn) {
@@ -1233,13 +1232,8 @@ fn short_prompts_ride_together(mode: RideIn) {
     assert!(rode, "{mode:?}: no step carried riders in five bursts");
     let log = engine.step_log();
     let mut prefilled = std::collections::HashMap::new();
-    // With nothing decoding a pass is the request's own prefill step, as alone.
-    let most = match mode {
-        RideIn::Idle => engine::default_prefill_chunk(),
-        _ => chunk,
-    };
     for s in &log {
-        assert!(step_prefill(s) <= most, "{s:?}");
+        assert!(step_prefill(s) <= chunk, "{s:?}");
         for &(id, n) in s.prefilled.iter().chain(&s.riders) {
             *prefilled.entry(id).or_insert(0) += n;
         }
