@@ -69,6 +69,11 @@ impl Export {
         self.metas.len()
     }
 
+    /// The namespace and key of each block, in chain order.
+    pub fn keys(&self) -> impl Iterator<Item = (store::NamespaceId, store::BlockKey)> + '_ {
+        self.metas.iter().map(|m| (m.namespace, m.key))
+    }
+
     /// Of them, those that leave their window layers' planes out.
     pub fn window_trimmed_blocks(&self) -> usize {
         let plan = self.window.plan();

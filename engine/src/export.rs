@@ -3,18 +3,22 @@
 //! transfer nor the hashing runs on the engine thread (cache/src/export.rs has the device
 //! half; docs/architecture.md the thread model).
 //!
-//! Exports are finished in submission order. [`Exporter::wait_idle`] waits until every
-//! export submitted so far is in the store: a lookup calls it first, so a block published
-//! by one request is found by the next exactly as when publication was synchronous. The
+//! Exports are finished in submission order. [`Exporter::wait_for`] waits until no export
+//! submitted so far holds any of the given blocks: a lookup calls it first with the keys it
+//! is about to look up, so a block published by one request is found by the next exactly as
+//! when publication was synchronous, while a lookup of other blocks (most of them, under a
+//! load of unrelated prompts) never waits for the device → host copies and hashing of
+//! exports it does not need. [`Exporter::wait_idle`] waits for everything (a flush). The
 //! device copies in flight are bounded ([`MAX_PENDING_BYTES`]): a submission beyond it
 //! waits for the thread, so a burst of long prompts cannot hold unbounded device memory.
 
+use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use cache::Export;
-use store::Store;
+use store::{BlockKey, NamespaceId, Store};
 
 /// Device bytes of exports submitted but not yet read back, beyond which a submission
 /// waits (a single larger export is still accepted when nothing else is in flight).
@@ -31,6 +35,8 @@ pub struct ExportStats {
     pub failed_blocks: u64,
     /// Times a submission waited for the thread (the in-flight bound was reached).
     pub waits: u64,
+    /// Lookups that waited for an export holding one of their blocks.
+    pub lookup_waits: u64,
 }
 
 #[derive(Default)]
@@ -40,6 +46,9 @@ struct Pending {
     /// Exports finished so far (in submission order).
     finished: u64,
     bytes: u64,
+    /// The blocks of exports in flight, each with the number of the last submission that
+    /// holds it (submissions are numbered from 1 and finish in order).
+    keys: HashMap<(NamespaceId, BlockKey), u64>,
     stats: ExportStats,
 }
 
@@ -61,13 +70,19 @@ impl Shared {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs `job` and counts it finished, waking those waiting.
-    fn complete(&self, store: &Store, job: Job, bytes: u64) {
+    /// Runs `job` (submission `id`) and counts it finished, waking those waiting.
+    fn complete(&self, store: &Store, job: Job, bytes: u64, id: u64) {
         let export = matches!(job, Job::Export(_));
+        let keys = job.keys();
         let (n, inserted) = job.run(store);
         let mut p = self.lock();
         p.finished += 1;
         p.bytes -= bytes;
+        for k in keys {
+            if p.keys.get(&k) == Some(&id) {
+                p.keys.remove(&k);
+            }
+        }
         p.stats.exports += u64::from(export);
         p.stats.blocks += inserted;
         p.stats.failed_blocks += n - inserted;
@@ -85,6 +100,14 @@ enum Job {
 }
 
 impl Job {
+    /// The blocks the job inserts.
+    fn keys(&self) -> Vec<(NamespaceId, BlockKey)> {
+        match self {
+            Job::Export(export) => export.keys().collect(),
+            Job::Task(_) => Vec::new(),
+        }
+    }
+
     fn run(self, store: &Store) -> (u64, u64) {
         match self {
             Job::Export(export) => {
@@ -99,9 +122,12 @@ impl Job {
     }
 }
 
+/// A job on its way to the thread: the job, its device bytes, its number.
+type Submission = (Job, u64, u64);
+
 /// The export thread and its queue.
 pub struct Exporter {
-    tx: Option<Sender<(Job, u64)>>,
+    tx: Option<Sender<Submission>>,
     store: Arc<Store>,
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
@@ -110,7 +136,7 @@ pub struct Exporter {
 impl Exporter {
     /// Starts the thread; it inserts into `store`.
     pub fn start(store: Arc<Store>) -> std::io::Result<Self> {
-        let (tx, rx) = channel::<(Job, u64)>();
+        let (tx, rx) = channel::<Submission>();
         let shared = Arc::new(Shared {
             pending: Mutex::new(Pending::default()),
             changed: Condvar::new(),
@@ -120,8 +146,8 @@ impl Exporter {
         let worker = std::thread::Builder::new()
             .name("kvstore-export".into())
             .spawn(move || {
-                for (job, bytes) in rx {
-                    s.complete(&thread_store, job, bytes);
+                for (job, bytes, id) in rx {
+                    s.complete(&thread_store, job, bytes, id);
                 }
             })?;
         Ok(Self {
@@ -159,12 +185,38 @@ impl Exporter {
         }
         p.submitted += 1;
         p.bytes += bytes;
+        let id = p.submitted;
+        for k in job.keys() {
+            p.keys.insert(k, id);
+        }
         drop(p);
-        let sent = self.tx.as_ref().map(|tx| tx.send((job, bytes)));
-        if let Some(Err(std::sync::mpsc::SendError((job, bytes)))) = sent {
+        let sent = self.tx.as_ref().map(|tx| tx.send((job, bytes, id)));
+        if let Some(Err(std::sync::mpsc::SendError((job, bytes, id)))) = sent {
             // The thread is gone (it never exits before `Drop`): finish here, counted alike.
             tracing::error!("the export thread is gone; publishing on the caller's thread");
-            self.shared.complete(&self.store, job, bytes);
+            self.shared.complete(&self.store, job, bytes, id);
+        }
+    }
+
+    /// Waits until no export submitted before this call holds any of `keys` in
+    /// `namespace` (each such export is in the store, or failed); returns at once when
+    /// none does, whatever else is in flight.
+    pub fn wait_for(&self, namespace: NamespaceId, keys: &[BlockKey]) {
+        let mut p = self.shared.lock();
+        let last = keys
+            .iter()
+            .filter_map(|k| p.keys.get(&(namespace, *k)).copied())
+            .max();
+        let Some(target) = last else {
+            return;
+        };
+        p.stats.lookup_waits += 1;
+        while p.finished < target {
+            p = self
+                .shared
+                .changed
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -224,4 +276,113 @@ fn finish(store: &Store, export: Export) -> u64 {
         inserted += 1;
     }
     inserted
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use cache::{plane_specs, BlockShape, Chain, KvFormat, PagedConfig, PagedKvCache};
+    use store::{NamespaceDescription, StoreConfig};
+
+    use super::*;
+
+    const BLOCK: usize = 4;
+
+    /// A RAM-only store with a namespace for one-layer, one-head f32 caches.
+    fn store() -> (Arc<Store>, NamespaceId) {
+        let store = Store::open(StoreConfig::default().ram_budget(16 << 20)).unwrap();
+        let mut desc = NamespaceDescription::new("export-test", store::Dtype::F32, BLOCK as u32);
+        desc.layers = vec!["global".into()];
+        let shape = BlockShape {
+            kv_heads: 1,
+            block_size: BLOCK,
+            head_dim: 8,
+            dtype: mlx::Dtype::F32,
+        };
+        desc.planes = plane_specs(1, shape, KvFormat::Float).unwrap();
+        let ns = store.register_namespace(&desc).unwrap();
+        (Arc::new(store), ns)
+    }
+
+    /// The export of two full blocks of `tokens` and their keys.
+    fn export(ns: NamespaceId, tokens: &[u32]) -> (Export, Vec<BlockKey>) {
+        let config = PagedConfig {
+            block_size: BLOCK,
+            ..PagedConfig::default()
+        };
+        let mut cache = PagedKvCache::new(1, config).unwrap();
+        let n = tokens.len() as i32;
+        let data: Vec<f32> = (0..n * 8).map(|i| i as f32).collect();
+        let kv = mlx::Array::from_slice(&data, &[1, 1, n, 8]).unwrap();
+        cache.append(0, &kv, &kv).unwrap();
+        let mut chain = Chain::new(ns, BLOCK);
+        let export = cache.export(&mut chain, tokens).unwrap().unwrap();
+        let keys = chain.keys().to_vec();
+        (export, keys)
+    }
+
+    /// A lookup waits for the export that holds its blocks, and only for it: while the
+    /// thread is held up, a lookup of other blocks returns at once, and one of the
+    /// export's blocks returns once they are in the store.
+    #[test]
+    fn a_lookup_waits_only_for_the_exports_holding_its_blocks() {
+        let (store, ns) = store();
+        let exporter = Exporter::start(store.clone()).unwrap();
+        // Hold the thread up until the gate opens (or a watchdog opens it: a failure).
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        exporter.run(move |_| {
+            let _ = gate.recv();
+        });
+        let watchdog_opened = Arc::new(AtomicBool::new(false));
+        let (w, o) = (watchdog_opened.clone(), open.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(60));
+            w.store(true, Ordering::SeqCst);
+            let _ = o.send(());
+        });
+
+        let (exp, keys) = export(ns, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        exporter.submit(exp);
+        let (_, other) = export(ns, &[9, 9, 9, 9, 9, 9, 9, 9]);
+        exporter.wait_for(ns, &other);
+        assert!(
+            !watchdog_opened.load(Ordering::SeqCst),
+            "waited for an unrelated export"
+        );
+        assert_eq!(exporter.stats().lookup_waits, 0);
+        assert_eq!(
+            store.lookup(ns, &keys).tiers.len(),
+            0,
+            "inserted while held up"
+        );
+
+        let exporter = Arc::new(exporter);
+        let (e, s, k) = (exporter.clone(), store.clone(), keys.clone());
+        let done = Arc::new(AtomicBool::new(false));
+        let d = done.clone();
+        let waiter = std::thread::spawn(move || {
+            e.wait_for(ns, &k[1..]);
+            d.store(true, Ordering::SeqCst);
+            s.lookup(ns, &k).tiers.len()
+        });
+        // Once the waiter counts its wait it is blocked: the thread cannot finish meanwhile.
+        while exporter.stats().lookup_waits == 0 && !done.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            !done.load(Ordering::SeqCst),
+            "returned before the export finished"
+        );
+        open.send(()).unwrap();
+        assert_eq!(
+            waiter.join().unwrap(),
+            2,
+            "the export's blocks after the wait"
+        );
+        assert!(!watchdog_opened.load(Ordering::SeqCst));
+        let stats = exporter.stats();
+        assert_eq!((stats.exports, stats.blocks, stats.lookup_waits), (1, 2, 1));
+    }
 }

@@ -739,7 +739,7 @@ impl KvTiers {
         }
         let t = Instant::now();
         // What earlier requests published is looked up only once it is in the store.
-        self.exporter.wait_idle();
+        self.exporter.wait_for(namespace, rest);
         let hit = self.store.lookup(namespace, rest);
         host.lookup_s = t.elapsed().as_secs_f64();
         let t = Instant::now();

@@ -424,13 +424,44 @@ case "$step" in
     S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 --max-batch 16 --deadline $(( end - start + 10 ))"
     for arm in ${ARMS:-cache nocache}; do
       case "$arm" in
-        nocache) A="--no-cache --label no-cache" ;;
+        nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
       esac
       echo "== $arm"
       timeout $(( end - start + 40 )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
           --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
       grep -E "^hit share|^steps|requests in" "$OUT/pt-$arm.log"
+    done
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent
+      # prefill decode): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
+      # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    py=$(command -v python3)
+    d=$K/smollm2-rand
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    for part in ${PARTS:-ssd agent prefill decode}; do
+      echo "== $part $(( $(date +%s) - START ))s"
+      case "$part" in
+        ssd) { timeout 150 "$BIN/kvstore" bench cache --only ssd --dir "$K" 2>&1; } | tee "$OUT/bench-cache-ssd.log" | tail -n 14 ;;
+        agent) { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+                   --arms cold,ram,ssd --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"; tail -n 24 "$OUT/agent13.log" ;;
+        prefill)
+          { timeout 200 "$BIN/kvstore" bench generate --model "$d" --skip-mlx-lm --prompt-lens ${LENS:-2048,8192,32768} \
+              --decode-tokens 16 2>&1; timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$d" ${LENS:-2048,8192,32768} 16 2>&1; } \
+            | tee "$OUT/bench-prefill-smollm2.log" | tail -n 20 ;;
+        decode)
+          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          for r in $(seq 1 "${ROUNDS:-2}"); do
+            { timeout 200 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+                --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1;
+              timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1; } \
+              | tee "$OUT/bench-generate-llama8b-$r.log" | grep -iE "tok/s|decode|prompt" | tail -n 16
+          done ;;
+      esac
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
