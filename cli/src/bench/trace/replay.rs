@@ -38,6 +38,10 @@ struct Ran {
     tier_note: Option<String>,
     /// Where the engine threads' time went (in process only).
     steps: Option<StepSummary>,
+    /// The in-process engines, shut down (their stores flushed) once the report is out:
+    /// a write-back store's flush at the end of a long replay writes tens of GB to SSD,
+    /// which is no part of the measurement.
+    engines: Vec<Engine>,
 }
 
 /// Runs the replay and writes its report.
@@ -173,6 +177,22 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
         std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
+    shut_down(std::mem::take(&mut ran.engines))
+}
+
+/// Finishes the in-process engines and flushes their stores (with `--store`, what the
+/// next run reuses), saying so: with a write-back SSD tier that is the RAM tier's whole
+/// content written to disk.
+fn shut_down(engines: Vec<Engine>) -> Result<()> {
+    if engines.is_empty() {
+        return Ok(());
+    }
+    let t = Instant::now();
+    println!("shutting down: flushing the store to SSD (not part of the figures above)");
+    for engine in engines {
+        engine.shutdown(false).context("shutting the engine down")?;
+    }
+    println!("store flushed in {:.1} s", t.elapsed().as_secs_f64());
     Ok(())
 }
 
@@ -393,9 +413,6 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         steps.extend_from_slice(&log[skip.min(log.len())..]);
     }
     drop(target);
-    for engine in engines {
-        engine.shutdown(false).context("shutting the engine down")?;
-    }
     let name = match (cache.no_cache, args.engines) {
         (true, _) => "in process, no cache".to_string(),
         (false, 1) => "in process".to_string(),
@@ -423,6 +440,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         lru_budget,
         tier_note: store_note(&before, &after, &cache.eviction.to_string()),
         steps: Some(StepSummary::of(&steps)),
+        engines,
         counters: match args.engines {
             1 => json!({"store_before": before[0], "store_after": after[0]}),
             _ => json!({"store_before": before, "store_after": after}),
@@ -509,6 +527,7 @@ fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Resu
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({}),
         steps: None,
+        engines: Vec::new(),
         tier_note: Some(format!(
             "mlx_lm.server counts its own tokens (it re-tokenizes the text): hit shares above \
              are of its prompt tokens, against the ideal of the trace's; re-tokenizing the \
@@ -573,6 +592,7 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({"server_metrics_delta": delta}),
         steps: None,
+        engines: Vec::new(),
         tier_note: (!tiers.is_empty()).then(|| {
             let n = |k: &str| delta.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
             format!(
