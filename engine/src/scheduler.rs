@@ -336,6 +336,7 @@ struct Counters {
     kv_reserved_bytes: AtomicU64,
     kv_device_peak_bytes: AtomicU64,
     batch_arena_steps: AtomicU64,
+    early_loads: AtomicU64,
     ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
     ttft_count: AtomicU64,
     ttft_sum_us: AtomicU64,
@@ -385,6 +386,9 @@ pub struct EngineMetrics {
     pub kv_device_peak_bytes: u64,
     /// Decode steps whose rows attended in a batch arena.
     pub batch_arena_steps: u64,
+    /// Requests whose cached-prefix lookup and load the I/O thread started at submission
+    /// (the queue was short), rather than once they neared the head of the queue.
+    pub early_loads: u64,
     /// TTFT histogram: cumulative counts per bucket of [`TTFT_BUCKETS`].
     pub ttft_buckets: Vec<u64>,
     /// TTFT observations.
@@ -471,6 +475,13 @@ struct IoJob {
     reply: mpsc::SyncSender<Result<HostPrefix>>,
 }
 
+/// How many requests at the head of the queue have their cached prefix loaded ahead of
+/// admission: two batches' worth (loaded host blocks stay in memory until admission, so a
+/// long queue must not pin them all).
+fn prefetch_depth(config: &EngineConfig) -> usize {
+    2 * config.max_batch
+}
+
 /// The I/O thread's loop: one job at a time, in submission order.
 fn io_loop(prefix: Arc<KvTiers>, jobs: mpsc::Receiver<IoJob>) {
     for job in jobs {
@@ -512,6 +523,10 @@ struct Shared {
 /// module docs for the loop; docs/library.md for an example.
 pub struct Engine {
     tx: Mutex<mpsc::Sender<Command>>,
+    /// The I/O thread's queue (with a prefix cache), for [`Engine::submit`] to start a
+    /// request's lookup and load at once; taken before the engine thread is stopped, which
+    /// then ends the I/O thread.
+    io: Mutex<Option<mpsc::Sender<IoJob>>>,
     /// The engine thread; it hands the model back when it ends.
     thread: Mutex<Option<JoinHandle<Model>>>,
     shared: Arc<Shared>,
@@ -610,6 +625,7 @@ impl Engine {
             }
             None => (None, None),
         };
+        let engine_io = io.clone();
         let mut worker = Worker {
             io,
             io_thread,
@@ -644,6 +660,7 @@ impl Engine {
             .map_err(|e| EngineError::io("kvstore-engine thread", e))?;
         Ok(Engine {
             tx: Mutex::new(tx),
+            io: Mutex::new(engine_io),
             thread: Mutex::new(Some(thread)),
             shared,
             tokenizer,
@@ -747,9 +764,17 @@ impl Engine {
         let (tx, rx) = chan::unbounded_channel();
         let cancel = CancelHandle::default();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        // The engine thread asks its I/O thread for the cached prefix once the request is
-        // near the head of the queue (see `Worker::prefetch`).
+        // The request's cached prefix is looked up and loaded by the I/O thread from now,
+        // while the engine runs its current step, when the queue is short; behind a long
+        // queue the engine asks for it once the request nears the head (see
+        // `Worker::prefetch`), so that waiting requests do not all hold loaded blocks.
         let prefetch = match self.prefix {
+            Some(_)
+                if (c.queue_depth.load(Ordering::Relaxed) as usize)
+                    < prefetch_depth(&self.config) =>
+            {
+                self.start_load(&request)
+            }
             Some(_) => Prefetch::NotYet,
             None => Prefetch::None,
         };
@@ -786,6 +811,40 @@ impl Engine {
         })
     }
 
+    /// Hands `request`'s lookup and load to the I/O thread ([`Prefetch::NotYet`] when it is
+    /// gone: the engine asks again later, or loads at admission).
+    fn start_load(&self, request: &Request) -> Prefetch {
+        let Ok(io) = self.io.lock() else {
+            return Prefetch::NotYet;
+        };
+        let Some(io) = io.as_ref() else {
+            return Prefetch::NotYet;
+        };
+        let (reply, done) = mpsc::sync_channel(1);
+        let job = IoJob {
+            salt: request.cache_salt.clone(),
+            prompt: request.prompt.clone(),
+            reply,
+        };
+        match io.send(job) {
+            Ok(()) => {
+                self.shared
+                    .counters
+                    .early_loads
+                    .fetch_add(1, Ordering::Relaxed);
+                Prefetch::Waiting(done)
+            }
+            Err(_) => Prefetch::NotYet,
+        }
+    }
+
+    /// Stops handing loads to the I/O thread, so that it ends with the engine thread.
+    fn close_io(&self) {
+        if let Ok(mut io) = self.io.lock() {
+            io.take();
+        }
+    }
+
     /// A snapshot of the counters.
     pub fn metrics(&self) -> EngineMetrics {
         let c = &self.shared.counters;
@@ -810,6 +869,7 @@ impl Engine {
             kv_reserved_bytes: g(&c.kv_reserved_bytes),
             kv_device_peak_bytes: g(&c.kv_device_peak_bytes),
             batch_arena_steps: g(&c.batch_arena_steps),
+            early_loads: g(&c.early_loads),
             ttft_buckets: c.ttft_buckets.iter().map(g).collect(),
             ttft_count: g(&c.ttft_count),
             ttft_sum_s: g(&c.ttft_sum_us) as f64 / 1e6,
@@ -862,6 +922,7 @@ impl Engine {
     /// Calling it again is a no-op.
     pub fn shutdown(&self, cancel: bool) -> Result<()> {
         self.shared.accepting.store(false, Ordering::SeqCst);
+        self.close_io();
         if let Ok(tx) = self.tx.lock() {
             let _ = tx.send(Command::Shutdown { cancel });
         }
@@ -879,6 +940,7 @@ impl Engine {
     /// thread had panicked (the model went with it).
     pub fn close(mut self) -> Result<(Model, Tokenizer, Option<KvTiers>)> {
         self.shared.accepting.store(false, Ordering::SeqCst);
+        self.close_io();
         if let Ok(tx) = self.tx.lock() {
             let _ = tx.send(Command::Shutdown { cancel: false });
         }
@@ -1247,13 +1309,12 @@ impl Worker {
     }
 
     /// Asks the I/O thread for the cached prefix of the queued requests near the head of
-    /// the queue (two batches' worth): loaded host blocks stay in memory until admission,
-    /// so a long queue must not pin them all.
+    /// the queue ([`prefetch_depth`]) that [`Engine::submit`] did not hand it already.
     fn prefetch(&mut self) {
         let Some(io) = &self.io else {
             return;
         };
-        for p in self.queue.iter_mut().take(2 * self.config.max_batch) {
+        for p in self.queue.iter_mut().take(prefetch_depth(&self.config)) {
             if !matches!(p.prefetch, Prefetch::NotYet) {
                 continue;
             }

@@ -26,7 +26,7 @@
 # arm still running when the machine goes back, 30 s after a call ends, is lost); pn: short
 # no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS); pt: a
 # short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS:
-# cache, nocache, nodev: the device tier off, always: --restore always).
+# cache, nocache, always: --restore always).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -426,7 +426,6 @@ case "$step" in
     for arm in ${ARMS:-cache nocache}; do
       case "$arm" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
-        nodev) rm -rf "$K/tstore"; A="--kv-budget 0 ${TIERS#* 16GiB } --store $K/tstore --label no-device-tier" ;;
         always) rm -rf "$K/tstore"; A="$TIERS --restore always --store $K/tstore --label restore-always" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
       esac

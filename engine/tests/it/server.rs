@@ -21,6 +21,15 @@ fn open_engine(dir: &std::path::Path, config: EngineConfig) -> Arc<Engine> {
     open_salted_engine(dir, None, config)
 }
 
+/// An engine on the store at `dir` that decodes one row at a time (later requests queue).
+fn one_row_engine(dir: &std::path::Path) -> Arc<Engine> {
+    let config = EngineConfig {
+        max_batch: 1,
+        ..EngineConfig::default()
+    };
+    open_engine(dir, config)
+}
+
 /// An engine on the store at `dir` configured with cache salt `salt` (`--cache-salt`).
 fn open_salted_engine(
     dir: &std::path::Path,
@@ -974,13 +983,7 @@ fn metrics_parse_as_prometheus_text_and_count_the_requests_served() {
 #[test]
 fn the_library_api_streams_cancels_and_shuts_down() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(
-        dir.path(),
-        EngineConfig {
-            max_batch: 1,
-            ..EngineConfig::default()
-        },
-    );
+    let engine = one_row_engine(dir.path());
     let tok = engine.tokenizer();
     let prompt = tok
         .encode("one two three four five six seven eight nine ten", true)
@@ -1040,6 +1043,53 @@ fn the_library_api_streams_cancels_and_shuts_down() {
         engine.submit(req(1)),
         Err(SubmitError::ShuttingDown)
     ));
+}
+
+/// A request submitted while the queue is short has its cached prefix looked up and loaded
+/// by the I/O thread from submission on (not from the engine's next step); behind a long
+/// queue the load waits until the request nears the head. Every request still gets its
+/// output and its cache hit.
+#[test]
+fn a_short_queue_starts_each_lookup_at_submission() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = one_row_engine(dir.path());
+    let prompt = distinct_ids(40, 1);
+    // One row: the first request holds it while the rest queue behind it.
+    let first = engine
+        .submit(Request::new(prompt.clone(), no_eos(200)))
+        .unwrap();
+    let rest: Vec<_> = (0..8)
+        .map(|_| {
+            engine
+                .submit(Request::new(prompt.clone(), no_eos(2)))
+                .unwrap()
+        })
+        .collect();
+    let early = engine.metrics().early_loads;
+    // The first two submissions met a queue shorter than two batches (max_batch 1); the
+    // third may have, if the first was admitted already; later ones met a longer queue
+    // (the queue-depth gauge can lag by the submissions the engine thread has not taken
+    // yet, hence the slack), and never all of them.
+    assert!(
+        (2..=5).contains(&early),
+        "{early} loads started at submission"
+    );
+    assert_eq!(first.wait().unwrap().completion_tokens, 200);
+    for h in rest {
+        let done = h.wait().unwrap();
+        assert_eq!(done.completion_tokens, 2);
+        assert!(done.cached_tokens > 0, "a later request reuses the prompt");
+    }
+    assert_eq!(engine.metrics().early_loads, early);
+    // Without a prefix cache there is nothing to load.
+    let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+    let plain = Engine::open(model, tok, None, EngineConfig::default()).unwrap();
+    plain
+        .submit(Request::new(prompt, no_eos(2)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(plain.metrics().early_loads, 0);
 }
 
 /// Prompt ids for `seed` sharing nothing with another seed's (their first tokens differ).

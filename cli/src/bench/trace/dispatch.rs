@@ -34,8 +34,24 @@ pub struct Outcome {
     pub ttft_s: Option<f64>,
     /// Seconds from sending to the last byte of the answer.
     pub e2e_s: Option<f64>,
+    /// Where the time to first token went, when the target reports it (in process).
+    pub ttft_parts: Option<TtftParts>,
     /// Why the request failed, if it did.
     pub error: Option<String>,
+}
+
+/// The parts of an in-process request's time to first token, as the engine counted them.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct TtftParts {
+    /// Waiting in the engine's queue for admission (behind the I/O thread's lookup and
+    /// load, a free row, the KV budget).
+    pub queue_s: f64,
+    /// Finding the cached prefix (keys, index lookups).
+    pub lookup_s: f64,
+    /// Reading and restoring the cached blocks into the device.
+    pub restore_s: f64,
+    /// Prefilling the rest and picking the first token.
+    pub prefill_s: f64,
 }
 
 impl Outcome {

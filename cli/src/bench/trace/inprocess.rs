@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use engine::{Engine, Event, GenerateParams, Request};
 
-use super::dispatch::{Outcome, Target};
+use super::dispatch::{Outcome, Target, TtftParts};
 
 /// Sends requests to an engine.
 pub struct EngineTarget<'a> {
@@ -48,6 +48,12 @@ impl Target for EngineTarget<'_> {
                         completion_tokens: c.completion_tokens,
                         ttft_s,
                         e2e_s: Some(t0.elapsed().as_secs_f64()),
+                        ttft_parts: Some(TtftParts {
+                            queue_s: c.queue_s,
+                            lookup_s: r.lookup_s,
+                            restore_s: r.restore_s,
+                            prefill_s: r.prefill_s,
+                        }),
                         error: None,
                     };
                 }

@@ -295,6 +295,13 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
         overall.late_s.p50,
         overall.late_s.p99
     );
+    if let Some(p) = &overall.ttft_parts_p50 {
+        println!(
+            "TTFT parts, each its median: queue {:.4} s, lookup {:.4} s, restore {:.4} s, \
+             prefill and first pick {:.4} s",
+            p.queue_s, p.lookup_s, p.restore_s, p.prefill_s
+        );
+    }
     if let Some(note) = &ran.tier_note {
         println!("{note}");
     }

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use super::dispatch::Sent;
+use super::dispatch::{Sent, TtftParts};
 
 /// One request: what was sent, what came back, and what the simulations predict for it.
 #[derive(Debug, Clone, Serialize)]
@@ -99,6 +99,8 @@ pub struct Summary {
     pub e2e_s: Percentiles,
     /// Seconds a request was sent after its trace time (waiting for a slot).
     pub late_s: Percentiles,
+    /// Medians of the parts of the time to first token, where the target reports them.
+    pub ttft_parts_p50: Option<TtftParts>,
 }
 
 /// Sums up `rows`.
@@ -126,6 +128,18 @@ pub fn summarize(rows: &[&Row]) -> Summary {
     let pct = |f: fn(&Row) -> Option<f64>| {
         Percentiles::of(&ok.iter().filter_map(|r| f(r)).collect::<Vec<_>>())
     };
+    let parts: Vec<TtftParts> = ok
+        .iter()
+        .filter_map(|r| r.sent.outcome.ttft_parts)
+        .collect();
+    let median =
+        |f: fn(&TtftParts) -> f64| Percentiles::of(&parts.iter().map(f).collect::<Vec<_>>()).p50;
+    let ttft_parts_p50 = (!parts.is_empty()).then(|| TtftParts {
+        queue_s: median(|p| p.queue_s),
+        lookup_s: median(|p| p.lookup_s),
+        restore_s: median(|p| p.restore_s),
+        prefill_s: median(|p| p.prefill_s),
+    });
     Summary {
         requests: rows.len(),
         failed: rows.len() - ok.len() - unsent,
@@ -150,6 +164,7 @@ pub fn summarize(rows: &[&Row]) -> Summary {
         ttft_s: pct(|r| r.sent.outcome.ttft_s),
         e2e_s: pct(|r| r.sent.outcome.e2e_s),
         late_s: pct(|r| Some((r.sent.sent_s - r.sent.scheduled_s).max(0.0))),
+        ttft_parts_p50,
     }
 }
 
