@@ -42,6 +42,9 @@ struct Ran {
     /// a write-back store's flush at the end of a long replay writes tens of GB to SSD,
     /// which is no part of the measurement.
     engines: Vec<Engine>,
+    /// The temporary store directory of an in-process run without `--store`: removed only
+    /// after the engines have shut down.
+    scratch: Option<tempfile::TempDir>,
 }
 
 /// Runs the replay and writes its report.
@@ -177,7 +180,9 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
         std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
-    shut_down(std::mem::take(&mut ran.engines))
+    shut_down(std::mem::take(&mut ran.engines))?;
+    drop(ran.scratch.take());
+    Ok(())
 }
 
 /// Finishes the in-process engines and flushes their stores (with `--store`, what the
@@ -448,6 +453,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         tier_note: store_note(&before, &after, &cache.eviction.to_string()),
         steps: Some(StepSummary::of(&steps)),
         engines,
+        scratch: Some(scratch),
         counters: match args.engines {
             1 => json!({"store_before": before[0], "store_after": after[0]}),
             _ => json!({"store_before": before, "store_after": after}),
@@ -535,6 +541,7 @@ fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Resu
         counters: json!({}),
         steps: None,
         engines: Vec::new(),
+        scratch: None,
         tier_note: Some(format!(
             "mlx_lm.server counts its own tokens (it re-tokenizes the text): hit shares above \
              are of its prompt tokens, against the ideal of the trace's; re-tokenizing the \
@@ -600,6 +607,7 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         counters: json!({"server_metrics_delta": delta}),
         steps: None,
         engines: Vec::new(),
+        scratch: None,
         tier_note: (!tiers.is_empty()).then(|| {
             let n = |k: &str| delta.get(k).and_then(|v| v.as_f64()).unwrap_or(0.0);
             format!(
