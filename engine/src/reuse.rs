@@ -229,6 +229,9 @@ pub struct KvTiers {
     device: String,
     costs_saved: Mutex<Option<Instant>>,
     restore_always: bool,
+    /// Whether any host tier can hold a block (RAM or SSD budget above 0, or a remote
+    /// tier): without one, publication copies nothing off the device.
+    host_tiers: bool,
 }
 
 const RECENT_SEQUENCES: usize = 8;
@@ -499,6 +502,10 @@ impl KvTiers {
             .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
         let resident = pinned_pool(config.kv_budget_bytes, &store, config.share_min_tokens);
+        let host_tiers = {
+            let c = store.config();
+            c.ram_budget > 0 || (store.ssd().is_some() && c.ssd_budget > 0) || c.remote.is_some()
+        };
         let store = Arc::new(store);
         let exporter = Exporter::start(store.clone())
             .map_err(|e| EngineError::io("kvstore-export thread", e))?;
@@ -529,6 +536,7 @@ impl KvTiers {
             device,
             costs_saved: Mutex::new(None),
             restore_always: config.restore_always,
+            host_tiers,
         })
     }
 
@@ -940,6 +948,25 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
+        let n = if self.host_tiers {
+            self.export(chain, cache, held)?
+        } else {
+            // Nothing on the host could keep a block: the device tier is the whole cache,
+            // and its index needs only the chain's keys.
+            chain.extend(held);
+            0
+        };
+        let namespace = chain.namespace();
+        let mut recent = self.recent.lock().map_err(|_| poisoned())?;
+        recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
+        recent.insert(0, (namespace, held.to_vec()));
+        recent.truncate(RECENT_SEQUENCES);
+        Ok(n)
+    }
+
+    /// The device half of [`Self::publish`]: device copies of the new full blocks (and of
+    /// window-trimmed replacements) handed to the export thread; returns how many blocks.
+    fn export(&self, chain: &mut Chain, cache: &mut PagedKvCache, held: &[u32]) -> Result<usize> {
         let per_block = self.description.trimmed_bytes_per_block() as usize;
         let mut trimmed = 0;
         let n = match cache.export(chain, held)? {
@@ -960,11 +987,6 @@ impl KvTiers {
             (trimmed * per_block) as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        let namespace = chain.namespace();
-        let mut recent = self.recent.lock().map_err(|_| poisoned())?;
-        recent.retain(|(ns, s)| *ns != namespace || !held.starts_with(s));
-        recent.insert(0, (namespace, held.to_vec()));
-        recent.truncate(RECENT_SEQUENCES);
         Ok(n)
     }
 

@@ -1092,6 +1092,45 @@ fn a_short_queue_starts_each_lookup_at_submission() {
     assert_eq!(plain.metrics().early_loads, 0);
 }
 
+/// With no host tier (RAM and SSD budgets 0, no remote), publication copies nothing off
+/// the device: nothing is exported or stored, and a later request sharing the prompt still
+/// reuses it from the device tier.
+#[test]
+fn without_host_tiers_nothing_is_exported_and_the_device_tier_still_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+    let reuse = ReuseConfig {
+        store: store::StoreConfig::default()
+            .root(dir.path())
+            .ram_budget(0)
+            .ssd_budget(0),
+        ..crate::common::reuse_config(dir.path(), 8)
+    };
+    let prefix = KvTiers::open(&model, &tok, reuse).unwrap();
+    let engine = Engine::open(model, tok, Some(prefix), EngineConfig::default()).unwrap();
+    let prompt = distinct_ids(40, 2);
+    let first = engine
+        .submit(Request::new(prompt.clone(), no_eos(3)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(first.reuse.published_blocks, 0);
+    let mut longer = prompt.clone();
+    longer.extend(distinct_ids(5, 3));
+    let second = engine
+        .submit(Request::new(longer, no_eos(3)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(
+        second.cached_tokens, 40,
+        "the first prompt, from the device tier"
+    );
+    assert_eq!(second.reuse.cached_device_tokens, 40);
+    let stats = engine.cache_stats().unwrap();
+    assert_eq!((stats.ram_blocks, stats.ssd_blocks), (0, 0));
+}
+
 /// Prompt ids for `seed` sharing nothing with another seed's (their first tokens differ).
 fn distinct_ids(n: u32, seed: u32) -> Vec<u32> {
     (0..n)
