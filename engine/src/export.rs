@@ -70,6 +70,13 @@ impl Shared {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Waits, holding `p` between wake-ups, until the first `target` submissions finished.
+    fn wait_finished(&self, mut p: MutexGuard<'_, Pending>, target: u64) {
+        while p.finished < target {
+            p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     /// Runs `job` (submission `id`) and counts it finished, waking those waiting.
     fn complete(&self, store: &Store, job: Job, bytes: u64, id: u64) {
         let export = matches!(job, Job::Export(_));
@@ -211,27 +218,15 @@ impl Exporter {
             return;
         };
         p.stats.lookup_waits += 1;
-        while p.finished < target {
-            p = self
-                .shared
-                .changed
-                .wait(p)
-                .unwrap_or_else(|e| e.into_inner());
-        }
+        self.shared.wait_finished(p, target);
     }
 
     /// Waits until every export submitted before this call is in the store (or failed);
     /// exports submitted meanwhile are not waited for, so a busy engine cannot starve it.
     pub fn wait_idle(&self) {
-        let mut p = self.shared.lock();
+        let p = self.shared.lock();
         let target = p.submitted;
-        while p.finished < target {
-            p = self
-                .shared
-                .changed
-                .wait(p)
-                .unwrap_or_else(|e| e.into_inner());
-        }
+        self.shared.wait_finished(p, target);
     }
 
     /// The counters so far.
