@@ -77,10 +77,15 @@ impl Shared {
         }
     }
 
-    /// Runs `job` (submission `id`) and counts it finished, waking those waiting.
-    fn complete(&self, store: &Store, job: Job, bytes: u64, id: u64) {
+    /// Runs submission `s` and counts it finished, waking those waiting.
+    fn complete(&self, store: &Store, s: Submission) {
+        let Submission {
+            job,
+            bytes,
+            id,
+            keys,
+        } = s;
         let export = matches!(job, Job::Export(_));
-        let keys = job.keys();
         let (n, inserted) = job.run(store);
         let mut p = self.lock();
         p.finished += 1;
@@ -129,8 +134,16 @@ impl Job {
     }
 }
 
-/// A job on its way to the thread: the job, its device bytes, its number.
-type Submission = (Job, u64, u64);
+/// A job on its way to the thread.
+struct Submission {
+    job: Job,
+    /// Device bytes it holds until it is read back.
+    bytes: u64,
+    /// Its number (from 1, in submission order).
+    id: u64,
+    /// The blocks it inserts (indexed in [`Pending::keys`] while it is in flight).
+    keys: Vec<(NamespaceId, BlockKey)>,
+}
 
 /// The export thread and its queue.
 pub struct Exporter {
@@ -153,8 +166,8 @@ impl Exporter {
         let worker = std::thread::Builder::new()
             .name("kvstore-export".into())
             .spawn(move || {
-                for (job, bytes, id) in rx {
-                    s.complete(&thread_store, job, bytes, id);
+                for submission in rx {
+                    s.complete(&thread_store, submission);
                 }
             })?;
         Ok(Self {
@@ -193,15 +206,25 @@ impl Exporter {
         p.submitted += 1;
         p.bytes += bytes;
         let id = p.submitted;
-        for k in job.keys() {
-            p.keys.insert(k, id);
+        let keys = job.keys();
+        for k in &keys {
+            p.keys.insert(*k, id);
         }
         drop(p);
-        let sent = self.tx.as_ref().map(|tx| tx.send((job, bytes, id)));
-        if let Some(Err(std::sync::mpsc::SendError((job, bytes, id)))) = sent {
+        let submission = Submission {
+            job,
+            bytes,
+            id,
+            keys,
+        };
+        let unsent = match &self.tx {
+            Some(tx) => tx.send(submission).err().map(|e| e.0),
+            None => None,
+        };
+        if let Some(submission) = unsent {
             // The thread is gone (it never exits before `Drop`): finish here, counted alike.
             tracing::error!("the export thread is gone; publishing on the caller's thread");
-            self.shared.complete(&self.store, job, bytes, id);
+            self.shared.complete(&self.store, submission);
         }
     }
 

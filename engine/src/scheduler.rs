@@ -482,6 +482,18 @@ fn prefetch_depth(config: &EngineConfig) -> usize {
     2 * config.max_batch
 }
 
+/// Hands `request`'s lookup and load to the I/O thread: [`Prefetch::Waiting`] for its
+/// answer, `None` when the thread is gone.
+fn send_load(io: &mpsc::Sender<IoJob>, request: &Request) -> Option<Prefetch> {
+    let (reply, done) = mpsc::sync_channel(1);
+    let job = IoJob {
+        salt: request.cache_salt.clone(),
+        prompt: request.prompt.clone(),
+        reply,
+    };
+    io.send(job).ok().map(|()| Prefetch::Waiting(done))
+}
+
 /// The I/O thread's loop: one job at a time, in submission order.
 fn io_loop(prefix: Arc<KvTiers>, jobs: mpsc::Receiver<IoJob>) {
     for job in jobs {
@@ -820,21 +832,15 @@ impl Engine {
         let Some(io) = io.as_ref() else {
             return Prefetch::NotYet;
         };
-        let (reply, done) = mpsc::sync_channel(1);
-        let job = IoJob {
-            salt: request.cache_salt.clone(),
-            prompt: request.prompt.clone(),
-            reply,
-        };
-        match io.send(job) {
-            Ok(()) => {
+        match send_load(io, request) {
+            Some(waiting) => {
                 self.shared
                     .counters
                     .early_loads
                     .fetch_add(1, Ordering::Relaxed);
-                Prefetch::Waiting(done)
+                waiting
             }
-            Err(_) => Prefetch::NotYet,
+            None => Prefetch::NotYet,
         }
     }
 
@@ -1318,16 +1324,7 @@ impl Worker {
             if !matches!(p.prefetch, Prefetch::NotYet) {
                 continue;
             }
-            let (reply, done) = mpsc::sync_channel(1);
-            let job = IoJob {
-                salt: p.request.cache_salt.clone(),
-                prompt: p.request.prompt.clone(),
-                reply,
-            };
-            p.prefetch = match io.send(job) {
-                Ok(()) => Prefetch::Waiting(done),
-                Err(_) => Prefetch::None,
-            };
+            p.prefetch = send_load(io, &p.request).unwrap_or(Prefetch::None);
         }
     }
 
@@ -1984,9 +1981,6 @@ impl Worker {
     }
 }
 
-/// An error of work the engine does for a request it admitted (a prefill chunk, the first
-/// pick): the request was checked at submission and admission, so this is the engine's
-/// failure even when its type reads like a bad argument (a model's check on its inputs).
 /// What a failed step tells each request it fails (a `StepFailed`'s own message, not
 /// wrapped twice).
 fn step_message(e: EngineError) -> String {
@@ -1996,6 +1990,9 @@ fn step_message(e: EngineError) -> String {
     }
 }
 
+/// An error of work the engine does for a request it admitted (a prefill chunk, the first
+/// pick): the request was checked at submission and admission, so this is the engine's
+/// failure even when its type reads like a bad argument (a model's check on its inputs).
 fn ours(e: EngineError) -> EngineError {
     match e.class() {
         ErrorClass::Invalid => EngineError::StepFailed(e.to_string()),
