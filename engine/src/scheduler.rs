@@ -518,6 +518,9 @@ pub struct StepRecord {
     /// Microseconds the engine thread spent queueing the batched decode step (building
     /// its graph and handing it to the device).
     pub launch_us: u64,
+    /// Microseconds of the engine thread's own CPU time within `launch_us`; the rest of
+    /// it the thread waited (for the device, a lock, a core).
+    pub launch_cpu_us: u64,
     /// Microseconds spent reading the previous step's picks (waiting for the device),
     /// emitting them and retiring finished rows.
     pub emit_us: u64,
@@ -1125,6 +1128,7 @@ impl Worker {
             //    Where it can, the oldest prompt's next chunk runs in the same pass.
             let mut record = StepRecord::default();
             let t = Instant::now();
+            let cpu = thread_cpu_time();
             let mut mixed: Option<Vec<MixedChunk>> = None;
             if !self.active.is_empty() {
                 let launched = match self.launch_mixed() {
@@ -1142,6 +1146,7 @@ impl Worker {
                 }
             }
             let launched = Instant::now();
+            record.launch_cpu_us = micros(thread_cpu_time().saturating_sub(cpu));
             // 4. Read the previous step's picks, emit them, retire finished rows; the step
             //    just queued becomes the one to read next.
             self.emit_and_retire();
@@ -2051,6 +2056,19 @@ fn observe_ttft(c: &Counters, s: f64) {
     }
     c.ttft_count.fetch_add(1, Ordering::Relaxed);
     c.ttft_sum_us.fetch_add((s * 1e6) as u64, Ordering::Relaxed);
+}
+
+/// The calling thread's CPU time so far (zero where the clock cannot be read).
+fn thread_cpu_time() -> std::time::Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call's duration.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return std::time::Duration::ZERO;
+    }
+    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }
 
 /// Whole microseconds of `d` (saturating).

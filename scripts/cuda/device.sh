@@ -26,7 +26,8 @@
 # arm still running when the machine goes back, 30 s after a call ends, is lost); pn: short
 # no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS); pt: a
 # short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS:
-# cache, nocache, always: --restore always, devonly: the device tier alone, no publication).
+# cache, nocache, always: --restore always, devonly: the device tier alone, no publication,
+# ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -428,6 +429,8 @@ case "$step" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
         always) rm -rf "$K/tstore"; A="$TIERS --restore always --store $K/tstore --label restore-always" ;;
         devonly) rm -rf "$K/tstore"; A="${TIERS%% --ram-budget*} --ram-budget 0 --ssd-budget 0 --store $K/tstore --label device-tier-only" ;;
+        ramonly) rm -rf "$K/tstore"; A="${TIERS%% --ssd-budget*} --ssd-budget 0 --store $K/tstore --label device-and-ram" ;;
+        bigcache) rm -rf "$K/tstore"; A="$TIERS --mlx-cache-limit 16GiB --store $K/tstore --label full-tiering-mlx-cache-16GiB" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
       esac
       echo "== $arm"

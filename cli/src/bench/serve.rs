@@ -166,6 +166,11 @@ pub(crate) struct StepSummary {
     /// Means over decoding steps, seconds: queueing the decode step, reading its picks
     /// (waiting for the device) and emitting, and the prefill chunk.
     mean_launch_s: f64,
+    /// The engine thread's CPU time within the mean launch, seconds (the rest it waited).
+    mean_launch_cpu_s: f64,
+    /// Mean launch and its CPU time over decode-only steps, seconds.
+    decode_only_launch_s: f64,
+    decode_only_launch_cpu_s: f64,
     mean_emit_s: f64,
     mean_prefill_s: f64,
 }
@@ -177,10 +182,11 @@ impl StepSummary {
         let decoding: Vec<_> = steps.iter().filter(|s| !s.decoded.is_empty()).collect();
         let (mixed, alone): (Vec<&engine::StepRecord>, Vec<&engine::StepRecord>) =
             decoding.iter().partition(|s| s.prefilled.is_some());
-        let n = decoding.len().max(1) as f64;
-        let mean = |f: &dyn Fn(&engine::StepRecord) -> u64| {
-            decoding.iter().map(|s| secs(f(s))).sum::<f64>() / n
+        let mean_of = |steps: &[&engine::StepRecord], f: &dyn Fn(&engine::StepRecord) -> u64| {
+            steps.iter().map(|s| secs(f(s))).sum::<f64>() / steps.len().max(1) as f64
         };
+        let mean = |f: &dyn Fn(&engine::StepRecord) -> u64| mean_of(&decoding, f);
+        let n = decoding.len().max(1) as f64;
         StepSummary {
             decode_only: alone.len(),
             decode_and_prefill: mixed.len(),
@@ -189,6 +195,9 @@ impl StepSummary {
             decode_only_s: quantiles(&alone.iter().map(|s| total(s)).collect::<Vec<_>>()),
             decode_and_prefill_s: quantiles(&mixed.iter().map(|s| total(s)).collect::<Vec<_>>()),
             mean_launch_s: mean(&|s| s.launch_us),
+            mean_launch_cpu_s: mean(&|s| s.launch_cpu_us),
+            decode_only_launch_s: mean_of(&alone, &|s| s.launch_us),
+            decode_only_launch_cpu_s: mean_of(&alone, &|s| s.launch_cpu_us),
             mean_emit_s: mean(&|s| s.emit_us),
             mean_prefill_s: mean(&|s| s.prefill_us),
         }
@@ -197,7 +206,7 @@ impl StepSummary {
     /// One line: step counts and times.
     pub(crate) fn summary(&self) -> String {
         format!(
-            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms, read+emit {:.1} ms, prefill {:.1} ms",
+            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms (engine thread CPU {:.1} ms; decode-only {:.1} ms, CPU {:.1} ms), read+emit {:.1} ms, prefill {:.1} ms",
             self.decode_only,
             self.decode_only_s.p50 * 1e3,
             self.decode_and_prefill,
@@ -205,6 +214,9 @@ impl StepSummary {
             self.prefill_only,
             self.mean_rows,
             self.mean_launch_s * 1e3,
+            self.mean_launch_cpu_s * 1e3,
+            self.decode_only_launch_s * 1e3,
+            self.decode_only_launch_cpu_s * 1e3,
             self.mean_emit_s * 1e3,
             self.mean_prefill_s * 1e3,
         )
@@ -846,6 +858,7 @@ mod tests {
                 prefilled,
                 riders: Vec::new(),
                 launch_us: us[0],
+                launch_cpu_us: us[0] / 2,
                 emit_us: us[1],
                 prefill_us: us[2],
             };
@@ -863,6 +876,10 @@ mod tests {
         assert!((s.decode_only_s.p50 - 0.004).abs() < 1e-12);
         assert!((s.decode_and_prefill_s.p50 - 0.012).abs() < 1e-12);
         assert!((s.mean_launch_s - 0.0015).abs() < 1e-12);
+        assert!((s.mean_launch_cpu_s - 0.00075).abs() < 1e-12);
+        // Decode-only: the first step alone.
+        assert!((s.decode_only_launch_s - 0.001).abs() < 1e-12);
+        assert!((s.decode_only_launch_cpu_s - 0.0005).abs() < 1e-12);
         assert!((s.mean_emit_s - 0.0035).abs() < 1e-12);
         // The prefill-only step is not a decoding step: its chunk is not in the mean.
         assert!((s.mean_prefill_s - 0.003).abs() < 1e-12);
