@@ -2060,15 +2060,7 @@ fn observe_ttft(c: &Counters, s: f64) {
 
 /// The calling thread's CPU time so far (zero where the clock cannot be read).
 fn thread_cpu_time() -> std::time::Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the call's duration.
-    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
-        return std::time::Duration::ZERO;
-    }
-    std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    cpu_time::ThreadTime::try_now().map_or(std::time::Duration::ZERO, |t| t.as_duration())
 }
 
 /// Whole microseconds of `d` (saturating).
