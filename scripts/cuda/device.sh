@@ -27,7 +27,8 @@
 # no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS); pt: a
 # short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS:
 # cache, nocache, always: --restore always, devonly: the device tier alone, no publication,
-# ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache).
+# ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache;
+# XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -423,7 +424,7 @@ case "$step" in
     d=$K/smollm2-rand
     T=$K/mooncake-conversation-part1.jsonl
     W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
-    S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 --max-batch 16 --deadline $(( end - start + 10 ))"
+    S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 --max-batch 16 --deadline $(( end - start + 10 )) ${XARGS:-}"
     for arm in ${ARMS:-cache nocache}; do
       case "$arm" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;

@@ -91,6 +91,14 @@ pub struct Args {
     /// In process: most requests decoding together (as `serve --max-batch`).
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
+    /// In process: most prompt tokens prefilled per engine step (as `serve
+    /// --prefill-chunk`).
+    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    prefill_chunk: usize,
+    /// In process: a step with a prefill chunk takes at most this multiple of a
+    /// decode-only step (as `serve --itl-stretch`); `none` always runs the whole chunk.
+    #[arg(long, value_name = "X|none", default_value = "none", value_parser = crate::serve::parse_itl_stretch)]
+    itl_stretch: crate::serve::ItlStretch,
     /// Replay against mlx-lm's `mlx_lm.server`, started with this Python (mlx-lm ≥ 0.32,
     /// `bash scripts/bench/setup_peer.sh` makes `.venv-peer`) on the `--model` folder (or
     /// `--peer-model`), its prompt caches bounded by `--kv-budget`. It takes text: each
