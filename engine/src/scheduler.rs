@@ -1565,6 +1565,13 @@ impl Worker {
             prompt_tokens,
             cached_tokens: cached,
         });
+        // The first token goes out now, not after the next decode step is queued.
+        let mut sent = 0u64;
+        seq.emit_first(&self.tokenizer, &mut |sampled, text| {
+            sent += 1;
+            p.tx.send(Event::Token { sampled, text }).is_ok()
+        })?;
+        c.generated_tokens.fetch_add(sent, Ordering::Relaxed);
         // One KV budget: the batch arena holds the rows' reservations and charges its
         // padding to the device tier (`charge_arena`).
         self.rows.push_reserved(cache, p.reserve)?;

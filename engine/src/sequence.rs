@@ -68,6 +68,10 @@ pub(crate) struct Sequence {
     emitted: usize,
     /// A sampled token read from the device, not yet emitted (and not yet in the cache).
     next: Option<Sampled>,
+    /// The last emitted token is not in the cache yet: the next decode step runs it. The
+    /// first token is emitted as soon as it is read ([`Sequence::emit_first`]), before the
+    /// step that runs it is queued.
+    last_unfed: bool,
     pub(crate) context: usize,
     /// Prompt tokens the cache held before prefill (restored or caller-provided).
     pub(crate) cached: usize,
@@ -105,6 +109,7 @@ impl Sequence {
             text: String::new(),
             emitted: 0,
             next: None,
+            last_unfed: false,
             context,
             cached: 0,
             finish: None,
@@ -212,7 +217,8 @@ impl Sequence {
     /// Whether the token waiting to be emitted will be followed by another: false when it
     /// is the last `max_tokens` or the context allow (no step is queued after it then).
     pub(crate) fn needs_step(&self) -> bool {
-        let n = self.tokens.len() + 1;
+        // The waiting token is the n-th: emitted already (the first, not yet run) or not.
+        let n = self.tokens.len() + usize::from(!self.last_unfed);
         self.finish.is_none() && n < self.params.max_tokens && self.prompt.len() + n < self.context
     }
 
@@ -228,17 +234,28 @@ impl Sequence {
                 self.next = Some(sampled);
             }
         }
-        let token = match (&self.unread, &self.next) {
-            (Some(pick), _) => pick.token.clone(),
-            (None, Some(sampled)) => mlx::Array::from_slice(&[sampled.token], &[1])?,
-            (None, None) => {
-                return Err(EngineError::StepFailed(
-                    "a sequence has no token to decode".into(),
-                ))
+        match (&self.unread, &self.next, self.tokens.last()) {
+            (Some(pick), _, _) => Ok(pick.token.clone()),
+            (None, Some(sampled), _) => Ok(mlx::Array::from_slice(&[sampled.token], &[1])?),
+            // The first token, emitted already.
+            (None, None, Some(&last)) if self.last_unfed => {
+                Ok(mlx::Array::from_slice(&[last], &[1])?)
             }
-        };
-        self.sampler.observe(&token, &self.prompt, &self.tokens)?;
-        Ok(token)
+            (None, None, _) => Err(EngineError::StepFailed(
+                "a sequence has no token to decode".into(),
+            )),
+        }
+    }
+
+    /// The step being queued runs `token` (from [`Sequence::input`]): the sampler's
+    /// penalties count it. Called once per queued step, after the forward pass was built
+    /// (a mixed pass the model cannot run asks for the inputs again).
+    fn feed(&mut self, token: &mlx::Array) -> Result<()> {
+        // An emitted first token is not among the tokens before it.
+        let before = self.tokens.len() - usize::from(self.last_unfed && self.unread.is_none());
+        self.sampler
+            .observe(token, &self.prompt, &self.tokens[..before])?;
+        Ok(())
     }
 
     /// Whether this sequence's next pick can join a batch of greedy picks: greedy with
@@ -257,6 +274,11 @@ impl Sequence {
     /// After a step was queued (or not) and the previous pick emitted: the pick just
     /// queued becomes the one to read next.
     pub(crate) fn advance(&mut self) {
+        // A queued step ran the emitted first token (input() may be asked again for a
+        // step that was then not queued, so the flag clears here).
+        if self.launched.is_some() {
+            self.last_unfed = false;
+        }
         self.unread = self.launched.take();
     }
 
@@ -316,6 +338,23 @@ impl Sequence {
         } else if at_limit {
             self.finish = Some(FinishReason::Length);
         }
+        Ok(())
+    }
+
+    /// Emits the first token, read by [`Sequence::first_pick`], at once: the client gets it
+    /// without waiting for the next decode step to be queued (on an H200 that launch alone
+    /// is ~10 ms of host time at four rows, docs/benchmarks.md). That step still runs it
+    /// ([`Sequence::input`]). Does nothing unless the first token waits.
+    pub(crate) fn emit_first(
+        &mut self,
+        tokenizer: &Tokenizer,
+        deliver: &mut dyn FnMut(Sampled, String) -> bool,
+    ) -> Result<()> {
+        if !self.tokens.is_empty() || self.unread.is_some() || self.next.is_none() {
+            return Ok(());
+        }
+        self.emit(tokenizer, false, deliver)?;
+        self.last_unfed = self.next.is_none() && self.tokens.len() == 1;
         Ok(())
     }
 
@@ -448,22 +487,35 @@ pub(crate) fn decode_step(
             ))),
         }
     };
-    match kv {
-        StepKv::One(cache) => pick_each(seqs, &one(cache)?)?,
+    // Each row's logits alone, or one `[B, vocab]` array for the batch.
+    let (each, batch) = match kv {
+        StepKv::One(cache) => (one(cache)?, None),
         StepKv::Rows(rows) if rows.len() == 1 => match rows.row_mut(0)? {
-            Some(cache) => pick_each(seqs, &one(cache)?)?,
-            None => pick_each(seqs, &[])?,
+            Some(cache) => (one(cache)?, None),
+            None => (Vec::new(), None),
         },
         StepKv::Rows(rows) => {
             let refs: Vec<&mlx::Array> = tokens.iter().collect();
             let ids = mlx::ops::concatenate(&refs, 0)?;
-            let all = model.forward_rows_tokens(&ids, rows)?;
-            pick_rows(seqs, &all)?;
+            (Vec::new(), Some(model.forward_rows_tokens(&ids, rows)?))
         }
+    };
+    feed_all(seqs, &tokens)?;
+    match batch {
+        Some(all) => pick_rows(seqs, &all)?,
+        None => pick_each(seqs, &each)?,
     }
     let arrays = launched_arrays(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
     Ok(true)
+}
+
+/// Each sequence's input of the step being queued counts for its penalties.
+fn feed_all(seqs: &mut [&mut Sequence], tokens: &[mlx::Array]) -> Result<()> {
+    for (s, t) in seqs.iter_mut().zip(tokens) {
+        s.feed(t)?;
+    }
+    Ok(())
 }
 
 /// The arrays of every pick a step launched, to evaluate: a step makes at most one batch
@@ -522,6 +574,7 @@ pub(crate) fn decode_step_mixed(
     let Some(step) = model.forward_mixed(&ids, rows, &mut prompts)? else {
         return Ok(None);
     };
+    feed_all(seqs, &tokens)?;
     pick_rows(seqs, &step.rows_logits)?;
     let mut arrays = launched_arrays(seqs)?;
     // Each chunk's keys and values are computed with the step; its last logits only when
@@ -676,10 +729,100 @@ pub(crate) fn decode_alone(
     cache: &mut dyn KvCache,
     deliver: &mut dyn FnMut(Sampled, String) -> bool,
 ) -> Result<()> {
+    seq.emit_first(tokenizer, deliver)?;
     while seq.finish.is_none() {
         decode_step(model, &mut [&mut *seq], StepKv::One(&mut *cache))?;
         seq.emit(tokenizer, false, deliver)?;
         seq.advance();
     }
     seq.trim_run_ahead(cache)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> (Model, Tokenizer) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens/tiny-qwen3");
+        crate::load(&dir, &crate::LoadOptions::default()).unwrap()
+    }
+
+    fn greedy(max_tokens: usize) -> GenerateParams {
+        GenerateParams {
+            max_tokens,
+            stop_at_eos: false,
+            ..GenerateParams::default()
+        }
+    }
+
+    #[test]
+    fn the_first_token_goes_out_before_the_step_that_runs_it_is_queued() {
+        let (model, tok) = tiny();
+        let prompt: Vec<u32> = (3..40).collect();
+        let mut seq = Sequence::alone(&model, &prompt, &greedy(6)).unwrap();
+        let mut cache = model.new_cache();
+        prefill_alone(&mut seq, &model, &mut cache).unwrap();
+        let mut out: Vec<u32> = Vec::new();
+        seq.emit_first(&tok, &mut |s, _| {
+            out.push(s.token);
+            true
+        })
+        .unwrap();
+        // Delivered with no decode step queued or pending, and not yet in the cache.
+        assert_eq!(out, seq.tokens);
+        assert_eq!(out.len(), 1);
+        assert!(seq.launched.is_none() && seq.unread.is_none() && seq.next.is_none());
+        assert_eq!(cache.offset(), prompt.len());
+        assert!(seq.needs_step());
+        // A second call has nothing to emit.
+        seq.emit_first(&tok, &mut |_, _| panic!("emitted twice"))
+            .unwrap();
+        // The next step runs the emitted token; the rest follows as before.
+        decode_alone(&mut seq, &model, &tok, &mut cache, &mut |s, _| {
+            out.push(s.token);
+            true
+        })
+        .unwrap();
+        assert_eq!(out.len(), 6);
+        assert_eq!(out, seq.tokens);
+        assert_eq!(seq.finish, Some(FinishReason::Length));
+        // The cache holds the prompt and every emitted token but the last.
+        assert_eq!(cache.offset(), prompt.len() + 5);
+
+        // The same prompt with its own first token read late (the path before): the same
+        // tokens, so emitting early changes when the client sees the token, not what.
+        let mut late = Sequence::alone(&model, &prompt, &greedy(6)).unwrap();
+        let mut cache = model.new_cache();
+        prefill_alone(&mut late, &model, &mut cache).unwrap();
+        let mut again = Vec::new();
+        while late.finish.is_none() {
+            decode_step(&model, &mut [&mut late], StepKv::One(&mut cache)).unwrap();
+            late.emit(&tok, false, &mut |s, _| {
+                again.push(s.token);
+                true
+            })
+            .unwrap();
+            late.advance();
+        }
+        assert_eq!(again, out);
+    }
+
+    #[test]
+    fn a_first_token_that_ends_the_sequence_queues_no_step() {
+        let (model, tok) = tiny();
+        let prompt: Vec<u32> = (3..20).collect();
+        let mut seq = Sequence::alone(&model, &prompt, &greedy(1)).unwrap();
+        let mut cache = model.new_cache();
+        prefill_alone(&mut seq, &model, &mut cache).unwrap();
+        let mut out = Vec::new();
+        decode_alone(&mut seq, &model, &tok, &mut cache, &mut |s, _| {
+            out.push(s.token);
+            true
+        })
+        .unwrap();
+        assert_eq!(out.len(), 1);
+        assert_eq!(seq.finish, Some(FinishReason::Length));
+        assert!(!seq.needs_step());
+        assert_eq!(cache.offset(), prompt.len());
+    }
 }
