@@ -506,8 +506,60 @@ pub(crate) fn decode_step(
         None => pick_each(seqs, &each)?,
     }
     let arrays = launched_arrays(seqs)?;
+    // The graph is built (lazily, while the previous step may still run); its writes into
+    // the rows' KV are made when it is queued.
+    wait_for_previous_step(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
     Ok(true)
+}
+
+/// Before a built step is queued, where [`waits_for_previous_step`]: the previous step's
+/// picks are computed, so its kernels no longer hold the rows' KV when this step's writes
+/// are made (MLX decides whether a write is in place when the step is queued).
+fn wait_for_previous_step(seqs: &[&mut Sequence]) -> Result<()> {
+    if waits_for_previous_step() {
+        wait_for_picks(seqs)?;
+    }
+    Ok(())
+}
+
+/// Computes the picks of the step in flight (the previous one), if any.
+fn wait_for_picks(seqs: &[&mut Sequence]) -> Result<()> {
+    if !seqs.iter().any(|s| s.unread.is_some()) {
+        return Ok(());
+    }
+    let mut arrays = Vec::new();
+    for pick in seqs.iter().filter_map(|s| s.unread.as_ref()) {
+        arrays.extend(pick.arrays()?);
+    }
+    mlx::eval(&arrays.iter().collect::<Vec<_>>())?;
+    Ok(())
+}
+
+/// Whether a decode step waits for the previous one before it is queued:
+/// `KVSTORE_DECODE_OVERLAP` (`1`: never, `0`: always), else [`waits_by_default`] on MLX's
+/// default device.
+pub(crate) fn waits_for_previous_step() -> bool {
+    match std::env::var("KVSTORE_DECODE_OVERLAP").ok().as_deref() {
+        Some("1") => false,
+        Some("0") => true,
+        _ => waits_by_default(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
+    }
+}
+
+/// On a GPU, yes. MLX's CUDA backend holds every buffer a queued kernel reads until the
+/// kernel's completion callback has run, and MLX updates a buffer in place only when
+/// nothing else holds it: a step queued while the previous one is in flight copies each
+/// row's keys and values of every layer (its whole context) to write one token, a kernel
+/// launch per layer part and row in a step that is bound by launching kernels. Waiting
+/// costs little there, since the device has finished, or nearly, by the time the host has
+/// built the next step: on the H200 (SmolLM2's shape, the Mooncake trace at 1/16 scale,
+/// ~4 rows, one pair of runs) the decode launch's CPU time fell from 10.4 to 8.9 ms and
+/// the TTFT P50 from 0.133 to 0.106 s (docs/benchmarks.md, session 15). On the CPU, no:
+/// MLX runs a stream's work in order, so the next step's write runs after the previous
+/// step's reads and is in place anyway (`bench generate` the same either way on cpu-vm).
+pub(crate) fn waits_by_default(device: mlx::Device) -> bool {
+    device != mlx::Device::Cpu
 }
 
 /// Each sequence's input of the step being queued counts for its penalties.
@@ -580,6 +632,7 @@ pub(crate) fn decode_step_mixed(
     // Each chunk's keys and values are computed with the step; its last logits only when
     // the first pick needs them.
     let out = chunks_ran(step.prompts, lens, &mut arrays);
+    wait_for_previous_step(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
     // The chunks' time is charged by the caller, who sees the whole step (what it took
     // beyond a decode step), or, for a prompt's last chunk, by the first pick's wait.
@@ -805,6 +858,42 @@ mod tests {
             late.advance();
         }
         assert_eq!(again, out);
+    }
+
+    #[test]
+    fn a_step_waits_for_the_one_before_on_a_gpu_only() {
+        assert!(!waits_by_default(mlx::Device::Cpu));
+        assert!(waits_by_default(mlx::Device::Gpu));
+    }
+
+    #[test]
+    fn waiting_for_each_step_before_the_next_gives_the_same_tokens() {
+        let (model, tok) = tiny();
+        let prompt: Vec<u32> = (5..60).collect();
+        let decode = |wait: bool| {
+            let mut seq = Sequence::alone(&model, &prompt, &greedy(12)).unwrap();
+            let mut cache = model.new_cache();
+            prefill_alone(&mut seq, &model, &mut cache).unwrap();
+            let mut out = Vec::new();
+            let mut deliver = |s: Sampled, _: String| {
+                out.push(s.token);
+                true
+            };
+            seq.emit_first(&tok, &mut deliver).unwrap();
+            while seq.finish.is_none() {
+                if wait {
+                    wait_for_picks(&[&mut seq]).unwrap();
+                }
+                decode_step(&model, &mut [&mut seq], StepKv::One(&mut cache)).unwrap();
+                seq.emit(&tok, false, &mut deliver).unwrap();
+                seq.advance();
+            }
+            seq.trim_run_ahead(&mut cache).unwrap();
+            (out, cache.offset())
+        };
+        let (waited, held) = decode(true);
+        assert_eq!(waited.len(), 12);
+        assert_eq!((waited, held), decode(false));
     }
 
     #[test]
