@@ -442,7 +442,7 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent
-      # prefill decode): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
+      # prefill decode overlap probe): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -468,6 +468,20 @@ case "$step" in
               timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1; } \
               | tee "$OUT/bench-generate-llama8b-$r.log" | grep -iE "tok/s|decode|prompt" | tail -n 16
           done ;;
+        overlap) # the 8B decode with each step queued at once (KVSTORE_DECODE_OVERLAP=1, the
+                 # engine before 4480a86) and after the previous one's picks (the GPU default)
+          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          for r in $(seq 1 "${ROUNDS:-2}"); do
+            for o in 1 default; do
+              echo "-- round $r, KVSTORE_DECODE_OVERLAP=$o"
+              { if [ "$o" = 1 ]; then export KVSTORE_DECODE_OVERLAP=1; else unset KVSTORE_DECODE_OVERLAP; fi
+                timeout 200 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+                  --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1; } \
+                | tee "$OUT/bench-overlap-llama8b-$r-$o.log" | grep -E "^ +[0-9]"
+            done
+          done
+          unset KVSTORE_DECODE_OVERLAP ;;
+        probe) timeout 60 python3 scripts/cuda/donation_probe.py "${PROBE_GIB:-1}" 2>&1 | tee "$OUT/donation-probe.log" ;;
       esac
     done
     echo "step $step: $(( $(date +%s) - START ))s"
