@@ -1567,10 +1567,7 @@ impl Worker {
         });
         // The first token goes out now, not after the next decode step is queued.
         let mut sent = 0u64;
-        seq.emit_first(&self.tokenizer, &mut |sampled, text| {
-            sent += 1;
-            p.tx.send(Event::Token { sampled, text }).is_ok()
-        })?;
+        seq.emit_first(&self.tokenizer, &mut send_token(&p.tx, &mut sent))?;
         c.generated_tokens.fetch_add(sent, Ordering::Relaxed);
         // One KV budget: the batch arena holds the rows' reservations and charges its
         // padding to the device tier (`charge_arena`).
@@ -1615,12 +1612,11 @@ impl Worker {
         for (i, row) in self.active.iter_mut().enumerate() {
             let cancelled = row.cancel.is_cancelled() || row.tx.is_closed();
             let tx = &row.tx;
-            let emitted = row
-                .seq
-                .emit(&self.tokenizer, cancelled, &mut |sampled, text| {
-                    generated += 1;
-                    tx.send(Event::Token { sampled, text }).is_ok()
-                });
+            let emitted = row.seq.emit(
+                &self.tokenizer,
+                cancelled,
+                &mut send_token(tx, &mut generated),
+            );
             if let Err(e) = emitted {
                 failed.push((i, ours(e)));
             }
@@ -2063,6 +2059,18 @@ fn observe_ttft(c: &Counters, s: f64) {
     }
     c.ttft_count.fetch_add(1, Ordering::Relaxed);
     c.ttft_sum_us.fetch_add((s * 1e6) as u64, Ordering::Relaxed);
+}
+
+/// Hands each emitted token to a request's stream, counting it in `sent`; false once
+/// nobody listens.
+fn send_token<'a>(
+    tx: &'a chan::UnboundedSender<Event>,
+    sent: &'a mut u64,
+) -> impl FnMut(Sampled, String) -> bool + 'a {
+    move |sampled, text| {
+        *sent += 1;
+        tx.send(Event::Token { sampled, text }).is_ok()
+    }
 }
 
 /// The calling thread's CPU time so far (zero where the clock cannot be read).

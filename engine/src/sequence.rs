@@ -252,7 +252,7 @@ impl Sequence {
     /// (a mixed pass the model cannot run asks for the inputs again).
     fn feed(&mut self, token: &mlx::Array) -> Result<()> {
         // An emitted first token is not among the tokens before it.
-        let before = self.tokens.len() - usize::from(self.last_unfed && self.unread.is_none());
+        let before = self.tokens.len() - usize::from(self.last_unfed);
         self.sampler
             .observe(token, &self.prompt, &self.tokens[..before])?;
         Ok(())
@@ -538,13 +538,17 @@ fn wait_for_picks(seqs: &[&mut Sequence]) -> Result<()> {
 
 /// Whether a decode step waits for the previous one before it is queued:
 /// `KVSTORE_DECODE_OVERLAP` (`1`: never, `0`: always), else [`waits_by_default`] on MLX's
-/// default device.
+/// default device; decided once per process.
 pub(crate) fn waits_for_previous_step() -> bool {
-    match std::env::var("KVSTORE_DECODE_OVERLAP").ok().as_deref() {
-        Some("1") => false,
-        Some("0") => true,
-        _ => waits_by_default(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
-    }
+    // Read once: it is asked at every step.
+    static WAITS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *WAITS.get_or_init(
+        || match std::env::var("KVSTORE_DECODE_OVERLAP").ok().as_deref() {
+            Some("1") => false,
+            Some("0") => true,
+            _ => waits_by_default(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
+        },
+    )
 }
 
 /// On a GPU, yes. MLX's CUDA backend holds every buffer a queued kernel reads until the
@@ -800,6 +804,41 @@ mod tests {
         crate::load(&dir, &crate::LoadOptions::default()).unwrap()
     }
 
+    /// `prompt` prefilled and decoded greedily to `max_tokens` by hand: the first token
+    /// emitted at once or with the first step's read (`first_at_once`), each step queued
+    /// after the one before was computed or not (`wait`). The tokens and what the cache
+    /// holds at the end.
+    fn decode_by_hand(
+        model: &Model,
+        tok: &Tokenizer,
+        prompt: &[u32],
+        max_tokens: usize,
+        first_at_once: bool,
+        wait: bool,
+    ) -> (Vec<u32>, usize) {
+        let mut seq = Sequence::alone(model, prompt, &greedy(max_tokens)).unwrap();
+        let mut cache = model.new_cache();
+        prefill_alone(&mut seq, model, &mut cache).unwrap();
+        let mut out = Vec::new();
+        let mut deliver = |s: Sampled, _: String| {
+            out.push(s.token);
+            true
+        };
+        if first_at_once {
+            seq.emit_first(tok, &mut deliver).unwrap();
+        }
+        while seq.finish.is_none() {
+            if wait {
+                wait_for_picks(&[&mut seq]).unwrap();
+            }
+            decode_step(model, &mut [&mut seq], StepKv::One(&mut cache)).unwrap();
+            seq.emit(tok, false, &mut deliver).unwrap();
+            seq.advance();
+        }
+        seq.trim_run_ahead(&mut cache).unwrap();
+        (out, cache.offset())
+    }
+
     fn greedy(max_tokens: usize) -> GenerateParams {
         GenerateParams {
             max_tokens,
@@ -844,19 +883,7 @@ mod tests {
 
         // The same prompt with its own first token read late (the path before): the same
         // tokens, so emitting early changes when the client sees the token, not what.
-        let mut late = Sequence::alone(&model, &prompt, &greedy(6)).unwrap();
-        let mut cache = model.new_cache();
-        prefill_alone(&mut late, &model, &mut cache).unwrap();
-        let mut again = Vec::new();
-        while late.finish.is_none() {
-            decode_step(&model, &mut [&mut late], StepKv::One(&mut cache)).unwrap();
-            late.emit(&tok, false, &mut |s, _| {
-                again.push(s.token);
-                true
-            })
-            .unwrap();
-            late.advance();
-        }
+        let (again, _) = decode_by_hand(&model, &tok, &prompt, 6, false, false);
         assert_eq!(again, out);
     }
 
@@ -870,27 +897,7 @@ mod tests {
     fn waiting_for_each_step_before_the_next_gives_the_same_tokens() {
         let (model, tok) = tiny();
         let prompt: Vec<u32> = (5..60).collect();
-        let decode = |wait: bool| {
-            let mut seq = Sequence::alone(&model, &prompt, &greedy(12)).unwrap();
-            let mut cache = model.new_cache();
-            prefill_alone(&mut seq, &model, &mut cache).unwrap();
-            let mut out = Vec::new();
-            let mut deliver = |s: Sampled, _: String| {
-                out.push(s.token);
-                true
-            };
-            seq.emit_first(&tok, &mut deliver).unwrap();
-            while seq.finish.is_none() {
-                if wait {
-                    wait_for_picks(&[&mut seq]).unwrap();
-                }
-                decode_step(&model, &mut [&mut seq], StepKv::One(&mut cache)).unwrap();
-                seq.emit(&tok, false, &mut deliver).unwrap();
-                seq.advance();
-            }
-            seq.trim_run_ahead(&mut cache).unwrap();
-            (out, cache.offset())
-        };
+        let decode = |wait: bool| decode_by_hand(&model, &tok, &prompt, 12, true, wait);
         let (waited, held) = decode(true);
         assert_eq!(waited.len(), 12);
         assert_eq!((waited, held), decode(false));
