@@ -271,7 +271,7 @@ impl Mlp {
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         let [g, u] = self.gate_up.forward(x)?;
-        self.down_proj.forward(&g.silu()?.mul(&u)?)
+        self.down_proj.forward(&mlx::fast::silu_mul(&g, &u)?)
     }
 }
 

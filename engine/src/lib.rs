@@ -27,6 +27,7 @@
 
 #![deny(unsafe_code)]
 
+mod census;
 mod chunk_budget;
 mod constrained;
 mod cost_model;
@@ -47,6 +48,9 @@ pub mod server;
 mod tokenizer;
 mod weights;
 
+pub use census::{
+    graph_census, graph_census_enabled, graph_census_lines, StepCensus, GRAPH_CENSUS_VAR,
+};
 pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
 pub use cost_model::{CostSamples, Fit, RestoreEstimates};
 pub use error::{EngineError, ErrorClass, Result};

@@ -506,6 +506,7 @@ pub(crate) fn decode_step(
         None => pick_each(seqs, &each)?,
     }
     let arrays = launched_arrays(seqs)?;
+    crate::census::count_step(seqs.len(), &arrays)?;
     // The graph is built (lazily, while the previous step may still run); its writes into
     // the rows' KV are made when it is queued.
     wait_for_previous_step(seqs)?;

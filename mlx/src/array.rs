@@ -328,9 +328,44 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     check("async_eval", ffi::async_eval(&l))
 }
 
+/// What an eval of `arrays` would run now: the name of each pending node's primitive (MLX's
+/// names, e.g. `Add`, `Matmul`, `Slice`), one per primitive, in no particular order. Views
+/// (`Slice`, `Reshape`, `Transpose`, ...) are nodes too, though a GPU runs no kernel for
+/// most of them. A census of a step's graph, for a step bound by launching its kernels.
+pub fn pending_primitives(arrays: &[&Array]) -> Result<Vec<String>> {
+    let l = list("pending_primitives", arrays)?;
+    check("pending_primitives", ffi::pending_primitives(&l))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pending_census_names_each_unrun_node_once_and_forgets_what_ran() {
+        let a = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+        let b = Array::from_slice(&[3.0f32, 4.0], &[2]).unwrap();
+        let sum = a.add(&b).unwrap();
+        // `sum` feeds both outputs: one Add, counted once.
+        let (x, y) = (sum.mul(&a).unwrap(), sum.sub(&b).unwrap());
+        let mut names = pending_primitives(&[&x, &y]).unwrap();
+        names.sort();
+        assert_eq!(names, ["Add", "Multiply", "Subtract"]);
+        sum.eval().unwrap();
+        let mut names = pending_primitives(&[&x, &y]).unwrap();
+        names.sort();
+        assert_eq!(
+            names,
+            ["Multiply", "Subtract"],
+            "the evaluated Add is not pending"
+        );
+        eval(&[&x, &y]).unwrap();
+        assert!(pending_primitives(&[&x, &y]).unwrap().is_empty());
+        assert!(
+            pending_primitives(&[&a]).unwrap().is_empty(),
+            "data has no primitive"
+        );
+    }
 
     #[test]
     fn an_adopted_host_buffer_is_read_in_place_and_freed_once_with_the_array() {

@@ -15,6 +15,25 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
     Array::wrap("rms_norm", ffi::rms_norm(x.inner(), &w, eps))
 }
 
+/// `silu(gate) · up` as one fused node (MLX `compile`, shapeless): the gated MLP's
+/// activation of llama and qwen, one kernel instead of three. `gate` and `up` must have one
+/// shape and dtype.
+pub fn silu_mul(gate: &Array, up: &Array) -> Result<Array> {
+    Array::wrap(
+        "silu_mul",
+        ffi::gated_activation(ffi::UnaryOp::Silu, gate.inner(), up.inner()),
+    )
+}
+
+/// `gelu_tanh(gate) · up` as one fused node (MLX `compile`, shapeless): Gemma's gated MLP
+/// activation, one kernel instead of ten. `gate` and `up` must have one shape and dtype.
+pub fn gelu_tanh_mul(gate: &Array, up: &Array) -> Result<Array> {
+    Array::wrap(
+        "gelu_tanh_mul",
+        ffi::gated_activation(ffi::UnaryOp::GeluTanh, gate.inner(), up.inner()),
+    )
+}
+
 /// Where a rotary embedding starts counting positions.
 #[derive(Clone, Copy, Debug)]
 pub enum RopeOffset<'a> {
@@ -509,6 +528,63 @@ fn host_f32(a: &Array, len: usize) -> Result<&[f32]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_gated_activations_equal_their_unfused_graphs_in_one_node() {
+        let g = Array::from_slice(&[-3.0f32, -0.5, 0.0, 0.25, 1.0, 4.0], &[2, 3]).unwrap();
+        let u = Array::from_slice(&[1.0f32, 2.0, -1.0, 0.5, -2.0, 3.0], &[2, 3]).unwrap();
+        for dtype in [Dtype::F32, Dtype::BF16] {
+            let (g, u) = (g.astype(dtype).unwrap(), u.astype(dtype).unwrap());
+            crate::eval(&[&g, &u]).unwrap();
+            let fused = silu_mul(&g, &u).unwrap();
+            let nodes = crate::pending_primitives(&[&fused]).unwrap();
+            assert_eq!(nodes.len(), 1, "{dtype:?}: {nodes:?}");
+            let want = g.silu().unwrap().mul(&u).unwrap();
+            let close = |a: &Array, b: &Array| {
+                let (a, b) = (a.astype(Dtype::F32).unwrap(), b.astype(Dtype::F32).unwrap());
+                let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+                let tol = if dtype == Dtype::F32 { 1e-6 } else { 2e-2 };
+                a.iter()
+                    .zip(&b)
+                    .all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+            };
+            assert!(close(&fused, &want), "silu_mul {dtype:?}");
+            assert_eq!(fused.shape(), [2, 3]);
+            assert_eq!(fused.dtype(), dtype);
+            let fused = gelu_tanh_mul(&g, &u).unwrap();
+            let want = g.gelu_tanh().unwrap().mul(&u).unwrap();
+            assert!(close(&fused, &want), "gelu_tanh_mul {dtype:?}");
+        }
+        // Halves of one product, as the stacked gate/up projection gives them (strided views).
+        let both =
+            Array::from_slice(&[-1.0f32, 0.5, 2.0, 3.0, -4.0, 1.5, 0.0, 2.5], &[2, 4]).unwrap();
+        let (g2, u2) = (
+            both.slice(&[0, 0], &[2, 2]).unwrap(),
+            both.slice(&[0, 2], &[2, 4]).unwrap(),
+        );
+        let got = silu_mul(&g2, &u2).unwrap().to_vec::<f32>().unwrap();
+        let want = g2
+            .silu()
+            .unwrap()
+            .mul(&u2)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap();
+        assert!(
+            got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-6),
+            "{got:?} {want:?}"
+        );
+        // Another shape after the first trace (shapeless): still right.
+        let g3 = Array::from_slice(&[2.0f32; 4], &[4]).unwrap();
+        let got = silu_mul(&g3, &g3).unwrap().to_vec::<f32>().unwrap();
+        let want = 2.0 * 2.0 / (1.0 + (-2.0f32).exp());
+        assert!(got.iter().all(|x| (x - want).abs() < 1e-5), "{got:?}");
+        assert!(silu_mul(&g, &g3).is_err(), "shapes differ");
+        assert!(
+            silu_mul(&g, &g.astype(Dtype::BF16).unwrap()).is_err(),
+            "dtypes differ"
+        );
+    }
 
     #[test]
     fn log_sum_exp_in_query_slices_equals_one_slice() {

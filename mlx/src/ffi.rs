@@ -201,6 +201,8 @@ pub(crate) mod ffi {
 
         fn eval(arrays: &ArrayList) -> Result<()>;
         fn async_eval(arrays: &ArrayList) -> Result<()>;
+        fn pending_primitives(arrays: &ArrayList) -> Result<Vec<String>>;
+        fn gated_activation(op: UnaryOp, gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;

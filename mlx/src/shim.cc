@@ -2,11 +2,14 @@
 // wraps the result; exceptions propagate to cxx, which turns them into Rust errors.
 #include "shim.h"
 #include "direct_copy.h"
+#include "mlx/primitives.h"
 
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
+#include <unordered_set>
 #include <utility>
 
 #include "kvstore-mlx/src/ffi.rs.h"
@@ -259,6 +262,28 @@ std::unique_ptr<Array> stack(const ArrayList& arrays, int32_t axis) { return wra
 std::unique_ptr<Array> astype(const Array& a, uint8_t dtype) { return wrap(mx::astype(a.inner, to_dtype(dtype))); }
 std::unique_ptr<Array> contiguous(const Array& a) { return wrap(mx::contiguous(a.inner)); }
 
+namespace {
+
+mx::array silu_of(const mx::array& x) { return mx::multiply(x, mx::sigmoid(x)); }
+
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed in x's dtype.
+mx::array gelu_tanh_of(const mx::array& x) {
+  auto dt = x.dtype();
+  auto c = mx::array(0.7978845608028654, dt);
+  auto inner = mx::multiply(c, mx::add(x, mx::multiply(mx::array(0.044715, dt), mx::multiply(x, mx::square(x)))));
+  return mx::multiply(mx::multiply(mx::array(0.5, dt), x), mx::add(mx::array(1.0, dt), mx::tanh(inner)));
+}
+
+std::vector<mx::array> silu_mul_graph(const std::vector<mx::array>& in) {
+  return {mx::multiply(silu_of(in.at(0)), in.at(1))};
+}
+
+std::vector<mx::array> gelu_tanh_mul_graph(const std::vector<mx::array>& in) {
+  return {mx::multiply(gelu_tanh_of(in.at(0)), in.at(1))};
+}
+
+}  // namespace
+
 std::unique_ptr<Array> unary(UnaryOp op, const Array& a) {
   const auto& x = a.inner;
   switch (op) {
@@ -274,14 +299,8 @@ std::unique_ptr<Array> unary(UnaryOp op, const Array& a) {
     case UnaryOp::Sin: return wrap(mx::sin(x));
     case UnaryOp::Cos: return wrap(mx::cos(x));
     case UnaryOp::LogicalNot: return wrap(mx::logical_not(x));
-    case UnaryOp::Silu: return wrap(mx::multiply(x, mx::sigmoid(x)));
-    case UnaryOp::GeluTanh: {
-      // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), computed in x's dtype.
-      auto dt = x.dtype();
-      auto c = mx::array(0.7978845608028654, dt);
-      auto inner = mx::multiply(c, mx::add(x, mx::multiply(mx::array(0.044715, dt), mx::multiply(x, mx::square(x)))));
-      return wrap(mx::multiply(mx::multiply(mx::array(0.5, dt), x), mx::add(mx::array(1.0, dt), mx::tanh(inner))));
-    }
+    case UnaryOp::Silu: return wrap(silu_of(x));
+    case UnaryOp::GeluTanh: return wrap(gelu_tanh_of(x));
   }
   throw std::invalid_argument("unknown unary op");
 }
@@ -383,8 +402,49 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
   return wrap(mx::fast::scaled_dot_product_attention(q.inner, k.inner, v.inner, scale, std::string(mask_mode), optional(mask)));
 }
 
+std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up) {
+  if (gate.inner.shape() != up.inner.shape() || gate.inner.dtype() != up.inner.dtype()) {
+    throw std::invalid_argument("a gated activation needs a gate and an input of one shape and dtype");
+  }
+  // Compiled once per process, shapeless: one fused node per call whatever the shape (a new
+  // dtype traces again). MLX's compile cache is global state: one caller at a time.
+  static const auto silu_mul = mx::compile(silu_mul_graph, /* shapeless= */ true);
+  static const auto gelu_tanh_mul = mx::compile(gelu_tanh_mul_graph, /* shapeless= */ true);
+  static std::mutex lock;
+  std::lock_guard<std::mutex> guard(lock);
+  switch (op) {
+    case UnaryOp::Silu: return wrap(silu_mul({gate.inner, up.inner}).at(0));
+    case UnaryOp::GeluTanh: return wrap(gelu_tanh_mul({gate.inner, up.inner}).at(0));
+    default: throw std::invalid_argument("a gated activation is silu or gelu_tanh");
+  }
+}
+
 void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
+
+// The primitive of every node an eval of `arrays` would run (not yet scheduled, one entry
+// per primitive: the outputs of a multi-output op share one), walking inputs from `arrays`.
+rust::Vec<rust::String> pending_primitives(const ArrayList& arrays) {
+  std::unordered_set<std::uintptr_t> seen_arrays;
+  std::unordered_set<std::uintptr_t> seen_primitives;
+  std::vector<mx::array> stack(arrays.items.begin(), arrays.items.end());
+  rust::Vec<rust::String> names;
+  while (!stack.empty()) {
+    mx::array a = stack.back();
+    stack.pop_back();
+    if (!seen_arrays.insert(a.id()).second || !a.has_primitive() ||
+        a.status() != mx::array::Status::unscheduled) {
+      continue;
+    }
+    if (seen_primitives.insert(a.primitive_id()).second) {
+      names.push_back(rust::String(a.primitive().name()));
+    }
+    for (const auto& i : a.inputs()) {
+      stack.push_back(i);
+    }
+  }
+  return names;
+}
 
 std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
   auto [arrays, meta] = mx::load_safetensors(std::string(path), mx::Device(mx::Device::cpu));

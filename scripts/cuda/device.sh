@@ -437,12 +437,12 @@ case "$step" in
       echo "== $arm"
       timeout $(( end - start + 40 )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
           --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
-      grep -E "^hit share|^steps|requests in" "$OUT/pt-$arm.log"
+      grep -E "^hit share|^steps|requests in|^graph census" "$OUT/pt-$arm.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent
-      # prefill decode overlap probe): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
+      # prefill decode overlap probe census ab): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -482,6 +482,31 @@ case "$step" in
           done
           unset KVSTORE_DECODE_OVERLAP ;;
         probe) timeout 60 python3 scripts/cuda/donation_probe.py "${PROBE_GIB:-1}" 2>&1 | tee "$OUT/donation-probe.log" ;;
+        census) # nodes per decode step (KVSTORE_GRAPH_CENSUS=1) beside mlx-lm's step, one row
+          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          for m in "smollm2-rand f32" "llama8b stored"; do
+            set -- $m; q=; [ "$2" = stored ] && q=--keep-quantized
+            echo "-- $1"
+            KVSTORE_GRAPH_CENSUS=1 timeout 200 "$BIN/kvstore" bench generate --model "$K/$1" $q --skip-mlx-lm \
+              --prompt-lens 512 --decode-tokens 16 2>&1 | grep "graph census"
+            timeout 200 python3 scripts/goldens/census_mlx_lm.py "$K/$1" 512 "$2" 2>&1 | tail -n 1
+          done | tee "$OUT/census.log" ;;
+        ab) # the 8B decode: this binary, it with KVSTORE_DECODE_OVERLAP=1, and the binary
+            # $BIN_B (e.g. the commit before), alternated ROUNDS times, then mlx-lm each round
+          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          for r in $(seq 1 "${ROUNDS:-2}"); do
+            for v in new overlap old; do
+              b=$BIN/kvstore; [ "$v" = old ] && b=${BIN_B:?BIN_B}
+              echo "-- round $r, $v ($b)"
+              { [ "$v" = overlap ] && export KVSTORE_DECODE_OVERLAP=1
+                timeout 200 "$b" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+                  --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1; unset KVSTORE_DECODE_OVERLAP; } \
+                | tee "$OUT/bench-ab-llama8b-$r-$v.log" | grep -E "^ +[0-9]"
+            done
+            echo "-- round $r, mlx-lm"
+            timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1 \
+              | tee "$OUT/bench-ab-mlxlm-$r.log" | grep decode_tok
+          done ;;
       esac
     done
     echo "step $step: $(( $(date +%s) - START ))s"

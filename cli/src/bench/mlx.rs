@@ -1,6 +1,7 @@
 //! `kvstore bench mlx`: MLX's building blocks from Rust, each beside a baseline measured in
 //! the same process: f32 matmul against a plain Rust loop, fused SDPA against attention
-//! composed of MLX ops, and `slice_update` in place against the copy a live clone forces.
+//! composed of MLX ops, and `slice_update` in place against the copy a live clone forces;
+//! then what one graph node costs the host to launch, by kind.
 
 use anyhow::Result;
 use mlx::fast::{scaled_dot_product_attention, AttentionMask};
@@ -43,6 +44,8 @@ struct Report {
     mlx_version: String,
     device: String,
     rows: Vec<Row>,
+    /// Host cost per graph node, by kind.
+    launch: Vec<LaunchRow>,
 }
 
 /// A cache-friendly (i, k, j) triple loop: what a matmul costs without a BLAS.
@@ -204,6 +207,80 @@ fn slice_update_row(quick: bool) -> Result<Row> {
     })
 }
 
+/// What one node of a lazy graph costs the host to launch, by kind.
+#[derive(Serialize)]
+struct LaunchRow {
+    /// The node kind.
+    kind: String,
+    /// Microseconds per node: a graph of `nodes` such nodes against a graph of one, built
+    /// and evaluated (medians), the difference over `nodes - 1`.
+    us_per_node: f64,
+    /// Nodes in the measured graph.
+    nodes: usize,
+}
+
+/// Host cost per node of MLX's graph evaluation: a chain of small kernels (an add on 64
+/// floats), of views (reshapes), and of in-place one-token writes into a KV-like arena (a
+/// decode step's `slice_update`), each against a graph of one node of the same kind. On a
+/// GPU a decode step is bound by this cost times its nodes (engine::graph_census).
+fn launch_rows(quick: bool) -> Result<Vec<LaunchRow>> {
+    let n = if quick { 50 } else { 1000 };
+    let reps = if quick { 3 } else { 15 };
+    let x = random(&[64], 9)?;
+    let chain = |len: usize, kind: &str| -> Result<std::time::Duration> {
+        let mut arena = Some(random(&[8, 1024, 64], 10)?.add_scalar(0.0)?);
+        let token = random(&[8, 1, 64], 11)?;
+        median(reps, || {
+            let out = match kind {
+                "kernel" => {
+                    let mut y = x.clone();
+                    for _ in 0..len {
+                        y = y.add_scalar(1.0)?;
+                    }
+                    y
+                }
+                "view" => {
+                    let mut y = x.clone();
+                    for i in 0..len {
+                        y = y.reshape(if i % 2 == 0 { &[8, 8] } else { &[64] })?;
+                    }
+                    y
+                }
+                _ => {
+                    let mut a = arena
+                        .take()
+                        .ok_or_else(|| anyhow::anyhow!("arena missing"))?;
+                    for i in 0..len as i32 {
+                        let c = i % 1024;
+                        a = a.slice_update(&token, &[0, c, 0], &[8, c + 1, 64])?;
+                    }
+                    arena = Some(a.clone());
+                    a
+                }
+            };
+            out.eval()?;
+            Ok(())
+        })
+    };
+    let mut rows = Vec::new();
+    for (kind, what) in [
+        ("kernel", "a small kernel (add on 64 floats)"),
+        ("view", "a view (reshape)"),
+        (
+            "write",
+            "a one-token slice_update into a 2 MiB arena, in place",
+        ),
+    ] {
+        let (one, many) = (chain(1, kind)?, chain(n, kind)?);
+        rows.push(LaunchRow {
+            kind: what.into(),
+            us_per_node: (many.as_secs_f64() - one.as_secs_f64()).max(0.0) * 1e6 / (n - 1) as f64,
+            nodes: n,
+        });
+    }
+    Ok(rows)
+}
+
 /// Runs the MLX benchmark and prints a table or JSON.
 pub fn run(args: Args) -> Result<()> {
     let mut rows = matmul_rows(args.quick)?;
@@ -213,6 +290,7 @@ pub fn run(args: Args) -> Result<()> {
         mlx_version: mlx::version()?,
         device: format!("{:?}", mlx::default_device()?).to_lowercase(),
         rows,
+        launch: launch_rows(args.quick)?,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -236,6 +314,12 @@ pub fn run(args: Args) -> Result<()> {
             r.speedup,
             r.baseline,
             extra
+        );
+    }
+    for l in &report.launch {
+        println!(
+            "graph launch, per node: {:>7.2} us  {} ({} nodes against 1)",
+            l.us_per_node, l.kind, l.nodes
         );
     }
     Ok(())

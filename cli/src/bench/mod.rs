@@ -57,8 +57,17 @@ impl Args {
     }
 }
 
-/// Runs the chosen benchmark.
+/// Runs the chosen benchmark; with `KVSTORE_GRAPH_CENSUS=1`, then prints the census of
+/// its decode steps' graphs (engine::graph_census).
 pub fn run(args: Args) -> anyhow::Result<()> {
+    run_one(args)?;
+    for line in engine::graph_census_lines() {
+        eprintln!("{line}");
+    }
+    Ok(())
+}
+
+fn run_one(args: Args) -> anyhow::Result<()> {
     match args.which {
         Which::Agent(a) => agent::run(a),
         Which::Cache(a) => cache::run(a),

@@ -271,7 +271,7 @@ impl Mlp {
 
     fn forward(&self, x: &Array) -> Result<Array> {
         let [g, u] = self.gate_up.forward(x)?;
-        self.down_proj.forward(&g.gelu_tanh()?.mul(&u)?)
+        self.down_proj.forward(&mlx::fast::gelu_tanh_mul(&g, &u)?)
     }
 }
 

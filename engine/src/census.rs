@@ -1,0 +1,136 @@
+//! The graph census: how many nodes (MLX primitives) each decode step hands to the device.
+//!
+//! On a GPU a decode step is bound by the host launching its kernels (docs/benchmarks.md,
+//! "Where an engine step's time goes under the trace"): its cost is the number of nodes
+//! times MLX's per-node launch cost, so the node count is the figure to lower. The census
+//! is off unless `KVSTORE_GRAPH_CENSUS=1`; then every decode step's graph is walked before
+//! it is queued (host time: do not time a run that takes it) and tallied per process by
+//! batch size and primitive. `kvstore bench generate|serve|trace` print the tally.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+
+/// The variable that turns the census on (`1`).
+pub const GRAPH_CENSUS_VAR: &str = "KVSTORE_GRAPH_CENSUS";
+
+/// The decode steps of one batch size: how many, and their nodes by primitive.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepCensus {
+    /// Decode steps counted.
+    pub steps: u64,
+    /// Nodes of those steps by MLX primitive name, summed.
+    pub nodes: BTreeMap<String, u64>,
+}
+
+impl StepCensus {
+    /// Nodes per step, on average.
+    pub fn nodes_per_step(&self) -> f64 {
+        let total: u64 = self.nodes.values().sum();
+        total as f64 / self.steps.max(1) as f64
+    }
+
+    /// The `n` primitives with the most nodes per step, most first (ties by name).
+    pub fn top(&self, n: usize) -> Vec<(String, f64)> {
+        let mut v: Vec<(String, f64)> = self
+            .nodes
+            .iter()
+            .map(|(k, &c)| (k.clone(), c as f64 / self.steps.max(1) as f64))
+            .collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        v.truncate(n);
+        v
+    }
+}
+
+static TALLY: Mutex<BTreeMap<usize, StepCensus>> = Mutex::new(BTreeMap::new());
+
+/// Whether the census is on for this process (`KVSTORE_GRAPH_CENSUS=1`, read once).
+pub fn graph_census_enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var(GRAPH_CENSUS_VAR).is_ok_and(|v| v.trim() == "1"))
+}
+
+/// Counts the pending nodes of a decode step of `rows` rows whose outputs are `arrays`,
+/// when the census is on.
+pub(crate) fn count_step(rows: usize, arrays: &[mlx::Array]) -> crate::Result<()> {
+    if !graph_census_enabled() {
+        return Ok(());
+    }
+    let names = mlx::pending_primitives(&arrays.iter().collect::<Vec<_>>())?;
+    record(rows, names);
+    Ok(())
+}
+
+fn record(rows: usize, names: Vec<String>) {
+    let mut tally = TALLY.lock().unwrap_or_else(|e| e.into_inner());
+    let c = tally.entry(rows).or_default();
+    c.steps += 1;
+    for n in names {
+        *c.nodes.entry(n).or_default() += 1;
+    }
+}
+
+/// The census so far, by the number of rows a step decoded (empty when it is off).
+pub fn graph_census() -> BTreeMap<usize, StepCensus> {
+    TALLY.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// The census as lines for a report: per batch size, steps, nodes per step and the
+/// primitives with the most nodes. Empty when the census is off or counted nothing.
+pub fn graph_census_lines() -> Vec<String> {
+    graph_census()
+        .iter()
+        .map(|(rows, c)| {
+            let top: Vec<String> = c
+                .top(8)
+                .iter()
+                .map(|(n, per)| format!("{n} {per:.1}"))
+                .collect();
+            format!(
+                "graph census, {rows} row(s): {} steps, {:.1} nodes per step ({})",
+                c.steps,
+                c.nodes_per_step(),
+                top.join(", ")
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_census_averages_per_step_and_ranks_primitives() {
+        let mut c = StepCensus::default();
+        for names in [vec!["Add", "Matmul", "Matmul"], vec!["Matmul", "Slice"]] {
+            c.steps += 1;
+            for n in names {
+                *c.nodes.entry(n.to_string()).or_default() += 1;
+            }
+        }
+        assert_eq!(c.nodes_per_step(), 2.5);
+        assert_eq!(
+            c.top(2),
+            vec![("Matmul".to_string(), 1.5), ("Add".to_string(), 0.5)]
+        );
+    }
+
+    #[test]
+    fn the_tally_counts_each_step_of_a_batch_size() {
+        // The tally is process-wide: use a batch size no other test decodes.
+        let rows = 4099;
+        let before = graph_census().get(&rows).cloned().unwrap_or_default();
+        record(rows, vec!["Add".into(), "Add".into()]);
+        record(rows, vec!["Concatenate".into()]);
+        let after = graph_census()[&rows].clone();
+        assert_eq!(after.steps, before.steps + 2);
+        assert_eq!(
+            after.nodes["Add"],
+            before.nodes.get("Add").unwrap_or(&0) + 2
+        );
+        assert!(graph_census_lines()
+            .iter()
+            .any(|l| l.starts_with("graph census, 4099 row(s): 2 steps, 1.5 nodes per step")));
+    }
+}
