@@ -514,12 +514,17 @@ pub(crate) fn decode_step(
     Ok(true)
 }
 
-/// Before a built step is queued, where [`waits_for_previous_step`]: the previous step's
-/// picks are computed, so its kernels no longer hold the rows' KV when this step's writes
-/// are made (MLX decides whether a write is in place when the step is queued).
+/// Before a built step is queued, what [`step_wait`] says: nothing, the previous step's
+/// picks, or the device drained of the previous step (its picks, then every kernel's
+/// completion callback), so that MLX can write this step's keys and values in place.
 fn wait_for_previous_step(seqs: &[&mut Sequence]) -> Result<()> {
-    if waits_for_previous_step() {
-        wait_for_picks(seqs)?;
+    match step_wait() {
+        StepWait::None => {}
+        StepWait::Picks => wait_for_picks(seqs)?,
+        StepWait::Drained => {
+            wait_for_picks(seqs)?;
+            mlx::synchronize()?;
+        }
     }
     Ok(())
 }
@@ -537,34 +542,49 @@ fn wait_for_picks(seqs: &[&mut Sequence]) -> Result<()> {
     Ok(())
 }
 
-/// Whether a decode step waits for the previous one before it is queued:
-/// `KVSTORE_DECODE_OVERLAP` (`1`: never, `0`: always), else [`waits_by_default`] on MLX's
-/// default device; decided once per process.
-pub(crate) fn waits_for_previous_step() -> bool {
+/// What a decode step waits for before it is queued (its graph is built before, while the
+/// previous step may still run).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StepWait {
+    /// Nothing: queued at once, overlapping the previous step.
+    None,
+    /// The previous step's picks.
+    Picks,
+    /// The previous step's picks and the completion of everything queued before
+    /// (`mlx::synchronize`).
+    Drained,
+}
+
+/// [`StepWait`] for this process: `KVSTORE_DECODE_WAIT` (`none`, `picks`, `drained`), else
+/// [`default_step_wait`] on MLX's default device; decided once.
+pub(crate) fn step_wait() -> StepWait {
     // Read once: it is asked at every step.
-    static WAITS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *WAITS.get_or_init(
-        || match std::env::var("KVSTORE_DECODE_OVERLAP").ok().as_deref() {
-            Some("1") => false,
-            Some("0") => true,
-            _ => waits_by_default(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
+    static WAIT: std::sync::OnceLock<StepWait> = std::sync::OnceLock::new();
+    *WAIT.get_or_init(
+        || match std::env::var("KVSTORE_DECODE_WAIT").ok().as_deref() {
+            Some("none") => StepWait::None,
+            Some("picks") => StepWait::Picks,
+            Some("drained") => StepWait::Drained,
+            _ => default_step_wait(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
         },
     )
 }
 
-/// On a GPU, yes. MLX's CUDA backend holds every buffer a queued kernel reads until the
-/// kernel's completion callback has run, and MLX updates a buffer in place only when
-/// nothing else holds it: a step queued while the previous one is in flight copies each
-/// row's keys and values of every layer (its whole context) to write one token, a kernel
-/// launch per layer part and row in a step that is bound by launching kernels. Waiting
-/// costs little there, since the device has finished, or nearly, by the time the host has
-/// built the next step: on the H200 (SmolLM2's shape, the Mooncake trace at 1/16 scale,
-/// ~4 rows, one pair of runs) the decode launch's CPU time fell from 10.4 to 8.9 ms and
-/// the TTFT P50 from 0.133 to 0.106 s (docs/benchmarks.md, session 15). On the CPU, no:
-/// MLX runs a stream's work in order, so the next step's write runs after the previous
-/// step's reads and is in place anyway (`bench generate` the same either way on cpu-vm).
-pub(crate) fn waits_by_default(device: mlx::Device) -> bool {
-    device != mlx::Device::Cpu
+/// On a GPU, [`StepWait::Drained`]. MLX updates a buffer in place only when nothing else
+/// holds it, and its CUDA backend holds every input of a queued kernel until that kernel's
+/// completion callback has run, which may be after its result is computed: a step queued
+/// while the previous step's attention kernels are held copies each row's keys and values
+/// of every layer (its whole context) to write one token. On the H200, one attention
+/// layer's shape of the 8B model (`scripts/cuda/decode_copy_probe.py`): queued at once,
+/// peak memory 1.7-8 arenas above the arenas and 1.7-2.8 ms a step at 64K tokens; after the
+/// previous result, 0.2-1.5 arenas (copies in some steps); drained, none (docs/benchmarks.md,
+/// session 16). On the CPU, [`StepWait::None`]: MLX runs a stream's work in order and
+/// decides a write's donation when it runs, after the previous step's reads.
+pub(crate) fn default_step_wait(device: mlx::Device) -> StepWait {
+    match device {
+        mlx::Device::Cpu => StepWait::None,
+        _ => StepWait::Drained,
+    }
 }
 
 /// Each sequence's input of the step being queued counts for its penalties.
@@ -830,7 +850,9 @@ mod tests {
         }
         while seq.finish.is_none() {
             if wait {
+                // What StepWait::Drained does before a step is queued.
                 wait_for_picks(&[&mut seq]).unwrap();
+                mlx::synchronize().unwrap();
             }
             decode_step(model, &mut [&mut seq], StepKv::One(&mut cache)).unwrap();
             seq.emit(tok, false, &mut deliver).unwrap();
@@ -890,8 +912,8 @@ mod tests {
 
     #[test]
     fn a_step_waits_for_the_one_before_on_a_gpu_only() {
-        assert!(!waits_by_default(mlx::Device::Cpu));
-        assert!(waits_by_default(mlx::Device::Gpu));
+        assert_eq!(default_step_wait(mlx::Device::Cpu), StepWait::None);
+        assert_eq!(default_step_wait(mlx::Device::Gpu), StepWait::Drained);
     }
 
     #[test]

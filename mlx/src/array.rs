@@ -328,6 +328,15 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     check("async_eval", ffi::async_eval(&l))
 }
 
+/// Waits until everything queued on the default device's default stream has run and
+/// MLX has released what its kernels held (their completion callbacks ran). After it, an
+/// array no queued kernel reads any more can be updated in place (MLX's CUDA backend holds
+/// a kernel's inputs until its callback; an `eval` returns once the result is computed,
+/// possibly before).
+pub fn synchronize() -> Result<()> {
+    check("synchronize", ffi::synchronize())
+}
+
 /// What an eval of `arrays` would run now: the name of each pending node's primitive (MLX's
 /// names, e.g. `Add`, `Matmul`, `Slice`), one per primitive, in no particular order. Views
 /// (`Slice`, `Reshape`, `Transpose`, ...) are nodes too, though a GPU runs no kernel for

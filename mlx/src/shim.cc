@@ -421,6 +421,7 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
 
 void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
+void synchronize() { mx::synchronize(); }
 
 // The primitive of every node an eval of `arrays` would run (not yet scheduled, one entry
 // per primitive: the outputs of a multi-output op share one), walking inputs from `arrays`.

@@ -121,6 +121,7 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 // Evaluation.
 void eval(const ArrayList& arrays);
 void async_eval(const ArrayList& arrays);
+void synchronize();
 std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 

@@ -468,19 +468,19 @@ case "$step" in
               timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1; } \
               | tee "$OUT/bench-generate-llama8b-$r.log" | grep -iE "tok/s|decode|prompt" | tail -n 16
           done ;;
-        overlap) # the 8B decode with each step queued at once (KVSTORE_DECODE_OVERLAP=1, the
-                 # engine before 4480a86) and after the previous one's picks (the GPU default)
+        overlap) # the 8B decode with each step queued at once (KVSTORE_DECODE_WAIT=none, the
+                 # engine before 4480a86) and after the previous one has drained (the GPU default)
           [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
           for r in $(seq 1 "${ROUNDS:-2}"); do
             for o in 1 default; do
-              echo "-- round $r, KVSTORE_DECODE_OVERLAP=$o"
-              { if [ "$o" = 1 ]; then export KVSTORE_DECODE_OVERLAP=1; else unset KVSTORE_DECODE_OVERLAP; fi
+              echo "-- round $r, KVSTORE_DECODE_WAIT=$o"
+              { if [ "$o" = 1 ]; then export KVSTORE_DECODE_WAIT=none; else unset KVSTORE_DECODE_WAIT; fi
                 timeout 200 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
                   --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1; } \
                 | tee "$OUT/bench-overlap-llama8b-$r-$o.log" | grep -E "^ +[0-9]"
             done
           done
-          unset KVSTORE_DECODE_OVERLAP ;;
+          unset KVSTORE_DECODE_WAIT ;;
         probe) timeout 60 python3 scripts/cuda/donation_probe.py "${PROBE_GIB:-1}" 2>&1 | tee "$OUT/donation-probe.log" ;;
         census) # nodes per decode step (KVSTORE_GRAPH_CENSUS=1) beside mlx-lm's step, one row
           [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
@@ -491,16 +491,17 @@ case "$step" in
               --prompt-lens 512 --decode-tokens 16 2>&1 | grep "graph census"
             timeout 200 python3 scripts/goldens/census_mlx_lm.py "$K/$1" 512 "$2" 2>&1 | tail -n 1
           done | tee "$OUT/census.log" ;;
-        ab) # the 8B decode: this binary, it with KVSTORE_DECODE_OVERLAP=1, and the binary
-            # $BIN_B (e.g. the commit before), alternated ROUNDS times, then mlx-lm each round
+        ab) # the 8B decode: this binary with each KVSTORE_DECODE_WAIT of WAITS (default
+            # "drained picks none") and the binary $BIN_B (e.g. the commit before; skipped
+            # when unset), alternated ROUNDS times, then mlx-lm each round
           [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
           for r in $(seq 1 "${ROUNDS:-2}"); do
-            for v in new overlap old; do
-              b=$BIN/kvstore; [ "$v" = old ] && b=${BIN_B:?BIN_B}
+            for v in ${WAITS:-drained picks none} ${BIN_B:+old}; do
+              b=$BIN/kvstore; [ "$v" = old ] && b=$BIN_B
               echo "-- round $r, $v ($b)"
-              { [ "$v" = overlap ] && export KVSTORE_DECODE_OVERLAP=1
+              { [ "$v" != old ] && export KVSTORE_DECODE_WAIT=$v
                 timeout 200 "$b" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
-                  --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1; unset KVSTORE_DECODE_OVERLAP; } \
+                  --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1; unset KVSTORE_DECODE_WAIT; } \
                 | tee "$OUT/bench-ab-llama8b-$r-$v.log" | grep -E "^ +[0-9]"
             done
             echo "-- round $r, mlx-lm"

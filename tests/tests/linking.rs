@@ -37,7 +37,11 @@ fn kvstore_binary_runs_mlx_without_ld_library_path() {
         assert!(row["baseline_seconds"].as_f64().unwrap() > 0.0, "{row}");
     }
     let launch = report["launch"].as_array().unwrap();
-    assert_eq!(launch.len(), 3, "kernels, views and in-place writes");
+    assert_eq!(
+        launch.len(),
+        4,
+        "kernels, with a scalar, views and in-place writes"
+    );
     for row in launch {
         assert!(row["us_per_node"].as_f64().unwrap() >= 0.0, "{row}");
         assert!(row["nodes"].as_u64().unwrap() > 1, "{row}");

@@ -219,9 +219,10 @@ struct LaunchRow {
     nodes: usize,
 }
 
-/// Host cost per node of MLX's graph evaluation: a chain of small kernels (an add on 64
-/// floats), of views (reshapes), and of in-place one-token writes into a KV-like arena (a
-/// decode step's `slice_update`), each against a graph of one node of the same kind. On a
+/// Host cost per node of MLX's graph evaluation: a chain of small kernels (an add of two
+/// 64-float arrays; the same with a host scalar, which MLX turns into a constant array), of
+/// views (reshapes), and of in-place one-token writes into a KV-like arena (a decode step's
+/// `slice_update`), each against a graph of one node of the same kind. On a
 /// GPU a decode step is bound by this cost times its nodes (engine::graph_census).
 fn launch_rows(quick: bool) -> Result<Vec<LaunchRow>> {
     let n = if quick { 50 } else { 1000 };
@@ -233,6 +234,13 @@ fn launch_rows(quick: bool) -> Result<Vec<LaunchRow>> {
         median(reps, || {
             let out = match kind {
                 "kernel" => {
+                    let mut y = x.clone();
+                    for _ in 0..len {
+                        y = y.add(&x)?;
+                    }
+                    y
+                }
+                "scalar" => {
                     let mut y = x.clone();
                     for _ in 0..len {
                         y = y.add_scalar(1.0)?;
@@ -264,7 +272,11 @@ fn launch_rows(quick: bool) -> Result<Vec<LaunchRow>> {
     };
     let mut rows = Vec::new();
     for (kind, what) in [
-        ("kernel", "a small kernel (add on 64 floats)"),
+        ("kernel", "a small kernel (add of two 64-float arrays)"),
+        (
+            "scalar",
+            "a small kernel with a host scalar (add_scalar: MLX makes a constant array)",
+        ),
         ("view", "a view (reshape)"),
         (
             "write",
