@@ -525,8 +525,23 @@ fn wait_for_previous_step(seqs: &[&mut Sequence]) -> Result<()> {
             wait_for_picks(seqs)?;
             mlx::synchronize()?;
         }
+        StepWait::Adaptive => {
+            if picks_available(seqs)? {
+                mlx::synchronize()?;
+            }
+        }
     }
     Ok(())
+}
+
+/// Whether every pick of the step in flight is computed already (none in flight: yes).
+fn picks_available(seqs: &[&mut Sequence]) -> Result<bool> {
+    for pick in seqs.iter().filter_map(|s| s.unread.as_ref()) {
+        if !pick.arrays()?.iter().all(mlx::Array::is_available) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// Computes the picks of the step in flight (the previous one), if any.
@@ -553,9 +568,15 @@ pub(crate) enum StepWait {
     /// The previous step's picks and the completion of everything queued before
     /// (`mlx::synchronize`).
     Drained,
+    /// Queued at once while the previous step still runs (the device is the bound: overlap
+    /// pays more than the copies a write against kernels in flight makes); once it has
+    /// finished (the host is the bound), drained first, which then costs next to nothing
+    /// and makes every write in place.
+    Adaptive,
 }
 
-/// [`StepWait`] for this process: `KVSTORE_DECODE_WAIT` (`none`, `picks`, `drained`), else
+/// [`StepWait`] for this process: `KVSTORE_DECODE_WAIT` (`none`, `picks`, `drained`,
+/// `adaptive`), else
 /// [`default_step_wait`] on MLX's default device; decided once.
 pub(crate) fn step_wait() -> StepWait {
     // Read once: it is asked at every step.
@@ -565,25 +586,30 @@ pub(crate) fn step_wait() -> StepWait {
             Some("none") => StepWait::None,
             Some("picks") => StepWait::Picks,
             Some("drained") => StepWait::Drained,
+            Some("adaptive") => StepWait::Adaptive,
             _ => default_step_wait(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
         },
     )
 }
 
-/// On a GPU, [`StepWait::Drained`]. MLX updates a buffer in place only when nothing else
+/// On a GPU, [`StepWait::Adaptive`]. MLX updates a buffer in place only when nothing else
 /// holds it, and its CUDA backend holds every input of a queued kernel until that kernel's
 /// completion callback has run, which may be after its result is computed: a step queued
 /// while the previous step's attention kernels are held copies each row's keys and values
 /// of every layer (its whole context) to write one token. On the H200, one attention
 /// layer's shape of the 8B model (`scripts/cuda/decode_copy_probe.py`): queued at once,
 /// peak memory 1.7-8 arenas above the arenas and 1.7-2.8 ms a step at 64K tokens; after the
-/// previous result, 0.2-1.5 arenas (copies in some steps); drained, none (docs/benchmarks.md,
-/// session 16). On the CPU, [`StepWait::None`]: MLX runs a stream's work in order and
-/// decides a write's donation when it runs, after the previous step's reads.
+/// previous result, 0.2-1.5 arenas (copies in some steps); drained, none. Which wait pays
+/// depends on the bound (docs/benchmarks.md, session 16): the 8B decoding one sequence
+/// (device-bound) ran 5-10 % faster queued at once than drained; SmolLM2's shape under the
+/// Mooncake trace at ~4 rows (host-bound) had its decode launch's CPU time at 9.4 ms
+/// drained against 10.0 at once and TTFT P50 0.111 against 0.119 s. On the CPU,
+/// [`StepWait::None`]: MLX runs a stream's work in order and decides a write's donation
+/// when it runs, after the previous step's reads.
 pub(crate) fn default_step_wait(device: mlx::Device) -> StepWait {
     match device {
         mlx::Device::Cpu => StepWait::None,
-        _ => StepWait::Drained,
+        _ => StepWait::Adaptive,
     }
 }
 
@@ -913,7 +939,7 @@ mod tests {
     #[test]
     fn a_step_waits_for_the_one_before_on_a_gpu_only() {
         assert_eq!(default_step_wait(mlx::Device::Cpu), StepWait::None);
-        assert_eq!(default_step_wait(mlx::Device::Gpu), StepWait::Drained);
+        assert_eq!(default_step_wait(mlx::Device::Gpu), StepWait::Adaptive);
     }
 
     #[test]
@@ -924,6 +950,22 @@ mod tests {
         let (waited, held) = decode(true);
         assert_eq!(waited.len(), 12);
         assert_eq!((waited, held), decode(false));
+    }
+
+    #[test]
+    fn the_previous_picks_read_as_available_once_computed() {
+        let (model, tok) = tiny();
+        let prompt: Vec<u32> = (5..40).collect();
+        let mut seq = Sequence::alone(&model, &prompt, &greedy(4)).unwrap();
+        let mut cache = model.new_cache();
+        prefill_alone(&mut seq, &model, &mut cache).unwrap();
+        assert!(picks_available(&[&mut seq]).unwrap(), "nothing in flight");
+        seq.emit_first(&tok, &mut |_, _| true).unwrap();
+        decode_step(&model, &mut [&mut seq], StepKv::One(&mut cache)).unwrap();
+        seq.advance();
+        assert!(seq.unread.is_some(), "a step is in flight");
+        wait_for_picks(&[&mut seq]).unwrap();
+        assert!(picks_available(&[&mut seq]).unwrap());
     }
 
     #[test]

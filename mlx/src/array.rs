@@ -175,6 +175,12 @@ impl Array {
         crate::eval(&[self])
     }
 
+    /// Whether this array's value is computed (without waiting): false while it is not
+    /// queued yet or its kernels still run.
+    pub fn is_available(&self) -> bool {
+        ffi::array_is_available(self.inner())
+    }
+
     /// Reads a single-element array as f32 (converting its dtype).
     pub fn item_f32(&self) -> Result<f32> {
         let v = self.astype(Dtype::F32)?.to_vec::<f32>()?;
@@ -349,6 +355,15 @@ pub fn pending_primitives(arrays: &[&Array]) -> Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_array_is_available_once_computed() {
+        let a = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+        let b = a.add(&a).unwrap();
+        assert!(!b.is_available(), "not queued");
+        b.eval().unwrap();
+        assert!(b.is_available());
+    }
 
     #[test]
     fn the_pending_census_names_each_unrun_node_once_and_forgets_what_ran() {

@@ -202,6 +202,7 @@ pub(crate) mod ffi {
         fn eval(arrays: &ArrayList) -> Result<()>;
         fn async_eval(arrays: &ArrayList) -> Result<()>;
         fn synchronize() -> Result<()>;
+        fn array_is_available(a: &Array) -> bool;
         fn pending_primitives(arrays: &ArrayList) -> Result<Vec<String>>;
         fn gated_activation(op: UnaryOp, gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
 

@@ -422,6 +422,7 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
 void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
 void synchronize() { mx::synchronize(); }
+bool array_is_available(const Array& a) { return a.inner.is_available(); }
 
 // The primitive of every node an eval of `arrays` would run (not yet scheduled, one entry
 // per primitive: the outputs of a multi-output op share one), walking inputs from `arrays`.

@@ -122,6 +122,7 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 void eval(const ArrayList& arrays);
 void async_eval(const ArrayList& arrays);
 void synchronize();
+bool array_is_available(const Array& a);
 std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 

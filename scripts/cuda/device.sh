@@ -492,11 +492,11 @@ case "$step" in
             timeout 200 python3 scripts/goldens/census_mlx_lm.py "$K/$1" 512 "$2" 2>&1 | tail -n 1
           done | tee "$OUT/census.log" ;;
         ab) # the 8B decode: this binary with each KVSTORE_DECODE_WAIT of WAITS (default
-            # "drained picks none") and the binary $BIN_B (e.g. the commit before; skipped
+            # "adaptive drained none") and the binary $BIN_B (e.g. the commit before; skipped
             # when unset), alternated ROUNDS times, then mlx-lm each round
           [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
           for r in $(seq 1 "${ROUNDS:-2}"); do
-            for v in ${WAITS:-drained picks none} ${BIN_B:+old}; do
+            for v in ${WAITS:-adaptive drained none} ${BIN_B:+old}; do
               b=$BIN/kvstore; [ "$v" = old ] && b=$BIN_B
               echo "-- round $r, $v ($b)"
               { [ "$v" != old ] && export KVSTORE_DECODE_WAIT=$v
