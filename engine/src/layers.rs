@@ -3,9 +3,10 @@
 //! attention over a [`KvCache`].
 
 use cache::{KvCache, PagedKvRows};
-use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
+use mlx::fast::{self, AttentionMask, Rope, RopeAngles, RopeOffset};
 use mlx::{Array, Dtype, Quantized};
 use serde::Deserialize;
+use std::sync::Mutex;
 
 use crate::error::{EngineError, Result};
 
@@ -303,6 +304,58 @@ pub(crate) struct RotaryEmbedding {
     base: f32,
     scale: f32,
     freqs: Option<Array>,
+    /// On the CPU, the angles of the positions rotated last (`None` on a GPU).
+    angles: Option<AngleCache>,
+}
+
+/// The positions a rotation was made for: one offset, or one per row (that very array).
+#[derive(Debug)]
+enum AngleKey {
+    Scalar(usize),
+    PerRow(Array),
+}
+
+impl AngleKey {
+    fn matches(&self, offset: RopeOffset<'_>) -> bool {
+        match (self, offset) {
+            (AngleKey::Scalar(a), RopeOffset::Scalar(b)) => *a as i64 == b as i64,
+            // The key holds its array, so no other array can take over its node meanwhile.
+            (AngleKey::PerRow(a), RopeOffset::PerRow(b)) => a.same_node(b),
+            _ => false,
+        }
+    }
+}
+
+/// The last angles a CPU rotation made: MLX's CPU RoPE computes the frequencies, cosines
+/// and sines again at every call (29 graph nodes a call on a decode step), though every
+/// layer of a step rotates its queries and keys at the same positions. Kept, they are made
+/// once a step and each call is the rotation alone (docs/engine.md, "Forward pass").
+#[derive(Debug, Default)]
+struct AngleCache(Mutex<Option<(AngleKey, i32, Dtype, RopeAngles)>>);
+
+impl AngleCache {
+    /// The angles for `offset` and `t` positions in `dtype`, made now or kept.
+    fn get(
+        &self,
+        cfg: &Rope<'_>,
+        offset: RopeOffset<'_>,
+        t: i32,
+        dtype: Dtype,
+    ) -> Result<RopeAngles> {
+        let mut kept = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((key, kt, kd, angles)) = kept.as_ref() {
+            if key.matches(offset) && *kt == t && *kd == dtype {
+                return Ok(angles.clone());
+            }
+        }
+        let angles = fast::rope_angles(cfg, offset, t, dtype)?;
+        let key = match offset {
+            RopeOffset::Scalar(o) => AngleKey::Scalar(o as usize),
+            RopeOffset::PerRow(a) => AngleKey::PerRow(a.clone()),
+        };
+        *kept = Some((key, t, dtype, angles.clone()));
+        Ok(angles)
+    }
 }
 
 impl RotaryEmbedding {
@@ -320,6 +373,7 @@ impl RotaryEmbedding {
             base: theta as f32,
             scale: 1.0,
             freqs: None,
+            angles: (mlx::default_device()? == mlx::Device::Cpu).then(AngleCache::default),
         };
         let Some(s) = scaling else { return Ok(rope) };
         let need = |v: Option<f64>, name: &str| {
@@ -365,18 +419,15 @@ impl RotaryEmbedding {
 
     /// Rotates `x` `[1, H, L, D]` for positions `offset..offset + L`.
     pub(crate) fn forward(&self, x: &Array, offset: usize) -> Result<Array> {
-        let cfg = Rope {
-            dims: self.dims,
-            traditional: self.traditional,
-            base: self.base,
-            scale: self.scale,
-            freqs: self.freqs.as_ref(),
-        };
-        Ok(fast::rope(x, &cfg, RopeOffset::Scalar(offset as i32))?)
+        self.rotate(x, RopeOffset::Scalar(offset as i32))
     }
 
     /// Rotates `x` `[B, H, 1, D]`, row b at position `offsets[b]` (int32 `[B]`).
     pub(crate) fn forward_rows(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        self.rotate(x, RopeOffset::PerRow(offsets))
+    }
+
+    fn rotate(&self, x: &Array, offset: RopeOffset<'_>) -> Result<Array> {
         let cfg = Rope {
             dims: self.dims,
             traditional: self.traditional,
@@ -384,7 +435,14 @@ impl RotaryEmbedding {
             scale: self.scale,
             freqs: self.freqs.as_ref(),
         };
-        Ok(fast::rope(x, &cfg, RopeOffset::PerRow(offsets))?)
+        let shape = x.shape();
+        match &self.angles {
+            Some(cache) if shape.len() == 4 => {
+                let angles = cache.get(&cfg, offset, shape[2], x.dtype())?;
+                Ok(fast::rope_with_angles(x, &cfg, &angles)?)
+            }
+            _ => Ok(fast::rope(x, &cfg, offset)?),
+        }
     }
 }
 

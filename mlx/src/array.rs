@@ -175,6 +175,11 @@ impl Array {
         crate::eval(&[self])
     }
 
+    /// Whether `other` is a handle to this very array node (not merely equal values).
+    pub fn same_node(&self, other: &Array) -> bool {
+        ffi::array_same_node(self.inner(), other.inner())
+    }
+
     /// Whether this array's value is computed (without waiting): false while it is not
     /// queued yet or its kernels still run.
     pub fn is_available(&self) -> bool {

@@ -4,8 +4,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
-use crate::array::{list, Array};
+use crate::array::{list, unlist, Array};
 use crate::cpu_attention::{self, Dims};
+use crate::error::check;
 use crate::ffi::ffi;
 use crate::{Device, Dtype, Error, Result};
 
@@ -31,6 +32,71 @@ pub fn gelu_tanh_mul(gate: &Array, up: &Array) -> Result<Array> {
     Array::wrap(
         "gelu_tanh_mul",
         ffi::gated_activation(ffi::UnaryOp::GeluTanh, gate.inner(), up.inner()),
+    )
+}
+
+/// The cosines and sines of RoPE angles for a set of positions ([`rope_angles`]): made once,
+/// they serve every [`rope_with_angles`] over the same positions, e.g. every layer of a step.
+#[derive(Clone, Debug)]
+pub struct RopeAngles {
+    cos: Array,
+    sin: Array,
+}
+
+/// The angles [`rope`] uses for positions `offset .. offset + t` under `cfg`, in `dtype`
+/// (the input's), made by the ops and in the order MLX's own RoPE on the CPU uses, so
+/// that [`rope_with_angles`] gives what [`rope`] gives there, bit for bit. On a GPU
+/// [`rope`] is one fused kernel and needs none of this.
+pub fn rope_angles(
+    cfg: &Rope<'_>,
+    offset: RopeOffset<'_>,
+    t: i32,
+    dtype: Dtype,
+) -> Result<RopeAngles> {
+    let scalar;
+    let offset = match offset {
+        RopeOffset::Scalar(o) => {
+            scalar = Array::from_slice(&[o], &[])?;
+            &scalar
+        }
+        RopeOffset::PerRow(o) => o,
+    };
+    let freqs = list("rope_angles", cfg.freqs.as_slice())?;
+    let l = check(
+        "rope_angles",
+        ffi::rope_angles(
+            t,
+            offset.inner(),
+            cfg.dims,
+            cfg.base,
+            cfg.freqs.is_none(),
+            cfg.scale,
+            &freqs,
+            dtype.code(),
+        ),
+    )?;
+    let mut parts = unlist("rope_angles", &l)?.into_iter();
+    match (parts.next(), parts.next()) {
+        (Some(cos), Some(sin)) => Ok(RopeAngles { cos, sin }),
+        _ => Err(Error::InvalidArgument {
+            op: "rope_angles",
+            message: "MLX returned no angles".into(),
+        }),
+    }
+}
+
+/// [`rope`] of `x` `[B, H, T, D]` with angles from [`rope_angles`] made for `x`'s positions
+/// and dtype under the same `cfg`.
+pub fn rope_with_angles(x: &Array, cfg: &Rope<'_>, angles: &RopeAngles) -> Result<Array> {
+    Array::wrap(
+        "rope_with_angles",
+        ffi::rope_apply(
+            x.inner(),
+            angles.cos.inner(),
+            angles.sin.inner(),
+            cfg.dims,
+            cfg.traditional,
+        ),
     )
 }
 
@@ -528,6 +594,65 @@ fn host_f32(a: &Array, len: usize) -> Result<&[f32]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rope_with_shared_angles_equals_rope_on_the_cpu_bit_for_bit() {
+        let key = crate::random::key(5).unwrap();
+        let periods = Array::from_slice(&[1.0f32, 3.5, 40.0, 900.0], &[4]).unwrap();
+        for (dtype, traditional, dims, freqs, scale, offset, t) in [
+            (Dtype::F32, false, 16, None, 1.0, 7, 1),
+            (Dtype::F32, false, 16, None, 1.0, 0, 5),
+            (Dtype::F32, true, 16, None, 0.5, 511, 3),
+            (Dtype::F32, false, 8, Some(&periods), 1.0, 100, 1),
+            (Dtype::BF16, false, 16, None, 1.0, 4095, 2),
+            (Dtype::BF16, true, 8, None, 1.0, 33, 1),
+        ] {
+            let x = crate::random::normal(&[2, 3, t, 16], Dtype::F32, &key)
+                .unwrap()
+                .astype(dtype)
+                .unwrap();
+            let cfg = Rope {
+                dims,
+                traditional,
+                base: 10000.0,
+                scale,
+                freqs,
+            };
+            let want = rope(&x, &cfg, RopeOffset::Scalar(offset)).unwrap();
+            let angles = rope_angles(&cfg, RopeOffset::Scalar(offset), t, dtype).unwrap();
+            let got = rope_with_angles(&x, &cfg, &angles).unwrap();
+            let bits = |a: &Array| a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(got.shape(), want.shape());
+            assert_eq!(got.dtype(), dtype);
+            let (g, w) = (bits(&got), bits(&want));
+            assert!(
+                g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype:?} traditional {traditional} dims {dims} offset {offset} t {t}"
+            );
+            // Per-row positions (a decode step of two rows).
+            if t == 1 {
+                let rows = Array::from_slice(&[offset, offset + 9], &[2]).unwrap();
+                let want = rope(&x, &cfg, RopeOffset::PerRow(&rows)).unwrap();
+                let angles = rope_angles(&cfg, RopeOffset::PerRow(&rows), 1, dtype).unwrap();
+                let got = rope_with_angles(&x, &cfg, &angles).unwrap();
+                let (g, w) = (bits(&got), bits(&want));
+                assert!(g.iter().zip(&w).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+        let x = Array::from_slice(&[0.0f32; 8], &[2, 4]).unwrap();
+        let cfg = Rope {
+            dims: 4,
+            traditional: false,
+            base: 10000.0,
+            scale: 1.0,
+            freqs: None,
+        };
+        let angles = rope_angles(&cfg, RopeOffset::Scalar(0), 2, Dtype::F32).unwrap();
+        assert!(
+            rope_with_angles(&x, &cfg, &angles).is_err(),
+            "not [B, H, T, D]"
+        );
+    }
 
     #[test]
     fn fused_gated_activations_equal_their_unfused_graphs_in_one_node() {

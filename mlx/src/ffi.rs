@@ -202,6 +202,25 @@ pub(crate) mod ffi {
         fn eval(arrays: &ArrayList) -> Result<()>;
         fn async_eval(arrays: &ArrayList) -> Result<()>;
         fn synchronize() -> Result<()>;
+        fn array_same_node(a: &Array, b: &Array) -> bool;
+        #[allow(clippy::too_many_arguments)]
+        fn rope_angles(
+            t: i32,
+            offset: &Array,
+            dims: i32,
+            base: f32,
+            has_base: bool,
+            scale: f32,
+            freqs: &ArrayList,
+            dtype: u8,
+        ) -> Result<UniquePtr<ArrayList>>;
+        fn rope_apply(
+            x: &Array,
+            cos: &Array,
+            sin: &Array,
+            dims: i32,
+            traditional: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn array_is_available(a: &Array) -> bool;
         fn pending_primitives(arrays: &ArrayList) -> Result<Vec<String>>;
         fn gated_activation(op: UnaryOp, gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;

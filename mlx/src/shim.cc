@@ -422,6 +422,57 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
 void eval(const ArrayList& arrays) { mx::eval(arrays.items); }
 void async_eval(const ArrayList& arrays) { mx::async_eval(arrays.items); }
 void synchronize() { mx::synchronize(); }
+
+bool array_same_node(const Array& a, const Array& b) { return a.inner.id() == b.inner.id(); }
+
+// RoPE's angles for positions (offset + 0..t) * scale, the same ops in the same order and
+// dtypes as MLX's own RoPE on the CPU (its fallback), so that what rope_apply makes of them
+// equals mx::fast::rope bit for bit; computed once, they serve every layer of a step.
+std::unique_ptr<ArrayList> rope_angles(int32_t t, const Array& offset, int32_t dims, float base, bool has_base, float scale, const ArrayList& freqs, uint8_t dtype) {
+  if (dims <= 0 || dims % 2 != 0) throw std::invalid_argument("rope dims must be positive and even");
+  const int half = dims / 2;
+  mx::array off = offset.inner;
+  if (off.ndim() > 1) throw std::invalid_argument("a rope offset is a scalar or one per row");
+  if (off.size() > 1) off = mx::expand_dims(off, {-1, -2});
+  mx::array positions = mx::multiply(mx::add(mx::arange(t, mx::float32), off), mx::array(scale, mx::float32));
+  mx::array inv = has_base
+      ? mx::exp(mx::multiply(mx::arange(0, -half, -1, mx::float32), mx::array(std::log(base) / half, mx::float32)))
+      : mx::reciprocal(freqs.items.at(0));
+  mx::array theta = mx::multiply(mx::expand_dims(positions, -1), inv);
+  auto dt = to_dtype(dtype);
+  auto out = std::make_unique<ArrayList>();
+  out->items.push_back(mx::astype(mx::cos(theta), dt));
+  out->items.push_back(mx::astype(mx::sin(theta), dt));
+  return out;
+}
+
+std::unique_ptr<Array> rope_apply(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional) {
+  const mx::array& a = x.inner;
+  if (a.ndim() != 4 || dims <= 0 || dims % 2 != 0 || dims > a.shape(3)) {
+    throw std::invalid_argument("rope_apply needs [B, H, T, D] input and even dims <= D");
+  }
+  const auto shape = a.shape();
+  const int b = shape[0], n = shape[1], t = shape[2], half = dims / 2;
+  auto rotate = [&](const mx::array& x1, const mx::array& x2) {
+    return std::vector<mx::array>{
+        mx::subtract(mx::multiply(x1, cos.inner), mx::multiply(x2, sin.inner)),
+        mx::add(mx::multiply(x1, sin.inner), mx::multiply(x2, cos.inner))};
+  };
+  mx::array out = a;
+  if (traditional) {
+    auto parts = rotate(mx::slice(a, {0, 0, 0, 0}, {b, n, t, dims}, {1, 1, 1, 2}),
+                        mx::slice(a, {0, 0, 0, 1}, {b, n, t, dims}, {1, 1, 1, 2}));
+    for (auto& p : parts) p = mx::expand_dims(p, -1);
+    out = mx::reshape(mx::concatenate(parts, -1), {b, n, t, dims});
+    if (dims < shape[3]) out = mx::concatenate({out, mx::slice(a, {0, 0, 0, dims}, shape)}, -1);
+  } else {
+    auto parts = rotate(mx::slice(a, {0, 0, 0, 0}, {b, n, t, half}),
+                        mx::slice(a, {0, 0, 0, half}, {b, n, t, dims}));
+    if (dims < shape[3]) parts.push_back(mx::slice(a, {0, 0, 0, dims}, shape));
+    out = mx::concatenate(parts, -1);
+  }
+  return wrap(mx::reshape(out, shape));
+}
 bool array_is_available(const Array& a) { return a.inner.is_available(); }
 
 // The primitive of every node an eval of `arrays` would run (not yet scheduled, one entry

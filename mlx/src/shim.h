@@ -122,6 +122,9 @@ std::unique_ptr<Array> sdpa(const Array& q, const Array& k, const Array& v, floa
 void eval(const ArrayList& arrays);
 void async_eval(const ArrayList& arrays);
 void synchronize();
+bool array_same_node(const Array& a, const Array& b);
+std::unique_ptr<ArrayList> rope_angles(int32_t t, const Array& offset, int32_t dims, float base, bool has_base, float scale, const ArrayList& freqs, uint8_t dtype);
+std::unique_ptr<Array> rope_apply(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional);
 bool array_is_available(const Array& a);
 std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
