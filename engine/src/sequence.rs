@@ -576,8 +576,7 @@ pub(crate) enum StepWait {
 }
 
 /// [`StepWait`] for this process: `KVSTORE_DECODE_WAIT` (`none`, `picks`, `drained`,
-/// `adaptive`), else
-/// [`default_step_wait`] on MLX's default device; decided once.
+/// `adaptive`), else [`default_step_wait`] on MLX's default device; decided once.
 pub(crate) fn step_wait() -> StepWait {
     // Read once: it is asked at every step.
     static WAIT: std::sync::OnceLock<StepWait> = std::sync::OnceLock::new();
@@ -587,7 +586,15 @@ pub(crate) fn step_wait() -> StepWait {
             Some("picks") => StepWait::Picks,
             Some("drained") => StepWait::Drained,
             Some("adaptive") => StepWait::Adaptive,
-            _ => default_step_wait(mlx::default_device().unwrap_or(mlx::Device::Cpu)),
+            other => {
+                if let Some(v) = other {
+                    tracing::warn!(
+                        "KVSTORE_DECODE_WAIT={v:?} is not none, picks, drained or adaptive: \
+                         using the device's default"
+                    );
+                }
+                default_step_wait(mlx::default_device().unwrap_or(mlx::Device::Cpu))
+            }
         },
     )
 }
