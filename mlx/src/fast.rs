@@ -655,6 +655,39 @@ mod tests {
     }
 
     #[test]
+    fn rms_norm_on_the_cpu_is_a_few_nodes_and_checks_its_weight() {
+        let x = crate::random::normal(&[2, 3, 64], Dtype::F32, &crate::random::key(3).unwrap())
+            .unwrap();
+        let w = Array::from_slice(&[0.5f32; 64], &[64]).unwrap();
+        crate::eval(&[&x, &w]).unwrap();
+        let y = rms_norm(&x, Some(&w), 1e-5).unwrap();
+        let nodes = crate::pending_primitives(&[&y]).unwrap();
+        assert!(nodes.len() <= 4, "{nodes:?}");
+        // Against the formula on the host, row by row.
+        let (xs, ys) = (x.to_vec::<f32>().unwrap(), y.to_vec::<f32>().unwrap());
+        for (xr, yr) in xs.chunks(64).zip(ys.chunks(64)) {
+            let ms = xr.iter().map(|v| v * v).sum::<f32>() / 64.0;
+            let inv = 1.0 / (ms + 1e-5).sqrt();
+            for (a, b) in xr.iter().zip(yr) {
+                assert!(
+                    (a * inv * 0.5 - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{a} {b}"
+                );
+            }
+        }
+        let short = Array::from_slice(&[1.0f32; 8], &[8]).unwrap();
+        assert!(
+            rms_norm(&x, Some(&short), 1e-5).is_err(),
+            "weight of the wrong length"
+        );
+        let unweighted = rms_norm(&x, None, 1e-5).unwrap().to_vec::<f32>().unwrap();
+        assert!(unweighted
+            .iter()
+            .zip(&ys)
+            .all(|(u, y)| (u * 0.5 - y).abs() < 1e-6));
+    }
+
+    #[test]
     fn fused_gated_activations_equal_their_unfused_graphs_in_one_node() {
         let g = Array::from_slice(&[-3.0f32, -0.5, 0.0, 0.25, 1.0, 4.0], &[2, 3]).unwrap();
         let u = Array::from_slice(&[1.0f32, 2.0, -1.0, 0.5, -2.0, 3.0], &[2, 3]).unwrap();
