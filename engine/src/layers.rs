@@ -311,14 +311,14 @@ pub(crate) struct RotaryEmbedding {
 /// The positions a rotation was made for: one offset, or one per row (that very array).
 #[derive(Debug)]
 enum AngleKey {
-    Scalar(usize),
+    Scalar(i32),
     PerRow(Array),
 }
 
 impl AngleKey {
     fn matches(&self, offset: RopeOffset<'_>) -> bool {
         match (self, offset) {
-            (AngleKey::Scalar(a), RopeOffset::Scalar(b)) => *a as i64 == b as i64,
+            (AngleKey::Scalar(a), RopeOffset::Scalar(b)) => *a == b,
             // The key holds its array, so no other array can take over its node meanwhile.
             (AngleKey::PerRow(a), RopeOffset::PerRow(b)) => a.same_node(b),
             _ => false,
@@ -350,7 +350,7 @@ impl AngleCache {
         }
         let angles = fast::rope_angles(cfg, offset, t, dtype)?;
         let key = match offset {
-            RopeOffset::Scalar(o) => AngleKey::Scalar(o as usize),
+            RopeOffset::Scalar(o) => AngleKey::Scalar(o),
             RopeOffset::PerRow(a) => AngleKey::PerRow(a.clone()),
         };
         *kept = Some((key, t, dtype, angles.clone()));

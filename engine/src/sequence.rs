@@ -870,9 +870,7 @@ mod tests {
         first_at_once: bool,
         wait: bool,
     ) -> (Vec<u32>, usize) {
-        let mut seq = Sequence::alone(model, prompt, &greedy(max_tokens)).unwrap();
-        let mut cache = model.new_cache();
-        prefill_alone(&mut seq, model, &mut cache).unwrap();
+        let (mut seq, mut cache) = prefilled(model, prompt, max_tokens);
         let mut out = Vec::new();
         let mut deliver = |s: Sampled, _: String| {
             out.push(s.token);
@@ -895,6 +893,18 @@ mod tests {
         (out, cache.offset())
     }
 
+    /// A greedy sequence of `prompt`, prefilled alone over a fresh cache.
+    fn prefilled(
+        model: &Model,
+        prompt: &[u32],
+        max_tokens: usize,
+    ) -> (Sequence, cache::PagedKvCache) {
+        let mut seq = Sequence::alone(model, prompt, &greedy(max_tokens)).unwrap();
+        let mut cache = model.new_cache();
+        prefill_alone(&mut seq, model, &mut cache).unwrap();
+        (seq, cache)
+    }
+
     fn greedy(max_tokens: usize) -> GenerateParams {
         GenerateParams {
             max_tokens,
@@ -907,9 +917,7 @@ mod tests {
     fn the_first_token_goes_out_before_the_step_that_runs_it_is_queued() {
         let (model, tok) = tiny();
         let prompt: Vec<u32> = (3..40).collect();
-        let mut seq = Sequence::alone(&model, &prompt, &greedy(6)).unwrap();
-        let mut cache = model.new_cache();
-        prefill_alone(&mut seq, &model, &mut cache).unwrap();
+        let (mut seq, mut cache) = prefilled(&model, &prompt, 6);
         let mut out: Vec<u32> = Vec::new();
         seq.emit_first(&tok, &mut |s, _| {
             out.push(s.token);
@@ -963,9 +971,7 @@ mod tests {
     fn the_previous_picks_read_as_available_once_computed() {
         let (model, tok) = tiny();
         let prompt: Vec<u32> = (5..40).collect();
-        let mut seq = Sequence::alone(&model, &prompt, &greedy(4)).unwrap();
-        let mut cache = model.new_cache();
-        prefill_alone(&mut seq, &model, &mut cache).unwrap();
+        let (mut seq, mut cache) = prefilled(&model, &prompt, 4);
         assert!(picks_available(&[&mut seq]).unwrap(), "nothing in flight");
         seq.emit_first(&tok, &mut |_, _| true).unwrap();
         decode_step(&model, &mut [&mut seq], StepKv::One(&mut cache)).unwrap();
@@ -979,9 +985,7 @@ mod tests {
     fn a_first_token_that_ends_the_sequence_queues_no_step() {
         let (model, tok) = tiny();
         let prompt: Vec<u32> = (3..20).collect();
-        let mut seq = Sequence::alone(&model, &prompt, &greedy(1)).unwrap();
-        let mut cache = model.new_cache();
-        prefill_alone(&mut seq, &model, &mut cache).unwrap();
+        let (mut seq, mut cache) = prefilled(&model, &prompt, 1);
         let mut out = Vec::new();
         decode_alone(&mut seq, &model, &tok, &mut cache, &mut |s, _| {
             out.push(s.token);

@@ -688,6 +688,48 @@ mod tests {
     }
 
     #[test]
+    fn rms_norm_on_the_cpu_gives_the_bits_of_its_unfused_ops() {
+        // MLX's own CPU RMSNorm, op by op: in f32, then the output dtype times the weight.
+        let unfused = |x: &Array, w: &Array, eps: f32| -> Array {
+            let xf = x.astype(Dtype::F32).unwrap();
+            let ms = xf.square().unwrap().mean(-1, true).unwrap();
+            let eps = Array::from_slice(&[eps], &[]).unwrap();
+            let y = xf.mul(&ms.add(&eps).unwrap().rsqrt().unwrap()).unwrap();
+            y.astype(w.dtype()).unwrap().mul(w).unwrap()
+        };
+        for (dtype, shape) in [
+            (Dtype::F32, vec![3, 7, 576]),
+            (Dtype::BF16, vec![2, 5, 1, 128]),
+            (Dtype::F16, vec![1, 1, 64]),
+        ] {
+            let key = crate::random::key(11).unwrap();
+            let x = crate::random::normal(&shape, Dtype::F32, &key)
+                .unwrap()
+                .mul_scalar(3.0)
+                .unwrap()
+                .astype(dtype)
+                .unwrap();
+            let n = *shape.last().unwrap();
+            let w = crate::random::normal(&[n], Dtype::F32, &crate::random::key(12).unwrap())
+                .unwrap()
+                .astype(dtype)
+                .unwrap();
+            crate::eval(&[&x, &w]).unwrap();
+            let bits = |a: &Array| a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+            let (got, want) = (
+                bits(&rms_norm(&x, Some(&w), 1e-5).unwrap()),
+                bits(&unfused(&x, &w, 1e-5)),
+            );
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype:?}"
+            );
+        }
+    }
+
+    #[test]
     fn fused_gated_activations_equal_their_unfused_graphs_in_one_node() {
         let g = Array::from_slice(&[-3.0f32, -0.5, 0.0, 0.25, 1.0, 4.0], &[2, 3]).unwrap();
         let u = Array::from_slice(&[1.0f32, 2.0, -1.0, 0.5, -2.0, 3.0], &[2, 3]).unwrap();

@@ -219,73 +219,79 @@ struct LaunchRow {
     nodes: usize,
 }
 
-/// Host cost per node of MLX's graph evaluation: a chain of small kernels (an add of two
-/// 64-float arrays; the same with a host scalar, which MLX turns into a constant array), of
-/// views (reshapes), and of in-place one-token writes into a KV-like arena (a decode step's
-/// `slice_update`), each against a graph of one node of the same kind. On a
-/// GPU a decode step is bound by this cost times its nodes (engine::graph_census).
+/// The kinds of node [`launch_rows`] chains.
+#[derive(Clone, Copy)]
+enum NodeKind {
+    /// An add of two 64-float arrays.
+    Kernel,
+    /// An add of a host scalar, which MLX turns into a constant array.
+    Scalar,
+    /// A reshape.
+    View,
+    /// A one-token `slice_update` into a 2 MiB arena, in place.
+    Write,
+}
+
+impl NodeKind {
+    fn describe(self) -> &'static str {
+        match self {
+            NodeKind::Kernel => "a small kernel (add of two 64-float arrays)",
+            NodeKind::Scalar => {
+                "a small kernel with a host scalar (add_scalar: MLX makes a constant array)"
+            }
+            NodeKind::View => "a view (reshape)",
+            NodeKind::Write => "a one-token slice_update into a 2 MiB arena, in place",
+        }
+    }
+}
+
+/// Host cost per node of MLX's graph evaluation: a chain of nodes of each [`NodeKind`],
+/// against a graph of one node of the same kind. On a GPU a decode step is bound by this
+/// cost times its nodes (engine::graph_census).
 fn launch_rows(quick: bool) -> Result<Vec<LaunchRow>> {
     let n = if quick { 50 } else { 1000 };
     let reps = if quick { 3 } else { 15 };
     let x = random(&[64], 9)?;
-    let chain = |len: usize, kind: &str| -> Result<std::time::Duration> {
+    let chain = |len: usize, kind: NodeKind| -> Result<std::time::Duration> {
         let mut arena = Some(random(&[8, 1024, 64], 10)?.add_scalar(0.0)?);
         let token = random(&[8, 1, 64], 11)?;
         median(reps, || {
-            let out = match kind {
-                "kernel" => {
-                    let mut y = x.clone();
-                    for _ in 0..len {
-                        y = y.add(&x)?;
-                    }
-                    y
-                }
-                "scalar" => {
-                    let mut y = x.clone();
-                    for _ in 0..len {
-                        y = y.add_scalar(1.0)?;
-                    }
-                    y
-                }
-                "view" => {
-                    let mut y = x.clone();
-                    for i in 0..len {
-                        y = y.reshape(if i % 2 == 0 { &[8, 8] } else { &[64] })?;
-                    }
-                    y
-                }
-                _ => {
-                    let mut a = arena
-                        .take()
-                        .ok_or_else(|| anyhow::anyhow!("arena missing"))?;
-                    for i in 0..len as i32 {
-                        let c = i % 1024;
-                        a = a.slice_update(&token, &[0, c, 0], &[8, c + 1, 64])?;
-                    }
-                    arena = Some(a.clone());
-                    a
-                }
+            let mut y = match kind {
+                // The arena itself, taken so that its only handle is the chain's: each
+                // write can be in place.
+                NodeKind::Write => arena
+                    .take()
+                    .ok_or_else(|| anyhow::anyhow!("arena missing"))?,
+                _ => x.clone(),
             };
-            out.eval()?;
+            for i in 0..len {
+                y = match kind {
+                    NodeKind::Kernel => y.add(&x)?,
+                    NodeKind::Scalar => y.add_scalar(1.0)?,
+                    NodeKind::View => y.reshape(if i % 2 == 0 { &[8, 8] } else { &[64] })?,
+                    NodeKind::Write => {
+                        let c = (i % 1024) as i32;
+                        y.slice_update(&token, &[0, c, 0], &[8, c + 1, 64])?
+                    }
+                };
+            }
+            y.eval()?;
+            if let NodeKind::Write = kind {
+                arena = Some(y);
+            }
             Ok(())
         })
     };
     let mut rows = Vec::new();
-    for (kind, what) in [
-        ("kernel", "a small kernel (add of two 64-float arrays)"),
-        (
-            "scalar",
-            "a small kernel with a host scalar (add_scalar: MLX makes a constant array)",
-        ),
-        ("view", "a view (reshape)"),
-        (
-            "write",
-            "a one-token slice_update into a 2 MiB arena, in place",
-        ),
+    for kind in [
+        NodeKind::Kernel,
+        NodeKind::Scalar,
+        NodeKind::View,
+        NodeKind::Write,
     ] {
         let (one, many) = (chain(1, kind)?, chain(n, kind)?);
         rows.push(LaunchRow {
-            kind: what.into(),
+            kind: kind.describe().into(),
             us_per_node: (many.as_secs_f64() - one.as_secs_f64()).max(0.0) * 1e6 / (n - 1) as f64,
             nodes: n,
         });
