@@ -41,7 +41,7 @@ pub use format::KvFormat;
 pub use host::{plane_specs, state_plane_specs, trimmed_plane_specs};
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
-pub use pool::{ladder_capacity, BlockPool, BlockShape};
+pub use pool::{ladder_capacity, BlockPool, BlockShape, CUDNN_ARENA_FROM, CUDNN_KV_STEP};
 pub use resident::{
     ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
 };

@@ -1021,7 +1021,12 @@ impl PagedKvCache {
         // A fresh pool gets the capacity a pool grown to these blocks would have. On a GPU
         // the zeros after the blocks are made there (a device copy) rather than crossing
         // from the host; on the CPU the host buffer already is the arena.
-        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, valid);
+        let capacity = ladder_capacity(
+            config.initial_blocks,
+            config.max_blocks,
+            config.block_size,
+            valid,
+        );
         let pad_on_device = mlx::default_device()? == mlx::Device::Gpu;
         let host_capacity = |fresh: bool| {
             if fresh && !pad_on_device {
@@ -1092,7 +1097,7 @@ impl PagedKvCache {
                 .layers
                 .iter()
                 .all(|l| l.held() == 0 && l.shape().is_none());
-        let capacity = ladder_capacity(initial_blocks, max_blocks, expected);
+        let capacity = ladder_capacity(initial_blocks, max_blocks, bs, expected);
         let globals = vec![None; layers];
         let mut blocks: Vec<Arc<Block>> = Vec::with_capacity(expected);
         let mut refused = None;
@@ -1139,7 +1144,7 @@ impl PagedKvCache {
         let valid = blocks.len();
         let assembled = match (assembly, shape) {
             (Some(Ok(run)), Some(shape))
-                if ladder_capacity(initial_blocks, max_blocks, valid) == capacity =>
+                if ladder_capacity(initial_blocks, max_blocks, bs, valid) == capacity =>
             {
                 Some((run, shape))
             }
@@ -1312,7 +1317,7 @@ impl PagedKvCache {
         }
         let bs = config.block_size;
         let blocks = count.div_ceil(bs);
-        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, blocks);
+        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, bs, blocks);
         let mut parts = Vec::with_capacity(config.format.parts() * 2);
         for x in [keys, values] {
             for p in config.format.encode(x)? {

@@ -78,20 +78,52 @@ fn run_start(blocks: &[u32]) -> Option<u32> {
         .then_some(first)
 }
 
-/// The capacity a pool of `capacity` blocks grows to: ×1.5, rounded up.
-fn next_capacity(capacity: usize) -> usize {
-    capacity + capacity.div_ceil(2).max(1)
+/// Tokens that a KV buffer's length must be a multiple of for MLX's CUDA attention to run a
+/// decode step through cuDNN (mlx-lm's cache step); over any other buffer MLX 0.32 runs its
+/// own vector kernel (docs/cache.md, "Arena lengths and the GPU's decode attention").
+pub const CUDNN_KV_STEP: usize = 256;
+
+/// Arena length, in tokens, from which the growth ladder keeps to whole [`CUDNN_KV_STEP`]s.
+/// One layer of an 8B model's decode on the H200 (scripts/cuda/cudnn_decode_probe.py): MLX's
+/// vector kernel 24 / 27 / 52 / 234 µs at 512 / 2K / 8K / 32K tokens, cuDNN's 36 / 37 / 42 /
+/// 57 µs; shorter arenas stay off the steps, where the vector kernel is the faster.
+pub const CUDNN_ARENA_FROM: usize = 4096;
+
+/// Blocks of `block_size` tokens in the smallest whole number of [`CUDNN_KV_STEP`]s.
+fn step_blocks(block_size: usize) -> usize {
+    let (mut a, mut b) = (CUDNN_KV_STEP, block_size.max(1));
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    CUDNN_KV_STEP / a
 }
 
-/// The capacity, in blocks, of a pool that must hold `blocks` blocks: the first step of the
-/// growth ladder from `initial` (`initial`, ×1.5, ×1.5, …) that holds them, at most
-/// `max_blocks` (but never below `blocks`). Every pool's capacity is a step of this ladder,
-/// fresh or restored, so arenas of the same content length have the same strides: MLX's
-/// CUDA attention builds a cuDNN graph per shape *and strides* (docs/cache.md).
-pub fn ladder_capacity(initial: usize, max_blocks: usize, blocks: usize) -> usize {
+/// The capacity a pool of `capacity` blocks of `block_size` tokens grows to: ×1.5, rounded
+/// up, and up again to whole [`CUDNN_KV_STEP`]s past [`CUDNN_ARENA_FROM`] tokens.
+fn next_capacity(capacity: usize, block_size: usize) -> usize {
+    let grown = capacity + capacity.div_ceil(2).max(1);
+    if grown * block_size > CUDNN_ARENA_FROM {
+        grown.next_multiple_of(step_blocks(block_size))
+    } else {
+        grown
+    }
+}
+
+/// The capacity, in blocks of `block_size` tokens, of a pool that must hold `blocks` blocks:
+/// the first step of the growth ladder from `initial` (`initial`, then [`next_capacity`]
+/// again and again) that holds them, at most `max_blocks` (but never below `blocks`). Every
+/// pool's capacity is a step of this ladder, fresh or restored, so arenas of the same
+/// content length have the same strides: MLX's CUDA attention builds a cuDNN graph per
+/// shape *and strides* (docs/cache.md).
+pub fn ladder_capacity(
+    initial: usize,
+    max_blocks: usize,
+    block_size: usize,
+    blocks: usize,
+) -> usize {
     let mut c = initial.max(1);
     while c < blocks && c < max_blocks {
-        c = next_capacity(c);
+        c = next_capacity(c, block_size);
     }
     c.min(max_blocks).max(blocks)
 }
@@ -230,7 +262,7 @@ impl BlockPool {
                 block_size: self.shape.block_size,
             });
         }
-        let new_capacity = next_capacity(self.capacity).min(self.max_blocks);
+        let new_capacity = next_capacity(self.capacity, self.shape.block_size).min(self.max_blocks);
         let extra = arena_parts(self.shape, self.format, new_capacity - self.capacity)?;
         for (arena, more) in self.arenas.iter_mut().zip(extra) {
             *arena = mlx::ops::concatenate(&[arena, &more], 1)?;
@@ -310,7 +342,11 @@ impl BlockPool {
             )));
         }
         match run_start(table) {
-            Some(first) => {
+            // A view that starts past the arena's first token is gathered instead when
+            // MLX's CUDA attention could take it for a cuDNN decode: that path assumes its
+            // keys start at their buffer's first byte (mlx/backend/cuda/
+            // scaled_dot_product_attention.cpp, `unslice_kv`; docs/cache.md).
+            Some(first) if first == 0 || !self.cudnn_decodable() => {
                 let t0 = (first as usize * bs) as i32;
                 self.arenas
                     .iter()
@@ -322,8 +358,19 @@ impl BlockPool {
                     .collect()
             }
             None if len == 0 => self.read(&[0], 0),
-            None => self.copy_run(table, len),
+            _ => self.copy_run(table, len),
         }
+    }
+
+    /// Whether MLX's CUDA attention may run a decode step over views of these arenas through
+    /// cuDNN: float16 or bfloat16 keys in an arena of a whole number of [`CUDNN_KV_STEP`]s
+    /// (the CPU never does, but the test is cheaper than asking for the device).
+    fn cudnn_decodable(&self) -> bool {
+        let tokens = self.capacity * self.shape.block_size;
+        matches!(
+            self.arenas.first().map(Array::dtype),
+            Some(Dtype::F16 | Dtype::BF16)
+        ) && tokens.is_multiple_of(CUDNN_KV_STEP)
     }
 
     /// The first `len` tokens of the blocks `table` as [`Self::read`] gives them, but in

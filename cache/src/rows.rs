@@ -627,7 +627,7 @@ mod tests {
         assert_same_kv(&gone[0], &alone[1]);
         let pool = gone[0].pool(0).unwrap();
         let blocks = gone[0].offset().div_ceil(4);
-        assert_eq!(pool.capacity(), crate::ladder_capacity(2, 4096, blocks));
+        assert_eq!(pool.capacity(), crate::ladder_capacity(2, 4096, 4, blocks));
         let mut alone: Vec<PagedKvCache> = [0, 2, 3].iter().map(|&i| alone[i].clone()).collect();
         step(&mut rows, &mut alone.iter_mut().collect::<Vec<_>>(), 4);
         // A row handed out mutably has its KV, and so has every other row.

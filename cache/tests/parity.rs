@@ -686,6 +686,85 @@ fn pool_reads_any_block_table_and_hands_out_blocks_lifo() {
     ));
 }
 
+/// Past 4,096 tokens every capacity the growth ladder reaches (after the initial one) is a
+/// whole number of 256-token steps, what MLX's CUDA attention needs to decode through cuDNN,
+/// for any block size; the ladder still grows at least ×1.5 a step and stops at the maximum.
+#[test]
+fn pool_capacities_past_one_cudnn_step_are_whole_steps() {
+    use cache::{ladder_capacity, CUDNN_ARENA_FROM, CUDNN_KV_STEP};
+    for bs in [1, 4, 16, 24, 32, 48, 100, 256, 512] {
+        for initial in [1, 2, 8, 11] {
+            let max = 100_000 / bs + 7;
+            let mut last = 0;
+            for blocks in 1..(60_000 / bs) {
+                let c = ladder_capacity(initial, max, bs, blocks);
+                assert!(c >= blocks && c <= max.max(blocks), "{c} for {blocks}");
+                assert!(c >= last, "the ladder never shrinks");
+                if c != last && last != 0 {
+                    assert!(2 * c >= 3 * last, "{last} -> {c} grows ×1.5 at least");
+                }
+                let tokens = c * bs;
+                if c > initial && tokens > CUDNN_ARENA_FROM && c < max {
+                    assert_eq!(
+                        tokens % CUDNN_KV_STEP,
+                        0,
+                        "{c} blocks of {bs} (initial {initial})"
+                    );
+                }
+                last = c;
+            }
+        }
+    }
+}
+
+/// A run of blocks is read through a view of the arena, except one that starts past the
+/// first token of a 16-bit arena whose length is a whole number of 256-token steps: MLX's
+/// cuDNN decode would read such a view from its buffer's start, so it is gathered. The
+/// bytes are the same either way.
+#[test]
+fn pool_reads_gather_an_offset_run_that_cudnn_would_misread() {
+    use cache::BlockPool;
+    let mut r = rng("pool_reads_gather_an_offset_run_that_cudnn_would_misread");
+    let inside = |a: &Array, arena: &Array| {
+        let (p, base) = (a.data_addr().unwrap(), arena.data_addr().unwrap());
+        p >= base && p < base + arena.nbytes()
+    };
+    // 16 blocks of 16 tokens: one 256-token step.
+    for (dtype, gathered) in [(Dtype::BF16, true), (Dtype::F16, true), (Dtype::F32, false)] {
+        let shape = BlockShape {
+            kv_heads: H,
+            block_size: 16,
+            head_dim: D,
+            dtype,
+        };
+        let mut pool = BlockPool::new(shape, KvFormat::Float, 16, 16).unwrap();
+        let chunks: Vec<Array> = (0..3).map(|_| kv(&mut r, 16, dtype)).collect();
+        for (block, chunk) in chunks.iter().enumerate() {
+            let c = std::slice::from_ref(chunk);
+            pool.write(block as u32, 0, c, c).unwrap();
+        }
+        let from_one = pool.read(&[1, 2], 20).unwrap();
+        let from_zero = pool.read(&[0, 1, 2], 40).unwrap();
+        mlx::eval(&[&from_one[0], &from_zero[0], &pool.arrays()[0]]).unwrap();
+        let want = mlx::ops::concatenate(&[&chunks[1], &chunks[2]], 2)
+            .unwrap()
+            .slice(&[0, 0, 0, 0], &[1, H as i32, 20, D as i32])
+            .unwrap();
+        assert_eq!(bytes(&from_one[0]), bytes(&want), "{dtype}");
+        assert_eq!(bytes(&from_one[1]), bytes(&want), "{dtype}");
+        let arena = &pool.arrays()[0];
+        assert_eq!(
+            !inside(&from_one[0], arena),
+            gathered,
+            "{dtype}: a run from block 1"
+        );
+        assert!(
+            inside(&from_zero[0], arena),
+            "{dtype}: a run from block 0 is a view"
+        );
+    }
+}
+
 /// The two halves of a publication: device copies taken on this thread, read back to host
 /// bytes on another after the live cache was trimmed and overwritten in place. The blocks are
 /// those of a synchronous publish of the cache as it was, for every KV format.
@@ -771,7 +850,7 @@ fn restored_pools_have_the_capacity_of_grown_ones() {
             .unwrap();
         let restored = PagedKvCache::restore(layers, cfg, &blocks).unwrap().cache;
         let full = tokens / bs;
-        let want = cache::ladder_capacity(cfg.initial_blocks, cfg.max_blocks, full);
+        let want = cache::ladder_capacity(cfg.initial_blocks, cfg.max_blocks, cfg.block_size, full);
         assert_eq!(
             restored.pool(0).unwrap().capacity(),
             want,

@@ -442,7 +442,7 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent
-      # prefill decode overlap probe census ab): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
+      # prefill decode overlap probe census cudnn ab): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -491,6 +491,16 @@ case "$step" in
               --prompt-lens 512 --decode-tokens 16 2>&1 | grep "graph census"
             timeout 200 python3 scripts/goldens/census_mlx_lm.py "$K/$1" 512 "$2" 2>&1 | tail -n 1
           done | tee "$OUT/census.log" ;;
+        cudnn) # which attention kernel a decode step over a KV view gets, and its cost
+               # (scripts/cuda/cudnn_decode_probe.py), then mlx-lm's 8B decode with cuDNN's
+               # attention on and off (MLX_CUDA_USE_CUDNN_SDPA)
+          timeout 120 python3 scripts/cuda/cudnn_decode_probe.py ${PROBE_LENS:-512,2048,8192,32768} 2>&1 | tee "$OUT/cudnn-probe.log"
+          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          for c in 1 0; do
+            echo "-- mlx-lm, MLX_CUDA_USE_CUDNN_SDPA=$c"
+            MLX_CUDA_USE_CUDNN_SDPA=$c timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1 \
+              | tee "$OUT/bench-cudnn-mlxlm-$c.log" | grep decode_tok
+          done ;;
         ab) # the 8B decode: this binary with each KVSTORE_DECODE_WAIT of WAITS (default
             # "adaptive drained none") and the binary $BIN_B (e.g. the commit before; skipped
             # when unset), alternated ROUNDS times, then mlx-lm each round

@@ -45,6 +45,40 @@ struct Row {
     prefill_tok_per_s: f64,
     decode_tok_per_s: f64,
     peak_memory_bytes: usize,
+    /// kvstore only: where a decode step's time went (medians over the request's
+    /// decode-only steps), from the engine's step log.
+    #[serde(skip)]
+    steps: Option<StepSplit>,
+}
+
+/// Medians, in milliseconds, over a request's decode-only engine steps: queueing the step
+/// (building its graph and handing it to the device), the thread's own CPU time within
+/// that, and reading the previous step's picks (waiting for the device) and emitting them.
+/// Queueing near the whole step says the host bounds decode; reading, the device.
+#[derive(Debug, Clone, Copy)]
+struct StepSplit {
+    launch_ms: f64,
+    launch_cpu_ms: f64,
+    read_ms: f64,
+}
+
+impl StepSplit {
+    fn of(steps: &[engine::StepRecord]) -> Option<Self> {
+        let decode: Vec<&engine::StepRecord> = steps
+            .iter()
+            .filter(|s| !s.decoded.is_empty() && s.prefilled.is_none())
+            .collect();
+        let median = |f: &dyn Fn(&engine::StepRecord) -> u64| {
+            let mut v: Vec<u64> = decode.iter().map(|s| f(s)).collect();
+            v.sort_unstable();
+            v.get(v.len() / 2).map(|&us| us as f64 / 1e3)
+        };
+        Some(Self {
+            launch_ms: median(&|s| s.launch_us)?,
+            launch_cpu_ms: median(&|s| s.launch_cpu_us)?,
+            read_ms: median(&|s| s.emit_us)?,
+        })
+    }
 }
 
 fn prompt(tokenizer: &Tokenizer, n: usize) -> anyhow::Result<Vec<u32>> {
@@ -81,12 +115,15 @@ fn ours(engine: &Engine, args: &Args) -> anyhow::Result<Vec<Row>> {
     run(prompt(tokenizer, 16)?, &warm)?;
     let mut rows = Vec::new();
     for &n in &args.prompt_lens {
+        let before = engine.step_log().len();
         let done = run(prompt(tokenizer, n)?, &params)?;
+        let log = engine.step_log();
         rows.push(Row {
             prompt_tokens: n,
             prefill_tok_per_s: done.timings.prefill_tok_per_s,
             decode_tok_per_s: done.timings.decode_tok_per_s,
             peak_memory_bytes: done.timings.peak_memory_bytes,
+            steps: StepSplit::of(log.get(before..).unwrap_or_default()),
         });
     }
     Ok(rows)
@@ -164,7 +201,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.decode_tokens,
         mlx::version()?
     );
-    let engine = Engine::open(model, tokenizer, None, config(None))?;
+    // Every step logged: the decode split below comes from it.
+    let engine = Engine::open(
+        model,
+        tokenizer,
+        None,
+        engine::EngineConfig {
+            step_log: usize::MAX,
+            ..config(None)
+        },
+    )?;
     let ours = ours(&engine, &args)?;
     drop(engine);
     let theirs = if args.skip_mlx_lm {
@@ -200,5 +246,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     println!("(kvstore vs mlx-lm; ratio > 1 means kvstore is faster)");
+    println!(
+        "kvstore's decode steps (medians, ms): queue the step (its CPU), read the picks before"
+    );
+    for o in &ours {
+        if let Some(s) = o.steps {
+            println!(
+                "{:>7}  queue {:>6.2} ({:>6.2})  read {:>6.2}  step {:>6.2}",
+                o.prompt_tokens,
+                s.launch_ms,
+                s.launch_cpu_ms,
+                s.read_ms,
+                1e3 / o.decode_tok_per_s.max(f64::MIN_POSITIVE)
+            );
+        }
+    }
     Ok(())
 }
