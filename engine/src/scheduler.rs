@@ -521,11 +521,18 @@ pub struct StepRecord {
     /// Microseconds of the engine thread's own CPU time within `launch_us`; the rest of
     /// it the thread waited (for the device, a lock, a core).
     pub launch_cpu_us: u64,
+    /// Microseconds of `launch_us` spent building the decode step's graph; the rest waited
+    /// for the previous step as the step wait says and handed the graph to MLX (which
+    /// encodes every kernel on this thread).
+    pub build_us: u64,
     /// Microseconds spent reading the previous step's picks (waiting for the device),
     /// emitting them and retiring finished rows.
     pub emit_us: u64,
     /// Microseconds spent on the step's prefill chunk.
     pub prefill_us: u64,
+    /// Microseconds of the whole step: taking commands, admission, the parts above and the
+    /// bookkeeping after them (not the wait for work while the engine is idle).
+    pub step_us: u64,
 }
 
 struct Shared {
@@ -664,6 +671,7 @@ impl Engine {
             chunk_budget: ChunkBudget::new(config.itl_stretch),
             chunk_cached: 0,
             mixed_steps: mixed_steps(&config),
+            built_us: 0,
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
@@ -1040,6 +1048,9 @@ struct Worker {
     chunk_cached: usize,
     /// [`EngineConfig::mixed_steps`] as the environment resolved it.
     mixed_steps: bool,
+    /// What building the last queued decode step's graph took, in microseconds, for its
+    /// [`StepRecord`].
+    built_us: u64,
 }
 
 /// A prefill chunk that ran inside the step's decode pass: the request (out of the
@@ -1089,6 +1100,7 @@ impl Worker {
         }
         let mut open = true;
         loop {
+            let mut top = Instant::now();
             // 1. Take submissions: wait when there is nothing to do.
             if open && self.active.is_empty() && self.prefilling.is_empty() && self.queue.is_empty()
             {
@@ -1099,6 +1111,7 @@ impl Worker {
                     Ok(cmd) => self.command(cmd),
                     Err(_) => open = false,
                 }
+                top = Instant::now();
             }
             while open {
                 match self.rx.try_recv() {
@@ -1147,6 +1160,7 @@ impl Worker {
             }
             let launched = Instant::now();
             record.launch_cpu_us = micros(thread_cpu_time().saturating_sub(cpu));
+            record.build_us = std::mem::take(&mut self.built_us);
             // 4. Read the previous step's picks, emit them, retire finished rows; the step
             //    just queued becomes the one to read next.
             self.emit_and_retire();
@@ -1190,6 +1204,7 @@ impl Worker {
                 }
             }
             self.observe_device_kv();
+            record.step_us = micros(top.elapsed());
             self.log_step(record);
             if self.draining.is_some()
                 && self.active.is_empty()
@@ -1743,14 +1758,15 @@ impl Worker {
         }
         self.allow_arena();
         let mut seqs: Vec<&mut Sequence> = self.active.iter_mut().map(|r| &mut r.seq).collect();
-        let ran = decode_step(&self.model, &mut seqs, StepKv::Rows(&mut self.rows))?;
-        if ran {
+        let built = decode_step(&self.model, &mut seqs, StepKv::Rows(&mut self.rows))?;
+        if let Some(built) = built {
+            self.built_us = micros(built);
             self.count_step();
         } else {
             self.charge_arena();
             self.observe_device_kv();
         }
-        Ok(ran)
+        Ok(built.is_some())
     }
 
     /// The batch arena may pad into what the live reservations leave of the budget.

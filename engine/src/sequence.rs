@@ -9,7 +9,7 @@
 //! timings (TTFT, prefill and decode rates). Publication to the tiers
 //! ([`Sequence::publish_prompt`], [`Sequence::retire`]) also lives here.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cache::{Chain, KvCache, PagedKvCache, PagedKvRows};
 
@@ -461,8 +461,10 @@ pub(crate) enum StepKv<'a> {
 /// Queues one decode step over `seqs`, fed with each sequence's latest token (the pick of
 /// the previous step, still on the device, or a first token the prefill picked), so the
 /// device computes while the host reads and emits the previous picks; each sequence's next
-/// pick is computed on the device from its slice of the logits. When no sequence needs
-/// another token (every one is at its last), nothing is queued: returns false.
+/// pick is computed on the device from its slice of the logits. Returns how long building
+/// the step's graph took (the rest of the call waited as [`step_wait`] says and queued it);
+/// when no sequence needs another token (every one is at its last), nothing is queued:
+/// returns `None`.
 ///
 /// A batch of one runs [`Model::forward_token`] on its cache (the step `generate` runs);
 /// more rows run [`Model::forward_rows_tokens`] over the batch.
@@ -470,10 +472,11 @@ pub(crate) fn decode_step(
     model: &Model,
     seqs: &mut [&mut Sequence],
     kv: StepKv<'_>,
-) -> Result<bool> {
+) -> Result<Option<Duration>> {
     if !seqs.iter().any(|s| s.needs_step()) {
-        return Ok(false);
+        return Ok(None);
     }
+    let started = Instant::now();
     let mut tokens = Vec::with_capacity(seqs.len());
     for s in seqs.iter_mut() {
         tokens.push(s.input()?);
@@ -507,11 +510,12 @@ pub(crate) fn decode_step(
     }
     let arrays = launched_arrays(seqs)?;
     crate::census::count_step(seqs.len(), &arrays)?;
+    let built = started.elapsed();
     // The graph is built (lazily, while the previous step may still run); its writes into
     // the rows' KV are made when it is queued.
     wait_for_previous_step(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
-    Ok(true)
+    Ok(Some(built))
 }
 
 /// Before a built step is queued, what [`step_wait`] says: nothing, the previous step's

@@ -59,7 +59,11 @@ struct Row {
 struct StepSplit {
     launch_ms: f64,
     launch_cpu_ms: f64,
+    build_ms: f64,
     read_ms: f64,
+    step_ms: f64,
+    /// Mean of the whole step: above the median when some steps take much longer.
+    step_mean_ms: f64,
 }
 
 impl StepSplit {
@@ -73,10 +77,14 @@ impl StepSplit {
             v.sort_unstable();
             v.get(v.len() / 2).map(|&us| us as f64 / 1e3)
         };
+        let total: u64 = decode.iter().map(|s| s.step_us).sum();
         Some(Self {
             launch_ms: median(&|s| s.launch_us)?,
             launch_cpu_ms: median(&|s| s.launch_cpu_us)?,
+            build_ms: median(&|s| s.build_us)?,
             read_ms: median(&|s| s.emit_us)?,
+            step_ms: median(&|s| s.step_us)?,
+            step_mean_ms: total as f64 / decode.len() as f64 / 1e3,
         })
     }
 }
@@ -247,16 +255,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     println!("(kvstore vs mlx-lm; ratio > 1 means kvstore is faster)");
     println!(
-        "kvstore's decode steps (medians, ms): queue the step (its CPU), read the picks before"
+        "kvstore's decode steps (medians, ms): queue the step (its CPU; building its graph), read \
+         the picks before, the whole step (its mean), 1 / decode tok/s"
     );
     for o in &ours {
         if let Some(s) = o.steps {
             println!(
-                "{:>7}  queue {:>6.2} ({:>6.2})  read {:>6.2}  step {:>6.2}",
+                "{:>7}  queue {:>6.2} ({:>6.2}; {:>6.2})  read {:>6.2}  step {:>6.2} ({:>6.2})  per token {:>6.2}",
                 o.prompt_tokens,
                 s.launch_ms,
                 s.launch_cpu_ms,
+                s.build_ms,
                 s.read_ms,
+                s.step_ms,
+                s.step_mean_ms,
                 1e3 / o.decode_tok_per_s.max(f64::MIN_POSITIVE)
             );
         }
