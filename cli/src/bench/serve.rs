@@ -859,8 +859,10 @@ mod tests {
                 riders: Vec::new(),
                 launch_us: us[0],
                 launch_cpu_us: us[0] / 2,
+                build_us: us[0] / 4,
                 emit_us: us[1],
                 prefill_us: us[2],
+                step_us: us.iter().sum(),
             };
         let log = [
             step(&[1, 2], None, [1000, 3000, 0]),
