@@ -64,6 +64,9 @@ struct StepSplit {
     step_ms: f64,
     /// Mean of the whole step: above the median when some steps take much longer.
     step_mean_ms: f64,
+    /// The three slowest decode steps, slowest first: (whole step, queueing it, building
+    /// its graph, reading the picks before), ms.
+    slowest: [(f64, f64, f64, f64); 3],
 }
 
 impl StepSplit {
@@ -78,6 +81,18 @@ impl StepSplit {
             v.get(v.len() / 2).map(|&us| us as f64 / 1e3)
         };
         let total: u64 = decode.iter().map(|s| s.step_us).sum();
+        let mut by_time = decode.clone();
+        by_time.sort_unstable_by_key(|s| std::cmp::Reverse(s.step_us));
+        let ms = |us: u64| us as f64 / 1e3;
+        let mut slowest = [(0.0, 0.0, 0.0, 0.0); 3];
+        for (out, s) in slowest.iter_mut().zip(&by_time) {
+            *out = (
+                ms(s.step_us),
+                ms(s.launch_us),
+                ms(s.build_us),
+                ms(s.emit_us),
+            );
+        }
         Some(Self {
             launch_ms: median(&|s| s.launch_us)?,
             launch_cpu_ms: median(&|s| s.launch_cpu_us)?,
@@ -85,6 +100,7 @@ impl StepSplit {
             read_ms: median(&|s| s.emit_us)?,
             step_ms: median(&|s| s.step_us)?,
             step_mean_ms: total as f64 / decode.len() as f64 / 1e3,
+            slowest,
         })
     }
 }
@@ -271,6 +287,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 s.step_mean_ms,
                 1e3 / o.decode_tok_per_s.max(f64::MIN_POSITIVE)
             );
+            let slow: Vec<String> = s
+                .slowest
+                .iter()
+                .map(|(step, queue, build, read)| {
+                    format!("{step:.1} (queue {queue:.1}, build {build:.1}, read {read:.1})")
+                })
+                .collect();
+            println!("{:>7}  slowest steps: {}", "", slow.join(", "));
         }
     }
     Ok(())
