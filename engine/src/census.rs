@@ -20,6 +20,9 @@ pub struct StepCensus {
     pub steps: u64,
     /// Nodes of those steps by MLX primitive name, summed.
     pub nodes: BTreeMap<String, u64>,
+    /// Small computed inputs those steps read ([`mlx::SMALL_LEAF`]), summed: mostly
+    /// constants the host made for the step, which a CUDA device reads from managed memory.
+    pub small_leaves: u64,
 }
 
 impl StepCensus {
@@ -66,7 +69,11 @@ fn record(rows: usize, names: Vec<String>) {
     let c = tally.entry(rows).or_default();
     c.steps += 1;
     for n in names {
-        *c.nodes.entry(n).or_default() += 1;
+        if n == mlx::SMALL_LEAF {
+            c.small_leaves += 1;
+        } else {
+            *c.nodes.entry(n).or_default() += 1;
+        }
     }
 }
 
@@ -87,10 +94,12 @@ pub fn graph_census_lines() -> Vec<String> {
                 .map(|(n, per)| format!("{n} {per:.1}"))
                 .collect();
             format!(
-                "graph census, {rows} row(s): {} steps, {:.1} nodes per step ({})",
+                "graph census, {rows} row(s): {} steps, {:.1} nodes per step ({}); {:.1} small \
+                 leaves per step",
                 c.steps,
                 c.nodes_per_step(),
-                top.join(", ")
+                top.join(", "),
+                c.small_leaves as f64 / c.steps.max(1) as f64
             )
         })
         .collect()
@@ -121,10 +130,19 @@ mod tests {
         // The tally is process-wide: use a batch size no other test decodes.
         let rows = 4099;
         let before = graph_census().get(&rows).cloned().unwrap_or_default();
-        record(rows, vec!["Add".into(), "Add".into()]);
+        record(
+            rows,
+            vec!["Add".into(), mlx::SMALL_LEAF.into(), "Add".into()],
+        );
         record(rows, vec!["Concatenate".into()]);
         let after = graph_census()[&rows].clone();
         assert_eq!(after.steps, before.steps + 2);
+        assert_eq!(
+            after.small_leaves,
+            before.small_leaves + 1,
+            "a leaf is no node"
+        );
+        assert!(!after.nodes.contains_key(mlx::SMALL_LEAF));
         assert_eq!(
             after.nodes["Add"],
             before.nodes.get("Add").unwrap_or(&0) + 2

@@ -348,10 +348,16 @@ pub fn synchronize() -> Result<()> {
     check("synchronize", ffi::synchronize())
 }
 
+/// The name [`pending_primitives`] lists a small computed input under.
+pub const SMALL_LEAF: &str = "(small leaf)";
+
 /// What an eval of `arrays` would run now: the name of each pending node's primitive (MLX's
 /// names, e.g. `Add`, `Matmul`, `Slice`), one per primitive, in no particular order. Views
 /// (`Slice`, `Reshape`, `Transpose`, ...) are nodes too, though a GPU runs no kernel for
-/// most of them. A census of a step's graph, for a step bound by launching its kernels.
+/// most of them. Each computed input of at most 64 bytes that a pending node reads is
+/// listed once as `(small leaf)`: mostly constants the host made for the graph, which a
+/// CUDA device reads from managed memory. A census of a step's graph, for a step bound by
+/// launching its kernels.
 pub fn pending_primitives(arrays: &[&Array]) -> Result<Vec<String>> {
     let l = list("pending_primitives", arrays)?;
     check("pending_primitives", ffi::pending_primitives(&l))
@@ -379,14 +385,15 @@ mod tests {
         let (x, y) = (sum.mul(&a).unwrap(), sum.sub(&b).unwrap());
         let mut names = pending_primitives(&[&x, &y]).unwrap();
         names.sort();
-        assert_eq!(names, ["Add", "Multiply", "Subtract"]);
+        let leaf = SMALL_LEAF;
+        assert_eq!(names, [leaf, leaf, "Add", "Multiply", "Subtract"]);
         sum.eval().unwrap();
         let mut names = pending_primitives(&[&x, &y]).unwrap();
         names.sort();
         assert_eq!(
             names,
-            ["Multiply", "Subtract"],
-            "the evaluated Add is not pending"
+            [leaf, leaf, leaf, "Multiply", "Subtract"],
+            "the evaluated Add is not pending; its result is a small leaf now"
         );
         eval(&[&x, &y]).unwrap();
         assert!(pending_primitives(&[&x, &y]).unwrap().is_empty());

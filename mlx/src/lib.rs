@@ -35,7 +35,7 @@ mod quantized;
 pub mod random;
 pub mod validate;
 
-pub use array::{async_eval, eval, pending_primitives, synchronize, Array, HostBuffer};
+pub use array::{async_eval, eval, pending_primitives, synchronize, Array, HostBuffer, SMALL_LEAF};
 pub use cuda_graphs::{
     cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,
 };

@@ -517,6 +517,7 @@ bool array_is_available(const Array& a) { return a.inner.is_available(); }
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays) {
   std::unordered_set<std::uintptr_t> seen_arrays;
   std::unordered_set<std::uintptr_t> seen_primitives;
+  std::unordered_set<std::uintptr_t> seen_leaves;
   std::vector<mx::array> stack(arrays.items.begin(), arrays.items.end());
   rust::Vec<rust::String> names;
   while (!stack.empty()) {
@@ -530,6 +531,12 @@ rust::Vec<rust::String> pending_primitives(const ArrayList& arrays) {
       names.push_back(rust::String(a.primitive().name()));
     }
     for (const auto& i : a.inputs()) {
+      // A small computed input of a pending node: mostly a constant the host made for this
+      // graph (a scalar operand, an offset), whose bytes a CUDA device reads from managed
+      // memory; also a small result of an earlier graph (a previous step's pick).
+      if (!i.has_primitive() && i.nbytes() <= 64 && seen_leaves.insert(i.id()).second) {
+        names.push_back(rust::String("(small leaf)"));
+      }
       stack.push_back(i);
     }
   }
