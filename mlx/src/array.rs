@@ -348,19 +348,35 @@ pub fn synchronize() -> Result<()> {
     check("synchronize", ffi::synchronize())
 }
 
-/// The name [`pending_primitives`] lists a small computed input under.
-pub const SMALL_LEAF: &str = "(small leaf)";
+/// The name the graph walk of the shim lists a small computed input under.
+const SMALL_LEAF: &str = "(small leaf)";
+
+/// The walk of the shim: pending primitives' names, one per primitive, and [`SMALL_LEAF`]
+/// once per small computed input of a pending node.
+fn pending_walk(arrays: &[&Array]) -> Result<Vec<String>> {
+    let l = list("pending_primitives", arrays)?;
+    check("pending_primitives", ffi::pending_primitives(&l))
+}
 
 /// What an eval of `arrays` would run now: the name of each pending node's primitive (MLX's
 /// names, e.g. `Add`, `Matmul`, `Slice`), one per primitive, in no particular order. Views
 /// (`Slice`, `Reshape`, `Transpose`, ...) are nodes too, though a GPU runs no kernel for
-/// most of them. Each computed input of at most 64 bytes that a pending node reads is
-/// listed once as `(small leaf)`: mostly constants the host made for the graph, which a
-/// CUDA device reads from managed memory. A census of a step's graph, for a step bound by
-/// launching its kernels.
+/// most of them. A census of a step's graph, for a step bound by launching its kernels.
 pub fn pending_primitives(arrays: &[&Array]) -> Result<Vec<String>> {
-    let l = list("pending_primitives", arrays)?;
-    check("pending_primitives", ffi::pending_primitives(&l))
+    let mut names = pending_walk(arrays)?;
+    names.retain(|n| n != SMALL_LEAF);
+    Ok(names)
+}
+
+/// How many computed inputs of at most 64 bytes the pending nodes of `arrays` read (each
+/// once): mostly constants the host made for the graph (a scalar operand; an integer RoPE
+/// offset, which MLX turns into an array at each call), whose bytes MLX's CUDA backend keeps
+/// in managed memory; also small results of earlier graphs (a previous step's pick).
+pub fn pending_small_leaves(arrays: &[&Array]) -> Result<usize> {
+    Ok(pending_walk(arrays)?
+        .iter()
+        .filter(|n| *n == SMALL_LEAF)
+        .count())
 }
 
 #[cfg(test)]
@@ -385,15 +401,31 @@ mod tests {
         let (x, y) = (sum.mul(&a).unwrap(), sum.sub(&b).unwrap());
         let mut names = pending_primitives(&[&x, &y]).unwrap();
         names.sort();
-        let leaf = SMALL_LEAF;
-        assert_eq!(names, [leaf, leaf, "Add", "Multiply", "Subtract"]);
+        assert_eq!(names, ["Add", "Multiply", "Subtract"]);
+        assert_eq!(
+            pending_small_leaves(&[&x, &y]).unwrap(),
+            2,
+            "a and b, once each"
+        );
         sum.eval().unwrap();
         let mut names = pending_primitives(&[&x, &y]).unwrap();
         names.sort();
         assert_eq!(
             names,
-            [leaf, leaf, leaf, "Multiply", "Subtract"],
-            "the evaluated Add is not pending; its result is a small leaf now"
+            ["Multiply", "Subtract"],
+            "the evaluated Add is not pending"
+        );
+        assert_eq!(
+            pending_small_leaves(&[&x, &y]).unwrap(),
+            3,
+            "its result is a small input now"
+        );
+        let big = Array::from_slice(&[0.0f32; 17], &[17]).unwrap();
+        let z = big.add(&big).unwrap();
+        assert_eq!(
+            pending_small_leaves(&[&z]).unwrap(),
+            0,
+            "68 bytes is not small"
         );
         eval(&[&x, &y]).unwrap();
         assert!(pending_primitives(&[&x, &y]).unwrap().is_empty());

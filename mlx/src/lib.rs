@@ -35,7 +35,9 @@ mod quantized;
 pub mod random;
 pub mod validate;
 
-pub use array::{async_eval, eval, pending_primitives, synchronize, Array, HostBuffer, SMALL_LEAF};
+pub use array::{
+    async_eval, eval, pending_primitives, pending_small_leaves, synchronize, Array, HostBuffer,
+};
 pub use cuda_graphs::{
     cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,
 };
