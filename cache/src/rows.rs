@@ -393,6 +393,12 @@ impl PagedKvRows {
                 let start = t - w as i32;
                 rk = rk.slice(&[0, 0, start, 0], &[1, h, t, d])?;
                 rv = rv.slice(&[0, 0, start, 0], &[1, h, t, rv.shape()[3]])?;
+                // A 16-bit view that starts past its buffer's first token could take MLX's
+                // cuDNN decode, which reads it from the buffer's start (docs/cache.md,
+                // "Arena lengths and the GPU's decode attention"): the window is copied.
+                if matches!(rk.dtype(), mlx::Dtype::F16 | mlx::Dtype::BF16) {
+                    (rk, rv) = (rk.contiguous()?, rv.contiguous()?);
+                }
             }
             out.push(mlx::fast::scaled_dot_product_attention(
                 q,
@@ -641,6 +647,64 @@ mod tests {
         for (got, want) in rows.into_rows().unwrap().iter().zip(&alone) {
             assert_same_kv(got, want);
         }
+    }
+
+    /// A windowed decode step of 16-bit rows longer than their window attends each row's
+    /// query over exactly its last `window` keys (the window's copy of the arena, made so
+    /// that MLX's cuDNN decode never reads an offset view), as attention over those keys
+    /// computed alone does.
+    #[test]
+    fn a_windowed_step_of_bf16_rows_attends_each_rows_last_window() {
+        let (window, lens) = (8usize, [13i32, 21]);
+        let mut rows = PagedKvRows::new();
+        let mut want = Vec::new();
+        let key = |s: u64| mlx::random::key(s).unwrap();
+        let q = mlx::random::normal(&[2, 4, 1, 8], Dtype::F32, &key(90))
+            .unwrap()
+            .astype(Dtype::BF16)
+            .unwrap();
+        let k = mlx::random::normal(&[2, 2, 1, 8], Dtype::F32, &key(91))
+            .unwrap()
+            .astype(Dtype::BF16)
+            .unwrap();
+        let v = k.mul_scalar(-2.0).unwrap();
+        for (b, &n) in lens.iter().enumerate() {
+            let mut c = PagedKvCache::new(1, PagedConfig::default()).unwrap();
+            let old = mlx::random::normal(&[1, 2, n, 8], Dtype::F32, &key(b as u64))
+                .unwrap()
+                .astype(Dtype::BF16)
+                .unwrap();
+            c.append(0, &old, &old.mul_scalar(3.0).unwrap()).unwrap();
+            rows.push(c).unwrap();
+            let i = b as i32;
+            let kb = k.slice(&[i, 0, 0, 0], &[i + 1, 2, 1, 8]).unwrap();
+            let vb = v.slice(&[i, 0, 0, 0], &[i + 1, 2, 1, 8]).unwrap();
+            let qb = q.slice(&[i, 0, 0, 0], &[i + 1, 4, 1, 8]).unwrap();
+            let all_k = mlx::ops::concatenate(&[&old, &kb], 2).unwrap();
+            let all_v = mlx::ops::concatenate(&[&old.mul_scalar(3.0).unwrap(), &vb], 2).unwrap();
+            let (t, w) = (n + 1, window as i32);
+            let last = |a: &Array| {
+                a.slice(&[0, 0, t - w, 0], &[1, 2, t, 8])
+                    .unwrap()
+                    .contiguous()
+                    .unwrap()
+            };
+            let none = mlx::fast::AttentionMask::None;
+            want.push(
+                mlx::fast::scaled_dot_product_attention(
+                    &qb,
+                    &last(&all_k),
+                    &last(&all_v),
+                    0.5,
+                    none,
+                )
+                .unwrap(),
+            );
+        }
+        let got = rows.attend(0, &q, &k, &v, 0.5, Some(window)).unwrap();
+        let want = mlx::ops::concatenate(&want.iter().collect::<Vec<_>>(), 0).unwrap();
+        let f = |a: &Array| a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(f(&got), f(&want));
     }
 
     #[test]
