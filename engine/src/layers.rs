@@ -157,6 +157,17 @@ impl FusedLinear {
         })
     }
 
+    /// The stacked product `[.., 2n]` of a layer of two parts of one width `n`, unsplit;
+    /// `None` for any other layer.
+    pub(crate) fn stacked_halves(&self, x: &Array) -> Result<Option<Array>> {
+        match &self.parts {
+            FusedParts::Stacked(linear, widths) if widths.len() == 2 && widths[0] == widths[1] => {
+                Ok(Some(linear.forward(x)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
     fn forward_all(&self, x: &Array) -> Result<Vec<Array>> {
         match &self.parts {
             FusedParts::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
@@ -271,8 +282,15 @@ impl Mlp {
     }
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        let [g, u] = self.gate_up.forward(x)?;
-        self.down_proj.forward(&mlx::fast::silu_mul(&g, &u)?)
+        // Stacked gate and up of one width: the activation reads their product whole.
+        let h = match self.gate_up.stacked_halves(x)? {
+            Some(y) => mlx::fast::silu_mul_stacked(&y)?,
+            None => {
+                let [g, u] = self.gate_up.forward(x)?;
+                mlx::fast::silu_mul(&g, &u)?
+            }
+        };
+        self.down_proj.forward(&h)
     }
 }
 

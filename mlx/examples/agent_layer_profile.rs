@@ -68,6 +68,15 @@ fn main() -> Result<()> {
         let parts = mlx::ops::split(&y, 2, 2)?;
         parts[0].silu()?.mul(&parts[1])?.eval()
     })?;
+    let gate_up_fused = time(reps, || {
+        let y = linear(&x, &w_gate_up)?;
+        let parts = mlx::ops::split(&y, 2, 2)?;
+        fast::silu_mul(&parts[0], &parts[1])?.eval()
+    })?;
+    let gate_up_stacked = time(reps, || {
+        fast::silu_mul_stacked(&linear(&x, &w_gate_up)?)?.eval()
+    })?;
+    let gate_up_only = time(reps, || linear(&x, &w_gate_up)?.eval())?;
     let down = time(reps, || linear(&h, &w_down)?.eval())?;
     let rope = Rope {
         dims: HEAD_DIM,
@@ -128,6 +137,17 @@ fn main() -> Result<()> {
         ("q/k/v projection", qkv, 2.0 * t * hd * (hd + 2.0 * kvw)),
         ("o projection", o, 2.0 * t * hd * hd),
         ("gate/up + silu·mul", gate_up, 2.0 * t * hd * 2.0 * inter),
+        (
+            "gate/up + fast::silu_mul",
+            gate_up_fused,
+            2.0 * t * hd * 2.0 * inter,
+        ),
+        (
+            "gate/up + silu_mul_stacked",
+            gate_up_stacked,
+            2.0 * t * hd * 2.0 * inter,
+        ),
+        ("  gate/up alone", gate_up_only, 2.0 * t * hd * 2.0 * inter),
         ("down projection", down, 2.0 * t * inter * hd),
         ("2 rms norms + rope q, k", norms_rope, 0.0),
         ("attention, MLX kernel", attn_mlx, attn_flop),

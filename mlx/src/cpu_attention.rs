@@ -490,7 +490,7 @@ fn softmax_block(st: &mut [f32], max: &mut [f32], sum: &mut [f32], rescale: &mut
 /// below 1.2e-7 · e^r), `2^n` built in the exponent bits. Arguments below −87 (and −∞) give 0
 /// instead of a denormal: a softmax sums them against its maximum, whose term is 1.
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     // 1.5 · 2^23: adding it rounds to an integer, which then sits in the low mantissa bits.
     const ROUND: f32 = 12_582_912.0;
     const LN2_HI: f32 = 0.693_145_75;

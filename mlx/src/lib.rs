@@ -17,6 +17,7 @@
 //! ```
 
 mod array;
+pub mod cpu_activation;
 pub mod cpu_attention;
 mod cuda_graphs;
 mod device;
