@@ -19,7 +19,7 @@ const ROWS_PER_TASK: usize = 16;
 /// `out` is `[rows, inter]`. `silu(x) = x · σ(x)` with σ from one exponential of a
 /// non-positive argument either side of 0, so it never overflows.
 pub fn silu_mul_rows(y: &[f32], inter: usize, out: &mut [f32]) -> Result<(), String> {
-    if inter == 0 || y.len() != 2 * out.len() || out.len() % inter != 0 {
+    if inter == 0 || y.len() != 2 * out.len() || !out.len().is_multiple_of(inter) {
         return Err(format!(
             "silu_mul over {} stacked values into {} outputs of rows of {inter}",
             y.len(),
