@@ -284,7 +284,7 @@ impl Mlp {
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         // Stacked gate and up of one width: the activation reads their product whole.
         let h = match self.gate_up.stacked_halves(x)? {
-            Some(y) => mlx::fast::silu_mul_stacked(&y)?,
+            Some(y) => mlx::fast::gated_mul_stacked(mlx::fast::Gate::Silu, &y)?,
             None => {
                 let [g, u] = self.gate_up.forward(x)?;
                 mlx::fast::silu_mul(&g, &u)?

@@ -74,7 +74,7 @@ fn main() -> Result<()> {
         fast::silu_mul(&parts[0], &parts[1])?.eval()
     })?;
     let gate_up_stacked = time(reps, || {
-        fast::silu_mul_stacked(&linear(&x, &w_gate_up)?)?.eval()
+        fast::gated_mul_stacked(fast::Gate::Silu, &linear(&x, &w_gate_up)?)?.eval()
     })?;
     let gate_up_only = time(reps, || linear(&x, &w_gate_up)?.eval())?;
     let down = time(reps, || linear(&h, &w_down)?.eval())?;
@@ -143,7 +143,7 @@ fn main() -> Result<()> {
             2.0 * t * hd * 2.0 * inter,
         ),
         (
-            "gate/up + silu_mul_stacked",
+            "gate/up + gated_mul_stacked",
             gate_up_stacked,
             2.0 * t * hd * 2.0 * inter,
         ),
