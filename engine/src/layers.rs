@@ -157,15 +157,20 @@ impl FusedLinear {
         })
     }
 
-    /// The stacked product `[.., 2n]` of a layer of two parts of one width `n`, unsplit;
-    /// `None` for any other layer.
-    pub(crate) fn stacked_halves(&self, x: &Array) -> Result<Option<Array>> {
-        match &self.parts {
-            FusedParts::Stacked(linear, widths) if widths.len() == 2 && widths[0] == widths[1] => {
-                Ok(Some(linear.forward(x)?))
+    /// `act(gate(x)) · up(x)` of a layer of two parts, gate then up: over their stacked
+    /// product when they are stacked with one width (on the CPU this crate's kernel,
+    /// [`mlx::fast::gated_mul_stacked`]), else over the two outputs.
+    pub(crate) fn gated(&self, x: &Array, gate: mlx::fast::Gate) -> Result<Array> {
+        if let FusedParts::Stacked(linear, widths) = &self.parts {
+            if widths.len() == 2 && widths[0] == widths[1] {
+                return Ok(mlx::fast::gated_mul_stacked(gate, &linear.forward(x)?)?);
             }
-            _ => Ok(None),
         }
+        let [g, u] = self.forward(x)?;
+        Ok(match gate {
+            mlx::fast::Gate::Silu => mlx::fast::silu_mul(&g, &u)?,
+            mlx::fast::Gate::GeluTanh => mlx::fast::gelu_tanh_mul(&g, &u)?,
+        })
     }
 
     fn forward_all(&self, x: &Array) -> Result<Vec<Array>> {
@@ -282,14 +287,7 @@ impl Mlp {
     }
 
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
-        // Stacked gate and up of one width: the activation reads their product whole.
-        let h = match self.gate_up.stacked_halves(x)? {
-            Some(y) => mlx::fast::gated_mul_stacked(mlx::fast::Gate::Silu, &y)?,
-            None => {
-                let [g, u] = self.gate_up.forward(x)?;
-                mlx::fast::silu_mul(&g, &u)?
-            }
-        };
+        let h = self.gate_up.gated(x, mlx::fast::Gate::Silu)?;
         self.down_proj.forward(&h)
     }
 }

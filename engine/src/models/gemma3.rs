@@ -270,14 +270,7 @@ impl Mlp {
     }
 
     fn forward(&self, x: &Array) -> Result<Array> {
-        // Stacked gate and up of one width: the activation reads their product whole.
-        let h = match self.gate_up.stacked_halves(x)? {
-            Some(y) => mlx::fast::gated_mul_stacked(mlx::fast::Gate::GeluTanh, &y)?,
-            None => {
-                let [g, u] = self.gate_up.forward(x)?;
-                mlx::fast::gelu_tanh_mul(&g, &u)?
-            }
-        };
+        let h = self.gate_up.gated(x, mlx::fast::Gate::GeluTanh)?;
         self.down_proj.forward(&h)
     }
 }
