@@ -167,10 +167,7 @@ impl FusedLinear {
             }
         }
         let [g, u] = self.forward(x)?;
-        Ok(match gate {
-            mlx::fast::Gate::Silu => mlx::fast::silu_mul(&g, &u)?,
-            mlx::fast::Gate::GeluTanh => mlx::fast::gelu_tanh_mul(&g, &u)?,
-        })
+        Ok(mlx::fast::gated_mul(gate, &g, &u)?)
     }
 
     fn forward_all(&self, x: &Array) -> Result<Vec<Array>> {

@@ -3,7 +3,7 @@
 //!
 //! MLX's CPU element-wise ops run a transcendental one element at a time on one thread
 //! (`simd::exp<float, 1>` with a libm `fmaf`), its `compile` included: at SmolLM2's agent
-//! turn (500 tokens, 1,536 features) `silu · mul` took 15 ms a layer, as long as the
+//! turn (500 tokens, 1,536 features) `silu · mul` took ~12.5 ms a layer, more than the
 //! gate/up product itself (docs/benchmarks.md, session 17). Like [`crate::cpu_attention`]
 //! this runs outside MLX's graph on evaluated host slices.
 

@@ -37,7 +37,7 @@ pub use crate::cpu_activation::Gate;
 /// [`CPU_ACTIVATION_ROWS`] rows runs [`crate::cpu_activation`] (`y` is evaluated first and
 /// the result is a new, evaluated array; MLX's own CPU ops take ~10x longer, docs/mlx.md);
 /// elsewhere, and with the fused CPU paths switched off ([`set_cpu_attention`]), the halves
-/// go through [`silu_mul`] or [`gelu_tanh_mul`].
+/// go through [`gated_mul`].
 pub fn gated_mul_stacked(gate: Gate, y: &Array) -> Result<Array> {
     const OP: &str = "gated_mul_stacked";
     let shape = y.shape();
@@ -57,11 +57,7 @@ pub fn gated_mul_stacked(gate: Gate, y: &Array) -> Result<Array> {
     {
         let y = y.contiguous()?;
         y.eval()?;
-        let addr = y.data_addr()?;
-        // SAFETY: `y` is evaluated (data_addr checked) and the output of MLX's `contiguous`,
-        // row-contiguous f32: `size` elements from its first element's address. The borrow
-        // of `y` keeps the buffer alive, and an evaluated array is not written again.
-        let host = unsafe { std::slice::from_raw_parts(addr as *const f32, y.size()) };
+        let host = host_f32(OP, &y, y.size())?;
         // The result is written straight into the memory its array takes over (no copy).
         let mut buf = crate::HostBuffer::new(rows * n as usize * 4)?;
         let out: &mut [f32] =
@@ -83,9 +79,14 @@ pub fn gated_mul_stacked(gate: Gate, y: &Array) -> Result<Array> {
     let g = y.slice(&start, &stop)?;
     (start[last], stop[last]) = (n, width);
     let up = y.slice(&start, &stop)?;
+    gated_mul(gate, &g, &up)
+}
+
+/// `act(gate) · up` as one fused node: [`silu_mul`] or [`gelu_tanh_mul`] as `gate` says.
+pub fn gated_mul(gate: Gate, g: &Array, up: &Array) -> Result<Array> {
     match gate {
-        Gate::Silu => silu_mul(&g, &up),
-        Gate::GeluTanh => gelu_tanh_mul(&g, &up),
+        Gate::Silu => silu_mul(g, up),
+        Gate::GeluTanh => gelu_tanh_mul(g, up),
     }
 }
 
@@ -382,14 +383,14 @@ fn attend_parts_on_cpu(
     let mut all: Vec<&Array> = vec![&q];
     all.extend(kv.iter().flat_map(|(k, v)| [k, v]));
     crate::eval(&all)?;
-    let qb = host_f32(&q, dims.q_size())?;
+    let qb = host_f32(OP, &q, dims.q_size())?;
     let per_token = dims.batch * dims.kv_heads * dims.head_dim;
     let mut host_parts = Vec::with_capacity(kv.len());
     for (k, v) in &kv {
         let len = k.shape().get(2).copied().unwrap_or(0) as usize;
         host_parts.push(cpu_attention::KvPart {
-            k: host_f32(k, len * per_token)?,
-            v: host_f32(v, len * per_token)?,
+            k: host_f32(OP, k, len * per_token)?,
+            v: host_f32(OP, v, len * per_token)?,
             len,
         });
     }
@@ -638,10 +639,10 @@ fn cpu_parts_case(q: &Array, parts: &[(&Array, &Array)]) -> Result<Option<Dims>>
 
 /// The elements of an evaluated, row-contiguous f32 array (the output of `contiguous`
 /// after eval), borrowed from MLX's buffer for as long as `a` lives.
-fn host_f32(a: &Array, len: usize) -> Result<&[f32]> {
+fn host_f32<'a>(op: &'static str, a: &'a Array, len: usize) -> Result<&'a [f32]> {
     if a.size() != len || a.dtype() != Dtype::F32 {
         return Err(Error::InvalidArgument {
-            op: "scaled_dot_product_attention",
+            op,
             message: format!("expected {len} f32 elements, got {:?}", a),
         });
     }
