@@ -58,7 +58,7 @@ impl Linear {
     /// `x` `[.., in]` → `[.., out]`.
     pub(crate) fn forward(&self, x: &Array) -> Result<Array> {
         let y = match &self.weight {
-            LinearWeight::Dense(w) => x.matmul(&w.transpose(&[1, 0])?)?,
+            LinearWeight::Dense(w) => fast::matmul_weight_t(x, w)?,
             LinearWeight::Quantized(q) => mlx::quantized_matmul(x, q, true)?,
         };
         Ok(match &self.bias {
@@ -239,7 +239,7 @@ impl Embedding {
     /// The tied LM head: `x` `[.., hidden]` → logits `[.., vocab]`.
     pub(crate) fn as_linear(&self, x: &Array) -> Result<Array> {
         Ok(match self {
-            Embedding::Dense(t) => x.matmul(&t.transpose(&[1, 0])?)?,
+            Embedding::Dense(t) => fast::matmul_weight_t(x, t)?,
             Embedding::Quantized(q) => mlx::quantized_matmul(x, q, true)?,
         })
     }

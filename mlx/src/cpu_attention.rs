@@ -6,7 +6,8 @@
 //! single-threaded element-wise passes (docs/mlx.md, "Attention on the CPU"). MLX has no
 //! custom-kernel API on the CPU (`fast::metal_kernel` and `fast::cuda_kernel` are GPU-only),
 //! so this runs outside MLX's graph: [`crate::fast::scaled_dot_product_attention`] evaluates
-//! q, k and v, hands their buffers here and wraps the result in a new array.
+//! q, k and v, hands their buffers here and wraps the result in a new array. (A primitive of
+//! the shim's own can run a kernel inside the graph: [`crate::cpu_row_product`] does.)
 //!
 //! The work is split into units of (batch row, kv head, block of query positions); a unit
 //! stacks the query rows of every q head that shares its kv head (grouped-query attention),

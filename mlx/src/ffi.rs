@@ -56,6 +56,11 @@ pub(crate) mod ffi {
         Logsumexp,
     }
 
+    extern "Rust" {
+        /// The row-product kernel for the shim's `RowsTimesWeightT` node, on MLX's CPU stream.
+        fn rows_times_weight_t_host(x: &[f32], w: &[f32], rows: usize, k: usize, out: &mut [f32]);
+    }
+
     unsafe extern "C++" {
         include!("shim.h");
 
@@ -224,6 +229,7 @@ pub(crate) mod ffi {
         fn array_is_available(a: &Array) -> bool;
         fn pending_primitives(arrays: &ArrayList) -> Result<Vec<String>>;
         fn gated_activation(op: UnaryOp, gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
+        fn rows_times_weight_t(x: &Array, w: &Array, max_rows: usize) -> Result<UniquePtr<Array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;
@@ -251,5 +257,15 @@ pub(crate) mod ffi {
         fn set_cache_limit(limit: usize) -> Result<usize>;
         fn clear_cache() -> Result<()>;
         fn version() -> Result<String>;
+    }
+}
+
+/// `out = x · wᵀ` through [`crate::cpu_row_product`]. The shim checked the shapes when it made
+/// the node, so the kernel cannot refuse them; if it did, the output would be NaN (never
+/// stale memory).
+fn rows_times_weight_t_host(x: &[f32], w: &[f32], rows: usize, k: usize, out: &mut [f32]) {
+    if let Err(message) = crate::cpu_row_product::rows_times_weight_t(x, w, rows, k, out) {
+        debug_assert!(false, "the CPU row product refused its inputs: {message}");
+        out.fill(f32::NAN);
     }
 }

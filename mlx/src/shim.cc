@@ -2,6 +2,8 @@
 // wraps the result; exceptions propagate to cxx, which turns them into Rust errors.
 #include "shim.h"
 #include "direct_copy.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
 #include <atomic>
@@ -454,6 +456,99 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
     case UnaryOp::GeluTanh: return wrap(gelu_tanh_mul({gate.inner, up.inner}).at(0));
     default: throw std::invalid_argument("a gated activation is silu or gelu_tanh");
   }
+}
+
+namespace {
+
+// `x · wᵀ` for a few f32 rows on the CPU: the graph node of `rows_times_weight_t`. Its CPU
+// evaluation queues one task on the stream's thread, which runs the Rust kernel (itself on
+// rayon's threads); the input buffers stay alive until the task has run because MLX's CPU
+// evaluation queues the release of a node's inputs after the node's own tasks.
+class RowsTimesWeightT : public mx::UnaryPrimitive {
+ public:
+  explicit RowsTimesWeightT(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const mx::array& x = inputs[0];
+    const mx::array& w = inputs[1];
+    const size_t k = static_cast<size_t>(w.shape(1));
+    const size_t n = static_cast<size_t>(w.shape(0));
+    const size_t rows = x.size() / k;
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_input_array(w);
+    encoder.set_output_array(out);
+    // A view that is not row-contiguous (a transpose's output, a slice) is gathered into
+    // rows first; the weight is a loaded, contiguous matrix (checked when the node is made,
+    // gathered here only if a caller handed a view).
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
+                      op = out.data<float>(), rows, k, n]() {
+      std::vector<float> xs, ws;
+      const float* xp = row_major(x, xs);
+      const float* wp = row_major(w, ws);
+      rows_times_weight_t_host(rust::Slice<const float>(xp, rows * k),
+                               rust::Slice<const float>(wp, n * k), rows, k,
+                               rust::Slice<float>(op, rows * n));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("RowsTimesWeightT runs on the CPU only");
+  }
+
+  const char* name() const override { return "RowsTimesWeightT"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() = inputs[1].shape(0);
+    return {s};
+  }
+
+ private:
+  // The array's f32 values in row-major order: its own memory when it is row-contiguous,
+  // else gathered through its strides into `scratch`.
+  static const float* row_major(const mx::array& a, std::vector<float>& scratch) {
+    if (a.flags().row_contiguous) return a.data<float>();
+    scratch.resize(a.size());
+    const float* base = a.data<float>();
+    const auto& shape = a.shape();
+    const auto& strides = a.strides();
+    std::vector<int64_t> index(shape.size(), 0);
+    for (size_t i = 0; i < a.size(); ++i) {
+      int64_t at = 0;
+      for (size_t d = 0; d < shape.size(); ++d) at += index[d] * strides[d];
+      scratch[i] = base[at];
+      for (size_t d = shape.size(); d-- > 0;) {
+        if (++index[d] < shape[d]) break;
+        index[d] = 0;
+      }
+    }
+    return scratch.data();
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_t max_rows) {
+  const auto& xa = x.inner;
+  const auto& wa = w.inner;
+  if (xa.dtype() != mx::float32 || wa.dtype() != mx::float32) {
+    throw std::invalid_argument("the row product takes f32 rows and an f32 weight");
+  }
+  if (wa.ndim() != 2 || xa.ndim() < 1 || xa.shape(-1) != wa.shape(1) || wa.shape(1) == 0) {
+    throw std::invalid_argument("the row product takes rows [.., k] and a weight [n, k]");
+  }
+  const size_t rows = xa.size() / static_cast<size_t>(wa.shape(1));
+  if (rows == 0 || rows > max_rows) {
+    throw std::invalid_argument("the row product takes 1 to " + std::to_string(max_rows) +
+                                " rows, got " + std::to_string(rows));
+  }
+  mx::Shape shape = xa.shape();
+  shape.back() = wa.shape(0);
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return wrap(mx::array(std::move(shape), mx::float32,
+                        std::make_shared<RowsTimesWeightT>(stream), {xa, wa}));
 }
 
 void eval(const ArrayList& arrays) { mx::eval(arrays.items); }

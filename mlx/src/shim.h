@@ -127,6 +127,9 @@ std::unique_ptr<ArrayList> rope_angles(int32_t t, const Array& offset, int32_t d
 std::unique_ptr<Array> rope_apply(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional);
 bool array_is_available(const Array& a);
 std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up);
+// x [.., k] (at most `max_rows` rows) times wᵀ for w [n, k], both f32, on the CPU stream, as
+// one node whose CPU evaluation runs the crate's row-product kernel (cpu_row_product.rs).
+std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_t max_rows);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 
 // Files.

@@ -1157,3 +1157,69 @@ fn split_cuts_equal_pieces_in_order() {
         "4 rows do not split in 3"
     );
 }
+
+/// `x · wᵀ` through `fast::matmul_weight_t` against a naive product for 1 to 10 rows, x
+/// contiguous, batched ([2, r, k]) and a transposed view: on the CPU up to
+/// `cpu_row_product::MAX_ROWS` rows are one `RowsTimesWeightT` node (the kernel), more rows
+/// MLX's matmul; the two agree to float rounding.
+#[test]
+fn matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx() {
+    let mut r = rng("matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx");
+    let on_cpu = mlx::default_device().unwrap() == mlx::Device::Cpu && fast::cpu_attention();
+    for rows in 1..=10usize {
+        let (k, n) = (r.gen_range(1..300), r.gen_range(1..200));
+        let x = randn(&mut r, rows * k);
+        let w = randn(&mut r, n * k);
+        let mut wt = vec![0f32; k * n];
+        for o in 0..n {
+            for i in 0..k {
+                wt[i * n + o] = w[o * k + i];
+            }
+        }
+        let want = naive_matmul(&x, &wt, rows, k, n);
+        let wa = arr(&w, &[n as i32, k as i32]);
+        // The same rows as [rows, k], and as the transpose of a [k, rows] array.
+        let mut xt = vec![0f32; k * rows];
+        for row in 0..rows {
+            for i in 0..k {
+                xt[i * rows + row] = x[row * k + i];
+            }
+        }
+        let inputs = [
+            arr(&x, &[rows as i32, k as i32]),
+            arr(&xt, &[k as i32, rows as i32])
+                .transpose(&[1, 0])
+                .unwrap(),
+        ];
+        for xa in inputs {
+            let got = fast::matmul_weight_t(&xa, &wa).unwrap();
+            assert_eq!(got.shape(), vec![rows as i32, n as i32]);
+            let kernel = on_cpu && rows <= mlx::cpu_row_product::MAX_ROWS;
+            let names = mlx::pending_primitives(&[&got]).unwrap();
+            assert_eq!(
+                names.iter().any(|p| p == "RowsTimesWeightT"),
+                kernel,
+                "{rows} rows: {names:?}"
+            );
+            assert_close(&host(&got), &want, 1e-5 + product_slack(k), 1e-4);
+        }
+        if rows % 2 == 0 {
+            let batched = arr(&x, &[2, (rows / 2) as i32, k as i32]);
+            let got = fast::matmul_weight_t(&batched, &wa).unwrap();
+            assert_eq!(got.shape(), vec![2, (rows / 2) as i32, n as i32]);
+            assert_close(&host(&got), &want, 1e-5 + product_slack(k), 1e-4);
+        }
+    }
+    // Off the fused CPU paths the product is MLX's matmul, bit for bit.
+    let x = arr(&randn(&mut r, 3 * 40), &[3, 40]);
+    let w = arr(&randn(&mut r, 7 * 40), &[7, 40]);
+    let on = fast::set_cpu_attention(false);
+    let off = host(&fast::matmul_weight_t(&x, &w).unwrap());
+    fast::set_cpu_attention(on);
+    assert_eq!(
+        off,
+        host(&x.matmul(&w.transpose(&[1, 0]).unwrap()).unwrap())
+    );
+    // Shapes that do not fit are errors, not a crash.
+    assert!(fast::matmul_weight_t(&arr(&[1.0; 6], &[2, 3]), &arr(&[1.0; 8], &[2, 4])).is_err());
+}
