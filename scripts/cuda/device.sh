@@ -442,7 +442,7 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent
-      # prefill decode overlap probe census cudnn ab): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
+      # prefill decode overlap probe census cudnn ab opsbuf): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -500,6 +500,20 @@ case "$step" in
             echo "-- mlx-lm, MLX_CUDA_USE_CUDNN_SDPA=$c"
             MLX_CUDA_USE_CUDNN_SDPA=$c timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1 \
               | tee "$OUT/bench-cudnn-mlxlm-$c.log" | grep decode_tok
+          done ;;
+        opsbuf) # the 8B decode, kvstore then mlx-lm, with MLX's CUDA backend committing a
+                # graph every MLX_MAX_OPS_PER_BUFFER kernels (OPS, default "20 100 200"; MLX's
+                # own default is 20), alternated ROUNDS times
+          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          for r in $(seq 1 "${ROUNDS:-2}"); do
+            for v in ${OPS:-20 100 200}; do
+              echo "-- round $r, MLX_MAX_OPS_PER_BUFFER=$v"
+              MLX_MAX_OPS_PER_BUFFER=$v timeout 200 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized \
+                --skip-mlx-lm --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1 \
+                | tee "$OUT/bench-opsbuf-llama8b-$r-$v.log" | grep -E "^ +[0-9]"
+              MLX_MAX_OPS_PER_BUFFER=$v timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1 \
+                | tee "$OUT/bench-opsbuf-mlxlm-$r-$v.log" | grep decode_tok
+            done
           done ;;
         ab) # the 8B decode: this binary with each KVSTORE_DECODE_WAIT of WAITS (default
             # "adaptive drained none") and the binary $BIN_B (e.g. the commit before; skipped
