@@ -332,7 +332,11 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pf) # bench serve, in process and over HTTP beside mlx_lm.server (mlx-lm 0.32.2 and its
-      # dependencies carried as .cuda/x3/peer.tar: 0.28.4's server fails on MLX 0.32.4),
+      # dependencies carried as .cuda/x3/peer.tar: 0.28.4's server fails on MLX 0.32.4; made
+      # here with `pip download "mlx-lm==0.32.2" sentencepiece protobuf pyyaml jinja2
+      # --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 --platform
+      # manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d W`, numpy's wheel removed
+      # (the machine has one), then `tar -cf .cuda/x3/peer.tar -C W .`),
       # after x1 (which made $K/smollm2-rand) and x2
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
