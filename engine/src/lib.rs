@@ -46,6 +46,7 @@ mod scheduler;
 mod sequence;
 pub mod server;
 mod tokenizer;
+mod warm_up;
 mod weights;
 
 pub use census::{

@@ -640,7 +640,7 @@ impl KvTiers {
     }
 
     /// The prefill cost estimate (this device's fit of the recent prefills, saved in the
-    /// store and read back at open), if measured.
+    /// store and read back at open, or the prior the engine measured at its start), if any.
     pub fn prefill_estimate(&self) -> Option<Fit> {
         self.costs.lock().ok()?.prefill()
     }
@@ -1071,6 +1071,23 @@ impl KvTiers {
         Ok(Some(prior))
     }
 
+    /// Whether restores decide by the estimates (not `restore_always`) and the estimate
+    /// knows nothing of prefill yet (no sample saved or measured, no prior): what
+    /// [`crate::warm_up::warm_prefill`] is for.
+    pub(crate) fn prefill_is_unknown(&self) -> bool {
+        !self.restore_always && self.costs.lock().is_ok_and(|c| c.prefill.is_unknown())
+    }
+
+    /// Sets the prefill estimate's prior (used until requests measure it) where nothing is
+    /// known of it yet.
+    pub(crate) fn set_prefill_prior(&self, prior: Fit) {
+        if let Ok(mut c) = self.costs.lock() {
+            if c.prefill.is_unknown() {
+                c.prefill.set_prior(prior);
+            }
+        }
+    }
+
     /// Evaluates every layer's pool of `cache` (a restore's arrays made real on the device).
     fn eval_pools(&self, cache: &PagedKvCache) -> Result<()> {
         for l in 0..self.layers {
@@ -1084,7 +1101,7 @@ impl KvTiers {
 
     /// A fresh cache for this model's sequences: its layers, state layers, snapshots and
     /// windows.
-    fn empty_cache(&self) -> Result<PagedKvCache> {
+    pub(crate) fn empty_cache(&self) -> Result<PagedKvCache> {
         let cache = PagedKvCache::new(self.layers, self.paged)?
             .with_state_layers(self.state_layers)
             .with_state_snapshots(self.state_every);

@@ -1093,9 +1093,13 @@ impl Worker {
     fn run(&mut self) {
         // Restores run on this thread: pay their one-off set-up now, not in a request's
         // TTFT (and measure the import's prior on the path it will take).
+        // The prefill's fixed and per-token cost likewise, as the estimate's prior.
         if let Some(prefix) = &self.prefix {
             if let Err(e) = prefix.warm_restore() {
                 tracing::warn!(error = %e, "warming the restore path failed");
+            }
+            if let Err(e) = crate::warm_up::warm_prefill(&self.model, prefix) {
+                tracing::warn!(error = %e, "measuring the prefill's cost failed");
             }
         }
         let mut open = true;

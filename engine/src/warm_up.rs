@@ -1,0 +1,116 @@
+//! What an engine with a prefix cache measures before its first request, so that the
+//! first requests' restore-or-recompute decisions rest on this machine's costs: the
+//! restore path ([`KvTiers::warm_restore`], the import's prior) and here the prefill's
+//! fixed and per-token cost (the prefill estimate's prior).
+//!
+//! Why the prefill: with one measured prompt the estimate cannot separate a prefill's fixed
+//! cost (launching a pass of every layer, the first pick) from its cost per token, and
+//! reads it all as per-token, which overstates what restoring a short prefix saves: on
+//! the H200 a SmolLM2-shaped prefill costs ~24 ms whether it computes 80 or 592 tokens
+//! (docs/benchmarks.md, session 18, the 13-turn session's worst turn).
+
+use std::time::Instant;
+
+use crate::cost_model::Fit;
+use crate::error::Result;
+use crate::model::Model;
+use crate::reuse::KvTiers;
+
+/// Prompt lengths the prefill is timed at on a GPU (a pass's fixed cost shows at the
+/// first, the cost per token between them) and on the CPU (where every token costs
+/// milliseconds, shorter).
+const GPU_LENGTHS: (usize, usize) = (32, 512);
+const CPU_LENGTHS: (usize, usize) = (8, 64);
+
+/// Times a prefill of two lengths on a fresh cache of `tiers` (each twice; the second run
+/// counts, as the first pays kernels' first use) and sets the prefill estimate's prior from
+/// them where it knows nothing yet. Returns the prior measured, or `None` when the estimate
+/// already knew something (a saved cost file) and nothing was run.
+pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>> {
+    if !tiers.prefill_is_unknown() {
+        return Ok(None);
+    }
+    let (short, long) = match mlx::default_device()? {
+        mlx::Device::Gpu => GPU_LENGTHS,
+        mlx::Device::Cpu => CPU_LENGTHS,
+    };
+    let long = long.min(model.info().max_position_embeddings.saturating_sub(1));
+    if long <= short {
+        return Ok(None);
+    }
+    let time = |n: usize| -> Result<f64> {
+        // Any valid token; a prefill's cost does not depend on which.
+        let tokens = vec![1u32.min(model.info().vocab_size as u32 - 1); n];
+        let mut cache = tiers.empty_cache()?;
+        let t = Instant::now();
+        let logits = model.forward(&tokens, &mut cache)?;
+        // The first pick, read, as a request's prefill ends.
+        logits.argmax(-1, false)?.to_vec::<u32>()?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    time(short)?;
+    time(long)?;
+    let (t_short, t_long) = (time(short)?, time(long)?);
+    let per_token = ((t_long - t_short) / (long - short) as f64).max(0.0);
+    let prior = Fit {
+        fixed_s: (t_short - per_token * short as f64).max(0.0),
+        per_unit_s: per_token,
+        per_position_s: 0.0,
+    };
+    tiers.set_prefill_prior(prior);
+    Ok(Some(prior))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reuse::ReuseConfig;
+
+    fn tiers(dir: &std::path::Path, restore_always: bool) -> (Model, KvTiers) {
+        let model_dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens/tiny-qwen3");
+        let (model, tok) = crate::load(&model_dir, &crate::LoadOptions::default()).unwrap();
+        let config = ReuseConfig {
+            store: store::StoreConfig::default().root(dir),
+            block_size: 4,
+            restore_always,
+            ..ReuseConfig::default()
+        };
+        let tiers = KvTiers::open(&model, &tok, config).unwrap();
+        (model, tiers)
+    }
+
+    #[test]
+    fn a_prefill_prior_is_measured_once_and_only_where_estimates_decide() {
+        let dir = tempfile::tempdir().unwrap();
+        let (model, t) = tiers(dir.path(), false);
+        assert!(
+            t.prefill_estimate().is_none(),
+            "a fresh store knows no prefill cost"
+        );
+        let prior = warm_prefill(&model, &t).unwrap().expect("measured");
+        assert!(prior.fixed_s >= 0.0 && prior.per_unit_s >= 0.0 && prior.per_position_s == 0.0);
+        assert!(prior.fixed_s + prior.per_unit_s > 0.0, "{prior:?}");
+        assert_eq!(
+            t.prefill_estimate(),
+            Some(prior),
+            "the prior is the estimate now"
+        );
+        assert!(
+            warm_prefill(&model, &t).unwrap().is_none(),
+            "known: not measured again"
+        );
+        // A request's sample joins the prior: one size keeps the prior's fixed part.
+        t.record_prefill(40, 0, prior.fixed_s + 0.01);
+        let fit = t.prefill_estimate().unwrap();
+        assert_eq!(fit.fixed_s, prior.fixed_s);
+        assert!((fit.per_unit_s - 0.01 / 40.0).abs() < 1e-12, "{fit:?}");
+
+        let dir = tempfile::tempdir().unwrap();
+        let (model, t) = tiers(dir.path(), true);
+        assert!(
+            warm_prefill(&model, &t).unwrap().is_none(),
+            "restore_always: no estimate used"
+        );
+    }
+}
