@@ -266,8 +266,9 @@ pub enum AttentionMask<'a> {
 ///
 /// On the CPU, f32 attention with no mask or the causal mask and more than one query runs
 /// in [`crate::cpu_attention`] (q, k and v are evaluated first and the result is a new,
-/// evaluated array), and one query (a decode step, any dtype) stays in MLX's graph as a
-/// product per kv head, a softmax and a product with the values; every other case, and
+/// evaluated array), and one query (a decode step) stays in MLX's graph: f32 as one node of
+/// [`one_query_attention`], other dtypes as a product per kv head, a softmax and a product
+/// with the values; every other case, and
 /// every GPU call, is MLX's kernel ([`mlx_scaled_dot_product_attention`]). docs/mlx.md,
 /// "Attention on the CPU", says why.
 pub fn scaled_dot_product_attention(
@@ -286,10 +287,23 @@ pub fn scaled_dot_product_attention(
             return attend_on_cpu(q, k, v, dims, scale, matches!(mask, AttentionMask::Causal));
         }
         if one_query_case(q, k, v) {
+            if [q, k, v].iter().all(|a| a.dtype() == Dtype::F32) {
+                return one_query_attention(q, k, v, scale);
+            }
             return one_query_over_parts(q, &[(k, v)], scale);
         }
     }
     mlx_scaled_dot_product_attention(q, k, v, scale, mask)
+}
+
+/// `softmax(q kᵀ · scale) v` for f32 q `[B, Hq, 1, D]` and k, v `[B, Hkv, S, D]` on the CPU:
+/// one graph node that runs [`crate::cpu_decode_attention`] on all cores when MLX evaluates
+/// it, reading k and v in place (an arena's slice included).
+pub fn one_query_attention(q: &Array, k: &Array, v: &Array, scale: f32) -> Result<Array> {
+    Array::wrap(
+        "one_query_attention",
+        ffi::one_query_attention(q.inner(), k.inner(), v.inner(), scale),
+    )
 }
 
 /// Whether a call on the CPU is a decode step (one query per head) that

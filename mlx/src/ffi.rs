@@ -59,6 +59,10 @@ pub(crate) mod ffi {
     extern "Rust" {
         /// The row-product kernel for the shim's `RowsTimesWeightT` node, on MLX's CPU stream.
         fn rows_times_weight_t_host(x: &[f32], w: &[f32], rows: usize, k: usize, out: &mut [f32]);
+        /// The one-query attention kernel for the shim's `OneQueryAttention` node; `at` is
+        /// the keys' and values' strides (3 each) and the batch, q heads, kv heads, keys and
+        /// head dimension.
+        fn one_query_host(q: &[f32], k: &[f32], v: &[f32], at: &[usize], s: f32, o: &mut [f32]);
     }
 
     unsafe extern "C++" {
@@ -230,6 +234,12 @@ pub(crate) mod ffi {
         fn pending_primitives(arrays: &ArrayList) -> Result<Vec<String>>;
         fn gated_activation(op: UnaryOp, gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
         fn rows_times_weight_t(x: &Array, w: &Array, max_rows: usize) -> Result<UniquePtr<Array>>;
+        fn one_query_attention(
+            q: &Array,
+            k: &Array,
+            v: &Array,
+            scale: f32,
+        ) -> Result<UniquePtr<Array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;
@@ -267,5 +277,33 @@ fn rows_times_weight_t_host(x: &[f32], w: &[f32], rows: usize, k: usize, out: &m
     if let Err(message) = crate::cpu_row_product::rows_times_weight_t(x, w, rows, k, out) {
         debug_assert!(false, "the CPU row product refused its inputs: {message}");
         out.fill(f32::NAN);
+    }
+}
+
+/// `softmax(q kᵀ · s) v` into `o` through [`crate::cpu_decode_attention`], `at` as the
+/// bridge's declaration says. The shim checked the shapes when it made the node and computes
+/// the views' strides and reach; should the kernel still refuse them, the output is NaN
+/// (never stale memory).
+fn one_query_host(q: &[f32], k: &[f32], v: &[f32], at: &[usize], s: f32, o: &mut [f32]) {
+    use crate::cpu_decode_attention::{attend_one_query, OneQueryDims};
+    let result = match at {
+        &[k0, k1, k2, v0, v1, v2, batch, q_heads, kv_heads, len, head_dim] => {
+            let dims = OneQueryDims {
+                batch,
+                q_heads,
+                kv_heads,
+                len,
+                head_dim,
+            };
+            attend_one_query(q, k, [k0, k1, k2], v, [v0, v1, v2], dims, s, o)
+        }
+        _ => Err(format!("a layout of {} values", at.len())),
+    };
+    if let Err(message) = result {
+        debug_assert!(
+            false,
+            "the one-query attention refused its inputs: {message}"
+        );
+        o.fill(f32::NAN);
     }
 }

@@ -6,6 +6,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
 
+#include <array>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -460,6 +461,27 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
 
 namespace {
 
+// The f32 values of `a` in row-major order: its own memory when it is row-contiguous, else
+// gathered through its strides into `scratch`.
+const float* row_major(const mx::array& a, std::vector<float>& scratch) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  scratch.resize(a.size());
+  const float* base = a.data<float>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  std::vector<int64_t> index(shape.size(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    for (size_t d = 0; d < shape.size(); ++d) at += index[d] * strides[d];
+    scratch[i] = base[at];
+    for (size_t d = shape.size(); d-- > 0;) {
+      if (++index[d] < shape[d]) break;
+      index[d] = 0;
+    }
+  }
+  return scratch.data();
+}
+
 // `x · wᵀ` for a few f32 rows on the CPU: the graph node of `rows_times_weight_t`. Its CPU
 // evaluation queues one task on the stream's thread, which runs the Rust kernel (itself on
 // rayon's threads); the input buffers stay alive until the task has run because MLX's CPU
@@ -505,30 +527,107 @@ class RowsTimesWeightT : public mx::UnaryPrimitive {
     return {s};
   }
 
- private:
-  // The array's f32 values in row-major order: its own memory when it is row-contiguous,
-  // else gathered through its strides into `scratch`.
-  static const float* row_major(const mx::array& a, std::vector<float>& scratch) {
-    if (a.flags().row_contiguous) return a.data<float>();
-    scratch.resize(a.size());
-    const float* base = a.data<float>();
-    const auto& shape = a.shape();
-    const auto& strides = a.strides();
-    std::vector<int64_t> index(shape.size(), 0);
-    for (size_t i = 0; i < a.size(); ++i) {
-      int64_t at = 0;
-      for (size_t d = 0; d < shape.size(); ++d) at += index[d] * strides[d];
-      scratch[i] = base[at];
-      for (size_t d = shape.size(); d-- > 0;) {
-        if (++index[d] < shape[d]) break;
-        index[d] = 0;
-      }
-    }
-    return scratch.data();
-  }
 };
 
 }  // namespace
+
+namespace {
+
+
+// A [B, H, S, D] view read in place when its last axis is contiguous (an arena's slice),
+// else gathered row-major: its values from the returned pointer, the element strides of
+// its first three axes and how many values they reach.
+struct KvRead {
+  const float* data;
+  std::array<size_t, 3> strides;
+  size_t span;
+};
+
+KvRead kv_read(const mx::array& a, std::vector<float>& scratch) {
+  const auto& sh = a.shape();
+  const auto& st = a.strides();
+  bool in_place = st[3] == 1;
+  for (int i = 0; i < 3; ++i) in_place = in_place && st[i] >= 0;
+  if (!in_place) {
+    const float* p = row_major(a, scratch);
+    size_t d = sh[3], s = sh[2], h = sh[1];
+    return {p, {h * s * d, s * d, d}, a.size()};
+  }
+  size_t span = sh[3];
+  for (int i = 0; i < 3; ++i) span += static_cast<size_t>(sh[i] - 1) * st[i];
+  return {a.data<float>(), {size_t(st[0]), size_t(st[1]), size_t(st[2])}, span};
+}
+
+// softmax(q kᵀ · scale) v for one query per head: the graph node of `one_query_attention`,
+// evaluated as one task on the CPU stream's thread that runs the Rust kernel.
+class OneQueryAttention : public mx::UnaryPrimitive {
+ public:
+  OneQueryAttention(mx::Stream s, float scale) : mx::UnaryPrimitive(s), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    const auto& qs = inputs[0].shape();
+    const auto& ks = inputs[1].shape();
+    std::array<size_t, 5> dims = {size_t(qs[0]), size_t(qs[1]), size_t(ks[1]), size_t(ks[2]),
+                                  size_t(qs[3])};
+    encoder.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
+                      k = mx::array::unsafe_weak_copy(inputs[1]),
+                      v = mx::array::unsafe_weak_copy(inputs[2]), op = out.data<float>(),
+                      n = out.size(), dims, scale = scale_]() {
+      std::vector<float> qs_, ks_, vs_;
+      const float* qp = row_major(q, qs_);
+      KvRead kr = kv_read(k, ks_);
+      KvRead vr = kv_read(v, vs_);
+      // The keys' and values' strides, then the shape (what one_query_host reads).
+      std::array<size_t, 11> at = {kr.strides[0], kr.strides[1], kr.strides[2], vr.strides[0],
+                                   vr.strides[1], vr.strides[2], dims[0], dims[1], dims[2],
+                                   dims[3], dims[4]};
+      one_query_host(rust::Slice<const float>(qp, q.size()),
+                     rust::Slice<const float>(kr.data, kr.span),
+                     rust::Slice<const float>(vr.data, vr.span),
+                     rust::Slice<const size_t>(at.data(), at.size()), scale,
+                     rust::Slice<float>(op, n));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("OneQueryAttention runs on the CPU only");
+  }
+
+  const char* name() const override { return "OneQueryAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return scale_ == static_cast<const OneQueryAttention&>(other).scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+};
+
+}  // namespace
+
+std::unique_ptr<Array> one_query_attention(const Array& q, const Array& k, const Array& v, float scale) {
+  const auto &qa = q.inner, &ka = k.inner, &va = v.inner;
+  for (const auto* a : {&qa, &ka, &va}) {
+    if (a->dtype() != mx::float32 || a->ndim() != 4) {
+      throw std::invalid_argument("one-query attention takes 4-D f32 q, k and v");
+    }
+  }
+  if (qa.shape(2) != 1 || ka.shape() != va.shape() || qa.shape(0) != ka.shape(0) ||
+      qa.shape(3) != ka.shape(3) || ka.shape(1) == 0 || ka.shape(2) == 0 ||
+      qa.shape(1) % ka.shape(1) != 0) {
+    throw std::invalid_argument(
+        "one-query attention takes q [B, Hq, 1, D] and k, v [B, Hkv, S, D] with Hq a multiple of Hkv");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return wrap(mx::array(qa.shape(), mx::float32, std::make_shared<OneQueryAttention>(stream, scale),
+                        {qa, ka, va}));
+}
 
 std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_t max_rows) {
   const auto& xa = x.inner;

@@ -130,6 +130,9 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
 // x [.., k] (at most `max_rows` rows) times wᵀ for w [n, k], both f32, on the CPU stream, as
 // one node whose CPU evaluation runs the crate's row-product kernel (cpu_row_product.rs).
 std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_t max_rows);
+// One query per head over f32 keys and values read in place, on the CPU stream, as one node
+// whose CPU evaluation runs the crate's kernel (cpu_decode_attention.rs).
+std::unique_ptr<Array> one_query_attention(const Array& q, const Array& k, const Array& v, float scale);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 
 // Files.

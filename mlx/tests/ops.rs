@@ -6,6 +6,7 @@
 
 use half::{bf16, f16};
 use mlx::cpu_attention::{attend, Dims};
+use mlx::cpu_decode_attention::{attend_one_query, OneQueryDims};
 use mlx::fast::{self, AttentionMask, Rope, RopeOffset};
 use mlx::{Array, Dtype, Error, QuantSpec};
 use rand::rngs::StdRng;
@@ -322,12 +323,29 @@ fn sdpa_takes_the_fused_path_on_the_cpu_and_agrees_with_mlx_kernel() {
             // Both paths against the naive reference (MLX's at its own tolerance).
             assert_close(&mlx, want, 1e-5 + attention_slack(), 1e-4);
             assert_close(&got, want, 1e-5 + attention_slack(), 1e-4);
-            // Which path ran: the fused one is deterministic, so its output is exactly what
-            // `attend` writes; one query, and a GPU, stay with MLX's kernel.
+            // Which path ran: the fused ones are deterministic, so the output is exactly what
+            // `attend` (more than one query) or `attend_one_query` (one) writes; a GPU stays
+            // with MLX's kernel.
             if fused_on && d.q_len > 1 {
                 let mut fused = vec![0f32; d.q_size()];
                 attend(&q, &k, &v, &mut fused, d, scale, causal).unwrap();
                 assert_eq!(got, fused, "{d:?} causal={causal}: the fused path");
+            } else if fused_on {
+                let mut fused = vec![0f32; d.q_size()];
+                let row = [
+                    d.kv_heads * d.kv_len * d.head_dim,
+                    d.kv_len * d.head_dim,
+                    d.head_dim,
+                ];
+                let dims = OneQueryDims {
+                    batch: d.batch,
+                    q_heads: d.q_heads,
+                    kv_heads: d.kv_heads,
+                    len: d.kv_len,
+                    head_dim: d.head_dim,
+                };
+                attend_one_query(&q, &k, row, &v, row, dims, scale, &mut fused).unwrap();
+                assert_eq!(got, fused, "{d:?} causal={causal}: the one-query kernel");
             } else {
                 assert_eq!(got, mlx, "{d:?} causal={causal}: MLX's kernel");
             }
@@ -359,6 +377,43 @@ fn fused_cpu_attention_reads_transposed_and_sliced_inputs() {
         fast::scaled_dot_product_attention(&qt, &cut(&k), &cut(&v), scale, AttentionMask::Causal)
             .unwrap();
     assert_close(&host(&got), &want, 1e-5 + attention_slack(), 1e-4);
+}
+
+/// A decode step's attention reads k and v in place through their views: slices of a
+/// longer arena (heads not adjacent) and, where the last axis is not contiguous (a
+/// transpose), a gathered copy; both give the naive result.
+#[test]
+fn one_query_attention_reads_arena_slices_and_transposed_views() {
+    let mut r = rng("one_query_attention_reads_arena_slices_and_transposed_views");
+    let shape = (2, 9, 3, 1, 300, 64);
+    let (d, [q, k, v], [want, _]) = attention_case(&mut r, shape);
+    let (b, h, s) = (d.batch as i32, d.kv_heads as i32, d.kv_len as i32);
+    let spare =
+        Array::from_slice(&vec![7f32; (b * h * 20 * 64) as usize], &[b, h, 20, 64]).unwrap();
+    let cut = |x: &[f32]| {
+        let longer = mlx::ops::concatenate(&[&arr(x, &[b, h, s, 64]), &spare], 2).unwrap();
+        longer.slice(&[0, 0, 0, 0], &[b, h, s, 64]).unwrap()
+    };
+    let transposed = |x: &[f32]| {
+        arr(x, &[b, h, s, 64])
+            .transpose(&[0, 1, 3, 2])
+            .unwrap()
+            .contiguous()
+            .unwrap()
+            .transpose(&[0, 1, 3, 2])
+            .unwrap()
+    };
+    let qa = arr(&q, &[b, 9, 1, 64]);
+    let scale = 1.0 / 8.0;
+    for (k, v) in [(cut(&k), cut(&v)), (transposed(&k), transposed(&v))] {
+        let got =
+            fast::scaled_dot_product_attention(&qa, &k, &v, scale, AttentionMask::None).unwrap();
+        if fast::cpu_attention() && mlx::default_device().unwrap() == mlx::Device::Cpu {
+            let names = mlx::pending_primitives(&[&got]).unwrap();
+            assert!(names.iter().any(|p| p == "OneQueryAttention"), "{names:?}");
+        }
+        assert_close(&host(&got), &want, 1e-5 + attention_slack(), 1e-4);
+    }
 }
 
 #[test]
