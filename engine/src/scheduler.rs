@@ -1092,8 +1092,8 @@ fn mixed_chunks(taken: Vec<(usize, Prefilling)>, parts: Vec<ChunkRan>) -> Vec<Mi
 impl Worker {
     fn run(&mut self) {
         // Restores run on this thread: pay their one-off set-up now, not in a request's
-        // TTFT (and measure the import's prior on the path it will take).
-        // The prefill's fixed and per-token cost likewise, as the estimate's prior.
+        // TTFT (and measure the import's prior on the path it will take); then measure the
+        // prefill's fixed and per-token cost as its estimate's prior.
         if let Some(prefix) = &self.prefix {
             if let Err(e) = prefix.warm_restore() {
                 tracing::warn!(error = %e, "warming the restore path failed");

@@ -47,20 +47,16 @@ pub fn rows_times_weight_t(
     }
     let per_task = (TASK_BYTES / (4 * k)).max(1);
     let kernel = dot_kernel(rows);
-    if rows == 1 {
-        // One row: the output is laid out as the features are; tasks write their own span.
-        out.par_chunks_mut(per_task)
-            .zip(w.par_chunks(per_task * k))
-            .for_each(|(o, w)| {
-                for (o, w) in o.chunks_exact_mut(1).zip(w.chunks_exact(k)) {
-                    kernel(x, w, k, o);
-                }
-            });
-        return Ok(());
-    }
-    // Several rows: each task fills its features for every row, feature-major, and the
-    // result is transposed into `out` at the end (rows · n values, next to nothing).
-    let mut by_feature = vec![0f32; n * rows];
+    // Each task fills its features for every row, feature-major: with one row that is
+    // `out`'s own layout; with several the result is transposed into `out` at the end
+    // (rows · n values, next to nothing).
+    let mut scratch = Vec::new();
+    let by_feature: &mut [f32] = if rows == 1 {
+        out
+    } else {
+        scratch.resize(n * rows, 0f32);
+        &mut scratch
+    };
     by_feature
         .par_chunks_mut(per_task * rows)
         .zip(w.par_chunks(per_task * k))
@@ -69,7 +65,7 @@ pub fn rows_times_weight_t(
                 kernel(x, w, k, o);
             }
         });
-    for (f, values) in by_feature.chunks_exact(rows).enumerate() {
+    for (f, values) in scratch.chunks_exact(rows).enumerate() {
         for (r, &v) in values.iter().enumerate() {
             out[r * n + f] = v;
         }
@@ -81,8 +77,9 @@ pub fn rows_times_weight_t(
 /// (one value a row).
 type DotKernel = fn(&[f32], &[f32], usize, &mut [f32]);
 
-/// The dot kernel for `rows` rows for this CPU: the generic code compiled for AVX-512 or
-/// AVX2 + FMA when the CPU has them (the crate's baseline target is SSE2), else as is.
+/// The dot kernel for `rows` rows for this CPU: AVX2 + FMA registers when the CPU has them
+/// (the crate's baseline target is SSE2; AVX-512 would not read memory faster), else the
+/// portable code.
 fn dot_kernel(rows: usize) -> DotKernel {
     macro_rules! by_rows {
         ($f:ident) => {

@@ -502,8 +502,8 @@ class RowsTimesWeightT : public mx::UnaryPrimitive {
     encoder.set_input_array(w);
     encoder.set_output_array(out);
     // A view that is not row-contiguous (a transpose's output, a slice) is gathered into
-    // rows first; the weight is a loaded, contiguous matrix (checked when the node is made,
-    // gathered here only if a caller handed a view).
+    // rows first. The engine's weights are contiguous (loaded, or stacked at load); a
+    // weight handed as a view would be gathered too, correct but at a copy per call.
     encoder.dispatch([x = mx::array::unsafe_weak_copy(x), w = mx::array::unsafe_weak_copy(w),
                       op = out.data<float>(), rows, k, n]() {
       std::vector<float> xs, ws;
@@ -526,13 +526,7 @@ class RowsTimesWeightT : public mx::UnaryPrimitive {
     s.back() = inputs[1].shape(0);
     return {s};
   }
-
 };
-
-}  // namespace
-
-namespace {
-
 
 // A [B, H, S, D] view read in place when its last axis is contiguous (an arena's slice),
 // else gathered row-major: its values from the returned pointer, the element strides of
