@@ -25,6 +25,15 @@ pub(crate) const RESTORE_MARGIN: f64 = 0.8;
 /// SSD blocks read to measure the SSD's speed when no estimate exists yet.
 pub(crate) const SSD_PROBE_BLOCKS: usize = 4;
 
+/// Read rate an SSD nobody has measured yet is priced at: a slow disk (a cloud block
+/// volume's baseline). A request reads an unmeasured SSD only where even such a disk beats
+/// recomputing; elsewhere the SSD is measured off the request's path
+/// ([`crate::KvTiers`]'s background probe), and the next request decides by that.
+pub(crate) const UNMEASURED_SSD_BYTES_PER_S: f64 = 250e6;
+
+/// Fixed cost an unmeasured SSD is priced at (opening files, the first seek).
+pub(crate) const UNMEASURED_SSD_FIXED_S: f64 = 2e-3;
+
 /// A request whose plan cuts the cached run restores all of it anyway once in this many,
 /// so the estimates of the tiers it stopped restoring from are measured again (a first
 /// restore that paid one-off costs, a remote that became fast again).
@@ -325,9 +334,22 @@ pub(crate) struct Costs {
     pub(crate) remote: Measure,
     /// Requests whose cached run was cut; every [`PROBE_EVERY`]th restores all of it.
     pub(crate) cuts: u64,
+    /// What SSD blocks cost while the SSD has no estimate ([`Costs::price_unmeasured_ssd`];
+    /// free until set). Not saved: it follows from the block size.
+    pub(crate) unmeasured_ssd: Fit,
 }
 
 impl Costs {
+    /// Prices an unmeasured SSD as a slow disk reading blocks of `block_bytes`
+    /// ([`UNMEASURED_SSD_BYTES_PER_S`], [`UNMEASURED_SSD_FIXED_S`]).
+    pub(crate) fn price_unmeasured_ssd(&mut self, block_bytes: u64) {
+        self.unmeasured_ssd = Fit {
+            fixed_s: UNMEASURED_SSD_FIXED_S,
+            per_unit_s: block_bytes as f64 / UNMEASURED_SSD_BYTES_PER_S,
+            per_position_s: 0.0,
+        };
+    }
+
     /// The prefill fit (with its attention term).
     pub(crate) fn prefill(&self) -> Option<Fit> {
         self.prefill.fit(true)
@@ -422,6 +444,7 @@ impl From<CostsFile> for Costs {
             ssd: measure(f.ssd, f.ssd_s_per_block),
             remote: measure(f.remote, f.remote_s_per_block),
             cuts: 0,
+            unmeasured_ssd: Fit::default(),
         }
     }
 }
@@ -472,9 +495,8 @@ impl RestorePlan {
 /// [`RESTORE_MARGIN`] of its saving wins (none: everything is recomputed).
 ///
 /// Without a prefill estimate everything is restored. A measure with no estimate costs
-/// nothing, but an unmeasured SSD is read for at most [`SSD_PROBE_BLOCKS`] blocks (to measure
-/// it; the caller plans again). `probe`: the remote part is fetched as if free, to measure it
-/// again.
+/// nothing, except an unmeasured SSD: it is priced as a slow disk ([`Costs::unmeasured_ssd`])
+/// and read for at most [`SSD_PROBE_BLOCKS`] blocks (to measure it; the caller plans again).
 pub(crate) fn plan_restore(
     tiers: &[Tier],
     costs: &Costs,
@@ -486,6 +508,7 @@ pub(crate) fn plan_restore(
     };
     let import = costs.import();
     let ssd = costs.ssd();
+    let ssd_priced = ssd.or(Some(costs.unmeasured_ssd));
     let remote = costs.remote();
     let tier_cost = |fit: Option<Fit>, blocks: usize| match (fit, blocks) {
         (Some(f), 1..) => f.seconds(blocks, 0),
@@ -502,8 +525,9 @@ pub(crate) fn plan_restore(
         if k < tiers.len() && tiers[k] == tiers[k - 1] {
             continue;
         }
-        let cost =
-            tier_cost(import, k) + tier_cost(ssd, ssd_blocks) + tier_cost(remote, remote_blocks);
+        let cost = tier_cost(import, k)
+            + tier_cost(ssd_priced, ssd_blocks)
+            + tier_cost(remote, remote_blocks);
         let saved = prefill.saved_between(start, start + k * block_size);
         if cost <= RESTORE_MARGIN * saved && saved - cost > best.1 {
             best = (k, saved - cost);
@@ -563,6 +587,7 @@ mod tests {
             ssd: measure(Some(Fit::per_unit(ssd))),
             remote: measure(Some(Fit::per_unit(remote))),
             cuts: 0,
+            unmeasured_ssd: Fit::default(),
         }
     }
 
@@ -877,6 +902,35 @@ mod tests {
             plan_restore(&run, &costs(1e-3, 1e-4, 1e-6), 0, 16).usable,
             9
         );
+    }
+
+    #[test]
+    fn an_unmeasured_ssd_is_read_only_where_a_slow_disk_would_beat_recomputing() {
+        // Blocks of 1.5 MB: an unmeasured SSD is priced 2 ms + 6 ms a block.
+        let run = [R, R, S, S, S, S, S, S];
+        let mut c = costs(0.0, 0.0, 0.0);
+        c.ssd = Measure::default();
+        c.price_unmeasured_ssd(1_500_000);
+        assert!(close(c.unmeasured_ssd.per_unit_s, 6e-3, 1e-9));
+        // A fast prefill (a GPU: 10 µs a token, 0.3 ms a 32-token block): the RAM part
+        // only, and no SSD probe on the request's path.
+        c.prefill.set_prior(Fit::per_unit(10e-6));
+        assert_eq!(
+            plan_restore(&run, &c, 0, 32),
+            RestorePlan {
+                usable: 2,
+                ram_skipped: 0,
+                ssd_skipped: 6,
+                remote_skipped: 0
+            }
+        );
+        // A slow one (a CPU: 3 ms a token): probed with a few blocks.
+        c.prefill.set_prior(Fit::per_unit(3e-3));
+        assert_eq!(plan_restore(&run, &c, 0, 32).usable, 2 + SSD_PROBE_BLOCKS);
+        // Once measured, the measurement decides, not the slow-disk price.
+        c.ssd.set_prior(fit(1e-4, 1e-5));
+        c.prefill.set_prior(Fit::per_unit(10e-6));
+        assert_eq!(plan_restore(&run, &c, 0, 32).usable, 8);
     }
 
     #[test]

@@ -28,9 +28,13 @@ use cache::{
     PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::Serialize;
-use store::{Block, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier};
+use store::{
+    Block, BlockKey, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier,
+};
 
-use crate::cost_model::{plan_with_probes, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan};
+use crate::cost_model::{
+    plan_with_probes, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan, SSD_PROBE_BLOCKS,
+};
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
@@ -141,6 +145,9 @@ pub struct ReuseReport {
     pub lookup_s: f64,
     /// Reading, verifying and restoring the cached blocks.
     pub restore_s: f64,
+    /// Of `restore_s`, moving the loaded blocks into device memory (assembly on the host,
+    /// the transfers, the arrays made real); the rest is the store's load.
+    pub import_s: f64,
     /// Prefilling the uncached rest (and sampling the first token).
     pub prefill_s: f64,
     /// Time to first token: lookup + restore + prefill (what a user waits for).
@@ -199,6 +206,53 @@ fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: C
     }
 }
 
+/// Bytes of one block of `description` (every plane, layer states included), at least 1.
+fn block_bytes(description: &NamespaceDescription) -> u64 {
+    description
+        .planes
+        .iter()
+        .chain(&description.state_planes)
+        .filter_map(|p| p.byte_len())
+        .sum::<u64>()
+        .max(1)
+}
+
+/// Measures an SSD the cost model has no estimate of, off any request's path (on the
+/// export thread): loads the first of `keys` (a run of SSD blocks), then the rest, and
+/// records each load as an SSD sample, so that the fit tells the fixed cost from the
+/// per-block one. The blocks are promoted into RAM as any load's are.
+fn probe_ssd(
+    store: &Store,
+    namespace: NamespaceId,
+    keys: &[BlockKey],
+    tokens: &[Vec<u32>],
+    costs: &Mutex<Costs>,
+) {
+    let mut from = 0;
+    for to in [1.min(keys.len()), keys.len()] {
+        if to <= from {
+            continue;
+        }
+        let t = Instant::now();
+        let loaded = store.load_prefix(namespace, &keys[from..to], &tokens[from..to]);
+        let seconds = t.elapsed().as_secs_f64();
+        let ssd = loaded
+            .blocks
+            .iter()
+            .filter(|(_, t)| *t == Tier::Ssd)
+            .count();
+        if ssd > 0 {
+            if let Ok(mut c) = costs.lock() {
+                c.ssd.record(ssd, 0, seconds);
+            }
+        }
+        if loaded.blocks.len() < to - from {
+            return;
+        }
+        from = to;
+    }
+}
+
 /// The engine's connection to its KV tiers for one model: the device tier (resident
 /// sequences, one budget) and the block store (host RAM, SSD, remote; host bytes only).
 pub struct KvTiers {
@@ -225,7 +279,9 @@ pub struct KvTiers {
     resident: Mutex<ResidentPool>,
     /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
     recent: Mutex<Vec<(NamespaceId, Vec<u32>)>>,
-    costs: Mutex<Costs>,
+    costs: Arc<Mutex<Costs>>,
+    /// Whether a background measurement of the SSD ([`probe_ssd`]) is queued or running.
+    ssd_probe_queued: Arc<std::sync::atomic::AtomicBool>,
     device: String,
     costs_saved: Mutex<Option<Instant>>,
     restore_always: bool,
@@ -497,10 +553,11 @@ impl KvTiers {
         };
         let namespace = store.register_namespace(&description)?;
         let device = device_name();
-        let costs = store
+        let mut costs = store
             .costs(namespace)
             .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
+        costs.price_unmeasured_ssd(block_bytes(&description));
         let resident = pinned_pool(config.kv_budget_bytes, &store, config.share_min_tokens);
         let host_tiers = {
             let c = store.config();
@@ -532,7 +589,8 @@ impl KvTiers {
             },
             resident: Mutex::new(resident),
             recent: Mutex::new(Vec::new()),
-            costs: Mutex::new(costs),
+            costs: Arc::new(Mutex::new(costs)),
+            ssd_probe_queued: Arc::default(),
             device,
             costs_saved: Mutex::new(None),
             restore_always: config.restore_always,
@@ -770,6 +828,12 @@ impl KvTiers {
                 (plan, !costs.ssd.is_unknown())
             };
             let first_ssd = tiers[..plan.usable].iter().position(|t| *t == Tier::Ssd);
+            if !had_ssd_estimate && first_ssd.is_none() && plan.ssd_skipped > 0 {
+                // The plan leaves an unmeasured SSD alone (a slow disk would not pay here):
+                // measure it in the background, for the requests after this one.
+                let at = done + plan.usable;
+                self.queue_ssd_probe(namespace, &rest[at..], &hit.tiers[at..], prompt, first + at);
+            }
             if let (false, None, Some(s)) = (had_ssd_estimate, probe_rest, first_ssd) {
                 if s + 1 < plan.usable {
                     probe_end = Some(done + plan.usable);
@@ -820,6 +884,43 @@ impl KvTiers {
         }
         host.load_s = t.elapsed().as_secs_f64();
         Ok(host)
+    }
+
+    /// Queues [`probe_ssd`] on the export thread for the first run of SSD blocks in
+    /// `tiers` (the store's blocks `keys`, the first at block `at` of `prompt`), unless a
+    /// probe is queued already.
+    fn queue_ssd_probe(
+        &self,
+        namespace: NamespaceId,
+        keys: &[BlockKey],
+        tiers: &[Tier],
+        prompt: &[u32],
+        at: usize,
+    ) {
+        use std::sync::atomic::Ordering;
+        let Some(s) = tiers.iter().position(|t| *t == Tier::Ssd) else {
+            return;
+        };
+        let n = tiers[s..]
+            .iter()
+            .take(SSD_PROBE_BLOCKS)
+            .take_while(|t| **t == Tier::Ssd)
+            .count();
+        if self.ssd_probe_queued.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let bs = self.paged.block_size;
+        let keys = keys[s..s + n].to_vec();
+        let tokens: Vec<Vec<u32>> = prompt[(at + s) * bs..]
+            .chunks(bs)
+            .take(n)
+            .map(<[u32]>::to_vec)
+            .collect();
+        let (costs, queued) = (self.costs.clone(), self.ssd_probe_queued.clone());
+        self.exporter.run(move |store| {
+            probe_ssd(store, namespace, &keys, &tokens, &costs);
+            queued.store(false, Ordering::Release);
+        });
     }
 
     /// [`Self::prepare_in`] with the host half already loaded by [`Self::load_host`] (on
@@ -907,6 +1008,7 @@ impl KvTiers {
             self.eval_pools(&cache)?;
             if restored_blocks > 0 {
                 let seconds = t.elapsed().as_secs_f64();
+                report.import_s = seconds;
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
                 costs.import.record(restored_blocks, 0, seconds);
             }
@@ -1006,11 +1108,7 @@ impl KvTiers {
             .iter()
             .chain(&self.description.state_planes)
             .collect();
-        let block_bytes = specs
-            .iter()
-            .filter_map(|p| p.byte_len())
-            .sum::<u64>()
-            .max(1);
+        let block_bytes = block_bytes(&self.description);
         // A run large enough that each layer part is assembled by several threads on a GPU
         // (cache/src/host.rs: 4 MiB a part), as a long prefix's restore is.
         let run: u64 = if mlx::gpu_available().unwrap_or(false) {

@@ -151,31 +151,46 @@ fn a_cost_file_of_per_unit_estimates_loads_as_priors_and_a_corrupt_one_is_ignore
     assert_eq!(pc.prefill_estimate(), estimate);
 }
 
+/// A store holding turn 1's 12 blocks on SSD only (RAM 0 after a restart), with saved
+/// estimates of `prefill_s_per_token`, a free import and none for the SSD; the engine's
+/// cache over it (deciding by the estimates) and turn 2's prompt.
+fn ssd_only_turn1(
+    r: &mut StdRng,
+    model: &Model,
+    tok: &Tokenizer,
+    dir: &Path,
+    prefill_s_per_token: f64,
+) -> (KvTiers, Vec<u32>) {
+    let (turn1, _, turn2) = two_turns(r, model, tok);
+    let estimates = || ReuseConfig {
+        restore_always: false,
+        ..host_only(dir, 8)
+    };
+    {
+        let pc = KvTiers::open(model, tok, estimates()).unwrap();
+        assert_eq!(cached(model, tok, &pc, &turn1, 20).1.published_blocks, 12);
+        pc.flush().unwrap();
+        let device = pc.cost_device().to_string();
+        let costs = format!(
+            r#"{{"{device}": {{"prefill_s_per_token": {prefill_s_per_token:e}, "import_s_per_block": 0.0}}}}"#
+        );
+        pc.store()
+            .save_costs(pc.namespace(), costs.as_bytes())
+            .unwrap();
+    }
+    let pc = KvTiers::open(model, tok, estimates()).unwrap();
+    assert_eq!(pc.cost_samples().ssd, 0);
+    (pc, turn2)
+}
+
 #[test]
 fn an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes_then_restored_by_the_fit() {
     let mut r = rng("an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes");
     let (model, tok) = load(&tiny_model("tiny-llama"));
     let dir = tempfile::tempdir().unwrap();
-    let (turn1, _, turn2) = two_turns(&mut r, &model, &tok);
-    let estimates = |cfg: ReuseConfig| ReuseConfig {
-        restore_always: false,
-        ..cfg
-    };
-    {
-        let pc = KvTiers::open(&model, &tok, estimates(host_only(dir.path(), 8))).unwrap();
-        assert_eq!(cached(&model, &tok, &pc, &turn1, 20).1.published_blocks, 12);
-        pc.flush().unwrap();
-        // Recomputing made absurdly dear (1 s per token) and a free import, so that the
-        // plan restores all it may whatever this machine's timings; no SSD estimate.
-        let device = pc.cost_device().to_string();
-        let costs =
-            format!(r#"{{"{device}": {{"prefill_s_per_token": 1.0, "import_s_per_block": 0.0}}}}"#);
-        pc.store()
-            .save_costs(pc.namespace(), costs.as_bytes())
-            .unwrap();
-    }
-    let pc = KvTiers::open(&model, &tok, estimates(host_only(dir.path(), 8))).unwrap();
-    assert_eq!(pc.cost_samples().ssd, 0);
+    // Recomputing made absurdly dear (1 s per token), so that the plan restores all it may
+    // whatever this machine's timings.
+    let (pc, turn2) = ssd_only_turn1(&mut r, &model, &tok, dir.path(), 1.0);
     let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
     assert_eq!(out2, cold(&model, &tok, &turn2, 20));
     // The 12 SSD blocks came in three loads: the probe's first block, the probe's other 3
@@ -184,6 +199,29 @@ fn an_unmeasured_ssd_is_probed_in_two_loads_of_different_sizes_then_restored_by_
     assert_eq!(rep.cached_ssd_tokens, 96, "{rep:?}");
     assert_eq!(rep.ssd_blocks_skipped, 0, "{rep:?}");
     assert_eq!(pc.cost_samples().ssd, 3);
+    assert!(pc.restore_estimates().ssd.is_some());
+}
+
+#[test]
+fn an_unmeasured_ssd_that_a_slow_disk_would_not_pay_for_is_measured_off_the_request() {
+    let mut r = rng("an_unmeasured_ssd_that_a_slow_disk_would_not_pay_for");
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    // Recomputing nearly free (a fast GPU's 0.1 µs a token: 12 blocks save ~10 µs): priced
+    // as a slow disk (2 ms to start), the unmeasured SSD loses, so the request recomputes
+    // and does not read it.
+    let (pc, turn2) = ssd_only_turn1(&mut r, &model, &tok, dir.path(), 1e-7);
+    let (out2, rep) = cached(&model, &tok, &pc, &turn2, 20);
+    assert_eq!(out2, cold(&model, &tok, &turn2, 20));
+    assert_eq!(
+        (rep.cached_tokens, rep.ssd_blocks_skipped),
+        (0, 12),
+        "{rep:?}"
+    );
+    // The SSD is measured in the background instead (on the export thread: its first
+    // block, then three more), for the requests after this one.
+    pc.flush().unwrap();
+    assert_eq!(pc.cost_samples().ssd, 2);
     assert!(pc.restore_estimates().ssd.is_some());
 }
 

@@ -100,6 +100,8 @@ struct TurnResult {
     ttft_s: f64,
     lookup_s: f64,
     restore_s: f64,
+    /// Of `restore_s`, moving the loaded blocks into device memory.
+    import_s: f64,
     prefill_s: f64,
     ssd_bytes_written: u64,
     /// SSD arms: bytes of block files on SSD after the turn.
@@ -142,6 +144,7 @@ fn from_report((generated, r): &Turn, written: u64) -> TurnResult {
         ttft_s: r.ttft_s,
         lookup_s: r.lookup_s,
         restore_s: r.restore_s,
+        import_s: r.import_s,
         prefill_s: r.prefill_s,
         ssd_bytes_written: written,
         ssd_stored_bytes: 0,
