@@ -754,13 +754,15 @@ impl KvTiers {
         if !now && saved_at.is_some_and(|t| t.elapsed() < COSTS_SAVE_EVERY) {
             return;
         }
-        let Ok(costs) = self.costs.lock().map(|c| c.clone()) else {
-            return;
-        };
         *saved_at = Some(Instant::now());
         let (namespace, device) = (self.namespace, self.device.clone());
-        self.exporter
-            .run(move |store| save_costs_to(store, namespace, device, costs));
+        // Read when the save runs: what the export thread measured before it is included.
+        let costs = self.costs.clone();
+        self.exporter.run(move |store| {
+            if let Ok(costs) = costs.lock().map(|c| c.clone()) {
+                save_costs_to(store, namespace, device, costs);
+            }
+        });
     }
 
     /// A fresh live cache holding the longest usable cached prefix of `prompt` (at most
@@ -921,6 +923,8 @@ impl KvTiers {
             probe_ssd(store, namespace, &keys, &tokens, &costs);
             queued.store(false, Ordering::Release);
         });
+        // Saved after it, so that a restart finds the SSD measured.
+        self.save_costs(true);
     }
 
     /// [`Self::prepare_in`] with the host half already loaded by [`Self::load_host`] (on

@@ -222,7 +222,12 @@ fn an_unmeasured_ssd_that_a_slow_disk_would_not_pay_for_is_measured_off_the_requ
     // block, then three more), for the requests after this one.
     pc.flush().unwrap();
     assert_eq!(pc.cost_samples().ssd, 2);
-    assert!(pc.restore_estimates().ssd.is_some());
+    let measured = pc.restore_estimates().ssd;
+    assert!(measured.is_some());
+    // Saved with the cost model: a restart knows the SSD.
+    drop(pc);
+    let pc = KvTiers::open(&model, &tok, host_only(dir.path(), 8)).unwrap();
+    assert_eq!(pc.restore_estimates().ssd, measured);
 }
 
 #[test]
