@@ -452,22 +452,28 @@ impl RunPart<'_> {
         }
     }
 
-    /// Bytes of the assembled array.
-    fn bytes(&self) -> Result<usize, CacheError> {
-        let (heads, _, _, block_rows) = self.layout()?;
-        Ok(heads * self.capacity.max(self.planes.len()) * block_rows)
+    /// Blocks the array has room for (at least the run's).
+    fn capacity(&self) -> usize {
+        self.capacity.max(self.planes.len())
     }
 
-    /// Writes the part into `host` (exactly [`Self::bytes`] long): per head, each block's
-    /// rows, then zeros. Large parts are copied by several threads at once.
+    /// Bytes of the part assembled with room for `cap` blocks a head.
+    fn bytes(&self, cap: usize) -> Result<usize, CacheError> {
+        let (heads, _, _, block_rows) = self.layout()?;
+        Ok(heads * cap * block_rows)
+    }
+
+    /// Writes the part into `host` (exactly [`Self::bytes`]`(cap)` long): per head, each
+    /// block's rows, then zeros up to `cap` blocks. Large parts are copied by several
+    /// threads at once.
     fn assemble<B: AsRef<Block> + Sync>(
         &self,
         blocks: &[B],
         host: &mut [u8],
+        cap: usize,
     ) -> Result<(), CacheError> {
         let (_, _, _, block_rows) = self.layout()?;
         let n = self.planes.len().min(blocks.len());
-        let cap = self.capacity.max(self.planes.len());
         // Slot `s` of the buffer is head `s / cap`'s rows of block `s % cap`.
         let fill = |first: usize, chunk: &mut [u8]| {
             for (i, dst) in chunk.chunks_exact_mut(block_rows).enumerate() {
@@ -497,13 +503,23 @@ impl RunPart<'_> {
     /// The array's shape: `[heads, capacity · bs, width]`.
     fn shape(&self) -> Result<[i32; 3], CacheError> {
         let (heads, bs, width, _) = self.layout()?;
-        let cap = self.capacity.max(self.planes.len());
-        Ok([heads as i32, (cap * bs) as i32, width as i32])
+        Ok([heads as i32, (self.capacity() * bs) as i32, width as i32])
     }
 
+    /// The array of the part assembled whole (with its zeros) in `host`.
     fn array(&self, host: &[u8]) -> Result<Array, CacheError> {
         let dtype = to_mlx_dtype(self.spec.dtype);
         Ok(Array::from_bytes(host, &self.shape()?, dtype)?)
+    }
+
+    /// Moves the part's blocks, assembled without zeros in `host` (`[heads, n · bs,
+    /// width]`), into `dst` (zeros of [`Self::shape`] in device memory): per head, its rows
+    /// at the start of the head's room, in one driver copy. False where direct transfers
+    /// are unavailable.
+    fn write_into(&self, dst: &Array, host: &[u8]) -> Result<bool, CacheError> {
+        let (heads, _, _, block_rows) = self.layout()?;
+        let width = self.planes.len() * block_rows;
+        Ok(dst.write_rows_direct(host, width, heads, self.capacity() * block_rows)?)
     }
 }
 
@@ -580,9 +596,12 @@ impl RunAssembly {
 const PARALLEL_ASSEMBLY_BYTES: usize = 4 << 20;
 
 /// Assembles every part of `parts` from the run `blocks` on the host and moves each to the
-/// device with one transfer, in order. Pipelined: while the calling thread moves part `i`
-/// (a driver copy on CUDA, the thread that owns MLX's arrays), the thread pool assembles
-/// part `i + 1` in the other of two reused host buffers.
+/// device with one transfer, in order. On CUDA with direct transfers, the parts' arrays are
+/// zeros made on the device in one evaluation, and each part's blocks alone cross the bus:
+/// pipelined, while the calling thread copies part `i` into its array (a driver copy of each
+/// head's rows), the thread pool assembles part `i + 1` in the other of two reused,
+/// page-locked host buffers. Elsewhere each part is assembled whole, zeros included: on the
+/// CPU straight into the memory its array takes over, on other GPUs in the reused buffers.
 pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
     blocks: &[B],
     parts: &[RunPart<'_>],
@@ -593,34 +612,67 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
         return parts
             .iter()
             .map(|part| {
-                let mut buf = HostBuffer::new(part.bytes()?)?;
-                part.assemble(blocks, &mut buf)?;
+                let mut buf = HostBuffer::new(part.bytes(part.capacity())?)?;
+                part.assemble(blocks, &mut buf, part.capacity())?;
                 Ok(buf.into_array(&part.shape()?, to_mlx_dtype(part.spec.dtype))?)
             })
             .collect();
     }
+    if parts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let direct = mlx::direct_transfers();
+    // Per part: the rows assembled on the host (its blocks alone where they are copied
+    // into zeros on the device), and the arrays they go to.
+    let cap = |p: &RunPart<'_>| match direct {
+        true => p.planes.len(),
+        false => p.capacity(),
+    };
     let mut sizes = Vec::with_capacity(parts.len());
     for p in parts {
-        sizes.push(p.bytes()?);
+        sizes.push(p.bytes(cap(p))?);
     }
-    let Some(&largest) = sizes.iter().max() else {
-        return Ok(Vec::new());
+    let mut dsts = match direct {
+        true => {
+            let mut shapes = Vec::with_capacity(parts.len());
+            for p in parts {
+                shapes.push((p.shape()?, to_mlx_dtype(p.spec.dtype)));
+            }
+            let shapes: Vec<(&[i32], mlx::Dtype)> =
+                shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
+            Some(mlx::zeroed_on_device(&shapes)?.into_iter())
+        }
+        false => None,
     };
+    let largest = sizes.iter().copied().max().unwrap_or(0);
     with_scratch_pair(largest, |a, b| {
         let mut out = Vec::with_capacity(parts.len());
         let (mut cur, mut next) = (a, b);
-        parts[0].assemble(blocks, &mut cur[..sizes[0]])?;
+        parts[0].assemble(blocks, &mut cur[..sizes[0]], cap(&parts[0]))?;
         for (i, part) in parts.iter().enumerate() {
             let following = parts.get(i + 1).map(|p| (p, sizes[i + 1]));
             let mut assembled = Ok(());
-            let uploaded = rayon::in_place_scope(|s| {
+            let moved = rayon::in_place_scope(|s| {
                 if let Some((p, len)) = following {
                     let (next, assembled) = (&mut next[..len], &mut assembled);
-                    s.spawn(move |_| *assembled = p.assemble(blocks, next));
+                    s.spawn(move |_| *assembled = p.assemble(blocks, next, cap(p)));
                 }
-                part.array(&cur[..sizes[i]])
+                let host = &cur[..sizes[i]];
+                match dsts.as_mut().and_then(Iterator::next) {
+                    Some(dst) => match part.write_into(&dst, host)? {
+                        true => Ok(dst),
+                        false => Err(CacheError::Mlx(mlx::Error::InvalidArgument {
+                            op: "restore",
+                            message: format!(
+                                "the zeros made for part {} are not in device memory",
+                                part.spec.name
+                            ),
+                        })),
+                    },
+                    None => part.array(host),
+                }
             });
-            out.push(uploaded?);
+            out.push(moved?);
             assembled?;
             std::mem::swap(&mut cur, &mut next);
         }
@@ -720,7 +772,7 @@ mod tests {
                 capacity: 400,
             },
         ];
-        assert!(parts[0].bytes().unwrap() >= PARALLEL_ASSEMBLY_BYTES);
+        assert!(parts[0].bytes(parts[0].capacity()).unwrap() >= PARALLEL_ASSEMBLY_BYTES);
         // Twice: the second run reuses buffers the first left full of other bytes.
         for _ in 0..2 {
             let arrays = upload_run(&blocks, &parts).unwrap();
@@ -735,6 +787,19 @@ mod tests {
             }
         }
         assert!(upload_run(&blocks, &[]).unwrap().is_empty());
+        // Assembled without zeros (what crosses the bus on CUDA before the rows are written
+        // into zeros on the device): the same rows, each head's room cut to the run's blocks.
+        for part in &parts {
+            let n = part.planes.len();
+            let mut dense = vec![0xAAu8; part.bytes(n).unwrap()];
+            part.assemble(&blocks, &mut dense, n).unwrap();
+            let cut = RunPart {
+                spec: part.spec,
+                planes: part.planes.clone(),
+                capacity: n,
+            };
+            assert!(dense == naive_part(&blocks, &cut));
+        }
     }
 
     #[test]

@@ -1018,23 +1018,15 @@ impl PagedKvCache {
                 Some(r)
             })
             .collect();
-        // A fresh pool gets the capacity a pool grown to these blocks would have. On a GPU
-        // the zeros after the blocks are made there (a device copy) rather than crossing
-        // from the host; on the CPU the host buffer already is the arena.
+        // A fresh pool gets the capacity a pool grown to these blocks would have (its arrays
+        // are made at that size: on CUDA the zeros after the blocks are made on the device,
+        // host.rs); blocks appended to a pool arrive as arrays of their own size.
         let capacity = ladder_capacity(
             config.initial_blocks,
             config.max_blocks,
             config.block_size,
             valid,
         );
-        let pad_on_device = mlx::default_device()? == mlx::Device::Gpu;
-        let host_capacity = |fresh: bool| {
-            if fresh && !pad_on_device {
-                capacity
-            } else {
-                valid
-            }
-        };
         // Every layer part of the run, layer by layer, assembled and moved in one pipeline.
         let mut run_parts = Vec::with_capacity(layers * per);
         for (li, layer) in self.layers.iter().enumerate() {
@@ -1050,7 +1042,10 @@ impl PagedKvCache {
                 run_parts.push(host::RunPart {
                     spec: &specs[li * per + p],
                     planes,
-                    capacity: host_capacity(layer.pool.is_none()),
+                    capacity: match layer.pool {
+                        None => capacity,
+                        Some(_) => valid,
+                    },
                 });
             }
         }
@@ -1169,8 +1164,8 @@ impl PagedKvCache {
     }
 
     /// Puts the arrays of a checked run of `valid` blocks (`uploaded`: per layer, its
-    /// parts) after what each layer holds: a fresh layer's pool becomes them (padded with
-    /// zeros to `capacity` blocks if they hold fewer), an existing pool appends them. Then
+    /// parts) after what each layer holds: a fresh layer's pool becomes them (each made
+    /// with room for `capacity` blocks, zeros after the run), an existing pool appends them. Then
     /// the layer `states` of the run's end and the window bookkeeping (`last_trimmed`: the
     /// run's last window-trimmed block).
     fn install_run(
@@ -1190,15 +1185,13 @@ impl PagedKvCache {
         let mut uploaded = uploaded.into_iter();
         for layer in self.layers.iter_mut() {
             let fresh = layer.pool.is_none();
-            let mut parts: Vec<Array> = uploaded.by_ref().take(per).collect();
-            for a in &mut parts {
-                let s = a.shape();
-                let held = s.get(1).map_or(0, |&t| t as usize / bs);
-                if fresh && held < capacity {
-                    let tail = ((capacity - held) * bs) as i32;
-                    let zeros = mlx::ops::zeros(&[s[0], tail, s[2]], a.dtype())?;
-                    *a = mlx::ops::concatenate(&[&*a, &zeros], 1)?;
-                }
+            let parts: Vec<Array> = uploaded.by_ref().take(per).collect();
+            let room = |a: &Array| a.shape().get(1).map_or(0, |&t| t as usize / bs);
+            if let Some(a) = parts.iter().find(|a| fresh && room(a) != capacity) {
+                return Err(CacheError::Shape(format!(
+                    "a restored part holds {} blocks, its pool {capacity}",
+                    room(a)
+                )));
             }
             match layer.pool.as_mut() {
                 None => {

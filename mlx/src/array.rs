@@ -170,6 +170,25 @@ impl Array {
         check("data_addr", ffi::array_data_addr(self.inner()))
     }
 
+    /// Copies `height` rows of `width` bytes, consecutive in `src`, into this array's CUDA
+    /// device memory, row `r` at byte `r · pitch` of its data, with one driver copy;
+    /// `Ok(false)`, nothing copied, where direct transfers are unavailable or the array is
+    /// not in device memory. MLX does not see the write: the array must be evaluated,
+    /// row-contiguous and held by the caller alone with nothing queued on it, as the arrays
+    /// of [`zeroed_on_device`] are.
+    pub fn write_rows_direct(
+        &self,
+        src: &[u8],
+        width: usize,
+        height: usize,
+        pitch: usize,
+    ) -> Result<bool> {
+        check(
+            "write_rows_direct",
+            ffi::array_write_rows(self.inner(), src, width, height, pitch),
+        )
+    }
+
     /// Computes the array (and everything it depends on) now.
     pub fn eval(&self) -> Result<()> {
         crate::eval(&[self])
@@ -325,6 +344,17 @@ pub(crate) fn unlist(op: &'static str, l: &ffi::ArrayList) -> Result<Vec<Array>>
     (0..n)
         .map(|i| Array::wrap(op, ffi::list_get(l, i)))
         .collect()
+}
+
+/// Zero-filled arrays of the given shapes and dtypes, computed in one evaluation, each with
+/// a buffer of its own: destinations for [`Array::write_rows_direct`].
+pub fn zeroed_on_device(shapes: &[(&[i32], Dtype)]) -> Result<Vec<Array>> {
+    let arrays = shapes
+        .iter()
+        .map(|(shape, dtype)| crate::ops::zeros(shape, *dtype)?.contiguous())
+        .collect::<Result<Vec<_>>>()?;
+    eval(&arrays.iter().collect::<Vec<_>>())?;
+    Ok(arrays)
 }
 
 /// Computes all the given arrays now, sharing work between their graphs.

@@ -39,12 +39,34 @@ using CUdevice = int;
 using CUcontext = void*;
 using CUdeviceptr = unsigned long long;
 
+// CUDA_MEMCPY2D (cuda.h's `CUDA_MEMCPY2D_st`), field for field: the driver API's stable
+// layout. Memory types: 1 host, 2 device.
+struct Memcpy2D {
+  size_t src_x_bytes;
+  size_t src_y;
+  int src_memory_type;
+  const void* src_host;
+  CUdeviceptr src_device;
+  void* src_array;
+  size_t src_pitch;
+  size_t dst_x_bytes;
+  size_t dst_y;
+  int dst_memory_type;
+  void* dst_host;
+  CUdeviceptr dst_device;
+  void* dst_array;
+  size_t dst_pitch;
+  size_t width_bytes;
+  size_t height;
+};
+
 struct Driver {
   CUresult (*device_get)(CUdevice*, int);
   CUresult (*primary_ctx_retain)(CUcontext*, CUdevice);
   CUresult (*ctx_set_current)(CUcontext);
   CUresult (*memcpy_dtoh)(void*, CUdeviceptr, size_t);
   CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t);
+  CUresult (*memcpy_2d)(const Memcpy2D*);
   CUresult (*error_string)(CUresult, const char**);
   CUresult (*mem_host_alloc)(void**, size_t, unsigned int);
   CUresult (*mem_free_host)(void*);
@@ -69,6 +91,7 @@ const Driver* driver() {
     out->ctx_set_current = reinterpret_cast<decltype(out->ctx_set_current)>(sym("cuCtxSetCurrent"));
     out->memcpy_dtoh = reinterpret_cast<decltype(out->memcpy_dtoh)>(sym("cuMemcpyDtoH_v2"));
     out->memcpy_htod = reinterpret_cast<decltype(out->memcpy_htod)>(sym("cuMemcpyHtoD_v2"));
+    out->memcpy_2d = reinterpret_cast<decltype(out->memcpy_2d)>(sym("cuMemcpy2D_v2"));
     out->error_string = reinterpret_cast<decltype(out->error_string)>(sym("cuGetErrorString"));
     out->mem_host_alloc = reinterpret_cast<decltype(out->mem_host_alloc)>(sym("cuMemHostAlloc"));
     out->mem_free_host = reinterpret_cast<decltype(out->mem_free_host)>(sym("cuMemFreeHost"));
@@ -140,6 +163,41 @@ std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& 
   auto to = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
   check(driver()->memcpy_htod(to, data, n), "cuMemcpyHtoD");
   return dst;
+}
+
+bool write_rows(const mx::array& dst, const uint8_t* src, size_t width, size_t height, size_t pitch) {
+  if (width == 0 || height == 0 || !available()) return false;
+  if (width > pitch) throw std::invalid_argument("rows of " + std::to_string(width) + " bytes at a pitch of " +
+                                                 std::to_string(pitch));
+  if (!dst.is_available() || !dst.flags().row_contiguous) return false;
+  size_t span = (height - 1) * pitch + width;
+  if (span > dst.nbytes()) {
+    throw std::invalid_argument(std::to_string(height) + " rows at a pitch of " + std::to_string(pitch) +
+                                " overrun an array of " + std::to_string(dst.nbytes()) + " bytes");
+  }
+  const MirrorBuffer* buf = device_buffer(dst, span);
+  if (buf == nullptr) return false;
+  make_current(buf->device);
+  auto to = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
+  if (width == pitch || height == 1) {
+    check(driver()->memcpy_htod(to, src, width * height), "cuMemcpyHtoD");
+    return true;
+  }
+  Memcpy2D c{};
+  c.src_memory_type = 1;
+  c.src_host = src;
+  c.src_pitch = width;
+  c.dst_memory_type = 2;
+  c.dst_device = to;
+  c.dst_pitch = pitch;
+  c.width_bytes = width;
+  c.height = height;
+  if (driver()->memcpy_2d(&c) == 0) return true;
+  // The driver may refuse pitches it did not allocate itself: one copy per row instead.
+  for (size_t r = 0; r < height; ++r) {
+    check(driver()->memcpy_htod(to + r * pitch, src + r * width, width), "cuMemcpyHtoD");
+  }
+  return true;
 }
 
 uint8_t* pinned_alloc(size_t n) {

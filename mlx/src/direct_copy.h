@@ -28,6 +28,14 @@ bool read(const mlx::core::array& a, uint8_t* out, size_t n);
 std::optional<mlx::core::array> upload(const uint8_t* data, size_t n, const mlx::core::Shape& shape,
                                        mlx::core::Dtype dtype);
 
+// Copies `height` rows of `width` bytes, consecutive in `src`, into the device memory of
+// `dst` (evaluated, row-contiguous, in CUDA device memory), row r at byte r * pitch of its
+// data: one driver copy. MLX does not see the write, so `dst` must be owned by the caller
+// alone with nothing queued on it (a zero array just evaluated). Returns false, copying
+// nothing, where direct copies are unavailable or `dst` is not in device memory; throws when
+// the rows do not fit.
+bool write_rows(const mlx::core::array& dst, const uint8_t* src, size_t width, size_t height, size_t pitch);
+
 // Page-locked host memory of `n` bytes (the driver DMAs to and from it without staging),
 // or nullptr where direct copies are unavailable or the allocation fails.
 uint8_t* pinned_alloc(size_t n);

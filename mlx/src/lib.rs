@@ -39,7 +39,8 @@ pub mod random;
 pub mod validate;
 
 pub use array::{
-    async_eval, eval, pending_primitives, pending_small_leaves, synchronize, Array, HostBuffer,
+    async_eval, eval, pending_primitives, pending_small_leaves, synchronize, zeroed_on_device,
+    Array, HostBuffer,
 };
 pub use cuda_graphs::{
     cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,

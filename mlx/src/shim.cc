@@ -178,6 +178,13 @@ void array_read_into(const Array& a, rust::Slice<uint8_t> out) {
   }
 }
 
+bool array_write_rows(const Array& dst, rust::Slice<const uint8_t> src, size_t width, size_t height, size_t pitch) {
+  if (src.size() != width * height) {
+    throw std::invalid_argument("host rows hold " + std::to_string(src.size()) + " bytes, " + std::to_string(height) +
+                                " rows of " + std::to_string(width) + " need " + std::to_string(width * height));
+  }
+  return direct::write_rows(dst.inner, src.data(), width, height, pitch);
+}
 bool direct_transfers_available() { return direct::available(); }
 bool set_direct_transfers(bool on) { return direct::set_enabled(on); }
 size_t pinned_alloc(size_t n) {
