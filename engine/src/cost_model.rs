@@ -90,7 +90,7 @@ fn attended(n: f64, c: f64) -> f64 {
 }
 
 /// The restore cost estimates of one device, each for n blocks ([`Fit::seconds`]).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct RestoreEstimates {
     /// Moving blocks from host bytes to the device.
     pub import: Option<Fit>,

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use engine::{GenerateParams, KvTiers, Request, ReuseConfig, ReuseReport};
+use engine::{Fit, GenerateParams, KvTiers, Request, RestoreEstimates, ReuseConfig, ReuseReport};
 use serde::Serialize;
 use store::StoreConfig;
 
@@ -108,6 +108,26 @@ struct TurnResult {
     ssd_stored_bytes: u64,
     /// In-process arms: the token ids generated.
     generated: Vec<u32>,
+    /// Arms with a cache: the cost model's estimates after the turn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    estimates: Option<TurnEstimates>,
+}
+
+/// What the restore-or-recompute model estimated after a turn (engine/src/cost_model.rs).
+#[derive(Serialize, Clone, Copy, Debug)]
+struct TurnEstimates {
+    prefill: Option<Fit>,
+    #[serde(flatten)]
+    restore: RestoreEstimates,
+}
+
+impl TurnEstimates {
+    fn of(tiers: &KvTiers) -> Self {
+        TurnEstimates {
+            prefill: tiers.prefill_estimate(),
+            restore: tiers.restore_estimates(),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -148,6 +168,7 @@ fn from_report((generated, r): &Turn, written: u64) -> TurnResult {
         prefill_s: r.prefill_s,
         ssd_bytes_written: written,
         ssd_stored_bytes: 0,
+        estimates: None,
     }
 }
 
@@ -273,7 +294,9 @@ impl Ctx<'_> {
                 let before = tiers.stats().bytes_written;
                 let (rep, back) = self.turn(Some(tiers), p)?;
                 let back = back.context("the engine kept the tiers")?;
-                out.push(from_report(&rep, back.stats().bytes_written - before));
+                let mut t = from_report(&rep, back.stats().bytes_written - before);
+                t.estimates = Some(TurnEstimates::of(&back));
+                out.push(t);
                 *pc = Some(back);
             }
             for (on, dir, every, trim, out) in [
@@ -297,6 +320,7 @@ impl Ctx<'_> {
                     pc.flush()?;
                     let mut t = from_report(&rep, pc.stats().bytes_written);
                     t.ssd_stored_bytes = pc.stats().ssd_bytes;
+                    t.estimates = Some(TurnEstimates::of(&pc));
                     out.push(t);
                 }
             }
