@@ -22,13 +22,13 @@
 //! restorable end can attend to its keys through a window ([`WindowPlan::keeps`] decides).
 //! A restore fills the missing rows with zeros, which the window mask never reads.
 
-use mlx::{Array, HostBuffer};
+use mlx::{Array, HostBuffer, RowsWrite};
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
 use crate::pool::BlockShape;
 use rayon::prelude::*;
 
-use crate::scratch::{with_scratch, with_scratch_pair};
+use crate::scratch::{with_scratch, with_scratch_pair, KEEP_BYTES};
 use crate::{CacheError, KvFormat, LayerState};
 
 /// What decides which published blocks carry their window layers' planes: a continuation
@@ -512,14 +512,18 @@ impl RunPart<'_> {
         Ok(Array::from_bytes(host, &self.shape()?, dtype)?)
     }
 
-    /// Moves the part's blocks, assembled without zeros in `host` (`[heads, n · bs,
+    /// The write of the part's blocks, assembled without zeros in `host` (`[heads, n · bs,
     /// width]`), into `dst` (zeros of [`Self::shape`] in device memory): per head, its rows
-    /// at the start of the head's room, in one driver copy. False where direct transfers
-    /// are unavailable.
-    fn write_into(&self, dst: &Array, host: &[u8]) -> Result<bool, CacheError> {
+    /// at the start of the head's room.
+    fn rows_write<'a>(&self, dst: &'a Array, host: &'a [u8]) -> Result<RowsWrite<'a>, CacheError> {
         let (heads, _, _, block_rows) = self.layout()?;
-        let width = self.planes.len() * block_rows;
-        Ok(dst.write_rows_direct(host, width, heads, self.capacity() * block_rows)?)
+        Ok(RowsWrite {
+            dst,
+            src: host,
+            width: self.planes.len() * block_rows,
+            height: heads,
+            pitch: self.capacity() * block_rows,
+        })
     }
 }
 
@@ -596,12 +600,14 @@ impl RunAssembly {
 const PARALLEL_ASSEMBLY_BYTES: usize = 4 << 20;
 
 /// Assembles every part of `parts` from the run `blocks` on the host and moves each to the
-/// device with one transfer, in order. On CUDA with direct transfers, the parts' arrays are
-/// zeros made on the device in one evaluation, and each part's blocks alone cross the bus:
-/// pipelined, while the calling thread copies part `i` into its array (a driver copy of each
-/// head's rows), the thread pool assembles part `i + 1` in the other of two reused,
-/// page-locked host buffers. Elsewhere each part is assembled whole, zeros included: on the
-/// CPU straight into the memory its array takes over, on other GPUs in the reused buffers.
+/// device with one transfer. On CUDA with direct transfers, the parts' arrays are zeros made
+/// on the device in one evaluation, and each part's blocks alone cross the bus (a driver copy
+/// writes each head's rows at the start of its room): a run that fits one reused,
+/// page-locked host buffer is assembled there whole, a part per task, and its copies are
+/// queued together; a larger one is pipelined, the calling thread copying part `i` while the
+/// thread pool assembles part `i + 1` in the other of two buffers. Elsewhere each part is
+/// assembled whole, zeros included: on the CPU straight into the memory its array takes
+/// over, on other GPUs in the two buffers, pipelined.
 pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
     blocks: &[B],
     parts: &[RunPart<'_>],
@@ -621,10 +627,69 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
     if parts.is_empty() {
         return Ok(Vec::new());
     }
-    let direct = mlx::direct_transfers();
-    // Per part: the rows assembled on the host (its blocks alone where they are copied
-    // into zeros on the device), and the arrays they go to.
-    let cap = |p: &RunPart<'_>| match direct {
+    if !mlx::direct_transfers() {
+        return pipelined(blocks, parts, None);
+    }
+    let mut shapes = Vec::with_capacity(parts.len());
+    for p in parts {
+        shapes.push((p.shape()?, to_mlx_dtype(p.spec.dtype)));
+    }
+    let shapes: Vec<(&[i32], mlx::Dtype)> =
+        shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
+    let dsts = mlx::zeroed_on_device(&shapes)?;
+    let mut sizes = Vec::with_capacity(parts.len());
+    for p in parts {
+        sizes.push(p.bytes(p.planes.len())?);
+    }
+    let total: usize = sizes.iter().sum();
+    if total > KEEP_BYTES {
+        return pipelined(blocks, parts, Some(dsts));
+    }
+    with_scratch(total, |buf| {
+        let mut hosts = Vec::with_capacity(parts.len());
+        let mut rest = buf;
+        for &len in &sizes {
+            let (part, after) = rest.split_at_mut(len);
+            hosts.push(part);
+            rest = after;
+        }
+        hosts
+            .par_iter_mut()
+            .zip(parts)
+            .try_for_each(|(host, p)| p.assemble(blocks, host, p.planes.len()))?;
+        let writes = parts
+            .iter()
+            .zip(&hosts)
+            .zip(&dsts)
+            .map(|((p, host), dst)| p.rows_write(dst, host))
+            .collect::<Result<Vec<_>, _>>()?;
+        write_all(&writes)
+    })?;
+    Ok(dsts)
+}
+
+/// Copies `writes` into device memory; an error if the arrays were not in device memory.
+fn write_all(writes: &[RowsWrite<'_>]) -> Result<(), CacheError> {
+    match mlx::write_rows_direct(writes)? {
+        true => Ok(()),
+        false => Err(CacheError::Mlx(mlx::Error::InvalidArgument {
+            op: "restore",
+            message: "the zeros made for a restore are not in device memory".into(),
+        })),
+    }
+}
+
+/// [`upload_run`] a part at a time: part `i` is moved (written into its array of `dsts`,
+/// or made an array of its own with its zeros) while the thread pool assembles part
+/// `i + 1` in the other of two reused host buffers.
+fn pipelined<B: AsRef<Block> + Sync>(
+    blocks: &[B],
+    parts: &[RunPart<'_>],
+    dsts: Option<Vec<Array>>,
+) -> Result<Vec<Array>, CacheError> {
+    // Rows assembled on the host: the blocks alone where they are written into zeros.
+    let into_zeros = dsts.is_some();
+    let cap = |p: &RunPart<'_>| match into_zeros {
         true => p.planes.len(),
         false => p.capacity(),
     };
@@ -632,19 +697,8 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
     for p in parts {
         sizes.push(p.bytes(cap(p))?);
     }
-    let mut dsts = match direct {
-        true => {
-            let mut shapes = Vec::with_capacity(parts.len());
-            for p in parts {
-                shapes.push((p.shape()?, to_mlx_dtype(p.spec.dtype)));
-            }
-            let shapes: Vec<(&[i32], mlx::Dtype)> =
-                shapes.iter().map(|(s, d)| (s.as_slice(), *d)).collect();
-            Some(mlx::zeroed_on_device(&shapes)?.into_iter())
-        }
-        false => None,
-    };
     let largest = sizes.iter().copied().max().unwrap_or(0);
+    let mut dsts = dsts.map(Vec::into_iter);
     with_scratch_pair(largest, |a, b| {
         let mut out = Vec::with_capacity(parts.len());
         let (mut cur, mut next) = (a, b);
@@ -659,16 +713,7 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
                 }
                 let host = &cur[..sizes[i]];
                 match dsts.as_mut().and_then(Iterator::next) {
-                    Some(dst) => match part.write_into(&dst, host)? {
-                        true => Ok(dst),
-                        false => Err(CacheError::Mlx(mlx::Error::InvalidArgument {
-                            op: "restore",
-                            message: format!(
-                                "the zeros made for part {} are not in device memory",
-                                part.spec.name
-                            ),
-                        })),
-                    },
+                    Some(dst) => write_all(&[part.rows_write(&dst, host)?]).map(|()| dst),
                     None => part.array(host),
                 }
             });

@@ -12,7 +12,7 @@ use std::cell::RefCell;
 
 /// Buffers up to this size stay with their thread between uses; a larger request gets an
 /// ordinary buffer of its own, freed afterwards.
-const KEEP_BYTES: usize = 256 << 20;
+pub(crate) const KEEP_BYTES: usize = 256 << 20;
 
 /// A thread's first buffer has at least this size: a conversation's restores grow from a
 /// few blocks to hundreds of megabytes, and each growth of a page-locked buffer costs a

@@ -170,25 +170,6 @@ impl Array {
         check("data_addr", ffi::array_data_addr(self.inner()))
     }
 
-    /// Copies `height` rows of `width` bytes, consecutive in `src`, into this array's CUDA
-    /// device memory, row `r` at byte `r · pitch` of its data, with one driver copy;
-    /// `Ok(false)`, nothing copied, where direct transfers are unavailable or the array is
-    /// not in device memory. MLX does not see the write: the array must be evaluated,
-    /// row-contiguous and held by the caller alone with nothing queued on it, as the arrays
-    /// of [`zeroed_on_device`] are.
-    pub fn write_rows_direct(
-        &self,
-        src: &[u8],
-        width: usize,
-        height: usize,
-        pitch: usize,
-    ) -> Result<bool> {
-        check(
-            "write_rows_direct",
-            ffi::array_write_rows(self.inner(), src, width, height, pitch),
-        )
-    }
-
     /// Computes the array (and everything it depends on) now.
     pub fn eval(&self) -> Result<()> {
         crate::eval(&[self])
@@ -346,8 +327,47 @@ pub(crate) fn unlist(op: &'static str, l: &ffi::ArrayList) -> Result<Vec<Array>>
         .collect()
 }
 
+/// Rows of host bytes for [`write_rows_direct`]: `height` rows of `width` bytes,
+/// consecutive in `src`, to go at a pitch of `pitch` bytes from the start of `dst`'s data.
+pub struct RowsWrite<'a> {
+    /// The array written (see [`write_rows_direct`] for what it must be).
+    pub dst: &'a Array,
+    /// The rows, `width · height` bytes.
+    pub src: &'a [u8],
+    /// Bytes of a row.
+    pub width: usize,
+    /// Rows.
+    pub height: usize,
+    /// Bytes from one row's start in `dst` to the next one's.
+    pub pitch: usize,
+}
+
+/// Copies each write's rows into its array's CUDA device memory through the driver (one
+/// copy each, queued together and waited for before returning); `Ok(false)`, nothing
+/// copied, where direct transfers are unavailable or an array is not in device memory.
+/// MLX does not see the writes: each array must be evaluated, row-contiguous and held by
+/// the caller alone with nothing queued on it, as the arrays of [`zeroed_on_device`] are.
+pub fn write_rows_direct(writes: &[RowsWrite<'_>]) -> Result<bool> {
+    let dsts: Vec<&Array> = writes.iter().map(|w| w.dst).collect();
+    let l = list("write_rows_direct", &dsts)?;
+    let at: Vec<usize> = writes
+        .iter()
+        .flat_map(|w| {
+            [
+                w.src.as_ptr() as usize,
+                w.src.len(),
+                w.width,
+                w.height,
+                w.pitch,
+            ]
+        })
+        .collect();
+    // The sources stay borrowed until the copies have finished (the call waits for them).
+    check("write_rows_direct", ffi::arrays_write_rows(&l, &at))
+}
+
 /// Zero-filled arrays of the given shapes and dtypes, computed in one evaluation, each with
-/// a buffer of its own: destinations for [`Array::write_rows_direct`].
+/// a buffer of its own: destinations for [`write_rows_direct`].
 pub fn zeroed_on_device(shapes: &[(&[i32], Dtype)]) -> Result<Vec<Array>> {
     let arrays = shapes
         .iter()

@@ -66,7 +66,9 @@ struct Driver {
   CUresult (*ctx_set_current)(CUcontext);
   CUresult (*memcpy_dtoh)(void*, CUdeviceptr, size_t);
   CUresult (*memcpy_htod)(CUdeviceptr, const void*, size_t);
-  CUresult (*memcpy_2d)(const Memcpy2D*);
+  CUresult (*memcpy_2d_async)(const Memcpy2D*, void*);
+  CUresult (*memcpy_htod_async)(CUdeviceptr, const void*, size_t, void*);
+  CUresult (*stream_synchronize)(void*);
   CUresult (*error_string)(CUresult, const char**);
   CUresult (*mem_host_alloc)(void**, size_t, unsigned int);
   CUresult (*mem_free_host)(void*);
@@ -91,7 +93,9 @@ const Driver* driver() {
     out->ctx_set_current = reinterpret_cast<decltype(out->ctx_set_current)>(sym("cuCtxSetCurrent"));
     out->memcpy_dtoh = reinterpret_cast<decltype(out->memcpy_dtoh)>(sym("cuMemcpyDtoH_v2"));
     out->memcpy_htod = reinterpret_cast<decltype(out->memcpy_htod)>(sym("cuMemcpyHtoD_v2"));
-    out->memcpy_2d = reinterpret_cast<decltype(out->memcpy_2d)>(sym("cuMemcpy2D_v2"));
+    out->memcpy_2d_async = reinterpret_cast<decltype(out->memcpy_2d_async)>(sym("cuMemcpy2DAsync_v2"));
+    out->memcpy_htod_async = reinterpret_cast<decltype(out->memcpy_htod_async)>(sym("cuMemcpyHtoDAsync_v2"));
+    out->stream_synchronize = reinterpret_cast<decltype(out->stream_synchronize)>(sym("cuStreamSynchronize"));
     out->error_string = reinterpret_cast<decltype(out->error_string)>(sym("cuGetErrorString"));
     out->mem_host_alloc = reinterpret_cast<decltype(out->mem_host_alloc)>(sym("cuMemHostAlloc"));
     out->mem_free_host = reinterpret_cast<decltype(out->mem_free_host)>(sym("cuMemFreeHost"));
@@ -165,38 +169,66 @@ std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& 
   return dst;
 }
 
-bool write_rows(const mx::array& dst, const uint8_t* src, size_t width, size_t height, size_t pitch) {
-  if (width == 0 || height == 0 || !available()) return false;
+namespace {
+// Where `height` rows of `width` bytes at a row pitch of `pitch` go in `dst`: its device
+// address, or 0 when it is not an evaluated, row-contiguous array in device memory; throws
+// when the rows do not fit.
+CUdeviceptr rows_target(const mx::array& dst, size_t width, size_t height, size_t pitch) {
   if (width > pitch) throw std::invalid_argument("rows of " + std::to_string(width) + " bytes at a pitch of " +
                                                  std::to_string(pitch));
-  if (!dst.is_available() || !dst.flags().row_contiguous) return false;
+  if (!dst.is_available() || !dst.flags().row_contiguous) return 0;
   size_t span = (height - 1) * pitch + width;
   if (span > dst.nbytes()) {
     throw std::invalid_argument(std::to_string(height) + " rows at a pitch of " + std::to_string(pitch) +
                                 " overrun an array of " + std::to_string(dst.nbytes()) + " bytes");
   }
   const MirrorBuffer* buf = device_buffer(dst, span);
-  if (buf == nullptr) return false;
+  if (buf == nullptr) return 0;
   make_current(buf->device);
-  auto to = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
-  if (width == pitch || height == 1) {
-    check(driver()->memcpy_htod(to, src, width * height), "cuMemcpyHtoD");
-    return true;
+  return reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
+}
+}  // namespace
+
+bool write_rows(const std::vector<RowsWrite>& writes) {
+  if (writes.empty() || !available()) return false;
+  std::vector<CUdeviceptr> to;
+  to.reserve(writes.size());
+  for (const auto& w : writes) {
+    if (w.width == 0 || w.height == 0) {
+      to.push_back(0);
+      continue;
+    }
+    CUdeviceptr t = rows_target(*w.dst, w.width, w.height, w.pitch);
+    if (t == 0) return false;  // nothing copied yet
+    to.push_back(t);
   }
-  Memcpy2D c{};
-  c.src_memory_type = 1;
-  c.src_host = src;
-  c.src_pitch = width;
-  c.dst_memory_type = 2;
-  c.dst_device = to;
-  c.dst_pitch = pitch;
-  c.width_bytes = width;
-  c.height = height;
-  if (driver()->memcpy_2d(&c) == 0) return true;
-  // The driver may refuse pitches it did not allocate itself: one copy per row instead.
-  for (size_t r = 0; r < height; ++r) {
-    check(driver()->memcpy_htod(to + r * pitch, src + r * width, width), "cuMemcpyHtoD");
+  // Queued on the legacy default stream, which MLX's non-blocking streams do not wait
+  // for: the arrays are evaluated (nothing of MLX writes them) and the stream is
+  // synchronized before returning, so MLX reads them only after the copies.
+  for (size_t i = 0; i < writes.size(); ++i) {
+    const auto& w = writes[i];
+    if (to[i] == 0) continue;
+    if (w.width == w.pitch || w.height == 1) {
+      check(driver()->memcpy_htod_async(to[i], w.src, w.width * w.height, nullptr), "cuMemcpyHtoDAsync");
+      continue;
+    }
+    Memcpy2D c{};
+    c.src_memory_type = 1;
+    c.src_host = w.src;
+    c.src_pitch = w.width;
+    c.dst_memory_type = 2;
+    c.dst_device = to[i];
+    c.dst_pitch = w.pitch;
+    c.width_bytes = w.width;
+    c.height = w.height;
+    if (driver()->memcpy_2d_async(&c, nullptr) == 0) continue;
+    // The driver may refuse pitches it did not allocate itself: one copy per row instead.
+    for (size_t r = 0; r < w.height; ++r) {
+      check(driver()->memcpy_htod_async(to[i] + r * w.pitch, w.src + r * w.width, w.width, nullptr),
+            "cuMemcpyHtoDAsync");
+    }
   }
+  check(driver()->stream_synchronize(nullptr), "cuStreamSynchronize");
   return true;
 }
 

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "mlx/mlx.h"
 
@@ -28,13 +29,22 @@ bool read(const mlx::core::array& a, uint8_t* out, size_t n);
 std::optional<mlx::core::array> upload(const uint8_t* data, size_t n, const mlx::core::Shape& shape,
                                        mlx::core::Dtype dtype);
 
-// Copies `height` rows of `width` bytes, consecutive in `src`, into the device memory of
-// `dst` (evaluated, row-contiguous, in CUDA device memory), row r at byte r * pitch of its
-// data: one driver copy. MLX does not see the write, so `dst` must be owned by the caller
-// alone with nothing queued on it (a zero array just evaluated). Returns false, copying
-// nothing, where direct copies are unavailable or `dst` is not in device memory; throws when
-// the rows do not fit.
-bool write_rows(const mlx::core::array& dst, const uint8_t* src, size_t width, size_t height, size_t pitch);
+// One array's part of write_rows: `height` rows of `width` bytes, consecutive at `src`,
+// to go at a row pitch of `pitch` bytes from the start of `dst`'s data.
+struct RowsWrite {
+  const mlx::core::array* dst;
+  const uint8_t* src;
+  size_t width;
+  size_t height;
+  size_t pitch;
+};
+
+// Copies each write's rows into the device memory of its array (evaluated, row-contiguous,
+// in CUDA device memory): one driver copy each (queued together, then waited for). MLX does
+// not see the writes, so each array must be owned by the caller alone with nothing queued on
+// it (a zero array just evaluated). Returns false, copying nothing, where direct copies are
+// unavailable or an array is not in device memory; throws when rows do not fit.
+bool write_rows(const std::vector<RowsWrite>& writes);
 
 // Page-locked host memory of `n` bytes (the driver DMAs to and from it without staging),
 // or nullptr where direct copies are unavailable or the allocation fails.

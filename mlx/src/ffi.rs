@@ -85,13 +85,7 @@ pub(crate) mod ffi {
             dtype: u8,
         ) -> Result<UniquePtr<Array>>;
         fn host_buffers_live() -> usize;
-        fn array_write_rows(
-            dst: &Array,
-            src: &[u8],
-            width: usize,
-            height: usize,
-            pitch: usize,
-        ) -> Result<bool>;
+        fn arrays_write_rows(dsts: &ArrayList, at: &[usize]) -> Result<bool>;
         fn direct_transfers_available() -> bool;
         fn set_direct_transfers(on: bool) -> bool;
         fn pinned_alloc(n: usize) -> usize;

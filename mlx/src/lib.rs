@@ -39,8 +39,8 @@ pub mod random;
 pub mod validate;
 
 pub use array::{
-    async_eval, eval, pending_primitives, pending_small_leaves, synchronize, zeroed_on_device,
-    Array, HostBuffer,
+    async_eval, eval, pending_primitives, pending_small_leaves, synchronize, write_rows_direct,
+    zeroed_on_device, Array, HostBuffer, RowsWrite,
 };
 pub use cuda_graphs::{
     cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,

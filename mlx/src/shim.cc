@@ -178,12 +178,19 @@ void array_read_into(const Array& a, rust::Slice<uint8_t> out) {
   }
 }
 
-bool array_write_rows(const Array& dst, rust::Slice<const uint8_t> src, size_t width, size_t height, size_t pitch) {
-  if (src.size() != width * height) {
-    throw std::invalid_argument("host rows hold " + std::to_string(src.size()) + " bytes, " + std::to_string(height) +
-                                " rows of " + std::to_string(width) + " need " + std::to_string(width * height));
+bool arrays_write_rows(const ArrayList& dsts, rust::Slice<const size_t> at) {
+  // Per array: the source's address and length, the rows' width, their count and pitch.
+  if (at.size() != dsts.items.size() * 5) throw std::invalid_argument("5 numbers per array expected");
+  std::vector<direct::RowsWrite> writes;
+  for (size_t i = 0; i < dsts.items.size(); ++i) {
+    const size_t* m = at.data() + i * 5;
+    if (m[1] != m[2] * m[3]) {
+      throw std::invalid_argument("host rows hold " + std::to_string(m[1]) + " bytes, " + std::to_string(m[3]) +
+                                  " rows of " + std::to_string(m[2]) + " need " + std::to_string(m[2] * m[3]));
+    }
+    writes.push_back({&dsts.items[i], reinterpret_cast<const uint8_t*>(m[0]), m[2], m[3], m[4]});
   }
-  return direct::write_rows(dst.inner, src.data(), width, height, pitch);
+  return direct::write_rows(writes);
 }
 bool direct_transfers_available() { return direct::available(); }
 bool set_direct_transfers(bool on) { return direct::set_enabled(on); }

@@ -55,7 +55,7 @@ std::unique_ptr<HostBuffer> host_buffer_new(size_t n);
 size_t host_buffer_addr(const HostBuffer& b);
 std::unique_ptr<Array> array_from_host_buffer(std::unique_ptr<HostBuffer> b, rust::Slice<const int32_t> shape, uint8_t dtype);
 size_t host_buffers_live();
-bool array_write_rows(const Array& dst, rust::Slice<const uint8_t> src, size_t width, size_t height, size_t pitch);
+bool arrays_write_rows(const ArrayList& dsts, rust::Slice<const size_t> at);
 bool direct_transfers_available();
 bool set_direct_transfers(bool on);
 size_t pinned_alloc(size_t n);

@@ -1197,58 +1197,84 @@ fn large_transfers_round_trip_on_both_paths() {
 }
 
 /// Rows written into zeros on the device land at their pitch, bit for bit, and the rest
-/// stays zero (a restore's blocks at the start of each head's room); with direct transfers
-/// off, or on the CPU, nothing is written and the call says so.
+/// stays zero (a restore's blocks at the start of each head's room), several arrays in one
+/// call; with direct transfers off, or on the CPU, nothing is written and the call says so.
 #[test]
 fn rows_written_into_device_zeros_land_at_their_pitch() {
     let cuda = mlx::gpu_available().unwrap() && !cfg!(target_os = "macos");
     let mut rng = rng("rows_written_into_device_zeros");
-    // 3 heads × room for 40 rows of 16 f32; 25 rows a head are written.
-    let (heads, room, rows, width) = (3usize, 40usize, 25usize, 16usize);
+    // 3 heads × room for 40 rows of 16 f32; 25 rows a head are written. The second array
+    // has no gap between heads (room = rows): one plain copy.
+    let (heads, rows, width) = (3usize, 25usize, 16usize);
     let data = randn(&mut rng, heads * rows * width);
     let bytes: &[u8] = bytemuck::cast_slice(&data);
-    let shape = [heads as i32, room as i32, width as i32];
-    let mut want = vec![0f32; heads * room * width];
-    for h in 0..heads {
-        want[h * room * width..][..rows * width]
-            .copy_from_slice(&data[h * rows * width..][..rows * width]);
-    }
-    for whole in [false, true] {
-        // Also the case without a gap between heads (room = rows): one plain copy.
-        let (room, want) = match whole {
-            false => (room, want.clone()),
-            true => (rows, data.clone()),
-        };
-        let shape = [shape[0], room as i32, shape[2]];
-        let dst = mlx::zeroed_on_device(&[(&shape, Dtype::F32)])
-            .unwrap()
-            .remove(0);
-        let wrote = dst
-            .write_rows_direct(bytes, rows * width * 4, heads, room * width * 4)
-            .unwrap();
-        assert_eq!(wrote, cuda, "written iff direct transfers run (CUDA)");
-        match wrote {
-            true => assert_eq!(host(&dst), want, "rows at their pitch (room {room})"),
-            false => assert!(host(&dst).iter().all(|&x| x == 0.0), "untouched"),
+    let rooms = [40usize, rows];
+    let shapes: Vec<[i32; 3]> = rooms
+        .iter()
+        .map(|&r| [heads as i32, r as i32, width as i32])
+        .collect();
+    let zeros = || {
+        let s: Vec<(&[i32], Dtype)> = shapes.iter().map(|s| (&s[..], Dtype::F32)).collect();
+        mlx::zeroed_on_device(&s).unwrap()
+    };
+    let dsts = zeros();
+    let writes: Vec<mlx::RowsWrite> = dsts
+        .iter()
+        .zip(rooms)
+        .map(|(dst, room)| mlx::RowsWrite {
+            dst,
+            src: bytes,
+            width: rows * width * 4,
+            height: heads,
+            pitch: room * width * 4,
+        })
+        .collect();
+    let wrote = mlx::write_rows_direct(&writes).unwrap();
+    assert_eq!(wrote, cuda, "written iff direct transfers run (CUDA)");
+    for (dst, room) in dsts.iter().zip(rooms) {
+        let mut want = vec![0f32; heads * room * width];
+        if wrote {
+            for h in 0..heads {
+                want[h * room * width..][..rows * width]
+                    .copy_from_slice(&data[h * rows * width..][..rows * width]);
+            }
         }
+        assert_eq!(host(dst), want, "rows at their pitch (room {room})");
     }
-    // Rows that would overrun the array are refused, not written.
+    // Rows that would overrun an array are refused, and nothing is written.
     let small = mlx::zeroed_on_device(&[(&[2, 4, 4], Dtype::F32)])
         .unwrap()
         .remove(0);
-    let rows_bytes = vec![1u8; 3 * 16];
-    match small.write_rows_direct(&rows_bytes, 16, 3, 32) {
+    let ones = vec![1u8; 3 * 16];
+    let over = mlx::RowsWrite {
+        dst: &small,
+        src: &ones,
+        width: 16,
+        height: 3,
+        pitch: 32,
+    };
+    match mlx::write_rows_direct(&[over]) {
         Err(e) => assert!(cuda && e.to_string().contains("overrun"), "{e}"),
         Ok(wrote) => assert!(!cuda && !wrote),
     }
-    // Switched off: the ordinary path's caller is told to take it.
+    assert!(host(&small).iter().all(|&x| x == 0.0));
+    // Switched off: the caller is told to take the ordinary path.
     let was = mlx::set_direct_transfers(false);
-    let dst = mlx::zeroed_on_device(&[(&shape, Dtype::F32)])
-        .unwrap()
-        .remove(0);
-    let wrote = dst.write_rows_direct(bytes, rows * width * 4, heads, room * width * 4);
+    let dsts = zeros();
+    let writes: Vec<mlx::RowsWrite> = dsts
+        .iter()
+        .map(|dst| mlx::RowsWrite {
+            dst,
+            src: bytes,
+            width: rows * width * 4,
+            height: heads,
+            pitch: rows * width * 4,
+        })
+        .collect();
+    let wrote = mlx::write_rows_direct(&writes);
     mlx::set_direct_transfers(was);
     assert!(!wrote.unwrap());
+    assert!(dsts.iter().all(|d| host(d).iter().all(|&x| x == 0.0)));
 }
 
 /// `split` cuts an array into equal views along an axis, in order.
