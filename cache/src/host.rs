@@ -645,7 +645,7 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
     if total > KEEP_BYTES {
         return pipelined(blocks, parts, Some(dsts));
     }
-    with_scratch(total, |buf| {
+    let written = with_scratch(total, |buf| {
         let mut hosts = Vec::with_capacity(parts.len());
         let mut rest = buf;
         for &len in &sizes {
@@ -663,19 +663,12 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
             .zip(&dsts)
             .map(|((p, host), dst)| p.rows_write(dst, host))
             .collect::<Result<Vec<_>, _>>()?;
-        write_all(&writes)
+        Ok::<_, CacheError>(mlx::write_rows_direct(&writes)?)
     })?;
-    Ok(dsts)
-}
-
-/// Copies `writes` into device memory; an error if the arrays were not in device memory.
-fn write_all(writes: &[RowsWrite<'_>]) -> Result<(), CacheError> {
-    match mlx::write_rows_direct(writes)? {
-        true => Ok(()),
-        false => Err(CacheError::Mlx(mlx::Error::InvalidArgument {
-            op: "restore",
-            message: "the zeros made for a restore are not in device memory".into(),
-        })),
+    match written {
+        true => Ok(dsts),
+        // No buffer to write into (not seen): the ordinary path.
+        false => pipelined(blocks, parts, None),
     }
 }
 
@@ -713,7 +706,13 @@ fn pipelined<B: AsRef<Block> + Sync>(
                 }
                 let host = &cur[..sizes[i]];
                 match dsts.as_mut().and_then(Iterator::next) {
-                    Some(dst) => write_all(&[part.rows_write(&dst, host)?]).map(|()| dst),
+                    Some(dst) => match mlx::write_rows_direct(&[part.rows_write(&dst, host)?])? {
+                        true => Ok(dst),
+                        false => Err(CacheError::Mlx(mlx::Error::InvalidArgument {
+                            op: "restore",
+                            message: format!("no buffer to restore part {} into", part.spec.name),
+                        })),
+                    },
                     None => part.array(host),
                 }
             });

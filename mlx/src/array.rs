@@ -342,9 +342,11 @@ pub struct RowsWrite<'a> {
     pub pitch: usize,
 }
 
-/// Copies each write's rows into its array's CUDA device memory through the driver (one
-/// copy each, queued together and waited for before returning); `Ok(false)`, nothing
-/// copied, where direct transfers are unavailable or an array is not in device memory.
+/// Copies each write's rows into its array's CUDA memory: through the driver into device
+/// memory (one copy each, queued together and waited for before returning), by the host
+/// where MLX's allocator gave the array managed memory (it reuses a host upload's freed
+/// buffer for a kernel's output); `Ok(false)`, nothing copied, where direct transfers are
+/// unavailable (no CUDA) or an array has no buffer.
 /// MLX does not see the writes: each array must be evaluated, row-contiguous and held by
 /// the caller alone with nothing queued on it, as the arrays of [`zeroed_on_device`] are.
 pub fn write_rows_direct(writes: &[RowsWrite<'_>]) -> Result<bool> {

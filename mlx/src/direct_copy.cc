@@ -18,6 +18,7 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -170,46 +171,60 @@ std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& 
 }
 
 namespace {
-// Where `height` rows of `width` bytes at a row pitch of `pitch` go in `dst`: its device
-// address, or 0 when it is not an evaluated, row-contiguous array in device memory; throws
-// when the rows do not fit.
-CUdeviceptr rows_target(const mx::array& dst, size_t width, size_t height, size_t pitch) {
+// Where rows go: device memory (a driver copy) or memory the host can write (MLX's managed
+// or page-locked buffers, which its allocator also hands out for kernel outputs: a buffer
+// freed by a host upload is reused from its cache).
+struct Target {
+  CUdeviceptr device = 0;
+  char* host = nullptr;
+};
+
+// Where `height` rows of `width` bytes at a row pitch of `pitch` go in `dst`; neither
+// address when it is not an evaluated, row-contiguous array with a buffer. Throws when the
+// rows do not fit.
+Target rows_target(const mx::array& dst, size_t width, size_t height, size_t pitch) {
   if (width > pitch) throw std::invalid_argument("rows of " + std::to_string(width) + " bytes at a pitch of " +
                                                  std::to_string(pitch));
-  if (!dst.is_available() || !dst.flags().row_contiguous) return 0;
   size_t span = (height - 1) * pitch + width;
   if (span > dst.nbytes()) {
     throw std::invalid_argument(std::to_string(height) + " rows at a pitch of " + std::to_string(pitch) +
                                 " overrun an array of " + std::to_string(dst.nbytes()) + " bytes");
   }
-  const MirrorBuffer* buf = device_buffer(dst, span);
-  if (buf == nullptr) return 0;
+  if (!dst.is_available() || !dst.flags().row_contiguous || dst.offset() < 0) return {};
+  auto* buf = static_cast<const MirrorBuffer*>(dst.buffer().ptr());
+  if (buf == nullptr || buf->data == nullptr || static_cast<size_t>(dst.offset()) + span > buf->size) return {};
+  char* at = static_cast<char*>(buf->data) + dst.offset();
+  if (buf->device < 0) return {0, at};
   make_current(buf->device);
-  return reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
+  return {reinterpret_cast<CUdeviceptr>(at), nullptr};
 }
 }  // namespace
 
 bool write_rows(const std::vector<RowsWrite>& writes) {
   if (writes.empty() || !available()) return false;
-  std::vector<CUdeviceptr> to;
+  std::vector<Target> to;
   to.reserve(writes.size());
   for (const auto& w : writes) {
     if (w.width == 0 || w.height == 0) {
-      to.push_back(0);
+      to.push_back({});
       continue;
     }
-    CUdeviceptr t = rows_target(*w.dst, w.width, w.height, w.pitch);
-    if (t == 0) return false;  // nothing copied yet
+    Target t = rows_target(*w.dst, w.width, w.height, w.pitch);
+    if (t.device == 0 && t.host == nullptr) return false;  // nothing copied yet
     to.push_back(t);
   }
-  // Queued on the legacy default stream, which MLX's non-blocking streams do not wait
-  // for: the arrays are evaluated (nothing of MLX writes them) and the stream is
+  // Device copies are queued on the legacy default stream, which MLX's non-blocking streams
+  // do not wait for: the arrays are evaluated (nothing of MLX writes them) and the stream is
   // synchronized before returning, so MLX reads them only after the copies.
   for (size_t i = 0; i < writes.size(); ++i) {
     const auto& w = writes[i];
-    if (to[i] == 0) continue;
+    if (to[i].host != nullptr) {
+      for (size_t r = 0; r < w.height; ++r) std::memcpy(to[i].host + r * w.pitch, w.src + r * w.width, w.width);
+      continue;
+    }
+    if (to[i].device == 0) continue;
     if (w.width == w.pitch || w.height == 1) {
-      check(driver()->memcpy_htod_async(to[i], w.src, w.width * w.height, nullptr), "cuMemcpyHtoDAsync");
+      check(driver()->memcpy_htod_async(to[i].device, w.src, w.width * w.height, nullptr), "cuMemcpyHtoDAsync");
       continue;
     }
     Memcpy2D c{};
@@ -217,14 +232,14 @@ bool write_rows(const std::vector<RowsWrite>& writes) {
     c.src_host = w.src;
     c.src_pitch = w.width;
     c.dst_memory_type = 2;
-    c.dst_device = to[i];
+    c.dst_device = to[i].device;
     c.dst_pitch = w.pitch;
     c.width_bytes = w.width;
     c.height = w.height;
     if (driver()->memcpy_2d_async(&c, nullptr) == 0) continue;
     // The driver may refuse pitches it did not allocate itself: one copy per row instead.
     for (size_t r = 0; r < w.height; ++r) {
-      check(driver()->memcpy_htod_async(to[i] + r * w.pitch, w.src + r * w.width, w.width, nullptr),
+      check(driver()->memcpy_htod_async(to[i].device + r * w.pitch, w.src + r * w.width, w.width, nullptr),
             "cuMemcpyHtoDAsync");
     }
   }

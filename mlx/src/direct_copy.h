@@ -39,11 +39,12 @@ struct RowsWrite {
   size_t pitch;
 };
 
-// Copies each write's rows into the device memory of its array (evaluated, row-contiguous,
-// in CUDA device memory): one driver copy each (queued together, then waited for). MLX does
-// not see the writes, so each array must be owned by the caller alone with nothing queued on
-// it (a zero array just evaluated). Returns false, copying nothing, where direct copies are
-// unavailable or an array is not in device memory; throws when rows do not fit.
+// Copies each write's rows into the buffer of its array (evaluated, row-contiguous): one
+// driver copy each into device memory (queued together, then waited for), a host copy per
+// row where MLX's allocator gave the array managed or page-locked memory. MLX does not see
+// the writes, so each array must be owned by the caller alone with nothing queued on it (a
+// zero array just evaluated). Returns false, copying nothing, where direct copies are
+// unavailable or an array has no buffer; throws when rows do not fit.
 bool write_rows(const std::vector<RowsWrite>& writes);
 
 // Page-locked host memory of `n` bytes (the driver DMAs to and from it without staging),

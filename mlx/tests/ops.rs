@@ -1217,19 +1217,23 @@ fn rows_written_into_device_zeros_land_at_their_pitch() {
         let s: Vec<(&[i32], Dtype)> = shapes.iter().map(|s| (&s[..], Dtype::F32)).collect();
         mlx::zeroed_on_device(&s).unwrap()
     };
+    // Every head's 25 rows into each array, at the array's room.
+    let write = |dsts: &[Array]| {
+        let w: Vec<mlx::RowsWrite> = dsts
+            .iter()
+            .zip(rooms)
+            .map(|(dst, room)| mlx::RowsWrite {
+                dst,
+                src: bytes,
+                width: rows * width * 4,
+                height: heads,
+                pitch: room * width * 4,
+            })
+            .collect();
+        mlx::write_rows_direct(&w)
+    };
     let dsts = zeros();
-    let writes: Vec<mlx::RowsWrite> = dsts
-        .iter()
-        .zip(rooms)
-        .map(|(dst, room)| mlx::RowsWrite {
-            dst,
-            src: bytes,
-            width: rows * width * 4,
-            height: heads,
-            pitch: room * width * 4,
-        })
-        .collect();
-    let wrote = mlx::write_rows_direct(&writes).unwrap();
+    let wrote = write(&dsts).unwrap();
     assert_eq!(wrote, cuda, "written iff direct transfers run (CUDA)");
     for (dst, room) in dsts.iter().zip(rooms) {
         let mut want = vec![0f32; heads * room * width];
@@ -1245,13 +1249,14 @@ fn rows_written_into_device_zeros_land_at_their_pitch() {
     let small = mlx::zeroed_on_device(&[(&[2, 4, 4], Dtype::F32)])
         .unwrap()
         .remove(0);
+    // 3 rows of 16 bytes at a pitch of 64 span 144 bytes; the array has 128.
     let ones = vec![1u8; 3 * 16];
     let over = mlx::RowsWrite {
         dst: &small,
         src: &ones,
         width: 16,
         height: 3,
-        pitch: 32,
+        pitch: 64,
     };
     match mlx::write_rows_direct(&[over]) {
         Err(e) => assert!(cuda && e.to_string().contains("overrun"), "{e}"),
@@ -1261,17 +1266,7 @@ fn rows_written_into_device_zeros_land_at_their_pitch() {
     // Switched off: the caller is told to take the ordinary path.
     let was = mlx::set_direct_transfers(false);
     let dsts = zeros();
-    let writes: Vec<mlx::RowsWrite> = dsts
-        .iter()
-        .map(|dst| mlx::RowsWrite {
-            dst,
-            src: bytes,
-            width: rows * width * 4,
-            height: heads,
-            pitch: rows * width * 4,
-        })
-        .collect();
-    let wrote = mlx::write_rows_direct(&writes);
+    let wrote = write(&dsts);
     mlx::set_direct_transfers(was);
     assert!(!wrote.unwrap());
     assert!(dsts.iter().all(|d| host(d).iter().all(|&x| x == 0.0)));
