@@ -32,9 +32,7 @@ use store::{
     Block, BlockKey, NamespaceDescription, NamespaceId, Store, StoreConfig, StoreStats, Tier,
 };
 
-use crate::cost_model::{
-    plan_with_probes, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan, SSD_PROBE_BLOCKS,
-};
+use crate::cost_model::{plan_with_probes, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan};
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
@@ -217,10 +215,15 @@ fn block_bytes(description: &NamespaceDescription) -> u64 {
         .max(1)
 }
 
+/// SSD blocks a background measurement reads at most ([`probe_ssd`]): loads of 1, 2, 4
+/// and 8 blocks, four samples of four sizes.
+const BACKGROUND_PROBE_BLOCKS: usize = 15;
+
 /// Measures an SSD the cost model has no estimate of, off any request's path (on the
-/// export thread): loads the first of `keys` (a run of SSD blocks), then the rest, and
-/// records each load as an SSD sample, so that the fit tells the fixed cost from the
-/// per-block one. The blocks are promoted into RAM as any load's are.
+/// export thread): loads `keys` (a run of SSD blocks) in loads of 1, 2, 4 and 8 blocks
+/// while they last and records each as an SSD sample, so that the fit tells the fixed cost
+/// from the per-block one with more than two points (one noisy load of two would price the
+/// SSD for every request after it). The blocks are promoted into RAM as any load's are.
 fn probe_ssd(
     store: &Store,
     namespace: NamespaceId,
@@ -229,9 +232,10 @@ fn probe_ssd(
     costs: &Mutex<Costs>,
 ) {
     let mut from = 0;
-    for to in [1.min(keys.len()), keys.len()] {
+    for size in [1, 2, 4, 8] {
+        let to = (from + size).min(keys.len());
         if to <= from {
-            continue;
+            return;
         }
         let t = Instant::now();
         let loaded = store.load_prefix(namespace, &keys[from..to], &tokens[from..to]);
@@ -905,7 +909,7 @@ impl KvTiers {
         };
         let n = tiers[s..]
             .iter()
-            .take(SSD_PROBE_BLOCKS)
+            .take(BACKGROUND_PROBE_BLOCKS)
             .take_while(|t| **t == Tier::Ssd)
             .count();
         if self.ssd_probe_queued.swap(true, Ordering::AcqRel) {

@@ -218,10 +218,10 @@ fn an_unmeasured_ssd_that_a_slow_disk_would_not_pay_for_is_measured_off_the_requ
         (0, 12),
         "{rep:?}"
     );
-    // The SSD is measured in the background instead (on the export thread: its first
-    // block, then three more), for the requests after this one.
+    // The SSD is measured in the background instead (on the export thread: loads of 1, 2
+    // and 4 blocks, then the 5 left of the 12), for the requests after this one.
     pc.flush().unwrap();
-    assert_eq!(pc.cost_samples().ssd, 2);
+    assert_eq!(pc.cost_samples().ssd, 4);
     let measured = pc.restore_estimates().ssd;
     assert!(measured.is_some());
     // Saved with the cost model: a restart knows the SSD.
