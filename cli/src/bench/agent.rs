@@ -70,6 +70,12 @@ pub struct Args {
     /// TTFT of a 32K-token cached prefix plus 64 new tokens, against cold).
     #[arg(long, value_name = "PREFIX,NEW", value_parser = parse_synthetic)]
     synthetic: Option<(usize, usize)>,
+    /// Runs of the in-process arms, each over fresh stores, interleaved turn by turn as
+    /// one run is; each turn of an arm reports its run with the median TTFT (all runs'
+    /// TTFTs beside it), so that a per-turn ratio is not one draw of a noisy machine. The
+    /// mlx-lm arm runs once.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    repeat: u32,
     /// Where to write <out>.json and <out>.svg.
     #[arg(long, default_value = "docs/bench-agent")]
     out: PathBuf,
@@ -111,6 +117,10 @@ struct TurnResult {
     /// Arms with a cache: the cost model's estimates after the turn.
     #[serde(skip_serializing_if = "Option::is_none")]
     estimates: Option<TurnEstimates>,
+    /// With `--repeat`: the turn's TTFT in every run, in run order (this result is the
+    /// run with the median).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    ttft_runs_s: Vec<f64>,
 }
 
 /// What the restore-or-recompute model estimated after a turn (engine/src/cost_model.rs).
@@ -152,6 +162,42 @@ fn arm(name: &str, turns: Vec<TurnResult>) -> Arm {
     }
 }
 
+/// The arms of several runs of the same arms (`--repeat`): each turn of each arm is its
+/// run with the median TTFT (the lower of the two middle ones for an even count), with
+/// every run's TTFT recorded beside it.
+fn median_of_runs(runs: Vec<Vec<Arm>>) -> Vec<Arm> {
+    let Some(first) = runs.first() else {
+        return Vec::new();
+    };
+    let names: Vec<String> = first.iter().map(|a| a.name.clone()).collect();
+    let mut per_arm: Vec<Vec<Vec<TurnResult>>> = vec![Vec::new(); names.len()];
+    for run in runs {
+        for (i, a) in run.into_iter().enumerate().take(names.len()) {
+            per_arm[i].push(a.turns);
+        }
+    }
+    names
+        .iter()
+        .zip(per_arm)
+        .map(|(name, runs)| {
+            let turns = runs.iter().map(Vec::len).min().unwrap_or(0);
+            let median = (0..turns)
+                .map(|t| {
+                    let mut of_turn: Vec<&TurnResult> = runs.iter().map(|r| &r[t]).collect();
+                    let ttfts: Vec<f64> = of_turn.iter().map(|r| r.ttft_s).collect();
+                    of_turn.sort_by(|a, b| a.ttft_s.total_cmp(&b.ttft_s));
+                    let mut pick = of_turn[(of_turn.len() - 1) / 2].clone();
+                    if ttfts.len() > 1 {
+                        pick.ttft_runs_s = ttfts;
+                    }
+                    pick
+                })
+                .collect();
+            arm(name, median)
+        })
+        .collect()
+}
+
 /// What one turn of an in-process arm gave: the generated ids and the reuse report.
 type Turn = (Vec<u32>, ReuseReport);
 
@@ -169,6 +215,7 @@ fn from_report((generated, r): &Turn, written: u64) -> TurnResult {
         ssd_bytes_written: written,
         ssd_stored_bytes: 0,
         estimates: None,
+        ttft_runs_s: Vec::new(),
     }
 }
 
@@ -525,14 +572,23 @@ pub fn run(args: Args) -> Result<()> {
     // What stays allocated with no request in flight: the weights, mostly.
     let baseline_bytes = mlx::active_memory()?;
     mlx::reset_peak_memory()?;
-    let mut arms = ctx.interleaved(InProcess {
+    let on = InProcess {
         cold: has("cold"),
         device: has("device"),
         ram: has("ram"),
         ssd: has("ssd"),
         ssd_no_snapshots: has("ssd-no-snapshots"),
         ssd_whole_windows: has("ssd-whole-windows"),
-    })?;
+    };
+    let runs = (0..args.repeat)
+        .map(|r| {
+            if args.repeat > 1 {
+                eprintln!("run {} of {}", r + 1, args.repeat);
+            }
+            ctx.interleaved(on)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut arms = median_of_runs(runs);
     let peak_device_bytes = mlx::peak_memory()?;
     if has("mlx-lm") {
         // The buffers MLX cached for the in-process arms go back first: on a GPU the child
@@ -650,4 +706,50 @@ pub fn run(args: Args) -> Result<()> {
         .with_context(|| format!("writing {}", svg_path.display()))?;
     println!("wrote {} and {}", json_path.display(), svg_path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(name: &str, ttfts: &[f64]) -> Arm {
+        let turns = ttfts
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| TurnResult {
+                ttft_s: t,
+                cached_tokens: i * 10 + (t * 1000.0) as usize,
+                prompt_tokens: 100,
+                ..TurnResult::default()
+            })
+            .collect();
+        arm(name, turns)
+    }
+
+    #[test]
+    fn each_turn_reports_its_median_run_and_every_runs_ttft() {
+        let runs = vec![
+            vec![run("no cache", &[0.3, 0.1]), run("RAM reuse", &[0.2, 0.9])],
+            vec![run("no cache", &[0.1, 0.2]), run("RAM reuse", &[0.4, 0.5])],
+            vec![run("no cache", &[0.2, 0.3]), run("RAM reuse", &[0.3, 0.1])],
+        ];
+        let arms = median_of_runs(runs);
+        assert_eq!(arms.len(), 2);
+        let ttft = |a: &Arm| a.turns.iter().map(|t| t.ttft_s).collect::<Vec<_>>();
+        assert_eq!(ttft(&arms[0]), vec![0.2, 0.2]);
+        assert_eq!(ttft(&arms[1]), vec![0.3, 0.5]);
+        // The whole median run's result, not only its TTFT.
+        assert_eq!(arms[1].turns[1].cached_tokens, 10 + 500);
+        assert_eq!(arms[1].turns[0].ttft_runs_s, vec![0.2, 0.4, 0.3]);
+        assert!((arms[1].total_ttft_s - 0.8).abs() < 1e-12);
+        // Two runs: the lower middle; one run: as it was, no run list.
+        let two = median_of_runs(vec![
+            vec![run("no cache", &[0.4])],
+            vec![run("no cache", &[0.2])],
+        ]);
+        assert_eq!(ttft(&two[0]), vec![0.2]);
+        let one = median_of_runs(vec![vec![run("no cache", &[0.4])]]);
+        assert!(one[0].turns[0].ttft_runs_s.is_empty());
+        assert!(median_of_runs(Vec::new()).is_empty());
+    }
 }
