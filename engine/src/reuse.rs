@@ -219,8 +219,8 @@ fn block_bytes(description: &NamespaceDescription) -> u64 {
 /// and 8 blocks, four samples of four sizes.
 const BACKGROUND_PROBE_BLOCKS: usize = 15;
 
-/// Measures an SSD the cost model has no estimate of, off any request's path (on the
-/// export thread): loads `keys` (a run of SSD blocks) in loads of 1, 2, 4 and 8 blocks
+/// Measures the SSD off any request's path (on the export thread), where the cost model
+/// has no estimate of it yet or is due to measure it again ([`plan_with_probes`]): loads `keys` (a run of SSD blocks) in loads of 1, 2, 4 and 8 blocks
 /// while they last and records each as an SSD sample, so that the fit tells the fixed cost
 /// from the per-block one with more than two points (one noisy load of two would price the
 /// SSD for every request after it). The blocks are promoted into RAM as any load's are.
@@ -823,19 +823,20 @@ impl KvTiers {
         for _ in 0..3 {
             let tiers = &hit.tiers[done..];
             let probe_rest = probe_end.take();
-            let (mut plan, had_ssd_estimate) = if let Some(end) = probe_rest {
-                (RestorePlan::first(tiers, end - done), false)
+            let (mut plan, had_ssd_estimate, measure_ssd) = if let Some(end) = probe_rest {
+                (RestorePlan::first(tiers, end - done), false, false)
             } else if self.restore_always {
-                (RestorePlan::first(tiers, tiers.len()), true)
+                (RestorePlan::first(tiers, tiers.len()), true, false)
             } else {
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
                 let start = (first + done) * bs;
-                let plan = plan_with_probes(tiers, &mut costs, start, bs);
-                (plan, !costs.ssd.is_unknown())
+                let (plan, measure) = plan_with_probes(tiers, &mut costs, start, bs);
+                (plan, !costs.ssd.is_unknown(), measure)
             };
             let first_ssd = tiers[..plan.usable].iter().position(|t| *t == Tier::Ssd);
-            if !had_ssd_estimate && first_ssd.is_none() && plan.ssd_skipped > 0 {
-                // The plan leaves an unmeasured SSD alone (a slow disk would not pay here):
+            if measure_ssd || (!had_ssd_estimate && first_ssd.is_none() && plan.ssd_skipped > 0) {
+                // The plan leaves the SSD alone (unmeasured, where a slow disk would not
+                // pay, or cut by its estimate on a request due to measure it again):
                 // measure it in the background, for the requests after this one.
                 let at = done + plan.usable;
                 self.queue_ssd_probe(namespace, &rest[at..], &hit.tiers[at..], prompt, first + at);
@@ -894,7 +895,7 @@ impl KvTiers {
 
     /// Queues [`probe_ssd`] on the export thread for the first run of SSD blocks in
     /// `tiers` (the store's blocks `keys`, the first at block `at` of `prompt`), unless a
-    /// probe is queued already.
+    /// probe is queued already; the estimates are saved after it.
     fn queue_ssd_probe(
         &self,
         namespace: NamespaceId,
