@@ -162,11 +162,8 @@ std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& 
   mx::array dst = mx::contiguous(mx::zeros(shape, dtype));
   dst.eval();
   if (!dst.flags().row_contiguous || dst.nbytes() != n) return std::nullopt;
-  const MirrorBuffer* buf = device_buffer(dst, n);
-  if (buf == nullptr) return std::nullopt;
-  make_current(buf->device);
-  auto to = reinterpret_cast<CUdeviceptr>(static_cast<char*>(buf->data) + dst.offset());
-  check(driver()->memcpy_htod(to, data, n), "cuMemcpyHtoD");
+  // One row of all the bytes (a restore's writes, with the same checks and copies).
+  if (!write_rows({{&dst, data, n, 1, n}})) return std::nullopt;
   return dst;
 }
 
