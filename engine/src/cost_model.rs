@@ -34,9 +34,10 @@ pub(crate) const UNMEASURED_SSD_BYTES_PER_S: f64 = 250e6;
 /// Fixed cost an unmeasured SSD is priced at (opening files, the first seek).
 pub(crate) const UNMEASURED_SSD_FIXED_S: f64 = 2e-3;
 
-/// A request whose plan cuts the cached run restores all of it anyway once in this many,
-/// so the estimates of the tiers it stopped restoring from are measured again (a first
-/// restore that paid one-off costs, a remote that became fast again).
+/// A request whose plan cuts the cached run measures again what the cut left out once in
+/// this many ([`plan_with_probes`]: the SSD in the background, other tiers by restoring the
+/// whole run), so a first restore that paid one-off costs or a tier that became fast again
+/// does not stay cut for good.
 pub(crate) const PROBE_EVERY: u64 = 16;
 
 /// A fitted cost: `seconds = fixed_s + per_unit_s · n + per_position_s · (n·c + n²/2)` for
@@ -332,7 +333,7 @@ pub(crate) struct Costs {
     pub(crate) ssd: Measure,
     /// Fetching and verifying n blocks from the remote tier.
     pub(crate) remote: Measure,
-    /// Requests whose cached run was cut; every [`PROBE_EVERY`]th restores all of it.
+    /// Requests whose cached run was cut; every [`PROBE_EVERY`]th measures it again.
     pub(crate) cuts: u64,
     /// What SSD blocks cost while the SSD has no estimate ([`Costs::price_unmeasured_ssd`];
     /// free until set). Not saved: it follows from the block size.
