@@ -445,7 +445,7 @@ case "$step" in
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
-  pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent
+  pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent agentrep cachedb
       # prefill decode overlap probe census cudnn ab opsbuf): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
     stash >/dev/null
@@ -460,6 +460,14 @@ case "$step" in
         ssd) { timeout 150 "$BIN/kvstore" bench cache --only ssd --dir "$K" 2>&1; } | tee "$OUT/bench-cache-ssd.log" | tail -n 14 ;;
         agent) { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
                    --arms cold,ram,ssd --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"; tail -n 24 "$OUT/agent13.log" ;;
+        agentrep) # the 13-turn session with each arm run REPEAT times (default 3), each
+                  # turn's median run reported (per-turn ratios out of the machine's noise)
+          { timeout 420 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+              --arms cold,ram,ssd --repeat "${REPEAT:-3}" --out "$OUT/agent13rep" 2>&1; } > "$OUT/agent13rep.log"
+          tail -n 30 "$OUT/agent13rep.log" ;;
+        cachedb) # bench cache's decode-step and bulk-restore rows (paged vs contiguous at
+                 # 1K-32K, restore vs one transfer)
+          { timeout 200 "$BIN/kvstore" bench cache --only decode --only blocks 2>&1; } | tee "$OUT/bench-cache-db.log" | tail -n 30 ;;
         prefill)
           { timeout 200 "$BIN/kvstore" bench generate --model "$d" --skip-mlx-lm --prompt-lens ${LENS:-2048,8192,32768} \
               --decode-tokens 16 2>&1; timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$d" ${LENS:-2048,8192,32768} 16 2>&1; } \

@@ -122,6 +122,12 @@ struct SsdRow {
     dd_gb_s: f64,
     /// restore / dd (target ≥ 0.7).
     ratio: f64,
+    /// The same block files read whole into fresh memory by as many threads as the
+    /// store's readers, nothing else done with the bytes (no checksum, no import), measured
+    /// right before this restore: what any reader of this layout gets from the disk, GB/s.
+    bare_gb_s: f64,
+    /// restore / bare reads: what the store's checks and the import cost on top.
+    bare_ratio: f64,
 }
 
 #[derive(Serialize)]
@@ -320,6 +326,8 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
         let cold = crate::bench::store::drop_caches();
         let dd_gb_s = crate::bench::store::dd_read(&ddfile, mib, total.div_ceil(mib))?;
         crate::bench::store::drop_caches();
+        let bare_gb_s = bare_reads(&root, readers)?;
+        crate::bench::store::drop_caches();
         let t = Instant::now();
         let s: store::Store = store::Store::open(store_config.clone().ssd_readers(readers))?;
         let ns = s.register_namespace(&desc)?;
@@ -369,9 +377,54 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
             import_gb_s,
             dd_gb_s,
             ratio: restore_gb_s / dd_gb_s,
+            bare_gb_s,
+            bare_ratio: restore_gb_s / bare_gb_s,
         });
     }
     Ok(rows)
+}
+
+/// Reads every block file under the store `root` whole into fresh memory on `threads`
+/// threads (each takes the next file) and returns GB/s: the baseline of a file per block
+/// read by a reader that does nothing else, on the same files the restore reads.
+fn bare_reads(root: &std::path::Path, threads: usize) -> Result<f64> {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    let ext = format!(".{}", store::format::BLOCK_EXT);
+    let mut files = Vec::new();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir)? {
+            let e = e?;
+            let kind = e.file_type()?;
+            if kind.is_dir() {
+                dirs.push(e.path());
+            } else if kind.is_file() && e.file_name().to_string_lossy().ends_with(&ext) {
+                files.push(e.path());
+            }
+        }
+    }
+    files.sort();
+    let (next, bytes) = (AtomicUsize::new(0), AtomicU64::new(0));
+    let t = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let workers: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    while let Some(f) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
+                        let read = std::fs::read(f)?;
+                        bytes.fetch_add(read.len() as u64, Ordering::Relaxed);
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join()
+                .map_err(|_| anyhow::anyhow!("a bare reader panicked"))??;
+        }
+        Ok(())
+    })?;
+    Ok(bytes.into_inner() as f64 / t.elapsed().as_secs_f64() / 1e9)
 }
 
 /// mlx-lm's KVCache: a buffer grown in steps, written in place, read through a slice.
@@ -862,7 +915,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     for r in &report.ssd {
         println!(
-            "\nSSD → device: {} tokens ({:.0} MB, 30 layers, f32), {} reader(s), {}: store load + bulk import {:.2} GB/s (load {:.2}, then {:.2}); dd iflag=direct {:.2} GB/s; ratio {:.2}{}",
+            "\nSSD → device: {} tokens ({:.0} MB, 30 layers, f32), {} reader(s), {}: store load + bulk import {:.2} GB/s (load {:.2}, then {:.2}); dd iflag=direct {:.2} GB/s; ratio {:.2}; bare reads of the block files {:.2} GB/s, ratio {:.2}{}",
             r.tokens,
             r.bytes as f64 / 1e6,
             r.readers,
@@ -872,6 +925,8 @@ pub fn run(args: Args) -> Result<()> {
             r.import_gb_s,
             r.dd_gb_s,
             r.ratio,
+            r.bare_gb_s,
+            r.bare_ratio,
             if r.cold { "" } else { " (page cache not dropped: not root, reads may be warm)" }
         );
     }
