@@ -385,8 +385,9 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
 }
 
 /// Reads every block file under the store `root` whole into fresh memory on `threads`
-/// threads (each takes the next file) and returns GB/s: the baseline of a file per block
-/// read by a reader that does nothing else, on the same files the restore reads.
+/// threads (each takes the next file), keeping every file's bytes to the end as a load
+/// does, and returns GB/s: the baseline of a file per block read by a reader that does
+/// nothing else, on the same files the restore reads.
 fn bare_reads(root: &std::path::Path, threads: usize) -> Result<f64> {
     use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
     let ext = format!(".{}", store::format::BLOCK_EXT);
@@ -406,25 +407,34 @@ fn bare_reads(root: &std::path::Path, threads: usize) -> Result<f64> {
     files.sort();
     let (next, bytes) = (AtomicUsize::new(0), AtomicU64::new(0));
     let t = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
+    let kept = std::thread::scope(|s| -> Result<Vec<Vec<Vec<u8>>>> {
         let workers: Vec<_> = (0..threads.max(1))
             .map(|_| {
-                s.spawn(|| -> std::io::Result<()> {
+                s.spawn(|| -> std::io::Result<Vec<Vec<u8>>> {
+                    // Kept to the end, as a load keeps what it read (freed at once, the
+                    // next read would reuse warm memory instead of faulting in fresh).
+                    let mut kept = Vec::new();
                     while let Some(f) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
                         let read = std::fs::read(f)?;
                         bytes.fetch_add(read.len() as u64, Ordering::Relaxed);
+                        kept.push(read);
                     }
-                    Ok(())
+                    Ok(kept)
                 })
             })
             .collect();
+        let mut kept = Vec::new();
         for w in workers {
-            w.join()
-                .map_err(|_| anyhow::anyhow!("a bare reader panicked"))??;
+            kept.push(
+                w.join()
+                    .map_err(|_| anyhow::anyhow!("a bare reader panicked"))??,
+            );
         }
-        Ok(())
+        Ok(kept)
     })?;
-    Ok(bytes.into_inner() as f64 / t.elapsed().as_secs_f64() / 1e9)
+    let gb_s = bytes.into_inner() as f64 / t.elapsed().as_secs_f64() / 1e9;
+    drop(kept);
+    Ok(gb_s)
 }
 
 /// mlx-lm's KVCache: a buffer grown in steps, written in place, read through a slice.
