@@ -369,14 +369,19 @@ pub fn write_rows_direct(writes: &[RowsWrite<'_>]) -> Result<bool> {
 }
 
 /// Zero-filled arrays of the given shapes and dtypes, computed in one evaluation, each with
-/// a buffer of its own: destinations for [`write_rows_direct`].
+/// a buffer of its own: destinations for [`write_rows_direct`]. On a GPU the fills run on a
+/// stream of the calling thread's own, so waiting for them does not wait for the kernels
+/// queued on the default stream before them (an engine's decode step queued one step
+/// ahead: a restore inside a serving step would otherwise stall it a whole step).
 pub fn zeroed_on_device(shapes: &[(&[i32], Dtype)]) -> Result<Vec<Array>> {
-    let arrays = shapes
-        .iter()
-        .map(|(shape, dtype)| crate::ops::zeros(shape, *dtype)?.contiguous())
-        .collect::<Result<Vec<_>>>()?;
-    eval(&arrays.iter().collect::<Vec<_>>())?;
-    Ok(arrays)
+    let dims: Vec<i32> = shapes.iter().flat_map(|(s, _)| s.iter().copied()).collect();
+    let ranks: Vec<usize> = shapes.iter().map(|(s, _)| s.len()).collect();
+    let dtypes: Vec<u8> = shapes.iter().map(|(_, d)| d.code()).collect();
+    let list = check(
+        "zeroed_on_device",
+        ffi::zeroed_off_queue(&dims, &ranks, &dtypes),
+    )?;
+    unlist("zeroed_on_device", &list)
 }
 
 /// Computes all the given arrays now, sharing work between their graphs.

@@ -155,12 +155,36 @@ bool read(const mx::array& a, uint8_t* out, size_t n) {
   return true;
 }
 
+std::vector<mx::array> zeroed_off_queue(const std::vector<std::pair<mx::Shape, mx::Dtype>>& shapes) {
+  // Zero fills MLX runs on the device (a broadcast zero is a view of one element;
+  // `contiguous` gives each a buffer of its own), on a stream of this thread's own: on the
+  // default stream, waiting for them would wait for every kernel queued before them, such
+  // as the decode step an engine queued one step ahead, and a restore inside a serving
+  // step would stall the pipeline for a whole step.
+  auto device = mx::default_device();
+  std::optional<mx::Stream> side;
+  if (device.type == mx::Device::gpu) {
+    thread_local std::optional<mx::Stream> own;
+    if (!own) own = mx::new_stream(device);
+    side = own;
+  }
+  std::vector<mx::array> out;
+  out.reserve(shapes.size());
+  for (const auto& [shape, dtype] : shapes) {
+    if (side) {
+      out.push_back(mx::contiguous(mx::zeros(shape, dtype, *side), false, *side));
+    } else {
+      out.push_back(mx::contiguous(mx::zeros(shape, dtype)));
+    }
+  }
+  mx::eval(out);
+  return out;
+}
+
 std::optional<mx::array> upload(const uint8_t* data, size_t n, const mx::Shape& shape, mx::Dtype dtype) {
   if (n == 0 || !available() || mx::default_device().type != mx::Device::gpu) return std::nullopt;
-  // A fresh device buffer of the right size: a zero fill MLX runs on the GPU (a broadcast
-  // zero is a view of one element; `contiguous` gives it a buffer of its own).
-  mx::array dst = mx::contiguous(mx::zeros(shape, dtype));
-  dst.eval();
+  // A fresh device buffer of the right size, zeroed off the default stream's queue.
+  mx::array dst = zeroed_off_queue({{shape, dtype}}).front();
   if (!dst.flags().row_contiguous || dst.nbytes() != n) return std::nullopt;
   // One row of all the bytes (a restore's writes, with the same checks and copies).
   if (!write_rows({{&dst, data, n, 1, n}})) return std::nullopt;

@@ -47,6 +47,8 @@ struct RowsWrite {
 // unavailable or an array has no buffer; throws when rows do not fit.
 bool write_rows(const std::vector<RowsWrite>& writes);
 
+std::vector<mlx::core::array> zeroed_off_queue(const std::vector<std::pair<mlx::core::Shape, mlx::core::Dtype>>& shapes);
+
 // Page-locked host memory of `n` bytes (the driver DMAs to and from it without staging),
 // or nullptr where direct copies are unavailable or the allocation fails.
 uint8_t* pinned_alloc(size_t n);

@@ -86,6 +86,11 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<Array>>;
         fn host_buffers_live() -> usize;
         fn arrays_write_rows(dsts: &ArrayList, at: &[usize]) -> Result<bool>;
+        fn zeroed_off_queue(
+            dims: &[i32],
+            ranks: &[usize],
+            dtypes: &[u8],
+        ) -> Result<UniquePtr<ArrayList>>;
         fn direct_transfers_available() -> bool;
         fn set_direct_transfers(on: bool) -> bool;
         fn pinned_alloc(n: usize) -> usize;

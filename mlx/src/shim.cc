@@ -192,6 +192,20 @@ bool arrays_write_rows(const ArrayList& dsts, rust::Slice<const size_t> at) {
   }
   return direct::write_rows(writes);
 }
+std::unique_ptr<ArrayList> zeroed_off_queue(rust::Slice<const int32_t> dims, rust::Slice<const size_t> ranks,
+                                            rust::Slice<const uint8_t> dtypes) {
+  if (ranks.size() != dtypes.size()) throw std::invalid_argument("one rank per dtype expected");
+  std::vector<std::pair<mx::Shape, mx::Dtype>> shapes;
+  size_t at = 0;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (at + ranks[i] > dims.size()) throw std::invalid_argument("ranks cover more dimensions than given");
+    shapes.emplace_back(mx::Shape(dims.begin() + at, dims.begin() + at + ranks[i]), to_dtype(dtypes[i]));
+    at += ranks[i];
+  }
+  auto out = std::make_unique<ArrayList>();
+  out->items = direct::zeroed_off_queue(shapes);
+  return out;
+}
 bool direct_transfers_available() { return direct::available(); }
 bool set_direct_transfers(bool on) { return direct::set_enabled(on); }
 size_t pinned_alloc(size_t n) {

@@ -56,6 +56,8 @@ size_t host_buffer_addr(const HostBuffer& b);
 std::unique_ptr<Array> array_from_host_buffer(std::unique_ptr<HostBuffer> b, rust::Slice<const int32_t> shape, uint8_t dtype);
 size_t host_buffers_live();
 bool arrays_write_rows(const ArrayList& dsts, rust::Slice<const size_t> at);
+std::unique_ptr<ArrayList> zeroed_off_queue(rust::Slice<const int32_t> dims, rust::Slice<const size_t> ranks,
+                                            rust::Slice<const uint8_t> dtypes);
 bool direct_transfers_available();
 bool set_direct_transfers(bool on);
 size_t pinned_alloc(size_t n);
