@@ -1354,3 +1354,26 @@ fn matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx() {
     // Shapes that do not fit are errors, not a crash.
     assert!(fast::matmul_weight_t(&arr(&[1.0; 6], &[2, 3]), &arr(&[1.0; 8], &[2, 4])).is_err());
 }
+
+/// `zeroed_on_device` over shapes of different ranks and dtypes (their dimensions travel
+/// to the shim flattened, each shape's rank beside it): each array has its own shape,
+/// dtype and zeros, whatever the shapes before it.
+#[test]
+fn zeroed_arrays_keep_each_shape_and_dtype() {
+    let shapes: [(&[i32], Dtype); 4] = [
+        (&[2, 3], Dtype::F32),
+        (&[5], Dtype::BF16),
+        (&[1, 2, 3, 4], Dtype::F16),
+        (&[3, 1, 2], Dtype::F32),
+    ];
+    let arrays = mlx::zeroed_on_device(&shapes).unwrap();
+    assert_eq!(arrays.len(), shapes.len());
+    for (a, (shape, dtype)) in arrays.iter().zip(shapes) {
+        assert_eq!(a.shape(), shape.to_vec());
+        assert_eq!(a.dtype(), dtype);
+        let n: i32 = shape.iter().product();
+        let values = a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(values, vec![0f32; n as usize], "{shape:?} {dtype:?}");
+    }
+    assert!(mlx::zeroed_on_device(&[]).unwrap().is_empty());
+}
