@@ -223,9 +223,14 @@ fn append_parts(
                 })
                 .collect()
         };
-        let result = cut(k_parts)
-            .and_then(|k| Ok((k, cut(v_parts)?)))
-            .and_then(|(k, v)| pool.write(block, start, &k, &v));
+        // The whole input in one write (every decode step): the parts as they are.
+        let result = if written == 0 && n == count {
+            pool.write(block, start, k_parts, v_parts)
+        } else {
+            cut(k_parts)
+                .and_then(|k| Ok((k, cut(v_parts)?)))
+                .and_then(|(k, v)| pool.write(block, start, &k, &v))
+        };
         if let Err(e) = result {
             for b in table.drain(table_before..).rev() {
                 pool.free(b);

@@ -37,6 +37,9 @@ pub struct BlockPool {
     format: KvFormat,
     /// K parts followed by V parts.
     arenas: Vec<Array>,
+    /// Each arena's row width and dtype (fixed for the pool's life): the hot paths read
+    /// them here instead of asking MLX for every step's write and read.
+    parts: Vec<(i32, Dtype)>,
     capacity: usize,
     max_blocks: usize,
     free: Vec<u32>,
@@ -66,6 +69,14 @@ fn arena_parts(
         }
     }
     Ok(out)
+}
+
+/// Each arena's row width (its last dimension) and dtype.
+fn part_layouts(arenas: &[Array]) -> Vec<(i32, Dtype)> {
+    arenas
+        .iter()
+        .map(|a| (a.shape().last().copied().unwrap_or(0), a.dtype()))
+        .collect()
 }
 
 /// Whether `blocks` is a run of consecutive ids, and where it starts.
@@ -147,6 +158,7 @@ impl BlockPool {
         Ok(Self {
             shape,
             format,
+            parts: part_layouts(&arenas),
             arenas,
             capacity: initial,
             max_blocks,
@@ -201,6 +213,7 @@ impl BlockPool {
         Ok(Self {
             shape,
             format,
+            parts: part_layouts(&arrays),
             arenas: arrays,
             capacity,
             max_blocks: max_blocks.max(capacity),
@@ -296,29 +309,28 @@ impl BlockPool {
             )));
         }
         // Check every part before consuming the arenas, so a rejected write changes nothing.
-        for (arena, part) in self.arenas.iter().zip(&parts) {
-            let (ps, as_) = (part.shape(), arena.shape());
+        let mut shapes = Vec::with_capacity(parts.len());
+        for (&(width, dtype), part) in self.parts.iter().zip(&parts) {
+            let ps = part.shape();
             if ps.len() != 4
                 || ps[0] != 1
                 || ps[1] != heads
-                || ps[3] != as_[2]
+                || ps[3] != width
                 || (block as usize * bs + start + ps[2] as usize) > self.capacity * bs
-                || part.dtype() != arena.dtype()
+                || part.dtype() != dtype
             {
                 return Err(CacheError::Shape(format!(
-                    "cannot write {:?} {} at token {start} of block {block} of a pool of {} blocks [{heads}, {bs}, {}] {}",
+                    "cannot write {:?} {} at token {start} of block {block} of a pool of {} blocks [{heads}, {bs}, {width}] {dtype}",
                     ps,
                     part.dtype(),
                     self.capacity,
-                    as_[2],
-                    arena.dtype()
                 )));
             }
+            shapes.push(ps);
         }
         let t0 = (block as usize * bs + start) as i32;
         let old = std::mem::take(&mut self.arenas);
-        for (arena, part) in old.into_iter().zip(parts) {
-            let ps = part.shape();
+        for ((arena, part), ps) in old.into_iter().zip(parts).zip(shapes) {
             let update = part.reshape(&ps[1..])?;
             // The arena is moved into slice_update so MLX can update it in place.
             self.arenas.push(arena.slice_update(
@@ -347,12 +359,12 @@ impl BlockPool {
             // keys start at their buffer's first byte (mlx/backend/cuda/
             // scaled_dot_product_attention.cpp, `unslice_kv`; docs/cache.md).
             Some(first) if first == 0 || !self.cudnn_decodable() => {
-                let t0 = (first as usize * bs) as i32;
+                let (t0, heads) = ((first as usize * bs) as i32, self.shape.kv_heads as i32);
                 self.arenas
                     .iter()
-                    .map(|a| {
-                        let s = a.shape();
-                        Ok(a.slice(&[0, t0, 0], &[s[0], t0 + len as i32, s[2]])?
+                    .zip(&self.parts)
+                    .map(|(a, &(width, _))| {
+                        Ok(a.slice(&[0, t0, 0], &[heads, t0 + len as i32, width])?
                             .expand_dims(0)?)
                     })
                     .collect()
@@ -368,7 +380,7 @@ impl BlockPool {
     fn cudnn_decodable(&self) -> bool {
         let tokens = self.capacity * self.shape.block_size;
         matches!(
-            self.arenas.first().map(Array::dtype),
+            self.parts.first().map(|p| p.1),
             Some(Dtype::F16 | Dtype::BF16)
         ) && tokens.is_multiple_of(CUDNN_KV_STEP)
     }

@@ -73,6 +73,11 @@ struct DecodeRow {
     contiguous_ms: f64,
     /// paged / contiguous (target ≤ 1.1).
     ratio: f64,
+    /// Of `paged_ms`, building the step's graph on the host (the append, the read and the
+    /// attention node; evaluation excluded), µs.
+    paged_build_us: f64,
+    /// The same for the contiguous cache, µs.
+    contiguous_build_us: f64,
 }
 
 #[derive(Serialize)]
@@ -511,20 +516,28 @@ fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
             let mut contiguous = PreallocatedCache::new(n as i32 + 4 * reps as i32 + 8)?;
             contiguous.update_and_fetch(&prefix_k, &prefix_v)?;
             // Alternate the two so load on this shared machine hits both alike.
-            let (mut tp, mut tc) = (Vec::new(), Vec::new());
+            let (mut tp, mut tc, mut bp, mut bc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for _ in 0..reps + 1 {
                 let t = Instant::now();
                 let (k, v) = paged.update_and_fetch(0, &step_k, &step_v)?;
-                scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None)?.eval()?;
+                let out = scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None)?;
+                bp.push(t.elapsed());
+                out.eval()?;
                 tp.push(t.elapsed());
                 let t = Instant::now();
                 let (k, v) = contiguous.update_and_fetch(&step_k, &step_v)?;
-                scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None)?.eval()?;
+                let out = scaled_dot_product_attention(&q, &k, &v, scale, AttentionMask::None)?;
+                bc.push(t.elapsed());
+                out.eval()?;
                 tc.push(t.elapsed());
             }
             let (t_paged, t_contiguous) = (
                 median_of(&mut tp[1..].to_vec()),
                 median_of(&mut tc[1..].to_vec()),
+            );
+            let (b_paged, b_contiguous) = (
+                median_of(&mut bp[1..].to_vec()),
+                median_of(&mut bc[1..].to_vec()),
             );
             rows.push(DecodeRow {
                 tokens: n,
@@ -535,6 +548,8 @@ fn decode_rows(quick: bool) -> Result<Vec<DecodeRow>> {
                 paged_ms: t_paged.as_secs_f64() * 1e3,
                 contiguous_ms: t_contiguous.as_secs_f64() * 1e3,
                 ratio: t_paged.as_secs_f64() / t_contiguous.as_secs_f64(),
+                paged_build_us: b_paged.as_secs_f64() * 1e6,
+                contiguous_build_us: b_contiguous.as_secs_f64() * 1e6,
             });
         }
     }
@@ -862,13 +877,19 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("decode step (append 1 token + SDPA, 9/3 heads, d64, f32 compute)");
     println!(
-        "{:>8} {:>8} {:>12} {:>14} {:>8}",
-        "tokens", "format", "paged", "contiguous", "ratio"
+        "{:>8} {:>8} {:>12} {:>14} {:>8} {:>22}",
+        "tokens", "format", "paged", "contiguous", "ratio", "graph built (µs)"
     );
     for r in &report.decode {
         println!(
-            "{:>8} {:>8} {:>10.3}ms {:>12.3}ms {:>7.2}x",
-            r.tokens, r.format, r.paged_ms, r.contiguous_ms, r.ratio
+            "{:>8} {:>8} {:>10.3}ms {:>12.3}ms {:>7.2}x {:>10.1} / {:>9.1}",
+            r.tokens,
+            r.format,
+            r.paged_ms,
+            r.contiguous_ms,
+            r.ratio,
+            r.paged_build_us,
+            r.contiguous_build_us
         );
     }
     println!("\npublish / restore in bulk (f32 KV, 3 KV heads, d64)");
