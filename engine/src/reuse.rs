@@ -220,10 +220,11 @@ fn block_bytes(description: &NamespaceDescription) -> u64 {
 const BACKGROUND_PROBE_BLOCKS: usize = 15;
 
 /// Measures the SSD off any request's path (on the export thread), where the cost model
-/// has no estimate of it yet or is due to measure it again ([`plan_with_probes`]): loads `keys` (a run of SSD blocks) in loads of 1, 2, 4 and 8 blocks
-/// while they last and records each as an SSD sample, so that the fit tells the fixed cost
-/// from the per-block one with more than two points (one noisy load of two would price the
-/// SSD for every request after it). The blocks are promoted into RAM as any load's are.
+/// has no estimate of it yet or is due to measure it again ([`plan_with_probes`]): loads
+/// `keys` (a run of SSD blocks) in loads of 1, 2, 4 and 8 blocks while they last and
+/// records each as an SSD sample, so that the fit tells the fixed cost from the per-block
+/// one with more than two points (one noisy load of two would price the SSD for every
+/// request after it). The blocks are promoted into RAM as any load's are.
 fn probe_ssd(
     store: &Store,
     namespace: NamespaceId,

@@ -162,21 +162,15 @@ std::vector<mx::array> zeroed_off_queue(const std::vector<std::pair<mx::Shape, m
   // as the decode step an engine queued one step ahead, and a restore inside a serving
   // step would stall the pipeline for a whole step.
   auto device = mx::default_device();
-  std::optional<mx::Stream> side;
+  mx::StreamOrDevice on = {};
   if (device.type == mx::Device::gpu) {
     thread_local std::optional<mx::Stream> own;
     if (!own) own = mx::new_stream(device);
-    side = own;
+    on = *own;
   }
   std::vector<mx::array> out;
   out.reserve(shapes.size());
-  for (const auto& [shape, dtype] : shapes) {
-    if (side) {
-      out.push_back(mx::contiguous(mx::zeros(shape, dtype, *side), false, *side));
-    } else {
-      out.push_back(mx::contiguous(mx::zeros(shape, dtype)));
-    }
-  }
+  for (const auto& [shape, dtype] : shapes) out.push_back(mx::contiguous(mx::zeros(shape, dtype, on), false, on));
   mx::eval(out);
   return out;
 }

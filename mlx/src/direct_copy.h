@@ -47,6 +47,9 @@ struct RowsWrite {
 // unavailable or an array has no buffer; throws when rows do not fit.
 bool write_rows(const std::vector<RowsWrite>& writes);
 
+// Zero-filled arrays of `shapes`, each with a buffer of its own, evaluated before returning;
+// on a GPU made on a stream of the calling thread's own, so the wait is not behind the
+// default stream's queue.
 std::vector<mlx::core::array> zeroed_off_queue(const std::vector<std::pair<mlx::core::Shape, mlx::core::Dtype>>& shapes);
 
 // Page-locked host memory of `n` bytes (the driver DMAs to and from it without staging),

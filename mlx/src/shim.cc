@@ -202,6 +202,7 @@ std::unique_ptr<ArrayList> zeroed_off_queue(rust::Slice<const int32_t> dims, rus
     shapes.emplace_back(mx::Shape(dims.begin() + at, dims.begin() + at + ranks[i]), to_dtype(dtypes[i]));
     at += ranks[i];
   }
+  if (at != dims.size()) throw std::invalid_argument("dimensions left over after the ranks");
   auto out = std::make_unique<ArrayList>();
   out->items = direct::zeroed_off_queue(shapes);
   return out;

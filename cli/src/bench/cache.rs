@@ -300,7 +300,7 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
         .root(&root)
         .ram_budget(64 << 30)
         .ssd_budget(64 << 30);
-    let (keys, total) = {
+    let (keys, files, total) = {
         let mut live = PagedKvCache::new(layers, config)?;
         for l in 0..layers {
             let k = random(&[1, HKV, tokens as i32, D], 1000 + l as u64)?;
@@ -316,8 +316,13 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
             s.insert(Arc::new(b))?;
         }
         s.flush()?;
+        // The block files the restores read, in chain order, for the bare reads.
+        let ssd = s
+            .ssd()
+            .ok_or_else(|| anyhow::anyhow!("the bench's store has no SSD tier"))?;
+        let files: Vec<std::path::PathBuf> = keys.iter().map(|&k| ssd.block_path(ns, k)).collect();
         s.close()?;
-        (keys, total)
+        (keys, files, total)
     };
     let ddfile = scratch.path().join("dd.bin");
     let mib = 1u64 << 20;
@@ -331,7 +336,7 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
         let cold = crate::bench::store::drop_caches();
         let dd_gb_s = crate::bench::store::dd_read(&ddfile, mib, total.div_ceil(mib))?;
         crate::bench::store::drop_caches();
-        let bare_gb_s = bare_reads(&root, readers)?;
+        let bare_gb_s = bare_reads(&files, readers)?;
         crate::bench::store::drop_caches();
         let t = Instant::now();
         let s: store::Store = store::Store::open(store_config.clone().ssd_readers(readers))?;
@@ -389,28 +394,12 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
     Ok(rows)
 }
 
-/// Reads every block file under the store `root` whole into fresh memory on `threads`
-/// threads (each takes the next file), keeping every file's bytes to the end as a load
-/// does, and returns GB/s: the baseline of a file per block read by a reader that does
+/// Reads `files` (a run's block files, in chain order) whole into fresh memory on
+/// `threads` threads (each takes the next file), keeping every file's bytes to the end as a
+/// load does, and returns GB/s: the baseline of a file per block read by a reader that does
 /// nothing else, on the same files the restore reads.
-fn bare_reads(root: &std::path::Path, threads: usize) -> Result<f64> {
-    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-    let ext = format!(".{}", store::format::BLOCK_EXT);
-    let mut files = Vec::new();
-    let mut dirs = vec![root.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        for e in std::fs::read_dir(&dir)? {
-            let e = e?;
-            let kind = e.file_type()?;
-            if kind.is_dir() {
-                dirs.push(e.path());
-            } else if kind.is_file() && e.file_name().to_string_lossy().ends_with(&ext) {
-                files.push(e.path());
-            }
-        }
-    }
-    files.sort();
-    let (next, bytes) = (AtomicUsize::new(0), AtomicU64::new(0));
+fn bare_reads(files: &[std::path::PathBuf], threads: usize) -> Result<f64> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
     let t = Instant::now();
     let kept = std::thread::scope(|s| -> Result<Vec<Vec<Vec<u8>>>> {
         let workers: Vec<_> = (0..threads.max(1))
@@ -419,27 +408,26 @@ fn bare_reads(root: &std::path::Path, threads: usize) -> Result<f64> {
                     // Kept to the end, as a load keeps what it read (freed at once, the
                     // next read would reuse warm memory instead of faulting in fresh).
                     let mut kept = Vec::new();
-                    while let Some(f) = files.get(next.fetch_add(1, Ordering::Relaxed)) {
-                        let read = std::fs::read(f)?;
-                        bytes.fetch_add(read.len() as u64, Ordering::Relaxed);
-                        kept.push(read);
+                    let take = || next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    while let Some(f) = files.get(take()) {
+                        kept.push(std::fs::read(f)?);
                     }
                     Ok(kept)
                 })
             })
             .collect();
-        let mut kept = Vec::new();
-        for w in workers {
-            kept.push(
+        workers
+            .into_iter()
+            .map(|w| {
                 w.join()
-                    .map_err(|_| anyhow::anyhow!("a bare reader panicked"))??,
-            );
-        }
-        Ok(kept)
+                    .map_err(|_| anyhow::anyhow!("a bare reader panicked"))?
+                    .map_err(Into::into)
+            })
+            .collect()
     })?;
-    let gb_s = bytes.into_inner() as f64 / t.elapsed().as_secs_f64() / 1e9;
-    drop(kept);
-    Ok(gb_s)
+    let secs = t.elapsed().as_secs_f64();
+    let bytes: usize = kept.iter().flatten().map(Vec::len).sum();
+    Ok(bytes as f64 / secs / 1e9)
 }
 
 /// mlx-lm's KVCache: a buffer grown in steps, written in place, read through a slice.
