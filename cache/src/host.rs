@@ -425,8 +425,8 @@ pub(crate) fn block_shape(
     })
 }
 
-/// One layer part of a run of blocks to restore: an `[H, capacity · bs, width]` array, the
-/// blocks first and zeros after them (`capacity` ≥ the number of blocks).
+/// One layer part of a run of blocks to restore: a `[1, H, capacity · bs, width]` array
+/// (a pool's arena, see `pool.rs`), the blocks first and zeros after them (`capacity` ≥ the number of blocks).
 pub(crate) struct RunPart<'a> {
     /// The part's plane layout in every block (checked by [`block_shape`]).
     pub spec: &'a PlaneSpec,
@@ -500,10 +500,10 @@ impl RunPart<'_> {
         Ok(())
     }
 
-    /// The array's shape: `[heads, capacity · bs, width]`.
-    fn shape(&self) -> Result<[i32; 3], CacheError> {
+    /// The array's shape: `[1, heads, capacity · bs, width]`.
+    fn shape(&self) -> Result<[i32; 4], CacheError> {
         let (heads, bs, width, _) = self.layout()?;
-        Ok([heads as i32, (self.capacity() * bs) as i32, width as i32])
+        Ok([1, heads as i32, (self.capacity() * bs) as i32, width as i32])
     }
 
     /// The array of the part assembled whole (with its zeros) in `host`.
@@ -528,7 +528,7 @@ impl RunPart<'_> {
 }
 
 /// A run of blocks assembled as they arrive, straight into the layer parts' final memory:
-/// one [`HostBuffer`] per part, `[heads, capacity · bs, width]`, which the part's array
+/// one [`HostBuffer`] per part, `[1, heads, capacity · bs, width]`, which the part's array
 /// takes over (host compute only; see `PagedKvCache::restore_streaming`).
 pub(crate) struct RunAssembly {
     /// Per part (plane order of an untrimmed block): its layout and buffer.
@@ -588,7 +588,7 @@ impl RunAssembly {
             .into_iter()
             .map(|(spec, buf)| {
                 let s: Vec<i32> = spec.shape.iter().map(|&d| d as i32).collect();
-                let shape = [s[0], s[1] * capacity as i32, s[2]];
+                let shape = [1, s[0], s[1] * capacity as i32, s[2]];
                 Ok(buf.into_array(&shape, to_mlx_dtype(spec.dtype))?)
             })
             .collect()
@@ -825,7 +825,7 @@ mod tests {
                 let cap = part.capacity.max(part.planes.len());
                 assert_eq!(
                     a.shape(),
-                    vec![heads as i32, (cap * bs) as i32, width as i32]
+                    vec![1, heads as i32, (cap * bs) as i32, width as i32]
                 );
                 assert!(a.to_bytes().unwrap() == naive_part(&blocks, part));
             }

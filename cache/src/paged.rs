@@ -1191,7 +1191,7 @@ impl PagedKvCache {
         for layer in self.layers.iter_mut() {
             let fresh = layer.pool.is_none();
             let parts: Vec<Array> = uploaded.by_ref().take(per).collect();
-            let room = |a: &Array| a.shape().get(1).map_or(0, |&t| t as usize / bs);
+            let room = |a: &Array| a.shape().get(2).map_or(0, |&t| t as usize / bs);
             if let Some(a) = parts.iter().find(|a| fresh && room(a) != capacity) {
                 return Err(CacheError::Shape(format!(
                     "a restored part holds {} blocks, its pool {capacity}",
@@ -1210,10 +1210,6 @@ impl PagedKvCache {
                     layer.table = (0..valid as u32).collect();
                 }
                 Some(pool) => {
-                    let parts: Vec<Array> = parts
-                        .iter()
-                        .map(|a| a.expand_dims(0))
-                        .collect::<Result<_, _>>()?;
                     let (k, v) = parts.split_at(per / 2);
                     append_parts(pool, &mut layer.table, layer.len, bs, k, v)?;
                 }
@@ -1321,8 +1317,8 @@ impl PagedKvCache {
             for p in config.format.encode(x)? {
                 let s = p.shape();
                 let tail = (capacity * bs - count) as i32;
-                let zeros = mlx::ops::zeros(&[s[1], tail, s[3]], p.dtype())?;
-                parts.push(mlx::ops::concatenate(&[&p.squeeze(0)?, &zeros], 1)?);
+                let zeros = mlx::ops::zeros(&[1, s[1], tail, s[3]], p.dtype())?;
+                parts.push(mlx::ops::concatenate(&[&p, &zeros], 2)?);
             }
         }
         let pool = BlockPool::restore_arrays(

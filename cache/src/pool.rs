@@ -2,10 +2,13 @@
 //!
 //! Logically a pool is `[blocks, kv_heads, block_size, head_dim]`: block `b` is the
 //! `[kv_heads, block_size, head_dim]` slab of tokens `b·bs .. (b+1)·bs`. Physically each
-//! arena is stored heads-major, `[kv_heads, blocks · block_size, head_dim]`, so that a run
-//! of consecutive blocks is one strided view per head: attention reads a sequence's keys
-//! through a slice, with no gather (a gather over the block-major layout made decode steps
-//! several times slower than a contiguous cache; figures in docs/cache.md).
+//! arena is stored heads-major, `[1, kv_heads, blocks · block_size, head_dim]`, so that a
+//! run of consecutive blocks is one strided view per head: attention reads a sequence's
+//! keys through a slice, with no gather (a gather over the block-major layout made decode
+//! steps several times slower than a contiguous cache; figures in docs/cache.md). The
+//! leading axis of one is the batch axis attention takes: a step writes its `[1, H, n, D]`
+//! keys and reads its view without a reshape, the two graph nodes a contiguous cache's step
+//! has (docs/cache.md, "Four-dimensional arenas").
 
 use mlx::{Array, Dtype};
 
@@ -24,7 +27,7 @@ pub struct BlockShape {
     pub dtype: Dtype,
 }
 
-/// One layer's K and V arenas, each `[kv_heads, blocks · block_size, width]` per part
+/// One layer's K and V arenas, each `[1, kv_heads, blocks · block_size, width]` per part
 /// (see [`KvFormat`] and the module docs), and the allocation state over them.
 ///
 /// Blocks are handed out lowest id first from a fresh pool and reused last-freed first
@@ -45,7 +48,7 @@ pub struct BlockPool {
     free: Vec<u32>,
 }
 
-/// Zeros of `[H, blocks · bs, width]` for each part of `format`, K parts then V parts.
+/// Zeros of `[1, H, blocks · bs, width]` for each part of `format`, K parts then V parts.
 fn arena_parts(
     shape: BlockShape,
     format: KvFormat,
@@ -60,6 +63,7 @@ fn arena_parts(
             let width = p.shape()[1];
             out.push(mlx::ops::zeros(
                 &[
+                    1,
                     shape.kv_heads as i32,
                     (blocks * shape.block_size) as i32,
                     width,
@@ -167,8 +171,8 @@ impl BlockPool {
     }
 
     /// Rebuilds a pool from saved arenas (K parts then V parts, each
-    /// `[H, n · block_size, width]`) whose first `occupied` blocks are in use; the rest are
-    /// free.
+    /// `[1, H, n · block_size, width]`) whose first `occupied` blocks are in use; the rest
+    /// are free.
     pub fn restore_arrays(
         shape: BlockShape,
         format: KvFormat,
@@ -184,22 +188,23 @@ impl BlockPool {
                 expected.len()
             )));
         }
-        let tokens = arrays[0].shape().get(1).copied().unwrap_or(0) as usize;
+        let tokens = arrays[0].shape().get(2).copied().unwrap_or(0) as usize;
         let capacity = tokens / shape.block_size;
         for (a, e) in arrays.iter().zip(&expected) {
             let (sa, se) = (a.shape(), e.shape());
-            if sa.len() != 3
-                || sa[0] != se[0]
-                || sa[1] as usize != tokens
-                || sa[2] != se[2]
+            if sa.len() != 4
+                || sa[0] != 1
+                || sa[1] != se[1]
+                || sa[2] as usize != tokens
+                || sa[3] != se[3]
                 || a.dtype() != e.dtype()
             {
                 return Err(CacheError::Shape(format!(
-                    "arena {:?} {} does not match [{}, {tokens}, {}] {}",
+                    "arena {:?} {} does not match [1, {}, {tokens}, {}] {}",
                     sa,
                     a.dtype(),
-                    se[0],
-                    se[2],
+                    se[1],
+                    se[3],
                     e.dtype()
                 )));
             }
@@ -278,7 +283,7 @@ impl BlockPool {
         let new_capacity = next_capacity(self.capacity, self.shape.block_size).min(self.max_blocks);
         let extra = arena_parts(self.shape, self.format, new_capacity - self.capacity)?;
         for (arena, more) in self.arenas.iter_mut().zip(extra) {
-            *arena = mlx::ops::concatenate(&[arena, &more], 1)?;
+            *arena = mlx::ops::concatenate(&[arena, &more], 2)?;
         }
         // New ids go under the existing free ones so the lowest new id is handed out first.
         let fresh: Vec<u32> = (self.capacity as u32..new_capacity as u32).rev().collect();
@@ -331,12 +336,11 @@ impl BlockPool {
         let t0 = (block as usize * bs + start) as i32;
         let old = std::mem::take(&mut self.arenas);
         for ((arena, part), ps) in old.into_iter().zip(parts).zip(shapes) {
-            let update = part.reshape(&ps[1..])?;
             // The arena is moved into slice_update so MLX can update it in place.
             self.arenas.push(arena.slice_update(
-                &update,
-                &[0, t0, 0],
-                &[heads, t0 + ps[2], ps[3]],
+                part,
+                &[0, 0, t0, 0],
+                &[1, heads, t0 + ps[2], ps[3]],
             )?);
         }
         Ok(())
@@ -364,8 +368,7 @@ impl BlockPool {
                     .iter()
                     .zip(&self.parts)
                     .map(|(a, &(width, _))| {
-                        Ok(a.slice(&[0, t0, 0], &[heads, t0 + len as i32, width])?
-                            .expand_dims(0)?)
+                        Ok(a.slice(&[0, 0, t0, 0], &[1, heads, t0 + len as i32, width])?)
                     })
                     .collect()
             }
@@ -411,10 +414,7 @@ impl BlockPool {
             .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
             .collect();
         let idx = Array::from_slice(&idx, &[(end - start) as i32])?;
-        self.arenas
-            .iter()
-            .map(|a| Ok(a.take(&idx, 1)?.expand_dims(0)?))
-            .collect()
+        self.arenas.iter().map(|a| Ok(a.take(&idx, 2)?)).collect()
     }
 
     /// Copies of one block: K parts then V parts, each `[H, block_size, width]`, in fresh
@@ -423,7 +423,10 @@ impl BlockPool {
         let bs = self.shape.block_size as u32;
         let idx: Vec<u32> = (block * bs..(block + 1) * bs).collect();
         let idx = Array::from_slice(&idx, &[bs as i32])?;
-        self.arenas.iter().map(|a| Ok(a.take(&idx, 1)?)).collect()
+        self.arenas
+            .iter()
+            .map(|a| Ok(a.take(&idx, 2)?.squeeze(0)?))
+            .collect()
     }
 
     /// The arenas (K parts then V parts).
