@@ -421,7 +421,7 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pt) # a short slice of the trace at real speed, full tiering then no cache, in the
-      # foreground (WINDOW, SCALE; one call), after x1 and x2; logs and JSON to $OUT
+      # foreground (WINDOW, SCALE, DRAIN; one call), after x1 and x2; logs and JSON to $OUT
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -439,7 +439,9 @@ case "$step" in
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
       esac
       echo "== $arm"
-      timeout $(( end - start + 40 )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
+      # DRAIN: seconds past the window for the requests in flight at the deadline to finish;
+      # an arm that has fallen behind needs minutes (session 21 lost a report to 40 s)
+      timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
           --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
       grep -E "^hit share|^steps|requests in|^graph census" "$OUT/pt-$arm.log"
     done
