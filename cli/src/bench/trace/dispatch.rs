@@ -121,8 +121,9 @@ pub fn replay<T: Target>(
             let (prompt, max_tokens) = make(i);
             let sent_s = start.elapsed().as_secs_f64();
             if i % report_every == 0 {
+                let so_far = progress(&results.lock().unwrap_or_else(PoisonError::into_inner));
                 eprintln!(
-                    "request {}/{} at {sent_s:.1} s ({:.1} s late)",
+                    "request {}/{} at {sent_s:.1} s ({:.1} s late){so_far}",
                     i + 1,
                     times.len(),
                     (sent_s - at).max(0.0)
@@ -161,6 +162,30 @@ pub fn replay<T: Target>(
             })
         })
         .collect()
+}
+
+/// What the requests finished so far got, for a progress line (so that a run stopped before
+/// its report still says something): how many finished (and failed), the share of their
+/// prompt tokens served from the cache and their median TTFT. Empty before the first.
+fn progress(results: &[Option<Sent>]) -> String {
+    let done: Vec<&Outcome> = results.iter().flatten().map(|s| &s.outcome).collect();
+    if done.is_empty() {
+        return String::new();
+    }
+    let failed = done.iter().filter(|o| o.error.is_some()).count();
+    let prompt: usize = done.iter().map(|o| o.prompt_tokens).sum();
+    let cached: usize = done.iter().map(|o| o.cached_tokens).sum();
+    let mut ttft: Vec<f64> = done.iter().filter_map(|o| o.ttft_s).collect();
+    ttft.sort_by(f64::total_cmp);
+    let median = match ttft.len() {
+        0 => "-".to_string(),
+        n => format!("{:.3} s", ttft[(n - 1) / 2]),
+    };
+    format!(
+        "; {} finished ({failed} failed), {:.1}% of their prompt tokens cached, TTFT P50 {median}",
+        done.len(),
+        100.0 * cached as f64 / prompt.max(1) as f64,
+    )
 }
 
 /// Waits until fewer than `max` requests are in flight and counts one more; `false` (and
@@ -228,6 +253,41 @@ mod tests {
         }
         let max = probe.max.load(Ordering::SeqCst);
         assert!((1..=3).contains(&max), "{max} in flight");
+    }
+
+    #[test]
+    fn a_progress_line_sums_the_finished_requests_only() {
+        let done = |prompt, cached, ttft: Option<f64>, error: Option<&str>| {
+            Some(Sent {
+                scheduled_s: 0.0,
+                sent_s: 0.0,
+                unsent: false,
+                outcome: Outcome {
+                    prompt_tokens: prompt,
+                    cached_tokens: cached,
+                    ttft_s: ttft,
+                    error: error.map(str::to_string),
+                    ..Outcome::default()
+                },
+            })
+        };
+        assert_eq!(progress(&[None, None]), "");
+        let results = [
+            done(100, 50, Some(0.4), None),
+            None,
+            done(300, 0, Some(0.1), None),
+            done(0, 0, None, Some("refused")),
+            done(600, 150, Some(2.0), None),
+        ];
+        // 200 of 1,000 prompt tokens cached; TTFTs 0.1, 0.4, 2.0: the median 0.4.
+        assert_eq!(
+            progress(&results),
+            "; 4 finished (1 failed), 20.0% of their prompt tokens cached, TTFT P50 0.400 s"
+        );
+        assert_eq!(
+            progress(&[done(0, 0, None, Some("x"))]),
+            "; 1 finished (1 failed), 0.0% of their prompt tokens cached, TTFT P50 -"
+        );
     }
 
     /// Sleeps `ms` per request.
