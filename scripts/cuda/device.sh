@@ -421,14 +421,14 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pt) # a short slice of the trace at real speed, full tiering then no cache, in the
-      # foreground (WINDOW, SCALE, DRAIN; one call), after x1 and x2; logs and JSON to $OUT
+      # foreground (WINDOW, SCALE, DRAIN, CONC, BATCH; one call), after x1 and x2; logs and JSON to $OUT
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
     T=$K/mooncake-conversation-part1.jsonl
     W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
-    S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency 64 --max-batch 16 --deadline $(( end - start + 10 )) ${XARGS:-}"
+    S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline $(( end - start + 10 )) ${XARGS:-}"
     for arm in ${ARMS:-cache nocache}; do
       case "$arm" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
