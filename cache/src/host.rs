@@ -426,7 +426,8 @@ pub(crate) fn block_shape(
 }
 
 /// One layer part of a run of blocks to restore: a `[1, H, capacity · bs, width]` array
-/// (a pool's arena, see `pool.rs`), the blocks first and zeros after them (`capacity` ≥ the number of blocks).
+/// (a pool's arena, see `pool.rs`), the blocks first and zeros after them (`capacity` ≥
+/// the number of blocks).
 pub(crate) struct RunPart<'a> {
     /// The part's plane layout in every block (checked by [`block_shape`]).
     pub spec: &'a PlaneSpec,
