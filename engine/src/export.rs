@@ -16,6 +16,7 @@ use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use cache::Export;
 use store::{BlockKey, NamespaceId, Store};
@@ -37,6 +38,18 @@ pub struct ExportStats {
     pub waits: u64,
     /// Lookups that waited for an export holding one of their blocks.
     pub lookup_waits: u64,
+    /// Device bytes of the exports finished.
+    pub bytes: u64,
+    /// Microseconds submitters waited for the in-flight bound (the engine thread, when it
+    /// publishes faster than the thread reads back and inserts).
+    pub submit_wait_us: u64,
+    /// Microseconds lookups waited for exports holding their blocks.
+    pub lookup_wait_us: u64,
+    /// Microseconds the thread spent reading exports back from the device (and splitting
+    /// them into blocks).
+    pub read_us: u64,
+    /// Microseconds the thread spent inserting blocks into the store (hashing included).
+    pub insert_us: u64,
 }
 
 #[derive(Default)]
@@ -70,11 +83,17 @@ impl Shared {
         self.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits, holding `p` between wake-ups, until the first `target` submissions finished.
-    fn wait_finished(&self, mut p: MutexGuard<'_, Pending>, target: u64) {
+    /// Waits, holding `p` between wake-ups, until the first `target` submissions finished;
+    /// returns the lock.
+    fn wait_finished<'a>(
+        &self,
+        mut p: MutexGuard<'a, Pending>,
+        target: u64,
+    ) -> MutexGuard<'a, Pending> {
         while p.finished < target {
             p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
         }
+        p
     }
 
     /// Runs submission `s` and counts it finished, waking those waiting.
@@ -86,7 +105,7 @@ impl Shared {
             keys,
         } = s;
         let export = matches!(job, Job::Export(_));
-        let (n, inserted) = job.run(store);
+        let ran = job.run(store);
         let mut p = self.lock();
         p.finished += 1;
         p.bytes -= bytes;
@@ -96,8 +115,13 @@ impl Shared {
             }
         }
         p.stats.exports += u64::from(export);
-        p.stats.blocks += inserted;
-        p.stats.failed_blocks += n - inserted;
+        p.stats.blocks += ran.inserted;
+        p.stats.failed_blocks += ran.blocks - ran.inserted;
+        if export {
+            p.stats.bytes += bytes;
+        }
+        p.stats.read_us += ran.read_us;
+        p.stats.insert_us += ran.insert_us;
         drop(p);
         self.changed.notify_all();
     }
@@ -120,18 +144,28 @@ impl Job {
         }
     }
 
-    fn run(self, store: &Store) -> (u64, u64) {
+    fn run(self, store: &Store) -> Ran {
         match self {
-            Job::Export(export) => {
-                let n = export.blocks() as u64;
-                (n, finish(store, export))
-            }
+            Job::Export(export) => finish(store, export),
             Job::Task(task) => {
                 task(store);
-                (0, 0)
+                Ran::default()
             }
         }
     }
+}
+
+/// What a job did.
+#[derive(Default)]
+struct Ran {
+    /// Blocks it held.
+    blocks: u64,
+    /// Blocks it inserted.
+    inserted: u64,
+    /// Microseconds reading back from the device.
+    read_us: u64,
+    /// Microseconds inserting.
+    insert_us: u64,
 }
 
 /// A job on its way to the thread.
@@ -195,6 +229,7 @@ impl Exporter {
         let mut p = self.shared.lock();
         if p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
             p.stats.waits += 1;
+            let t = Instant::now();
             while p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
                 p = self
                     .shared
@@ -202,6 +237,7 @@ impl Exporter {
                     .wait(p)
                     .unwrap_or_else(|e| e.into_inner());
             }
+            p.stats.submit_wait_us += micros(t.elapsed());
         }
         p.submitted += 1;
         p.bytes += bytes;
@@ -241,7 +277,9 @@ impl Exporter {
             return;
         };
         p.stats.lookup_waits += 1;
-        self.shared.wait_finished(p, target);
+        let t = Instant::now();
+        let mut p = self.shared.wait_finished(p, target);
+        p.stats.lookup_wait_us += micros(t.elapsed());
     }
 
     /// Waits until every export submitted before this call is in the store (or failed);
@@ -249,7 +287,7 @@ impl Exporter {
     pub fn wait_idle(&self) {
         let p = self.shared.lock();
         let target = p.submitted;
-        self.shared.wait_finished(p, target);
+        drop(self.shared.wait_finished(p, target));
     }
 
     /// The counters so far.
@@ -270,16 +308,23 @@ impl Drop for Exporter {
 
 /// Reads `export` back and inserts its blocks in chain order; returns how many went in. A
 /// refused block ends the run (its successors would have no parent in the store).
-fn finish(store: &Store, export: Export) -> u64 {
+fn finish(store: &Store, export: Export) -> Ran {
     let replaces = export.replaces();
-    let blocks = match export.into_blocks() {
+    let mut ran = Ran {
+        blocks: export.blocks() as u64,
+        ..Ran::default()
+    };
+    let t = Instant::now();
+    let read = export.into_blocks();
+    ran.read_us = micros(t.elapsed());
+    let blocks = match read {
         Ok(b) => b,
         Err(e) => {
             tracing::warn!(error = %e, "reading published blocks back from the device failed");
-            return 0;
+            return ran;
         }
     };
-    let mut inserted = 0;
+    let t = Instant::now();
     for b in blocks {
         let b = Arc::new(b);
         // Window-trimmed copies of blocks a sequence moved past take their keys' place.
@@ -291,9 +336,14 @@ fn finish(store: &Store, export: Export) -> u64 {
             tracing::warn!(error = %e, "the store refused a published block");
             break;
         }
-        inserted += 1;
+        ran.inserted += 1;
     }
-    inserted
+    ran.insert_us = micros(t.elapsed());
+    ran
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]
@@ -362,6 +412,8 @@ mod tests {
         });
 
         let (exp, keys) = export(ns, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        // Two blocks of 4 tokens, K and V, one head of 8 f32s a token.
+        assert_eq!(exp.device_bytes(), 2 * 2 * 4 * 8 * 4);
         exporter.submit(exp);
         let (_, other) = export(ns, &[9, 9, 9, 9, 9, 9, 9, 9]);
         exporter.wait_for(ns, &other);
@@ -393,6 +445,7 @@ mod tests {
             !done.load(Ordering::SeqCst),
             "returned before the export finished"
         );
+        std::thread::sleep(Duration::from_millis(20));
         open.send(()).unwrap();
         assert_eq!(
             waiter.join().unwrap(),
@@ -402,5 +455,16 @@ mod tests {
         assert!(!watchdog_opened.load(Ordering::SeqCst));
         let stats = exporter.stats();
         assert_eq!((stats.exports, stats.blocks, stats.lookup_waits), (1, 2, 1));
+        assert_eq!(
+            stats.bytes,
+            2 * 2 * 4 * 8 * 4,
+            "the finished export's device bytes"
+        );
+        assert!(
+            stats.lookup_wait_us >= 20_000,
+            "the lookup waited {} µs, at least the 20 ms the thread was held after it began",
+            stats.lookup_wait_us
+        );
+        assert_eq!((stats.waits, stats.submit_wait_us), (0, 0));
     }
 }

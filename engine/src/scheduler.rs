@@ -530,6 +530,15 @@ pub struct StepRecord {
     pub emit_us: u64,
     /// Microseconds spent on the step's prefill chunk.
     pub prefill_us: u64,
+    /// Microseconds spent admitting requests (restoring their cached prefixes included).
+    pub admit_us: u64,
+    /// Microseconds spent publishing blocks to the prefix cache (taking device copies of
+    /// new full blocks and handing them to the export thread, waiting when it is behind)
+    /// and parking finished sequences on the device.
+    pub publish_us: u64,
+    /// Whether admission stopped at a queued request whose cached prefix was still being
+    /// loaded by the I/O thread while a batch slot and the budget were free.
+    pub admit_waited_load: bool,
     /// Microseconds of the whole step: taking commands, admission, the parts above and the
     /// bookkeeping after them (not the wait for work while the engine is idle).
     pub step_us: u64,
@@ -672,6 +681,8 @@ impl Engine {
             chunk_cached: 0,
             mixed_steps: mixed_steps(&config),
             built_us: 0,
+            published_us: 0,
+            admit_waited_load: false,
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
@@ -1051,6 +1062,10 @@ struct Worker {
     /// What building the last queued decode step's graph took, in microseconds, for its
     /// [`StepRecord`].
     built_us: u64,
+    /// Publication time in this step so far, microseconds, for its [`StepRecord`].
+    published_us: u64,
+    /// Set when admission stopped at a request whose prefix was still loading.
+    admit_waited_load: bool,
 }
 
 /// A prefill chunk that ran inside the step's decode pass: the request (out of the
@@ -1139,11 +1154,14 @@ impl Worker {
                 }
             }
             // 2. Admit.
+            let mut record = StepRecord::default();
+            let t = Instant::now();
             self.admit();
+            record.admit_us = micros(t.elapsed());
+            record.admit_waited_load = std::mem::take(&mut self.admit_waited_load);
             // 3. Queue one batched decode step, fed with the previous step's picks while
             //    they are still on the device.
             //    Where it can, the oldest prompt's next chunk runs in the same pass.
-            let mut record = StepRecord::default();
             let t = Instant::now();
             let cpu = thread_cpu_time();
             let mut mixed: Option<Vec<MixedChunk>> = None;
@@ -1208,6 +1226,7 @@ impl Worker {
                 }
             }
             self.observe_device_kv();
+            record.publish_us = std::mem::take(&mut self.published_us);
             record.step_us = micros(top.elapsed());
             self.log_step(record);
             if self.draining.is_some()
@@ -1310,6 +1329,7 @@ impl Worker {
                 .front_mut()
                 .is_some_and(|p| p.prefetch.ready(idle))
             {
+                self.admit_waited_load = true;
                 break;
             }
             // Waiting for the load with nothing else to do is the request's restore.
@@ -1557,7 +1577,9 @@ impl Worker {
         seq.first_pick(logits)?;
         seq.prefilled(self.prefix.as_deref(), &mut report);
         if let (Some(pc), Some(chain)) = (&self.prefix, chain.as_mut()) {
+            let t = Instant::now();
             seq.publish_prompt(pc, chain, &mut cache, &mut report);
+            self.published_us += micros(t.elapsed());
         }
         let (prompt_tokens, cached) = (seq.prompt.len(), seq.cached);
         let c = self.counters();
@@ -1705,9 +1727,11 @@ impl Worker {
         }
         match (&self.prefix, chain) {
             (Some(pc), Some(chain)) => {
+                let t = Instant::now();
                 if let Err(e) = seq.retire(pc, chain, cache, &mut report) {
                     tracing::warn!(request = id, error = %e, "publishing failed");
                 }
+                self.published_us += micros(t.elapsed());
             }
             // Freed before the client hears of the end: its next request finds the memory.
             _ => drop(cache),

@@ -173,6 +173,12 @@ pub(crate) struct StepSummary {
     decode_only_launch_cpu_s: f64,
     mean_emit_s: f64,
     mean_prefill_s: f64,
+    /// Means over all steps, seconds: admitting requests (restores included) and
+    /// publishing blocks to the prefix cache.
+    mean_admit_s: f64,
+    mean_publish_s: f64,
+    /// Steps whose admission stopped at a request whose cached prefix was still loading.
+    admit_waited_load: usize,
 }
 
 impl StepSummary {
@@ -186,6 +192,8 @@ impl StepSummary {
             steps.iter().map(|s| secs(f(s))).sum::<f64>() / steps.len().max(1) as f64
         };
         let mean = |f: &dyn Fn(&engine::StepRecord) -> u64| mean_of(&decoding, f);
+        let every: Vec<&engine::StepRecord> = steps.iter().collect();
+        let all_mean = |f: &dyn Fn(&engine::StepRecord) -> u64| mean_of(&every, f);
         let n = decoding.len().max(1) as f64;
         StepSummary {
             decode_only: alone.len(),
@@ -200,13 +208,16 @@ impl StepSummary {
             decode_only_launch_cpu_s: mean_of(&alone, &|s| s.launch_cpu_us),
             mean_emit_s: mean(&|s| s.emit_us),
             mean_prefill_s: mean(&|s| s.prefill_us),
+            mean_admit_s: all_mean(&|s| s.admit_us),
+            mean_publish_s: all_mean(&|s| s.publish_us),
+            admit_waited_load: steps.iter().filter(|s| s.admit_waited_load).count(),
         }
     }
 
     /// One line: step counts and times.
     pub(crate) fn summary(&self) -> String {
         format!(
-            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms (engine thread CPU {:.1} ms; decode-only {:.1} ms, CPU {:.1} ms), read+emit {:.1} ms, prefill {:.1} ms",
+            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms (engine thread CPU {:.1} ms; decode-only {:.1} ms, CPU {:.1} ms), read+emit {:.1} ms, prefill {:.1} ms; admit {:.2} ms, publish {:.2} ms a step; {} steps stopped admitting at a prefix still loading",
             self.decode_only,
             self.decode_only_s.p50 * 1e3,
             self.decode_and_prefill,
@@ -219,6 +230,9 @@ impl StepSummary {
             self.decode_only_launch_cpu_s * 1e3,
             self.mean_emit_s * 1e3,
             self.mean_prefill_s * 1e3,
+            self.mean_admit_s * 1e3,
+            self.mean_publish_s * 1e3,
+            self.admit_waited_load,
         )
     }
 }

@@ -1240,6 +1240,51 @@ fn long_prompt_among_rows(
     c_steps
 }
 
+/// The step log says where publication and admission went: with a prefix cache, the
+/// step that admitted a request spent time admitting it (its lookup) and a step that
+/// published its blocks (its first token, its end) spent time publishing; without one, no
+/// step publishes.
+#[test]
+fn the_step_log_times_admission_and_publication() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = EngineConfig {
+        step_log: 100_000,
+        ..EngineConfig::default()
+    };
+    let cached = open_engine(dir.path(), config.clone());
+    let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();
+    let plain = Engine::open(model, tok, None, config).unwrap();
+    for (engine, with_cache) in [(&*cached, true), (&plain, false)] {
+        let done = engine
+            .submit(Request::new(distinct_ids(40, 7), no_eos(3)))
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(done.completion_tokens, 3);
+        let log = engine.step_log();
+        let published: u64 = log.iter().map(|s| s.publish_us).sum();
+        let publishing = log.iter().filter(|s| s.publish_us > 0).count();
+        if with_cache {
+            assert!(done.reuse.published_blocks > 0);
+            assert!(publishing >= 1, "no step timed a publication: {log:?}");
+        } else {
+            assert_eq!(published, 0, "published without a cache: {log:?}");
+        }
+        let first = log
+            .iter()
+            .find(|s| s.prefilled.is_some())
+            .expect("a step prefilled the prompt");
+        if with_cache {
+            assert!(first.admit_us > 0, "{first:?}");
+        }
+        assert!(
+            log.iter().all(|s| s.admit_us + s.publish_us <= s.step_us),
+            "parts longer than their steps: {log:?}"
+        );
+        assert!(log.iter().all(|s| !s.admit_waited_load));
+    }
+}
+
 /// Waits for `h`'s first token (panics on a failure or an end without one).
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use engine::{Engine, EngineConfig};
+use engine::{Engine, EngineConfig, ExportStats};
 use serde_json::json;
 use store::StoreStats;
 
@@ -418,6 +418,10 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
     let sent = dispatch::replay(times, &make, &target, s.max_concurrency, s.deadline);
     let wall_s = t0.elapsed().as_secs_f64();
     let after = stats(&engines);
+    let exports: Vec<Option<ExportStats>> = engines
+        .iter()
+        .map(|e| e.kv_tiers().map(|t| t.export_stats()))
+        .collect();
     // The replay's steps of every engine (the warm-up's come first, unless a full log
     // lost them already).
     let mut steps = Vec::new();
@@ -454,13 +458,14 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget,
-        tier_note: store_note(&before, &after, &cache.eviction.to_string()),
+        tier_note: store_note(&before, &after, &cache.eviction.to_string())
+            .map(|n| n + &export_note(&exports)),
         steps: Some(StepSummary::of(&steps)),
         engines,
         scratch: Some(scratch),
         counters: match args.engines {
-            1 => json!({"store_before": before[0], "store_after": after[0]}),
-            _ => json!({"store_before": before, "store_after": after}),
+            1 => json!({"store_before": before[0], "store_after": after[0], "export": exports[0]}),
+            _ => json!({"store_before": before, "store_after": after, "export": exports}),
         },
     })
 }
@@ -500,6 +505,26 @@ fn store_note(
         sum(&|x| x.ssd_hits),
         sum(&|x| x.ram_not_admitted),
     ))
+}
+
+/// The export threads' work since the engines started (device → host copies of published
+/// blocks and their inserts), as a clause of [`store_note`]'s line.
+fn export_note(exports: &[Option<ExportStats>]) -> String {
+    let all: Vec<&ExportStats> = exports.iter().flatten().collect();
+    let sum = |f: &dyn Fn(&ExportStats) -> u64| -> u64 { all.iter().map(|x| f(x)).sum() };
+    let s = |us: u64| us as f64 * 1e-6;
+    format!(
+        "; export thread: {} blocks ({:.1} MiB) in {:.1} s reading back and {:.1} s inserting, \
+         the engine waited {:.1} s for it ({} times), lookups {:.1} s ({} times)",
+        sum(&|x| x.blocks),
+        sum(&|x| x.bytes) as f64 / 1048576.0,
+        s(sum(&|x| x.read_us)),
+        s(sum(&|x| x.insert_us)),
+        s(sum(&|x| x.submit_wait_us)),
+        sum(&|x| x.waits),
+        s(sum(&|x| x.lookup_wait_us)),
+        sum(&|x| x.lookup_waits),
+    )
 }
 
 /// mlx-lm's `mlx_lm.server` as a child process, its prompt caches bounded by `--kv-budget`
