@@ -443,7 +443,7 @@ case "$step" in
       # an arm that has fallen behind needs minutes (session 21 lost a report to 40 s)
       timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
           --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
-      grep -E "^hit share|^steps|requests in|^graph census" "$OUT/pt-$arm.log"
+      grep -E "^hit share|^steps|requests in|^graph census|^TTFT parts|^store over" "$OUT/pt-$arm.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
