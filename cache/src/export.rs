@@ -96,15 +96,16 @@ impl Export {
         self.replaces
     }
 
+    /// The device copies it reads back (layer parts, then any layer states), for a reader
+    /// that waits for several exports at once (`mlx::eval` of all of them).
+    pub fn device_arrays(&self) -> Vec<&Array> {
+        let states = self.states.iter().flatten().flatten().flatten();
+        self.parts.iter().flatten().chain(states).collect()
+    }
+
     /// Device bytes the copies hold until [`Self::into_blocks`] has read them.
     pub fn device_bytes(&self) -> u64 {
-        let states = self.states.iter().flatten().flatten().flatten();
-        self.parts
-            .iter()
-            .flatten()
-            .chain(states)
-            .map(|a| a.nbytes() as u64)
-            .sum()
+        self.device_arrays().iter().map(|a| a.nbytes() as u64).sum()
     }
 
     /// Waits for the device copies and turns them into host-byte blocks (one transfer per

@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 use cache::Export;
 use store::{BlockKey, NamespaceId, Store};
 
+/// Submissions the thread takes at once at most (one wait for the device for all).
+const MAX_BATCH: usize = 64;
+
 /// Device bytes of exports submitted but not yet read back, beyond which a submission
 /// waits (a single larger export is still accepted when nothing else is in flight).
 pub const MAX_PENDING_BYTES: u64 = 1 << 30;
@@ -38,6 +41,8 @@ pub struct ExportStats {
     pub waits: u64,
     /// Lookups that waited for an export holding one of their blocks.
     pub lookup_waits: u64,
+    /// Times the thread waited for the device copies of the exports it took at once.
+    pub batches: u64,
     /// Device bytes of the exports finished.
     pub bytes: u64,
     /// Microseconds submitters waited for the in-flight bound (the engine thread, when it
@@ -94,6 +99,28 @@ impl Shared {
             p = self.changed.wait(p).unwrap_or_else(|e| e.into_inner());
         }
         p
+    }
+
+    /// Waits once for the device copies of every export in `batch` (their read-back then
+    /// finds them computed); the time counts as read-back. A failure is left to each
+    /// export's own read, which reports it.
+    fn wait_for_device(&self, batch: &[Submission]) {
+        let arrays: Vec<&mlx::Array> = batch
+            .iter()
+            .filter_map(|s| match &s.job {
+                Job::Export(e) => Some(e.device_arrays()),
+                Job::Task(_) => None,
+            })
+            .flatten()
+            .collect();
+        if arrays.is_empty() {
+            return;
+        }
+        let t = Instant::now();
+        let _ = mlx::eval(&arrays);
+        let mut p = self.lock();
+        p.stats.read_us += micros(t.elapsed());
+        p.stats.batches += 1;
     }
 
     /// Runs submission `s` and counts it finished, waking those waiting.
@@ -200,8 +227,22 @@ impl Exporter {
         let worker = std::thread::Builder::new()
             .name("kvstore-export".into())
             .spawn(move || {
-                for submission in rx {
-                    s.complete(&thread_store, submission);
+                while let Ok(first) = rx.recv() {
+                    // Everything submitted meanwhile is read back after one wait for the
+                    // device: an export's copies are queued behind the engine's step, so
+                    // waiting for each in turn costs a step each and falls behind a busy
+                    // engine (docs/architecture.md, "The data path of a request").
+                    let mut batch = vec![first];
+                    while batch.len() < MAX_BATCH {
+                        match rx.try_recv() {
+                            Ok(more) => batch.push(more),
+                            Err(_) => break,
+                        }
+                    }
+                    s.wait_for_device(&batch);
+                    for submission in batch {
+                        s.complete(&thread_store, submission);
+                    }
                 }
             })?;
         Ok(Self {
@@ -389,6 +430,42 @@ mod tests {
         let export = cache.export(&mut chain, tokens).unwrap().unwrap();
         let keys = chain.keys().to_vec();
         (export, keys)
+    }
+
+    /// Exports submitted while the thread is busy are taken together: one wait for the
+    /// device covers all of them, and each is still inserted whole and in order.
+    #[test]
+    fn exports_queued_behind_a_busy_thread_share_one_wait_for_the_device() {
+        let (store, ns) = store();
+        let exporter = Exporter::start(store.clone()).unwrap();
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = std::sync::mpsc::channel::<()>();
+        exporter.run(move |_| {
+            let _ = started_tx.send(());
+            let _ = gate.recv_timeout(Duration::from_secs(60));
+        });
+        // The thread took the task alone; what follows queues behind it.
+        started.recv().unwrap();
+        let mut keys = Vec::new();
+        for t in 0..3u32 {
+            let (exp, k) = export(ns, &[t, 1, 2, 3, 4, 5, 6, t]);
+            exporter.submit(exp);
+            keys.push(k);
+        }
+        open.send(()).unwrap();
+        exporter.wait_idle();
+        let stats = exporter.stats();
+        assert_eq!(
+            (stats.exports, stats.blocks, stats.failed_blocks),
+            (3, 6, 0)
+        );
+        assert_eq!(
+            stats.batches, 1,
+            "three queued exports, one wait: {stats:?}"
+        );
+        for k in &keys {
+            assert_eq!(store.lookup(ns, k).tiers.len(), 2);
+        }
     }
 
     /// A lookup waits for the export that holds its blocks, and only for it: while the
