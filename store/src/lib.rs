@@ -88,7 +88,7 @@ pub use namespace::{KvQuantization, NamespaceDescription};
 pub use pins::{PinnedBytes, Pins, PERSIST_SLACK};
 pub use ram::{Evicted, RamTier};
 pub use remote::RemoteConfig;
-pub use ssd::{ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
+pub use ssd::{PutJob, ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
 pub use stats::StoreStats;
 pub use store::{
     redact, BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier,

@@ -288,6 +288,82 @@ impl<W: WritableFile> State<W> {
     }
 }
 
+/// One block for [`SsdTier::put_many`]: as [`SsdTier::put_at`] (`stamp`) or
+/// [`SsdTier::replace_at`] (`replace`).
+#[derive(Clone, Copy, Debug)]
+pub struct PutJob<'a> {
+    /// The block.
+    pub block: &'a Block,
+    /// Written in place of a stored file of its key that holds other planes.
+    pub replace: bool,
+    /// The stamp of its last use (`None`: now, the newest block).
+    pub stamp: Option<u64>,
+}
+
+/// What staging a block gave: its temp file written, or an outcome without one.
+enum Staging<W> {
+    Staged(Staged<W>),
+    Done(WriteOutcome),
+}
+
+/// A block admitted and written to its temp file, not yet synced or renamed.
+struct Staged<W> {
+    id: Id,
+    tmp: PathBuf,
+    final_path: PathBuf,
+    shard_dir: PathBuf,
+    file: W,
+    file_len: u64,
+    estimate: u64,
+    seq: u64,
+    count: u64,
+    last_use: u64,
+}
+
+impl<W> Staged<W> {
+    /// The same, its file closed (after the rename).
+    fn without_file(self) -> Staged<()> {
+        Staged {
+            id: self.id,
+            tmp: self.tmp,
+            final_path: self.final_path,
+            shard_dir: self.shard_dir,
+            file: (),
+            file_len: self.file_len,
+            estimate: self.estimate,
+            seq: self.seq,
+            count: self.count,
+            last_use: self.last_use,
+        }
+    }
+}
+
+/// Threads a group commit fsyncs on at most: concurrent fsyncs let the file system (ext4's
+/// journal, XFS's log) and the disk merge their flushes into one.
+const SYNC_THREADS: usize = 8;
+
+/// `f` over `items` on up to [`SYNC_THREADS`] threads (on this one for a single item);
+/// the results in order.
+fn parallel<T: Send, R: Send>(items: &mut [T], f: impl Fn(&mut T) -> R + Sync) -> Vec<R> {
+    if items.len() <= 1 {
+        return items.iter_mut().map(&f).collect();
+    }
+    let per = items.len().div_ceil(SYNC_THREADS);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = items
+            .chunks_mut(per)
+            .map(|chunk| {
+                let f = &f;
+                scope.spawn(move || chunk.iter_mut().map(f).collect::<Vec<R>>())
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
 /// The SSD tier over the file system `F`. All methods take `&self`; writes are serialized
 /// internally.
 pub struct SsdTier<F: FileSystem = RealFs> {
@@ -1134,19 +1210,111 @@ impl<F: FileSystem> SsdTier<F> {
         self.put_or_replace(block, true, None)
     }
 
-    /// [`SsdTier::replace`] of a block last used at `stamp`, as [`SsdTier::put_at`].
-    pub(crate) fn replace_at(&self, block: &Block, stamp: u64) -> Result<WriteOutcome, WriteError> {
-        self.put_or_replace(block, true, Some(stamp))
-    }
-
     fn put_or_replace(
         &self,
         block: &Block,
         replace: bool,
         stamp: Option<u64>,
     ) -> Result<WriteOutcome, WriteError> {
-        self.check_writable()?;
+        let job = PutJob {
+            block,
+            replace,
+            stamp,
+        };
+        self.put_many(std::slice::from_ref(&job))
+            .pop()
+            .unwrap_or(Ok(WriteOutcome::AlreadyPresent))
+    }
+
+    /// Writes `jobs` durably in groups (the write-behind worker's batches): each block is
+    /// admitted and written to its temp file in turn, then the group's temp files are
+    /// fsynced together, renamed into place in order, their directories fsynced together,
+    /// and the blocks indexed in order. A block is durable, and indexed, only after its
+    /// file and its directory were fsynced, as for a single [`SsdTier::put`]; what a group
+    /// saves is the disk's flush latency, paid once for the group instead of twice a block
+    /// (docs/store-format.md, "Group commit"). A block that needs room made for it starts
+    /// a new group, after the blocks before it are indexed, so eviction and admission
+    /// decide exactly as one put at a time would. One result per job, in order.
+    pub fn put_many(&self, jobs: &[PutJob<'_>]) -> Vec<Result<WriteOutcome, WriteError>> {
+        if self.check_writable().is_err() {
+            return jobs.iter().map(|_| Err(self.group_error())).collect();
+        }
         let _w = lock(&self.write_lock);
+        let mut results: Vec<Option<Result<WriteOutcome, WriteError>>> =
+            jobs.iter().map(|_| None).collect();
+        let mut staged: Vec<(usize, Staged<F::Writer>)> = Vec::new();
+        let mut staged_bytes = 0u64;
+        for (i, job) in jobs.iter().enumerate() {
+            if !staged.is_empty() && self.needs_room(job, staged_bytes) {
+                // Making room is decided against the blocks written so far, as one put at a
+                // time would: the group so far is committed first.
+                for (j, outcome) in self.commit(std::mem::take(&mut staged)) {
+                    results[j] = Some(outcome);
+                }
+                staged_bytes = 0;
+                if self.is_poisoned() {
+                    break;
+                }
+            }
+            match self.stage(job, staged_bytes) {
+                Ok(Staging::Done(outcome)) => results[i] = Some(Ok(outcome)),
+                Ok(Staging::Staged(st)) => {
+                    staged_bytes += st.estimate;
+                    staged.push((i, st));
+                }
+                Err(e) => {
+                    results[i] = Some(Err(e));
+                    if self.is_poisoned() {
+                        // Nothing more is written: the staged files go, every job fails.
+                        for (j, st) in staged.drain(..) {
+                            let _ = self.fs.remove_file(&st.tmp);
+                            results[j] = Some(Err(self.group_error()));
+                        }
+                        break;
+                    }
+                }
+            }
+        }
+        for (i, outcome) in self.commit(staged) {
+            results[i] = Some(outcome);
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(self.group_error())))
+            .collect()
+    }
+
+    /// The error of a job its group gave up after another job's failure poisoned the writer.
+    fn group_error(&self) -> WriteError {
+        self.check_writable()
+            .err()
+            .unwrap_or_else(|| WriteError::Poisoned {
+                cause: "the write was abandoned after a failure in its group".into(),
+            })
+    }
+
+    /// Whether `job`'s block would need room made for it beside the `staged` bytes: it does
+    /// not fit in what the budget leaves.
+    fn needs_room(&self, job: &PutJob<'_>, staged: u64) -> bool {
+        let estimate = codec::estimate_file_len(job.block).div_ceil(format::ASSUMED_FS_BLOCK)
+            * format::ASSUMED_FS_BLOCK;
+        lock(&self.state).used + staged + estimate > self.budget()
+    }
+
+    /// Whether an earlier failure poisoned the writer.
+    fn is_poisoned(&self) -> bool {
+        lock(&self.poison).is_some()
+    }
+
+    /// Admits `job`'s block and writes its temp file (not yet synced), evicting to make
+    /// room beside the `staged` bytes of blocks staged before it in the same group; or
+    /// finishes it at once (already present, not admitted).
+    fn stage(&self, job: &PutJob<'_>, staged: u64) -> Result<Staging<F::Writer>, WriteError> {
+        let PutJob {
+            block,
+            replace,
+            stamp,
+        } = *job;
         let ns = block.meta.namespace;
         let key = block.meta.key;
         if lock(&self.state).index.contains_key(&(ns, key)) {
@@ -1160,7 +1328,7 @@ impl<F: FileSystem> SsdTier<F> {
                     });
             if same {
                 self.touch_at(ns, key, stamp.unwrap_or_else(|| self.clock.tick()));
-                return Ok(WriteOutcome::AlreadyPresent);
+                return Ok(Staging::Done(WriteOutcome::AlreadyPresent));
             }
         }
         codec::check_encodable(block).map_err(|e| WriteError::Invalid {
@@ -1186,19 +1354,19 @@ impl<F: FileSystem> SsdTier<F> {
         let seq = stamp.unwrap_or_else(|| self.clock.tick()).max(stored_seq);
         // A pinned block is always admitted, as in the RAM tier.
         let newcomer = (recency_order && !self.pins.is_pinned(ns, key)).then_some(seq);
-        self.evict_until(budget - estimate, None, newcomer)?;
+        self.evict_until(budget.saturating_sub(estimate + staged), None, newcomer)?;
         let (used, more_recent_left) = {
             let st = lock(&self.state);
             let left = newcomer.is_some()
                 && st
                     .victim(None, &self.pins)
                     .is_some_and(|(_, victim)| victim > seq);
-            (st.used, left)
+            (st.used + staged, left)
         };
         if used + estimate > budget && more_recent_left {
             // Written, it would be the least recent block: the first to go.
             Counters::inc(&self.counters.ssd_evictions);
-            return Ok(WriteOutcome::NotAdmitted);
+            return Ok(Staging::Done(WriteOutcome::NotAdmitted));
         }
         if used + estimate > budget {
             // Only pinned blocks (or a write racing this one) are left: refuse rather than
@@ -1235,7 +1403,7 @@ impl<F: FileSystem> SsdTier<F> {
         //    nothing behind and do not poison: the temp file is removed and never renamed.
         //    A full file system shrinks the budget to what fits and retries once.
         let mut retried = false;
-        let (mut file, file_len) = loop {
+        let (file, file_len) = loop {
             let written = (|| -> Result<(F::Writer, u64), EncodeError> {
                 let mut f = self.fs.create_new(&tmp)?;
                 let len = codec::write_to(block, &mut f)?;
@@ -1246,7 +1414,10 @@ impl<F: FileSystem> SsdTier<F> {
                 Err(e) => {
                     let _ = self.fs.remove_file(&tmp);
                     if let EncodeError::Io(source) = &e {
-                        if !retried && is_storage_full(source) && self.shrink_to_fit(estimate)? {
+                        if !retried
+                            && is_storage_full(source)
+                            && self.shrink_to_fit(estimate + staged)?
+                        {
                             retried = true;
                             continue;
                         }
@@ -1258,61 +1429,136 @@ impl<F: FileSystem> SsdTier<F> {
                 }
             }
         };
-        // 2. fsync the data. After a failed fsync the page cache state is unknown: poison.
-        if let Err(e) = file.sync_all() {
-            let _ = self.fs.remove_file(&tmp);
-            return Err(self.poison("fsync of", &tmp, &e));
+        Ok(Staging::Staged(Staged {
+            id: (ns, key),
+            tmp,
+            final_path,
+            shard_dir,
+            file,
+            file_len,
+            estimate,
+            seq,
+            count: u.count,
+            last_use: u.at,
+        }))
+    }
+
+    /// Makes `staged` durable and indexes it: 2. fsync every temp file (together), 3.
+    /// rename each into place (in order), 4. fsync their directories (together), 5. index
+    /// and journal each. A failed fsync or rename poisons the writer (the page cache's
+    /// state is unknown): the group's blocks not yet renamed are removed.
+    fn commit(
+        &self,
+        mut staged: Vec<(usize, Staged<F::Writer>)>,
+    ) -> Vec<(usize, Result<WriteOutcome, WriteError>)> {
+        let mut out = Vec::with_capacity(staged.len());
+        if staged.is_empty() {
+            return out;
         }
-        drop(file);
-        // 3. rename into place, 4. fsync the directory.
-        if let Err(e) = self.fs.rename(&tmp, &final_path) {
-            let _ = self.fs.remove_file(&tmp);
-            return Err(self.poison("rename to", &final_path, &e));
-        }
-        if let Err(e) = self.fs.sync_dir(&shard_dir) {
-            return Err(self.poison("fsync of directory", &shard_dir, &e));
-        }
-        let phys = self
-            .fs
-            .symlink_metadata(&final_path)
-            .map(|m| m.physical_bytes)
-            .unwrap_or(estimate);
-        {
-            let mut st = lock(&self.state);
-            let now = now_unix_ms();
-            let replaced = st.add(
-                (ns, key),
-                Entry {
-                    phys,
-                    last_ms: now,
-                    seq,
-                    tie: 0,
-                    count: u.count,
-                    last_use: u.at,
-                },
-            );
-            if let Some(old) = replaced {
-                st.used -= old.phys;
+        let budget = self.budget();
+        // 2. fsync the data.
+        let synced = parallel(&mut staged, |(_, st)| st.file.sync_all());
+        let first_failure = synced
+            .into_iter()
+            .enumerate()
+            .find_map(|(k, r)| r.err().map(|e| (k, e)));
+        if let Some((k, e)) = first_failure {
+            let mut err = Some(self.poison("fsync of", &staged[k].1.tmp, &e));
+            for (i, st) in staged {
+                let _ = self.fs.remove_file(&st.tmp);
+                out.push((i, Err(err.take().unwrap_or_else(|| self.group_error()))));
             }
-            st.used += phys;
-            self.journal_append(
-                &mut st,
-                Record {
-                    ns,
-                    key,
-                    seq,
-                    unix_ms: now,
-                },
-            );
+            return out;
         }
-        Counters::add(&self.counters.bytes_written, file_len);
-        Counters::inc(&self.counters.blocks_written);
-        if phys > estimate || self.budget() < budget {
-            self.evict_until(self.budget(), Some((ns, key)), None)?;
+        // 3. rename into place, in order; a failure stops the group there.
+        let mut renamed = Vec::with_capacity(staged.len());
+        let mut failed = false;
+        for (i, st) in staged {
+            if failed {
+                let _ = self.fs.remove_file(&st.tmp);
+                out.push((i, Err(self.group_error())));
+                continue;
+            }
+            let st = st.without_file();
+            if let Err(e) = self.fs.rename(&st.tmp, &st.final_path) {
+                let _ = self.fs.remove_file(&st.tmp);
+                out.push((i, Err(self.poison("rename to", &st.final_path, &e))));
+                failed = true;
+                continue;
+            }
+            renamed.push((i, st));
         }
-        Ok(WriteOutcome::Written {
-            physical_bytes: phys,
-        })
+        // 4. fsync each directory once.
+        let mut dirs: Vec<PathBuf> = renamed.iter().map(|(_, r)| r.shard_dir.clone()).collect();
+        dirs.sort();
+        dirs.dedup();
+        let dir_results = parallel(&mut dirs, |d| self.fs.sync_dir(d));
+        let mut bad_dirs: Vec<(PathBuf, Option<WriteError>)> = Vec::new();
+        for (d, r) in dirs.iter().zip(dir_results) {
+            if let Err(e) = r {
+                bad_dirs.push((d.clone(), Some(self.poison("fsync of directory", d, &e))));
+            }
+        }
+        // 5. index and journal, in order.
+        let mut recheck = false;
+        let mut last_written = None;
+        for (i, r) in renamed {
+            if let Some((_, err)) = bad_dirs.iter_mut().find(|(d, _)| *d == r.shard_dir) {
+                out.push((i, Err(err.take().unwrap_or_else(|| self.group_error()))));
+                continue;
+            }
+            let phys = self
+                .fs
+                .symlink_metadata(&r.final_path)
+                .map(|m| m.physical_bytes)
+                .unwrap_or(r.estimate);
+            {
+                let mut st = lock(&self.state);
+                let now = now_unix_ms();
+                let replaced = st.add(
+                    r.id,
+                    Entry {
+                        phys,
+                        last_ms: now,
+                        seq: r.seq,
+                        tie: 0,
+                        count: r.count,
+                        last_use: r.last_use,
+                    },
+                );
+                if let Some(old) = replaced {
+                    st.used -= old.phys;
+                }
+                st.used += phys;
+                self.journal_append(
+                    &mut st,
+                    Record {
+                        ns: r.id.0,
+                        key: r.id.1,
+                        seq: r.seq,
+                        unix_ms: now,
+                    },
+                );
+            }
+            Counters::add(&self.counters.bytes_written, r.file_len);
+            Counters::inc(&self.counters.blocks_written);
+            recheck |= phys > r.estimate;
+            last_written = Some(r.id);
+            out.push((
+                i,
+                Ok(WriteOutcome::Written {
+                    physical_bytes: phys,
+                }),
+            ));
+        }
+        if recheck || self.budget() < budget {
+            // Files larger than estimated (or a budget shrunk meanwhile): back to the
+            // budget, sparing the group's last block as a single put spares its own.
+            if let Err(e) = self.evict_until(self.budget(), last_written, None) {
+                tracing::warn!(error = %e, "evicting after a group commit failed");
+            }
+        }
+        out
     }
 
     /// Deletes a block file (GC); returns whether it existed.

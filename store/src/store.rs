@@ -23,7 +23,7 @@ use crate::pins::{PinnedBytes, Pins};
 use crate::ram::{Evicted, RamTier};
 use crate::read_ahead::{ReadAhead, ReadPlan};
 use crate::remote::{RemoteConfig, RemoteTier};
-use crate::ssd::{is_storage_full, ReadOutcome, SsdOptions, SsdTier};
+use crate::ssd::{is_storage_full, PutJob, ReadOutcome, SsdOptions, SsdTier};
 use crate::stats::{Counters, StoreStats};
 
 /// When blocks reach the SSD tier.
@@ -1237,12 +1237,20 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
     let Some(ssd) = &shared.ssd else {
         return;
     };
-    for job in rx {
+    let mut next: Option<Job> = None;
+    loop {
+        let job = match next.take() {
+            Some(j) => j,
+            None => match rx.recv() {
+                Ok(j) => j,
+                Err(_) => return,
+            },
+        };
         let _gate = lock(&shared.write_gate);
-        let (p, stamp, refresh, replace) = match job {
-            Job::Write(p, stamp) => (p, stamp, true, false),
-            Job::Replace(p, stamp) => (p, stamp, true, true),
-            Job::Spill(p, stamp) => (p, stamp, false, false),
+        let first = match job {
+            Job::Write(p, stamp) => Write::new(p, stamp, true, false),
+            Job::Replace(p, stamp) => Write::new(p, stamp, true, true),
+            Job::Spill(p, stamp) => Write::new(p, stamp, false, false),
             Job::Touch(ns, key, stamp) => {
                 ssd.reuse(ns, key, stamp);
                 continue;
@@ -1258,22 +1266,88 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
                 continue;
             }
         };
-        // `refresh`: a Write job (its block is in `pending`); a Spill job is not.
-        let m = &p.meta;
-        let k = (m.namespace, m.key);
-        if !replace && ssd.contains(k.0, k.1) {
-            if refresh {
-                ssd.touch_at(k.0, k.1, stamp);
+        // The writes queued right behind it go in the same group commit (one flush of the
+        // disk for all of them); any other job waits until the group is written.
+        // A key already in the group ends it: its second job runs after the first is written.
+        let mut group = vec![first];
+        while group.len() < GROUP_WRITES {
+            let Ok(job) = rx.try_recv() else {
+                break;
+            };
+            let write = match &job {
+                Job::Write(p, stamp) => Write::new(p.clone(), *stamp, true, false),
+                Job::Replace(p, stamp) => Write::new(p.clone(), *stamp, true, true),
+                Job::Spill(p, stamp) => Write::new(p.clone(), *stamp, false, false),
+                _ => {
+                    next = Some(job);
+                    break;
+                }
+            };
+            if group.iter().any(|w| w.id() == write.id()) {
+                next = Some(job);
+                break;
+            }
+            group.push(write);
+        }
+        write_group(&shared, ssd, group);
+    }
+}
+
+/// Writes the write-behind worker takes into one group commit at most.
+const GROUP_WRITES: usize = 64;
+
+/// A write job of the write-behind worker.
+struct Write {
+    block: Arc<Block>,
+    stamp: u64,
+    /// A Write or Replace job (its block is in `pending`); a Spill job is not.
+    refresh: bool,
+    replace: bool,
+}
+
+impl Write {
+    fn new(block: Arc<Block>, stamp: u64, refresh: bool, replace: bool) -> Self {
+        Write {
+            block,
+            stamp,
+            refresh,
+            replace,
+        }
+    }
+
+    fn id(&self) -> (NamespaceId, BlockKey) {
+        (self.block.meta.namespace, self.block.meta.key)
+    }
+}
+
+/// Writes `group` (distinct keys) to the SSD tier as one group commit
+/// ([`SsdTier::put_many`]); a block the SSD holds already is only touched (a Write job) or
+/// left alone (a Spill job), as one at a time.
+fn write_group<F: FileSystem>(shared: &Shared<F>, ssd: &SsdTier<F>, group: Vec<Write>) {
+    let mut todo: Vec<Write> = Vec::with_capacity(group.len());
+    for w in group {
+        let k = w.id();
+        if !w.replace && ssd.contains(k.0, k.1) {
+            if w.refresh {
+                ssd.touch_at(k.0, k.1, w.stamp);
                 lock(&shared.pending).remove(&k);
             }
             continue;
         }
-        let result = if replace {
-            ssd.replace_at(&p, stamp)
-        } else {
-            ssd.put_at(&p, stamp)
-        };
-        if refresh {
+        todo.push(w);
+    }
+    let jobs: Vec<PutJob<'_>> = todo
+        .iter()
+        .map(|w| PutJob {
+            block: &w.block,
+            replace: w.replace,
+            stamp: Some(w.stamp),
+        })
+        .collect();
+    let results = ssd.put_many(&jobs);
+    for (w, result) in todo.iter().zip(results) {
+        let k = w.id();
+        if w.refresh {
             lock(&shared.pending).remove(&k);
         }
         if let Err(e) = result {

@@ -20,7 +20,10 @@ use std::time::Instant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use store::fs::{Fault, FaultKind, Op, SimFs};
-use store::{Block, BlockKey, NamespaceId, ReadOutcome, SsdOptions, SsdTier, WriteError};
+use store::{
+    Block, BlockKey, NamespaceId, PutJob, ReadOutcome, SsdOptions, SsdTier, WriteError,
+    WriteOutcome,
+};
 
 use crate::common;
 
@@ -279,6 +282,93 @@ fn a_power_cut_at_every_call_of_a_put_keeps_every_acknowledged_block() {
         acked.insert(key(&blocks[2]));
         check_reopened(&fs, &open(&fs, 1 << 20), &acked, &by_key);
     }
+}
+
+/// `blocks` as one group of new puts.
+fn group(blocks: &[Block]) -> Vec<PutJob<'_>> {
+    blocks
+        .iter()
+        .map(|block| PutJob {
+            block,
+            replace: false,
+            stamp: None,
+        })
+        .collect()
+}
+
+/// A group commit keeps every block it acknowledged through a power cut at any of its
+/// calls, as single puts do.
+#[test]
+fn a_power_cut_at_every_call_of_a_group_commit_keeps_every_acknowledged_block() {
+    let blocks = pool(6);
+    let by_key = index(&blocks);
+    let probe = SimFs::new();
+    let t = open(&probe, 1 << 20);
+    t.put(&blocks[0]).unwrap();
+    let before = probe.calls();
+    let written = t.put_many(&group(&blocks[1..5]));
+    assert!(written
+        .iter()
+        .all(|r| matches!(r, Ok(WriteOutcome::Written { .. }))));
+    let per_group = probe.calls() - before;
+    for nth in 0..=per_group {
+        let fs = SimFs::new();
+        let tier = open(&fs, 1 << 20);
+        tier.put(&blocks[0]).unwrap();
+        fs.inject(Fault {
+            op: Op::Any,
+            nth,
+            kind: FaultKind::PowerLoss,
+        });
+        let mut acked = BTreeSet::from([key(&blocks[0])]);
+        for (b, r) in blocks[1..5]
+            .iter()
+            .zip(tier.put_many(&group(&blocks[1..5])))
+        {
+            if r.is_ok() {
+                acked.insert(key(b));
+            }
+        }
+        drop(tier);
+        fs.power_loss(nth);
+        let tier = open(&fs, 1 << 20);
+        check_reopened(&fs, &tier, &acked, &by_key);
+        tier.put(&blocks[5]).unwrap();
+        drop(tier);
+        fs.power_loss(nth + 1000);
+        acked.insert(key(&blocks[5]));
+        check_reopened(&fs, &open(&fs, 1 << 20), &acked, &by_key);
+    }
+}
+
+/// A group's files are all fsynced before any is renamed into place: a failed fsync of
+/// the third file fails the whole group (no block of it is stored, even those whose own
+/// fsync succeeded) and poisons the writer, as a failed fsync of a single put does.
+#[test]
+fn a_group_syncs_all_its_files_before_renaming_any() {
+    let blocks = pool(4);
+    let fs = SimFs::new();
+    let tier = open(&fs, 1 << 20);
+    fs.inject(Fault {
+        op: Op::SyncFile,
+        nth: 2,
+        kind: FaultKind::Eio,
+    });
+    let results = tier.put_many(&group(&blocks));
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    assert!(matches!(
+        results[0],
+        Err(WriteError::Io { .. }) | Err(WriteError::Poisoned { .. })
+    ));
+    assert_eq!(tier.entries().len(), 0, "a block of the group was stored");
+    assert!(
+        !fs.files().keys().any(|p| is_block_file(p)),
+        "a block file was renamed into place before every fsync of its group succeeded"
+    );
+    assert!(matches!(
+        tier.put(&blocks[0]),
+        Err(WriteError::Poisoned { .. })
+    ));
 }
 
 #[test]
