@@ -300,10 +300,12 @@ pub struct PutJob<'a> {
     pub stamp: Option<u64>,
 }
 
-/// What staging a block gave: its temp file written, or an outcome without one.
+/// What staging a block gave: its temp file written, an outcome without one, or nothing
+/// done until the blocks staged before it are committed.
 enum Staging<W> {
     Staged(Staged<W>),
     Done(WriteOutcome),
+    NeedsCommit,
 }
 
 /// A block admitted and written to its temp file, not yet synced or renamed.
@@ -1245,8 +1247,10 @@ impl<F: FileSystem> SsdTier<F> {
         let mut staged: Vec<(usize, Staged<F::Writer>)> = Vec::new();
         let mut staged_bytes = 0u64;
         for (i, job) in jobs.iter().enumerate() {
-            if !staged.is_empty() && self.needs_room(job, staged_bytes) {
-                // Making room is decided against the blocks written so far, as one put at a
+            let floor = staged.iter().map(|(_, st)| st.seq).min();
+            let mut outcome = self.stage(job, staged_bytes, floor);
+            if matches!(outcome, Ok(Staging::NeedsCommit)) {
+                // Room for it is decided against the blocks staged so far, as one put at a
                 // time would: the group so far is committed first.
                 for (j, outcome) in self.commit(std::mem::take(&mut staged)) {
                     results[j] = Some(outcome);
@@ -1255,8 +1259,13 @@ impl<F: FileSystem> SsdTier<F> {
                 if self.is_poisoned() {
                     break;
                 }
+                outcome = self.stage(job, 0, None);
             }
-            match self.stage(job, staged_bytes) {
+            match outcome {
+                Ok(Staging::NeedsCommit) => {
+                    // Not given for an empty group.
+                    results[i] = Some(Err(self.group_error()));
+                }
                 Ok(Staging::Done(outcome)) => results[i] = Some(Ok(outcome)),
                 Ok(Staging::Staged(st)) => {
                     staged_bytes += st.estimate;
@@ -1293,14 +1302,6 @@ impl<F: FileSystem> SsdTier<F> {
             })
     }
 
-    /// Whether `job`'s block would need room made for it beside the `staged` bytes: it does
-    /// not fit in what the budget leaves.
-    fn needs_room(&self, job: &PutJob<'_>, staged: u64) -> bool {
-        let estimate = codec::estimate_file_len(job.block).div_ceil(format::ASSUMED_FS_BLOCK)
-            * format::ASSUMED_FS_BLOCK;
-        lock(&self.state).used + staged + estimate > self.budget()
-    }
-
     /// Whether an earlier failure poisoned the writer.
     fn is_poisoned(&self) -> bool {
         lock(&self.poison).is_some()
@@ -1308,8 +1309,18 @@ impl<F: FileSystem> SsdTier<F> {
 
     /// Admits `job`'s block and writes its temp file (not yet synced), evicting to make
     /// room beside the `staged` bytes of blocks staged before it in the same group; or
-    /// finishes it at once (already present, not admitted).
-    fn stage(&self, job: &PutJob<'_>, staged: u64) -> Result<Staging<F::Writer>, WriteError> {
+    /// finishes it at once (already present, not admitted). `floor`: the least recent
+    /// stamp of those blocks. Where one put at a time could decide otherwise (room must be
+    /// made and the recency order of the staged blocks, which are not indexed yet, would
+    /// matter), it changes nothing and asks for the group to be committed first
+    /// ([`Staging::NeedsCommit`]): under LRU, victims less recent than every staged block
+    /// are evicted first, as they would be then.
+    fn stage(
+        &self,
+        job: &PutJob<'_>,
+        staged: u64,
+        floor: Option<u64>,
+    ) -> Result<Staging<F::Writer>, WriteError> {
         let PutJob {
             block,
             replace,
@@ -1344,16 +1355,34 @@ impl<F: FileSystem> SsdTier<F> {
                 budget,
             });
         }
-        let (u, recency_order, stored_seq) = {
-            let mut st = lock(&self.state);
-            let capacity = st.capacity(budget, estimate);
-            let stored_seq = st.index.get(&(ns, key)).map_or(0, |e| e.seq);
-            (st.record_use((ns, key), capacity), st.is_lru(), stored_seq)
+        let (recency_order, stored_seq) = {
+            let st = lock(&self.state);
+            (st.is_lru(), st.index.get(&(ns, key)).map_or(0, |e| e.seq))
         };
         // A copy of another layout replaced keeps its place if it was more recent.
         let seq = stamp.unwrap_or_else(|| self.clock.tick()).max(stored_seq);
         // A pinned block is always admitted, as in the RAM tier.
         let newcomer = (recency_order && !self.pins.is_pinned(ns, key)).then_some(seq);
+        if let Some(floor) = floor {
+            let needs_room = || lock(&self.state).used + staged + estimate > budget;
+            if needs_room() {
+                if !recency_order {
+                    return Ok(Staging::NeedsCommit);
+                }
+                // Victims less recent than every staged block (and than this one) go first
+                // whatever the order of the group; past them, the group must be indexed.
+                let stop = floor.saturating_sub(1).min(newcomer.unwrap_or(u64::MAX));
+                self.evict_until(budget.saturating_sub(estimate + staged), None, Some(stop))?;
+                if needs_room() {
+                    return Ok(Staging::NeedsCommit);
+                }
+            }
+        }
+        let u = {
+            let mut st = lock(&self.state);
+            let capacity = st.capacity(budget, estimate);
+            st.record_use((ns, key), capacity)
+        };
         self.evict_until(budget.saturating_sub(estimate + staged), None, newcomer)?;
         let (used, more_recent_left) = {
             let st = lock(&self.state);
@@ -1414,6 +1443,12 @@ impl<F: FileSystem> SsdTier<F> {
                 Err(e) => {
                     let _ = self.fs.remove_file(&tmp);
                     if let EncodeError::Io(source) = &e {
+                        if floor.is_some() && is_storage_full(source) {
+                            // The group's own temp files may be what fills the disk: it is
+                            // committed first, then this block is written as one put would
+                            // (its use counted again: a frequency count one high at worst).
+                            return Ok(Staging::NeedsCommit);
+                        }
                         if !retried
                             && is_storage_full(source)
                             && self.shrink_to_fit(estimate + staged)?

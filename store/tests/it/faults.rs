@@ -371,6 +371,67 @@ fn a_group_syncs_all_its_files_before_renaming_any() {
     ));
 }
 
+/// On a full tier a group keeps its blocks together while the room they need comes from
+/// blocks less recent than all of them, and ends holding what one put at a time would:
+/// the same blocks (the reference run) and the same bytes. Proof that it stayed one group:
+/// a failed third fsync fails all four blocks.
+#[test]
+fn a_group_on_a_full_tier_evicts_as_single_puts_would() {
+    let blocks = pool(10);
+    let stamped = |bs: &[Block], from: u64| -> Vec<(Block, u64)> {
+        bs.iter()
+            .enumerate()
+            .map(|(i, b)| (b.clone(), from + i as u64))
+            .collect()
+    };
+    let old = stamped(&blocks[..4], 1);
+    let new = stamped(&blocks[4..8], 100);
+    let held = |t: &SsdTier<SimFs>| -> BTreeSet<Key> {
+        t.entries().iter().map(|e| (e.namespace, e.key)).collect()
+    };
+    let full = |fs: &SimFs| {
+        let t = open(fs, 4 * BLOCK_PHYS);
+        for (b, s) in &old {
+            t.put_at(b, *s).unwrap();
+        }
+        t
+    };
+    let jobs: Vec<PutJob<'_>> = new
+        .iter()
+        .map(|(block, s)| PutJob {
+            block,
+            replace: false,
+            stamp: Some(*s),
+        })
+        .collect();
+    // Reference: one put at a time.
+    let serial = full(&SimFs::new());
+    for (b, s) in &new {
+        serial.put_at(b, *s).unwrap();
+    }
+    let fs = SimFs::new();
+    let grouped = full(&fs);
+    let results = grouped.put_many(&jobs);
+    assert!(results
+        .iter()
+        .all(|r| matches!(r, Ok(WriteOutcome::Written { .. }))));
+    assert_eq!(held(&grouped), held(&serial));
+    assert_eq!(grouped.used_bytes(), serial.used_bytes());
+    assert_eq!(held(&grouped), new.iter().map(|(b, _)| key(b)).collect());
+
+    let fs = SimFs::new();
+    let t = full(&fs);
+    fs.inject(Fault {
+        op: Op::SyncFile,
+        nth: 2,
+        kind: FaultKind::Eio,
+    });
+    assert!(t.put_many(&jobs).iter().all(Result::is_err));
+    assert!(held(&t)
+        .iter()
+        .all(|k| !new.iter().any(|(b, _)| key(b) == *k)));
+}
+
 #[test]
 fn a_torn_write_loses_only_the_block_being_written() {
     let blocks = pool(3);
