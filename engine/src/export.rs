@@ -9,8 +9,12 @@
 //! when publication was synchronous, while a lookup of other blocks (most of them, under a
 //! load of unrelated prompts) never waits for the device → host copies and hashing of
 //! exports it does not need. [`Exporter::wait_idle`] waits for everything (a flush). The
-//! device copies in flight are bounded ([`MAX_PENDING_BYTES`]): a submission beyond it
-//! waits for the thread, so a burst of long prompts cannot hold unbounded device memory.
+//! device copies in flight are bounded ([`MAX_PENDING_BYTES`]): an export beyond it is
+//! skipped (dropped and counted), so a burst of long prompts can neither hold unbounded
+//! device memory nor stall the engine thread, whose rows would all wait (docs/benchmarks.md,
+//! session 22: 21 stalls of ~0.5 s in a 219 s trace run when submissions waited). A skipped
+//! export's blocks stay in the device tier while their sequence is resident; the host
+//! tiers do not get them, as a full write-behind queue drops SSD writes.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
@@ -24,8 +28,8 @@ use store::{BlockKey, NamespaceId, Store};
 /// Submissions the thread takes at once at most (one wait for the device for all).
 const MAX_BATCH: usize = 64;
 
-/// Device bytes of exports submitted but not yet read back, beyond which a submission
-/// waits (a single larger export is still accepted when nothing else is in flight).
+/// Device bytes of exports submitted but not yet read back, beyond which an export is
+/// skipped (a single larger export is still accepted when nothing else is in flight).
 pub const MAX_PENDING_BYTES: u64 = 1 << 30;
 
 /// Counters of the export thread.
@@ -37,17 +41,16 @@ pub struct ExportStats {
     pub blocks: u64,
     /// Blocks lost to an error (logged): a failed device read or a refused insert.
     pub failed_blocks: u64,
-    /// Times a submission waited for the thread (the in-flight bound was reached).
-    pub waits: u64,
+    /// Exports skipped because the in-flight bound was reached (the thread was behind).
+    pub skipped_exports: u64,
+    /// Blocks of the skipped exports (not inserted into the host tiers).
+    pub skipped_blocks: u64,
     /// Lookups that waited for an export holding one of their blocks.
     pub lookup_waits: u64,
     /// Times the thread waited for the device copies of the exports it took at once.
     pub batches: u64,
     /// Device bytes of the exports finished.
     pub bytes: u64,
-    /// Microseconds submitters waited for the in-flight bound (the engine thread, when it
-    /// publishes faster than the thread reads back and inserts).
-    pub submit_wait_us: u64,
     /// Microseconds lookups waited for exports holding their blocks.
     pub lookup_wait_us: u64,
     /// Microseconds the thread spent reading exports back from the device (and splitting
@@ -212,11 +215,19 @@ pub struct Exporter {
     store: Arc<Store>,
     shared: Arc<Shared>,
     worker: Option<JoinHandle<()>>,
+    /// Device bytes in flight beyond which an export is skipped.
+    max_pending: u64,
 }
 
 impl Exporter {
     /// Starts the thread; it inserts into `store`.
     pub fn start(store: Arc<Store>) -> std::io::Result<Self> {
+        Self::start_bounded(store, MAX_PENDING_BYTES)
+    }
+
+    /// [`Self::start`] with `max_pending` bytes in flight at most instead of
+    /// [`MAX_PENDING_BYTES`].
+    fn start_bounded(store: Arc<Store>, max_pending: u64) -> std::io::Result<Self> {
         let (tx, rx) = channel::<Submission>();
         let shared = Arc::new(Shared {
             pending: Mutex::new(Pending::default()),
@@ -250,14 +261,25 @@ impl Exporter {
             store,
             shared,
             worker: Some(worker),
+            max_pending,
         })
     }
 
-    /// Hands `export` to the thread; waits first while more than [`MAX_PENDING_BYTES`] of
-    /// device copies are in flight.
-    pub fn submit(&self, export: Export) {
+    /// Hands `export` to the thread and returns `true`; or, when more than
+    /// [`MAX_PENDING_BYTES`] of device copies would be in flight, drops it, counts it
+    /// ([`ExportStats::skipped_exports`]) and returns `false`. Never waits.
+    pub fn submit(&self, export: Export) -> bool {
         let bytes = export.device_bytes();
+        {
+            let mut p = self.shared.lock();
+            if p.in_flight() && p.bytes + bytes > self.max_pending {
+                p.stats.skipped_exports += 1;
+                p.stats.skipped_blocks += export.blocks() as u64;
+                return false;
+            }
+        }
         self.enqueue(Job::Export(export), bytes);
+        true
     }
 
     /// Runs `task` on the thread after what was submitted before it (a store write that
@@ -268,18 +290,6 @@ impl Exporter {
 
     fn enqueue(&self, job: Job, bytes: u64) {
         let mut p = self.shared.lock();
-        if p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
-            p.stats.waits += 1;
-            let t = Instant::now();
-            while p.in_flight() && p.bytes + bytes > MAX_PENDING_BYTES {
-                p = self
-                    .shared
-                    .changed
-                    .wait(p)
-                    .unwrap_or_else(|e| e.into_inner());
-            }
-            p.stats.submit_wait_us += micros(t.elapsed());
-        }
         p.submitted += 1;
         p.bytes += bytes;
         let id = p.submitted;
@@ -468,6 +478,41 @@ mod tests {
         }
     }
 
+    /// With the thread behind, an export past the in-flight bound is skipped at once and
+    /// counted, never waited for; once the thread catches up, exports are taken again.
+    #[test]
+    fn an_export_past_the_in_flight_bound_is_skipped_not_waited_for() {
+        let (store, ns) = store();
+        let (first, first_keys) = export(ns, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        // Room for one export in flight.
+        let exporter = Exporter::start_bounded(store.clone(), first.device_bytes()).unwrap();
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = std::sync::mpsc::channel::<()>();
+        exporter.run(move |_| {
+            let _ = started_tx.send(());
+            let _ = gate.recv_timeout(Duration::from_secs(60));
+        });
+        started.recv().unwrap();
+        assert!(exporter.submit(first));
+        let (second, second_keys) = export(ns, &[9, 2, 3, 4, 5, 6, 7, 8]);
+        assert!(!exporter.submit(second), "taken past the bound");
+        let stats = exporter.stats();
+        assert_eq!((stats.skipped_exports, stats.skipped_blocks), (1, 2));
+        open.send(()).unwrap();
+        exporter.wait_idle();
+        assert_eq!(store.lookup(ns, &first_keys).tiers.len(), 2);
+        assert_eq!(
+            store.lookup(ns, &second_keys).tiers.len(),
+            0,
+            "a skipped export"
+        );
+        let (third, third_keys) = export(ns, &[7, 2, 3, 4, 5, 6, 7, 8]);
+        assert!(exporter.submit(third), "refused with nothing in flight");
+        exporter.wait_idle();
+        assert_eq!(store.lookup(ns, &third_keys).tiers.len(), 2);
+        assert_eq!(exporter.stats().blocks, 4);
+    }
+
     /// A lookup waits for the export that holds its blocks, and only for it: while the
     /// thread is held up, a lookup of other blocks returns at once, and one of the
     /// export's blocks returns once they are in the store.
@@ -542,6 +587,6 @@ mod tests {
             "the lookup waited {} µs, at least the 20 ms the thread was held after it began",
             stats.lookup_wait_us
         );
-        assert_eq!((stats.waits, stats.submit_wait_us), (0, 0));
+        assert_eq!(stats.skipped_exports, 0);
     }
 }

@@ -1081,19 +1081,26 @@ impl KvTiers {
     fn export(&self, chain: &mut Chain, cache: &mut PagedKvCache, held: &[u32]) -> Result<usize> {
         let per_block = self.description.trimmed_bytes_per_block() as usize;
         let mut trimmed = 0;
+        // An export the export thread has no room for is skipped (counted there): the
+        // engine thread never waits for host copies.
         let n = match cache.export(chain, held)? {
             Some(export) => {
-                let n = export.blocks();
-                trimmed += export.window_trimmed_blocks();
-                self.exporter.submit(export);
-                n
+                let (n, t) = (export.blocks(), export.window_trimmed_blocks());
+                if self.exporter.submit(export) {
+                    trimmed += t;
+                    n
+                } else {
+                    0
+                }
             }
             None => 0,
         };
         // Blocks this sequence stored whole and moved past: trimmed copies replace them.
         if let Some(export) = cache.window_trimmed(chain, held)? {
-            trimmed += export.blocks();
-            self.exporter.submit(export);
+            let t = export.blocks();
+            if self.exporter.submit(export) {
+                trimmed += t;
+            }
         }
         self.window_trimmed_bytes.fetch_add(
             (trimmed * per_block) as u64,

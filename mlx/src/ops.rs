@@ -32,8 +32,51 @@ pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
     Array::wrap("stack", ffi::stack(&l, axis))
 }
 
-/// `a` cut into `parts` equal pieces along `axis` (views; one graph node for all of them).
+/// The most pieces MLX's `split` makes as one graph node: past it, MLX 0.32.4 makes a
+/// `Slice` node per piece (a batched decode step of 16 rows split its queries, keys and
+/// values that way in every layer: 1,050 more nodes a step, docs/benchmarks.md, session 22).
+pub const SPLIT_NODE_PARTS: usize = 10;
+
+/// `a` cut into `parts` equal pieces along `axis` (views): one graph node for up to
+/// [`SPLIT_NODE_PARTS`] pieces; more are cut from slices of that many pieces each (a slice
+/// and a split a group instead of a node a piece).
 pub fn split(a: &Array, parts: usize, axis: i32) -> Result<Vec<Array>> {
+    let shape = a.shape();
+    let ax = if axis < 0 {
+        axis + shape.len() as i32
+    } else {
+        axis
+    };
+    let len = usize::try_from(ax)
+        .ok()
+        .and_then(|i| shape.get(i))
+        .map(|&d| d as usize);
+    match len {
+        Some(len) if parts > SPLIT_NODE_PARTS && len % parts == 0 => {
+            let (ax, each) = (ax as usize, len / parts);
+            let mut out = Vec::with_capacity(parts);
+            for first in (0..parts).step_by(SPLIT_NODE_PARTS) {
+                let k = SPLIT_NODE_PARTS.min(parts - first);
+                let mut start = vec![0; shape.len()];
+                let mut stop = shape.clone();
+                start[ax] = (first * each) as i32;
+                stop[ax] = ((first + k) * each) as i32;
+                let group = a.slice(&start, &stop)?;
+                if k == 1 {
+                    out.push(group);
+                } else {
+                    out.extend(split_node(&group, k, axis)?);
+                }
+            }
+            Ok(out)
+        }
+        // Up to the node's parts, and what MLX refuses (it says why).
+        _ => split_node(a, parts, axis),
+    }
+}
+
+/// MLX's own `split` into `parts` equal pieces.
+fn split_node(a: &Array, parts: usize, axis: i32) -> Result<Vec<Array>> {
     let l = crate::error::check("split", ffi::split_equal(a.inner(), parts as i32, axis))?;
     crate::array::unlist("split", &l)
 }

@@ -1289,6 +1289,56 @@ fn split_cuts_equal_pieces_in_order() {
     );
 }
 
+/// Past MLX's ten pieces a node, `split` still gives the pieces in order (against slices
+/// of the host data) on either axis, and builds a slice and a split a group of ten instead
+/// of a node a piece.
+#[test]
+fn split_into_more_than_ten_pieces_is_exact_and_builds_few_nodes() {
+    for parts in [10usize, 11, 16, 23] {
+        let n = parts * 2 * 3;
+        let data: Vec<f32> = (0..n).map(|x| x as f32).collect();
+        let a = arr(&data, &[parts as i32, 2, 3]);
+        let pieces = mlx::ops::split(&a, parts, 0).unwrap();
+        assert_eq!(pieces.len(), parts);
+        for (i, p) in pieces.iter().enumerate() {
+            assert_eq!(p.shape(), vec![1, 2, 3]);
+            assert_eq!(
+                host(p),
+                data[i * 6..(i + 1) * 6].to_vec(),
+                "{parts} parts, piece {i}"
+            );
+        }
+        let refs: Vec<&mlx::Array> = pieces.iter().collect();
+        let nodes = mlx::pending_primitives(&refs).unwrap();
+        let groups = parts.div_ceil(mlx::ops::SPLIT_NODE_PARTS);
+        let most = if parts <= mlx::ops::SPLIT_NODE_PARTS {
+            1
+        } else {
+            2 * groups
+        };
+        assert!(
+            nodes.len() <= most,
+            "{parts} pieces built {} nodes: {nodes:?}",
+            nodes.len()
+        );
+        // The last axis, counted from the end.
+        let b = arr(&data, &[2, 3, parts as i32]);
+        let cols = mlx::ops::split(&b, parts, -1).unwrap();
+        assert_eq!(cols.len(), parts);
+        let all = host(&b);
+        for (i, c) in cols.iter().enumerate() {
+            let want: Vec<f32> = (0..6).map(|r| all[r * parts + i]).collect();
+            assert_eq!(host(c), want, "{parts} columns, column {i}");
+        }
+    }
+    let a = arr(&[0.0; 22], &[22, 1]);
+    assert!(mlx::ops::split(&a, 11, 0).is_ok());
+    assert!(
+        mlx::ops::split(&a, 12, 0).is_err(),
+        "22 rows do not split in 12"
+    );
+}
+
 /// `x · wᵀ` through `fast::matmul_weight_t` against a naive product for 1 to 10 rows, x
 /// contiguous, batched ([2, r, k]) and a transposed view: on the CPU up to
 /// `cpu_row_product::MAX_ROWS` rows are one `RowsTimesWeightT` node (the kernel), more rows

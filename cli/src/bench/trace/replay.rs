@@ -515,13 +515,13 @@ fn export_note(exports: &[Option<ExportStats>]) -> String {
     let s = |us: u64| us as f64 * 1e-6;
     format!(
         "; export thread: {} blocks ({:.1} MiB) in {:.1} s reading back and {:.1} s inserting, \
-         the engine waited {:.1} s for it ({} times), lookups {:.1} s ({} times)",
+         {} exports ({} blocks) skipped while it was behind, lookups waited {:.1} s ({} times)",
         sum(&|x| x.blocks),
         sum(&|x| x.bytes) as f64 / 1048576.0,
         s(sum(&|x| x.read_us)),
         s(sum(&|x| x.insert_us)),
-        s(sum(&|x| x.submit_wait_us)),
-        sum(&|x| x.waits),
+        sum(&|x| x.skipped_exports),
+        sum(&|x| x.skipped_blocks),
         s(sum(&|x| x.lookup_wait_us)),
         sum(&|x| x.lookup_waits),
     )
