@@ -876,6 +876,9 @@ mod tests {
                 build_us: us[0] / 4,
                 emit_us: us[1],
                 prefill_us: us[2],
+                admit_us: us[0] / 10,
+                publish_us: us[1] / 10,
+                admit_waited_load: us[2] == 0,
                 step_us: us.iter().sum(),
             };
         let log = [
@@ -884,6 +887,10 @@ mod tests {
             step(&[], Some((6, 128)), [0, 0, 9000]),
         ];
         let s = StepSummary::of(&log);
+        // Admission and publication: means over all three steps.
+        assert!((s.mean_admit_s - 0.0001).abs() < 1e-12);
+        assert!((s.mean_publish_s - 0.0007 / 3.0).abs() < 1e-12);
+        assert_eq!(s.admit_waited_load, 1);
         assert_eq!(
             (s.decode_only, s.decode_and_prefill, s.prefill_only),
             (1, 1, 1)
