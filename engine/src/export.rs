@@ -442,20 +442,26 @@ mod tests {
         (export, keys)
     }
 
-    /// Exports submitted while the thread is busy are taken together: one wait for the
-    /// device covers all of them, and each is still inserted whole and in order.
-    #[test]
-    fn exports_queued_behind_a_busy_thread_share_one_wait_for_the_device() {
-        let (store, ns) = store();
-        let exporter = Exporter::start(store.clone()).unwrap();
+    /// Holds the thread in a task it took alone (what is submitted next queues behind it)
+    /// until the returned sender sends, or a minute passes.
+    fn hold(exporter: &Exporter) -> std::sync::mpsc::Sender<()> {
         let (open, gate) = std::sync::mpsc::channel::<()>();
         let (started_tx, started) = std::sync::mpsc::channel::<()>();
         exporter.run(move |_| {
             let _ = started_tx.send(());
             let _ = gate.recv_timeout(Duration::from_secs(60));
         });
-        // The thread took the task alone; what follows queues behind it.
         started.recv().unwrap();
+        open
+    }
+
+    /// Exports submitted while the thread is busy are taken together: one wait for the
+    /// device covers all of them, and each is still inserted whole and in order.
+    #[test]
+    fn exports_queued_behind_a_busy_thread_share_one_wait_for_the_device() {
+        let (store, ns) = store();
+        let exporter = Exporter::start(store.clone()).unwrap();
+        let open = hold(&exporter);
         let mut keys = Vec::new();
         for t in 0..3u32 {
             let (exp, k) = export(ns, &[t, 1, 2, 3, 4, 5, 6, t]);
@@ -486,13 +492,7 @@ mod tests {
         let (first, first_keys) = export(ns, &[1, 2, 3, 4, 5, 6, 7, 8]);
         // Room for one export in flight.
         let exporter = Exporter::start_bounded(store.clone(), first.device_bytes()).unwrap();
-        let (open, gate) = std::sync::mpsc::channel::<()>();
-        let (started_tx, started) = std::sync::mpsc::channel::<()>();
-        exporter.run(move |_| {
-            let _ = started_tx.send(());
-            let _ = gate.recv_timeout(Duration::from_secs(60));
-        });
-        started.recv().unwrap();
+        let open = hold(&exporter);
         assert!(exporter.submit(first));
         let (second, second_keys) = export(ns, &[9, 2, 3, 4, 5, 6, 7, 8]);
         assert!(!exporter.submit(second), "taken past the bound");

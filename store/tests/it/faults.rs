@@ -243,22 +243,25 @@ fn a_full_disk_during_a_write_evicts_to_fit_and_retries_once() {
     assert!(tier.contains(blocks[5].meta.namespace, blocks[5].meta.key));
 }
 
-#[test]
-fn a_power_cut_at_every_call_of_a_put_keeps_every_acknowledged_block() {
-    let blocks = pool(3);
-    let by_key = index(&blocks);
-    // Count the calls of one put on a store holding one block.
+/// Cuts the power at each call of `write` (and once after its last) on a tier holding
+/// `blocks[0]`: every block `write` acknowledged (it returns their keys) survives with
+/// `blocks[0]`, and afterwards the tier takes `blocks`' last block and keeps it through
+/// another cut. `write`'s calls are counted on a probe first; at least `min_calls`.
+fn cut_at_every_call(
+    blocks: &[Block],
+    min_calls: u64,
+    write: impl Fn(&SsdTier<SimFs>) -> Vec<Key>,
+) {
+    let by_key = index(blocks);
+    let last = blocks.last().expect("blocks");
     let probe = SimFs::new();
     let t = open(&probe, 1 << 20);
     t.put(&blocks[0]).unwrap();
     let before = probe.calls();
-    t.put(&blocks[1]).unwrap();
-    let per_put = probe.calls() - before;
-    assert!(
-        per_put >= 5,
-        "a put creates, writes, syncs, renames, syncs the dir"
-    );
-    for nth in 0..=per_put {
+    assert!(!write(&t).is_empty(), "the probe's write was refused");
+    let calls = probe.calls() - before;
+    assert!(calls >= min_calls, "{calls} calls");
+    for nth in 0..=calls {
         let fs = SimFs::new();
         let tier = open(&fs, 1 << 20);
         tier.put(&blocks[0]).unwrap();
@@ -268,20 +271,28 @@ fn a_power_cut_at_every_call_of_a_put_keeps_every_acknowledged_block() {
             kind: FaultKind::PowerLoss,
         });
         let mut acked = BTreeSet::from([key(&blocks[0])]);
-        if tier.put(&blocks[1]).is_ok() {
-            acked.insert(key(&blocks[1]));
-        }
+        acked.extend(write(&tier));
         drop(tier);
         fs.power_loss(nth);
         let tier = open(&fs, 1 << 20);
         check_reopened(&fs, &tier, &acked, &by_key);
         // Whatever survived, the store takes new writes and keeps them.
-        tier.put(&blocks[2]).unwrap();
+        tier.put(last).unwrap();
         drop(tier);
         fs.power_loss(nth + 1000);
-        acked.insert(key(&blocks[2]));
+        acked.insert(key(last));
         check_reopened(&fs, &open(&fs, 1 << 20), &acked, &by_key);
     }
+}
+
+#[test]
+fn a_power_cut_at_every_call_of_a_put_keeps_every_acknowledged_block() {
+    let blocks = pool(3);
+    // A put creates, writes, syncs, renames, syncs the dir.
+    cut_at_every_call(&blocks, 5, |tier| match tier.put(&blocks[1]) {
+        Ok(_) => vec![key(&blocks[1])],
+        Err(_) => Vec::new(),
+    });
 }
 
 /// `blocks` as one group of new puts.
@@ -301,44 +312,15 @@ fn group(blocks: &[Block]) -> Vec<PutJob<'_>> {
 #[test]
 fn a_power_cut_at_every_call_of_a_group_commit_keeps_every_acknowledged_block() {
     let blocks = pool(6);
-    let by_key = index(&blocks);
-    let probe = SimFs::new();
-    let t = open(&probe, 1 << 20);
-    t.put(&blocks[0]).unwrap();
-    let before = probe.calls();
-    let written = t.put_many(&group(&blocks[1..5]));
-    assert!(written
-        .iter()
-        .all(|r| matches!(r, Ok(WriteOutcome::Written { .. }))));
-    let per_group = probe.calls() - before;
-    for nth in 0..=per_group {
-        let fs = SimFs::new();
-        let tier = open(&fs, 1 << 20);
-        tier.put(&blocks[0]).unwrap();
-        fs.inject(Fault {
-            op: Op::Any,
-            nth,
-            kind: FaultKind::PowerLoss,
-        });
-        let mut acked = BTreeSet::from([key(&blocks[0])]);
-        for (b, r) in blocks[1..5]
+    cut_at_every_call(&blocks, 4 * 5, |tier| {
+        let results = tier.put_many(&group(&blocks[1..5]));
+        blocks[1..5]
             .iter()
-            .zip(tier.put_many(&group(&blocks[1..5])))
-        {
-            if r.is_ok() {
-                acked.insert(key(b));
-            }
-        }
-        drop(tier);
-        fs.power_loss(nth);
-        let tier = open(&fs, 1 << 20);
-        check_reopened(&fs, &tier, &acked, &by_key);
-        tier.put(&blocks[5]).unwrap();
-        drop(tier);
-        fs.power_loss(nth + 1000);
-        acked.insert(key(&blocks[5]));
-        check_reopened(&fs, &open(&fs, 1 << 20), &acked, &by_key);
-    }
+            .zip(results)
+            .filter(|(_, r)| matches!(r, Ok(WriteOutcome::Written { .. })))
+            .map(|(b, _)| key(b))
+            .collect()
+    });
 }
 
 /// A group's files are all fsynced before any is renamed into place: a failed fsync of
