@@ -230,6 +230,36 @@ pub(crate) fn blocks_from_run(
     states: Vec<Option<Vec<LayerState>>>,
     window: WindowPlan<'_>,
 ) -> Result<Vec<Block>, CacheError> {
+    let run = Run {
+        format,
+        block_size,
+        metas,
+        states,
+    };
+    read_run(parts, run, window, mlx::direct_transfers())
+}
+
+/// What [`blocks_from_run`] builds blocks of, beside the parts.
+struct Run {
+    format: KvFormat,
+    block_size: usize,
+    metas: Vec<BlockMeta>,
+    states: Vec<Option<Vec<LayerState>>>,
+}
+
+/// [`blocks_from_run`], its layers read on rayon's threads when `parallel`.
+fn read_run(
+    parts: Vec<Vec<Array>>,
+    run: Run,
+    window: WindowPlan<'_>,
+    parallel: bool,
+) -> Result<Vec<Block>, CacheError> {
+    let Run {
+        format,
+        block_size,
+        metas,
+        states,
+    } = run;
     let n = metas.len();
     let keeps: Vec<bool> = metas
         .iter()
@@ -244,38 +274,31 @@ pub(crate) fn blocks_from_run(
         .chain(states.iter().flatten().flatten().flatten())
         .collect();
     mlx::eval(&all)?;
+    // Where transfers go through the driver (CUDA), layers are read and split on rayon's
+    // threads (each keeps its page-locked scratch): one thread read back ~1.4 GB/s on the
+    // H200 under the trace, below what the engine publishes (docs/benchmarks.md, session
+    // 22). On the CPU rayon's threads run MLX's kernels: one layer after another there.
+    // Either way the planes go to the blocks in layer order.
+    let planes_of = |(layer, layer_parts): (usize, Vec<Array>)| {
+        layer_planes(layer, layer_parts, format, n, block_size, &keeps, &window)
+    };
+    let per_layer: Vec<Vec<(usize, Plane)>> = if parallel {
+        parts
+            .into_par_iter()
+            .enumerate()
+            .map(planes_of)
+            .collect::<Result<_, CacheError>>()?
+    } else {
+        parts
+            .into_iter()
+            .enumerate()
+            .map(planes_of)
+            .collect::<Result<_, CacheError>>()?
+    };
     let mut planes: Vec<Vec<Plane>> = (0..n).map(|_| Vec::new()).collect();
-    for (layer, layer_parts) in parts.iter().enumerate() {
-        let windowed = window.windows.get(layer).is_some_and(Option::is_some);
-        if layer_parts.is_empty() {
-            if windowed && !keeps.contains(&true) {
-                continue;
-            }
-            return Err(CacheError::Publish(format!(
-                "layer {layer} was not read for a run whose blocks need it"
-            )));
-        }
-        for (name, a) in part_names(layer, format).into_iter().zip(layer_parts) {
-            let s = a.shape();
-            if s.len() != 4 || s[0] != 1 || s[2] as usize != n * block_size {
-                return Err(CacheError::Publish(format!(
-                    "a run of {n} blocks of {block_size} read as {s:?}"
-                )));
-            }
-            let (heads, width) = (s[1] as usize, s[3] as usize);
-            let dtype = to_store_dtype(a.dtype())?;
-            let row_bytes = width * dtype.size() as usize;
-            let split = with_scratch(a.nbytes(), |bytes| {
-                a.read_into(bytes)?;
-                Ok::<_, CacheError>(split_run(bytes, heads, n, block_size, row_bytes))
-            })?;
-            let shape = vec![heads as u64, block_size as u64, width as u64];
-            for (b, data) in split.into_iter().enumerate() {
-                if windowed && !keeps[b] {
-                    continue;
-                }
-                planes[b].push(Plane::new(name.clone(), dtype, shape.clone(), data));
-            }
+    for layer in per_layer {
+        for (b, plane) in layer {
+            planes[b].push(plane);
         }
     }
     for (b, st) in states.into_iter().enumerate() {
@@ -291,6 +314,53 @@ pub(crate) fn blocks_from_run(
         .zip(planes)
         .map(|(meta, planes)| Block { meta, planes })
         .collect())
+}
+
+/// The planes layer `layer`'s run parts give, each with the index of its block (blocks a
+/// window layer does not keep left out): one read of each part into this thread's scratch,
+/// split per block ([`blocks_from_run`]).
+fn layer_planes(
+    layer: usize,
+    layer_parts: Vec<Array>,
+    format: KvFormat,
+    n: usize,
+    block_size: usize,
+    keeps: &[bool],
+    window: &WindowPlan<'_>,
+) -> Result<Vec<(usize, Plane)>, CacheError> {
+    let windowed = window.windows.get(layer).is_some_and(Option::is_some);
+    if layer_parts.is_empty() {
+        if windowed && !keeps.contains(&true) {
+            return Ok(Vec::new());
+        }
+        return Err(CacheError::Publish(format!(
+            "layer {layer} was not read for a run whose blocks need it"
+        )));
+    }
+    let mut out = Vec::new();
+    for (name, a) in part_names(layer, format).into_iter().zip(&layer_parts) {
+        let s = a.shape();
+        if s.len() != 4 || s[0] != 1 || s[2] as usize != n * block_size {
+            return Err(CacheError::Publish(format!(
+                "a run of {n} blocks of {block_size} read as {s:?}"
+            )));
+        }
+        let (heads, width) = (s[1] as usize, s[3] as usize);
+        let dtype = to_store_dtype(a.dtype())?;
+        let row_bytes = width * dtype.size() as usize;
+        let split = with_scratch(a.nbytes(), |bytes| {
+            a.read_into(bytes)?;
+            Ok::<_, CacheError>(split_run(bytes, heads, n, block_size, row_bytes))
+        })?;
+        let shape = vec![heads as u64, block_size as u64, width as u64];
+        for (b, data) in split.into_iter().enumerate() {
+            if windowed && !keeps[b] {
+                continue;
+            }
+            out.push((b, Plane::new(name.clone(), dtype, shape.clone(), data)));
+        }
+    }
+    Ok(out)
 }
 
 /// The layer states a snapshot block carries after its `kv_planes` K/V planes, for a cache
@@ -753,6 +823,66 @@ mod tests {
                 Block { meta, planes }
             })
             .collect()
+    }
+
+    /// A run of 3 layers × K/V read back with its layers on rayon's threads and one after
+    /// another gives the same blocks, each plane the block's rows of every head (against
+    /// the host data the parts were made of).
+    #[test]
+    fn a_run_read_in_parallel_or_in_turn_splits_into_the_same_blocks() {
+        let (layers, heads, n, bs, width) = (3usize, 2usize, 4usize, 2usize, 3usize);
+        let tokens = n * bs;
+        let data = |layer: usize, part: usize| -> Vec<f32> {
+            (0..heads * tokens * width)
+                .map(|i| (1000 * layer + 100 * part + i) as f32)
+                .collect()
+        };
+        let parts = || -> Vec<Vec<Array>> {
+            (0..layers)
+                .map(|l| {
+                    (0..2)
+                        .map(|p| {
+                            let shape = [1, heads as i32, tokens as i32, width as i32];
+                            Array::from_slice(&data(l, p), &shape).unwrap()
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let metas: Vec<BlockMeta> = (0..n)
+            .map(|b| BlockMeta::new(store::NamespaceId([1; 32]), [0; 32], b as u32, vec![0; bs]))
+            .collect();
+        let run = || Run {
+            format: KvFormat::Float,
+            block_size: bs,
+            metas: metas.clone(),
+            states: vec![None; n],
+        };
+        let windows = vec![None; layers];
+        let window = || WindowPlan {
+            windows: &windows,
+            ends: &[],
+            floor: 0,
+        };
+        let parallel = read_run(parts(), run(), window(), true).unwrap();
+        let in_turn = read_run(parts(), run(), window(), false).unwrap();
+        assert_eq!(parallel, in_turn);
+        assert_eq!(parallel.len(), n);
+        for (b, block) in parallel.iter().enumerate() {
+            assert_eq!(block.planes.len(), 2 * layers);
+            for (i, plane) in block.planes.iter().enumerate() {
+                let (l, p) = (i / 2, i % 2);
+                let all = data(l, p);
+                let want: Vec<u8> = (0..heads)
+                    .flat_map(|h| {
+                        let start = (h * tokens + b * bs) * width;
+                        all[start..start + bs * width].to_vec()
+                    })
+                    .flat_map(f32::to_le_bytes)
+                    .collect();
+                assert_eq!(&plane.data[..], &want[..], "block {b}, plane {i}");
+            }
+        }
     }
 
     /// What a part must hold, written the plain way: per head, each block's rows or zeros.
