@@ -1245,9 +1245,9 @@ impl<F: FileSystem> SsdTier<F> {
         let mut results: Vec<Option<Result<WriteOutcome, WriteError>>> =
             jobs.iter().map(|_| None).collect();
         let mut staged: Vec<(usize, Staged<F::Writer>)> = Vec::new();
-        let mut staged_bytes = 0u64;
         for (i, job) in jobs.iter().enumerate() {
             let floor = staged.iter().map(|(_, st)| st.seq).min();
+            let staged_bytes = staged.iter().map(|(_, st)| st.estimate).sum();
             let mut outcome = self.stage(job, staged_bytes, floor);
             if matches!(outcome, Ok(Staging::NeedsCommit)) {
                 // Room for it is decided against the blocks staged so far, as one put at a
@@ -1255,7 +1255,6 @@ impl<F: FileSystem> SsdTier<F> {
                 for (j, outcome) in self.commit(std::mem::take(&mut staged)) {
                     results[j] = Some(outcome);
                 }
-                staged_bytes = 0;
                 if self.is_poisoned() {
                     break;
                 }
@@ -1268,7 +1267,6 @@ impl<F: FileSystem> SsdTier<F> {
                 }
                 Ok(Staging::Done(outcome)) => results[i] = Some(Ok(outcome)),
                 Ok(Staging::Staged(st)) => {
-                    staged_bytes += st.estimate;
                     staged.push((i, st));
                 }
                 Err(e) => {
