@@ -113,6 +113,14 @@ fn gauge(
     one(e, name, help, ConstGauge::new(v))
 }
 
+/// Writes counters given as (name, help, value).
+fn counter_list(e: &mut DescriptorEncoder<'_>, list: &[(&str, &str, u64)]) -> fmt::Result {
+    for &(name, help, v) in list {
+        counter(e, name, help, v)?;
+    }
+    Ok(())
+}
+
 /// Writes one metric with one sample per value of the label `label`.
 fn by_label(
     e: &mut DescriptorEncoder<'_>,
@@ -275,6 +283,9 @@ impl Collector for EngineCollector {
                 d.evictions,
             )?;
         }
+        if let Some(x) = self.engine.kv_tiers().map(|p| p.export_stats()) {
+            export(e, &x)?;
+        }
         if let Some(st) = self.engine.cache_stats() {
             let tiers = |ram: u64, ssd: u64| [("ram", ram), ("ssd", ssd)];
             let per_tier: [TierMetric<'_>; 5] = [
@@ -324,6 +335,60 @@ impl Collector for EngineCollector {
         }
         Ok(())
     }
+}
+
+/// The export thread's counters: what publication copied from the device into the host
+/// tiers, and what it skipped while it was behind (docs/cache.md, "Publication").
+fn export(e: &mut DescriptorEncoder<'_>, x: &crate::ExportStats) -> fmt::Result {
+    let counters: [(&str, &str, u64); 5] = [
+        (
+            "kvstore_export_blocks",
+            "Blocks copied from the device into the host tiers by the export thread.",
+            x.blocks,
+        ),
+        (
+            "kvstore_export_bytes",
+            "Device bytes the export thread read back.",
+            x.bytes,
+        ),
+        (
+            "kvstore_export_failed_blocks",
+            "Blocks lost to a failed device read or a refused insert (logged).",
+            x.failed_blocks,
+        ),
+        (
+            "kvstore_export_skipped_exports",
+            "Publications not exported because the export thread was behind (never waited for).",
+            x.skipped_exports,
+        ),
+        (
+            "kvstore_export_skipped_blocks",
+            "Blocks of those skipped publications (not in the host tiers).",
+            x.skipped_blocks,
+        ),
+    ];
+    counter_list(e, &counters)?;
+    let seconds: [(&str, &str, u64); 3] = [
+        (
+            "kvstore_export_read_seconds",
+            "Seconds the export thread spent reading blocks back from the device.",
+            x.read_us,
+        ),
+        (
+            "kvstore_export_insert_seconds",
+            "Seconds the export thread spent inserting blocks into the store (hashing included).",
+            x.insert_us,
+        ),
+        (
+            "kvstore_export_lookup_wait_seconds",
+            "Seconds lookups waited for an export holding one of their blocks.",
+            x.lookup_wait_us,
+        ),
+    ];
+    for (name, help, us) in seconds {
+        counter(e, name, help, us as f64 / 1e6)?;
+    }
+    Ok(())
 }
 
 /// The remote tier's counters (only with `--remote`).
@@ -380,9 +445,7 @@ fn remote(e: &mut DescriptorEncoder<'_>, st: &store::StoreStats) -> fmt::Result 
             st.remote_publish_errors,
         ),
     ];
-    for (name, help, v) in counters {
-        counter(e, name, help, v)?;
-    }
+    counter_list(e, &counters)?;
     counter(
         e,
         "kvstore_remote_fetch_seconds",

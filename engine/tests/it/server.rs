@@ -806,7 +806,7 @@ fn completions_metrics_cache_stats_and_flush() {
 }
 
 /// Every metric the server exports without `--remote` (docs/server.md), as scraped.
-const METRIC_NAMES: [&str; 24] = [
+const METRIC_NAMES: [&str; 32] = [
     "kvstore_requests_total",
     "kvstore_prompt_tokens_total",
     "kvstore_cached_prompt_tokens_total",
@@ -824,6 +824,14 @@ const METRIC_NAMES: [&str; 24] = [
     "kvstore_device_budget_bytes",
     "kvstore_device_hits_total",
     "kvstore_device_evictions_total",
+    "kvstore_export_blocks_total",
+    "kvstore_export_bytes_total",
+    "kvstore_export_failed_blocks_total",
+    "kvstore_export_skipped_exports_total",
+    "kvstore_export_skipped_blocks_total",
+    "kvstore_export_read_seconds_total",
+    "kvstore_export_insert_seconds_total",
+    "kvstore_export_lookup_wait_seconds_total",
     "kvstore_cache_hits_total",
     "kvstore_cache_misses_total",
     "kvstore_cache_bytes",
@@ -960,6 +968,16 @@ fn metrics_parse_as_prometheus_text_and_count_the_requests_served() {
         value("kvstore_cache_bytes_written_total", None),
         stats.bytes_written as f64
     );
+    // The blocks on SSD came from the device through the export thread; it may have
+    // finished more since the scrape, never fewer.
+    let exported = srv.engine.kv_tiers().unwrap().export_stats();
+    let scraped = value("kvstore_export_blocks_total", None);
+    assert!(
+        scraped > 0.0 && scraped <= exported.blocks as f64,
+        "{scraped} vs {exported:?}"
+    );
+    assert!(value("kvstore_export_bytes_total", None) > 0.0);
+    assert_eq!(value("kvstore_export_failed_blocks_total", None), 0.0);
     let ttft = scrape
         .samples
         .iter()
