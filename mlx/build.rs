@@ -81,21 +81,37 @@ fn main() {
     let include = dir.join("include");
     let lib = dir.join("lib");
 
-    cxx_build::bridge("src/ffi.rs")
+    let mut build = cxx_build::bridge("src/ffi.rs");
+    build
         .file("src/shim.cc")
         .file("src/direct_copy.cc")
+        .file("src/rows_attention.cc")
         .include(&include)
         .include("src")
         .std("c++20")
         .flag_if_supported("-Wno-unused-parameter")
-        .flag_if_supported("-Wno-deprecated-declarations")
-        .compile("kvstore_mlx_shim");
+        .flag_if_supported("-Wno-deprecated-declarations");
+    // The batched decode attention (src/rows_attention.cc) needs the CUDA backend's headers,
+    // which need the CUDA runtime's (cuda.h, cuda_runtime.h) and fmt's: scripts/cuda/build.sh
+    // names them. Without them the kernel is left out and the cache attends row by row.
+    println!("cargo:rerun-if-env-changed=KVSTORE_CUDA_INCLUDE");
+    if let Ok(cuda) = std::env::var("KVSTORE_CUDA_INCLUDE") {
+        for dir in std::env::split_paths(&cuda) {
+            build.include(dir);
+        }
+        build
+            .include(include.join("cccl"))
+            .define("KVSTORE_CUDA", None);
+    }
+    build.compile("kvstore_mlx_shim");
 
     println!("cargo:rerun-if-changed=src/ffi.rs");
     println!("cargo:rerun-if-changed=src/shim.cc");
     println!("cargo:rerun-if-changed=src/shim.h");
     println!("cargo:rerun-if-changed=src/direct_copy.cc");
     println!("cargo:rerun-if-changed=src/direct_copy.h");
+    println!("cargo:rerun-if-changed=src/rows_attention.cc");
+    println!("cargo:rerun-if-changed=src/rows_attention.cu.h");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());

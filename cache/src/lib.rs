@@ -45,7 +45,7 @@ pub use pool::{ladder_capacity, BlockPool, BlockShape, CUDNN_ARENA_FROM, CUDNN_K
 pub use resident::{
     ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
 };
-pub use rows::PagedKvRows;
+pub use rows::{decode_path_totals, PagedKvRows};
 pub use share::ShareHandle;
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 

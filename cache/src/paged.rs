@@ -421,6 +421,7 @@ impl PagedKvCache {
                     parts: pool.read(&l.table, tokens)?,
                     len: tokens,
                     shape: pool.shape(),
+                    _holds: pool.view_token(),
                 }),
                 ..Layer::default()
             });
@@ -485,6 +486,60 @@ impl PagedKvCache {
     /// The pool of a layer, once its first keys arrived.
     pub fn pool(&self, layer: usize) -> Option<&BlockPool> {
         self.layers.get(layer).and_then(|l| l.pool.as_ref())
+    }
+
+    /// Takes a block for one more token of `layer` if its last block is full, as an append
+    /// of one token would (the batched decode attention writes the token itself). False
+    /// when the layer has no pool yet or is lent: the step then appends as usual.
+    pub(crate) fn reserve_decode_token(&mut self, layer: usize) -> Result<bool, CacheError> {
+        let bs = self.config.block_size;
+        let l = self.layer_mut(layer)?;
+        let Some(pool) = l.pool.as_mut() else {
+            return Ok(false);
+        };
+        if l.lent.is_some() {
+            return Ok(false);
+        }
+        if (l.len + 1).div_ceil(bs) > l.table.len() {
+            l.table.push(pool.alloc()?);
+        }
+        Ok(true)
+    }
+
+    /// Where the batched decode attention finds `layer` of this row after
+    /// [`Self::reserve_decode_token`]: its float arenas, where its own tokens start, how many
+    /// it holds and its shared prefix. `None` when the kernel cannot write it in place: a
+    /// quantized format, blocks that are not one run of the arena, or arenas whose buffers
+    /// another array shares (a clone or a prefix view still alive, or buffers MLX has not
+    /// written for this pool: [`crate::pool::BlockPool::writable_in_place`]).
+    pub(crate) fn decode_row(&self, layer: usize) -> Option<mlx::rows_attention::RowKv<'_>> {
+        let l = self.layers.get(layer)?;
+        let pool = l.pool.as_ref()?;
+        if !pool.writable_in_place() {
+            return None;
+        }
+        let (keys, values) = pool.float_arenas()?;
+        let first = crate::pool::run_start(&l.table)?;
+        let prefix = match &l.prefix {
+            Some(p) => match p.parts.as_slice() {
+                [pk, pv] => Some((pk, pv)),
+                _ => return None,
+            },
+            None => None,
+        };
+        Some(mlx::rows_attention::RowKv {
+            keys,
+            values,
+            start: first as usize * self.config.block_size,
+            len: l.len,
+            prefix,
+        })
+    }
+
+    /// Counts the token the batched decode attention wrote into `layer`.
+    pub(crate) fn advance_decode(&mut self, layer: usize) -> Result<(), CacheError> {
+        self.layer_mut(layer)?.len += 1;
+        Ok(())
     }
 
     fn layer_mut(&mut self, layer: usize) -> Result<&mut Layer, CacheError> {

@@ -11,6 +11,7 @@
 //! has (docs/cache.md, "Four-dimensional arenas").
 
 use mlx::{Array, Dtype};
+use std::sync::Arc;
 
 use crate::{CacheError, KvFormat};
 
@@ -34,7 +35,7 @@ pub struct BlockShape {
 /// (LIFO), so the layout is deterministic. `Clone` copies the allocation metadata and
 /// shares the arena buffers; a later write on either side makes MLX copy before writing
 /// (a shared buffer is never donated), so clones never see each other's writes.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct BlockPool {
     shape: BlockShape,
     format: KvFormat,
@@ -46,6 +47,31 @@ pub struct BlockPool {
     capacity: usize,
     max_blocks: usize,
     free: Vec<u32>,
+    /// Whether the arenas' buffers are this pool's own: true after MLX last wrote them (a
+    /// slice update or a growth makes a buffer no other array holds), false for fresh
+    /// zeros (a broadcast), restored arrays and clones.
+    own_buffers: bool,
+    /// Held by every clone of this pool and every prefix view taken of it
+    /// ([`Self::view_token`]): while another holder is alive the buffers are shared.
+    holders: Arc<()>,
+}
+
+impl Clone for BlockPool {
+    /// Shares the arenas (no copy); neither side may then write them in place until MLX
+    /// has written its own buffers again.
+    fn clone(&self) -> Self {
+        Self {
+            shape: self.shape,
+            format: self.format,
+            arenas: self.arenas.clone(),
+            parts: self.parts.clone(),
+            capacity: self.capacity,
+            max_blocks: self.max_blocks,
+            free: self.free.clone(),
+            own_buffers: false,
+            holders: Arc::clone(&self.holders),
+        }
+    }
 }
 
 /// Zeros of `[1, H, blocks · bs, width]` for each part of `format`, K parts then V parts.
@@ -84,7 +110,7 @@ fn part_layouts(arenas: &[Array]) -> Vec<(i32, Dtype)> {
 }
 
 /// Whether `blocks` is a run of consecutive ids, and where it starts.
-fn run_start(blocks: &[u32]) -> Option<u32> {
+pub(crate) fn run_start(blocks: &[u32]) -> Option<u32> {
     let first = *blocks.first()?;
     blocks
         .iter()
@@ -167,6 +193,8 @@ impl BlockPool {
             capacity: initial,
             max_blocks,
             free: (0..initial as u32).rev().collect(),
+            own_buffers: false,
+            holders: Arc::new(()),
         })
     }
 
@@ -223,6 +251,8 @@ impl BlockPool {
             capacity,
             max_blocks: max_blocks.max(capacity),
             free: (occupied as u32..capacity as u32).rev().collect(),
+            own_buffers: false,
+            holders: Arc::new(()),
         })
     }
 
@@ -234,6 +264,33 @@ impl BlockPool {
     /// The storage format.
     pub fn format(&self) -> KvFormat {
         self.format
+    }
+
+    /// The key and value arenas of a float pool (`[1, H, capacity · bs, D]` each), or
+    /// `None` for a quantized one (whose parts are codes, scales and biases).
+    pub(crate) fn float_arenas(&self) -> Option<(&Array, &Array)> {
+        match (self.format, self.arenas.as_slice()) {
+            (KvFormat::Float, [k, v]) => Some((k, v)),
+            _ => None,
+        }
+    }
+
+    /// Whether a kernel may write the arenas' buffers in place: MLX made them for this pool
+    /// alone and no clone or prefix view of them is alive.
+    pub(crate) fn writable_in_place(&self) -> bool {
+        self.own_buffers && Arc::strong_count(&self.holders) == 1
+    }
+
+    /// A token for a view of the arenas that outlives this call (a shared prefix): while it
+    /// is alive the buffers count as shared.
+    pub(crate) fn view_token(&self) -> Arc<()> {
+        Arc::clone(&self.holders)
+    }
+
+    /// MLX has just made fresh buffers for the arenas: they are this pool's alone.
+    fn own_new_buffers(&mut self) {
+        self.own_buffers = true;
+        self.holders = Arc::new(());
     }
 
     /// Blocks in the arenas.
@@ -289,6 +346,7 @@ impl BlockPool {
         let fresh: Vec<u32> = (self.capacity as u32..new_capacity as u32).rev().collect();
         self.free.splice(0..0, fresh);
         self.capacity = new_capacity;
+        self.own_new_buffers();
         Ok(())
     }
 
@@ -343,6 +401,9 @@ impl BlockPool {
                 &[1, heads, t0 + ps[2], ps[3]],
             )?);
         }
+        // A slice update hands back the input's buffer only when nothing else held it, and
+        // writes a fresh one otherwise.
+        self.own_new_buffers();
         Ok(())
     }
 
@@ -432,5 +493,68 @@ impl BlockPool {
     /// The arenas (K parts then V parts).
     pub fn arrays(&self) -> &[Array] {
         &self.arenas
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool() -> BlockPool {
+        let shape = BlockShape {
+            kv_heads: 2,
+            block_size: 4,
+            head_dim: 8,
+            dtype: Dtype::F32,
+        };
+        BlockPool::new(shape, KvFormat::Float, 1, 8).unwrap()
+    }
+
+    fn write_one(p: &mut BlockPool, block: u32) {
+        let k =
+            mlx::random::normal(&[1, 2, 1, 8], Dtype::F32, &mlx::random::key(3).unwrap()).unwrap();
+        p.write(block, 0, std::slice::from_ref(&k), std::slice::from_ref(&k))
+            .unwrap();
+    }
+
+    #[test]
+    fn arenas_are_writable_in_place_only_when_mlx_made_them_for_this_pool_alone() {
+        let mut p = pool();
+        // Fresh zeros are a broadcast of one scalar: never written in place.
+        assert!(!p.writable_in_place());
+        let b = p.alloc().unwrap();
+        write_one(&mut p, b);
+        assert!(p.writable_in_place());
+
+        // A clone shares the buffers: neither side may write them in place...
+        let mut twin = p.clone();
+        assert!(!p.writable_in_place() && !twin.writable_in_place());
+        // ...until MLX writes one side (a copy, as the buffer is shared): that side's
+        // buffers are its own, the other's are still held by nobody else but the old token.
+        write_one(&mut twin, b);
+        assert!(twin.writable_in_place());
+        drop(twin);
+        assert!(p.writable_in_place());
+
+        // A view token (a shared prefix) keeps the pool from writing in place while alive.
+        let token = p.view_token();
+        assert!(!p.writable_in_place());
+        drop(token);
+        assert!(p.writable_in_place());
+
+        // Growth concatenates into fresh buffers: writable, and old view tokens no longer
+        // refer to them.
+        let token = p.view_token();
+        while p.capacity() == 1 {
+            p.alloc().unwrap();
+        }
+        assert!(p.writable_in_place());
+        drop(token);
+
+        // A restored pool's arrays came from outside: not writable until MLX writes them.
+        let restored =
+            BlockPool::restore_arrays(p.shape(), KvFormat::Float, p.arrays().to_vec(), 1, 8)
+                .unwrap();
+        assert!(!restored.writable_in_place());
     }
 }

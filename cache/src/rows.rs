@@ -1,11 +1,26 @@
 //! [`PagedKvRows`]: several sequences decoding together, each in its own paged cache,
 //! fetched as one left-padded batch.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use mlx::{Array, Dtype};
 
 use crate::batch_arena::BatchArena;
 use crate::mask::visible;
 use crate::{CacheError, KvCache, LayerState, PagedKvCache};
+
+/// Process-wide [`PagedKvRows::decode_paths`]: every batch's layers in one node and row by row.
+static ONE_NODE_LAYERS: AtomicU64 = AtomicU64::new(0);
+static ROW_BY_ROW_LAYERS: AtomicU64 = AtomicU64::new(0);
+
+/// Unwindowed decode layers attended in one graph node and row by row, over every
+/// [`PagedKvRows`] of the process (what a benchmark reports).
+pub fn decode_path_totals() -> (u64, u64) {
+    (
+        ONE_NODE_LAYERS.load(Ordering::Relaxed),
+        ROW_BY_ROW_LAYERS.load(Ordering::Relaxed),
+    )
+}
 
 /// A batch of rows (sequences) for decoding. Row `b` keeps its own [`PagedKvCache`]; a
 /// step appends each row's new keys and values and fetches all rows as one
@@ -18,6 +33,10 @@ use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 /// The arena holds no more bytes than the KV reservations of its rows
 /// ([`PagedKvRows::push_reserved`]) together plus an allowance
 /// ([`PagedKvRows::set_arena_allowance`]).
+///
+/// On a CUDA GPU an unwindowed layer's decode step skips the batch: one graph node writes
+/// every row's new key and value into its own arena and attends each row there
+/// ([`mlx::rows_attention`]), when every row's arena may be written in place.
 #[derive(Default)]
 pub struct PagedKvRows {
     rows: Vec<PagedKvCache>,
@@ -30,6 +49,10 @@ pub struct PagedKvRows {
     no_arena: bool,
     /// Bytes a batch arena may hold beyond its rows' reservations.
     allowance: u64,
+    /// Unwindowed decode layers attended in one node ([`PagedKvRows::attend_in_one_node`])
+    /// and row by row, since the batch was made.
+    one_node_layers: u64,
+    row_by_row_layers: u64,
 }
 
 impl std::fmt::Debug for PagedKvRows {
@@ -59,6 +82,12 @@ impl PagedKvRows {
         self.no_arena = false;
         self.use_arena = on;
         Ok(())
+    }
+
+    /// Unwindowed decode layers attended in one graph node (the batched decode attention)
+    /// and row by row, since the batch was made (the arena's steps are in neither).
+    pub fn decode_paths(&self) -> (u64, u64) {
+        (self.one_node_layers, self.row_by_row_layers)
     }
 
     /// Whether a batch arena holds the batch now.
@@ -370,6 +399,15 @@ impl PagedKvRows {
         if self.arena.is_some() {
             self.settle()?;
         }
+        if window.is_none() {
+            if let Some(out) = self.attend_in_one_node(layer, queries, keys, values, scale)? {
+                self.one_node_layers += 1;
+                ONE_NODE_LAYERS.fetch_add(1, Ordering::Relaxed);
+                return Ok(out);
+            }
+            self.row_by_row_layers += 1;
+            ROW_BY_ROW_LAYERS.fetch_add(1, Ordering::Relaxed);
+        }
         let (h, d) = (s[1], s[3]);
         let n = self.rows.len();
         // One split per input (a single graph node each) instead of a slice per row.
@@ -410,6 +448,49 @@ impl PagedKvRows {
         }
         let refs: Vec<&Array> = out.iter().collect();
         Ok(mlx::ops::concatenate(&refs, 0)?)
+    }
+
+    /// The batched decode attention ([`mlx::rows_attention`]): every row's new key and value
+    /// written into its own arena and every row attended, in one graph node for the layer.
+    /// `None` (nothing changed but blocks taken for the new token, which the row-by-row
+    /// path then fills) when the kernel is not built or not on, the shapes do not fit it,
+    /// or any row's layer cannot be written in place ([`PagedKvCache::decode_row`]).
+    fn attend_in_one_node(
+        &mut self,
+        layer: usize,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+    ) -> Result<Option<Array>, CacheError> {
+        let (ks, qs) = (keys.shape(), queries.shape());
+        let fits = mlx::rows_attention::rows_kernel_fits(
+            keys.dtype(),
+            ks[3] as usize,
+            qs[1] as usize,
+            ks[1] as usize,
+        );
+        if !fits || !mlx::rows_attention::rows_kernel_usable() {
+            return Ok(None);
+        }
+        for row in &mut self.rows {
+            if !row.reserve_decode_token(layer)? {
+                return Ok(None);
+            }
+        }
+        let mut kv = Vec::with_capacity(self.rows.len());
+        for row in &self.rows {
+            match row.decode_row(layer) {
+                Some(r) if r.keys.dtype() == keys.dtype() => kv.push(r),
+                _ => return Ok(None),
+            }
+        }
+        let out = mlx::rows_attention::rows_decode_attention(queries, keys, values, &kv, scale)?;
+        drop(kv);
+        for row in &mut self.rows {
+            row.advance_decode(layer)?;
+        }
+        Ok(Some(out))
     }
 
     /// Every row's state of state layer `layer`, each part stacked along axis 0 into
@@ -738,3 +819,7 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "rows_kernel_tests.rs"]
+mod rows_kernel_tests;

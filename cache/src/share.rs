@@ -50,6 +50,9 @@ pub(crate) struct LayerPrefix {
     pub(crate) len: usize,
     /// The resident pool's block shape.
     pub(crate) shape: BlockShape,
+    /// Keeps the resident pool from writing its arenas in place while the views are alive
+    /// ([`crate::pool::BlockPool::view_token`]).
+    pub(crate) _holds: Arc<()>,
 }
 
 impl LayerPrefix {
@@ -67,6 +70,7 @@ impl LayerPrefix {
             parts,
             len,
             shape: self.shape,
+            _holds: Arc::clone(&self._holds),
         })
     }
 

@@ -246,6 +246,15 @@ pub(crate) mod ffi {
             v: &Array,
             scale: f32,
         ) -> Result<UniquePtr<Array>>;
+        fn rows_attention_kernel_built() -> bool;
+        fn rows_decode_attention(
+            q: &Array,
+            k: &Array,
+            v: &Array,
+            kv: &ArrayList,
+            meta: &[i64],
+            scale: f32,
+        ) -> Result<UniquePtr<Array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;

@@ -36,6 +36,7 @@ pub mod ops;
 mod pinned;
 mod quantized;
 pub mod random;
+pub mod rows_attention;
 pub mod validate;
 
 pub use array::{

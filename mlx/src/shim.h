@@ -136,6 +136,12 @@ std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_
 // One query per head over f32 keys and values read in place, on the CPU stream, as one node
 // whose CPU evaluation runs the crate's kernel (cpu_decode_attention.rs).
 std::unique_ptr<Array> one_query_attention(const Array& q, const Array& k, const Array& v, float scale);
+
+// rows_attention.cc: one decode step's attention over every row's own arena (CUDA only).
+bool rows_attention_kernel_built();
+std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, const Array& v,
+                                             const ArrayList& kv, rust::Slice<const int64_t> meta,
+                                             float scale);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 
 // Files.

@@ -5,6 +5,7 @@
 # SRC_DIR: the checkout to build (default: this one; a `git worktree` of HEAD keeps other
 # people's uncommitted edits out). Output: target/cuda/release of this checkout; log:
 # .cuda/build.log (scripts/cuda/pack.sh reads the test executables' names from it).
+# TESTS="-p kvstore-cache": build only those crates' tests (with NOTESTS unset).
 #
 # - The wheel is unpacked to .cuda/wheel and reached through the fixed path /opt/kvmlx, so
 #   the rpath baked into the binaries (/opt/kvmlx/mlx/lib) is the same on both machines.
@@ -28,11 +29,21 @@ if [ ! -f "$C/wheel/mlx/lib/libmlx.so" ]; then
 fi
 [ -e /opt/kvmlx ] || ln -sfn "$C/wheel" /opt/kvmlx
 [ -f "$C/mlxcuda.tar.zst" ] || tar -C "$C/wheel" -cf - --exclude=mlx/include . | zstd -q -17 -T2 --long=27 -o "$C/mlxcuda.tar.zst"
+# The batched decode attention (mlx/src/rows_attention.cc) compiles against the CUDA backend's
+# headers, which need the CUDA runtime's headers (PyPI wheels) and fmt's (Debian).
+H=$C/cudart/nvidia/cu13/include
+if [ ! -f "$H/crt/host_config.h" ]; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux2014_x86_64 \
+    --python-version 3.12 --implementation cp -d "$C/dl/cudart" nvidia-cuda-runtime==13.5.37 nvidia-cuda-crt==13.5.37
+  for w in "$C"/dl/cudart/*.whl; do python3 -m zipfile -e "$w" "$C/cudart"; done
+fi
+[ -f /usr/include/fmt/format.h ] || apt-get install -y -q libfmt-dev >/dev/null
+export KVSTORE_CUDA_INCLUDE=$H
 cd "$SRC"
 export CARGO_TARGET_DIR=$ROOT/target/cuda MLX_DIR=/opt/kvmlx/mlx CARGO_PROFILE_RELEASE_DEBUG=0
 export RUSTFLAGS="-C link-arg=-Wl,--allow-shlib-undefined"
 # NOTESTS=1: the kvstore binary only (benchmark runs; pack.sh with NOTESTS=1 too).
 { cargo build --release -j2 -p kvstore &&
   if [ -z "${NOTESTS:-}" ]; then
-    cargo test --release --no-run -j2 -p kvstore-mlx -p kvstore-store -p kvstore-cache -p kvstore-engine -p kvstore-tests
+    cargo test --release --no-run -j2 ${TESTS:--p kvstore-mlx -p kvstore-store -p kvstore-cache -p kvstore-engine -p kvstore-tests}
   fi; } 2>&1 | tee "$C/build.log"

@@ -432,6 +432,10 @@ case "$step" in
     for arm in ${ARMS:-cache nocache}; do
       case "$arm" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
+        # ...row: the same arm with the batched decode attention off (one node per layer
+        # against the row-by-row path, same binary)
+        nocacherow) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache-row-by-row" ;;
+        cacherow) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering-row-by-row" ;;
         always) rm -rf "$K/tstore"; A="$TIERS --restore always --store $K/tstore --label restore-always" ;;
         devonly) rm -rf "$K/tstore"; A="${TIERS%% --ram-budget*} --ram-budget 0 --ssd-budget 0 --store $K/tstore --label device-tier-only" ;;
         ramonly) rm -rf "$K/tstore"; A="${TIERS%% --ssd-budget*} --ssd-budget 0 --store $K/tstore --label device-and-ram" ;;
@@ -441,10 +445,21 @@ case "$step" in
       echo "== $arm"
       # DRAIN: seconds past the window for the requests in flight at the deadline to finish;
       # an arm that has fallen behind needs minutes (session 21 lost a report to 40 s)
+      case "$arm" in *row) export KVSTORE_ROWS_KERNEL=0 ;; *) unset KVSTORE_ROWS_KERNEL ;; esac
       timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
           --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
-      grep -E "^hit share|^steps|requests in|^graph census|^TTFT parts|^store over" "$OUT/pt-$arm.log"
+      grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/pt-$arm.log"
     done
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  rk) # the batched decode attention against the row-by-row path: the cache crate's unit
+      # tests (carried as cache-test.zst), the kernel's test required to run
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    zstd -d -q -f -o "$K/cache-test" "$K/cache-test.zst" && chmod +x "$K/cache-test"
+    (cd "$REPO" && KVSTORE_EXPECT_ROWS_KERNEL=1 timeout 200 "$K/cache-test" --test-threads 1 ${FILTER:-} 2>&1) \
+      | grep -E "^test |test result|panicked|SKIPPED|off by|left|right" | tail -n 60
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent agentrep cachedb

@@ -1,0 +1,259 @@
+//! The batched decode attention ([`mlx::rows_attention`], one graph node per layer) against
+//! the row-by-row path over identical rows. It runs only in a CUDA build on a GPU: elsewhere
+//! the test says loudly that it did not run, and fails when `KVSTORE_EXPECT_ROWS_KERNEL=1`
+//! (scripts/cuda/device.sh sets it on the H200).
+
+use mlx::{Array, Dtype};
+
+use crate::share::ShareHandle;
+use crate::{KvCache, PagedConfig, PagedKvCache, PagedKvRows};
+
+/// One batch shape: keys of `dtype`, `kv_heads` × `head_dim`, `q_heads` query heads, rows of
+/// `lens` tokens; with `prefix`, row 0 starts with a shared prefix of another cache.
+struct Case {
+    dtype: Dtype,
+    kv_heads: i32,
+    q_heads: i32,
+    head_dim: i32,
+    lens: Vec<i32>,
+    prefix: bool,
+}
+
+const LAYERS: usize = 2;
+const STEPS: u64 = 12;
+
+fn normal(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
+    mlx::random::normal(shape, Dtype::F32, &mlx::random::key(seed).unwrap())
+        .unwrap()
+        .astype(dtype)
+        .unwrap()
+}
+
+fn config() -> PagedConfig {
+    PagedConfig {
+        block_size: 16,
+        initial_blocks: 2,
+        ..PagedConfig::default()
+    }
+}
+
+/// Two sets of identical rows (separate buffers: never clones of each other).
+fn rows(case: &Case) -> (PagedKvRows, PagedKvRows) {
+    let (h, d) = (case.kv_heads, case.head_dim);
+    let source = case.prefix.then(|| {
+        let mut c = PagedKvCache::new(LAYERS, config()).unwrap();
+        for l in 0..LAYERS {
+            let k = normal(&[1, h, 41, d], case.dtype, 500 + l as u64);
+            c.append(l, &k, &k.mul_scalar(-0.5).unwrap()).unwrap();
+        }
+        c
+    });
+    let mut sets = (PagedKvRows::new(), PagedKvRows::new());
+    for set in [&mut sets.0, &mut sets.1] {
+        for (i, &n) in case.lens.iter().enumerate() {
+            let mut c = match (&source, i) {
+                (Some(src), 0) => PagedKvCache::share_prefix(src, 33, ShareHandle::new(7)).unwrap(),
+                _ => PagedKvCache::new(LAYERS, config()).unwrap(),
+            };
+            for l in 0..LAYERS {
+                let k = normal(&[1, h, n, d], case.dtype, 1000 * i as u64 + l as u64);
+                c.append(l, &k, &k.mul_scalar(2.0).unwrap()).unwrap();
+            }
+            set.push(c).unwrap();
+        }
+    }
+    sets
+}
+
+fn as_f32(a: &Array) -> Vec<f32> {
+    a.astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn run(case: &Case) {
+    let (mut one, mut each) = rows(case);
+    let b = case.lens.len() as i32;
+    let (h, hq, d) = (case.kv_heads, case.q_heads, case.head_dim);
+    let scale = 1.0 / (d as f32).sqrt();
+    // f32: rounding of a few thousand terms; bf16: the output's rounding (2^-8) and its
+    // 16-bit inputs' (q is rounded to bf16 before the product in both).
+    let tol = if case.dtype == Dtype::F32 {
+        2e-5
+    } else {
+        1.6e-2
+    };
+    // A clone of row 0 alive for the first two steps: its arenas are shared at step 0, so
+    // that step goes row by row; MLX's write then gives row 0 buffers of its own, so step 1
+    // goes in one node with the clone still alive.
+    let mut clone = Some(one.row(0).unwrap().clone());
+    let mut paths = Vec::new();
+    for step in 0..STEPS {
+        let before = one.decode_paths();
+        if step == 2 {
+            clone = None;
+        }
+        for l in 0..LAYERS {
+            let seed = 90_000 + step * 10 + l as u64;
+            let q = normal(&[b, hq, 1, d], case.dtype, seed);
+            let k = normal(&[b, h, 1, d], case.dtype, seed + 1);
+            let v = normal(&[b, h, 1, d], case.dtype, seed + 2);
+            let got = one.attend(l, &q, &k, &v, scale, None).unwrap();
+            let was = mlx::rows_attention::set_rows_kernel(false);
+            let want = each.attend(l, &q, &k, &v, scale, None).unwrap();
+            mlx::rows_attention::set_rows_kernel(was);
+            mlx::eval(&[&got, &want]).unwrap();
+            assert_eq!(got.shape(), vec![b, hq, 1, d]);
+            // Both against a naive f64 attention over what each row holds after the step
+            // (the row-by-row path's f32 products run on TF32 tensor cores: docs/cuda.md).
+            let (g, w, qh) = (as_f32(&got), as_f32(&want), as_f32(&q));
+            let n = (hq * d) as usize;
+            let mut per_row = Vec::new();
+            for i in 0..b as usize {
+                let (k_all, v_all) = one.row(i).unwrap().fetch(l).unwrap().unwrap();
+                let naive = naive_attention(
+                    &qh[i * n..(i + 1) * n],
+                    &as_f32(&k_all),
+                    &as_f32(&v_all),
+                    case,
+                    scale,
+                );
+                let off = |x: &[f32]| {
+                    x.iter()
+                        .zip(&naive)
+                        .map(|(a, r)| ((*a as f64 - r).abs() / (1.0 + r.abs())) as f32)
+                        .fold(0.0f32, f32::max)
+                };
+                per_row.push((off(&g[i * n..(i + 1) * n]), off(&w[i * n..(i + 1) * n])));
+            }
+            let worst = per_row.iter().map(|p| p.0).fold(0.0f32, f32::max);
+            if worst > tol {
+                assert_same_kv(&one, &each, step);
+            }
+            assert!(
+                worst <= tol,
+                "step {step} layer {l}: off by {worst} (tolerance {tol}); by row (one node, row \
+                 by row): {per_row:?}; paths {:?}",
+                one.decode_paths()
+            );
+        }
+        let after = one.decode_paths();
+        paths.push((after.0 - before.0, after.1 - before.1));
+    }
+    drop(clone);
+    assert_same_kv(&one, &each, STEPS);
+    // Step 0 went row by row (row 0 was shared; MLX's write gave it buffers of its own), and
+    // every later step in one node, arenas grown or not.
+    let layers = LAYERS as u64;
+    assert_eq!(
+        paths[0],
+        (0, layers),
+        "step 0 shares row 0's arenas: {paths:?}"
+    );
+    assert!(
+        paths[1..].iter().all(|&p| p == (layers, 0)),
+        "a step after the first went row by row: {paths:?}"
+    );
+    assert_eq!(each.decode_paths(), (0, STEPS * layers));
+}
+
+/// `softmax(q kᵀ · scale) v` in f64 for one row: `q` `[Hq, D]`, keys and values
+/// `[Hkv, T, D]`; q head `h` reads kv head `h / (Hq / Hkv)`. Returns `[Hq, D]`.
+fn naive_attention(q: &[f32], k: &[f32], v: &[f32], case: &Case, scale: f32) -> Vec<f64> {
+    let (hq, hkv, d) = (
+        case.q_heads as usize,
+        case.kv_heads as usize,
+        case.head_dim as usize,
+    );
+    let t = k.len() / (hkv * d);
+    let mut out = vec![0.0f64; hq * d];
+    for h in 0..hq {
+        let kv = h / (hq / hkv);
+        let scores: Vec<f64> = (0..t)
+            .map(|j| {
+                let key = &k[(kv * t + j) * d..(kv * t + j + 1) * d];
+                let dot: f64 = q[h * d..(h + 1) * d]
+                    .iter()
+                    .zip(key)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum();
+                dot * scale as f64
+            })
+            .collect();
+        let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        for (j, p) in e.iter().enumerate() {
+            let val = &v[(kv * t + j) * d..(kv * t + j + 1) * d];
+            for (o, x) in out[h * d..(h + 1) * d].iter_mut().zip(val) {
+                *o += p / sum * *x as f64;
+            }
+        }
+    }
+    out
+}
+
+/// Every row of `one` holds exactly the keys and values of the same row of `each`.
+fn assert_same_kv(one: &PagedKvRows, each: &PagedKvRows, step: u64) {
+    for i in 0..each.len() {
+        let (x, y) = (one.row(i).unwrap(), each.row(i).unwrap());
+        assert_eq!(x.offset(), y.offset());
+        for l in 0..LAYERS {
+            let (xk, xv) = x.fetch(l).unwrap().unwrap();
+            let (yk, yv) = y.fetch(l).unwrap().unwrap();
+            for (what, a, b) in [("keys", xk, yk), ("values", xv, yv)] {
+                let (a, b) = (as_f32(&a), as_f32(&b));
+                let first = a
+                    .iter()
+                    .zip(&b)
+                    .position(|(p, q)| p.to_bits() != q.to_bits());
+                assert!(
+                    first.is_none(),
+                    "after step {step}: row {i} layer {l} {what} differ first at element {first:?} \
+                     of {} (shape {:?})",
+                    a.len(),
+                    x.fetch(l).unwrap().unwrap().0.shape()
+                );
+            }
+        }
+    }
+}
+
+/// Decode steps through one node per layer give the row-by-row outputs within float
+/// rounding and leave exactly the same KV: rows of mixed lengths crossing block boundaries
+/// and growing their arenas, more rows than one launch takes (32), a row with a shared
+/// prefix, f32 at head dimension 64 (3 q heads per kv head) and bf16 at 128 (4).
+#[test]
+fn one_node_decode_steps_match_row_by_row_on_the_gpu() {
+    if !mlx::rows_attention::rows_kernel_usable() {
+        eprintln!(
+            "\n*** SKIPPED one_node_decode_steps_match_row_by_row_on_the_gpu: the batched decode \
+             attention needs the CUDA build on a GPU (built: {}, GPU: {:?}) ***\n",
+            mlx::rows_attention::rows_kernel_built(),
+            mlx::gpu_available()
+        );
+        assert_ne!(
+            std::env::var("KVSTORE_EXPECT_ROWS_KERNEL").as_deref(),
+            Ok("1"),
+            "KVSTORE_EXPECT_ROWS_KERNEL=1 but the batched decode attention is not usable"
+        );
+        return;
+    }
+    // Rows at, across and far past block edges; then the same with row 0 on a shared prefix.
+    for prefix in [false, true] {
+        run(&Case {
+            dtype: Dtype::F32,
+            kv_heads: 3,
+            q_heads: 9,
+            head_dim: 64,
+            lens: vec![1, 15, 16, 17, 31, 300],
+            prefix,
+        });
+    }
+    run(&Case {
+        dtype: Dtype::BF16,
+        kv_heads: 2,
+        q_heads: 8,
+        head_dim: 128,
+        lens: (0..37).map(|i| 1 + (i * 53) % 700).collect(),
+        prefix: false,
+    });
+}

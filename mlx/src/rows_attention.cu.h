@@ -1,0 +1,179 @@
+// The CUDA source of the batched decode attention (rows_attention.cc), compiled at run time
+// by NVRTC with `T`, `LOAD`, `STORE`, `D` and `NREP` defined in front of it. It includes no
+// header (NVRTC has none of the CUDA toolkit's here): 16-bit floats are converted by hand.
+//
+// `rows_partial`: grid (splits, kv heads, rows), 128 threads. Block (s, h, r) first writes
+// row r's new key and value of head h at position `len` of its own arena (split 0 only), then
+// attends the NREP query heads of kv head h over keys s·chunk .. (s+1)·chunk of the row's
+// whole sequence: its shared prefix (`plen` keys), its own keys (`len`) and the new key,
+// taken from the step's input rather than the arena (no block reads what another writes).
+// Each warp keeps an online softmax over every 4th key; the warps' states are merged and
+// written as (acc[D], max, sum) per query head and split.
+//
+// `rows_combine`: grid (q heads, rows), D threads: merges a row's splits into its output.
+R"KVSRC(
+#define WARPS 4
+#define ROWS 32
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+struct RowKv {
+  unsigned long long k, v, pk, pv;
+  long long khs, vhs, pkhs, pvhs;
+  int len, plen;
+};
+struct Table {
+  RowKv r[ROWS];
+};
+struct Strides {
+  long long qb, qh, kb, kh, vb, vh;
+};
+
+__device__ __forceinline__ float bf16_load(const unsigned short* p) {
+  return __uint_as_float(((unsigned)*p) << 16);
+}
+__device__ __forceinline__ void bf16_store(unsigned short* p, float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = 0x7fc0;
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float f16_load(const unsigned short* p) {
+  float f;
+  asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(*p));
+  return f;
+}
+__device__ __forceinline__ void f16_store(unsigned short* p, float f) {
+  unsigned short h;
+  asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+  *p = h;
+}
+__device__ __forceinline__ float f32_load(const float* p) { return *p; }
+__device__ __forceinline__ void f32_store(float* p, float f) { *p = f; }
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
+    const T* __restrict__ q, const T* __restrict__ kn, const T* __restrict__ vn,
+    float* __restrict__ part, const __grid_constant__ Table tab,
+    const __grid_constant__ Strides st, int row0, int splits, int chunk, float scale,
+    int hkv) {
+  constexpr int E = D / 32;
+  const int s = blockIdx.x, h = blockIdx.y, rl = blockIdx.z, r = row0 + rl;
+  const RowKv& row = tab.r[rl];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int hq = hkv * NREP;
+  const T* knew = kn + r * st.kb + h * st.kh;
+  const T* vnew = vn + r * st.vb + h * st.vh;
+  if (s == 0) {
+    T* kd = (T*)row.k + h * row.khs + (long long)row.len * D;
+    T* vd = (T*)row.v + h * row.vhs + (long long)row.len * D;
+    for (int e = threadIdx.x; e < D; e += blockDim.x) {
+      kd[e] = knew[e];
+      vd[e] = vnew[e];
+    }
+  }
+  const int total = row.plen + row.len + 1;
+  const int t0 = s * chunk;
+  const int t1 = min(t0 + chunk, total);
+
+  float qv[NREP][E], acc[NREP][E], m[NREP], l[NREP];
+#pragma unroll
+  for (int g = 0; g < NREP; ++g) {
+    const T* qp = q + r * st.qb + (h * NREP + g) * st.qh;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      qv[g][i] = LOAD(qp + lane + 32 * i) * scale;
+      acc[g][i] = 0.f;
+    }
+    m[g] = NEG_INF;
+    l[g] = 0.f;
+  }
+  for (int t = t0 + warp; t < t1; t += WARPS) {
+    const T* kp;
+    const T* vp;
+    if (t < row.plen) {
+      kp = (const T*)row.pk + h * row.pkhs + (long long)t * D;
+      vp = (const T*)row.pv + h * row.pvhs + (long long)t * D;
+    } else if (t < row.plen + row.len) {
+      const long long u = t - row.plen;
+      kp = (const T*)row.k + h * row.khs + u * D;
+      vp = (const T*)row.v + h * row.vhs + u * D;
+    } else {
+      kp = knew;
+      vp = vnew;
+    }
+    float kk[E], vv[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      kk[i] = LOAD(kp + lane + 32 * i);
+      vv[i] = LOAD(vp + lane + 32 * i);
+    }
+#pragma unroll
+    for (int g = 0; g < NREP; ++g) {
+      float dot = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) dot += qv[g][i] * kk[i];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      const float mn = fmaxf(m[g], dot);
+      const float c = __expf(m[g] - mn);
+      const float p = __expf(dot - mn);
+      l[g] = l[g] * c + p;
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[g][i] = acc[g][i] * c + p * vv[i];
+      m[g] = mn;
+    }
+  }
+
+  __shared__ float sm[WARPS][NREP][D + 2];
+#pragma unroll
+  for (int g = 0; g < NREP; ++g) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) sm[warp][g][lane + 32 * i] = acc[g][i];
+    if (lane == 0) {
+      sm[warp][g][D] = m[g];
+      sm[warp][g][D + 1] = l[g];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < NREP * D; idx += blockDim.x) {
+    const int g = idx / D, e = idx % D;
+    float mx = NEG_INF;
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, sm[w][g][D]);
+    float a = 0.f, sum = 0.f;
+    if (mx != NEG_INF) {
+      for (int w = 0; w < WARPS; ++w) {
+        const float mw = sm[w][g][D];
+        if (mw == NEG_INF) continue;
+        const float c = __expf(mw - mx);
+        a += sm[w][g][e] * c;
+        sum += sm[w][g][D + 1] * c;
+      }
+    }
+    float* out = part + ((long long)(r * hq + h * NREP + g) * splits + s) * (D + 2);
+    out[e] = a;
+    if (e == 0) {
+      out[D] = mx;
+      out[D + 1] = sum;
+    }
+  }
+}
+
+extern "C" __global__ void rows_combine(const float* __restrict__ part, T* __restrict__ out,
+                                        int row0, int splits, int hq) {
+  const int hqi = blockIdx.x, r = row0 + blockIdx.y, e = threadIdx.x;
+  const float* p = part + (long long)(r * hq + hqi) * splits * (D + 2);
+  float mx = NEG_INF;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[s * (D + 2) + D]);
+  float a = 0.f, sum = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = p[s * (D + 2) + D];
+    if (ms == NEG_INF) continue;
+    const float c = __expf(ms - mx);
+    a += p[s * (D + 2) + e] * c;
+    sum += p[s * (D + 2) + D + 1] * c;
+  }
+  STORE(out + (long long)(r * hq + hqi) * D + e, a / sum);
+}
+)KVSRC"
