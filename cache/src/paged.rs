@@ -1435,6 +1435,26 @@ impl KvCache for PagedKvCache {
         scale: f32,
         mask: AttentionMask<'_>,
     ) -> Result<Array, CacheError> {
+        // One query and no mask (a decode step of an unwindowed layer): on a CUDA GPU the
+        // key and value are written in place and attended in one node, as for a batch
+        // (`PagedKvRows`, docs/cache.md "Batched decode attention in one node").
+        let one_query = matches!(mask, AttentionMask::None)
+            && queries.shape().first() == Some(&1)
+            && queries.shape().get(2) == Some(&1);
+        if one_query && mlx::rows_attention::rows_kernel_usable() {
+            let out = crate::rows::attend_in_one_node(
+                std::slice::from_mut(self),
+                layer,
+                queries,
+                keys,
+                values,
+                scale,
+            )?;
+            crate::rows::count_decode_path(out.is_some(), 1);
+            if let Some(out) = out {
+                return Ok(out);
+            }
+        }
         let shared = self.layers.get(layer).is_some_and(|l| l.prefix.is_some());
         if !shared || matches!(mask, AttentionMask::Array(_)) {
             return crate::fetch_and_attend(self, layer, queries, keys, values, scale, mask);

@@ -9,17 +9,74 @@ use crate::batch_arena::BatchArena;
 use crate::mask::visible;
 use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 
-/// Process-wide [`PagedKvRows::decode_paths`]: every batch's layers in one node and row by row.
+/// Process-wide decode attention paths on a GPU where the batched decode attention is
+/// usable, counted by row and layer: in one node (a batch's or a single sequence's) and
+/// otherwise.
 static ONE_NODE_LAYERS: AtomicU64 = AtomicU64::new(0);
 static ROW_BY_ROW_LAYERS: AtomicU64 = AtomicU64::new(0);
 
-/// Unwindowed decode layers attended in one graph node and row by row, over every
-/// [`PagedKvRows`] of the process (what a benchmark reports).
+/// Decode attention of one row and unwindowed layer, over the process: how many went
+/// through one node ([`mlx::rows_attention`], for a batch or a single sequence) and how
+/// many otherwise, where the kernel is usable (what a benchmark reports; both 0 elsewhere).
 pub fn decode_path_totals() -> (u64, u64) {
     (
         ONE_NODE_LAYERS.load(Ordering::Relaxed),
         ROW_BY_ROW_LAYERS.load(Ordering::Relaxed),
     )
+}
+
+/// Counts `rows` rows' decode attention of one layer in [`decode_path_totals`].
+pub(crate) fn count_decode_path(one_node: bool, rows: usize) {
+    let counter = if one_node {
+        &ONE_NODE_LAYERS
+    } else {
+        &ROW_BY_ROW_LAYERS
+    };
+    counter.fetch_add(rows as u64, Ordering::Relaxed);
+}
+
+/// The batched decode attention ([`mlx::rows_attention`]) over `rows` (one query each, in
+/// order): every row's new key and value written into its own arena and every row
+/// attended, in one graph node for the layer. `None` (nothing changed but blocks taken
+/// for the new token, which the caller's other path then fills) when the kernel is not
+/// built or not on, the shapes do not fit it, or any row's layer cannot be written in
+/// place ([`PagedKvCache::decode_row`]).
+pub(crate) fn attend_in_one_node(
+    rows: &mut [PagedKvCache],
+    layer: usize,
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+) -> Result<Option<Array>, CacheError> {
+    let (ks, qs) = (keys.shape(), queries.shape());
+    let fits = mlx::rows_attention::rows_kernel_fits(
+        keys.dtype(),
+        ks[3] as usize,
+        qs[1] as usize,
+        ks[1] as usize,
+    );
+    if !fits || !mlx::rows_attention::rows_kernel_usable() {
+        return Ok(None);
+    }
+    for row in rows.iter_mut() {
+        if !row.reserve_decode_token(layer)? {
+            return Ok(None);
+        }
+    }
+    let mut kv = Vec::with_capacity(rows.len());
+    for row in rows.iter() {
+        match row.decode_row(layer) {
+            Some(r) if r.keys.dtype() == keys.dtype() => kv.push(r),
+            _ => return Ok(None),
+        }
+    }
+    let out = mlx::rows_attention::rows_decode_attention(queries, keys, values, &kv, scale)?;
+    drop(kv);
+    for row in rows.iter_mut() {
+        row.advance_decode(layer)?;
+    }
+    Ok(Some(out))
 }
 
 /// A batch of rows (sequences) for decoding. Row `b` keeps its own [`PagedKvCache`]; a
@@ -400,13 +457,16 @@ impl PagedKvRows {
             self.settle()?;
         }
         if window.is_none() {
-            if let Some(out) = self.attend_in_one_node(layer, queries, keys, values, scale)? {
+            // Row by row, each row that can still attends in one node of its own
+            // (`PagedKvCache::update_and_attend`), and counts itself.
+            if let Some(out) =
+                attend_in_one_node(&mut self.rows, layer, queries, keys, values, scale)?
+            {
+                count_decode_path(true, self.rows.len());
                 self.one_node_layers += 1;
-                ONE_NODE_LAYERS.fetch_add(1, Ordering::Relaxed);
                 return Ok(out);
             }
             self.row_by_row_layers += 1;
-            ROW_BY_ROW_LAYERS.fetch_add(1, Ordering::Relaxed);
         }
         let (h, d) = (s[1], s[3]);
         let n = self.rows.len();
@@ -448,49 +508,6 @@ impl PagedKvRows {
         }
         let refs: Vec<&Array> = out.iter().collect();
         Ok(mlx::ops::concatenate(&refs, 0)?)
-    }
-
-    /// The batched decode attention ([`mlx::rows_attention`]): every row's new key and value
-    /// written into its own arena and every row attended, in one graph node for the layer.
-    /// `None` (nothing changed but blocks taken for the new token, which the row-by-row
-    /// path then fills) when the kernel is not built or not on, the shapes do not fit it,
-    /// or any row's layer cannot be written in place ([`PagedKvCache::decode_row`]).
-    fn attend_in_one_node(
-        &mut self,
-        layer: usize,
-        queries: &Array,
-        keys: &Array,
-        values: &Array,
-        scale: f32,
-    ) -> Result<Option<Array>, CacheError> {
-        let (ks, qs) = (keys.shape(), queries.shape());
-        let fits = mlx::rows_attention::rows_kernel_fits(
-            keys.dtype(),
-            ks[3] as usize,
-            qs[1] as usize,
-            ks[1] as usize,
-        );
-        if !fits || !mlx::rows_attention::rows_kernel_usable() {
-            return Ok(None);
-        }
-        for row in &mut self.rows {
-            if !row.reserve_decode_token(layer)? {
-                return Ok(None);
-            }
-        }
-        let mut kv = Vec::with_capacity(self.rows.len());
-        for row in &self.rows {
-            match row.decode_row(layer) {
-                Some(r) if r.keys.dtype() == keys.dtype() => kv.push(r),
-                _ => return Ok(None),
-            }
-        }
-        let out = mlx::rows_attention::rows_decode_attention(queries, keys, values, &kv, scale)?;
-        drop(kv);
-        for row in &mut self.rows {
-            row.advance_decode(layer)?;
-        }
-        Ok(Some(out))
     }
 
     /// Every row's state of state layer `layer`, each part stacked along axis 0 into

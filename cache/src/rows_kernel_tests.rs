@@ -120,11 +120,11 @@ fn run(case: &Case) {
                     x.iter()
                         .zip(&naive)
                         .map(|(a, r)| ((*a as f64 - r).abs() / (1.0 + r.abs())) as f32)
-                        .fold(0.0f32, f32::max)
+                        .fold(0.0f32, |m, x| if x.is_nan() || x > m { x } else { m })
                 };
                 per_row.push((off(&g[i * n..(i + 1) * n]), off(&w[i * n..(i + 1) * n])));
             }
-            let worst = per_row.iter().map(|p| p.0).fold(0.0f32, f32::max);
+            let worst = per_row.iter().map(|p| p.0 as f64).fold(0.0, nan_max);
             if worst > tol {
                 assert_same_kv(&one, &each, step);
             }
@@ -221,20 +221,38 @@ fn assert_same_kv(one: &PagedKvRows, each: &PagedKvRows, step: u64) {
 /// rounding and leave exactly the same KV: rows of mixed lengths crossing block boundaries
 /// and growing their arenas, more rows than one launch takes (32), a row with a shared
 /// prefix, f32 at head dimension 64 (3 q heads per kv head) and bf16 at 128 (4).
+/// The larger of two errors, NaN winning (`f64::max` would drop a NaN output).
+fn nan_max(m: f64, x: f64) -> f64 {
+    if m.is_nan() || x.is_nan() {
+        f64::NAN
+    } else {
+        m.max(x)
+    }
+}
+
+/// Whether the kernel can run here; says loudly that `test` did not run when not, and
+/// fails where `KVSTORE_EXPECT_ROWS_KERNEL=1` says it should.
+fn kernel_or_skip(test: &str) -> bool {
+    if mlx::rows_attention::rows_kernel_usable() {
+        return true;
+    }
+    eprintln!(
+        "\n*** SKIPPED {test}: the batched decode attention needs the CUDA build on a GPU \
+         (built: {}, GPU: {:?}) ***\n",
+        mlx::rows_attention::rows_kernel_built(),
+        mlx::gpu_available()
+    );
+    assert_ne!(
+        std::env::var("KVSTORE_EXPECT_ROWS_KERNEL").as_deref(),
+        Ok("1"),
+        "KVSTORE_EXPECT_ROWS_KERNEL=1 but the batched decode attention is not usable"
+    );
+    false
+}
+
 #[test]
 fn one_node_decode_steps_match_row_by_row_on_the_gpu() {
-    if !mlx::rows_attention::rows_kernel_usable() {
-        eprintln!(
-            "\n*** SKIPPED one_node_decode_steps_match_row_by_row_on_the_gpu: the batched decode \
-             attention needs the CUDA build on a GPU (built: {}, GPU: {:?}) ***\n",
-            mlx::rows_attention::rows_kernel_built(),
-            mlx::gpu_available()
-        );
-        assert_ne!(
-            std::env::var("KVSTORE_EXPECT_ROWS_KERNEL").as_deref(),
-            Ok("1"),
-            "KVSTORE_EXPECT_ROWS_KERNEL=1 but the batched decode attention is not usable"
-        );
+    if !kernel_or_skip("one_node_decode_steps_match_row_by_row_on_the_gpu") {
         return;
     }
     // Rows at, across and far past block edges; then the same with row 0 on a shared prefix.
@@ -256,4 +274,92 @@ fn one_node_decode_steps_match_row_by_row_on_the_gpu() {
         lens: (0..37).map(|i| 1 + (i * 53) % 700).collect(),
         prefix: false,
     });
+}
+
+/// A single sequence's decode step (`KvCache::update_and_attend` with one query, no mask)
+/// goes through the same node: bf16 at head dimension 128 with 4 q heads per kv head (the
+/// 8B's shape), on its own and on a shared prefix, against a naive f64 attention and the
+/// fused attention of a twin cache, with the same KV left behind.
+#[test]
+fn a_single_sequence_decodes_in_one_node_on_the_gpu() {
+    if !kernel_or_skip("a_single_sequence_decodes_in_one_node_on_the_gpu") {
+        return;
+    }
+    let case = Case {
+        dtype: Dtype::BF16,
+        kv_heads: 2,
+        q_heads: 8,
+        head_dim: 128,
+        lens: vec![45],
+        prefix: false,
+    };
+    let (h, hq, d) = (case.kv_heads, case.q_heads, case.head_dim);
+    let scale = 1.0 / (d as f32).sqrt();
+    let source = {
+        let mut c = PagedKvCache::new(LAYERS, config()).unwrap();
+        for l in 0..LAYERS {
+            let k = normal(&[1, h, 41, d], case.dtype, 700 + l as u64);
+            c.append(l, &k, &k.mul_scalar(0.5).unwrap()).unwrap();
+        }
+        c
+    };
+    for shared in [false, true] {
+        let make = || {
+            let mut c = if shared {
+                PagedKvCache::share_prefix(&source, 37, ShareHandle::new(9)).unwrap()
+            } else {
+                PagedKvCache::new(LAYERS, config()).unwrap()
+            };
+            for l in 0..LAYERS {
+                let k = normal(&[1, h, 45, d], case.dtype, 800 + l as u64);
+                c.append(l, &k, &k.mul_scalar(-1.5).unwrap()).unwrap();
+            }
+            c
+        };
+        let (mut one, mut fused) = (make(), make());
+        let before = crate::decode_path_totals().0;
+        for step in 0..STEPS {
+            for l in 0..LAYERS {
+                let seed = 70_000 + step * 10 + l as u64;
+                let q = normal(&[1, hq, 1, d], case.dtype, seed);
+                let k = normal(&[1, h, 1, d], case.dtype, seed + 1);
+                let v = normal(&[1, h, 1, d], case.dtype, seed + 2);
+                let none = mlx::fast::AttentionMask::None;
+                let got = one.update_and_attend(l, &q, &k, &v, scale, none).unwrap();
+                let was = mlx::rows_attention::set_rows_kernel(false);
+                let none = mlx::fast::AttentionMask::None;
+                let want = fused.update_and_attend(l, &q, &k, &v, scale, none);
+                mlx::rows_attention::set_rows_kernel(was);
+                let want = want.unwrap();
+                // The node's write of position `len` reaches readers that come after it: a
+                // fetch evaluated before `got` would not see the new token (the engine reads
+                // each step's token before anything reads that position).
+                mlx::eval(&[&got, &want]).unwrap();
+                let (k_all, v_all) = one.fetch(l).unwrap().unwrap();
+                let naive =
+                    naive_attention(&as_f32(&q), &as_f32(&k_all), &as_f32(&v_all), &case, scale);
+                for (what, out) in [("one node", &got), ("fused", &want)] {
+                    let worst = as_f32(out)
+                        .iter()
+                        .zip(&naive)
+                        .map(|(a, r)| (*a as f64 - r).abs() / (1.0 + r.abs()))
+                        .fold(0.0f64, nan_max);
+                    assert!(
+                        worst <= 1.6e-2,
+                        "shared {shared}, step {step}, layer {l}: {what} off by {worst}"
+                    );
+                }
+                let (fk, fv) = fused.fetch(l).unwrap().unwrap();
+                assert_eq!(as_f32(&k_all), as_f32(&fk), "keys, step {step} layer {l}");
+                assert_eq!(as_f32(&v_all), as_f32(&fv), "values, step {step} layer {l}");
+            }
+        }
+        // Every step in one node: the appends gave the arenas buffers of their own.
+        let in_one_node = crate::decode_path_totals().0 - before;
+        assert!(
+            in_one_node >= STEPS * LAYERS as u64,
+            "shared {shared}: {in_one_node} layer steps in one node of {}",
+            STEPS * LAYERS as u64
+        );
+    }
 }

@@ -67,8 +67,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (one, each) = ::cache::decode_path_totals();
     if one + each > 0 {
         eprintln!(
-            "decode attention: {one} layer steps in one node, {each} row by row ({:.1} % in one \
-             node; KVSTORE_ROWS_KERNEL=0 turns it off)",
+            "decode attention: {one} row-layer steps in one node, {each} otherwise ({:.1} % in \
+             one node; KVSTORE_ROWS_KERNEL=0 turns it off)",
             100.0 * one as f64 / (one + each) as f64
         );
     }
