@@ -1510,3 +1510,62 @@ impl KvCache for PagedKvCache {
         self.states.update(layer, tokens, state)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::share::ShareHandle;
+
+    fn cache(tokens: i32) -> PagedKvCache {
+        let config = PagedConfig {
+            block_size: 16,
+            initial_blocks: 2,
+            ..PagedConfig::default()
+        };
+        let mut c = PagedKvCache::new(1, config).unwrap();
+        let k = mlx::random::normal(
+            &[1, 2, tokens, 32],
+            Dtype::F32,
+            &mlx::random::key(5).unwrap(),
+        )
+        .unwrap();
+        c.append(0, &k, &k).unwrap();
+        c
+    }
+
+    /// The batched decode attention writes a row's arenas in place only while nothing else
+    /// holds them: a prefix shared from the row or a clone of it keeps it row by row.
+    #[test]
+    fn a_row_is_written_in_place_only_while_no_sharer_or_clone_holds_its_arenas() {
+        let source = cache(40);
+        assert!(
+            source.decode_row(0).is_some(),
+            "the append gave it arenas of its own"
+        );
+
+        let sharer = PagedKvCache::share_prefix(&source, 32, ShareHandle::new(1)).unwrap();
+        assert!(
+            source.decode_row(0).is_none(),
+            "a shared prefix views its arenas"
+        );
+        // The sharer's own layer has no pool yet; its first append makes one of its own.
+        drop(sharer);
+        assert!(source.decode_row(0).is_some());
+
+        let twin = source.clone();
+        assert!(source.decode_row(0).is_none() && twin.decode_row(0).is_none());
+        drop(twin);
+        assert!(source.decode_row(0).is_some());
+
+        // Reserving a token past the last block takes a block (growing the arenas into
+        // buffers of their own) and the row stays writable, its length unchanged until the
+        // node's token is counted.
+        let mut row = cache(48);
+        assert!(row.reserve_decode_token(0).unwrap());
+        let r = row.decode_row(0).unwrap();
+        assert_eq!((r.start, r.len), (0, 48));
+        assert!(r.keys.shape()[2] >= 64, "room for token 48");
+        row.advance_decode(0).unwrap();
+        assert_eq!(row.offset(), 49);
+    }
+}
