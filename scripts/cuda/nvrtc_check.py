@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Compiles the batched decode attention's CUDA source (mlx/src/rows_attention.cu.h) with
+NVRTC for every variant the shim can ask for, on a machine without a GPU.
+
+    python3 scripts/cuda/nvrtc_check.py
+
+NVRTC needs no GPU: the `nvidia-cuda-nvrtc` wheel (PyPI, the version libmlx's CUDA build
+loads at run time) is downloaded once into .cuda/nvrtc. The source is wrapped the way
+mlx/src/rows_attention.cc wraps it (`T`, `LOAD`, `STORE`, `D`, `NREP` defined in front) and
+compiled for the H200 (compute_90) with the options the shim uses. Exits non-zero on the
+first variant that does not compile, printing NVRTC's log. A kernel edit that passes here
+still has to pass `device.sh rk` on the GPU (numerics are not checked here).
+"""
+import ctypes
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+WHEEL_DIR = ROOT / ".cuda" / "nvrtc"
+LIB = WHEEL_DIR / "nvidia" / "cu13" / "lib" / "libnvrtc.so.13"
+VERSION = "13.5.37"
+
+# (element type, its load and store helpers): f32, bf16, f16 as the shim names them.
+DTYPES = [
+    ("float", "f32_load", "f32_store"),
+    ("unsigned short", "bf16_load", "bf16_store"),
+    ("unsigned short", "f16_load", "f16_store"),
+]
+# Head dimensions the kernel takes (multiples of 32 up to 256) and q heads per kv head (1-8).
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]
+REPS = [1, 2, 3, 4, 8]
+
+
+def fetch_nvrtc():
+    if LIB.exists():
+        return
+    dl = ROOT / ".cuda" / "dl" / "nvrtc"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+         "--platform", "manylinux2014_x86_64", "--python-version", "3.12",
+         "--implementation", "cp", "-d", str(dl), f"nvidia-cuda-nvrtc=={VERSION}"],
+        check=True,
+    )
+    for whl in dl.glob("nvidia_cuda_nvrtc-*.whl"):
+        subprocess.run([sys.executable, "-m", "zipfile", "-e", str(whl), str(WHEEL_DIR)],
+                       check=True)
+
+
+def kernel_body():
+    src = (ROOT / "mlx" / "src" / "rows_attention.cu.h").read_text()
+    start, end = src.index('R"KVSRC(') + len('R"KVSRC('), src.rindex(')KVSRC"')
+    return src[start:end]
+
+
+def compile_variant(lib, body, t, load, store, d, nrep):
+    full = (f"#define T {t}\n#define LOAD {load}\n#define STORE {store}\n#define D {d}\n"
+            f"#define NREP {nrep}\n" + body)
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), full.encode(), b"rows_attention.cu", 0,
+                              None, None) != 0:
+        return False, "nvrtcCreateProgram failed"
+    opts = (ctypes.c_char_p * 2)(b"--gpu-architecture=compute_90", b"--std=c++17")
+    rc = lib.nvrtcCompileProgram(prog, 2, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc == 0, log.value.decode(errors="replace")
+
+
+def main():
+    fetch_nvrtc()
+    lib = ctypes.CDLL(str(LIB))
+    body = kernel_body()
+    count = 0
+    for t, load, store in DTYPES:
+        for d in HEAD_DIMS:
+            for nrep in REPS:
+                ok, log = compile_variant(lib, body, t, load, store, d, nrep)
+                if not ok:
+                    print(f"FAILED: T={t} LOAD={load} D={d} NREP={nrep}\n{log}")
+                    return 1
+                count += 1
+    print(f"rows_attention.cu.h: {count} variants compile with NVRTC {VERSION} (compute_90)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
