@@ -39,6 +39,11 @@ pub struct CacheArgs {
     /// SSD tier budget, e.g. 16GiB.
     #[arg(long, value_name = "SIZE", default_value = "16GiB")]
     pub ssd_budget: String,
+    /// Blocks that left RAM and wait to be written to the SSD, at most, on top of the RAM
+    /// budget; spills beyond it are dropped and counted (`skipped_queue_full`). It must hold
+    /// the blocks of the prompts published at once.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB")]
+    pub ssd_queue: String,
     /// Which block the RAM and SSD tiers give up when full: `freq-admit` (a new block
     /// displaces only a block used less often, or one left unused for a whole turnover of
     /// the tier), `lru` (least recently used) or `lfu` (least frequently used).
@@ -207,6 +212,7 @@ impl CacheArgs {
                 .root(self.store_dir()?)
                 .ram_budget(parse_size(&self.ram_budget).context("--ram-budget")?)
                 .ssd_budget(parse_size(&self.ssd_budget).context("--ssd-budget")?)
+                .queue_bytes(parse_size(&self.ssd_queue).context("--ssd-queue")?)
                 .eviction(self.eviction)
                 .remote(self.remote.config()?),
             block_size: self.block_size,

@@ -48,8 +48,14 @@ pub struct StoreConfig {
     pub ssd_budget: u64,
     /// When blocks are written to SSD.
     pub write_policy: WritePolicy,
-    /// Blocks the write-behind queue holds before further spills are skipped (and counted).
+    /// Jobs the write-behind queue holds (writes and recency updates) before further spills
+    /// are skipped (and counted).
     pub queue_capacity: usize,
+    /// Bytes of blocks the write-behind queue holds, on top of the RAM budget (blocks that
+    /// left RAM and wait for the SSD), before further spills are skipped (and counted). A
+    /// prompt's blocks leave RAM in a burst when the next prompt is published: the bound
+    /// must hold a burst, or the disk idles between bursts while spills are lost.
+    pub queue_bytes: u64,
     /// Open the SSD tier read-only (no lock, no writes); the RAM tier still works.
     pub read_only: bool,
     /// A remote tier (Redis) behind RAM and SSD; `None` keeps the store local.
@@ -62,6 +68,12 @@ pub struct StoreConfig {
     pub eviction: EvictionPolicy,
 }
 
+/// Default bound on the bytes of blocks waiting in the write-behind queue: 1 GiB. At 64
+/// jobs, bursts of 1.5 MB blocks (a 4K-token prompt of SmolLM2 leaving RAM at once) dropped
+/// 62 % of spills on the H200 while the disk wrote 150 MB/s of its 600 (docs/benchmarks.md,
+/// session 25).
+pub const DEFAULT_QUEUE_BYTES: u64 = 1 << 30;
+
 impl Default for StoreConfig {
     fn default() -> Self {
         StoreConfig {
@@ -69,7 +81,8 @@ impl Default for StoreConfig {
             ram_budget: 1 << 30,
             ssd_budget: 16 << 30,
             write_policy: WritePolicy::WriteBack,
-            queue_capacity: 64,
+            queue_capacity: 4096,
+            queue_bytes: DEFAULT_QUEUE_BYTES,
             read_only: false,
             remote: None,
             ssd_readers: crate::read_ahead::SSD_READERS,
@@ -103,9 +116,16 @@ impl StoreConfig {
         self
     }
 
-    /// Capacity of the write-behind queue, in blocks (at least 1). Default: 64.
-    pub fn queue_capacity(mut self, blocks: usize) -> Self {
-        self.queue_capacity = blocks;
+    /// Capacity of the write-behind queue, in jobs (at least 1). Default: 4096.
+    pub fn queue_capacity(mut self, jobs: usize) -> Self {
+        self.queue_capacity = jobs;
+        self
+    }
+
+    /// Bytes of blocks the write-behind queue holds (one block at least, whatever its
+    /// size). Default: [`DEFAULT_QUEUE_BYTES`].
+    pub fn queue_bytes(mut self, bytes: u64) -> Self {
+        self.queue_bytes = bytes;
         self
     }
 
@@ -308,10 +328,24 @@ struct Shared<F: FileSystem> {
     counters: Arc<Counters>,
     /// When "write-behind queue full" was last logged (unix ms): at most one line per 10 s.
     queue_full_logged_ms: AtomicU64,
+    /// Bytes of the blocks in write jobs queued or being written (bounded by
+    /// `config.queue_bytes` for spills; flushes wait instead).
+    queued_bytes: AtomicU64,
     /// Held by the write-behind worker for each job, and by [`Store::pause_writes`].
     write_gate: Mutex<()>,
     /// Stamps recency in the RAM and SSD tiers (the SSD tier's when there is one).
     clock: UseClock,
+}
+
+impl<F: FileSystem> Shared<F> {
+    /// Takes `bytes` of written (or dropped) blocks out of the write-behind queue's count.
+    fn release_queue_bytes(&self, bytes: u64) {
+        let _ = self
+            .queued_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                Some(q.saturating_sub(bytes))
+            });
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -420,6 +454,7 @@ impl<F: FileSystem> Store<F> {
             counters,
             config,
             queue_full_logged_ms: AtomicU64::new(0),
+            queued_bytes: AtomicU64::new(0),
             write_gate: Mutex::new(()),
             clock,
         });
@@ -700,10 +735,26 @@ impl<F: FileSystem> Store<F> {
     /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
     fn enqueue_spill_check(&self, p: Arc<Block>, stamp: u64) {
         if let Some(tx) = &self.tx {
-            if tx.try_send(Job::Spill(p, stamp)).is_err() {
+            let bytes = p.data_len();
+            if !self.reserve_queue_bytes(bytes) {
+                Counters::inc(&self.shared.counters.skipped_queue_full);
+            } else if tx.try_send(Job::Spill(p, stamp)).is_err() {
+                self.shared.release_queue_bytes(bytes);
                 Counters::inc(&self.shared.counters.skipped_queue_full);
             }
         }
+    }
+
+    /// Counts `bytes` of a block into the write-behind queue if they fit its byte bound (a
+    /// block always fits an empty queue); false, counting nothing, if they do not.
+    fn reserve_queue_bytes(&self, bytes: u64) -> bool {
+        let bound = self.shared.config.queue_bytes;
+        self.shared
+            .queued_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q == 0 || q.saturating_add(bytes) <= bound).then_some(q + bytes)
+            })
+            .is_ok()
     }
 
     /// Queues a write (in place of the SSD's copy when `replace`) of a block last used at
@@ -712,6 +763,11 @@ impl<F: FileSystem> Store<F> {
         let Some(tx) = &self.tx else {
             return false;
         };
+        let bytes = p.data_len();
+        if !self.reserve_queue_bytes(bytes) {
+            self.skipped_for_a_full_queue();
+            return false;
+        }
         let k = (p.meta.namespace, p.meta.key);
         lock(&self.shared.pending).insert(k, p.clone());
         let job = if replace {
@@ -719,34 +775,34 @@ impl<F: FileSystem> Store<F> {
         } else {
             Job::Write(p, stamp)
         };
-        match tx.try_send(job) {
-            Ok(()) => true,
-            Err(e) => {
-                lock(&self.shared.pending).remove(&k);
-                match e {
-                    TrySendError::Full(_) => {
-                        Counters::inc(&self.shared.counters.skipped_queue_full);
-                        let now = crate::block::now_unix_ms();
-                        let last = self.shared.queue_full_logged_ms.load(Ordering::Relaxed);
-                        if now.saturating_sub(last) >= 10_000
-                            && self
-                                .shared
-                                .queue_full_logged_ms
-                                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                                .is_ok()
-                        {
-                            tracing::warn!(
-                                dropped_total = Counters::get(&self.shared.counters.skipped_queue_full),
-                                "write-behind queue full: blocks leaving RAM are dropped instead of written to SSD (the disk is slower than publication); logged at most every 10 s"
-                            );
-                        }
-                    }
-                    TrySendError::Disconnected(_) => {
-                        Counters::inc(&self.shared.counters.write_errors);
-                    }
-                }
-                false
-            }
+        let Err(e) = tx.try_send(job) else {
+            return true;
+        };
+        lock(&self.shared.pending).remove(&k);
+        self.shared.release_queue_bytes(bytes);
+        match e {
+            TrySendError::Full(_) => self.skipped_for_a_full_queue(),
+            TrySendError::Disconnected(_) => Counters::inc(&self.shared.counters.write_errors),
+        }
+        false
+    }
+
+    /// Counts a write skipped because the queue was full, and says so at most every 10 s.
+    fn skipped_for_a_full_queue(&self) {
+        Counters::inc(&self.shared.counters.skipped_queue_full);
+        let now = crate::block::now_unix_ms();
+        let last = self.shared.queue_full_logged_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 10_000
+            && self
+                .shared
+                .queue_full_logged_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(
+                dropped_total = Counters::get(&self.shared.counters.skipped_queue_full),
+                "write-behind queue full: blocks leaving RAM are dropped instead of written to SSD (the disk is slower than publication); logged at most every 10 s"
+            );
         }
     }
 
@@ -1118,6 +1174,10 @@ impl<F: FileSystem> Store<F> {
                 // The worker decides: it is the only thread that writes or evicts, so it
                 // sees whether the block is still stored when the job runs.
                 lock(&self.shared.pending).insert(k, p.clone());
+                // A flush waits for room instead of skipping: counted, not bounded.
+                self.shared
+                    .queued_bytes
+                    .fetch_add(p.data_len(), Ordering::AcqRel);
                 let job = Job::Write(p, stamp);
                 if tx.send(job).is_err() {
                     return Err(WriteError::WorkerGone);
@@ -1289,7 +1349,9 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
             }
             group.push(write);
         }
+        let bytes: u64 = group.iter().map(|w| w.block.data_len()).sum();
         write_group(&shared, ssd, group);
+        shared.release_queue_bytes(bytes);
     }
 }
 

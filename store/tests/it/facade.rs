@@ -3,7 +3,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use store::{Block, BlockProblem, InsertError, StopReason, Store, StoreConfig, Tier, WritePolicy};
+use store::{
+    Block, BlockProblem, InsertError, NamespaceId, StopReason, Store, StoreConfig, StoreStats,
+    Tier, WritePolicy,
+};
 
 use crate::common;
 
@@ -174,6 +177,66 @@ fn a_full_queue_never_blocks_insert_and_counts_what_it_skips() {
     let n = loaded.blocks.len();
     assert!((2..=3).contains(&n), "{:?}", loaded.stopped);
     assert_eq!(loaded.stopped, Some(StopReason::Missing { index: n }));
+}
+
+/// Inserts `n` blocks of 256 bytes into a store whose RAM holds one, with the SSD writer
+/// paused, and returns the store, its namespace, the blocks and the stats then.
+fn burst(
+    dir: &std::path::Path,
+    n: usize,
+    queue_bytes: Option<u64>,
+) -> (Store, NamespaceId, Vec<Block>, Vec<Vec<u32>>, StoreStats) {
+    let d = common::desc("burst", 4);
+    let mut cfg = StoreConfig::default()
+        .root(dir)
+        .ram_budget(256)
+        .write_policy(WritePolicy::WriteBack);
+    if let Some(b) = queue_bytes {
+        cfg = cfg.queue_bytes(b);
+    }
+    let s = Store::open(cfg).unwrap();
+    let ns = s.register_namespace(&d).unwrap();
+    let (blocks, toks) = common::chain(&d, n, 9);
+    assert_eq!(blocks[0].data_len(), 256);
+    let st = {
+        let _paused = s.pause_writes();
+        for b in &blocks {
+            s.insert(Arc::new(b.clone())).unwrap();
+        }
+        s.stats()
+    };
+    (s, ns, blocks, toks, st)
+}
+
+#[test]
+fn a_burst_of_spills_within_the_queue_bytes_is_written_whole() {
+    // 100 blocks leave RAM at once while the writer is busy: more than the 64 jobs the
+    // queue held before it was bounded by bytes, far less than its default 1 GiB.
+    let dir = tempfile::tempdir().unwrap();
+    let (s, ns, blocks, toks, st) = burst(dir.path(), 101, None);
+    assert_eq!(st.ram_evictions, 100, "{st:?}");
+    assert_eq!((st.spills, st.skipped_queue_full), (100, 0), "{st:?}");
+    s.flush().unwrap();
+    assert_eq!(s.stats().ssd_blocks, 101, "{:?}", s.stats());
+    let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
+    assert_eq!(loaded.blocks.len(), 101, "{:?}", loaded.stopped);
+}
+
+#[test]
+fn spills_past_the_queue_bytes_are_skipped_and_a_lone_block_always_fits() {
+    let dir = tempfile::tempdir().unwrap();
+    // Room for three 256-byte blocks: the one the paused worker holds counts until it is
+    // written, so exactly three of the seven evictions are queued.
+    let (_s, _, _, _, st) = burst(dir.path(), 8, Some(3 * 256));
+    assert_eq!(st.ram_evictions, 7, "{st:?}");
+    assert_eq!((st.spills, st.skipped_queue_full), (3, 4), "{st:?}");
+    // A bound below one block still takes a block into an empty queue.
+    let dir = tempfile::tempdir().unwrap();
+    let (s, _, _, _, st) = burst(dir.path(), 8, Some(100));
+    assert_eq!((st.spills, st.skipped_queue_full), (1, 6), "{st:?}");
+    s.flush().unwrap();
+    // The spilled block and the one RAM holds.
+    assert_eq!(s.stats().ssd_blocks, 2, "{:?}", s.stats());
 }
 
 #[test]
