@@ -28,7 +28,8 @@
 # short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS:
 # cache, nocache, always: --restore always, devonly: the device tier alone, no publication,
 # ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache;
-# XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048).
+# XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048); pw: the 8B decode
+# under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets.
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -460,6 +461,31 @@ case "$step" in
     zstd -d -q -f -o "$K/cache-test" "$K/cache-test.zst" && chmod +x "$K/cache-test"
     (cd "$REPO" && KVSTORE_EXPECT_ROWS_KERNEL=1 timeout 200 "$K/cache-test" --test-threads 1 ${FILTER:-} 2>&1) \
       | grep -E "^test |test result|panicked|SKIPPED|off by|left|right" | tail -n 60
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pw) # the 8B-shaped bf16 decode under each step wait (WAITS: KVSTORE_DECODE_WAIT values,
+      # "default" for none set), then mlx-lm once; then bench serve's interleave part alone
+      # (8 streams + an 8K prompt) for each entry of ILV ("none", or --itl-stretch X, or cN:
+      # --prefill-chunk N), SmolLM2's shape; after x1 (smollm2-rand) and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+    [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+    for w in ${WAITS:-default none}; do
+      echo "== KVSTORE_DECODE_WAIT=$w"
+      ( [ "$w" = default ] || export KVSTORE_DECODE_WAIT=$w
+        timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+          --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-128} 2>&1 ) | tee "$OUT/pw-8b-$w.log" | grep -v '^{'
+    done
+    [ -n "${SKIPPEER:-}" ] || timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048} ${TOK8B:-128} stored 2>&1 \
+      | tee "$OUT/pw-8b-mlxlm.log" | grep '^{'
+    for v in ${ILV:-}; do
+      case "$v" in none) a="--itl-stretch none" ;; c*) a="--prefill-chunk ${v#c}" ;; *) a="--itl-stretch $v" ;; esac
+      echo "== interleave $a"
+      timeout 120 "$BIN/kvstore" bench serve --model "$K/smollm2-rand" --streams 8 --stream-tokens 256 \
+        --long-prompt 8192 --sessions 0 $a --json "$OUT/pw-ilv-$v.json" 2>&1 | grep -v '^ ' | tail -n 6
+    done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent agentrep cachedb
