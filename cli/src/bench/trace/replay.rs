@@ -494,13 +494,14 @@ fn store_note(
     };
     Some(format!(
         "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD evictions, {} \
-         spills to SSD, {} RAM and {} SSD hits{remote}, {} blocks not admitted to RAM \
-         (--eviction {eviction})",
+         spills to SSD ({} more dropped: write-behind queue full, --ssd-queue), {} RAM and {} \
+         SSD hits{remote}, {} blocks not admitted to RAM (--eviction {eviction})",
         sum(&|x| x.blocks_written),
         sum(&|x| x.bytes_written) as f64 / 1048576.0,
         sum(&|x| x.ram_evictions),
         sum(&|x| x.ssd_evictions),
         sum(&|x| x.spills),
+        sum(&|x| x.skipped_queue_full),
         sum(&|x| x.ram_hits),
         sum(&|x| x.ssd_hits),
         sum(&|x| x.ram_not_admitted),
