@@ -50,8 +50,12 @@ pub struct TtftParts {
     pub lookup_s: f64,
     /// Reading and restoring the cached blocks into the device.
     pub restore_s: f64,
-    /// Prefilling the rest and picking the first token.
+    /// Prefilling the rest and picking the first token (the engine's time on its chunks).
     pub prefill_s: f64,
+    /// The rest of the time to first token: the decoding rows' and other prompts' share of
+    /// the steps the prompt waited through, its own chunks' steps included. At least 0; a
+    /// lower bound where the lookup and load ran while the request queued.
+    pub other_work_s: f64,
 }
 
 impl Outcome {

@@ -303,8 +303,8 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     if let Some(p) = &overall.ttft_parts_p50 {
         println!(
             "TTFT parts, each its median: queue {:.4} s, lookup {:.4} s, restore {:.4} s, \
-             prefill and first pick {:.4} s",
-            p.queue_s, p.lookup_s, p.restore_s, p.prefill_s
+             prefill and first pick {:.4} s, other work in its steps {:.4} s",
+            p.queue_s, p.lookup_s, p.restore_s, p.prefill_s, p.other_work_s
         );
     }
     if let Some(note) = &ran.tier_note {

@@ -139,6 +139,7 @@ pub fn summarize(rows: &[&Row]) -> Summary {
         lookup_s: median(|p| p.lookup_s),
         restore_s: median(|p| p.restore_s),
         prefill_s: median(|p| p.prefill_s),
+        other_work_s: median(|p| p.other_work_s),
     });
     Summary {
         requests: rows.len(),
