@@ -288,7 +288,7 @@ impl Collector for EngineCollector {
         }
         if let Some(st) = self.engine.cache_stats() {
             let tiers = |ram: u64, ssd: u64| [("ram", ram), ("ssd", ssd)];
-            let per_tier: [TierMetric<'_>; 5] = [
+            let per_tier: [TierMetric<'_>; 6] = [
                 (
                     Counter,
                     "kvstore_cache_hits",
@@ -300,6 +300,12 @@ impl Collector for EngineCollector {
                     "kvstore_cache_misses",
                     "Blocks looked up and not found, by tier.",
                     tiers(st.ram_misses, st.ssd_misses),
+                ),
+                (
+                    Counter,
+                    "kvstore_cache_evictions",
+                    "Blocks a tier gave up to make room, by tier (RAM's go to the SSD writer).",
+                    tiers(st.ram_evictions, st.ssd_evictions),
                 ),
                 (
                     Gauge,
@@ -329,6 +335,24 @@ impl Collector for EngineCollector {
                 "Bytes written to SSD block files.",
                 st.bytes_written,
             )?;
+            let writes: [(&str, &str, u64); 3] = [
+                (
+                    "kvstore_cache_spills",
+                    "Blocks that left RAM queued for the SSD writer.",
+                    st.spills,
+                ),
+                (
+                    "kvstore_cache_spills_dropped",
+                    "Blocks that left RAM and were dropped: the write-behind queue was full (--ssd-queue).",
+                    st.skipped_queue_full,
+                ),
+                (
+                    "kvstore_cache_ram_not_admitted",
+                    "New blocks the RAM tier refused under --eviction freq-admit (sent to the SSD writer).",
+                    st.ram_not_admitted,
+                ),
+            ];
+            counter_list(e, &writes)?;
             if st.remote_enabled {
                 remote(e, &st)?;
             }

@@ -806,7 +806,7 @@ fn completions_metrics_cache_stats_and_flush() {
 }
 
 /// Every metric the server exports without `--remote` (docs/server.md), as scraped.
-const METRIC_NAMES: [&str; 32] = [
+const METRIC_NAMES: [&str; 36] = [
     "kvstore_requests_total",
     "kvstore_prompt_tokens_total",
     "kvstore_cached_prompt_tokens_total",
@@ -838,6 +838,10 @@ const METRIC_NAMES: [&str; 32] = [
     "kvstore_cache_budget_bytes",
     "kvstore_cache_blocks",
     "kvstore_cache_bytes_written_total",
+    "kvstore_cache_evictions_total",
+    "kvstore_cache_spills_total",
+    "kvstore_cache_spills_dropped_total",
+    "kvstore_cache_ram_not_admitted_total",
     "kvstore_http_responses_total",
 ];
 
@@ -968,6 +972,30 @@ fn metrics_parse_as_prometheus_text_and_count_the_requests_served() {
         value("kvstore_cache_bytes_written_total", None),
         stats.bytes_written as f64
     );
+    // Counters the export thread may still move after the scrape: never above the store's.
+    let stats = srv.engine.cache_stats().unwrap();
+    for (name, tier, now) in [
+        (
+            "kvstore_cache_evictions_total",
+            Some(("tier", "ram")),
+            stats.ram_evictions,
+        ),
+        (
+            "kvstore_cache_evictions_total",
+            Some(("tier", "ssd")),
+            stats.ssd_evictions,
+        ),
+        ("kvstore_cache_spills_total", None, stats.spills),
+        (
+            "kvstore_cache_ram_not_admitted_total",
+            None,
+            stats.ram_not_admitted,
+        ),
+    ] {
+        let scraped = value(name, tier);
+        assert!(scraped <= now as f64, "{name} {tier:?}: {scraped} > {now}");
+    }
+    assert_eq!(value("kvstore_cache_spills_dropped_total", None), 0.0);
     // The blocks on SSD came from the device through the export thread; it may have
     // finished more since the scrape, never fewer.
     let exported = srv.engine.kv_tiers().unwrap().export_stats();
