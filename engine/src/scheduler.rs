@@ -949,6 +949,22 @@ impl Engine {
     /// queued and running request, waits for the engine thread, and flushes the store.
     /// Calling it again is a no-op.
     pub fn shutdown(&self, cancel: bool) -> Result<()> {
+        self.stop(cancel);
+        self.flush()
+    }
+
+    /// Finishes every queued and running request and stops the engine as
+    /// [`Engine::shutdown`] does, but lets the tiers go without flushing the store: blocks
+    /// only in RAM are not written to the SSD (those already queued for it are). For a
+    /// scratch store, where the flush is only time (`bench trace --no-flush`).
+    pub fn close_without_flush(mut self) {
+        self.stop(false);
+        // The worker and its I/O thread have ended; the tiers drop with the last share.
+        self.prefix = None;
+    }
+
+    /// Stops accepting requests, finishes or cancels them, and waits for the engine thread.
+    fn stop(&self, cancel: bool) {
         self.shared.accepting.store(false, Ordering::SeqCst);
         self.close_io();
         if let Ok(tx) = self.tx.lock() {
@@ -958,7 +974,6 @@ impl Engine {
         if let Some(t) = thread {
             let _ = t.join();
         }
-        self.flush()
     }
 
     /// Finishes every queued and running request ([`Engine::shutdown`] without

@@ -389,7 +389,7 @@ case "$step" in
       case "$arm" in
         nocache) A="--no-cache --label no-cache" ;;
         device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
-        *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
+        *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       touch "$R/$arm.started"
       echo "starting $arm at $(date +%T): $S $A"
@@ -436,12 +436,12 @@ case "$step" in
         # ...row: the same arm with the batched decode attention off (one node per layer
         # against the row-by-row path, same binary)
         nocacherow) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache-row-by-row" ;;
-        cacherow) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering-row-by-row" ;;
-        always) rm -rf "$K/tstore"; A="$TIERS --restore always --store $K/tstore --label restore-always" ;;
-        devonly) rm -rf "$K/tstore"; A="${TIERS%% --ram-budget*} --ram-budget 0 --ssd-budget 0 --store $K/tstore --label device-tier-only" ;;
-        ramonly) rm -rf "$K/tstore"; A="${TIERS%% --ssd-budget*} --ssd-budget 0 --store $K/tstore --label device-and-ram" ;;
-        bigcache) rm -rf "$K/tstore"; A="$TIERS --mlx-cache-limit 16GiB --store $K/tstore --label full-tiering-mlx-cache-16GiB" ;;
-        *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering" ;;
+        cacherow) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering-row-by-row --no-flush" ;;
+        always) rm -rf "$K/tstore"; A="$TIERS --restore always --store $K/tstore --label restore-always --no-flush" ;;
+        devonly) rm -rf "$K/tstore"; A="${TIERS%% --ram-budget*} --ram-budget 0 --ssd-budget 0 --store $K/tstore --label device-tier-only --no-flush" ;;
+        ramonly) rm -rf "$K/tstore"; A="${TIERS%% --ssd-budget*} --ssd-budget 0 --store $K/tstore --label device-and-ram --no-flush" ;;
+        bigcache) rm -rf "$K/tstore"; A="$TIERS --mlx-cache-limit 16GiB --store $K/tstore --label full-tiering-mlx-cache-16GiB --no-flush" ;;
+        *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       echo "== $arm"
       # DRAIN: seconds past the window for the requests in flight at the deadline to finish;

@@ -684,3 +684,39 @@ fn a_hybrid_has_no_mixed_pass_and_is_left_unchanged() {
     assert_eq!(cache.offset(), 0);
     assert_eq!(rows.row(0).unwrap().offset(), 3);
 }
+
+/// `Engine::shutdown` writes what the RAM tier holds to the SSD; `close_without_flush`
+/// (`bench trace --no-flush`) lets it go: a fresh store on the same directory finds the
+/// request's blocks after the one and none after the other (the default RAM tier holds
+/// them all, so nothing was spilled before).
+#[test]
+fn closing_without_a_flush_leaves_the_ram_tiers_blocks_unwritten() {
+    let ssd_blocks_after = |flush: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let (model, tok) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
+        let tiers = KvTiers::open(&model, &tok, crate::common::reuse_config(dir.path(), 8));
+        let engine = Engine::open(model, tok, Some(tiers.unwrap()), EngineConfig::default());
+        let engine = engine.unwrap();
+        let prompt: Vec<u32> = (0..40u32).map(|i| (i * 11) % 200 + 3).collect();
+        let params = GenerateParams {
+            max_tokens: 4,
+            stop_at_eos: false,
+            ..GenerateParams::default()
+        };
+        let done = engine.submit(Request::new(prompt, params)).unwrap().wait();
+        assert_eq!(done.unwrap().completion_tokens, 4);
+        if flush {
+            engine.shutdown(false).unwrap();
+            drop(engine);
+        } else {
+            engine.close_without_flush();
+        }
+        let store = store::Store::open(store::StoreConfig::default().root(dir.path())).unwrap();
+        store.stats().ssd_blocks
+    };
+    assert!(
+        ssd_blocks_after(true) >= 5,
+        "a flush writes the prompt's 5 blocks"
+    );
+    assert_eq!(ssd_blocks_after(false), 0);
+}

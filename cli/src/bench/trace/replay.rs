@@ -180,19 +180,28 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
         std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))?;
         println!("wrote {}", path.display());
     }
-    shut_down(std::mem::take(&mut ran.engines))?;
+    shut_down(std::mem::take(&mut ran.engines), !args.no_flush)?;
     drop(ran.scratch.take());
     Ok(())
 }
 
-/// Finishes the in-process engines and flushes their stores (with `--store`, what the
-/// next run reuses), saying so: with a write-back SSD tier that is the RAM tier's whole
-/// content written to disk.
-fn shut_down(engines: Vec<Engine>) -> Result<()> {
+/// Finishes the in-process engines and, when `flush`, flushes their stores (with
+/// `--store`, what the next run reuses), saying so: with a write-back SSD tier that is the
+/// RAM tier's whole content written to disk. Without, the stores only finish the writes
+/// already queued (`--no-flush`).
+fn shut_down(engines: Vec<Engine>, flush: bool) -> Result<()> {
     if engines.is_empty() {
         return Ok(());
     }
     let t = Instant::now();
+    if !flush {
+        println!("shutting down without flushing the RAM tier (--no-flush)");
+        for engine in engines {
+            engine.close_without_flush();
+        }
+        println!("engines closed in {:.1} s", t.elapsed().as_secs_f64());
+        return Ok(());
+    }
     println!("shutting down: flushing the store to SSD (not part of the figures above)");
     for engine in engines {
         engine.shutdown(false).context("shutting the engine down")?;
