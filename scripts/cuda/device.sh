@@ -373,10 +373,17 @@ case "$step" in
       # (setsid: it outlives the call), so a 10-minute slice spans calls. Each call waits
       # for the running arm (at most WAIT s), starts the next arm of ARMS that has not run
       # when none runs, and copies every finished arm's log, JSON and plot to $OUT.
+      # MODEL=llama8b replays with the 8B-shaped bf16 checkpoint (made in $K the first time).
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
+    MARGS=""
+    if [ "${MODEL:-smollm2}" = llama8b ]; then # the 8B-shaped bf16 checkpoint (made once)
+      [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+      [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+      d=$K/llama8b; MARGS="--keep-quantized"
+    fi
     T=$K/mooncake-conversation-part1.jsonl
     R=$K/trace-runs; mkdir -p "$R"
     S="--window ${WINDOW:-0..600} --speed ${SPEED:-1} --token-scale ${SCALE:-0.125} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline ${DEADLINE_S:-630}"
@@ -393,7 +400,7 @@ case "$step" in
       esac
       touch "$R/$arm.started"
       echo "starting $arm at $(date +%T): $S $A"
-      setsid bash -c "'$BIN/kvstore' bench trace '$T' --model '$d' $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
+      setsid bash -c "'$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
       echo $! > "$R/pid"
     done
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
