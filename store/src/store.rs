@@ -70,8 +70,8 @@ pub struct StoreConfig {
 
 /// Default bound on the bytes of blocks waiting in the write-behind queue: 1 GiB. At 64
 /// jobs, bursts of 1.5 MB blocks (a 4K-token prompt of SmolLM2 leaving RAM at once) dropped
-/// 62 % of spills on the H200 while the disk wrote 150 MB/s of its 600 (docs/benchmarks.md,
-/// session 25).
+/// 62 % of spills on the H200 while the writer averaged 150 MB/s, a quarter of what it
+/// reached at shutdown (docs/benchmarks.md, session 25).
 pub const DEFAULT_QUEUE_BYTES: u64 = 1 << 30;
 
 impl Default for StoreConfig {
@@ -734,51 +734,55 @@ impl<F: FileSystem> Store<F> {
     /// and the worker writes it only if the SSD no longer does when the job runs. It is not
     /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
     fn enqueue_spill_check(&self, p: Arc<Block>, stamp: u64) {
-        if let Some(tx) = &self.tx {
-            let bytes = p.data_len();
-            if !self.reserve_queue_bytes(bytes) {
-                Counters::inc(&self.shared.counters.skipped_queue_full);
-            } else if tx.try_send(Job::Spill(p, stamp)).is_err() {
-                self.shared.release_queue_bytes(bytes);
-                Counters::inc(&self.shared.counters.skipped_queue_full);
-            }
-        }
-    }
-
-    /// Counts `bytes` of a block into the write-behind queue if they fit its byte bound (a
-    /// block always fits an empty queue); false, counting nothing, if they do not.
-    fn reserve_queue_bytes(&self, bytes: u64) -> bool {
-        let bound = self.shared.config.queue_bytes;
-        self.shared
-            .queued_bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                (q == 0 || q.saturating_add(bytes) <= bound).then_some(q + bytes)
-            })
-            .is_ok()
+        let bytes = p.data_len();
+        self.try_queue(Job::Spill(p, stamp), bytes);
     }
 
     /// Queues a write (in place of the SSD's copy when `replace`) of a block last used at
     /// `stamp` without blocking; returns whether it was queued.
     fn enqueue(&self, p: Arc<Block>, replace: bool, stamp: u64) -> bool {
-        let Some(tx) = &self.tx else {
-            return false;
-        };
-        let bytes = p.data_len();
-        if !self.reserve_queue_bytes(bytes) {
-            self.skipped_for_a_full_queue();
+        if self.tx.is_none() {
             return false;
         }
         let k = (p.meta.namespace, p.meta.key);
+        let bytes = p.data_len();
+        // In `pending` before the worker can take the job (it removes it once written).
         lock(&self.shared.pending).insert(k, p.clone());
         let job = if replace {
             Job::Replace(p, stamp)
         } else {
             Job::Write(p, stamp)
         };
+        let queued = self.try_queue(job, bytes);
+        if !queued {
+            lock(&self.shared.pending).remove(&k);
+        }
+        queued
+    }
+
+    /// Queues a write job of a block of `bytes` without blocking if the write-behind queue
+    /// has room for it, by bytes (a block always fits an empty queue) and by jobs; counts it
+    /// as skipped (or, without a worker, as a write error) if not. Returns whether it was
+    /// queued; its bytes count until the worker has written it.
+    fn try_queue(&self, job: Job, bytes: u64) -> bool {
+        let Some(tx) = &self.tx else {
+            return false;
+        };
+        let bound = self.shared.config.queue_bytes;
+        let reserved = self
+            .shared
+            .queued_bytes
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q == 0 || q.saturating_add(bytes) <= bound).then_some(q + bytes)
+            })
+            .is_ok();
+        if !reserved {
+            self.skipped_for_a_full_queue();
+            return false;
+        }
         let Err(e) = tx.try_send(job) else {
             return true;
         };
-        lock(&self.shared.pending).remove(&k);
         self.shared.release_queue_bytes(bytes);
         match e {
             TrySendError::Full(_) => self.skipped_for_a_full_queue(),
