@@ -59,6 +59,13 @@ env_setup() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }
 
+make_llama8b() { # the 8B-shaped bf16 checkpoint (docs/cuda.md), made once in $K/llama8b
+  local tok=$K/tok
+  [ -d "$tok" ] || tok=.cuda/x1/tok
+  [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$tok"
+  [ -f "$K/llama8b/tokenizer.json" ] || cp "$tok"/* "$K/llama8b/"
+}
+
 assemble_mlx() {
   env_setup
   if [ ! -f /opt/kvmlx/mlx/lib/libmlx.so ]; then
@@ -123,7 +130,7 @@ case "$step" in
     env_setup; echo "site-packages: $SP"; ls "$SP/nvidia"; ls -d "$SP"/nvidia/*/lib | head -20; ls "$SP"/nvidia/cu13/lib 2>/dev/null | head -40
     which nvcc; nvcc --version | tail -2; ls /usr/local/cuda/include/cuda_runtime.h 2>&1
     python3 -c 'import transformers, tokenizers, huggingface_hub, numpy; print(transformers.__version__, tokenizers.__version__, huggingface_hub.__version__, numpy.__version__)'
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+    make_llama8b
     ls -la "$K/llama8b"
     ;;
   2)
@@ -215,7 +222,7 @@ case "$step" in
     peak() { echo "GPU memory used, max MiB ($1): $(cut -d, -f2 "$OUT/gpumem-$1.csv" | sort -n | tail -1)"; }
     if [ "$step" = pb ]; then
       { timeout 150 "$BIN/kvstore" bench cache 2>&1; } | tee "$OUT/bench-cache.log"
-      [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+      make_llama8b
       s=$(mem llama8b)
       { timeout 400 "$BIN/kvstore" bench agent --model "$K/llama8b" --keep-quantized --python "$py" \
           --mlx-lm-model "$K/llama8b" --synthetic 32768,64 --arms cold,device,ram,ssd,mlx-lm \
@@ -252,7 +259,7 @@ case "$step" in
     { timeout 200 "$BIN/kvstore" bench generate --model "$d" --python "$py" --prompt-lens ${LENS:-512,2048,8000} \
         --decode-tokens 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log" | tail -n 12
     [ -n "${SKIP8B:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
+    make_llama8b
     { timeout 240 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens 512,2048,8192 --decode-tokens 64 2>&1;
       timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" 512,2048,8192 64 stored 2>&1; } \
@@ -286,9 +293,7 @@ case "$step" in
         timeout 200 python3 "$script" "$d" ${LENS:-2048,8000} 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log" | tail -n 30
     fi
     [ -n "${SKIP8B:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
-    [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+    make_llama8b
     { timeout 240 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens ${LENS8B:-512,2048} --decode-tokens 64 2>&1;
       timeout 200 python3 "$script" "$K/llama8b" ${LENS8B:-512,2048} 64 stored 2>&1; } \
@@ -306,9 +311,7 @@ case "$step" in
       { timeout 120 "$K/ops-test" --test-threads 1 2>&1; } | grep -E "^test |test result|panicked" | tail -n 25
     fi
     { timeout 120 "$BIN/kvstore" bench cache --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks.log"
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" .cuda/x1/tok
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
-    [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+    make_llama8b
     { timeout ${LIMIT:-300} "$BIN/kvstore" bench agent --model "$K/llama8b" --keep-quantized \
         --synthetic 32768,64 --arms cold,device,ram,ssd --kv-budget 24GiB --out "$OUT/agent-8b-32k" 2>&1; } > "$OUT/agent-8b-32k.log"
     tail -n 14 "$OUT/agent-8b-32k.log"
@@ -380,8 +383,7 @@ case "$step" in
     d=$K/smollm2-rand
     MARGS=""
     if [ "${MODEL:-smollm2}" = llama8b ]; then # the 8B-shaped bf16 checkpoint (made once)
-      [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
-      [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+      make_llama8b
       d=$K/llama8b; MARGS="--keep-quantized"
     fi
     T=$K/mooncake-conversation-part1.jsonl
@@ -477,8 +479,7 @@ case "$step" in
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
-    [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
-    [ -f "$K/llama8b/tokenizer.json" ] || cp "$K"/tok/* "$K/llama8b/"
+    make_llama8b
     for w in ${WAITS:-default none}; do
       echo "== KVSTORE_DECODE_WAIT=$w"
       ( [ "$w" = default ] || export KVSTORE_DECODE_WAIT=$w
@@ -523,7 +524,7 @@ case "$step" in
               --decode-tokens 16 2>&1; timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$d" ${LENS:-2048,8192,32768} 16 2>&1; } \
             | tee "$OUT/bench-prefill-smollm2.log" | tail -n 20 ;;
         decode)
-          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          make_llama8b
           for r in $(seq 1 "${ROUNDS:-2}"); do
             { timeout 200 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
                 --prompt-lens ${LENS8B:-512,2048,8192} --decode-tokens 128 2>&1;
@@ -532,7 +533,7 @@ case "$step" in
           done ;;
         overlap) # the 8B decode with each step queued at once (KVSTORE_DECODE_WAIT=none, the
                  # engine before 4480a86) and after the previous one has drained (the GPU default)
-          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          make_llama8b
           for r in $(seq 1 "${ROUNDS:-2}"); do
             for o in 1 default; do
               echo "-- round $r, KVSTORE_DECODE_WAIT=$o"
@@ -545,7 +546,7 @@ case "$step" in
           unset KVSTORE_DECODE_WAIT ;;
         probe) timeout 60 python3 scripts/cuda/donation_probe.py "${PROBE_GIB:-1}" 2>&1 | tee "$OUT/donation-probe.log" ;;
         census) # nodes per decode step (KVSTORE_GRAPH_CENSUS=1) beside mlx-lm's step, one row
-          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          make_llama8b
           for m in "smollm2-rand f32" "llama8b stored"; do
             set -- $m; q=; [ "$2" = stored ] && q=--keep-quantized
             echo "-- $1"
@@ -557,7 +558,7 @@ case "$step" in
                # (scripts/cuda/cudnn_decode_probe.py), then mlx-lm's 8B decode with cuDNN's
                # attention on and off (MLX_CUDA_USE_CUDNN_SDPA)
           timeout 120 python3 scripts/cuda/cudnn_decode_probe.py ${PROBE_LENS:-512,2048,8192,32768} 2>&1 | tee "$OUT/cudnn-probe.log"
-          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          make_llama8b
           for c in 1 0; do
             echo "-- mlx-lm, MLX_CUDA_USE_CUDNN_SDPA=$c"
             MLX_CUDA_USE_CUDNN_SDPA=$c timeout 200 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048,8192} 128 stored 2>&1 \
@@ -566,7 +567,7 @@ case "$step" in
         opsbuf) # the 8B decode, kvstore then mlx-lm, with MLX's CUDA backend committing a
                 # graph every MLX_MAX_OPS_PER_BUFFER kernels (OPS, default "20 100 200"; MLX's
                 # own default is 20), alternated ROUNDS times
-          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          make_llama8b
           for r in $(seq 1 "${ROUNDS:-2}"); do
             for v in ${OPS:-20 100 200}; do
               echo "-- round $r, MLX_MAX_OPS_PER_BUFFER=$v"
@@ -580,7 +581,7 @@ case "$step" in
         ab) # the 8B decode: this binary with each KVSTORE_DECODE_WAIT of WAITS (default
             # "adaptive drained none") and the binary $BIN_B (e.g. the commit before; skipped
             # when unset), alternated ROUNDS times, then mlx-lm each round
-          [ -f "$K/llama8b/config.json" ] || python3 scripts/cuda/random_llama.py "$K/llama8b" "$K/tok"
+          make_llama8b
           for r in $(seq 1 "${ROUNDS:-2}"); do
             for v in ${WAITS:-adaptive drained none} ${BIN_B:+old}; do
               b=$BIN/kvstore; [ "$v" = old ] && b=$BIN_B
