@@ -34,9 +34,10 @@ pub struct Args {
     #[arg(long, default_value_t = 256)]
     max_queue: usize,
     /// Most prompt tokens prefilled per engine step while other requests decode: a long
-    /// prompt delays running streams by one such chunk per step, not by its whole prefill.
-    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-    prefill_chunk: usize,
+    /// prompt delays running streams by one such chunk per step, not by its whole prefill
+    /// [default: 2048 on a GPU (mlx-lm's prefill step), 512 on the CPU].
+    #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    prefill_chunk: Option<usize>,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from
     /// measured step times, putting running streams before a long prompt's TTFT; `none`
@@ -143,7 +144,9 @@ pub fn run(args: Args) -> Result<()> {
         kv_budget_bytes: args.cache.kv_budget_bytes()?,
         max_queue: args.max_queue,
         context_limit: None,
-        prefill_chunk: args.prefill_chunk,
+        prefill_chunk: args
+            .prefill_chunk
+            .unwrap_or_else(engine::default_prefill_chunk),
         itl_stretch: args.itl_stretch,
         ..EngineConfig::default()
     };

@@ -68,7 +68,8 @@ pub struct EngineConfig {
     /// Per-request context limit (prompt + output), capped by the model's. Default: None.
     pub context_limit: Option<usize>,
     /// Most prompt tokens prefilled in one engine step while other rows decode (a request's
-    /// own `prefill_chunk` may be smaller). Default: [`crate::DEFAULT_PREFILL_CHUNK`].
+    /// own `prefill_chunk` may be smaller). Default: [`crate::default_prefill_chunk`] (2,048
+    /// tokens on a GPU, 512 on the CPU).
     pub prefill_chunk: usize,
     /// While rows decode, a step with a prefill chunk may take at most this multiple of a
     /// decode-only step: the chunk (at most `prefill_chunk`) is sized from the engine's
@@ -98,7 +99,7 @@ impl Default for EngineConfig {
             kv_budget_bytes: 2 << 30,
             max_queue: 256,
             context_limit: None,
-            prefill_chunk: crate::model::DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: crate::model::default_prefill_chunk(),
             itl_stretch: None,
             step_log: 0,
             batch_arena: None,

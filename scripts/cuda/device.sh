@@ -475,18 +475,19 @@ case "$step" in
   pw) # the 8B-shaped bf16 decode under each step wait (WAITS: KVSTORE_DECODE_WAIT values,
       # "default" for none set), then mlx-lm once; then bench serve's interleave part alone
       # (8 streams + an 8K prompt) for each entry of ILV ("none", or --itl-stretch X, or cN:
-      # --prefill-chunk N), SmolLM2's shape; after x1 (smollm2-rand) and x2
+      # --prefill-chunk N), SmolLM2's shape; after x1 (smollm2-rand) and x2. SKIP8B=1: only
+      # the interleave.
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
-    make_llama8b
-    for w in ${WAITS:-default none}; do
+    [ -n "${SKIP8B:-}" ] || make_llama8b
+    [ -n "${SKIP8B:-}" ] || for w in ${WAITS:-default none}; do
       echo "== KVSTORE_DECODE_WAIT=$w"
       ( [ "$w" = default ] || export KVSTORE_DECODE_WAIT=$w
         timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
           --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-128} 2>&1 ) | tee "$OUT/pw-8b-$w.log" | grep -v '^{'
     done
-    [ -n "${SKIPPEER:-}" ] || timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048} ${TOK8B:-128} stored 2>&1 \
+    [ -n "${SKIPPEER:-}${SKIP8B:-}" ] || timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048} ${TOK8B:-128} stored 2>&1 \
       | tee "$OUT/pw-8b-mlxlm.log" | grep '^{'
     for v in ${ILV:-}; do
       case "$v" in none) a="--itl-stretch none" ;; c*) a="--prefill-chunk ${v#c}" ;; *) a="--itl-stretch $v" ;; esac

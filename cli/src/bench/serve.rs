@@ -50,9 +50,10 @@ pub struct Args {
     /// Prompt tokens of the request that arrives while the streams decode.
     #[arg(long, default_value_t = 8192)]
     long_prompt: usize,
-    /// Prompt tokens prefilled per engine step while rows decode (the chunked arm).
-    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK)]
-    prefill_chunk: usize,
+    /// Prompt tokens prefilled per engine step while rows decode (the chunked arm)
+    /// [default: as `serve`: 2048 on a GPU, 512 on the CPU].
+    #[arg(long, value_name = "N")]
+    prefill_chunk: Option<usize>,
     /// The engine's step budget, as `kvstore serve --itl-stretch` (the sessions part and
     /// the interleave's first arm); the interleave's budgeted arm takes it, or 1.5 with
     /// `none`.
@@ -89,6 +90,14 @@ pub struct Args {
     /// Skip the in-process parts (interleave and sessions): only the HTTP peer comparison.
     #[arg(long, requires = "peer_python")]
     http_only: bool,
+}
+
+impl Args {
+    /// The prefill chunk: `--prefill-chunk`, or the device's default.
+    fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+            .unwrap_or_else(engine::default_prefill_chunk)
+    }
 }
 
 /// P50 and P99 of a sample, seconds (not a number for an empty sample).
@@ -374,7 +383,7 @@ impl Schedule {
     /// What `kvstore serve` does with these arguments.
     fn served(args: &Args) -> Self {
         Schedule {
-            prefill_chunk: args.prefill_chunk,
+            prefill_chunk: args.prefill_chunk(),
             itl_stretch: args.itl_stretch,
             mixed_steps: None,
         }
@@ -542,7 +551,7 @@ fn sessions(args: &Args) -> Result<Sessions> {
             &engine,
             prompt.clone(),
             args.reply_tokens,
-            args.prefill_chunk,
+            args.prefill_chunk(),
         )?;
         prompt.extend(&t.tokens);
         prompt.extend(ids(args.new_tokens, 998 - turn as u32, vocab));
@@ -557,7 +566,7 @@ fn sessions(args: &Args) -> Result<Sessions> {
             args.first_prompt,
             args.new_tokens,
             args.reply_tokens,
-            args.prefill_chunk,
+            args.prefill_chunk(),
         );
         threads.push(std::thread::spawn(move || -> Result<Vec<Timed>> {
             let seed = 1000 + s as u32;
@@ -732,7 +741,7 @@ fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
         "--max-batch".into(),
         args.max_batch.to_string(),
         "--prefill-chunk".into(),
-        args.prefill_chunk.to_string(),
+        args.prefill_chunk().to_string(),
         "--itl-stretch".into(),
         args.itl_stretch.map_or("none".into(), |x| x.to_string()),
         "--kv-budget".into(),
@@ -765,7 +774,7 @@ pub fn run(mut args: Args) -> Result<()> {
     if args.streams == 0 || args.stream_tokens < 8 || args.long_prompt == 0 {
         bail!("--streams must be at least 1, --stream-tokens at least 8, --long-prompt at least 1");
     }
-    if args.prefill_chunk == 0 {
+    if args.prefill_chunk() == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
     // A fresh store unless one is named, removed at the end: every run starts cold.

@@ -97,9 +97,9 @@ pub struct Args {
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
     /// In process: most prompt tokens prefilled per engine step (as `serve
-    /// --prefill-chunk`).
-    #[arg(long, default_value_t = engine::DEFAULT_PREFILL_CHUNK, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
-    prefill_chunk: usize,
+    /// --prefill-chunk`) [default: 2048 on a GPU, 512 on the CPU].
+    #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    prefill_chunk: Option<usize>,
     /// In process: a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (as `serve --itl-stretch`); `none` always runs the whole chunk.
     #[arg(long, value_name = "X|none", default_value = "none", value_parser = crate::serve::parse_itl_stretch)]
@@ -124,6 +124,14 @@ pub struct Args {
     /// In process: the prefix cache (a fresh temporary store unless `--store` is given).
     #[command(flatten)]
     cache: CacheArgs,
+}
+
+impl Args {
+    /// The prefill chunk: `--prefill-chunk`, or the device's default.
+    fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+            .unwrap_or_else(engine::default_prefill_chunk)
+    }
 }
 
 /// Validated settings of a run.

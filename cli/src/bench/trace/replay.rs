@@ -369,7 +369,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
             prefix,
             EngineConfig {
                 max_batch: args.max_batch,
-                prefill_chunk: args.prefill_chunk,
+                prefill_chunk: args.prefill_chunk(),
                 itl_stretch: args.itl_stretch,
                 kv_budget_bytes: cache.kv_budget_bytes()?,
                 max_queue: s.max_concurrency.max(256),
@@ -460,7 +460,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
             "restore": format!("{:?}", cache.restore).to_lowercase(),
             "no_cache": cache.no_cache,
             "max_batch": args.max_batch,
-            "prefill_chunk": args.prefill_chunk,
+            "prefill_chunk": args.prefill_chunk(),
             "itl_stretch": args.itl_stretch,
             "kv_bytes_per_token": bytes_per_token,
         }),
