@@ -12,11 +12,13 @@
 //! LFU and freq-admit run the store's own [`ChainOrder`] (counts, halving, ranks, admission
 //! gate, chains evicted leaves first), the RAM tier's code; the simulator only adds the
 //! fills. The tier's LRU is `lru-leaf` here. `tier_tests.rs` replays traces through the real
-//! RAM tier and checks it gets exactly these hits.
+//! RAM tier and checks it gets exactly these hits. S3-FIFO and W-TinyLFU are references the
+//! simulator runs on its own, block by block, as Belady is (the store has neither:
+//! docs/benchmarks.md, "Eviction policies at the H200 slice's budgets").
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use store::eviction::{ChainOrder, EvictionPolicy};
+use store::eviction::{ChainOrder, EvictionPolicy, PolicyState};
 
 use super::parse::TraceRequest;
 use super::scale::TokenScale;
@@ -141,15 +143,33 @@ pub enum Policy {
     /// block hits: the optimum for block hits at this capacity (up to partial blocks
     /// counting fewer tokens), the ceiling for the other policies.
     Belady,
+    /// S3-FIFO, simulator only, block by block (no chain rule: a block whose parent left
+    /// only wastes its room): a small FIFO of a tenth of the capacity takes new blocks, a
+    /// main FIFO the rest, and a ghost list remembers as many blocks as the cache holds.
+    /// Each block counts its hits (up to 3). Room is made from the small FIFO while it
+    /// holds its tenth: its oldest block moves to the main FIFO if it was hit there, else
+    /// leaves for the ghost list; else from the main FIFO, whose oldest block goes back to
+    /// the front with one hit less, or leaves when it has none. A block the ghost list
+    /// remembers enters the main FIFO directly. A request's blocks enter leaf first.
+    S3Fifo,
+    /// W-TinyLFU, simulator only, block by block: a recency window of a hundredth of the
+    /// capacity in front of a segmented LRU (probation, and protected for blocks hit in
+    /// probation, at most 80 % of the rest). The window's least recent block enters
+    /// probation while there is room, else only if used more often (every use counted,
+    /// cached or not, halved every 8 × capacity uses, as freq-admit) than probation's least
+    /// recent block, which then leaves. Recency is leaf first, as `lru-leaf`.
+    WTinyLfu,
 }
 
 impl Policy {
     /// Every policy, in report order.
-    pub const ALL: [Policy; 5] = [
+    pub const ALL: [Policy; 7] = [
         Policy::Lru,
         Policy::LruLeaf,
         Policy::Lfu,
         Policy::FreqAdmit,
+        Policy::S3Fifo,
+        Policy::WTinyLfu,
         Policy::Belady,
     ];
 
@@ -161,14 +181,18 @@ impl Policy {
             Policy::Lfu => "lfu",
             Policy::FreqAdmit => "freq-admit",
             Policy::Belady => "belady",
+            Policy::S3Fifo => "s3-fifo",
+            Policy::WTinyLfu => "w-tinylfu",
         }
     }
 
-    /// The store's policy this one is (LRU for the recency orders and Belady, which the
+    /// The store's policy this one is (LRU for the recency orders and the policies the
     /// simulator runs on its own).
     fn shared(self) -> EvictionPolicy {
         match self {
-            Policy::Lru | Policy::LruLeaf | Policy::Belady => EvictionPolicy::Lru,
+            Policy::Lru | Policy::LruLeaf | Policy::Belady | Policy::S3Fifo | Policy::WTinyLfu => {
+                EvictionPolicy::Lru
+            }
             Policy::Lfu => EvictionPolicy::Lfu,
             Policy::FreqAdmit => EvictionPolicy::FreqAdmit,
         }
@@ -193,6 +217,8 @@ pub fn simulate(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
     match policy {
         Policy::Lfu | Policy::FreqAdmit => simulate_tier(t, policy.shared(), capacity),
         Policy::Lru | Policy::LruLeaf | Policy::Belady => simulate_order(t, policy, capacity),
+        Policy::S3Fifo => simulate_s3_fifo(t, capacity),
+        Policy::WTinyLfu => simulate_w_tinylfu(t, capacity),
     }
 }
 
@@ -256,6 +282,169 @@ fn simulate_order(t: &SimTrace, policy: Policy, capacity: usize) -> Vec<usize> {
             }
             slots.insert(c, Slot { fill, prio });
             order.insert((prio, c));
+        }
+        clock += n;
+    }
+    hits
+}
+
+/// S3-FIFO's small queue: this share of the capacity.
+const S3_SMALL_SHARE: f64 = 0.1;
+/// S3-FIFO's cap on a block's hit count.
+const S3_MAX_HITS: u8 = 3;
+
+/// [`Policy::S3Fifo`].
+fn simulate_s3_fifo(t: &SimTrace, capacity: usize) -> Vec<usize> {
+    let small_max = ((capacity as f64 * S3_SMALL_SHARE) as usize).max(1);
+    // Each cached block: its fill and hits since it entered its queue.
+    let mut slots: HashMap<u32, (usize, u8)> = HashMap::new();
+    let mut small: VecDeque<u32> = VecDeque::new();
+    let mut main: VecDeque<u32> = VecDeque::new();
+    // The ghost list in eviction order, each block with the number it left under (a block
+    // can leave, come back and leave again: only its latest entry counts).
+    let mut ghost: VecDeque<(u32, u64)> = VecDeque::new();
+    let mut ghosts: HashMap<u32, u64> = HashMap::new();
+    let mut left = 0u64;
+    let mut hits = Vec::with_capacity(t.requests.len());
+    for r in &t.requests {
+        hits.push(hit(t, r, |c| slots.get(&c).map(|s| s.0)));
+        for (i, &c) in r.chain.iter().enumerate().rev() {
+            let fill = t.tokens_in(r, i);
+            if let Some(s) = slots.get_mut(&c) {
+                s.0 = s.0.max(fill);
+                s.1 = (s.1 + 1).min(S3_MAX_HITS);
+                continue;
+            }
+            if capacity == 0 {
+                continue;
+            }
+            while slots.len() >= capacity {
+                if small.len() >= small_max || main.is_empty() {
+                    let Some(v) = small.pop_front() else { break };
+                    if slots[&v].1 > 0 {
+                        slots.insert(v, (slots[&v].0, 0));
+                        main.push_back(v);
+                        continue;
+                    }
+                    slots.remove(&v);
+                    left += 1;
+                    ghost.push_back((v, left));
+                    ghosts.insert(v, left);
+                    while ghosts.len() > capacity {
+                        let Some((g, n)) = ghost.pop_front() else {
+                            break;
+                        };
+                        if ghosts.get(&g) == Some(&n) {
+                            ghosts.remove(&g);
+                        }
+                    }
+                } else if let Some(v) = main.pop_front() {
+                    let s = slots.get_mut(&v).expect("main holds cached blocks");
+                    if s.1 > 0 {
+                        s.1 -= 1;
+                        main.push_back(v);
+                    } else {
+                        slots.remove(&v);
+                    }
+                }
+            }
+            slots.insert(c, (fill, 0));
+            if ghosts.remove(&c).is_some() {
+                main.push_back(c);
+            } else {
+                small.push_back(c);
+            }
+        }
+    }
+    hits
+}
+
+/// W-TinyLFU's window: this share of the capacity.
+const W_WINDOW_SHARE: f64 = 0.01;
+/// W-TinyLFU's protected segment: at most this share of the main cache.
+const W_PROTECTED_SHARE: f64 = 0.8;
+
+/// [`Policy::WTinyLfu`].
+fn simulate_w_tinylfu(t: &SimTrace, capacity: usize) -> Vec<usize> {
+    const WINDOW: usize = 0;
+    const PROBATION: usize = 1;
+    const PROTECTED: usize = 2;
+    let window_max = ((capacity as f64 * W_WINDOW_SHARE) as usize).max(1);
+    let protected_max = (capacity.saturating_sub(window_max) as f64 * W_PROTECTED_SHARE) as usize;
+    let mut fills: HashMap<u32, usize> = HashMap::new();
+    // Each cached block: its segment and recency.
+    let mut seg: HashMap<u32, (usize, u64)> = HashMap::new();
+    let mut lists: [BTreeSet<(u64, u32)>; 3] = Default::default();
+    let mut counts: PolicyState<u32> = PolicyState::new(EvictionPolicy::FreqAdmit);
+    let cap = capacity as u64;
+    let mut clock = 0u64;
+    let mut hits = Vec::with_capacity(t.requests.len());
+    for r in &t.requests {
+        hits.push(hit(t, r, |c| fills.get(&c).copied()));
+        let n = r.chain.len() as u64;
+        for (i, &c) in r.chain.iter().enumerate() {
+            counts.record_use(c, None, cap);
+            let stamp = clock + (n - 1 - i as u64);
+            let fill = t.tokens_in(r, i);
+            if capacity == 0 {
+                continue;
+            }
+            if let Some(&(s, old)) = seg.get(&c) {
+                lists[s].remove(&(old, c));
+                let s = if s == PROBATION { PROTECTED } else { s };
+                lists[s].insert((stamp, c));
+                seg.insert(c, (s, stamp));
+                fills.insert(c, fills[&c].max(fill));
+                while lists[PROTECTED].len() > protected_max {
+                    let Some((at, d)) = lists[PROTECTED].pop_first() else {
+                        break;
+                    };
+                    lists[PROBATION].insert((at, d));
+                    seg.insert(d, (PROBATION, at));
+                }
+                continue;
+            }
+            lists[WINDOW].insert((stamp, c));
+            seg.insert(c, (WINDOW, stamp));
+            fills.insert(c, fill);
+            while lists[WINDOW].len() > window_max {
+                let Some((at, cand)) = lists[WINDOW].pop_first() else {
+                    break;
+                };
+                let victim = lists[PROBATION]
+                    .first()
+                    .or_else(|| lists[PROTECTED].first())
+                    .copied();
+                let admit = match victim {
+                    Some((v_at, v)) if fills.len() > capacity => {
+                        let won = counts.count(cand) > counts.count(v);
+                        let gone = if won { v } else { cand };
+                        if won {
+                            lists[seg[&v].0].remove(&(v_at, v));
+                        }
+                        seg.remove(&gone);
+                        fills.remove(&gone);
+                        won
+                    }
+                    _ => true,
+                };
+                if admit {
+                    lists[PROBATION].insert((at, cand));
+                    seg.insert(cand, (PROBATION, at));
+                }
+            }
+            while fills.len() > capacity {
+                let Some(s) = (PROBATION..=PROTECTED)
+                    .chain([WINDOW])
+                    .find(|&s| !lists[s].is_empty())
+                else {
+                    break;
+                };
+                if let Some((_, v)) = lists[s].pop_first() {
+                    seg.remove(&v);
+                    fills.remove(&v);
+                }
+            }
         }
         clock += n;
     }
@@ -473,6 +662,49 @@ mod tests {
             1.0 / 512.0,
         );
         assert_eq!(simulate(&t, Policy::FreqAdmit, 1), vec![0, 1, 0, 0, 0]);
+    }
+
+    /// Requests of one block of 1 token each.
+    fn one_block_each(ids: &[u64]) -> SimTrace {
+        let blocks: Vec<[u64; 1]> = ids.iter().map(|&id| [id]).collect();
+        let reqs: Vec<(&[u64], usize)> = blocks.iter().map(|b| (&b[..], 1)).collect();
+        trace(&reqs, 1.0 / 512.0)
+    }
+
+    /// S3-FIFO, blocks of 1 token, capacity 2 (a small FIFO of 1 block); requests A, A, B,
+    /// C, A, B, C, A, B:
+    ///   r1 hits A; r3's C makes room from the small FIFO [A B]: A was hit, moves to the
+    ///   main FIFO; B was not, leaves for the ghost list; C enters the small FIFO.
+    ///   r4 hits A (in main); r5's B evicts C (small, not hit: ghost), and B, remembered by
+    ///   the ghost list, enters main directly: main [A B].
+    ///   r6's C: the small FIFO is empty, so main: A goes back with its hit spent, B (no
+    ///   hit) leaves; C (a ghost) enters main [A C]. r7 hits A; r8 misses B (main's
+    ///   evictions leave no ghost) = 3 of 9. lru-leaf keeps the two latest: 1 (r1).
+    #[test]
+    fn s3_fifo_by_hand() {
+        let t = one_block_each(&[1, 1, 2, 3, 1, 2, 3, 1, 2]);
+        assert_eq!(
+            simulate(&t, Policy::S3Fifo, 2),
+            vec![0, 1, 0, 0, 1, 0, 0, 1, 0]
+        );
+        assert_eq!(simulate(&t, Policy::LruLeaf, 2).iter().sum::<usize>(), 1);
+    }
+
+    /// W-TinyLFU, blocks of 1 token, capacity 3: a window of 1, protected at most 1;
+    /// requests A B C A D C E C B A (10 uses: no halving, which comes every 24).
+    ///   A B C fill the cache (window C, probation A B); r3 hits A (to protected).
+    ///   r4's D pushes C out of the window; C (count 1) does not beat probation's least
+    ///   recent B (count 1): C leaves. r5's C (count 2) pushes D out: D (1) loses to B (1).
+    ///   r6's E pushes C out: C (2) beats B (1), B leaves, C enters probation.
+    ///   r7 hits C: protected [A C] is over 1, A goes back to probation.
+    ///   r8's B (count 2) pushes E out: E (1) loses to A (2). r9 hits A = 3 of 10.
+    #[test]
+    fn w_tinylfu_by_hand() {
+        let t = one_block_each(&[1, 2, 3, 1, 4, 3, 5, 3, 2, 1]);
+        assert_eq!(
+            simulate(&t, Policy::WTinyLfu, 3),
+            vec![0, 0, 0, 1, 0, 0, 0, 1, 0, 1]
+        );
     }
 
     /// The same id under different parents is a different block.
