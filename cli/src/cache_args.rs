@@ -138,14 +138,11 @@ pub struct RemoteArgs {
     /// Timeout of a connection attempt to Redis, in milliseconds.
     #[arg(long, value_name = "MS", default_value_t = 500, requires = "remote")]
     pub remote_connect_timeout: u64,
-    /// Blocks the background publication queue holds; more are skipped (and counted).
-    #[arg(
-        long,
-        value_name = "BLOCKS",
-        default_value_t = 256,
-        requires = "remote"
-    )]
-    pub remote_queue: usize,
+    /// Bytes of blocks the background publication queue holds, e.g. 1GiB; more are
+    /// skipped (and counted). A number needs its unit: until session 26 this counted
+    /// blocks.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", requires = "remote")]
+    pub remote_queue: String,
 }
 
 impl RemoteArgs {
@@ -154,10 +151,17 @@ impl RemoteArgs {
         let Some(url) = &self.remote else {
             return Ok(None);
         };
+        let queue = self.remote_queue.trim();
+        if queue.bytes().all(|b| b.is_ascii_digit()) {
+            anyhow::bail!(
+                "--remote-queue {queue:?}: give a size with its unit (e.g. 1GiB): the queue is bounded by the bytes of its blocks, no longer by a count of blocks"
+            );
+        }
+        let queue_bytes = parse_size(queue).context("--remote-queue")?;
         for (flag, v) in [
             ("--remote-timeout", self.remote_timeout),
             ("--remote-connect-timeout", self.remote_connect_timeout),
-            ("--remote-queue", self.remote_queue as u64),
+            ("--remote-queue", queue_bytes),
             ("--remote-ttl", self.remote_ttl.unwrap_or(1)),
         ] {
             if v == 0 {
@@ -170,7 +174,7 @@ impl RemoteArgs {
                 .ttl_secs(self.remote_ttl)
                 .io_timeout_ms(self.remote_timeout)
                 .connect_timeout_ms(self.remote_connect_timeout)
-                .queue_capacity(self.remote_queue),
+                .queue_bytes(queue_bytes),
         ))
     }
 }
@@ -302,6 +306,24 @@ mod tests {
         );
         assert_eq!(mlx_cache_limit_bytes("0", GIB, false).unwrap(), 0);
         assert!(mlx_cache_limit_bytes("lots", GIB, true).is_err());
+    }
+
+    #[test]
+    fn the_remote_queue_is_a_size_with_its_unit() {
+        let args = |q: &str| RemoteArgs {
+            remote: Some("redis://127.0.0.1:6379".into()),
+            remote_queue: q.into(),
+            remote_timeout: 1000,
+            remote_connect_timeout: 500,
+            ..RemoteArgs::default()
+        };
+        let c = args("64MiB").config().unwrap().unwrap();
+        assert_eq!(c.queue_bytes, 64 << 20);
+        let e = args("256").config().unwrap_err().to_string();
+        assert!(e.contains("give a size with its unit"), "{e}");
+        assert!(args("0B").config().is_err());
+        assert!(args("lots").config().is_err());
+        assert!(RemoteArgs::default().config().unwrap().is_none());
     }
 
     #[test]

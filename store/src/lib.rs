@@ -69,6 +69,7 @@ mod key;
 mod namespace;
 mod nofollow;
 mod pins;
+mod queued_bytes;
 mod ram;
 mod read_ahead;
 pub mod remote;

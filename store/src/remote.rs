@@ -60,10 +60,16 @@ pub struct RemoteConfig {
     pub connect_timeout_ms: u64,
     /// Read and write timeout of every command, in milliseconds.
     pub io_timeout_ms: u64,
-    /// Blocks the publication queue holds before further publications are skipped (and
-    /// counted).
-    pub queue_capacity: usize,
+    /// Bytes of blocks the publication queue holds (from queueing until published) before
+    /// further publications are skipped and counted (`remote_queue_full`); a lone block
+    /// always fits.
+    pub queue_bytes: u64,
 }
+
+/// Jobs the publication queue holds at most, whatever their bytes (as the write-behind
+/// queue's `StoreConfig::queue_capacity`): the bound that matters is
+/// [`RemoteConfig::queue_bytes`].
+pub(crate) const REMOTE_QUEUE_JOBS: usize = 4096;
 
 impl Default for RemoteConfig {
     fn default() -> Self {
@@ -73,7 +79,7 @@ impl Default for RemoteConfig {
             ttl_secs: None,
             connect_timeout_ms: 500,
             io_timeout_ms: 1000,
-            queue_capacity: 256,
+            queue_bytes: crate::store::DEFAULT_QUEUE_BYTES,
         }
     }
 }
@@ -111,9 +117,10 @@ impl RemoteConfig {
         self
     }
 
-    /// Capacity of the publication queue, in blocks (at least 1). Default: 256.
-    pub fn queue_capacity(mut self, blocks: usize) -> Self {
-        self.queue_capacity = blocks;
+    /// Bound of the publication queue, in bytes of its blocks. Default:
+    /// [`crate::store::DEFAULT_QUEUE_BYTES`] (1 GiB; until session 26 the bound was 256 blocks).
+    pub fn queue_bytes(mut self, bytes: u64) -> Self {
+        self.queue_bytes = bytes;
         self
     }
 
@@ -331,10 +338,6 @@ impl RemoteTier {
             writer: Mutex::new(None),
             counters,
         })
-    }
-
-    pub(crate) fn config(&self) -> &RemoteConfig {
-        &self.config
     }
 
     /// Runs `f` on the role's connection unless Redis is in backoff; `None` on any failure

@@ -20,6 +20,7 @@ use crate::fs::{FileSystem, RealFs};
 use crate::key::{block_key, BlockKey, NamespaceId};
 use crate::namespace::NamespaceDescription;
 use crate::pins::{PinnedBytes, Pins};
+use crate::queued_bytes::QueuedBytes;
 use crate::ram::{Evicted, RamTier};
 use crate::read_ahead::{ReadAhead, ReadPlan};
 use crate::remote::{RemoteConfig, RemoteTier};
@@ -330,22 +331,14 @@ struct Shared<F: FileSystem> {
     queue_full_logged_ms: AtomicU64,
     /// Bytes of the blocks in write jobs queued or being written (bounded by
     /// `config.queue_bytes` for spills; flushes wait instead).
-    queued_bytes: AtomicU64,
+    queued: QueuedBytes,
+    /// Bytes of the blocks queued for the remote tier or being published (bounded by
+    /// `RemoteConfig::queue_bytes`).
+    remote_queued: QueuedBytes,
     /// Held by the write-behind worker for each job, and by [`Store::pause_writes`].
     write_gate: Mutex<()>,
     /// Stamps recency in the RAM and SSD tiers (the SSD tier's when there is one).
     clock: UseClock,
-}
-
-impl<F: FileSystem> Shared<F> {
-    /// Takes `bytes` of written (or dropped) blocks out of the write-behind queue's count.
-    fn release_queue_bytes(&self, bytes: u64) {
-        let _ = self
-            .queued_bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                Some(q.saturating_sub(bytes))
-            });
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -438,6 +431,8 @@ impl<F: FileSystem> Store<F> {
             .map(|s| s.namespaces().into_iter().map(|d| (d.id(), d)).collect())
             .unwrap_or_default();
         let clock = ssd.as_ref().map(|s| s.clock().clone()).unwrap_or_default();
+        let queued = QueuedBytes::new(config.queue_bytes);
+        let remote_queued = QueuedBytes::new(config.remote.as_ref().map_or(0, |r| r.queue_bytes));
         let shared = Arc::new(Shared {
             ram: Mutex::new({
                 let mut ram =
@@ -454,7 +449,8 @@ impl<F: FileSystem> Store<F> {
             counters,
             config,
             queue_full_logged_ms: AtomicU64::new(0),
-            queued_bytes: AtomicU64::new(0),
+            queued,
+            remote_queued,
             write_gate: Mutex::new(()),
             clock,
         });
@@ -470,8 +466,8 @@ impl<F: FileSystem> Store<F> {
             (None, None)
         };
         let (remote_tx, remote_worker) = match &shared.remote {
-            Some(r) => {
-                let (tx, rx) = mpsc::sync_channel(r.config().queue_capacity.max(1));
+            Some(_) => {
+                let (tx, rx) = mpsc::sync_channel(crate::remote::REMOTE_QUEUE_JOBS);
                 let s = shared.clone();
                 let worker = std::thread::Builder::new()
                     .name("kvstore-remote-publish".into())
@@ -691,13 +687,21 @@ impl<F: FileSystem> Store<F> {
         Ok(())
     }
 
-    /// Queues a block for the remote tier without blocking; a full queue skips it.
+    /// Queues a block for the remote tier without blocking; a queue without room for its
+    /// bytes (`RemoteConfig::queue_bytes`) or jobs skips it. Its bytes count until the
+    /// publisher has put it.
     fn publish_remote(&self, p: Arc<Block>) {
         if let Some(tx) = &self.remote_tx {
-            if tx.try_send(RemoteJob::Put(p)).is_err() {
-                Counters::inc(&self.shared.counters.remote_skipped);
-                Counters::inc(&self.shared.counters.remote_queue_full);
+            let bytes = p.data_len();
+            let queued = self.shared.remote_queued.try_add(bytes);
+            if queued && tx.try_send(RemoteJob::Put(p)).is_ok() {
+                return;
             }
+            if queued {
+                self.shared.remote_queued.release(bytes);
+            }
+            Counters::inc(&self.shared.counters.remote_skipped);
+            Counters::inc(&self.shared.counters.remote_queue_full);
         }
     }
 
@@ -768,22 +772,14 @@ impl<F: FileSystem> Store<F> {
         let Some(tx) = &self.tx else {
             return false;
         };
-        let bound = self.shared.config.queue_bytes;
-        let reserved = self
-            .shared
-            .queued_bytes
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
-                (q == 0 || q.saturating_add(bytes) <= bound).then_some(q + bytes)
-            })
-            .is_ok();
-        if !reserved {
+        if !self.shared.queued.try_add(bytes) {
             self.skipped_for_a_full_queue();
             return false;
         }
         let Err(e) = tx.try_send(job) else {
             return true;
         };
-        self.shared.release_queue_bytes(bytes);
+        self.shared.queued.release(bytes);
         match e {
             TrySendError::Full(_) => self.skipped_for_a_full_queue(),
             TrySendError::Disconnected(_) => Counters::inc(&self.shared.counters.write_errors),
@@ -1179,9 +1175,7 @@ impl<F: FileSystem> Store<F> {
                 // sees whether the block is still stored when the job runs.
                 lock(&self.shared.pending).insert(k, p.clone());
                 // A flush waits for room instead of skipping: counted, not bounded.
-                self.shared
-                    .queued_bytes
-                    .fetch_add(p.data_len(), Ordering::AcqRel);
+                self.shared.queued.add(p.data_len());
                 let job = Job::Write(p, stamp);
                 if tx.send(job).is_err() {
                     return Err(WriteError::WorkerGone);
@@ -1355,7 +1349,7 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
         }
         let bytes: u64 = group.iter().map(|w| w.block.data_len()).sum();
         write_group(&shared, ssd, group);
-        shared.release_queue_bytes(bytes);
+        shared.queued.release(bytes);
     }
 }
 
@@ -1436,24 +1430,8 @@ fn remote_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<RemoteJob>) {
     for job in rx {
         match job {
             RemoteJob::Put(p) => {
-                let m = &p.meta;
-                let bytes = match crate::codec::encode(&p) {
-                    Ok(bytes) => bytes,
-                    Err(e) => {
-                        tracing::warn!(key = %m.key, error = %e, "block not encodable for the remote tier");
-                        Counters::inc(&c.remote_skipped);
-                        Counters::inc(&c.remote_publish_errors);
-                        continue;
-                    }
-                };
-                let pinned = shared.pins.remaining(m.namespace, m.key);
-                if remote.put(m.namespace, m.key, &bytes, pinned) {
-                    Counters::inc(&c.remote_blocks_written);
-                    Counters::add(&c.remote_bytes_written, bytes.len() as u64);
-                } else {
-                    Counters::inc(&c.remote_skipped);
-                    Counters::inc(&c.remote_publish_errors);
-                }
+                publish(&shared, remote, &p);
+                shared.remote_queued.release(p.data_len());
             }
             RemoteJob::Extend(ns, keys, ttl) => {
                 if !remote.extend(ns, &keys, ttl.as_secs() + 1) {
@@ -1464,6 +1442,29 @@ fn remote_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<RemoteJob>) {
                 let _ = ack.send(());
             }
         }
+    }
+}
+
+/// Puts one block in the remote tier for the publisher thread, counting what happened.
+fn publish<F: FileSystem>(shared: &Shared<F>, remote: &RemoteTier, p: &Block) {
+    let c = &shared.counters;
+    let m = &p.meta;
+    let bytes = match crate::codec::encode(p) {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            tracing::warn!(key = %m.key, error = %e, "block not encodable for the remote tier");
+            Counters::inc(&c.remote_skipped);
+            Counters::inc(&c.remote_publish_errors);
+            return;
+        }
+    };
+    let pinned = shared.pins.remaining(m.namespace, m.key);
+    if remote.put(m.namespace, m.key, &bytes, pinned) {
+        Counters::inc(&c.remote_blocks_written);
+        Counters::add(&c.remote_bytes_written, bytes.len() as u64);
+    } else {
+        Counters::inc(&c.remote_skipped);
+        Counters::inc(&c.remote_publish_errors);
     }
 }
 

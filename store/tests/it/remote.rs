@@ -226,6 +226,50 @@ fn redis_down_at_start_or_killed_leaves_the_local_tiers_working() {
 }
 
 #[test]
+fn publications_past_the_queue_bytes_are_skipped_while_redis_stalls() {
+    let redis = RedisServer::start();
+    let d = common::desc("remote-queue-bytes", 4);
+    let (blocks, _) = common::chain(&d, 11, 17);
+    let size = blocks[0].data_len();
+    assert!(blocks.iter().all(|b| b.data_len() == size));
+    let dir = tempfile::tempdir().unwrap();
+    let remote = RemoteConfig::new(redis.url())
+        .io_timeout_ms(20_000)
+        .queue_bytes(3 * size);
+    let s = open_with(dir.path(), remote);
+    s.register_namespace(&d).unwrap();
+    // Redis holds every write for 2 s: the publisher waits on the first block, and the
+    // queue counts it (and the next two) until they are put.
+    let paused = redis.command(&[b"CLIENT", b"PAUSE", b"2000", b"WRITE"]);
+    assert_eq!(paused, b"+OK\r\n");
+    for b in &blocks[..10] {
+        s.insert(Arc::new(b.clone())).unwrap();
+    }
+    let st = s.stats();
+    assert_eq!(st.remote_queue_full, 7, "{st:?}");
+    assert_eq!(st.remote_skipped, 7, "{st:?}");
+    s.flush().unwrap();
+    let st = s.stats();
+    assert_eq!(st.remote_blocks_written, 3, "{st:?}");
+    // Written, their bytes leave the queue: the next block is published.
+    s.insert(Arc::new(blocks[10].clone())).unwrap();
+    s.flush().unwrap();
+    let st = s.stats();
+    assert_eq!(st.remote_blocks_written, 4, "{st:?}");
+    assert_eq!(st.remote_queue_full, 7, "{st:?}");
+    let ns = d.id();
+    for (i, b) in blocks.iter().enumerate() {
+        let stored = redis.command(&[b"EXISTS", redis_key(ns, b.meta.key).as_bytes()]);
+        let want: &[u8] = if i < 3 || i == 10 {
+            b":1\r\n"
+        } else {
+            b":0\r\n"
+        };
+        assert_eq!(stored, want, "block {i}");
+    }
+}
+
+#[test]
 fn an_invalid_remote_url_is_an_open_error() {
     let r = Store::open(StoreConfig::default().remote(Some(RemoteConfig::new("http://nope"))));
     assert!(r.is_err());
