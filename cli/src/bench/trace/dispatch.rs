@@ -25,9 +25,13 @@ pub struct Outcome {
     pub cached_ssd_tokens: Option<usize>,
     /// Of those, fetched from the remote tier.
     pub cached_remote_tokens: Option<usize>,
-    /// Cached host blocks (RAM, SSD, remote) left unrestored because the cost model
+    /// Cached host-RAM tokens (whole blocks) left unrestored because the cost model
     /// estimated recomputing them faster.
-    pub blocks_skipped: Option<usize>,
+    pub skipped_ram_tokens: Option<usize>,
+    /// The same for SSD blocks.
+    pub skipped_ssd_tokens: Option<usize>,
+    /// The same for remote-tier blocks.
+    pub skipped_remote_tokens: Option<usize>,
     /// Tokens generated.
     pub completion_tokens: usize,
     /// Seconds from sending to the first generated token.

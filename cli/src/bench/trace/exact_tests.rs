@@ -95,7 +95,16 @@ fn replay(kv_budget: u64) -> (Vec<Outcome>, Vec<Vec<u32>>) {
     let prompts: Vec<Vec<u32>> = trace.iter().map(|r| tokens::prompt(r, &s, vocab)).collect();
     let make = |i: usize| (prompts[i].clone(), s.output_len(&trace[i]));
     let times = vec![0.0; trace.len()];
-    let sent = dispatch::replay(&times, &make, &EngineTarget { engine: &engine }, 1, None);
+    let sent = dispatch::replay(
+        &times,
+        &make,
+        &EngineTarget {
+            engine: &engine,
+            block_tokens: KV_BLOCK,
+        },
+        1,
+        None,
+    );
     engine.shutdown(false).unwrap();
     let out = sent.into_iter().map(|x| x.outcome).collect();
     (out, prompts)
@@ -174,7 +183,8 @@ fn store_only_replay_hits_the_ideal_in_whole_kvstore_blocks() {
         assert_eq!(o.cached_tokens, want, "r{i}: {o:?}");
         assert_eq!(o.cached_device_tokens, Some(0), "r{i}: {o:?}");
         assert_eq!(o.cached_ram_tokens, Some(want), "r{i}: {o:?}");
-        assert_eq!(o.blocks_skipped, Some(0), "r{i}: {o:?}");
+        assert_eq!(o.skipped_ram_tokens, Some(0), "r{i}: {o:?}");
+        assert_eq!(o.skipped_ssd_tokens, Some(0), "r{i}: {o:?}");
     }
 }
 
@@ -247,7 +257,10 @@ fn two_engines_sharing_a_remote_tier_hit_each_others_blocks_there() {
         inner: super::inprocess::RoundRobin {
             targets: engines
                 .iter()
-                .map(|engine| EngineTarget { engine })
+                .map(|engine| EngineTarget {
+                    engine,
+                    block_tokens: KV_BLOCK,
+                })
                 .collect(),
             next: Default::default(),
         },

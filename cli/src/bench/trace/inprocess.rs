@@ -13,6 +13,8 @@ use super::dispatch::{Outcome, Target, TtftParts};
 pub struct EngineTarget<'a> {
     /// The engine requests go to.
     pub engine: &'a Engine,
+    /// Tokens in one of its KV blocks (`--block-size`).
+    pub block_tokens: usize,
 }
 
 impl Target for EngineTarget<'_> {
@@ -42,9 +44,9 @@ impl Target for EngineTarget<'_> {
                         cached_ram_tokens: Some(r.cached_ram_tokens),
                         cached_ssd_tokens: Some(r.cached_ssd_tokens),
                         cached_remote_tokens: Some(r.cached_remote_tokens),
-                        blocks_skipped: Some(
-                            r.ram_blocks_skipped + r.ssd_blocks_skipped + r.remote_blocks_skipped,
-                        ),
+                        skipped_ram_tokens: Some(r.ram_blocks_skipped * self.block_tokens),
+                        skipped_ssd_tokens: Some(r.ssd_blocks_skipped * self.block_tokens),
+                        skipped_remote_tokens: Some(r.remote_blocks_skipped * self.block_tokens),
                         completion_tokens: c.completion_tokens,
                         ttft_s,
                         e2e_s: Some(t0.elapsed().as_secs_f64()),

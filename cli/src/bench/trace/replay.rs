@@ -309,6 +309,19 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
         overall.late_s.p50,
         overall.late_s.p99
     );
+    let k = &overall.skipped;
+    if [k.ram, k.ssd, k.remote]
+        .iter()
+        .any(|x| x.is_some_and(|x| x > 0.0))
+    {
+        println!(
+            "found cached but recomputed (the cost model estimated it faster than restoring): \
+             RAM {}, SSD {}, remote {} of prompt tokens",
+            pct(k.ram),
+            pct(k.ssd),
+            pct(k.remote)
+        );
+    }
     if let Some(p) = &overall.ttft_parts_p50 {
         println!(
             "TTFT parts, each its median: queue {:.4} s, lookup {:.4} s, restore {:.4} s, \
@@ -402,7 +415,10 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
     let target = RoundRobin {
         targets: engines
             .iter()
-            .map(|engine| EngineTarget { engine })
+            .map(|engine| EngineTarget {
+                engine,
+                block_tokens: args.cache.block_size,
+            })
             .collect(),
         next: Default::default(),
     };

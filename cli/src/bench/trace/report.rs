@@ -85,6 +85,9 @@ pub struct Summary {
     pub hit_share: f64,
     /// The same by tier.
     pub tiers: TierShares,
+    /// Shares of prompt tokens found cached in a host tier but recomputed, because the cost
+    /// model estimated that faster than restoring them (in process only).
+    pub skipped: TierShares,
     /// An unbounded cache's hit share over the same requests.
     pub ideal_share: f64,
     /// `hit_share / ideal_share`.
@@ -154,6 +157,12 @@ pub fn summarize(rows: &[&Row]) -> Summary {
             ssd: tier(|r| r.sent.outcome.cached_ssd_tokens),
             remote: tier(|r| r.sent.outcome.cached_remote_tokens),
         },
+        skipped: TierShares {
+            device: None,
+            ram: tier(|r| r.sent.outcome.skipped_ram_tokens),
+            ssd: tier(|r| r.sent.outcome.skipped_ssd_tokens),
+            remote: tier(|r| r.sent.outcome.skipped_remote_tokens),
+        },
         ideal_share: ideal,
         of_ideal: if ideal > 0.0 {
             share(cached) / ideal
@@ -207,6 +216,7 @@ mod tests {
                     prompt_tokens: len,
                     cached_tokens: cached,
                     cached_device_tokens: Some(cached),
+                    skipped_ssd_tokens: Some(ideal - cached),
                     ttft_s: Some(ttft),
                     e2e_s: Some(2.0 * ttft),
                     ..Outcome::default()
@@ -255,6 +265,12 @@ mod tests {
         assert_eq!(all.lru_share, Some(90.0 / 400.0));
         assert_eq!(all.tiers.device, Some(150.0 / 400.0));
         assert_eq!(all.tiers.ram, None);
+        assert_eq!(
+            all.skipped.ssd,
+            Some(30.0 / 400.0),
+            "r1's 30 ideal tokens it recomputed"
+        );
+        assert_eq!(all.skipped.ram, None);
         assert_eq!(all.ttft_s.p50, 2.0);
         assert_eq!(all.late_s.p50, 0.5);
         let m = per_minute(&rows, 0);
