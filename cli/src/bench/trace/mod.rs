@@ -20,6 +20,7 @@ mod scale;
 mod sim;
 #[cfg(test)]
 mod tier_tests;
+mod tiered;
 mod tokens;
 
 use parse::{TraceRequest, Window};
@@ -66,6 +67,25 @@ pub struct Args {
     /// N / block whole blocks.
     #[arg(long = "budget-tokens", value_name = "N")]
     budget_tokens: Vec<u64>,
+    /// With `--simulate`: also replay the trace through a model of kvstore's three tiers
+    /// with these token budgets (`DEVICE,RAM,SSD`, e.g. `364089,1118481,838861`; 0 leaves
+    /// a tier out), in host blocks of `--block-size` tokens with RAM under `--eviction`,
+    /// and print the hit share by tier beside one cache of their sum; repeatable.
+    #[arg(long, value_name = "DEVICE,RAM,SSD", value_parser = tiered::TierBudgets::parse)]
+    tiers: Vec<tiered::TierBudgets>,
+    /// With `--tiers`: drop this share (0 to 1) of the spills the SSD would be written,
+    /// evenly spread, as a full write-behind queue drops them.
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    drop_spills: f64,
+    /// With `--drop-spills`: drop that share in runs of N consecutive spills (a full queue
+    /// drops what leaves RAM until the writer catches up).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    drop_run: u64,
+    /// With `--tiers`: the device tier exclusive of RAM (a block reaches RAM when its
+    /// sequence leaves the device, not when it is published), a variant kvstore does not
+    /// ship.
+    #[arg(long)]
+    device_exclusive: bool,
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
@@ -211,7 +231,19 @@ pub fn run(args: Args) -> Result<()> {
     let s = Settings::new(&args)?;
     summary(&s);
     if args.simulate {
-        let json = simulate(&s, &args.budget_tokens)?;
+        let mut json = simulate(&s, &args.budget_tokens, &args.tiers)?;
+        if !args.tiers.is_empty() {
+            let model = tiered::TierModel {
+                block: args.cache.block_size,
+                eviction: args.cache.eviction,
+                drop_spills: args.drop_spills,
+                drop_run: args.drop_run,
+                exclusive: args.device_exclusive,
+                max_blocks: engine::ReuseConfig::default().max_blocks,
+            };
+            let t = SimTrace::new(&s.requests, &s.scale);
+            json["tiers"] = tiered::report(&t, &args.tiers, model)?;
+        }
         if let Some(path) = &args.json {
             write_json(path, &json)?;
         }
@@ -231,9 +263,13 @@ fn write_json(path: &std::path::Path, json: &serde_json::Value) -> Result<()> {
 }
 
 /// `--simulate`: the ideal and every policy at every budget, as a table and as JSON.
-fn simulate(s: &Settings, budgets: &[u64]) -> Result<serde_json::Value> {
-    if budgets.is_empty() {
-        bail!("--simulate needs at least one --budget-tokens N");
+fn simulate(
+    s: &Settings,
+    budgets: &[u64],
+    tiers: &[tiered::TierBudgets],
+) -> Result<serde_json::Value> {
+    if budgets.is_empty() && tiers.is_empty() {
+        bail!("--simulate needs at least one --budget-tokens N or --tiers DEVICE,RAM,SSD");
     }
     let t = SimTrace::new(&s.requests, &s.scale);
     let total = t.prompt_tokens() as f64;

@@ -30,6 +30,8 @@ pub struct SimRequest {
     pub chain: Vec<u32>,
     /// Prompt tokens.
     pub len: usize,
+    /// Completion tokens.
+    pub out: usize,
 }
 
 /// The requests with their blocks named by chain; `block` tokens per block.
@@ -61,6 +63,7 @@ impl SimTrace {
                 SimRequest {
                     chain,
                     len: scale.prompt_len(r),
+                    out: scale.output_len(r),
                 }
             })
             .collect();
@@ -76,7 +79,7 @@ impl SimTrace {
     }
 
     /// Tokens of request `r` inside its block `i`.
-    fn tokens_in(&self, r: &SimRequest, i: usize) -> usize {
+    pub(super) fn tokens_in(&self, r: &SimRequest, i: usize) -> usize {
         self.block.min(r.len - i * self.block)
     }
 

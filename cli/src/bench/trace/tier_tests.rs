@@ -99,7 +99,7 @@ fn replay(trace: &[Vec<u64>], policy: EvictionPolicy, capacity: usize) -> Vec<us
 /// that come back with their history and one new block a turn (a few popular ones much
 /// more often), and one-off prompts that share nothing past the first block. Deterministic
 /// (xorshift), no prompt longer than `max_len` blocks.
-fn conversations(requests: usize, max_len: usize, seed: u64) -> Vec<Vec<u64>> {
+pub(super) fn conversations(requests: usize, max_len: usize, seed: u64) -> Vec<Vec<u64>> {
     let mut x = seed | 1;
     let mut next = move |n: u64| {
         x ^= x << 13;
