@@ -71,20 +71,20 @@ pub struct Args {
     /// with these token budgets (`DEVICE,RAM,SSD`, e.g. `364089,1118481,838861`; 0 leaves
     /// a tier out), in host blocks of `--block-size` tokens with RAM under `--eviction`,
     /// and print the hit share by tier beside one cache of their sum; repeatable.
-    #[arg(long, value_name = "DEVICE,RAM,SSD", value_parser = tiered::TierBudgets::parse)]
+    #[arg(long, value_name = "DEVICE,RAM,SSD", requires = "simulate", value_parser = tiered::TierBudgets::parse)]
     tiers: Vec<tiered::TierBudgets>,
     /// With `--tiers`: drop this share (0 to 1) of the spills the SSD would be written,
     /// evenly spread, as a full write-behind queue drops them.
-    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    #[arg(long, value_name = "F", default_value_t = 0.0, requires = "tiers")]
     drop_spills: f64,
     /// With `--drop-spills`: drop that share in runs of N consecutive spills (a full queue
     /// drops what leaves RAM until the writer catches up).
-    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "drop_spills")]
     drop_run: u64,
     /// With `--tiers`: the device tier exclusive of RAM (a block reaches RAM when its
     /// sequence leaves the device, not when it is published), a variant kvstore does not
     /// ship.
-    #[arg(long)]
+    #[arg(long, requires = "tiers")]
     device_exclusive: bool,
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]

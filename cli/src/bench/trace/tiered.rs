@@ -555,8 +555,8 @@ impl Tiers<'_> {
     }
 }
 
-/// Replays `t` through the tiers at `budgets` (tokens) under `model`.
-pub fn simulate_tiers(t: &SimTrace, budgets: TierBudgets, model: TierModel) -> Result<TieredRun> {
+/// The settings [`simulate_tiers`] can run.
+fn validate(t: &SimTrace, model: &TierModel) -> Result<()> {
     let bs = model.block;
     if bs == 0 || !t.block.is_multiple_of(bs) {
         bail!(
@@ -574,6 +574,13 @@ pub fn simulate_tiers(t: &SimTrace, budgets: TierBudgets, model: TierModel) -> R
             model.drop_spills
         );
     }
+    Ok(())
+}
+
+/// Replays `t` through the tiers at `budgets` (tokens) under `model`.
+pub fn simulate_tiers(t: &SimTrace, budgets: TierBudgets, model: TierModel) -> Result<TieredRun> {
+    validate(t, &model)?;
+    let bs = model.block;
     let clock = UseClock::default();
     let blocks = |tokens: u64| usize::try_from(tokens / bs as u64).unwrap_or(usize::MAX);
     let mut tiers = Tiers {
@@ -607,6 +614,7 @@ pub fn simulate_tiers(t: &SimTrace, budgets: TierBudgets, model: TierModel) -> R
 /// freq-admit cache of the three budgets' sum, and what the tiers did) and returns the
 /// rows as JSON.
 pub fn report(t: &SimTrace, rows: &[TierBudgets], model: TierModel) -> Result<serde_json::Value> {
+    validate(t, &model)?;
     let total = t.prompt_tokens() as f64;
     let pct = |tokens: usize| 100.0 * tokens as f64 / total;
     let one_cache = |policy, tokens: u64| {
@@ -883,6 +891,29 @@ mod tests {
                 let hits: usize = ram.iter().sum();
                 assert!(hits > 0 && hits < ideal, "{p} at {capacity}: {hits}");
             }
+        }
+    }
+
+    #[test]
+    fn settings_it_cannot_run_are_refused() {
+        let t = trace(&[&[1, 2]]);
+        let b = TierBudgets {
+            device: 0,
+            ram: 2,
+            ssd: 0,
+        };
+        let ok = model(EvictionPolicy::Lru);
+        assert!(simulate_tiers(&t, b, ok).is_ok());
+        for bad in [
+            TierModel { block: 2, ..ok },
+            TierModel { block: 0, ..ok },
+            TierModel { drop_run: 0, ..ok },
+            TierModel {
+                drop_spills: 1.5,
+                ..ok
+            },
+        ] {
+            assert!(simulate_tiers(&t, b, bad).is_err(), "{bad:?}");
         }
     }
 
