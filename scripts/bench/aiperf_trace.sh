@@ -8,8 +8,11 @@
 # MODEL_DIR: a Hugging Face folder kvstore serves (tokenizer.json inside: AIPerf uses it).
 # TRACE: default ../shared/traces/mooncake-conversation-part1.jsonl. WINDOW_S: the first
 # this many seconds (default 600). SPEED: time compression (default 10). SCALE_DIV: trace
-# lengths and the 512-token block divided by this (default 128: 4-token blocks).
-# Makes .venv-aiperf (aiperf pinned below) on first use; results go to target/aiperf/.
+# lengths and the 512-token block divided by this (default 128: 4-token blocks; 3.2 is
+# --token-scale 0.3125). Makes .venv-aiperf (aiperf pinned below) on first use, unless
+# AIPERF names an aiperf command to run instead (the GPU machine's offline install,
+# scripts/cuda/device.sh ai); SERVE_BLOCK: kvstore's --block-size (default: the scaled trace
+# block). Results go to target/aiperf/ (OUT to change).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 MODEL=$(cd "${1:?MODEL_DIR}" && pwd)
@@ -19,12 +22,16 @@ SPEED=${4:-10}
 DIV=${5:-128}
 AIPERF_VERSION=0.13.0
 V=$ROOT/.venv-aiperf
-OUT=$ROOT/target/aiperf
+OUT=${OUT:-$ROOT/target/aiperf}
 BIN=${KVSTORE:-$ROOT/target/release/kvstore}
 [ -x "$BIN" ] || { echo "build kvstore first: cargo build --release (or set KVSTORE)" >&2; exit 1; }
-[ -x "$V/bin/aiperf" ] || { python3 -m venv "$V" && "$V/bin/pip" install -q "aiperf==$AIPERF_VERSION"; }
+if [ -z "${AIPERF:-}" ]; then
+  [ -x "$V/bin/aiperf" ] || { python3 -m venv "$V" && "$V/bin/pip" install -q "aiperf==$AIPERF_VERSION"; }
+  AIPERF=$V/bin/aiperf
+fi
 mkdir -p "$OUT"
-BLOCK=$((512 / DIV))
+BLOCK=$(python3 -c "import sys; b = 512 / float(sys.argv[1]); assert b == int(b), 'SCALE_DIV must divide 512'; print(int(b))" "$DIV")
+SERVE_BLOCK=${SERVE_BLOCK:-$BLOCK}
 # 1. The scaled slice as AIPerf reads it: lengths divided and rounded up, timestamps
 #    compressed, the same hash ids.
 python3 - "$TRACE" "$WINDOW" "$SPEED" "$DIV" > "$OUT/scaled.jsonl" <<'PY'
@@ -50,7 +57,7 @@ printf 0000000000000000000000000000000000000000 > "$HF/hub/models--local--model/
 vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")
 serve() { # PORT LOG: a fresh server on a fresh store
   local store; store=$(mktemp -d)
-  "$BIN" serve --model "$MODEL" --port "$1" --store "$store" --block-size "$BLOCK" --max-batch 8 > "$2" 2>&1 &
+  "$BIN" serve --model "$MODEL" --port "$1" --store "$store" --block-size "$SERVE_BLOCK" --max-batch ${MAX_BATCH:-8} ${SERVE_ARGS:-} > "$2" 2>&1 &
   echo $! > "$OUT/serve.pid"
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.2; done
   echo "kvstore serve did not start: $(tail -5 "$2")" >&2; return 1
@@ -59,7 +66,7 @@ stop() { kill "$(cat "$OUT/serve.pid")" 2>/dev/null || true; wait 2>/dev/null ||
 trap stop EXIT
 # 3. AIPerf against one fresh server...
 serve 18934 "$OUT/serve-aiperf.log"
-HF_HOME=$HF HF_HUB_OFFLINE=1 "$V/bin/aiperf" profile -m "$(basename "$MODEL")" --url http://127.0.0.1:18934 \
+HF_HOME=$HF HF_HUB_OFFLINE=1 $AIPERF profile -m "$(basename "$MODEL")" --url http://127.0.0.1:18934 \
   --endpoint-type completions --streaming --input-file "$OUT/scaled.jsonl" \
   --custom-dataset-type mooncake_trace --fixed-schedule --isl-block-size "$BLOCK" \
   --tokenizer local/model --ui-type none --artifact-dir "$OUT/aiperf" > "$OUT/aiperf.log" 2>&1 || { tail -30 "$OUT/aiperf.log"; exit 1; }
@@ -68,7 +75,7 @@ stop
 # 4. ...then bench trace against another, on the same slice.
 serve 18935 "$OUT/serve-bench.log"
 "$BIN" bench trace "$TRACE" --window "0..$WINDOW" --speed "$SPEED" \
-  --token-scale "$(python3 -c "print(1/$DIV)")" --url http://127.0.0.1:18935 --vocab "$vocab" \
+  --token-scale "$(python3 -c "print(1/$DIV)")" ${BENCH_ARGS:-} --url http://127.0.0.1:18935 --vocab "$vocab" \
   --json "$OUT/bench-trace.json" > "$OUT/bench-trace.log" 2>&1 || { tail -20 "$OUT/bench-trace.log"; exit 1; }
 # 5. Side by side.
 python3 - "$OUT/aiperf/profile_export_aiperf.json" "$OUT/bench-trace.json" <<'PY'

@@ -29,7 +29,8 @@
 # cache, nocache, always: --restore always, devonly: the device tier alone, no publication,
 # ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache;
 # XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048); pw: the 8B decode
-# under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets.
+# under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
+# st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -410,6 +411,35 @@ case "$step" in
     cp "$R"/*.json "$R"/*.svg "$R"/*.log "$OUT"/ 2>/dev/null
     running && echo "still running: $(cat "$R/pid")"
     free -g | head -2; df -h /opt | tail -1
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  st) # stash only: a call that carries one more part (e.g. .cuda/xaN from aiperf_pack.sh)
+    stash | tail -n 4
+    ;;
+  ai) # AIPerf beside bench trace --url on the same slice (scripts/bench/aiperf_trace.sh), each
+      # against its own fresh kvstore serve, after x1 (smollm2-rand), x2 and every .cuda/xaN
+      # part of scripts/cuda/aiperf_pack.sh (one `st` call each). WINDOW (s, default 240: both replays in one call),
+      # SPEED (1), DIV (3.2: --token-scale 0.3125), SERVE_BLOCK (32), SERVE_ARGS (default:
+      # the trace's tiers), BENCH_ARGS (--max-concurrency 64)
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    if [ ! -x "$K/aiperfsite/bin/aiperf" ]; then
+      ls "$K"/aiperf.tar.part* >/dev/null 2>&1 || { echo "carry the .cuda/xaN parts first (st calls)"; exit 1; }
+      rm -rf "$K/aiperfwhl" && mkdir -p "$K/aiperfwhl" &&
+        cat "$K"/aiperf.tar.part* | tar -xf - -C "$K/aiperfwhl" &&
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$K/aiperfsite" "$K"/aiperfwhl/*.whl 2>&1 | grep -v "as the 'root' user" | tail -n 3
+    fi
+    printf '#!/bin/sh\nPYTHONPATH=%s exec python3 %s "$@"\n' "$K/aiperfsite" "$K/aiperfsite/bin/aiperf" > "$K/aiperf"
+    chmod +x "$K/aiperf"
+    "$K/aiperf" --version || exit 1
+    rm -rf "$K/aistore"
+    KVSTORE=$BIN AIPERF=$K/aiperf SERVE_BLOCK=${SERVE_BLOCK:-32} \
+      SERVE_ARGS="${SERVE_ARGS:-$TIERS}" BENCH_ARGS="${BENCH_ARGS:---max-concurrency 64}" MAX_BATCH=${BATCH:-16} \
+      OUT=$OUT/aiperf timeout ${LIMIT:-580} bash scripts/bench/aiperf_trace.sh "$d" "$K/mooncake-conversation-part1.jsonl" \
+      "${WINDOW:-240}" "${SPEED:-1}" "${DIV:-3.2}" 2>&1 | tail -n 8
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pn) # where a chunk step's time goes under the trace (session 12: 149-157 ms P50 against
