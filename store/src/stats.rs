@@ -21,6 +21,7 @@ pub(crate) struct Counters {
     pub verify_failures: AtomicU64,
     pub quarantined: AtomicU64,
     pub skipped_queue_full: AtomicU64,
+    pub group_commits: AtomicU64,
     pub orphans_swept: AtomicU64,
     pub remote_hits: AtomicU64,
     pub remote_misses: AtomicU64,
@@ -98,6 +99,8 @@ pub struct StoreStats {
     pub quarantined: u64,
     /// Blocks not written because the write queue was full.
     pub skipped_queue_full: u64,
+    /// Group commits of the write-behind worker that wrote blocks (one disk flush each).
+    pub group_commits: u64,
     /// Orphaned temporary files removed at open.
     pub orphans_swept: u64,
     /// Whether a remote tier is configured.
@@ -148,6 +151,7 @@ impl StoreStats {
             verify_failures: g(&c.verify_failures),
             quarantined: g(&c.quarantined),
             skipped_queue_full: g(&c.skipped_queue_full),
+            group_commits: g(&c.group_commits),
             orphans_swept: g(&c.orphans_swept),
             remote_hits: g(&c.remote_hits),
             remote_misses: g(&c.remote_misses),

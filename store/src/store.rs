@@ -1325,17 +1325,32 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
             }
         };
         // The writes queued right behind it go in the same group commit (one flush of the
-        // disk for all of them); any other job waits until the group is written.
-        // A key already in the group ends it: its second job runs after the first is written.
+        // disk for all of them). A recency refresh of blocks outside the group is applied
+        // at once (re-published blocks come between spills under load, and each would
+        // otherwise end the group: groups of a few blocks, a disk flush each); a flush, or
+        // a refresh of a block in the group, waits until the group is written. A key
+        // already in the group ends it: its second job runs after the first is written.
         let mut group = vec![first];
         while group.len() < GROUP_WRITES {
             let Ok(job) = rx.try_recv() else {
                 break;
             };
+            let in_group =
+                |ns: NamespaceId, key: BlockKey| group.iter().any(|w| w.id() == (ns, key));
             let write = match &job {
                 Job::Write(p, stamp) => Write::new(p.clone(), *stamp, true, false),
                 Job::Replace(p, stamp) => Write::new(p.clone(), *stamp, true, true),
                 Job::Spill(p, stamp) => Write::new(p.clone(), *stamp, false, false),
+                Job::Touch(ns, key, stamp) if !in_group(*ns, *key) => {
+                    ssd.reuse(*ns, *key, *stamp);
+                    continue;
+                }
+                Job::TouchChain(ns, stamped) if !stamped.iter().any(|(k, _)| in_group(*ns, *k)) => {
+                    for &(key, stamp) in stamped {
+                        ssd.touch_at(*ns, key, stamp);
+                    }
+                    continue;
+                }
                 _ => {
                     next = Some(job);
                     break;
@@ -1404,6 +1419,9 @@ fn write_group<F: FileSystem>(shared: &Shared<F>, ssd: &SsdTier<F>, group: Vec<W
             stamp: Some(w.stamp),
         })
         .collect();
+    if !jobs.is_empty() {
+        Counters::inc(&shared.counters.group_commits);
+    }
     let results = ssd.put_many(&jobs);
     for (w, result) in todo.iter().zip(results) {
         let k = w.id();

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use store::{
-    Block, BlockProblem, InsertError, NamespaceId, StopReason, Store, StoreConfig, StoreStats,
-    Tier, WritePolicy,
+    Block, BlockProblem, EvictionPolicy, InsertError, NamespaceId, StopReason, Store, StoreConfig,
+    StoreStats, Tier, WritePolicy,
 };
 
 use crate::common;
@@ -237,6 +237,44 @@ fn spills_past_the_queue_bytes_are_skipped_and_a_lone_block_always_fits() {
     s.flush().unwrap();
     // The spilled block and the one RAM holds.
     assert_eq!(s.stats().ssd_blocks, 2, "{:?}", s.stats());
+}
+
+#[test]
+fn a_re_published_block_between_spills_does_not_split_their_group_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = common::desc("regroup", 4);
+    let cfg = StoreConfig::default()
+        .root(dir.path())
+        .ram_budget(256)
+        .eviction(EvictionPolicy::Lru)
+        .write_policy(WritePolicy::WriteBack);
+    let s = Store::open(cfg).unwrap();
+    s.register_namespace(&d).unwrap();
+    // Unrelated one-block chains: RAM holds one, so each insert spills the one before.
+    let r: Vec<Arc<Block>> = (0..7)
+        .map(|seed| Arc::new(common::chain(&d, 1, 100 + seed).0.remove(0)))
+        .collect();
+    for i in [6, 0, 1] {
+        s.insert(r[i].clone()).unwrap();
+    }
+    s.flush().unwrap();
+    let before = s.stats();
+    assert_eq!(before.ssd_blocks, 3, "{before:?}");
+    {
+        // The worker waits holding the first spill; the rest queue behind it: spills of
+        // r2 and r3 (new) and of r1 and r0 (stored), with the re-publications of r0 and r6
+        // (stored: recency refreshes) between them.
+        let _paused = s.pause_writes();
+        for i in [2, 3, 0, 6] {
+            s.insert(r[i].clone()).unwrap();
+        }
+    }
+    s.flush().unwrap();
+    let st = s.stats();
+    assert_eq!(st.ssd_blocks, 5, "{st:?}");
+    assert_eq!(st.blocks_written - before.blocks_written, 2, "{st:?}");
+    // r2 and r3 in one group commit: the refreshes between them were applied in passing.
+    assert_eq!(st.group_commits - before.group_commits, 1, "{st:?}");
 }
 
 #[test]
