@@ -517,12 +517,15 @@ fn store_note(
         0 => String::new(),
         n => format!(", {n} remote hits"),
     };
+    let (written, commits) = (sum(&|x| x.blocks_written), sum(&|x| x.group_commits));
     Some(format!(
-        "store over the run: {} blocks ({:.1} MiB) written, {} RAM and {} SSD evictions, {} \
-         spills to SSD ({} more dropped: write-behind queue full, --ssd-queue), {} RAM and {} \
-         SSD hits{remote}, {} blocks not admitted to RAM (--eviction {eviction})",
-        sum(&|x| x.blocks_written),
+        "store over the run: {} blocks ({:.1} MiB) written in {commits} group commits ({:.1} \
+         blocks each), {} RAM and {} SSD evictions, {} spills to SSD ({} more dropped: \
+         write-behind queue full, --ssd-queue), {} RAM and {} SSD hits{remote}, {} blocks not \
+         admitted to RAM (--eviction {eviction})",
+        written,
         sum(&|x| x.bytes_written) as f64 / 1048576.0,
+        written as f64 / commits.max(1) as f64,
         sum(&|x| x.ram_evictions),
         sum(&|x| x.ssd_evictions),
         sum(&|x| x.spills),
