@@ -133,17 +133,22 @@ fn row(what: &str, ours: f64, base_name: &str, base: f64) {
     );
 }
 
-/// GB/s of the SSD tier's group commits (the write-behind worker's batches of 64) into a
-/// fresh tier under `dir`.
-fn ssd_put_groups(dir: &Path, bs_mib: u64, bl: &[Block], bytes: u64) -> Result<f64> {
-    let root = dir.join(format!("store-{bs_mib}-groups"));
-    let ssd = SsdTier::open(
-        &root,
+/// A writable SSD tier at `root` without a budget to speak of.
+fn scratch_ssd(root: &Path) -> Result<SsdTier> {
+    Ok(SsdTier::open(
+        root,
         SsdOptions {
             read_only: false,
             budget: u64::MAX / 2,
         },
-    )?;
+    )?)
+}
+
+/// GB/s of the SSD tier's group commits (the write-behind worker's batches of 64) into a
+/// fresh tier under `dir`.
+fn ssd_put_groups(dir: &Path, bs_mib: u64, bl: &[Block], bytes: u64) -> Result<f64> {
+    let root = dir.join(format!("store-{bs_mib}-groups"));
+    let ssd = scratch_ssd(&root)?;
     let t = Instant::now();
     for group in bl.chunks(64) {
         let jobs: Vec<PutJob<'_>> = group
@@ -307,13 +312,7 @@ pub fn run(args: Args) -> Result<()> {
 
         // SSD tier: put = checksum + write + fsync + rename + fsync dir.
         let root = dir.join(format!("store-{bs_mib}"));
-        let ssd = SsdTier::open(
-            &root,
-            SsdOptions {
-                read_only: false,
-                budget: u64::MAX / 2,
-            },
-        )?;
+        let ssd = scratch_ssd(&root)?;
         let t = Instant::now();
         for b in &bl {
             ssd.put(b)?;
