@@ -22,6 +22,7 @@ pub(crate) struct Counters {
     pub quarantined: AtomicU64,
     pub skipped_queue_full: AtomicU64,
     pub group_commits: AtomicU64,
+    pub write_busy_us: AtomicU64,
     pub orphans_swept: AtomicU64,
     pub remote_hits: AtomicU64,
     pub remote_misses: AtomicU64,
@@ -101,6 +102,9 @@ pub struct StoreStats {
     pub skipped_queue_full: u64,
     /// Group commits of the write-behind worker that wrote blocks (one disk flush each).
     pub group_commits: u64,
+    /// Microseconds the write-behind worker spent writing its groups (busy against the
+    /// wall clock: near 100 % the disk path is the bound, and spills queue up).
+    pub write_busy_us: u64,
     /// Orphaned temporary files removed at open.
     pub orphans_swept: u64,
     /// Whether a remote tier is configured.
@@ -152,6 +156,7 @@ impl StoreStats {
             quarantined: g(&c.quarantined),
             skipped_queue_full: g(&c.skipped_queue_full),
             group_commits: g(&c.group_commits),
+            write_busy_us: g(&c.write_busy_us),
             orphans_swept: g(&c.orphans_swept),
             remote_hits: g(&c.remote_hits),
             remote_misses: g(&c.remote_misses),

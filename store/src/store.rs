@@ -1363,7 +1363,12 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
             group.push(write);
         }
         let bytes: u64 = group.iter().map(|w| w.block.data_len()).sum();
+        let t = std::time::Instant::now();
         write_group(&shared, ssd, group);
+        Counters::add(
+            &shared.counters.write_busy_us,
+            t.elapsed().as_micros() as u64,
+        );
         shared.queued.release(bytes);
     }
 }

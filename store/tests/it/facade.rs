@@ -275,6 +275,7 @@ fn a_re_published_block_between_spills_does_not_split_their_group_commit() {
     assert_eq!(st.blocks_written - before.blocks_written, 2, "{st:?}");
     // r2 and r3 in one group commit: the refreshes between them were applied in passing.
     assert_eq!(st.group_commits - before.group_commits, 1, "{st:?}");
+    assert!(st.write_busy_us > before.write_busy_us, "{st:?}");
 }
 
 #[test]

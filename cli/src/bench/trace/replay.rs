@@ -483,7 +483,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget,
-        tier_note: store_note(&before, &after, &cache.eviction.to_string())
+        tier_note: store_note(&before, &after, &cache.eviction.to_string(), wall_s)
             .map(|n| n + &export_note(&exports)),
         steps: Some(StepSummary::of(&steps)),
         engines,
@@ -501,6 +501,7 @@ fn store_note(
     before: &[Option<StoreStats>],
     after: &[Option<StoreStats>],
     eviction: &str,
+    wall_s: f64,
 ) -> Option<String> {
     let pairs: Vec<(&StoreStats, &StoreStats)> = before
         .iter()
@@ -520,12 +521,13 @@ fn store_note(
     let (written, commits) = (sum(&|x| x.blocks_written), sum(&|x| x.group_commits));
     Some(format!(
         "store over the run: {} blocks ({:.1} MiB) written in {commits} group commits ({:.1} \
-         blocks each), {} RAM and {} SSD evictions, {} spills to SSD ({} more dropped: \
+         blocks each; the writer busy {:.0} % of the run), {} RAM and {} SSD evictions, {} spills to SSD ({} more dropped: \
          write-behind queue full, --ssd-queue), {} RAM and {} SSD hits{remote}, {} blocks not \
          admitted to RAM (--eviction {eviction})",
         written,
         sum(&|x| x.bytes_written) as f64 / 1048576.0,
         written as f64 / commits.max(1) as f64,
+        100.0 * sum(&|x| x.write_busy_us) as f64 / 1e6 / (wall_s * pairs.len() as f64).max(1e-9),
         sum(&|x| x.ram_evictions),
         sum(&|x| x.ssd_evictions),
         sum(&|x| x.spills),
