@@ -40,7 +40,7 @@ fn simulated(policy: EvictionPolicy) -> Policy {
 }
 
 /// Requests of whole 1-token blocks (`--token-scale 1/512`): ids as given.
-fn requests(trace: &[Vec<u64>]) -> Vec<TraceRequest> {
+pub(super) fn requests(trace: &[Vec<u64>]) -> Vec<TraceRequest> {
     trace
         .iter()
         .map(|ids| TraceRequest {

@@ -700,26 +700,17 @@ pub fn report(t: &SimTrace, rows: &[TierBudgets], model: TierModel) -> Result<se
 
 #[cfg(test)]
 mod tests {
-    use super::super::parse::TraceRequest;
     use super::super::scale::TokenScale;
     use super::super::sim::{self, Policy};
-    use super::super::tier_tests::conversations;
+    use super::super::tier_tests::{conversations, requests};
     use super::*;
 
     /// Requests of whole 1-token blocks with 1 completion token (`--token-scale 1/512`):
     /// a sequence holds its prompt and nothing more.
     fn trace(reqs: &[&[u64]]) -> SimTrace {
         let scale = TokenScale::new(1.0 / 512.0).unwrap();
-        let r: Vec<TraceRequest> = reqs
-            .iter()
-            .map(|ids| TraceRequest {
-                timestamp: 0,
-                input_length: ids.len() * 512,
-                output_length: 1,
-                hash_ids: ids.to_vec(),
-            })
-            .collect();
-        let t = SimTrace::new(&r, &scale);
+        let ids: Vec<Vec<u64>> = reqs.iter().map(|r| r.to_vec()).collect();
+        let t = SimTrace::new(&requests(&ids), &scale);
         assert_eq!(t.block, 1);
         t
     }
