@@ -55,14 +55,19 @@ cp "$MODEL"/tokenizer*.json "$MODEL"/config.json "$snap/" 2>/dev/null || true
 [ -f "$MODEL/special_tokens_map.json" ] && cp "$MODEL/special_tokens_map.json" "$snap/"
 printf 0000000000000000000000000000000000000000 > "$HF/hub/models--local--model/refs/main"
 vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$MODEL/config.json")
-serve() { # PORT LOG: a fresh server on a fresh store
+serve() { # PORT LOG: a fresh server on a fresh store (removed by stop)
   local store; store=$(mktemp -d)
+  echo "$store" > "$OUT/serve.store"
   "$BIN" serve --model "$MODEL" --port "$1" --store "$store" --block-size "$SERVE_BLOCK" --max-batch ${MAX_BATCH:-8} ${SERVE_ARGS:-} > "$2" 2>&1 &
   echo $! > "$OUT/serve.pid"
   for _ in $(seq 600); do curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0; sleep 0.2; done
   echo "kvstore serve did not start: $(tail -5 "$2")" >&2; return 1
 }
-stop() { kill "$(cat "$OUT/serve.pid")" 2>/dev/null || true; wait 2>/dev/null || true; }
+stop() {
+  kill "$(cat "$OUT/serve.pid" 2>/dev/null)" 2>/dev/null || true; wait 2>/dev/null || true
+  [ -f "$OUT/serve.store" ] && rm -rf "$(cat "$OUT/serve.store")" "$OUT/serve.store"
+  return 0
+}
 trap stop EXIT
 # 3. AIPerf against one fresh server...
 serve 18934 "$OUT/serve-aiperf.log"

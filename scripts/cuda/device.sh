@@ -52,6 +52,12 @@ stash() { # copy the parts that came with this call
   ls -la "$K"
 }
 
+install_wheels() { # SITE: the wheels of the tar on stdin, installed offline into $K/SITE
+  rm -rf "$K/$1-whl" && mkdir -p "$K/$1-whl" && tar -xf - -C "$K/$1-whl" &&
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$K/$1" "$K/$1-whl"/*.whl 2>&1 |
+    grep -v "as the 'root' user" | tail -n 3
+}
+
 env_setup() {
   SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
   export PYTHONPATH=/opt/kvmlx:$K/site
@@ -348,10 +354,7 @@ case "$step" in
     env_setup
     d=$K/smollm2-rand
     [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
-    if [ ! -d "$K/peersite/mlx_lm" ]; then
-      mkdir -p "$K/peerwhl" && tar -xf "$K/peer.tar" -C "$K/peerwhl" &&
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$K/peersite" "$K"/peerwhl/*.whl 2>&1 | tail -2
-    fi
+    [ -d "$K/peersite/mlx_lm" ] || install_wheels peersite < "$K/peer.tar"
     printf '#!/bin/sh\nPYTHONPATH=/opt/kvmlx:%s exec python3 "$@"\n' "$K/peersite" > "$K/peer-python"
     chmod +x "$K/peer-python"
     "$K/peer-python" -c 'import mlx_lm, mlx.core as mx; print("peer mlx-lm", mlx_lm.__version__, mx.default_device())' || exit 1
@@ -428,14 +431,11 @@ case "$step" in
     [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
     if [ ! -x "$K/aiperfsite/bin/aiperf" ]; then
       ls "$K"/aiperf.tar.part* >/dev/null 2>&1 || { echo "carry the .cuda/xaN parts first (st calls)"; exit 1; }
-      rm -rf "$K/aiperfwhl" && mkdir -p "$K/aiperfwhl" &&
-        cat "$K"/aiperf.tar.part* | tar -xf - -C "$K/aiperfwhl" &&
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$K/aiperfsite" "$K"/aiperfwhl/*.whl 2>&1 | grep -v "as the 'root' user" | tail -n 3
+      cat "$K"/aiperf.tar.part* | install_wheels aiperfsite
     fi
     printf '#!/bin/sh\nPYTHONPATH=%s exec python3 %s "$@"\n' "$K/aiperfsite" "$K/aiperfsite/bin/aiperf" > "$K/aiperf"
     chmod +x "$K/aiperf"
     "$K/aiperf" --version || exit 1
-    rm -rf "$K/aistore"
     KVSTORE=$BIN AIPERF=$K/aiperf SERVE_BLOCK=${SERVE_BLOCK:-32} \
       SERVE_ARGS="${SERVE_ARGS:-$TIERS}" BENCH_ARGS="${BENCH_ARGS:---max-concurrency 64}" MAX_BATCH=${BATCH:-16} \
       OUT=$OUT/aiperf timeout ${LIMIT:-580} bash scripts/bench/aiperf_trace.sh "$d" "$K/mooncake-conversation-part1.jsonl" \
