@@ -52,7 +52,7 @@ pub struct Args {
     long_prompt: usize,
     /// Prompt tokens prefilled per engine step while rows decode (the chunked arm)
     /// [default: as `serve`: 2048 on a GPU, 512 on the CPU].
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     prefill_chunk: Option<usize>,
     /// The engine's step budget, as `kvstore serve --itl-stretch` (the sessions part and
     /// the interleave's first arm); the interleave's budgeted arm takes it, or 1.5 with
@@ -773,9 +773,6 @@ fn peer_comparison(args: &Args, python: &str) -> Result<Vec<HttpSessions>> {
 pub fn run(mut args: Args) -> Result<()> {
     if args.streams == 0 || args.stream_tokens < 8 || args.long_prompt == 0 {
         bail!("--streams must be at least 1, --stream-tokens at least 8, --long-prompt at least 1");
-    }
-    if args.prefill_chunk() == 0 {
-        bail!("--prefill-chunk must be at least 1");
     }
     // A fresh store unless one is named, removed at the end: every run starts cold.
     let scratch = tempfile::tempdir().context("creating a scratch store directory")?;
