@@ -1490,7 +1490,9 @@ impl<F: FileSystem> SsdTier<F> {
         }
         let budget = self.budget();
         // 2. fsync the data.
+        let t = std::time::Instant::now();
         let synced = parallel(&mut staged, |(_, st)| st.file.sync_all());
+        Counters::add(&self.counters.write_sync_us, t.elapsed().as_micros() as u64);
         let first_failure = synced
             .into_iter()
             .enumerate()
@@ -1525,7 +1527,9 @@ impl<F: FileSystem> SsdTier<F> {
         let mut dirs: Vec<PathBuf> = renamed.iter().map(|(_, r)| r.shard_dir.clone()).collect();
         dirs.sort();
         dirs.dedup();
+        let t = std::time::Instant::now();
         let dir_results = parallel(&mut dirs, |d| self.fs.sync_dir(d));
+        Counters::add(&self.counters.write_sync_us, t.elapsed().as_micros() as u64);
         let mut bad_dirs: Vec<(PathBuf, Option<WriteError>)> = Vec::new();
         for (d, r) in dirs.iter().zip(dir_results) {
             if let Err(e) = r {

@@ -23,6 +23,7 @@ pub(crate) struct Counters {
     pub skipped_queue_full: AtomicU64,
     pub group_commits: AtomicU64,
     pub write_busy_us: AtomicU64,
+    pub write_sync_us: AtomicU64,
     pub orphans_swept: AtomicU64,
     pub remote_hits: AtomicU64,
     pub remote_misses: AtomicU64,
@@ -105,6 +106,9 @@ pub struct StoreStats {
     /// Microseconds the write-behind worker spent writing its groups (busy against the
     /// wall clock: near 100 % the disk path is the bound, and spills queue up).
     pub write_busy_us: u64,
+    /// Of that time, microseconds spent in the group commits' fsyncs (block files and
+    /// their directories): the disk's flushes against encoding, writing and indexing.
+    pub write_sync_us: u64,
     /// Orphaned temporary files removed at open.
     pub orphans_swept: u64,
     /// Whether a remote tier is configured.
@@ -157,6 +161,7 @@ impl StoreStats {
             skipped_queue_full: g(&c.skipped_queue_full),
             group_commits: g(&c.group_commits),
             write_busy_us: g(&c.write_busy_us),
+            write_sync_us: g(&c.write_sync_us),
             orphans_swept: g(&c.orphans_swept),
             remote_hits: g(&c.remote_hits),
             remote_misses: g(&c.remote_misses),

@@ -276,6 +276,10 @@ fn a_re_published_block_between_spills_does_not_split_their_group_commit() {
     // r2 and r3 in one group commit: the refreshes between them were applied in passing.
     assert_eq!(st.group_commits - before.group_commits, 1, "{st:?}");
     assert!(st.write_busy_us > before.write_busy_us, "{st:?}");
+    // The commit's fsyncs are a part of the time it took.
+    let synced = st.write_sync_us - before.write_sync_us;
+    assert!(synced > 0, "{st:?}");
+    assert!(synced <= st.write_busy_us - before.write_busy_us, "{st:?}");
 }
 
 #[test]

@@ -521,13 +521,14 @@ fn store_note(
     let (written, commits) = (sum(&|x| x.blocks_written), sum(&|x| x.group_commits));
     Some(format!(
         "store over the run: {} blocks ({:.1} MiB) written in {commits} group commits ({:.1} \
-         blocks each; the writer busy {:.0} % of the run), {} RAM and {} SSD evictions, {} spills to SSD ({} more dropped: \
+         blocks each; the writer busy {:.0} % of the run, {:.0} % in fsyncs), {} RAM and {} SSD evictions, {} spills to SSD ({} more dropped: \
          write-behind queue full, --ssd-queue), {} RAM and {} SSD hits{remote}, {} blocks not \
          admitted to RAM (--eviction {eviction})",
         written,
         sum(&|x| x.bytes_written) as f64 / 1048576.0,
         written as f64 / commits.max(1) as f64,
         100.0 * sum(&|x| x.write_busy_us) as f64 / 1e6 / (wall_s * pairs.len() as f64).max(1e-9),
+        100.0 * sum(&|x| x.write_sync_us) as f64 / 1e6 / (wall_s * pairs.len() as f64).max(1e-9),
         sum(&|x| x.ram_evictions),
         sum(&|x| x.ssd_evictions),
         sum(&|x| x.spills),
