@@ -81,6 +81,17 @@ pub struct Args {
     /// drops what leaves RAM until the writer catches up).
     #[arg(long, value_name = "N", default_value_t = 1, requires = "drop_spills")]
     drop_run: u64,
+    /// With `--tiers`: queue the spills for a writer of RATE host blocks a second with a
+    /// queue of QUEUE host blocks, dropping what arrives while it is full, at the requests'
+    /// arrival times (in place of `--drop-spills`; e.g. `202,730`, the H200 writer's rate
+    /// under the trace and 1 GiB of SmolLM2 blocks).
+    #[arg(long, value_name = "RATE,QUEUE", requires = "tiers", conflicts_with = "drop_spills", value_parser = tiered::WriterModel::parse)]
+    writer: Option<tiered::WriterModel>,
+    /// With `--writer`: after a drop, keep dropping until the queue has drained to this
+    /// share of its bound (the store's mark, 0.5, by default; 1: take a spill as soon as
+    /// one fits, as the store did until session 27).
+    #[arg(long, value_name = "F", default_value_t = 0.5, requires = "writer")]
+    writer_resume: f64,
     /// With `--tiers`: the device tier exclusive of RAM (a block reaches RAM when its
     /// sequence leaves the device, not when it is published), a variant kvstore does not
     /// ship.
@@ -238,6 +249,10 @@ pub fn run(args: Args) -> Result<()> {
                 eviction: args.cache.eviction,
                 drop_spills: args.drop_spills,
                 drop_run: args.drop_run,
+                writer: args.writer.map(|w| tiered::WriterModel {
+                    resume: args.writer_resume,
+                    ..w
+                }),
                 exclusive: args.device_exclusive,
                 max_blocks: engine::ReuseConfig::default().max_blocks,
             };

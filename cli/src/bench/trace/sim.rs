@@ -32,6 +32,8 @@ pub struct SimRequest {
     pub len: usize,
     /// Completion tokens.
     pub out: usize,
+    /// Arrival in seconds of the trace's clock (its `timestamp`).
+    pub at_s: f64,
 }
 
 /// The requests with their blocks named by chain; `block` tokens per block.
@@ -64,6 +66,7 @@ impl SimTrace {
                     chain,
                     len: scale.prompt_len(r),
                     out: scale.output_len(r),
+                    at_s: r.timestamp as f64 / 1000.0,
                 }
             })
             .collect();

@@ -28,7 +28,10 @@
 //!   it; a block it refuses and every block it evicts is spilled.
 //! - **Spills** (store/src/store.rs `spill`): stamped with the store's use clock as they
 //!   leave; a block the SSD holds already is not written (its SSD copy keeps its place);
-//!   the rest are written unless dropped (`drop_spills`: the write-behind queue full).
+//!   the rest are written unless dropped: `drop_spills` drops a fixed share, or a
+//!   [`WriterModel`] (`--writer`) queues them for a writer of a fixed rate and drops what
+//!   arrives while its queue is full (store/src/queued_bytes.rs), from the request's
+//!   arrival time on the trace's clock.
 //! - **SSD tier** (store/src/ssd.rs): recency order by stamp, no gate, no chain rule (the
 //!   order it keeps under `lru` and `freq-admit`; `lfu`'s counts are not modelled); a
 //!   write older than every block it would displace is not admitted (never, for a spill
@@ -111,10 +114,108 @@ pub struct TierModel {
     /// Consecutive spills dropped together (a full queue drops what leaves RAM until the
     /// writer catches up, not one spill in four).
     pub drop_run: u64,
+    /// The write-behind writer's rate and queue, in place of `drop_spills` when set.
+    pub writer: Option<WriterModel>,
     /// Blocks reach RAM only when they leave the device tier.
     pub exclusive: bool,
     /// Most blocks an arena grows to (`ReuseConfig::max_blocks`).
     pub max_blocks: usize,
+}
+
+/// The write-behind worker as a queue drained at a fixed rate (`--writer
+/// RATE,QUEUE[,PUBLISH]`): a spill enters if the queue has room for it (a block always fits
+/// an empty queue) and is dropped otherwise; once a spill was dropped, spills are dropped
+/// until the queue has drained to `resume` of its bound (`--writer-resume`; 1 resumes as
+/// soon as a block fits). Spills happen as blocks are published: all at a request's
+/// arrival, or, with PUBLISH, one after another at that many blocks a second from it on
+/// (the engine prefills one prompt after another), so a request's spills meet the
+/// writer's progress as they do in a run.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct WriterModel {
+    /// Host blocks the writer writes a second.
+    pub blocks_per_s: f64,
+    /// Host blocks the queue holds.
+    pub queue_blocks: f64,
+    /// Share of the bound the queue drains to before a full queue takes spills again.
+    pub resume: f64,
+    /// Host blocks the engine publishes a second, one after another (`None`: a request's
+    /// blocks at its arrival).
+    pub publish_per_s: Option<f64>,
+}
+
+impl WriterModel {
+    /// Parses `RATE,QUEUE[,PUBLISH]` (host blocks a second, host blocks queued at most,
+    /// host blocks published a second).
+    pub fn parse(s: &str) -> Result<WriterModel, String> {
+        let bad = || {
+            format!(
+                "`{s}`: give the writer's rate and queue in host blocks, and optionally the \
+                 engine's publication rate, RATE,QUEUE[,PUBLISH] (e.g. 202,728,397)"
+            )
+        };
+        let nums: Vec<f64> = s
+            .split(',')
+            .map(|x| x.trim().parse::<f64>().map_err(|_| bad()))
+            .collect::<Result<_, _>>()?;
+        let (rate, queue, publish) = match nums[..] {
+            [r, q] => (r, q, None),
+            [r, q, p] => (r, q, Some(p)),
+            _ => return Err(bad()),
+        };
+        let positive = |x: f64| x > 0.0 && x.is_finite();
+        if !(positive(rate) && queue >= 1.0 && queue.is_finite() && publish.is_none_or(positive))
+        {
+            return Err(format!(
+                "`{s}`: the writer needs a rate above 0, a queue of at least one block and a \
+                 publication rate above 0"
+            ));
+        }
+        Ok(WriterModel {
+            blocks_per_s: rate,
+            queue_blocks: queue,
+            resume: 1.0,
+            publish_per_s: publish,
+        })
+    }
+}
+
+/// The [`WriterModel`]'s queue as a run goes.
+#[derive(Clone, Copy, Debug)]
+struct WriterQueue {
+    model: WriterModel,
+    /// Blocks queued at `at_s`.
+    queued: f64,
+    at_s: f64,
+    /// Dropping until the queue has drained to `resume` of its bound.
+    shedding: bool,
+}
+
+impl WriterQueue {
+    fn new(model: WriterModel) -> Self {
+        WriterQueue {
+            model,
+            queued: 0.0,
+            at_s: 0.0,
+            shedding: false,
+        }
+    }
+
+    /// Whether a spill at `now_s` enters the queue (else it is dropped).
+    fn takes(&mut self, now_s: f64) -> bool {
+        let m = self.model;
+        let drained = m.blocks_per_s * (now_s - self.at_s).max(0.0);
+        self.queued = (self.queued - drained).max(0.0);
+        self.at_s = self.at_s.max(now_s);
+        if self.shedding && self.queued <= m.resume * m.queue_blocks {
+            self.shedding = false;
+        }
+        if self.shedding || (self.queued > 0.0 && self.queued + 1.0 > m.queue_blocks) {
+            self.shedding = true;
+            return false;
+        }
+        self.queued += 1.0;
+        true
+    }
 }
 
 /// Counters of a tiered run.
@@ -279,6 +380,13 @@ struct Tiers<'a> {
     next_reply: Id,
     /// Spills that were to be written so far (for the drops).
     spills_to_write: u64,
+    /// The writer's queue, when modelled.
+    writer: Option<WriterQueue>,
+    /// The arrival of the request being replayed, or the time of the block it publishes
+    /// (trace seconds).
+    now_s: f64,
+    /// When the engine published its last block (`WriterModel::publish_per_s`).
+    published_at_s: f64,
     c: TierCounters,
 }
 
@@ -363,10 +471,15 @@ impl Tiers<'_> {
             if self.ssd.capacity == 0 {
                 continue;
             }
-            let n = self.spills_to_write / self.model.drop_run;
-            self.spills_to_write += 1;
-            let f = self.model.drop_spills;
-            if ((n + 1) as f64 * f).floor() > (n as f64 * f).floor() {
+            let dropped = if let Some(w) = &mut self.writer {
+                !w.takes(self.now_s)
+            } else {
+                let n = self.spills_to_write / self.model.drop_run;
+                self.spills_to_write += 1;
+                let f = self.model.drop_spills;
+                ((n + 1) as f64 * f).floor() > (n as f64 * f).floor()
+            };
+            if dropped {
                 self.c.spills_dropped += 1;
                 continue;
             }
@@ -379,6 +492,10 @@ impl Tiers<'_> {
     /// `Store::insert` of a published block.
     fn publish(&mut self, id: Id, parent: Option<Id>) {
         self.c.published += 1;
+        if let Some(rate) = self.model.writer.and_then(|w| w.publish_per_s) {
+            self.now_s = self.now_s.max(self.published_at_s) + 1.0 / rate;
+            self.published_at_s = self.now_s;
+        }
         let left = self.ram_insert(id, parent);
         if self.ssd.contains(id) {
             // Re-published while stored: the SSD copy is recent again.
@@ -521,6 +638,7 @@ impl Tiers<'_> {
     /// One request: device hit, loads after it, publication, the sequence parked.
     fn request(&mut self, j: usize) -> [usize; 3] {
         let bs = self.model.block;
+        self.now_s = self.t.requests[j].at_s;
         let seq = self.sequence(j);
         let m = if self.device_budget > 0 {
             self.device_take(j)
@@ -568,6 +686,14 @@ fn validate(t: &SimTrace, model: &TierModel) -> Result<()> {
     if model.drop_run == 0 {
         bail!("--drop-run must be at least 1");
     }
+    if let Some(w) = model.writer {
+        if !(0.0..=1.0).contains(&w.resume) {
+            bail!(
+                "--writer-resume must be a share of the queue from 0 to 1, not {}",
+                w.resume
+            );
+        }
+    }
     if !(0.0..=1.0).contains(&model.drop_spills) {
         bail!(
             "--drop-spills must be a share from 0 to 1, not {}",
@@ -601,6 +727,9 @@ pub fn simulate_tiers(t: &SimTrace, budgets: TierBudgets, model: TierModel) -> R
         next_resident: 0,
         next_reply: REPLY,
         spills_to_write: 0,
+        writer: model.writer.map(WriterQueue::new),
+        now_s: 0.0,
+        published_at_s: 0.0,
         c: TierCounters::default(),
     };
     let hits = (0..t.requests.len()).map(|j| tiers.request(j)).collect();
@@ -621,9 +750,27 @@ pub fn report(t: &SimTrace, rows: &[TierBudgets], model: TierModel) -> Result<se
         let blocks = usize::try_from(tokens / t.block as u64).unwrap_or(usize::MAX);
         pct(super::sim::simulate(t, policy, blocks).iter().sum())
     };
+    let drops = match model.writer {
+        Some(w) => format!(
+            "spills queued for a writer of {} blocks/s, {} blocks queued at most, resuming at \
+             {:.0} % after a drop, {}",
+            w.blocks_per_s,
+            w.queue_blocks,
+            100.0 * w.resume,
+            match w.publish_per_s {
+                Some(p) => format!("blocks published at {p}/s"),
+                None => "a request's blocks published at its arrival".into(),
+            }
+        ),
+        None => format!(
+            "{:.1} % of spills dropped in runs of {}",
+            100.0 * model.drop_spills,
+            model.drop_run
+        ),
+    };
     println!(
-        "tiers: blocks of {} tokens, RAM under {}, device tier {}, {:.1} % of spills dropped \
-         in runs of {} (% of prompt tokens hit)",
+        "tiers: blocks of {} tokens, RAM under {}, device tier {}, {drops} (% of prompt \
+         tokens hit)",
         model.block,
         model.eviction,
         if model.exclusive {
@@ -631,8 +778,6 @@ pub fn report(t: &SimTrace, rows: &[TierBudgets], model: TierModel) -> Result<se
         } else {
             "inclusive (every published block goes to RAM at once)"
         },
-        100.0 * model.drop_spills,
-        model.drop_run
     );
     println!(
         "{:>26} {:>7} {:>7} {:>7} {:>7} | {:>8} {:>10} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}",
@@ -693,6 +838,7 @@ pub fn report(t: &SimTrace, rows: &[TierBudgets], model: TierModel) -> Result<se
         "eviction": model.eviction.name(),
         "drop_spills": model.drop_spills,
         "drop_run": model.drop_run,
+        "writer": model.writer,
         "device_exclusive": model.exclusive,
         "rows": out,
     }))
@@ -721,6 +867,7 @@ mod tests {
             eviction,
             drop_spills: 0.0,
             drop_run: 1,
+            writer: None,
             exclusive: false,
             max_blocks: 8192,
         }
@@ -903,9 +1050,113 @@ mod tests {
                 drop_spills: 1.5,
                 ..ok
             },
+            TierModel {
+                writer: Some(WriterModel {
+                    resume: 1.5,
+                    ..WriterModel::parse("1,4").unwrap()
+                }),
+                ..ok
+            },
         ] {
             assert!(simulate_tiers(&t, b, bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// A writer of 1 block/s with a queue of 4: five spills at t=0 fill it and drop the
+    /// fifth. At t=1 (3 queued) a writer that resumes as soon as a block fits takes the
+    /// next one; one that resumes at half the queue drops it, and takes one at t=2 (2
+    /// queued). At t=10 both queues are empty and take four more.
+    #[test]
+    fn the_writer_queue_drops_while_full_and_resumes_at_its_mark() {
+        let eager = WriterModel::parse("1,4").unwrap();
+        let half = WriterModel {
+            resume: 0.5,
+            ..eager
+        };
+        let takes = |m: WriterModel, times: &[f64]| -> Vec<bool> {
+            let mut q = WriterQueue::new(m);
+            times.iter().map(|&t| q.takes(t)).collect()
+        };
+        let times = [
+            0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 10.0, 10.0, 10.0, 10.0, 10.0,
+        ];
+        let (y, n) = (true, false);
+        assert_eq!(
+            takes(eager, &times),
+            vec![y, y, y, y, n, y, y, y, y, y, y, n]
+        );
+        assert_eq!(
+            takes(half, &times),
+            vec![y, y, y, y, n, n, y, y, y, y, y, n]
+        );
+        // A block always fits an empty queue, even one of less than a block.
+        let tiny = WriterModel {
+            queue_blocks: 0.5,
+            ..eager
+        };
+        assert_eq!(takes(tiny, &[0.0, 0.0, 1.0]), vec![y, n, y]);
+        assert!(WriterModel::parse("0,4").is_err());
+        assert!(WriterModel::parse("5").is_err());
+        assert!(WriterModel::parse("5,0").is_err());
+        assert!(WriterModel::parse("5,4,0").is_err());
+        assert!(WriterModel::parse("5,4,6,7").is_err());
+        assert_eq!(WriterModel::parse("5, 4, 6").unwrap().publish_per_s, Some(6.0));
+    }
+
+    /// Spills through a modelled writer in a replay: one-block prompts one second apart
+    /// through a RAM of 1 block, each spilling the one before, against a writer of 0.5
+    /// blocks/s with a queue of 1: every other spill is dropped, so every other block
+    /// hits on the SSD when the prompts come again.
+    #[test]
+    fn a_writer_slower_than_the_spills_drops_them() {
+        let ids: Vec<Vec<u64>> = (1..=9).map(|i| vec![i]).collect();
+        let mut reqs = requests(&ids);
+        reqs.extend(requests(&ids[..8]));
+        for (i, r) in reqs.iter_mut().enumerate() {
+            r.timestamp = 1000 * i as u64;
+        }
+        let scale = TokenScale::new(1.0 / 512.0).unwrap();
+        let t = SimTrace::new(&reqs, &scale);
+        let b = TierBudgets {
+            device: 0,
+            ram: 1,
+            ssd: 100,
+        };
+        let m = TierModel {
+            writer: Some(WriterModel::parse("0.5,1").unwrap()),
+            ..model(EvictionPolicy::Lru)
+        };
+        let run = simulate_tiers(&t, b, m).unwrap();
+        // Block 1 spilled at t=1 (queued), 2 at t=2 (half a block still queued: dropped),
+        // 3 at t=3 (drained: queued), and so on.
+        let ssd: Vec<usize> = run.hits[9..].iter().map(|h| h[2]).collect();
+        assert_eq!(ssd, vec![1, 0, 1, 0, 1, 0, 1, 0]);
+        // When the prompts come again the writer has room: only blocks 2, 4, 6, 8 were lost.
+        assert_eq!(run.counters.spills_dropped, 4);
+    }
+
+    /// One prompt of four chained blocks through a RAM of one block: blocks 2-4 leave as
+    /// they are published (RAM keeps the root: it has a child). A writer of 1 block/s with
+    /// a queue of 1 takes the first spill and drops the other two when all are published
+    /// at the arrival; published one a second, each spill finds the queue drained.
+    #[test]
+    fn spills_meet_the_writer_as_the_engine_publishes() {
+        let t = trace(&[&[1, 2, 3, 4]]);
+        let b = TierBudgets {
+            device: 0,
+            ram: 1,
+            ssd: 100,
+        };
+        let dropped = |w: &str| {
+            let m = TierModel {
+                writer: Some(WriterModel::parse(w).unwrap()),
+                ..model(EvictionPolicy::Lru)
+            };
+            let c = simulate_tiers(&t, b, m).unwrap().counters;
+            (c.ssd_written, c.spills_dropped)
+        };
+        assert_eq!(dropped("1,1"), (1, 2));
+        assert_eq!(dropped("1,1,1"), (3, 0));
     }
 
     #[test]
