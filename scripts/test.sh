@@ -7,13 +7,20 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 with_gemma=""
 case "${CI:-}" in "" | 0 | false) ;; *) with_gemma=--with-gemma ;; esac
 # shellcheck disable=SC2086
-bash scripts/setup.sh $with_gemma
+# Each phase's minutes go to stderr, so a CI log shows where its time went.
+phase() {
+    local name=$1 t=$SECONDS
+    shift
+    "$@"
+    echo "test.sh: $name took $(((SECONDS - t) / 60)) min $(((SECONDS - t) % 60)) s" >&2
+}
+phase set-up bash scripts/setup.sh $with_gemma
 # mlx_lm.server, the serving peer `kvstore bench serve --peer-python` is tested against.
-bash scripts/bench/setup_peer.sh
-cargo test --workspace --all-targets "$@"
-cargo test --workspace --doc
+phase "the serving peer's set-up" bash scripts/bench/setup_peer.sh
+phase "cargo test" cargo test --workspace --all-targets "$@"
+phase "doc tests" cargo test --workspace --doc
 # Fuzz smoke over the committed corpora. The store targets build in a few minutes and the
 # model-file target adds about 40 s of CPU (the MLX binding); the engine targets (a much
 # longer instrumented build) run when FUZZ_TARGETS names them; their corpora replay in
 # `cargo test` above either way.
-FUZZ_TARGETS=${FUZZ_TARGETS:-"block_file journal store_key model_file"} bash scripts/fuzz_smoke.sh
+FUZZ_TARGETS=${FUZZ_TARGETS:-"block_file journal store_key model_file"} phase "fuzz smoke" bash scripts/fuzz_smoke.sh
