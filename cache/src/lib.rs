@@ -43,7 +43,7 @@ pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
 pub use pool::{ladder_capacity, BlockPool, BlockShape, CUDNN_ARENA_FROM, CUDNN_KV_STEP};
 pub use resident::{
-    ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
+    EvictedSequence, ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
 };
 pub use rows::{decode_path_totals, PagedKvRows};
 pub use share::ShareHandle;

@@ -23,6 +23,10 @@
 //! Eviction is least recently used, whole sequences at a time, when resident plus live
 //! bytes exceed the budget. Every full block was exported to the host tiers when it was
 //! published, so an evicted sequence is still restorable from RAM, SSD or the remote tier.
+//! An exclusive device tier (`engine::DeviceTier::Exclusive`) exports a sequence's blocks
+//! when it leaves instead: the pool keeps what eviction takes
+//! ([`ResidentPool::set_keep_evicted`]) for the engine to export and drop
+//! ([`ResidentPool::take_evicted`]).
 //! A sequence holding a pinned block ([`store::Pins`]) is spared while unpinned ones are
 //! left: a finished sequence that does not fit beside the pinned ones is not kept, but a
 //! live request's reservation outranks pins (its blocks stay pinned in the host tiers), so
@@ -46,6 +50,17 @@ struct Entry {
     used: u64,
     /// Counts the caches that share a prefix of this one (its live sharers).
     handle: ShareHandle,
+}
+
+/// A sequence eviction took from a pool that keeps them ([`ResidentPool::set_keep_evicted`]).
+#[derive(Debug)]
+pub struct EvictedSequence {
+    /// Its chain, with the keys of its full blocks.
+    pub chain: Chain,
+    /// The tokens it held.
+    pub tokens: Vec<u32>,
+    /// Its cache (the arenas: device memory until dropped).
+    pub cache: PagedKvCache,
 }
 
 /// What [`ResidentPool::take`] found.
@@ -108,6 +123,9 @@ pub struct ResidentPool {
     pins: Arc<Pins>,
     /// The fewest matched tokens a hit shares rather than forks.
     share_min_tokens: usize,
+    /// Keep the sequences eviction takes (in `evicted`) instead of dropping them.
+    keep_evicted: bool,
+    evicted: Vec<EvictedSequence>,
 }
 
 /// What [`ResidentPool::share_counts`] reports of one resident sequence.
@@ -147,6 +165,33 @@ impl ResidentPool {
             stats: ResidentStats::default(),
             pins: Arc::new(Pins::new()),
             share_min_tokens: DEFAULT_SHARE_MIN_TOKENS,
+            keep_evicted: false,
+            evicted: Vec::new(),
+        }
+    }
+
+    /// Keeps the sequences eviction takes, for [`Self::take_evicted`], instead of dropping
+    /// them (an exclusive device tier exports their blocks to the host tiers first). Until
+    /// taken, their arenas hold device memory past the budget.
+    pub fn set_keep_evicted(&mut self, keep: bool) {
+        self.keep_evicted = keep;
+    }
+
+    /// The sequences evicted since the last call (none unless [`Self::set_keep_evicted`]).
+    pub fn take_evicted(&mut self) -> Vec<EvictedSequence> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Calls `f` with the chain, cache and tokens of every resident sequence, least
+    /// recently used first (an exclusive device tier exports what they hold before a
+    /// flush). Recency and the budget's accounting are unchanged.
+    pub fn for_each_resident(&mut self, mut f: impl FnMut(&mut Chain, &mut PagedKvCache, &[u32])) {
+        let mut ids: Vec<(u64, u64)> = self.entries.iter().map(|(id, e)| (e.used, *id)).collect();
+        ids.sort_unstable();
+        for (_, id) in ids {
+            if let Some(e) = self.entries.get_mut(&id) {
+                f(&mut e.chain, &mut e.cache, &e.tokens);
+            }
         }
     }
 
@@ -430,6 +475,13 @@ impl ResidentPool {
                 self.stats.evictions += 1;
                 self.stats.evicted_bytes += e.bytes;
                 evicted += 1;
+                if self.keep_evicted {
+                    self.evicted.push(EvictedSequence {
+                        chain: e.chain,
+                        tokens: e.tokens,
+                        cache: e.cache,
+                    });
+                }
             }
         }
         evicted

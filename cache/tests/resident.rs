@@ -527,3 +527,51 @@ fn two_live_requests_share_the_physical_blocks_of_a_resident_prefix() {
     assert_eq!(pool.stats().sequences, 0);
     pool.release(1000 * block_bytes);
 }
+
+/// A pool that keeps what eviction takes hands back exactly the sequences it evicted,
+/// least recently used first, each with its tokens, its chain and a cache still holding its
+/// KV; nothing is kept unless asked, and sequences that only leave (handed over,
+/// superseded) are not evictions.
+#[test]
+fn a_pool_that_keeps_evictions_hands_them_back_whole() {
+    let ns = NamespaceId([7; 32]);
+    let mut probe = ResidentPool::new(1 << 30);
+    park(&mut probe, ns, &[1; 8]);
+    let one = probe.stats().resident_bytes;
+
+    let mut small = ResidentPool::new(2 * one);
+    for t in 10..13 {
+        park(&mut small, ns, &[t; 8]);
+    }
+    assert_eq!(small.stats().evictions, 1);
+    assert!(small.take_evicted().is_empty(), "kept without being asked");
+
+    let mut pool = ResidentPool::new(8 * one);
+    pool.set_keep_evicted(true);
+    park(&mut pool, ns, &[10; 8]);
+    park(&mut pool, ns, &[11; 8]);
+    // Superseded (extended by a new sequence), then handed over: no eviction.
+    let mut longer = vec![11u32; 8];
+    longer.extend([13; 4]);
+    park(&mut pool, ns, &longer);
+    let chain = Chain::of(ns, BS, &longer);
+    let hit = pool.take(&chain, &longer, 12).unwrap().unwrap();
+    assert!(hit.handed_over);
+    assert_eq!(pool.stats().evictions, 0);
+    assert!(pool.take_evicted().is_empty());
+
+    // A live reservation of 7 sequences' bytes evicts the two least recently used of the
+    // three resident: [10; 8], then [20; 8].
+    park(&mut pool, ns, &[20; 8]);
+    park(&mut pool, ns, &[21; 8]);
+    assert!(pool.reserve(7 * one));
+    let evicted = pool.take_evicted();
+    let held: Vec<Vec<u32>> = evicted.iter().map(|e| e.tokens.clone()).collect();
+    assert_eq!(held, vec![vec![10u32; 8], vec![20u32; 8]]);
+    for e in &evicted {
+        assert_holds(&e.cache, &e.tokens);
+        assert_eq!(e.chain.keys(), Chain::of(ns, BS, &e.tokens).keys());
+    }
+    assert!(pool.take_evicted().is_empty(), "taken once");
+    assert_eq!(pool.stats().sequences, 1);
+}

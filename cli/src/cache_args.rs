@@ -85,6 +85,14 @@ pub struct CacheArgs {
     /// copying it; `never` always copies. Default: 256 on the CPU, never on a GPU.
     #[arg(long, value_name = "N|never", value_parser = parse_share_min_tokens)]
     pub share_min_tokens: Option<usize>,
+    /// `inclusive`: every block is copied to the host tiers as it is published, so RAM
+    /// holds copies of the device tier's blocks; `exclusive`: a finished sequence's blocks
+    /// reach the host tiers when it leaves the device (evicted, or at shutdown), so the
+    /// tiers hold more distinct blocks, but other requests find a running prompt's blocks
+    /// only once its sequence has left the device (docs/prefix-reuse.md, "The device
+    /// tier").
+    #[arg(long, value_name = "inclusive|exclusive", default_value = "inclusive")]
+    pub device_tier: engine::DeviceTier,
     /// Do not read or write the prefix cache (every request is prefilled in full).
     #[arg(long)]
     pub no_cache: bool,
@@ -227,6 +235,7 @@ impl CacheArgs {
             share_min_tokens: self
                 .share_min_tokens
                 .unwrap_or_else(engine::default_share_min_tokens),
+            device_tier: self.device_tier,
             ..ReuseConfig::default()
         })
     }

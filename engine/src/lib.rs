@@ -32,6 +32,7 @@ mod chunk_budget;
 mod constrained;
 mod cost_model;
 mod device_sampler;
+mod device_tier;
 mod error;
 mod export;
 #[doc(hidden)]
@@ -54,6 +55,7 @@ pub use census::{
 };
 pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
 pub use cost_model::{CostSamples, Fit, RestoreEstimates};
+pub use device_tier::DeviceTier;
 pub use error::{EngineError, ErrorClass, Result};
 pub use export::{ExportStats, MAX_PENDING_BYTES};
 pub use generate::{

@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use cache::{
-    plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, KvCache, KvFormat,
-    PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
+    plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, EvictedSequence,
+    KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
 };
 use serde::Serialize;
 use store::{
@@ -33,6 +33,7 @@ use store::{
 };
 
 use crate::cost_model::{plan_with_probes, CostSamples, Costs, Fit, RestoreEstimates, RestorePlan};
+use crate::device_tier::DeviceTier;
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
@@ -74,6 +75,10 @@ pub struct ReuseConfig {
     /// at its first write); `usize::MAX` never shares. Default:
     /// [`default_share_min_tokens`] (docs/cache.md, "Shared prefixes").
     pub share_min_tokens: usize,
+    /// Whether the device tier holds copies of the host tiers' blocks (blocks exported as
+    /// they are published) or not (exported as their sequences leave the device). Default:
+    /// [`DeviceTier::Inclusive`].
+    pub device_tier: DeviceTier,
 }
 
 /// The fewest tokens a device hit shares on the CPU: [`SHARE_MIN_TOKENS_CPU`].
@@ -105,6 +110,7 @@ impl Default for ReuseConfig {
             state_every: None,
             window_trim: true,
             share_min_tokens: default_share_min_tokens(),
+            device_tier: DeviceTier::Inclusive,
         }
     }
 }
@@ -293,6 +299,9 @@ pub struct KvTiers {
     /// Whether any host tier can hold a block (RAM or SSD budget above 0, or a remote
     /// tier): without one, publication copies nothing off the device.
     host_tiers: bool,
+    /// Blocks reach the host tiers as their sequences leave the device
+    /// ([`DeviceTier::Exclusive`], with host tiers).
+    exclusive: bool,
 }
 
 const RECENT_SEQUENCES: usize = 8;
@@ -308,10 +317,16 @@ pub struct PinnedTiers {
 }
 
 /// A device tier of `bytes` whose eviction spares `store`'s pins.
-fn pinned_pool(bytes: u64, store: &Store, share_min_tokens: usize) -> ResidentPool {
+fn pinned_pool(
+    bytes: u64,
+    store: &Store,
+    share_min_tokens: usize,
+    exclusive: bool,
+) -> ResidentPool {
     let mut pool = ResidentPool::new(bytes);
     pool.set_pins(store.pins().clone());
     pool.set_share_min_tokens(share_min_tokens);
+    pool.set_keep_evicted(exclusive);
     pool
 }
 
@@ -563,11 +578,19 @@ impl KvTiers {
             .map(|b| Costs::from_saved(&b, &device))
             .unwrap_or_default();
         costs.price_unmeasured_ssd(block_bytes(&description));
-        let resident = pinned_pool(config.kv_budget_bytes, &store, config.share_min_tokens);
         let host_tiers = {
             let c = store.config();
             c.ram_budget > 0 || (store.ssd().is_some() && c.ssd_budget > 0) || c.remote.is_some()
         };
+        let exclusive = host_tiers && config.device_tier == DeviceTier::Exclusive;
+        // An exclusive tier exports a sequence from its own arenas as it leaves: a cache
+        // reading another entry's arenas as its prefix would have to export blocks it does
+        // not hold, so hits fork instead.
+        let share_min_tokens = match exclusive {
+            true => usize::MAX,
+            false => config.share_min_tokens,
+        };
+        let resident = pinned_pool(config.kv_budget_bytes, &store, share_min_tokens, exclusive);
         let store = Arc::new(store);
         let exporter = Exporter::start(store.clone())
             .map_err(|e| EngineError::io("kvstore-export thread", e))?;
@@ -600,6 +623,7 @@ impl KvTiers {
             costs_saved: Mutex::new(None),
             restore_always: config.restore_always,
             host_tiers,
+            exclusive,
         })
     }
 
@@ -616,8 +640,52 @@ impl KvTiers {
     /// Sets the device budget (live and resident KV together).
     /// Resizing drops what is resident: call it at start-up, before any request.
     pub fn set_kv_budget(&self, bytes: u64) -> Result<()> {
+        self.export_resident()?;
         let mut resident = self.resident()?;
-        *resident = pinned_pool(bytes, &self.store, resident.share_min_tokens());
+        *resident = pinned_pool(
+            bytes,
+            &self.store,
+            resident.share_min_tokens(),
+            self.exclusive,
+        );
+        Ok(())
+    }
+
+    /// Reserves `bytes` of the device budget for a live sequence
+    /// ([`ResidentPool::reserve`]), evicting resident sequences for them; an exclusive tier
+    /// exports what they held. Returns whether resident and live bytes fit the budget.
+    pub fn reserve(&self, bytes: u64) -> Result<bool> {
+        let (fits, evicted) = {
+            let mut r = self.resident()?;
+            let fits = r.reserve(bytes);
+            (fits, r.take_evicted())
+        };
+        self.export_evicted(evicted);
+        Ok(fits)
+    }
+
+    /// Exports the blocks sequences held as they left an exclusive device tier (the host
+    /// tiers lack them); a failure is logged, as a skipped export is counted.
+    fn export_evicted(&self, evicted: Vec<EvictedSequence>) {
+        for mut e in evicted {
+            if let Err(err) = self.export(&mut e.chain, &mut e.cache, &e.tokens) {
+                tracing::warn!(error = %err, "exporting a sequence leaving the device failed");
+            }
+        }
+    }
+
+    /// An exclusive device tier: exports what every resident sequence holds that the host
+    /// tiers lack (they stay resident), so a flush makes it durable. Nothing to do
+    /// otherwise.
+    fn export_resident(&self) -> Result<()> {
+        if !self.exclusive {
+            return Ok(());
+        }
+        self.resident()?.for_each_resident(|chain, cache, tokens| {
+            if let Err(err) = self.export(chain, cache, tokens) {
+                tracing::warn!(error = %err, "exporting a resident sequence failed");
+            }
+        });
         Ok(())
     }
 
@@ -744,6 +812,7 @@ impl KvTiers {
 
     /// Makes everything published so far durable on SSD, the cost model included.
     pub fn flush(&self) -> Result<()> {
+        self.export_resident()?;
         self.save_costs(true);
         self.exporter.wait_idle();
         Ok(self.store.flush()?)
@@ -1060,11 +1129,12 @@ impl KvTiers {
         tokens: &[u32],
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
-        let n = if self.host_tiers {
+        let n = if self.host_tiers && !self.exclusive {
             self.export(chain, cache, held)?
         } else {
-            // Nothing on the host could keep a block: the device tier is the whole cache,
-            // and its index needs only the chain's keys.
+            // Nothing on the host could keep a block (the device tier is the whole cache),
+            // or an exclusive device tier exports it when its sequence leaves: the device
+            // tier's index needs only the chain's keys.
             chain.extend(held);
             0
         };
@@ -1244,7 +1314,12 @@ impl KvTiers {
     ) -> Result<usize> {
         let held = &tokens[..cache.offset().min(tokens.len())];
         let n = self.publish(&mut chain, &mut cache, held)?;
-        self.resident()?.park(chain, held.to_vec(), cache);
+        let evicted = {
+            let mut r = self.resident()?;
+            r.park(chain, held.to_vec(), cache);
+            r.take_evicted()
+        };
+        self.export_evicted(evicted);
         self.save_costs(false);
         Ok(n)
     }

@@ -1355,8 +1355,8 @@ impl Worker {
             };
             // One budget: resident sequences leave the device to make room for live ones.
             if let Some(pc) = &self.prefix {
-                if let Ok(mut r) = pc.resident() {
-                    r.reserve(p.reserve);
+                if let Err(e) = pc.reserve(p.reserve) {
+                    tracing::warn!(request = p.id, error = %e, "reserving device memory failed");
                 }
             }
             self.set_gauges();
@@ -2002,12 +2002,12 @@ impl Worker {
     fn charge_arena(&mut self) {
         let excess = self.rows.arena_excess_bytes();
         if let Some(pc) = &self.prefix {
-            if let Ok(mut r) = pc.resident() {
-                if excess > self.arena_charged {
-                    r.reserve(excess - self.arena_charged);
-                } else {
-                    r.release(self.arena_charged - excess);
+            if excess > self.arena_charged {
+                if let Err(e) = pc.reserve(excess - self.arena_charged) {
+                    tracing::warn!(error = %e, "charging the batch arena to the device budget failed");
                 }
+            } else if let Ok(mut r) = pc.resident() {
+                r.release(self.arena_charged - excess);
             }
         }
         self.arena_charged = excess;

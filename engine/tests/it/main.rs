@@ -6,6 +6,7 @@ mod bad_input;
 mod batch;
 mod common;
 mod constrained;
+mod exclusive;
 mod fuzz_corpus;
 mod gemma3;
 mod generation;

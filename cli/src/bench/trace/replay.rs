@@ -473,6 +473,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
             "ssd_budget": cache.ssd_budget,
             "remote": cache.remote.remote.as_deref().map(store::redact),
             "eviction": cache.eviction.name(),
+            "device_tier": cache.device_tier.name(),
             "restore": format!("{:?}", cache.restore).to_lowercase(),
             "no_cache": cache.no_cache,
             "max_batch": args.max_batch,

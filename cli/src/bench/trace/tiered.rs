@@ -163,8 +163,7 @@ impl WriterModel {
             _ => return Err(bad()),
         };
         let positive = |x: f64| x > 0.0 && x.is_finite();
-        if !(positive(rate) && queue >= 1.0 && queue.is_finite() && publish.is_none_or(positive))
-        {
+        if !(positive(rate) && queue >= 1.0 && queue.is_finite() && publish.is_none_or(positive)) {
             return Err(format!(
                 "`{s}`: the writer needs a rate above 0, a queue of at least one block and a \
                  publication rate above 0"
@@ -1100,7 +1099,10 @@ mod tests {
         assert!(WriterModel::parse("5,0").is_err());
         assert!(WriterModel::parse("5,4,0").is_err());
         assert!(WriterModel::parse("5,4,6,7").is_err());
-        assert_eq!(WriterModel::parse("5, 4, 6").unwrap().publish_per_s, Some(6.0));
+        assert_eq!(
+            WriterModel::parse("5, 4, 6").unwrap().publish_per_s,
+            Some(6.0)
+        );
     }
 
     /// Spills through a modelled writer in a replay: one-block prompts one second apart
