@@ -22,7 +22,8 @@
 //! - **Publication** (engine/src/reuse.rs `publish`, engine/src/export.rs): every full
 //!   block after the restored ones is inserted into the store at once (inclusive: RAM holds
 //!   copies of device blocks); `exclusive` instead inserts a sequence's blocks (those no
-//!   host tier holds) when it leaves the device: evicted, or cut off a hand-over.
+//!   host tier holds) when it leaves the device, evicted, as `--device-tier exclusive` does
+//!   (the tail a hand-over cuts off is not exported).
 //! - **RAM tier** (store/src/ram.rs `RamTier::insert`, store/src/store.rs `insert`): the
 //!   store's [`ChainOrder`] under `--eviction`, as [`super::sim`]'s freq-admit column runs
 //!   it; a block it refuses and every block it evicts is spilled.
@@ -564,11 +565,9 @@ impl Tiers<'_> {
         let held = self.resident[&id].seq.held;
         if (held - m) * HANDOVER_TAIL <= held {
             self.c.handovers += 1;
-            if let Some(e) = self.device_remove(id) {
-                if self.model.exclusive {
-                    self.publish_missing(&e.seq, m / self.model.block);
-                }
-            }
+            // The tail cut off stays unexported, as the engine leaves it
+            // (`DeviceTier::Exclusive`): it is the reply the next turn re-rendered.
+            self.device_remove(id);
         } else if let Some(e) = self.resident.get_mut(&id) {
             e.used = self.device_clock;
         }
