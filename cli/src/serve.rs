@@ -38,6 +38,12 @@ pub struct Args {
     /// [default: 2048 on a GPU (mlx-lm's prefill step), 512 on the CPU].
     #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     prefill_chunk: Option<usize>,
+    /// Which admitted prompt is prefilled next: `arrival` (oldest first) or `fewest-new`
+    /// (the fewest tokens left to compute first, so a prompt mostly restored from the cache
+    /// answers at once; each step a prompt waits counts as one of its chunks computed, so
+    /// none is passed over for ever).
+    #[arg(long, value_name = "arrival|fewest-new", default_value = "arrival")]
+    prefill_order: engine::PrefillOrder,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from
     /// measured step times, putting running streams before a long prompt's TTFT; `none`
@@ -148,6 +154,7 @@ pub fn run(args: Args) -> Result<()> {
             .prefill_chunk
             .unwrap_or_else(engine::default_prefill_chunk),
         itl_stretch: args.itl_stretch,
+        prefill_order: args.prefill_order,
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);

@@ -41,6 +41,7 @@ mod generate;
 mod layers;
 mod model;
 pub mod models;
+mod prefill_order;
 mod reuse;
 mod sampler;
 mod scheduler;
@@ -66,6 +67,7 @@ pub use model::{
     aligned_chunk, default_prefill_chunk, KvLayout, LayerKind, MixedStep, Model, ModelInfo,
     PromptChunk, PromptPass, DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
 };
+pub use prefill_order::PrefillOrder;
 pub use reuse::{
     auto_state_every, combined_salt, default_share_min_tokens, generate_with_reuse,
     namespace_description, HostPrefix, KvTiers, PinnedTiers, Prepared, ReuseConfig, ReuseReport,

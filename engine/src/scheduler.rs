@@ -45,6 +45,7 @@ use crate::chunk_budget::ChunkBudget;
 use crate::error::{EngineError, ErrorClass, Result};
 use crate::generate::{FinishReason, GenerateParams, Timings};
 use crate::model::{Model, ModelInfo};
+use crate::prefill_order::PrefillOrder;
 use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
 use crate::sequence::{
@@ -90,6 +91,10 @@ pub struct EngineConfig {
     /// when set, else on where MLX computes on the CPU and off on a GPU (where it did not
     /// pay: docs/server.md, "Mixed steps"). Default: None.
     pub mixed_steps: Option<bool>,
+    /// Which admitted prompt is prefilled next: the oldest, or the one with the fewest
+    /// tokens left to compute (engine/src/prefill_order.rs). Default:
+    /// [`PrefillOrder::Arrival`].
+    pub prefill_order: PrefillOrder,
 }
 
 impl Default for EngineConfig {
@@ -104,6 +109,7 @@ impl Default for EngineConfig {
             step_log: 0,
             batch_arena: None,
             mixed_steps: None,
+            prefill_order: PrefillOrder::Arrival,
         }
     }
 }
@@ -684,6 +690,7 @@ impl Engine {
             built_us: 0,
             published_us: 0,
             admit_waited_load: false,
+            steps: 0,
         };
         let thread = std::thread::Builder::new()
             .name("kvstore-engine".into())
@@ -1038,6 +1045,8 @@ struct Prefilling {
     cache: PagedKvCache,
     chain: Option<Chain>,
     report: ReuseReport,
+    /// The engine step it was admitted at ([`PrefillOrder::next`] counts its wait).
+    admitted_step: u64,
 }
 
 struct Worker {
@@ -1082,6 +1091,8 @@ struct Worker {
     published_us: u64,
     /// Set when admission stopped at a request whose prefix was still loading.
     admit_waited_load: bool,
+    /// Engine steps run so far.
+    steps: u64,
 }
 
 /// A prefill chunk that ran inside the step's decode pass: the request (out of the
@@ -1169,10 +1180,12 @@ impl Worker {
                     r.p.cancel.cancel();
                 }
             }
-            // 2. Admit.
+            // 2. Admit, and bring the prompt to prefill next to the front.
+            self.steps += 1;
             let mut record = StepRecord::default();
             let t = Instant::now();
             self.admit();
+            self.order_prefilling();
             record.admit_us = micros(t.elapsed());
             record.admit_waited_load = std::mem::take(&mut self.admit_waited_load);
             // 3. Queue one batched decode step, fed with the previous step's picks while
@@ -1435,6 +1448,7 @@ impl Worker {
             cache,
             chain,
             report,
+            admitted_step: self.steps,
         })
     }
 
@@ -1452,6 +1466,28 @@ impl Worker {
         if let Some(pc) = &self.prefix {
             if let Ok(mut pool) = pc.resident() {
                 pool.release(bytes);
+            }
+        }
+    }
+
+    /// Moves the prompt [`EngineConfig::prefill_order`] prefills next to the front of the
+    /// prefilling queue, where this step's chunk (and its riders) are taken from.
+    fn order_prefilling(&mut self) {
+        if self.prefilling.len() < 2 {
+            return;
+        }
+        let steps = self.steps;
+        let waiting = self.prefilling.iter().map(|r| {
+            let left = r.seq.prompt.len().saturating_sub(r.cache.offset());
+            (left, steps.saturating_sub(r.admitted_step))
+        });
+        let i = self
+            .config
+            .prefill_order
+            .next(waiting, self.config.prefill_chunk);
+        if i > 0 {
+            if let Some(r) = self.prefilling.remove(i) {
+                self.prefilling.push_front(r);
             }
         }
     }
@@ -1522,6 +1558,7 @@ impl Worker {
             chain,
             report,
             queue_s,
+            ..
         } = r;
         self.reserved = self.reserved.saturating_sub(p.reserve);
         let prompt = &seq.prompt;
@@ -1589,6 +1626,7 @@ impl Worker {
             mut cache,
             mut chain,
             mut report,
+            ..
         } = r;
         seq.first_pick(logits)?;
         seq.prefilled(self.prefix.as_deref(), &mut report);

@@ -1331,6 +1331,56 @@ fn the_step_log_times_admission_and_publication() {
     }
 }
 
+/// While a row decodes, a 64-token prompt (eight 8-token chunks) and an 8-token one are
+/// admitted: prefilling the fewest new tokens first, the short prompt's chunk runs before
+/// the long prompt's last; in arrival order, after it (the long prompt's chunks fill each
+/// step's budget, so the short one cannot ride along).
+#[test]
+fn the_prefill_order_decides_whether_a_short_prompt_passes_a_long_one() {
+    for (order, passes) in [
+        (engine::PrefillOrder::FewestNew, true),
+        (engine::PrefillOrder::Arrival, false),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = open_engine(
+            dir.path(),
+            EngineConfig {
+                max_batch: 4,
+                prefill_chunk: 8,
+                step_log: 100_000,
+                prefill_order: order,
+                ..EngineConfig::default()
+            },
+        );
+        let mut row = engine
+            .submit(Request::new(distinct_ids(12, 1), no_eos(100_000)))
+            .unwrap();
+        wait_first_token(&mut row);
+        let long = engine
+            .submit(Request::new(distinct_ids(64, 2), no_eos(2)))
+            .unwrap();
+        let short = engine
+            .submit(Request::new(distinct_ids(8, 3), no_eos(2)))
+            .unwrap();
+        let (l, sh) = (long.id(), short.id());
+        assert_eq!(long.wait().unwrap().completion_tokens, 2);
+        assert_eq!(short.wait().unwrap().completion_tokens, 2);
+        row.cancel();
+        let log = engine.step_log();
+        let runs = |s: &engine::StepRecord, id: u64| {
+            s.prefilled.is_some_and(|(p, _)| p == id) || s.riders.iter().any(|(p, _)| *p == id)
+        };
+        let long_ends = log.iter().rposition(|s| runs(s, l)).unwrap();
+        let short_runs = log.iter().position(|s| runs(s, sh)).unwrap();
+        assert_eq!(
+            short_runs < long_ends,
+            passes,
+            "{order}: the short prompt ran at step {short_runs}, the long one ended at {long_ends}: {:?}",
+            &log[short_runs.min(long_ends)..=short_runs.max(long_ends)]
+        );
+    }
+}
+
 /// Waits for `h`'s first token (panics on a failure or an end without one).
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {
