@@ -659,9 +659,9 @@ impl<F: FileSystem> Store<F> {
             }
         }
         let evicted = lock(&self.shared.ram).insert(payload.clone());
-        if self.shared.config.write_policy == WritePolicy::WriteThrough {
-            // The worker writes it, or only refreshes its recency if it is stored by then.
-            self.enqueue(payload.clone(), replace, self.shared.clock.tick());
+        let through = self.shared.config.write_policy == WritePolicy::WriteThrough;
+        if through {
+            // Queued after the spills below, see there.
         } else if replace && stored() {
             // The SSD copy (or the one queued) is another layout: replace it now, as a
             // later spill of the RAM copy would find the key stored and skip it.
@@ -676,6 +676,14 @@ impl<F: FileSystem> Store<F> {
         }
         let displaced = !evicted.is_empty();
         self.spill(evicted);
+        if through {
+            // The worker writes it, or only refreshes its recency if it is stored by then,
+            // stamped after the blocks it displaced (their spills above): the insert is the
+            // later event, and its SSD copy must not rank below theirs, or a full SSD gives
+            // up the newest insert first (found by `store_under_freq_admit_matches_a_map_model`:
+            // Put 3, 19, 14, 0, Get 14, Put 8, Get 14, reopen lost 8).
+            self.enqueue(payload.clone(), replace, self.shared.clock.tick());
+        }
         if displaced {
             // The blocks it displaced were stamped as they left, after this insert's use:
             // the insert is the later event, and a write-back flush must not write its block

@@ -130,7 +130,10 @@ proptest! {
     /// reopen, Put 16, Put 10, Put 4 refused, Get 23 evicting 16 and 10, reopen). Once a
     /// reopen could not expect it, no later reopen does before the next insert (found by
     /// this test: Put 0, Put 4, Put 18, reopen, Get 18, Put 20, Put 2, Get 4 evicting from
-    /// RAM, reopen, reopen: the model expected 2 back at the second reopen).
+    /// RAM, reopen, reopen: the model expected 2 back at the second reopen). Written
+    /// through, an insert's SSD copy is stamped after the blocks its insert displaced from
+    /// RAM (found by this test: Put 3, 19, 14, 0, Get 14, Put 8, Get 14, reopen lost 8,
+    /// whose write was stamped before its victims' spills and refused by a full SSD).
     #[test]
     fn store_under_freq_admit_matches_a_map_model(ops in ops(), through in any::<bool>()) {
         store_against_a_map_model(ops, through, EvictionPolicy::FreqAdmit)?;
