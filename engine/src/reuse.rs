@@ -674,10 +674,17 @@ impl KvTiers {
         }
     }
 
+    /// Whether the device tier is exclusive of the host tiers ([`DeviceTier::Exclusive`]
+    /// with a host tier to export to).
+    pub fn is_exclusive(&self) -> bool {
+        self.exclusive
+    }
+
     /// An exclusive device tier: exports what every resident sequence holds that the host
     /// tiers lack (they stay resident), so a flush makes it durable. Nothing to do
-    /// otherwise.
-    fn export_resident(&self) -> Result<()> {
+    /// otherwise. It makes device copies: call it on the thread that runs the engine's MLX
+    /// work, or with no engine running.
+    pub fn export_resident(&self) -> Result<()> {
         if !self.exclusive {
             return Ok(());
         }
@@ -810,9 +817,17 @@ impl KvTiers {
         self.store.stats()
     }
 
-    /// Makes everything published so far durable on SSD, the cost model included.
+    /// Makes everything published so far durable on SSD, the cost model included; with an
+    /// exclusive device tier, what is resident first ([`Self::export_resident`]: call it
+    /// where the engine's MLX work runs, or with no engine running; [`crate::Engine::flush`]
+    /// does).
     pub fn flush(&self) -> Result<()> {
         self.export_resident()?;
+        self.flush_published()
+    }
+
+    /// [`Self::flush`] without the resident sequences' export: no MLX work, any thread.
+    pub(crate) fn flush_published(&self) -> Result<()> {
         self.save_costs(true);
         self.exporter.wait_idle();
         Ok(self.store.flush()?)

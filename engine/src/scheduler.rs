@@ -406,8 +406,12 @@ pub struct EngineMetrics {
 
 enum Command {
     Submit(Box<Pending>),
-    Shutdown { cancel: bool },
+    Shutdown {
+        cancel: bool,
+    },
     Fault(InjectedFault),
+    /// Export what an exclusive device tier holds resident, then answer.
+    ExportResident(std::sync::mpsc::Sender<()>),
 }
 
 /// A failure [`Engine::inject_fault`] makes happen. Not a stable API.
@@ -918,11 +922,25 @@ impl Engine {
     }
 
     /// Makes every published block durable; returns once it is (no-op without a cache).
+    /// An exclusive device tier's resident sequences are exported first, by the engine
+    /// thread while it runs (their device copies are MLX work), else here.
     pub fn flush(&self) -> Result<()> {
-        match &self.prefix {
-            Some(p) => p.flush(),
-            None => Ok(()),
+        let Some(p) = &self.prefix else {
+            return Ok(());
+        };
+        if p.is_exclusive() {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let sent = self.is_running()
+                && self
+                    .tx
+                    .lock()
+                    .is_ok_and(|t| t.send(Command::ExportResident(tx)).is_ok());
+            // No answer: the engine thread ended (or never took it); no MLX work runs now.
+            if !sent || rx.recv().is_err() {
+                p.export_resident()?;
+            }
         }
+        p.flush_published()
     }
 
     /// Refuses new submissions from now on ([`SubmitError::ShuttingDown`]) while queued and
@@ -1283,6 +1301,14 @@ impl Worker {
             Command::Shutdown { cancel } => {
                 let d = self.draining.unwrap_or(false) || cancel;
                 self.draining = Some(d);
+            }
+            Command::ExportResident(done) => {
+                if let Some(pc) = &self.prefix {
+                    if let Err(e) = pc.export_resident() {
+                        tracing::warn!(error = %e, "exporting the resident sequences failed");
+                    }
+                }
+                let _ = done.send(());
             }
             Command::Fault(InjectedFault::FailNextStep) => self.fail_next_step = true,
             Command::Fault(InjectedFault::FailNextPrefill) => self.fail_next_prefill = true,

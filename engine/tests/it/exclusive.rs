@@ -66,7 +66,7 @@ fn an_exclusive_device_tier_exports_a_sequence_when_it_leaves_the_device() {
     run(&engine, &b, 100);
     let s = tiers.resident_stats();
     assert!(s.evictions >= 1, "{s:?}");
-    tiers.flush().unwrap();
+    engine.flush().unwrap();
     assert!(tiers.stats().ram_blocks >= 5, "{:?}", tiers.stats());
 
     // `a` again: restored from RAM (it is not resident), decoded as cold.
@@ -85,7 +85,12 @@ fn an_exclusive_device_tier_exports_what_is_resident_at_a_flush() {
         run(&engine, &a, 8);
         let tiers = engine.kv_tiers().unwrap();
         assert_eq!(tiers.stats().ram_blocks, 0);
-        // Closing flushes: the resident sequence's blocks reach RAM, then the SSD.
+        // A flush while the engine runs: its thread exports the resident sequence (device
+        // copies are its MLX work), which stays resident.
+        engine.flush().unwrap();
+        assert_eq!(tiers.stats().ram_blocks, 5, "{:?}", tiers.stats());
+        assert_eq!(tiers.resident_stats().sequences, 1);
+        // Closing flushes too: nothing more to export; the blocks reach the SSD.
         engine.close().unwrap();
     }
     // A new engine on the same store finds them on the SSD.
@@ -103,6 +108,6 @@ fn an_inclusive_device_tier_exports_blocks_as_they_are_published() {
     assert_eq!(first.reuse.published_blocks, 5, "{:?}", first.reuse);
     let tiers = engine.kv_tiers().unwrap();
     assert_eq!(tiers.resident_stats().sequences, 1);
-    tiers.flush().unwrap();
+    engine.flush().unwrap();
     assert_eq!(tiers.stats().ram_blocks, 5, "{:?}", tiers.stats());
 }
