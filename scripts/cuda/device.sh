@@ -381,6 +381,9 @@ case "$step" in
       # for the running arm (at most WAIT s), starts the next arm of ARMS that has not run
       # when none runs, and copies every finished arm's log, JSON and plot to $OUT.
       # MODEL=llama8b replays with the 8B-shaped bf16 checkpoint (made in $K the first time).
+      # Arms: cache (full tiering), nocache, device (device tier only), exclusive (full
+      # tiering, --device-tier exclusive), fewest (full tiering, --prefill-order
+      # fewest-new), fewestnocache (no cache, fewest-new).
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -402,6 +405,9 @@ case "$step" in
       case "$arm" in
         nocache) A="--no-cache --label no-cache" ;;
         device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
+        exclusive) rm -rf "$K/tstore"; A="$TIERS --device-tier exclusive --store $K/tstore --label full-tiering-exclusive --no-flush" ;;
+        fewest) rm -rf "$K/tstore"; A="$TIERS --prefill-order fewest-new --store $K/tstore --label full-tiering-fewest-new --no-flush" ;;
+        fewestnocache) A="--no-cache --prefill-order fewest-new --label no-cache-fewest-new" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       touch "$R/$arm.started"
