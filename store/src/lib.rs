@@ -87,6 +87,7 @@ pub use eviction::EvictionPolicy;
 pub use key::{block_key, chain_keys, BlockKey, NamespaceId, ParseKeyError};
 pub use namespace::{KvQuantization, NamespaceDescription};
 pub use pins::{PinnedBytes, Pins, PERSIST_SLACK};
+pub use queued_bytes::QUEUE_RESUME_SHARE;
 pub use ram::{Evicted, RamTier};
 pub use remote::RemoteConfig;
 pub use ssd::{PutJob, ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};

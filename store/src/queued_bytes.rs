@@ -8,7 +8,7 @@
 //! and a block that does not fit is skipped (and counted by the caller).
 //!
 //! Once a block was skipped, the queue skips every block until it has drained to half its
-//! bound ([`RESUME_SHARE`]). Without that mark a queue kept full by a faster producer takes
+//! bound ([`QUEUE_RESUME_SHARE`]). Without that mark a queue kept full by a faster producer takes
 //! a block each time its worker frees room for one, so its losses fall one by one all
 //! over the chains that pass through it, and a chain with one block lost is useless past
 //! it: on the Mooncake trace, a quarter of the spills dropped one at a time left the SSD
@@ -18,9 +18,10 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-/// The share of its bound a queue that skipped a block drains to before it takes blocks
-/// again.
-pub(crate) const RESUME_SHARE: f64 = 0.5;
+/// The share of its bound a write-behind or remote publication queue that skipped a block
+/// drains to before it takes blocks again (`kvstore bench trace --simulate --writer`
+/// models the same mark).
+pub const QUEUE_RESUME_SHARE: f64 = 0.5;
 
 /// Bytes of the blocks queued for one background worker (or being worked on), and their
 /// bound.
@@ -28,7 +29,9 @@ pub(crate) const RESUME_SHARE: f64 = 0.5;
 pub(crate) struct QueuedBytes {
     bytes: AtomicU64,
     bound: u64,
-    /// A block was skipped: skip until the queue has drained to [`RESUME_SHARE`].
+    /// Bytes the queue drains to after a skip ([`QUEUE_RESUME_SHARE`] of the bound).
+    resume: u64,
+    /// A block was skipped: skip until the queue has drained to `resume`.
     shedding: AtomicBool,
 }
 
@@ -38,18 +41,18 @@ impl QueuedBytes {
         QueuedBytes {
             bytes: AtomicU64::new(0),
             bound,
+            resume: (bound as f64 * QUEUE_RESUME_SHARE) as u64,
             shedding: AtomicBool::new(false),
         }
     }
 
     /// Counts a block of `bytes` in if it fits the bound and the queue is not draining
-    /// after a skip (to [`RESUME_SHARE`] of its bound); a block always fits an empty queue,
+    /// after a skip (to [`QUEUE_RESUME_SHARE`] of its bound); a block always fits an empty queue,
     /// so a bound below one block still lets blocks through one at a time. Returns whether
     /// it was counted.
     pub(crate) fn try_add(&self, bytes: u64) -> bool {
         if self.shedding.load(Ordering::Acquire) {
-            let resume = (self.bound as f64 * RESUME_SHARE) as u64;
-            if self.bytes.load(Ordering::Acquire) > resume {
+            if self.bytes.load(Ordering::Acquire) > self.resume {
                 return false;
             }
             self.shedding.store(false, Ordering::Release);

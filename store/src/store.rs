@@ -659,14 +659,13 @@ impl<F: FileSystem> Store<F> {
             }
         }
         let evicted = lock(&self.shared.ram).insert(payload.clone());
+        // Written through, the block is queued after the spills below (see there).
         let through = self.shared.config.write_policy == WritePolicy::WriteThrough;
-        if through {
-            // Queued after the spills below, see there.
-        } else if replace && stored() {
+        if !through && replace && stored() {
             // The SSD copy (or the one queued) is another layout: replace it now, as a
             // later spill of the RAM copy would find the key stored and skip it.
             self.enqueue(payload.clone(), true, self.shared.clock.tick());
-        } else if let Some(tx) = &self.tx {
+        } else if let Some(tx) = self.tx.as_ref().filter(|_| !through) {
             if stored() {
                 // Re-published while stored or queued: the SSD copy is recent again.
                 // Recency only, so a full queue just skips it; if the SSD copy is evicted

@@ -82,19 +82,20 @@ pub struct Args {
     #[arg(long, value_name = "N", default_value_t = 1, requires = "drop_spills")]
     drop_run: u64,
     /// With `--tiers`: queue the spills for a writer of RATE host blocks a second with a
-    /// queue of QUEUE host blocks, dropping what arrives while it is full, at the requests'
-    /// arrival times (in place of `--drop-spills`; e.g. `202,730`, the H200 writer's rate
-    /// under the trace and 1 GiB of SmolLM2 blocks).
-    #[arg(long, value_name = "RATE,QUEUE", requires = "tiers", conflicts_with = "drop_spills", value_parser = tiered::WriterModel::parse)]
+    /// queue of QUEUE host blocks, dropping what arrives while it is full; a request's
+    /// blocks are published at its arrival, or with PUBLISH one after another at that many
+    /// blocks a second (in place of `--drop-spills`; e.g. `305,728,397`: the H200 writer's
+    /// rate while busy, 1 GiB of SmolLM2 blocks, 12.7K prompt tokens a second).
+    #[arg(long, value_name = "RATE,QUEUE[,PUBLISH]", requires = "tiers", conflicts_with = "drop_spills", value_parser = tiered::WriterModel::parse)]
     writer: Option<tiered::WriterModel>,
     /// With `--writer`: after a drop, keep dropping until the queue has drained to this
-    /// share of its bound (the store's mark, 0.5, by default; 1: take a spill as soon as
-    /// one fits, as the store did until session 27).
-    #[arg(long, value_name = "F", default_value_t = 0.5, requires = "writer")]
+    /// share of its bound (the store's mark, `store::QUEUE_RESUME_SHARE`, by default; 1:
+    /// take a spill as soon as one fits, as the store did until session 27).
+    #[arg(long, value_name = "F", default_value_t = store::QUEUE_RESUME_SHARE, requires = "writer")]
     writer_resume: f64,
     /// With `--tiers`: the device tier exclusive of RAM (a block reaches RAM when its
-    /// sequence leaves the device, not when it is published), a variant kvstore does not
-    /// ship.
+    /// sequence leaves the device, not when it is published), as `--device-tier exclusive`
+    /// runs it.
     #[arg(long, requires = "tiers")]
     device_exclusive: bool,
     /// Also write the results as JSON to this file.

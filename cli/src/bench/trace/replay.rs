@@ -522,6 +522,8 @@ fn store_note(
         n => format!(", {n} remote hits"),
     };
     let (written, commits) = (sum(&|x| x.blocks_written), sum(&|x| x.group_commits));
+    // A share of the run's wall time, every store's own.
+    let of_run = |us: u64| 100.0 * us as f64 / 1e6 / (wall_s * pairs.len() as f64).max(1e-9);
     Some(format!(
         "store over the run: {} blocks ({:.1} MiB) written in {commits} group commits ({:.1} \
          blocks each; the writer busy {:.0} % of the run, {:.0} % in fsyncs), {} RAM and {} SSD evictions, {} spills to SSD ({} more dropped: \
@@ -530,8 +532,8 @@ fn store_note(
         written,
         sum(&|x| x.bytes_written) as f64 / 1048576.0,
         written as f64 / commits.max(1) as f64,
-        100.0 * sum(&|x| x.write_busy_us) as f64 / 1e6 / (wall_s * pairs.len() as f64).max(1e-9),
-        100.0 * sum(&|x| x.write_sync_us) as f64 / 1e6 / (wall_s * pairs.len() as f64).max(1e-9),
+        of_run(sum(&|x| x.write_busy_us)),
+        of_run(sum(&|x| x.write_sync_us)),
         sum(&|x| x.ram_evictions),
         sum(&|x| x.ssd_evictions),
         sum(&|x| x.spills),

@@ -126,8 +126,8 @@ pub struct TierModel {
 /// The write-behind worker as a queue drained at a fixed rate (`--writer
 /// RATE,QUEUE[,PUBLISH]`): a spill enters if the queue has room for it (a block always fits
 /// an empty queue) and is dropped otherwise; once a spill was dropped, spills are dropped
-/// until the queue has drained to `resume` of its bound (`--writer-resume`; 1 resumes as
-/// soon as a block fits). Spills happen as blocks are published: all at a request's
+/// until the queue has drained to `resume` of its bound (`--writer-resume`, the store's
+/// [`store::QUEUE_RESUME_SHARE`] by default; 1 resumes as soon as a block fits). Spills happen as blocks are published: all at a request's
 /// arrival, or, with PUBLISH, one after another at that many blocks a second from it on
 /// (the engine prefills one prompt after another), so a request's spills meet the
 /// writer's progress as they do in a run.
@@ -173,7 +173,7 @@ impl WriterModel {
         Ok(WriterModel {
             blocks_per_s: rate,
             queue_blocks: queue,
-            resume: 1.0,
+            resume: store::QUEUE_RESUME_SHARE,
             publish_per_s: publish,
         })
     }
@@ -1066,10 +1066,10 @@ mod tests {
     /// queued). At t=10 both queues are empty and take four more.
     #[test]
     fn the_writer_queue_drops_while_full_and_resumes_at_its_mark() {
-        let eager = WriterModel::parse("1,4").unwrap();
-        let half = WriterModel {
-            resume: 0.5,
-            ..eager
+        let half = WriterModel::parse("1,4").unwrap();
+        let eager = WriterModel {
+            resume: 1.0,
+            ..half
         };
         let takes = |m: WriterModel, times: &[f64]| -> Vec<bool> {
             let mut q = WriterQueue::new(m);
