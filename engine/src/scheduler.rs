@@ -553,6 +553,10 @@ pub struct StepRecord {
     /// Microseconds of the whole step: taking commands, admission, the parts above and the
     /// bookkeeping after them (not the wait for work while the engine is idle).
     pub step_us: u64,
+    /// Each prompt of the step's shared prefill pass (the chunk and its riders, in the
+    /// decode pass or a pass of their own) and the microseconds of the pass charged to its
+    /// prefill time: its tokens' share. Empty when no such pass ran.
+    pub prefill_charged_us: Vec<(u64, u64)>,
 }
 
 struct Shared {
@@ -693,6 +697,7 @@ impl Engine {
             mixed_steps: mixed_steps(&config),
             built_us: 0,
             published_us: 0,
+            charged_us: Vec::new(),
             admit_waited_load: false,
             steps: 0,
         };
@@ -1107,6 +1112,8 @@ struct Worker {
     built_us: u64,
     /// Publication time in this step so far, microseconds, for its [`StepRecord`].
     published_us: u64,
+    /// The current step's prefill-pass charges (see [`StepRecord::prefill_charged_us`]).
+    charged_us: Vec<(u64, u64)>,
     /// Set when admission stopped at a request whose prefix was still loading.
     admit_waited_load: bool,
     /// Engine steps run so far.
@@ -1239,9 +1246,9 @@ impl Worker {
             let emitted = Instant::now();
             // 5. One chunk of the oldest prefill (back to back while nothing decodes), unless
             //    it ran in the decode pass.
-            let in_decode_pass = mixed.is_some();
             record.prefilled = match mixed {
-                Some(parts) => {
+                Some(mut parts) => {
+                    self.charge_mixed_pass(&mut parts, t);
                     let mut done = parts.into_iter().map(|m| self.mixed_chunk_done(m));
                     let first = done.next();
                     record.riders = done.collect();
@@ -1262,18 +1269,16 @@ impl Worker {
                 let seconds = t.elapsed().as_secs_f64();
                 match record.prefilled {
                     None => self.chunk_budget.observe_decode(seconds),
-                    Some((id, n)) => {
+                    Some((_, n)) => {
                         let riders: usize = record.riders.iter().map(|r| r.1).sum();
                         self.chunk_budget
                             .observe_chunk(n + riders, self.chunk_cached, seconds);
-                        if in_decode_pass {
-                            self.charge_chunk(id, n, n + riders, seconds);
-                        }
                     }
                 }
             }
             self.observe_device_kv();
             record.publish_us = std::mem::take(&mut self.published_us);
+            record.prefill_charged_us = std::mem::take(&mut self.charged_us);
             record.step_us = micros(top.elapsed());
             self.log_step(record);
             if self.draining.is_some()
@@ -1957,10 +1962,11 @@ impl Worker {
             }
         };
         // Each prompt's prefill time holds its tokens' share of the pass.
-        let seconds = t.elapsed().as_secs_f64();
-        let total: usize = parts.iter().map(|p| p.0).sum();
-        for ((_, r), (n, _)) in taken.iter_mut().zip(&parts) {
-            r.seq.prefill_s += seconds * *n as f64 / total.max(1) as f64;
+        let tokens: Vec<usize> = parts.iter().map(|p| p.0).collect();
+        let shares = pass_shares(t.elapsed().as_secs_f64(), &tokens);
+        for ((_, r), share) in taken.iter_mut().zip(shares) {
+            r.seq.prefill_s += share;
+            self.charged_us.push((r.p.id, micros_f64(share)));
         }
         let done = mixed_chunks(taken, parts);
         Some(done.into_iter().map(|m| self.mixed_chunk_done(m)).collect())
@@ -2029,15 +2035,23 @@ impl Worker {
         }
     }
 
-    /// Charges request `id`, still prefilling, its share (`tokens` of the step's `total`
-    /// prompt tokens) of what a step of `seconds` whose decode pass ran its chunk took
-    /// beyond a decode-only step: its prefill time (which the cost model's prefill fit
-    /// learns from) then holds its chunks' share of the steps. A request whose chunk ended
-    /// its prompt (every rider) was charged by its first pick's wait.
-    fn charge_chunk(&mut self, id: u64, tokens: usize, total: usize, seconds: f64) {
-        let share = self.chunk_budget.beyond_decode(seconds) * tokens as f64 / total.max(1) as f64;
-        if let Some(r) = self.prefilling.iter_mut().find(|r| r.p.id == id) {
-            r.seq.prefill_s += share;
+    /// Charges every prompt of a decode pass's prefill (the chunk and its riders) its
+    /// tokens' share of what the step took beyond a decode-only step, the cost model's
+    /// sample of its prefill. This runs before a prompt the pass finished picks its first
+    /// token and records that sample, so the pass is waited for first (the pick would wait
+    /// for it anyway); `t` is when the step's launch began.
+    fn charge_mixed_pass(&mut self, parts: &mut [MixedChunk], t: Instant) {
+        let finished: Vec<&mlx::Array> = parts.iter().filter_map(|m| m.logits.as_ref()).collect();
+        if !finished.is_empty() {
+            // A failure here is the pass's: each finished prompt's pick reads the same
+            // arrays and fails its request with the error.
+            let _ = mlx::eval(&finished);
+        }
+        let cost = self.chunk_budget.beyond_decode(t.elapsed().as_secs_f64());
+        let tokens: Vec<usize> = parts.iter().map(|m| m.tokens).collect();
+        for (m, share) in parts.iter_mut().zip(pass_shares(cost, &tokens)) {
+            m.r.seq.prefill_s += share;
+            self.charged_us.push((m.r.p.id, micros_f64(share)));
         }
     }
 
@@ -2207,9 +2221,41 @@ fn micros(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// `seconds` in whole microseconds (negative or not finite: 0).
+fn micros_f64(seconds: f64) -> u64 {
+    if seconds.is_finite() && seconds > 0.0 {
+        (seconds * 1e6).round() as u64
+    } else {
+        0
+    }
+}
+
+/// The shares of a pass of `seconds` that computed `tokens` prompt tokens for each of its
+/// prompts: proportional to their tokens (equal shares when none are counted).
+fn pass_shares(seconds: f64, tokens: &[usize]) -> Vec<f64> {
+    let total: usize = tokens.iter().sum();
+    tokens
+        .iter()
+        .map(|&n| match total {
+            0 => seconds / tokens.len() as f64,
+            _ => seconds * n as f64 / total as f64,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pass_is_shared_by_tokens_and_equally_when_none_are_counted() {
+        assert_eq!(pass_shares(0.8, &[1, 3]), vec![0.2, 0.6000000000000001]);
+        assert_eq!(pass_shares(0.5, &[0, 0]), vec![0.25, 0.25]);
+        assert!(pass_shares(1.0, &[]).is_empty());
+        assert_eq!(micros_f64(0.0012345), 1235);
+        assert_eq!(micros_f64(-1.0), 0);
+        assert_eq!(micros_f64(f64::NAN), 0);
+    }
 
     #[test]
     fn steps_are_mixed_by_default_unless_a_gpu_records_cuda_graphs_and_a_config_overrides_it() {

@@ -1435,6 +1435,7 @@ fn short_prompts_ride_together(mode: RideIn) {
     });
     let each = if mode == RideIn::Idle { 1 } else { 3 };
     let mut lens = std::collections::HashMap::new();
+    let mut prefill_s = std::collections::HashMap::new();
     let mut rode = false;
     for round in 0..5u32 {
         // A burst: each submission takes microseconds, an engine step milliseconds.
@@ -1449,7 +1450,10 @@ fn short_prompts_ride_together(mode: RideIn) {
             })
             .collect();
         for h in handles {
-            assert_eq!(h.wait().unwrap().completion_tokens, each);
+            let id = h.id();
+            let done = h.wait().unwrap();
+            assert_eq!(done.completion_tokens, each);
+            prefill_s.insert(id, done.reuse.prefill_s);
         }
         if engine.step_log().iter().any(|s| !s.riders.is_empty()) {
             rode = true;
@@ -1468,6 +1472,7 @@ fn short_prompts_ride_together(mode: RideIn) {
             *prefilled.entry(id).or_insert(0) += n;
         }
         if !s.riders.is_empty() {
+            assert_pass_charged(s);
             match &a {
                 Some(a) => assert!(
                     s.decoded.contains(&a.id()),
@@ -1482,6 +1487,43 @@ fn short_prompts_ride_together(mode: RideIn) {
             prefilled.get(id),
             Some(n),
             "{mode:?}: request {id}'s prompt prefilled once"
+        );
+    }
+    // What a pass charged a prompt is in the prefill time its report (and the cost
+    // model's sample, recorded with it) holds: charged before its first pick.
+    let mut charged = std::collections::HashMap::new();
+    for s in &log {
+        for &(id, us) in &s.prefill_charged_us {
+            *charged.entry(id).or_insert(0u64) += us;
+        }
+    }
+    for (id, secs) in &prefill_s {
+        let us = charged.get(id).copied().unwrap_or(0);
+        assert!(
+            *secs * 1e6 + 2.0 >= us as f64,
+            "{mode:?}: request {id} reports {secs} s of prefill, its passes charged {us} µs"
+        );
+    }
+}
+
+/// A step whose prefill pass carried riders charged the pass to each of its prompts (the
+/// chunk's and every rider's), in proportion to their tokens.
+fn assert_pass_charged(s: &engine::StepRecord) {
+    let parts: Vec<(u64, usize)> = s.prefilled.iter().chain(&s.riders).copied().collect();
+    let ids: Vec<u64> = s.prefill_charged_us.iter().map(|c| c.0).collect();
+    let mut want: Vec<u64> = parts.iter().map(|p| p.0).collect();
+    let mut got = ids.clone();
+    want.sort_unstable();
+    got.sort_unstable();
+    assert_eq!(got, want, "not every prompt of the pass was charged: {s:?}");
+    let total_us: u64 = s.prefill_charged_us.iter().map(|c| c.1).sum();
+    let total_tokens: usize = parts.iter().map(|p| p.1).sum();
+    for &(id, us) in &s.prefill_charged_us {
+        let n = parts.iter().find(|p| p.0 == id).unwrap().1;
+        let share = total_us as f64 * n as f64 / total_tokens as f64;
+        assert!(
+            (us as f64 - share).abs() <= parts.len() as f64,
+            "request {id} charged {us} µs of {total_us}, not its {n} of {total_tokens} tokens: {s:?}"
         );
     }
 }
