@@ -42,7 +42,7 @@ pub struct Args {
     /// (the fewest tokens left to compute first, so a prompt mostly restored from the cache
     /// answers at once; each step a prompt waits counts as one of its chunks computed, so
     /// none is passed over for ever).
-    #[arg(long, value_name = "arrival|fewest-new", default_value = "arrival")]
+    #[arg(long, value_name = "arrival|fewest-new", default_value = "fewest-new")]
     prefill_order: engine::PrefillOrder,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from

@@ -18,10 +18,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PrefillOrder {
-    /// Oldest admitted first, each to its end (the order before this choice existed).
-    #[default]
+    /// Oldest admitted first, each to its end (first come, first served).
     Arrival,
-    /// Fewest tokens left to compute first, a step waited counting as a chunk computed.
+    /// Fewest tokens left to compute first, a step waited counting as a chunk computed
+    /// (the default: a lower median TTFT on the H200's trace slice, docs/benchmarks.md).
+    #[default]
     FewestNew,
 }
 
@@ -49,6 +50,18 @@ impl PrefillOrder {
                 })
                 .map_or(0, |(i, _)| i),
         }
+    }
+
+    /// The order in which the prompts behind the front are tried as riders of its pass
+    /// (`rests`: each one's tokens left, in queue order; returns their positions in it):
+    /// queue order in arrival order; with fewest-new the fewest tokens first (ties to the
+    /// older), so a pass's leftover budget finishes as many prompts as fit.
+    pub fn rider_order(self, rests: &[usize]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..rests.len()).collect();
+        if self == PrefillOrder::FewestNew {
+            order.sort_by_key(|&i| rests[i]);
+        }
+        order
     }
 }
 
@@ -95,6 +108,17 @@ mod tests {
         // A prompt whose last chunk is due goes first whatever waits.
         assert_eq!(o.next([(2000, 0), (700, 0), (0, 0)], 512), 2);
         assert_eq!(o.next(std::iter::empty(), 512), 0);
+    }
+
+    #[test]
+    fn riders_are_tried_in_queue_order_or_fewest_tokens_first() {
+        let rests = [900, 40, 300, 40];
+        assert_eq!(PrefillOrder::Arrival.rider_order(&rests), vec![0, 1, 2, 3]);
+        assert_eq!(
+            PrefillOrder::FewestNew.rider_order(&rests),
+            vec![1, 3, 2, 0]
+        );
+        assert!(PrefillOrder::FewestNew.rider_order(&[]).is_empty());
     }
 
     #[test]

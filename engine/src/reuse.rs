@@ -152,6 +152,11 @@ pub struct ReuseReport {
     /// Of `restore_s`, moving the loaded blocks into device memory (assembly on the host,
     /// the transfers, the arrays made real); the rest is the store's load.
     pub import_s: f64,
+    /// With `prefetched`: seconds from the request's submission until the I/O thread had
+    /// looked up and loaded its cached prefix (queued behind other requests' loads
+    /// included). Admission cannot pass a queued request before then, so a `queue_s` near
+    /// it was the I/O thread's; 0 when the engine loaded at admission.
+    pub prefetch_s: f64,
     /// Prefilling the uncached rest (and sampling the first token).
     pub prefill_s: f64,
     /// Time to first token: lookup + restore + prefill (what a user waits for).
@@ -347,9 +352,16 @@ pub struct HostPrefix {
     lookup_s: f64,
     load_s: f64,
     remote_s: f64,
+    /// When the I/O thread finished it.
+    done_at: Option<Instant>,
 }
 
 impl HostPrefix {
+    /// When the I/O thread finished looking it up and loading it.
+    pub(crate) fn done_at(&self) -> Option<Instant> {
+        self.done_at
+    }
+
     fn new(chain: Chain) -> Self {
         Self {
             chain,
@@ -363,6 +375,7 @@ impl HostPrefix {
             lookup_s: 0.0,
             load_s: 0.0,
             remote_s: 0.0,
+            done_at: None,
         }
     }
 
@@ -877,6 +890,7 @@ impl KvTiers {
         let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
         let mut host = self.load_host_from(chain, prompt, first)?;
         host.lookup_s = t.elapsed().as_secs_f64() - host.load_s;
+        host.done_at = Some(Instant::now());
         Ok(host)
     }
 

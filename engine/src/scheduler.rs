@@ -1456,9 +1456,15 @@ impl Worker {
         let mut seq = Sequence::new(prompt, params, info.vocab_size, context, admitted)?;
         let (cache, chain, report) = match (&self.prefix, namespace) {
             (Some(pc), Some(ns)) => {
-                let mut r = pc.prepare_with(ns, &seq.prompt, p.prefetch.take())?;
+                let host = p.prefetch.take();
+                let done_at = host.as_ref().and_then(|h| h.done_at());
+                let mut r = pc.prepare_with(ns, &seq.prompt, host)?;
                 if r.report.prefetched {
                     r.report.restore_s += (now - admitted).as_secs_f64();
+                    if let Some(done) = done_at {
+                        r.report.prefetch_s =
+                            done.saturating_duration_since(p.submitted).as_secs_f64();
+                    }
                 }
                 (r.cache, Some(r.chain), r.report)
             }
@@ -1995,11 +2001,13 @@ impl Worker {
         let first = rest(front).min(front.seq.chunk_len(held, max_chunk));
         let mut left = max_chunk.saturating_sub(first);
         let mut riders = Vec::new();
-        for (i, r) in self.prefilling.iter().enumerate().skip(1) {
+        let rests: Vec<usize> = self.prefilling.iter().skip(1).map(rest).collect();
+        for k in self.config.prefill_order.rider_order(&rests) {
             if left == 0 {
                 break;
             }
-            let n = rest(r);
+            let (i, n) = (k + 1, rests[k]);
+            let r = &self.prefilling[i];
             if n == 0
                 || n > left
                 || !live(r)
@@ -2011,6 +2019,8 @@ impl Worker {
             riders.push(i);
             left -= n;
         }
+        // Taken out from the back, so that the places of the others hold.
+        riders.sort_unstable();
         if need_riders && riders.is_empty() {
             return None;
         }

@@ -382,8 +382,9 @@ case "$step" in
       # when none runs, and copies every finished arm's log, JSON and plot to $OUT.
       # MODEL=llama8b replays with the 8B-shaped bf16 checkpoint (made in $K the first time).
       # Arms: cache (full tiering), nocache, device (device tier only), exclusive (full
-      # tiering, --device-tier exclusive), fewest (full tiering, --prefill-order
-      # fewest-new), fewestnocache (no cache, fewest-new).
+      # tiering, --device-tier exclusive), arrival (full tiering, --prefill-order arrival:
+      # the order before fewest-new became the default), arrivalnocache (no cache,
+      # arrival); fewest and fewestnocache name fewest-new explicitly (the default now).
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -408,6 +409,8 @@ case "$step" in
         exclusive) rm -rf "$K/tstore"; A="$TIERS --device-tier exclusive --store $K/tstore --label full-tiering-exclusive --no-flush" ;;
         fewest) rm -rf "$K/tstore"; A="$TIERS --prefill-order fewest-new --store $K/tstore --label full-tiering-fewest-new --no-flush" ;;
         fewestnocache) A="--no-cache --prefill-order fewest-new --label no-cache-fewest-new" ;;
+        arrival) rm -rf "$K/tstore"; A="$TIERS --prefill-order arrival --store $K/tstore --label full-tiering-arrival --no-flush" ;;
+        arrivalnocache) A="--no-cache --prefill-order arrival --label no-cache-arrival" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       touch "$R/$arm.started"

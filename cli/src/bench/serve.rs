@@ -886,6 +886,7 @@ mod tests {
                 publish_us: us[1] / 10,
                 admit_waited_load: us[2] == 0,
                 step_us: us.iter().sum(),
+                prefill_charged_us: Vec::new(),
             };
         let log = [
             step(&[1, 2], None, [1000, 3000, 0]),

@@ -1121,11 +1121,28 @@ fn a_short_queue_starts_each_lookup_at_submission() {
         "{early} loads started at submission"
     );
     assert_eq!(first.wait().unwrap().completion_tokens, 200);
+    let mut prefetched = 0;
     for h in rest {
         let done = h.wait().unwrap();
         assert_eq!(done.completion_tokens, 2);
         assert!(done.cached_tokens > 0, "a later request reuses the prompt");
+        // A prefetched prefix was loaded after submission and before admission began
+        // (or, with the engine waiting for it, within the restore).
+        let r = &done.reuse;
+        if r.prefetched {
+            prefetched += 1;
+            assert!(
+                r.prefetch_s > 0.0 && r.prefetch_s <= done.queue_s + r.restore_s + 1e-6,
+                "loaded {} s after submission, queued {} s, restored {} s",
+                r.prefetch_s,
+                done.queue_s,
+                r.restore_s
+            );
+        } else {
+            assert_eq!(r.prefetch_s, 0.0);
+        }
     }
+    assert!(prefetched >= 2, "{prefetched} requests were prefetched");
     assert_eq!(engine.metrics().early_loads, early);
     // Without a prefix cache there is nothing to load.
     let (model, tok) = load(&goldens().join(MODEL), &LoadOptions::default()).unwrap();

@@ -50,6 +50,9 @@ pub struct TtftParts {
     /// Waiting in the engine's queue for admission (behind the I/O thread's lookup and
     /// load, a free row, the KV budget).
     pub queue_s: f64,
+    /// Of `queue_s`'s span: from submission until the I/O thread had the cached prefix
+    /// looked up and loaded (0 where it was not prefetched).
+    pub prefetch_s: f64,
     /// Finding the cached prefix (keys, index lookups).
     pub lookup_s: f64,
     /// Reading and restoring the cached blocks into the device.

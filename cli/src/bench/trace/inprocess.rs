@@ -52,6 +52,7 @@ impl Target for EngineTarget<'_> {
                         e2e_s: Some(t0.elapsed().as_secs_f64()),
                         ttft_parts: Some(TtftParts {
                             queue_s: c.queue_s,
+                            prefetch_s: r.prefetch_s,
                             lookup_s: r.lookup_s,
                             restore_s: r.restore_s,
                             prefill_s: r.prefill_s,

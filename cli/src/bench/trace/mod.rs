@@ -133,7 +133,7 @@ pub struct Args {
     #[arg(long, value_name = "N", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     prefill_chunk: Option<usize>,
     /// In process: which admitted prompt is prefilled next (as `serve --prefill-order`).
-    #[arg(long, value_name = "arrival|fewest-new", default_value = "arrival")]
+    #[arg(long, value_name = "arrival|fewest-new", default_value = "fewest-new")]
     prefill_order: engine::PrefillOrder,
     /// In process: a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (as `serve --itl-stretch`); `none` always runs the whole chunk.

@@ -324,9 +324,10 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     }
     if let Some(p) = &overall.ttft_parts_p50 {
         println!(
-            "TTFT parts, each its median: queue {:.4} s, lookup {:.4} s, restore {:.4} s, \
+            "TTFT parts, each its median: queue {:.4} s (the prefix loaded by the I/O thread \
+             {:.4} s after submission), lookup {:.4} s, restore {:.4} s, \
              prefill and first pick {:.4} s, other work in its steps {:.4} s",
-            p.queue_s, p.lookup_s, p.restore_s, p.prefill_s, p.other_work_s
+            p.queue_s, p.prefetch_s, p.lookup_s, p.restore_s, p.prefill_s, p.other_work_s
         );
     }
     if let Some(note) = &ran.tier_note {

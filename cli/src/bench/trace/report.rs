@@ -139,6 +139,7 @@ pub fn summarize(rows: &[&Row]) -> Summary {
         |f: fn(&TtftParts) -> f64| Percentiles::of(&parts.iter().map(f).collect::<Vec<_>>()).p50;
     let ttft_parts_p50 = (!parts.is_empty()).then(|| TtftParts {
         queue_s: median(|p| p.queue_s),
+        prefetch_s: median(|p| p.prefetch_s),
         lookup_s: median(|p| p.lookup_s),
         restore_s: median(|p| p.restore_s),
         prefill_s: median(|p| p.prefill_s),
