@@ -696,8 +696,9 @@ pub(crate) fn decode_step_mixed(
     let out = chunks_ran(step.prompts, lens, &mut arrays);
     wait_for_previous_step(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
-    // The chunks' time is charged by the caller, who sees the whole step (what it took
-    // beyond a decode step), or, for a prompt's last chunk, by the first pick's wait.
+    // The chunks' time is charged by the caller, who sees the whole step: what it took
+    // beyond a decode step, shared by tokens among the pass's prompts before any first
+    // pick (`Worker::charge_mixed_pass`).
     Ok(Some(out))
 }
 
