@@ -398,19 +398,22 @@ case "$step" in
     R=$K/trace-runs; mkdir -p "$R"
     S="--window ${WINDOW:-0..600} --speed ${SPEED:-1} --token-scale ${SCALE:-0.125} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline ${DEADLINE_S:-630}"
     running() { [ -f "$R/pid" ] && kill -0 "$(cat "$R/pid")" 2>/dev/null; }
+    # The no-cache arms get the cache arms' device KV budget (live sequences only there):
+    # before session 28 they ran with bench trace's 4 GiB default against 16 GiB.
+    KV=$(grep -o -- '--kv-budget [^ ]*' <<< "$TIERS")
     end=$(( $(date +%s) + ${WAIT:-540} ))
     for arm in ${ARMS:-cache nocache}; do
       [ -f "$R/$arm.started" ] && continue
       while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       running && break
       case "$arm" in
-        nocache) A="--no-cache --label no-cache" ;;
+        nocache) A="--no-cache $KV --label no-cache" ;;
         device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
         exclusive) rm -rf "$K/tstore"; A="$TIERS --device-tier exclusive --store $K/tstore --label full-tiering-exclusive --no-flush" ;;
         fewest) rm -rf "$K/tstore"; A="$TIERS --prefill-order fewest-new --store $K/tstore --label full-tiering-fewest-new --no-flush" ;;
-        fewestnocache) A="--no-cache --prefill-order fewest-new --label no-cache-fewest-new" ;;
+        fewestnocache) A="--no-cache $KV --prefill-order fewest-new --label no-cache-fewest-new" ;;
         arrival) rm -rf "$K/tstore"; A="$TIERS --prefill-order arrival --store $K/tstore --label full-tiering-arrival --no-flush" ;;
-        arrivalnocache) A="--no-cache --prefill-order arrival --label no-cache-arrival" ;;
+        arrivalnocache) A="--no-cache $KV --prefill-order arrival --label no-cache-arrival" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       touch "$R/$arm.started"

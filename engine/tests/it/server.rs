@@ -1398,6 +1398,71 @@ fn the_prefill_order_decides_whether_a_short_prompt_passes_a_long_one() {
     }
 }
 
+/// With the fewest-new order, what the front prompt's chunk leaves of a pass goes to the
+/// waiting prompts with the fewest tokens first: prompts of 40, 30, 20 and 12 tokens
+/// (submitted in that order while a row decodes, 64-token passes) run as the 12-token one
+/// with the 20- and 30-token ones riding (62 tokens), where queue order would take the
+/// 40-token one alone (52). A burst's prompts are admitted together in most rounds (each
+/// submission takes microseconds, a step milliseconds); ten rounds are tried.
+#[test]
+fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            max_batch: 8,
+            prefill_chunk: 64,
+            mixed_steps: Some(true),
+            step_log: 100_000,
+            prefill_order: engine::PrefillOrder::FewestNew,
+            ..EngineConfig::default()
+        },
+    );
+    let mut row = engine
+        .submit(Request::new(distinct_ids(12, 1), no_eos(100_000)))
+        .unwrap();
+    wait_first_token(&mut row);
+    let mut packed = false;
+    for round in 0..10u32 {
+        // Submitted back to back, then waited for.
+        let handles: Vec<_> = [40u32, 30, 20, 12]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let prompt = distinct_ids(n, 10 + 4 * round + i as u32);
+                engine.submit(Request::new(prompt, no_eos(1))).unwrap()
+            })
+            .collect();
+        let ids: Vec<u64> = handles.iter().map(|h| h.id()).collect();
+        for h in handles {
+            assert_eq!(h.wait().unwrap().completion_tokens, 1);
+        }
+        let log = engine.step_log();
+        let Some(step) = log
+            .iter()
+            .find(|s| s.prefilled.is_some_and(|(id, _)| id == ids[3]))
+        else {
+            continue;
+        };
+        let mut riders: Vec<u64> = step.riders.iter().map(|r| r.0).collect();
+        riders.sort_unstable();
+        assert_ne!(
+            riders,
+            vec![ids[0]],
+            "the 40-token prompt rode before the 20- and 30-token ones: {step:?}"
+        );
+        if riders == vec![ids[1], ids[2]] {
+            packed = true;
+            break;
+        }
+    }
+    row.cancel();
+    assert!(
+        packed,
+        "no round packed the 12-, 20- and 30-token prompts into one pass"
+    );
+}
+
 /// Waits for `h`'s first token (panics on a failure or an end without one).
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {
