@@ -1109,36 +1109,60 @@ impl<F: FileSystem> SsdTier<F> {
     /// Evicts blocks in the policy's order until `used <= limit`, sparing `keep` and
     /// pinned blocks (which keep their place in the order), and stopping at a victim more
     /// recent than `newcomer` (the stamp of a block about to be written in recency order).
+    ///
+    /// The victims leave the index under the lock and their files are removed after it is
+    /// released: a removal takes about a millisecond while the writer's fsyncs run (more in
+    /// a burst of them), and every request's lookup reads this index. Every caller holds
+    /// the write lock (writes, removals and evictions run one at a time) and the files go
+    /// before this returns, so no path is written again while its removal is pending. A
+    /// removal that fails puts its block and the victims after it back, as if eviction had
+    /// stopped there.
     fn evict_until(
         &self,
         limit: u64,
         keep: Option<(NamespaceId, BlockKey)>,
         newcomer: Option<u64>,
     ) -> Result<u64, WriteError> {
+        let victims = {
+            let mut st = lock(&self.state);
+            let mut victims = Vec::new();
+            while st.used > limit {
+                let Some((k, seq)) = st.victim(keep, &self.pins) else {
+                    break;
+                };
+                if newcomer.is_some_and(|n| seq > n) {
+                    break;
+                }
+                let Some(e) = st.forget(&k) else {
+                    break;
+                };
+                st.used -= e.phys;
+                victims.push((k, e));
+            }
+            victims
+        };
         let mut evicted = 0;
-        let mut st = lock(&self.state);
-        loop {
-            if st.used <= limit {
-                return Ok(evicted);
-            }
-            let Some((k, seq)) = st.victim(keep, &self.pins) else {
-                return Ok(evicted);
-            };
-            if newcomer.is_some_and(|n| seq > n) {
-                return Ok(evicted);
-            }
+        let mut victims = victims.into_iter();
+        while let Some((k, e)) = victims.next() {
             let path = block_path(&self.root, k.0, k.1);
             match self.fs.remove_file(&path) {
                 Ok(()) => {}
                 Err(err) if err.kind() == io::ErrorKind::NotFound => {}
-                Err(source) => return Err(WriteError::Io { path, source }),
-            }
-            if let Some(e) = st.forget(&k) {
-                st.used -= e.phys;
+                Err(source) => {
+                    let mut st = lock(&self.state);
+                    for (k, e) in std::iter::once((k, e)).chain(victims) {
+                        st.used += e.phys;
+                        if let Some(old) = st.add(k, e) {
+                            st.used -= old.phys;
+                        }
+                    }
+                    return Err(WriteError::Io { path, source });
+                }
             }
             evicted += 1;
             Counters::inc(&self.counters.ssd_evictions);
         }
+        Ok(evicted)
     }
 
     /// Sets the eviction policy (the store's). Freq-admit's part is the RAM tier's gate:

@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use super::{DirEntry, FileKind, FileStat, FileSystem, LockError, ReadAt, WritableFile};
 use crate::block::now_unix_ms;
@@ -120,6 +120,31 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct SimFs {
     state: Arc<Mutex<State>>,
+    removals: Arc<RemovalGate>,
+}
+
+/// Holds `remove_file` calls back while a test asks (see [`SimFs::hold_removals`]).
+#[derive(Debug, Default)]
+struct RemovalGate {
+    /// Whether removals are held, and how many calls wait.
+    state: Mutex<(bool, usize)>,
+    released: Condvar,
+}
+
+impl RemovalGate {
+    fn lock(&self) -> MutexGuard<'_, (bool, usize)> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits while removals are held.
+    fn pass(&self) {
+        let mut st = self.lock();
+        st.1 += 1;
+        while st.0 {
+            st = self.released.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        st.1 -= 1;
+    }
 }
 
 fn err(kind: FaultKind) -> io::Error {
@@ -306,7 +331,26 @@ impl SimFs {
                 locks: Vec::new(),
                 capacity: None,
             })),
+            removals: Arc::default(),
         }
+    }
+
+    /// From now on `remove_file` waits (before doing anything) until
+    /// [`release_removals`](Self::release_removals): a test can then look at what other
+    /// threads do while a removal is in progress.
+    pub fn hold_removals(&self) {
+        self.removals.lock().0 = true;
+    }
+
+    /// Lets held and later `remove_file` calls run.
+    pub fn release_removals(&self) {
+        self.removals.lock().0 = false;
+        self.removals.released.notify_all();
+    }
+
+    /// How many `remove_file` calls are waiting now.
+    pub fn removals_waiting(&self) -> usize {
+        self.removals.lock().1
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -703,6 +747,7 @@ impl FileSystem for SimFs {
     }
 
     fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.removals.pass();
         let mut st = self.state();
         st.fail_call(Op::Remove)?;
         st.file(path)?;

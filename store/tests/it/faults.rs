@@ -768,3 +768,53 @@ fn many_schedules() {
         start.elapsed().as_secs_f64()
     );
 }
+
+/// A lookup never waits for an evicted block's file to go: eviction takes its victims out
+/// of the index under the tier's lock and removes their files after releasing it (a
+/// removal takes about a millisecond under the writer's fsyncs, and every request's lookup
+/// reads the index). Here the removal is held while another thread asks the index.
+#[test]
+fn lookups_do_not_wait_for_an_evictions_file_removals() {
+    let fs = SimFs::new();
+    let blocks = pool(3);
+    let tier = std::sync::Arc::new(open(&fs, 2 * BLOCK_PHYS));
+    for b in &blocks[..2] {
+        assert!(matches!(tier.put(b), Ok(WriteOutcome::Written { .. })));
+    }
+    fs.hold_removals();
+    let writer = {
+        let (tier, b) = (tier.clone(), blocks[2].clone());
+        std::thread::spawn(move || tier.put(&b))
+    };
+    let t0 = Instant::now();
+    while fs.removals_waiting() == 0 {
+        assert!(t0.elapsed().as_secs() < 30, "the third put evicted nothing");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let lookup = {
+        let (tier, keys) = (tier.clone(), [key(&blocks[0]), key(&blocks[1])]);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(keys.map(|(ns, k)| tier.contains(ns, k)));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+    };
+    fs.release_removals();
+    assert_eq!(
+        lookup.expect("a lookup waited for the eviction's file removal"),
+        [false, true],
+        "the victim left the index before its file went; the other block stayed"
+    );
+    assert!(matches!(
+        writer.join().unwrap(),
+        Ok(WriteOutcome::Written { .. })
+    ));
+    let (ns, k) = key(&blocks[2]);
+    assert!(tier.contains(ns, k));
+    let (ns, k) = key(&blocks[0]);
+    let victim = tier.block_path(ns, k);
+    assert!(
+        !fs.files().contains_key(&victim),
+        "the victim's file is gone once the put returned"
+    );
+}
