@@ -211,6 +211,67 @@ fn write_behind_spills(
     Ok((gbps(st.blocks_written * bs, secs), st.skipped_queue_full))
 }
 
+/// Microseconds an index lookup (`SsdTier::contains`, what every request's lookup asks
+/// for a block past RAM) takes while another thread writes `bl` in group commits of 64 into
+/// a tier that holds `budget_blocks` of them: with a small budget each group evicts as
+/// many blocks as it writes. Returns the lookups' P50, P99 and max.
+fn lookups_during_writes(
+    dir: &Path,
+    bl: &[Block],
+    bs: u64,
+    budget_blocks: u64,
+) -> Result<(f64, f64, f64)> {
+    let root = dir.join(format!("store-lookups-{budget_blocks}"));
+    let ssd = SsdTier::open(
+        &root,
+        SsdOptions {
+            read_only: false,
+            budget: budget_blocks.saturating_mul(bs + MIB),
+        },
+    )?;
+    let probe = (bl[0].meta.namespace, bl[0].meta.key);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let mut micros = Vec::new();
+    let written = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            let r = (|| -> Result<()> {
+                for group in bl.chunks(64) {
+                    let jobs: Vec<PutJob<'_>> = group
+                        .iter()
+                        .map(|block| PutJob {
+                            block,
+                            replace: false,
+                            stamp: None,
+                        })
+                        .collect();
+                    for r in ssd.put_many(&jobs) {
+                        r?;
+                    }
+                }
+                Ok(())
+            })();
+            done.store(true, std::sync::atomic::Ordering::Release);
+            r
+        });
+        while !done.load(std::sync::atomic::Ordering::Acquire) {
+            let t = Instant::now();
+            std::hint::black_box(ssd.contains(probe.0, probe.1));
+            micros.push(t.elapsed().as_secs_f64() * 1e6);
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+        writer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the writer panicked"))?
+    });
+    written?;
+    drop(ssd);
+    let _ = std::fs::remove_dir_all(&root);
+    anyhow::ensure!(!micros.is_empty(), "no lookup ran while the writer wrote");
+    micros.sort_by(f64::total_cmp);
+    let at = |q: f64| micros[((micros.len() - 1) as f64 * q) as usize];
+    Ok((at(0.5), at(0.99), micros[micros.len() - 1]))
+}
+
 /// Runs the benchmark.
 pub fn run(args: Args) -> Result<()> {
     if cfg!(debug_assertions) {
@@ -343,6 +404,16 @@ pub fn run(args: Args) -> Result<()> {
                 println!("    ({dropped} of {n} spills dropped: write-behind queue full)");
             }
         }
+
+        // Index lookups while the writer's group commits evict as much as they write,
+        // against the same lookups while it writes without evicting.
+        let quiet = lookups_during_writes(dir, &bl, bs, u64::MAX / (2 * (bs + MIB)))?;
+        let evicting = lookups_during_writes(dir, &bl, bs, (n as u64 / 4).max(1))?;
+        println!(
+            "  SSD index lookup during group commits, P50 / P99 / max µs: evicting {:.1} / {:.1} / {:.1}, \
+             not evicting {:.1} / {:.1} / {:.1}",
+            evicting.0, evicting.1, evicting.2, quiet.0, quiet.1, quiet.2
+        );
 
         drop_caches();
         let t = Instant::now();
