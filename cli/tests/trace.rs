@@ -216,7 +216,8 @@ fn replay_over_http_reads_the_servers_cached_tokens() {
 }
 
 /// In process, the same fixture gets the same hits as over HTTP (the same engine, found the
-/// same way); a second arm without the cache draws both arms in one plot (`--compare`).
+/// same way); a second arm without the cache draws both arms in one plot (`--compare`), and
+/// says that the two ran with different device KV budgets.
 #[test]
 fn in_process_arms_share_a_plot() {
     let dir = tempfile::tempdir().unwrap();
@@ -250,9 +251,19 @@ fn in_process_arms_share_a_plot() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        String::from_utf8_lossy(&out.stdout).into_owned()
     };
-    run(&["--label", "cached", "--json", first.to_str().unwrap()]);
-    run(&[
+    let cached = run(&[
+        "--label",
+        "cached",
+        "--kv-budget",
+        "64MiB",
+        "--json",
+        first.to_str().unwrap(),
+    ]);
+    assert!(!cached.contains("note:"), "{cached}");
+    // The arms' device KV budgets differ (64 MiB against the default 4 GiB): said.
+    let cold = run(&[
         "--no-cache",
         "--label",
         "cold",
@@ -263,6 +274,10 @@ fn in_process_arms_share_a_plot() {
         "--svg",
         svg.to_str().unwrap(),
     ]);
+    assert!(
+        cold.contains("ran with a device KV budget of 64MiB, this run with 4GiB"),
+        "{cold}"
+    );
     let hits = |p: &Path| -> Vec<u64> {
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
         v["requests"]

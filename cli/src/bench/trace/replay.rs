@@ -152,7 +152,18 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             rows.iter().filter_map(|r| r.sent.outcome.ttft_s).collect(),
         )];
         for file in &args.compare {
-            let (name, hits, ttft) = earlier_run(file)?;
+            let (name, hits, ttft, kv_budget) = earlier_run(file)?;
+            let ours = ran.target["kv_budget"].as_str();
+            if let (Some(theirs), Some(ours)) = (kv_budget.as_deref(), ours) {
+                if theirs != ours {
+                    println!(
+                        "note: {} ran with a device KV budget of {theirs}, this run with \
+                         {ours}: their TTFTs compare unequal room for live prompts \
+                         (give both the same --kv-budget)",
+                        file.display()
+                    );
+                }
+            }
             series.push(Series {
                 name: name.clone(),
                 per_minute: hits,
@@ -210,8 +221,9 @@ fn shut_down(engines: Vec<Engine>, flush: bool) -> Result<()> {
     Ok(())
 }
 
-/// An earlier replay's `--json`: its label, hit share per minute and TTFTs.
-type Earlier = (String, Vec<Option<f64>>, Vec<f64>);
+/// An earlier replay's `--json`: its label, hit share per minute, TTFTs and device KV
+/// budget.
+type Earlier = (String, Vec<Option<f64>>, Vec<f64>, Option<String>);
 
 /// Reads an earlier replay's `--json` for `--compare`.
 fn earlier_run(path: &std::path::Path) -> Result<Earlier> {
@@ -245,7 +257,8 @@ fn earlier_run(path: &std::path::Path) -> Result<Earlier> {
         .as_array()
         .map(|a| a.iter().filter_map(|r| r["ttft_s"].as_f64()).collect())
         .unwrap_or_default();
-    Ok((name, hits, ttft))
+    let kv_budget = v["target"]["kv_budget"].as_str().map(String::from);
+    Ok((name, hits, ttft, kv_budget))
 }
 
 fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
