@@ -14,7 +14,8 @@
 //!    drops rows that finished, were cancelled or lost their receiver; their caches are
 //!    published to the prefix cache and freed;
 //! 5. prefills one chunk (at most `prefill_chunk` tokens, fewer under a step budget,
-//!    [`EngineConfig::itl_stretch`]) of the oldest prefilling request, inside step 3's
+//!    [`EngineConfig::itl_stretch`]) of the prefilling request [`EngineConfig::prefill_order`]
+//!    puts first (the fewest tokens left by default; riders beside it), inside step 3's
 //!    forward pass where the model has a mixed pass ([`EngineConfig::mixed_steps`]), else
 //!    in a pass of its own; its last chunk picks the first token and the row joins the
 //!    decode batch. So a long prompt delays running streams by one chunk per step, never by
@@ -93,7 +94,7 @@ pub struct EngineConfig {
     pub mixed_steps: Option<bool>,
     /// Which admitted prompt is prefilled next: the oldest, or the one with the fewest
     /// tokens left to compute (engine/src/prefill_order.rs). Default:
-    /// [`PrefillOrder::Arrival`].
+    /// [`PrefillOrder::FewestNew`].
     pub prefill_order: PrefillOrder,
 }
 
@@ -109,7 +110,7 @@ impl Default for EngineConfig {
             step_log: 0,
             batch_arena: None,
             mixed_steps: None,
-            prefill_order: PrefillOrder::Arrival,
+            prefill_order: PrefillOrder::FewestNew,
         }
     }
 }
