@@ -167,6 +167,15 @@ impl<R: Read> Cursor<R> {
     }
 }
 
+/// GGUF's float64 metadata type. libmlx 0.32's reader keeps such a value (scalar or array
+/// element) as float32 and steps over the 4 bytes of that, not the 8 of the file, so every
+/// later key is read from the wrong place (past its mapping: found by the `model_file`
+/// fuzz target). Refused until a libmlx reads it right.
+const GGUF_FLOAT64: u32 = 12;
+
+/// Most elements of a GGUF metadata array: libmlx reads the count as an `int`.
+const MAX_GGUF_ARRAY_LEN: u64 = i32::MAX as u64;
+
 /// Size in bytes of a GGUF scalar metadata type; `None` for string (8) and array (9).
 fn gguf_scalar_len(t: u32) -> Option<u64> {
     match t {
@@ -176,6 +185,13 @@ fn gguf_scalar_len(t: u32) -> Option<u64> {
         10..=12 => Some(8),
         _ => None,
     }
+}
+
+fn float64_refused(what: &str) -> InvalidFile {
+    bad(format!(
+        "{what}: float64 metadata values are not supported (libmlx 0.32 misreads them and \
+         loses its place in the file); convert them to float32"
+    ))
 }
 
 fn utf8(bytes: Vec<u8>, what: &str) -> Result<String, InvalidFile> {
@@ -237,8 +253,20 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
             9 => {
                 let et = c.u32(&what)?;
                 let n = c.u64(&what)?;
+                if et == GGUF_FLOAT64 {
+                    return Err(float64_refused(&what));
+                }
+                let too_long = || {
+                    bad(format!(
+                        "{what}: an array of {n} elements, more than the {MAX_GGUF_ARRAY_LEN} \
+                         MLX reads"
+                    ))
+                };
                 match (et, gguf_scalar_len(et)) {
                     (_, Some(size)) => {
+                        if n > MAX_GGUF_ARRAY_LEN {
+                            return Err(too_long());
+                        }
                         let total = n.checked_mul(size).ok_or_else(|| {
                             bad(format!("{what}: an array of {n} elements overflows"))
                         })?;
@@ -251,6 +279,9 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
                                  left",
                                 c.left()
                             )));
+                        }
+                        if n > MAX_GGUF_ARRAY_LEN {
+                            return Err(too_long());
                         }
                         for _ in 0..n {
                             let len = c.u64(&what)?;
@@ -265,6 +296,7 @@ pub fn gguf(r: impl Read, file_len: u64) -> Result<GgufLayout, InvalidFile> {
                     }
                 }
             }
+            GGUF_FLOAT64 => return Err(float64_refused(&what)),
             _ => {
                 let Some(size) = gguf_scalar_len(t) else {
                     return Err(bad(format!("{what}: unknown value type {t}")));
@@ -625,6 +657,40 @@ mod tests {
             &[],
         );
         assert!(check(&strings).unwrap_err().reason.contains("strings"));
+    }
+
+    /// libmlx 0.32 steps over a float64 metadata value as 4 bytes, not 8, and reads every
+    /// later key from the wrong place (the `model_file` fuzz target's crash): refused, as a
+    /// scalar and as an array's element type.
+    #[test]
+    fn float64_metadata_is_refused_before_libmlx_misreads_it() {
+        let scalar = gguf_bytes(
+            &[("llama.rope.freq_base", 12, 10_000f64.to_le_bytes().to_vec())],
+            &[],
+        );
+        let array = gguf_bytes(
+            &[("tokenizer.ggml.scores", 9, {
+                let mut v = 12u32.to_le_bytes().to_vec();
+                v.extend(3u64.to_le_bytes());
+                v.extend([0u8; 24]);
+                v
+            })],
+            &[],
+        );
+        for b in [scalar, array] {
+            let e = check(&b).unwrap_err().reason;
+            assert!(e.contains("float64"), "{e}");
+        }
+        let f32_array = gguf_bytes(
+            &[("tokenizer.ggml.scores", 9, {
+                let mut v = 6u32.to_le_bytes().to_vec();
+                v.extend(3u64.to_le_bytes());
+                v.extend([0u8; 12]);
+                v
+            })],
+            &[],
+        );
+        assert!(check(&f32_array).is_ok());
     }
 
     #[test]

@@ -144,12 +144,8 @@ fn scratch_ssd(root: &Path) -> Result<SsdTier> {
     )?)
 }
 
-/// GB/s of the SSD tier's group commits (the write-behind worker's batches of 64) into a
-/// fresh tier under `dir`.
-fn ssd_put_groups(dir: &Path, bs_mib: u64, bl: &[Block], bytes: u64) -> Result<f64> {
-    let root = dir.join(format!("store-{bs_mib}-groups"));
-    let ssd = scratch_ssd(&root)?;
-    let t = Instant::now();
+/// Writes `bl` into `ssd` in group commits of 64 (the write-behind worker's batches).
+fn put_in_groups(ssd: &SsdTier, bl: &[Block]) -> Result<()> {
     for group in bl.chunks(64) {
         let jobs: Vec<PutJob<'_>> = group
             .iter()
@@ -163,6 +159,16 @@ fn ssd_put_groups(dir: &Path, bs_mib: u64, bl: &[Block], bytes: u64) -> Result<f
             r?;
         }
     }
+    Ok(())
+}
+
+/// GB/s of the SSD tier's group commits (the write-behind worker's batches of 64) into a
+/// fresh tier under `dir`.
+fn ssd_put_groups(dir: &Path, bs_mib: u64, bl: &[Block], bytes: u64) -> Result<f64> {
+    let root = dir.join(format!("store-{bs_mib}-groups"));
+    let ssd = scratch_ssd(&root)?;
+    let t = Instant::now();
+    put_in_groups(&ssd, bl)?;
     let secs = t.elapsed().as_secs_f64();
     drop(ssd);
     let _ = std::fs::remove_dir_all(&root);
@@ -234,22 +240,7 @@ fn lookups_during_writes(
     let mut micros = Vec::new();
     let written = std::thread::scope(|scope| {
         let writer = scope.spawn(|| {
-            let r = (|| -> Result<()> {
-                for group in bl.chunks(64) {
-                    let jobs: Vec<PutJob<'_>> = group
-                        .iter()
-                        .map(|block| PutJob {
-                            block,
-                            replace: false,
-                            stamp: None,
-                        })
-                        .collect();
-                    for r in ssd.put_many(&jobs) {
-                        r?;
-                    }
-                }
-                Ok(())
-            })();
+            let r = put_in_groups(&ssd, bl);
             done.store(true, std::sync::atomic::Ordering::Release);
             r
         });
