@@ -86,15 +86,15 @@ pub struct EngineConfig {
     /// follows `KVSTORE_BATCH_ARENA` (`0` off, `1` on) when set, else off (it lost
     /// throughput serving on the H200: docs/benchmarks.md, session 8). Default: None.
     pub batch_arena: Option<bool>,
-    /// Whether a step that decodes rows runs the oldest prompt's prefill chunk in the same
+    /// Whether a step that decodes rows runs the front prompt's prefill chunk in the same
     /// forward pass (the weights read once, not twice), where the model family has such a
     /// pass (llama, qwen2, qwen3): `None` follows `KVSTORE_MIXED_STEPS` (`0` off, `1` on)
     /// when set, else on where MLX computes on the CPU and off on a GPU (where it did not
     /// pay: docs/server.md, "Mixed steps"). Default: None.
     pub mixed_steps: Option<bool>,
     /// Which admitted prompt is prefilled next: the oldest, or the one with the fewest
-    /// tokens left to compute (engine/src/prefill_order.rs). Default:
-    /// [`PrefillOrder::FewestNew`].
+    /// tokens left to compute (engine/src/prefill_order.rs). Default: [`PrefillOrder`]'s,
+    /// fewest-new.
     pub prefill_order: PrefillOrder,
 }
 
@@ -110,7 +110,7 @@ impl Default for EngineConfig {
             step_log: 0,
             batch_arena: None,
             mixed_steps: None,
-            prefill_order: PrefillOrder::FewestNew,
+            prefill_order: PrefillOrder::default(),
         }
     }
 }
@@ -1090,7 +1090,8 @@ struct Worker {
     queue: VecDeque<Pending>,
     rows: PagedKvRows,
     active: Vec<Row>,
-    /// Admitted requests still prefilling, oldest first; one chunk per engine step.
+    /// Admitted requests still prefilling, in admission order but for the one the prefill
+    /// order brought to the front; one chunk per engine step.
     prefilling: VecDeque<Prefilling>,
     reserved: u64,
     /// Bytes of the batch arena beyond its rows' reservations, charged to the device
@@ -1123,14 +1124,14 @@ struct Worker {
 
 /// A prefill chunk that ran inside the step's decode pass: the request (out of the
 /// prefilling queue until the step is over), the tokens it ran and, when it ended the
-/// prompt, its last logits. A step runs the oldest prompt's chunk first, then its riders.
+/// prompt, its last logits. A step runs the front prompt's chunk first, then its riders.
 struct MixedChunk {
     r: Prefilling,
     tokens: usize,
     logits: Option<mlx::Array>,
 }
 
-/// The chunk jobs of prompts [`Worker::take_chunks`] took: the oldest's next chunk within
+/// The chunk jobs of prompts [`Worker::take_chunks`] took: the front's next chunk within
 /// `max_chunk`, each rider's whole rest (within the pass's `ceiling`).
 fn chunk_jobs(
     taken: &mut [(usize, Prefilling)],
@@ -1216,7 +1217,7 @@ impl Worker {
             record.admit_waited_load = std::mem::take(&mut self.admit_waited_load);
             // 3. Queue one batched decode step, fed with the previous step's picks while
             //    they are still on the device.
-            //    Where it can, the oldest prompt's next chunk runs in the same pass.
+            //    Where it can, the front prompt's next chunk runs in the same pass.
             let t = Instant::now();
             let cpu = thread_cpu_time();
             let mut mixed: Option<Vec<MixedChunk>> = None;
@@ -1245,7 +1246,7 @@ impl Worker {
                 row.seq.advance();
             }
             let emitted = Instant::now();
-            // 5. One chunk of the oldest prefill (back to back while nothing decodes), unless
+            // 5. One chunk of the front prefill (back to back while nothing decodes), unless
             //    it ran in the decode pass.
             record.prefilled = match mixed {
                 Some(mut parts) => {
@@ -1530,7 +1531,7 @@ impl Worker {
         }
     }
 
-    /// Runs one chunk of the oldest prefill, or, while no row decodes, every chunk of it.
+    /// Runs one chunk of the front prefill, or, while no row decodes, every chunk of it.
     /// Returns the request and the prompt tokens computed.
     fn prefill_step(&mut self) -> Option<(u64, usize)> {
         let mut r = self.prefilling.pop_front()?;
@@ -1908,7 +1909,7 @@ impl Worker {
         self.observe_device_kv();
     }
 
-    /// Queues the decode step with the oldest prefill's next chunk in the same forward pass
+    /// Queues the decode step with the front prefill's next chunk in the same forward pass
     /// ([`decode_step_mixed`]), and after it, as riders, later prompts whose whole rest fits
     /// in what that chunk leaves of the step's prefill budget (many short prompts then
     /// share one pass instead of taking a step each); `None` where that does not apply
@@ -1936,7 +1937,7 @@ impl Worker {
         Ok(Some(mixed_chunks(taken, parts)))
     }
 
-    /// The oldest prompt's next chunk and, as riders, later prompts whose whole rest fits
+    /// The front prompt's next chunk and, as riders, later prompts whose whole rest fits
     /// in what it leaves of the prefill budget, in one pass of their own
     /// ([`prefill_packed`]): the pass a step runs beside the decode pass (mixed steps off)
     /// or alone (nothing decoding), when at least one prompt rides. `None` when none rides
@@ -1979,8 +1980,9 @@ impl Worker {
         Some(done.into_iter().map(|m| self.mixed_chunk_done(m)).collect())
     }
 
-    /// Takes the oldest prompt (if live) and the prompts that ride with its next chunk out
-    /// of the queue, each with its place, the oldest's chunk budget and the pass's ceiling
+    /// Takes the front prompt (if live) and the prompts that ride with its next chunk out
+    /// of the queue (tried in [`PrefillOrder::rider_order`]), each with its place, the
+    /// front's chunk budget and the pass's ceiling
     /// (the engine's chunk: no step prefills more). While rows decode the budget is the
     /// step's prefill budget, with none decoding the ceiling. With `need_riders`, `None`
     /// (nothing taken) when no prompt rides.
@@ -2025,7 +2027,7 @@ impl Worker {
         if need_riders && riders.is_empty() {
             return None;
         }
-        // Out of the queue while the step runs: riders from the back, then the oldest.
+        // Out of the queue while the step runs: riders from the back, then the front.
         let mut taken: Vec<(usize, Prefilling)> = Vec::with_capacity(riders.len() + 1);
         for &i in riders.iter().rev() {
             if let Some(r) = self.prefilling.remove(i) {
@@ -2039,7 +2041,7 @@ impl Worker {
         Some((taken, max_chunk, ceiling))
     }
 
-    /// Puts prompts [`Worker::take_chunks`] took back where they were, the oldest first.
+    /// Puts prompts [`Worker::take_chunks`] took back where they were, the front first.
     fn put_back(&mut self, taken: Vec<(usize, Prefilling)>) {
         for (i, r) in taken {
             self.prefilling.insert(i, r);

@@ -134,15 +134,19 @@ fn row(what: &str, ours: f64, base_name: &str, base: f64) {
 }
 
 /// A writable SSD tier at `root` without a budget to speak of.
-fn scratch_ssd(root: &Path) -> Result<SsdTier> {
+/// A fresh SSD tier at `root` holding at most `budget` bytes of blocks.
+fn scratch_ssd(root: &Path, budget: u64) -> Result<SsdTier> {
     Ok(SsdTier::open(
         root,
         SsdOptions {
             read_only: false,
-            budget: u64::MAX / 2,
+            budget,
         },
     )?)
 }
+
+/// A budget no benchmark here fills: nothing is evicted.
+const UNBOUNDED: u64 = u64::MAX / 2;
 
 /// Writes `bl` into `ssd` in group commits of 64 (the write-behind worker's batches).
 fn put_in_groups(ssd: &SsdTier, bl: &[Block]) -> Result<()> {
@@ -166,7 +170,7 @@ fn put_in_groups(ssd: &SsdTier, bl: &[Block]) -> Result<()> {
 /// fresh tier under `dir`.
 fn ssd_put_groups(dir: &Path, bs_mib: u64, bl: &[Block], bytes: u64) -> Result<f64> {
     let root = dir.join(format!("store-{bs_mib}-groups"));
-    let ssd = scratch_ssd(&root)?;
+    let ssd = scratch_ssd(&root, UNBOUNDED)?;
     let t = Instant::now();
     put_in_groups(&ssd, bl)?;
     let secs = t.elapsed().as_secs_f64();
@@ -219,22 +223,11 @@ fn write_behind_spills(
 
 /// Microseconds an index lookup (`SsdTier::contains`, what every request's lookup asks
 /// for a block past RAM) takes while another thread writes `bl` in group commits of 64 into
-/// a tier that holds `budget_blocks` of them: with a small budget each group evicts as
-/// many blocks as it writes. Returns the lookups' P50, P99 and max.
-fn lookups_during_writes(
-    dir: &Path,
-    bl: &[Block],
-    bs: u64,
-    budget_blocks: u64,
-) -> Result<(f64, f64, f64)> {
-    let root = dir.join(format!("store-lookups-{budget_blocks}"));
-    let ssd = SsdTier::open(
-        &root,
-        SsdOptions {
-            read_only: false,
-            budget: budget_blocks.saturating_mul(bs + MIB),
-        },
-    )?;
+/// a tier of `budget` bytes: with a small budget each group evicts as many blocks as it
+/// writes. Returns the lookups' P50, P99 and max.
+fn lookups_during_writes(dir: &Path, bl: &[Block], budget: u64) -> Result<(f64, f64, f64)> {
+    let root = dir.join(format!("store-lookups-{budget}"));
+    let ssd = scratch_ssd(&root, budget)?;
     let probe = (bl[0].meta.namespace, bl[0].meta.key);
     let done = std::sync::atomic::AtomicBool::new(false);
     let mut micros = Vec::new();
@@ -364,7 +357,7 @@ pub fn run(args: Args) -> Result<()> {
 
         // SSD tier: put = checksum + write + fsync + rename + fsync dir.
         let root = dir.join(format!("store-{bs_mib}"));
-        let ssd = scratch_ssd(&root)?;
+        let ssd = scratch_ssd(&root, UNBOUNDED)?;
         let t = Instant::now();
         for b in &bl {
             ssd.put(b)?;
@@ -398,8 +391,9 @@ pub fn run(args: Args) -> Result<()> {
 
         // Index lookups while the writer's group commits evict as much as they write,
         // against the same lookups while it writes without evicting.
-        let quiet = lookups_during_writes(dir, &bl, bs, u64::MAX / (2 * (bs + MIB)))?;
-        let evicting = lookups_during_writes(dir, &bl, bs, (n as u64 / 4).max(1))?;
+        let quiet = lookups_during_writes(dir, &bl, UNBOUNDED)?;
+        // A quarter of the blocks, each with room to spare for its file's header.
+        let evicting = lookups_during_writes(dir, &bl, (n as u64 / 4).max(1) * (bs + MIB))?;
         println!(
             "  SSD index lookup during group commits, P50 / P99 / max µs: evicting {:.1} / {:.1} / {:.1}, \
              not evicting {:.1} / {:.1} / {:.1}",

@@ -154,8 +154,9 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
         for file in &args.compare {
             let (name, hits, ttft, kv_budget) = earlier_run(file)?;
             let ours = ran.target["kv_budget"].as_str();
+            let bytes = |b: &str| b.parse::<bytesize::ByteSize>().ok();
             if let (Some(theirs), Some(ours)) = (kv_budget.as_deref(), ours) {
-                if theirs != ours {
+                if bytes(theirs) != bytes(ours) {
                     println!(
                         "note: {} ran with a device KV budget of {theirs}, this run with \
                          {ours}: their TTFTs compare unequal room for live prompts \
