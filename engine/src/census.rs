@@ -1,11 +1,12 @@
-//! The graph census: how many nodes (MLX primitives) each decode step hands to the device.
+//! The graph census: how many nodes (MLX primitives) each engine step hands to the device.
 //!
-//! On a GPU a decode step is bound by the host launching its kernels (docs/benchmarks.md,
+//! On a GPU a step is bound by the host launching its kernels (docs/benchmarks.md,
 //! "Where an engine step's time goes under the trace"): its cost is the number of nodes
 //! times MLX's per-node launch cost, so the node count is the figure to lower. The census
-//! is off unless `KVSTORE_GRAPH_CENSUS=1`; then every decode step's graph is walked before
-//! it is queued (host time: do not time a run that takes it) and tallied per process by
-//! batch size and primitive. `kvstore bench generate|serve|trace` print the tally.
+//! is off unless `KVSTORE_GRAPH_CENSUS=1`; then every step's graph (decode-only, a decode
+//! pass carrying prefill chunks, a prefill pass of its own) is walked before it is queued
+//! (host time: do not time a run that takes it) and tallied per process by the step's
+//! kind and shape and by primitive. `kvstore bench generate|serve|trace` print the tally.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, OnceLock};
@@ -13,10 +14,30 @@ use std::sync::{Mutex, OnceLock};
 /// The variable that turns the census on (`1`).
 pub const GRAPH_CENSUS_VAR: &str = "KVSTORE_GRAPH_CENSUS";
 
-/// The decode steps of one batch size: how many, and their nodes by primitive.
+/// What a counted step ran: its kind, the rows it decoded and the prompts whose chunks it
+/// carried. Ordered decode-only first, then by rows and prompts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct StepShape {
+    /// Rows decoded (0 in a prefill pass of its own).
+    pub rows: usize,
+    /// Prompts whose prefill chunks ran in the step (0 in a decode-only step).
+    pub prompts: usize,
+}
+
+impl std::fmt::Display for StepShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.rows, self.prompts) {
+            (rows, 0) => write!(f, "{rows} row(s)"),
+            (0, prompts) => write!(f, "prefill pass of {prompts} prompt(s)"),
+            (rows, prompts) => write!(f, "{rows} row(s) + {prompts} prompt chunk(s)"),
+        }
+    }
+}
+
+/// The steps of one [`StepShape`]: how many, and their nodes by primitive.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepCensus {
-    /// Decode steps counted.
+    /// Steps counted.
     pub steps: u64,
     /// Nodes of those steps by MLX primitive name, summed.
     pub nodes: BTreeMap<String, u64>,
@@ -46,7 +67,7 @@ impl StepCensus {
     }
 }
 
-static TALLY: Mutex<BTreeMap<usize, StepCensus>> = Mutex::new(BTreeMap::new());
+static TALLY: Mutex<BTreeMap<StepShape, StepCensus>> = Mutex::new(BTreeMap::new());
 
 /// Whether the census is on for this process (`KVSTORE_GRAPH_CENSUS=1`, read once).
 pub fn graph_census_enabled() -> bool {
@@ -54,21 +75,21 @@ pub fn graph_census_enabled() -> bool {
     *ON.get_or_init(|| std::env::var(GRAPH_CENSUS_VAR).is_ok_and(|v| v.trim() == "1"))
 }
 
-/// Counts the pending nodes of a decode step of `rows` rows whose outputs are `arrays`,
-/// when the census is on.
-pub(crate) fn count_step(rows: usize, arrays: &[mlx::Array]) -> crate::Result<()> {
+/// Counts the pending nodes of a step of `shape` whose outputs are `arrays`, when the
+/// census is on.
+pub(crate) fn count_step(shape: StepShape, arrays: &[mlx::Array]) -> crate::Result<()> {
     if !graph_census_enabled() {
         return Ok(());
     }
     let arrays: Vec<&mlx::Array> = arrays.iter().collect();
     let names = mlx::pending_primitives(&arrays)?;
-    record(rows, names, mlx::pending_small_leaves(&arrays)?);
+    record(shape, names, mlx::pending_small_leaves(&arrays)?);
     Ok(())
 }
 
-fn record(rows: usize, names: Vec<String>, small_leaves: usize) {
+fn record(shape: StepShape, names: Vec<String>, small_leaves: usize) {
     let mut tally = TALLY.lock().unwrap_or_else(|e| e.into_inner());
-    let c = tally.entry(rows).or_default();
+    let c = tally.entry(shape).or_default();
     c.steps += 1;
     c.small_leaves += small_leaves as u64;
     for n in names {
@@ -76,24 +97,24 @@ fn record(rows: usize, names: Vec<String>, small_leaves: usize) {
     }
 }
 
-/// The census so far, by the number of rows a step decoded (empty when it is off).
-pub fn graph_census() -> BTreeMap<usize, StepCensus> {
+/// The census so far, by the shape of the steps (empty when it is off).
+pub fn graph_census() -> BTreeMap<StepShape, StepCensus> {
     TALLY.lock().unwrap_or_else(|e| e.into_inner()).clone()
 }
 
-/// The census as lines for a report: per batch size, steps, nodes per step and the
+/// The census as lines for a report: per step shape, steps, nodes per step and the
 /// primitives with the most nodes. Empty when the census is off or counted nothing.
 pub fn graph_census_lines() -> Vec<String> {
     graph_census()
         .iter()
-        .map(|(rows, c)| {
+        .map(|(shape, c)| {
             let top: Vec<String> = c
                 .top(8)
                 .iter()
                 .map(|(n, per)| format!("{n} {per:.1}"))
                 .collect();
             format!(
-                "graph census, {rows} row(s): {} steps, {:.1} nodes per step ({}); {:.1} small \
+                "graph census, {shape}: {} steps, {:.1} nodes per step ({}); {:.1} small \
                  leaves per step",
                 c.steps,
                 c.nodes_per_step(),
@@ -125,9 +146,12 @@ mod tests {
     }
 
     #[test]
-    fn the_tally_counts_each_step_of_a_batch_size() {
-        // The tally is process-wide: use a batch size no other test decodes.
-        let rows = 4099;
+    fn the_tally_counts_each_step_of_a_shape() {
+        // The tally is process-wide: use shapes no other test steps.
+        let rows = StepShape {
+            rows: 4099,
+            prompts: 0,
+        };
         let before = graph_census().get(&rows).cloned().unwrap_or_default();
         record(rows, vec!["Add".into(), "Add".into()], 1);
         record(rows, vec!["Concatenate".into()], 0);
@@ -141,5 +165,24 @@ mod tests {
         assert!(graph_census_lines()
             .iter()
             .any(|l| l.starts_with("graph census, 4099 row(s): 2 steps, 1.5 nodes per step")));
+        // A pass with chunks is tallied apart from decode-only steps of as many rows.
+        let mixed = StepShape {
+            rows: 4099,
+            prompts: 3,
+        };
+        let solo = StepShape {
+            rows: 0,
+            prompts: 4099,
+        };
+        record(mixed, vec!["Matmul".into()], 0);
+        record(solo, vec!["Matmul".into(), "Matmul".into()], 0);
+        assert_eq!(graph_census()[&rows].steps, before.steps + 2);
+        let lines = graph_census_lines();
+        assert!(lines.iter().any(|l| l.starts_with(
+            "graph census, 4099 row(s) + 3 prompt chunk(s): 1 steps, 1.0 nodes per step"
+        )));
+        assert!(lines.iter().any(|l| l.starts_with(
+            "graph census, prefill pass of 4099 prompt(s): 1 steps, 2.0 nodes per step"
+        )));
     }
 }

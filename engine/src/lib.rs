@@ -52,7 +52,7 @@ mod warm_up;
 mod weights;
 
 pub use census::{
-    graph_census, graph_census_enabled, graph_census_lines, StepCensus, GRAPH_CENSUS_VAR,
+    graph_census, graph_census_enabled, graph_census_lines, StepCensus, StepShape, GRAPH_CENSUS_VAR,
 };
 pub use constrained::{json_schema_rule, lark_literal, Constraint, GrammarCompiler};
 pub use cost_model::{CostSamples, Fit, RestoreEstimates};

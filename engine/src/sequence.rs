@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use cache::{Chain, KvCache, PagedKvCache, PagedKvRows};
 
+use crate::census::StepShape;
 use crate::device_sampler::{DeviceSampler, GreedyBatch, Selection};
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateParams, TextStream, Timings};
@@ -509,7 +510,11 @@ pub(crate) fn decode_step(
         None => pick_each(seqs, &each)?,
     }
     let arrays = launched_arrays(seqs)?;
-    crate::census::count_step(seqs.len(), &arrays)?;
+    let shape = StepShape {
+        rows: seqs.len(),
+        prompts: 0,
+    };
+    crate::census::count_step(shape, &arrays)?;
     let built = started.elapsed();
     // The graph is built (lazily, while the previous step may still run); its writes into
     // the rows' KV are made when it is queued.
@@ -694,6 +699,11 @@ pub(crate) fn decode_step_mixed(
     // Each chunk's keys and values are computed with the step; its last logits only when
     // the first pick needs them.
     let out = chunks_ran(step.prompts, lens, &mut arrays);
+    let shape = StepShape {
+        rows: seqs.len(),
+        prompts: out.len(),
+    };
+    crate::census::count_step(shape, &arrays)?;
     wait_for_previous_step(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
     // The chunks' time is charged by the caller, who sees the whole step: what it took
@@ -718,6 +728,11 @@ pub(crate) fn prefill_packed(
     };
     let mut arrays = Vec::with_capacity(lens.len());
     let out = chunks_ran(parts, lens, &mut arrays);
+    let shape = StepShape {
+        rows: 0,
+        prompts: out.len(),
+    };
+    crate::census::count_step(shape, &arrays)?;
     mlx::eval(&arrays.iter().collect::<Vec<_>>())?;
     Ok(Some(out))
 }
