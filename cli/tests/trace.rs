@@ -53,6 +53,20 @@ fn simulate_prints_and_writes_the_hand_computed_shares() {
     assert_eq!(b["lru-leaf"], 0.25);
     assert_eq!(b["lfu"], 0.25);
     assert_eq!(b["belady"], 0.5);
+    // Left to prefill with the ideal's hits: 1024, 512, then 1 each (a whole hit still
+    // computes its last token) against prompts of 1024, 512, 1024, 512, 1024: nearest rank
+    // of five, P50 is the 3rd (1 of 1024), P90 and P99 the 5th (1024 of 1024).
+    let ideal = &v["ideal_prefill_bound"];
+    assert_eq!(ideal["no_cache"]["p50"], 1024.0);
+    assert_eq!(ideal["cached"]["p50"], 1.0);
+    assert_eq!(ideal["ratio"]["p50"], 1.0 / 1024.0);
+    assert_eq!(ideal["ratio"]["p99"], 1.0);
+    assert!(
+        stdout.contains("with the ideal's hits / without a cache, P50 / P90 / P99: 0.001 / 1.000 / 1.000 (1 / 1024 / 1024 of 1024 / 1024 / 1024 tokens)"),
+        "{stdout}"
+    );
+    // LRU at two blocks hits nothing: every request prefills its whole prompt.
+    assert_eq!(b["prefill_bound"]["lru"]["ratio"]["p50"], 1.0);
 }
 
 /// `--window 1..4` keeps the requests at 1, 2 and 3 s: [X], [A B], [X]; only the second X
@@ -207,6 +221,17 @@ fn replay_over_http_reads_the_servers_cached_tokens() {
         );
     }
     assert_eq!(v["overall"]["cached_tokens"], 30);
+    // Left to prefill: 16, 8, 1, 8, 1 with the server's hits, 16, 8, 1, 1, 1 with the
+    // ideal's, against prompts 16, 8, 16, 8, 16: the 3rd of five is 8 and 1 of 16.
+    let bound = &v["prefill_bound"];
+    assert_eq!(bound["hits"]["ratio"]["p50"], 0.5);
+    assert_eq!(bound["ideal"]["ratio"]["p50"], 0.0625);
+    assert_eq!(bound["hits"]["ratio"]["p90"], 1.0);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("with this run's hits 0.500 / 1.000 / 1.000 (8 / 16 / 16 of 16 / 16 / 16 tokens); with the ideal's 0.062 /"),
+        "{stdout}"
+    );
     // The server's counters say where the hits came from: all from the device tier.
     let delta = &v["counters"]["server_metrics_delta"];
     assert_eq!(

@@ -14,6 +14,7 @@ mod inprocess;
 mod parse;
 mod peer;
 mod plot;
+mod prefill_bound;
 mod replay;
 pub(crate) mod report;
 mod scale;
@@ -24,6 +25,7 @@ mod tiered;
 mod tokens;
 
 use parse::{TraceRequest, Window};
+use prefill_bound::PrefillBound;
 use scale::TokenScale;
 use sim::{Policy, SimTrace};
 
@@ -293,12 +295,24 @@ fn simulate(
     let t = SimTrace::new(&s.requests, &s.scale);
     let total = t.prompt_tokens() as f64;
     let share = |hits: &[usize]| hits.iter().sum::<usize>() as f64 / total;
-    let ideal = share(&sim::ideal(&t));
+    let bound = |hits: &[usize]| {
+        PrefillBound::of(t.requests.iter().map(|r| r.len).zip(hits.iter().copied()))
+    };
+    let ideal_hits = sim::ideal(&t);
+    let ideal = share(&ideal_hits);
+    let ideal_bound = bound(&ideal_hits);
     println!(
         "ideal (unbounded cache): {:.2} % of {} prompt tokens",
         100.0 * ideal,
         t.prompt_tokens()
     );
+    if let Some(b) = &ideal_bound {
+        println!(
+            "tokens left to prefill per request with the ideal's hits / without a cache, \
+             P50 / P90 / P99: {} (the TTFT ratio where TTFT follows them and no queue forms)",
+            b.describe()
+        );
+    }
     let times: Vec<u64> = s.requests.iter().map(|r| r.timestamp).collect();
     let mut gaps = sim::reuse_gaps(&t, &times);
     if !gaps.is_empty() {
@@ -335,9 +349,17 @@ fn simulate(
         row.insert("budget_tokens".into(), b.into());
         row.insert("blocks".into(), blocks.into());
         let mut cells = String::new();
+        let mut bounds = serde_json::Map::new();
+        let mut shipped = None;
         for p in Policy::ALL {
-            let h = share(&sim::simulate(&t, p, blocks));
+            let hits = sim::simulate(&t, p, blocks);
+            let h = share(&hits);
             row.insert(p.name().into(), h.into());
+            let b = bound(&hits);
+            if p == Policy::FreqAdmit {
+                shipped = b;
+            }
+            bounds.insert(p.name().into(), serde_json::to_value(b)?);
             cells += &format!(
                 "{:>9.2} ({:>5.3})",
                 100.0 * h,
@@ -345,6 +367,15 @@ fn simulate(
             );
         }
         println!("{b:>14} {blocks:>9} {cells}");
+        if let Some(pb) = shipped {
+            println!(
+                "{:>25} tokens left to prefill with {}'s hits / without, P50 / P90 / P99: {}",
+                "",
+                Policy::FreqAdmit.name(),
+                pb.describe()
+            );
+        }
+        row.insert("prefill_bound".into(), serde_json::Value::Object(bounds));
         rows.push(serde_json::Value::Object(row));
     }
     Ok(serde_json::json!({
@@ -354,6 +385,7 @@ fn simulate(
         "prompt_tokens": t.prompt_tokens(),
         "block_tokens": t.block,
         "ideal": ideal,
+        "ideal_prefill_bound": ideal_bound,
         "budgets": rows,
     }))
 }

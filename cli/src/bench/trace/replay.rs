@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use engine::{Engine, EngineConfig, ExportStats};
+use serde::Serialize;
 use serde_json::json;
 use store::StoreStats;
 
@@ -14,6 +15,7 @@ use super::http::HttpTarget;
 use super::inprocess::{EngineTarget, RoundRobin};
 use super::peer;
 use super::plot::{self, Series};
+use super::prefill_bound::PrefillBound;
 use super::report::{self, pct, Row, Summary};
 use super::sim::{self, Policy, SimTrace};
 use super::{tokens, Args, Settings};
@@ -82,6 +84,16 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
     let overall = report::summarize(&rows.iter().collect::<Vec<_>>());
     let minutes = report::per_minute(&rows, start_ms);
     print(&overall, &minutes, &ran, s);
+    let bounds = prefill_bounds(&rows);
+    if let (Some(hits), Some(ideal)) = (&bounds.hits, &bounds.ideal) {
+        println!(
+            "tokens left to prefill per answered request / its prompt, P50 / P90 / P99: with \
+             this run's hits {}; with the ideal's {} (TTFT / no cache falls below these only \
+             where the queue shortens)",
+            hits.describe(),
+            ideal.describe()
+        );
+    }
     for r in rows
         .iter()
         .filter(|r| r.sent.outcome.error.is_some())
@@ -125,6 +137,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "per_minute": minutes,
             "counters": ran.counters,
             "steps": ran.steps,
+            "prefill_bound": bounds,
             "requests": rows,
         });
         super::write_json(path, &doc)?;
@@ -260,6 +273,26 @@ fn earlier_run(path: &std::path::Path) -> Result<Earlier> {
         .unwrap_or_default();
     let kv_budget = v["target"]["kv_budget"].as_str().map(String::from);
     Ok((name, hits, ttft, kv_budget))
+}
+
+/// What the run's hits and the ideal's left the answered requests to prefill
+/// ([`PrefillBound`]).
+#[derive(Debug, Serialize)]
+struct PrefillBounds {
+    /// With the hits the target reported.
+    hits: Option<PrefillBound>,
+    /// With the ideal (unbounded) cache's hits, over the same requests.
+    ideal: Option<PrefillBound>,
+}
+
+fn prefill_bounds(rows: &[Row]) -> PrefillBounds {
+    let answered = || rows.iter().filter(|r| r.sent.outcome.ttft_s.is_some());
+    PrefillBounds {
+        hits: PrefillBound::of(
+            answered().map(|r| (r.sent.outcome.prompt_tokens, r.sent.outcome.cached_tokens)),
+        ),
+        ideal: PrefillBound::of(answered().map(|r| (r.prompt_len, r.ideal_tokens))),
+    }
 }
 
 fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
