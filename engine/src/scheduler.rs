@@ -1563,7 +1563,15 @@ impl Worker {
                 r.seq.prefill_step(&self.model, &mut r.cache, most)
             };
             match result {
-                Ok((n, None)) if self.active.is_empty() => computed += n,
+                Ok((n, None)) if self.active.is_empty() => {
+                    computed += n;
+                    // A request that arrived meanwhile and can be admitted now shares the
+                    // next pass instead of waiting for the whole of this prompt.
+                    if self.arrival_can_join() {
+                        self.prefilling.push_front(r);
+                        return Some((id, computed));
+                    }
+                }
                 Ok((n, None)) => {
                     self.prefilling.push_front(r);
                     return Some((id, computed + n));
@@ -1585,6 +1593,32 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// Between two chunks of a prompt prefilled back to back (nothing decodes, the prompt
+    /// taken out of `prefilling`): takes the submissions sent meanwhile, starts their loads,
+    /// and says whether the queue's front can be admitted now (a row and KV bytes for it
+    /// beside the prompt, its cached prefix loaded). A burst's later requests, whose loads
+    /// finish after the first was admitted, then join the next pass (riders) instead of
+    /// waiting for the first's whole prefill, as a long prompt never holds back an arrival
+    /// for more than a chunk.
+    fn arrival_can_join(&mut self) -> bool {
+        while let Ok(cmd) = self.rx.try_recv() {
+            self.command(cmd);
+        }
+        if self.draining == Some(true) {
+            return false;
+        }
+        self.prefetch();
+        self.set_gauges();
+        let busy = self.active.len() + self.prefilling.len() + 1;
+        let (reserved, budget) = (self.reserved, self.config.kv_budget_bytes);
+        busy < self.config.max_batch
+            && self.queue.front_mut().is_some_and(|p| {
+                !p.cancel.is_cancelled()
+                    && reserved + p.reserve <= budget
+                    && p.prefetch.ready(false)
+            })
     }
 
     /// A request whose client went away while it prefilled: what was computed is

@@ -1464,6 +1464,90 @@ fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
 }
 
 /// Waits for `h`'s first token (panics on a failure or an end without one).
+/// An idle engine prefills a prompt back to back, chunk after chunk; a request that
+/// arrives meanwhile is admitted at the next chunk boundary and shares the next pass, so it
+/// waits for one chunk of the long prompt, not all of them (from the step log: its prefill
+/// comes before the long prompt's last chunk). Before, it waited for the whole prompt: a
+/// burst whose later loads finished after the first request's admission queued behind the
+/// first's whole prefill (docs/server.md, "Arrivals during a prefill").
+#[test]
+fn an_arrival_joins_a_back_to_back_prefill_at_the_next_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            max_batch: 4,
+            prefill_chunk: 8,
+            mixed_steps: Some(true),
+            step_log: 100_000,
+            prefill_order: engine::PrefillOrder::FewestNew,
+            ..EngineConfig::default()
+        },
+    );
+    let mut conclusive = 0;
+    for round in 0..6u32 {
+        let long = distinct_ids(480, 100 + 2 * round);
+        let params = GenerateParams {
+            prefill_chunk: 8,
+            ..no_eos(1)
+        };
+        let sent_long = Instant::now();
+        let long = engine.submit(Request::new(long, params)).unwrap();
+        // Once the long prompt holds its KV reservation it is admitted, and its 60 chunks
+        // run back to back.
+        while engine.metrics().kv_reserved_bytes == 0 {
+            std::thread::yield_now();
+        }
+        let sent_short = sent_long.elapsed().as_secs_f64();
+        let short = engine
+            .submit(Request::new(distinct_ids(12, 101 + 2 * round), no_eos(1)))
+            .unwrap();
+        let (long_id, short_id) = (long.id(), short.id());
+        let long = long.wait().unwrap();
+        assert_eq!(short.wait().unwrap().completion_tokens, 1);
+        // Conclusive where the short request came after the long one's admission and in
+        // the first half of its prefill (it would otherwise have queued with it, or met
+        // its last chunks).
+        let admitted = long.queue_s;
+        let prefilled = long.queue_s + long.ttft_s;
+        if sent_short <= admitted || sent_short >= admitted + (prefilled - admitted) / 2.0 {
+            continue;
+        }
+        conclusive += 1;
+        let log = engine.step_log();
+        let holds = |s: &engine::StepRecord, id: u64| {
+            s.prefilled.is_some_and(|(p, _)| p == id) || s.riders.iter().any(|r| r.0 == id)
+        };
+        let short_at = log
+            .iter()
+            .position(|s| holds(s, short_id))
+            .expect("the short prompt's prefill is in the step log");
+        let long_steps: Vec<usize> = (0..log.len())
+            .filter(|&i| holds(&log[i], long_id))
+            .collect();
+        let long_last = *long_steps.last().unwrap();
+        assert!(
+            short_at < long_last,
+            "the short prompt (step {short_at}) waited for the long one's whole prefill \
+             (steps {long_steps:?})"
+        );
+        // The long prompt was cut at a chunk boundary: its first step prefilled part of it.
+        let first = &log[long_steps[0]];
+        let first_tokens = first
+            .prefilled
+            .filter(|p| p.0 == long_id)
+            .map_or(0, |p| p.1);
+        assert!(first_tokens < 480, "{first:?}");
+        if conclusive >= 2 {
+            break;
+        }
+    }
+    assert!(
+        conclusive > 0,
+        "no round sent the short prompt inside the first half of the long one's prefill"
+    );
+}
+
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {
         match h.recv_blocking() {
