@@ -44,6 +44,12 @@ pub struct Args {
     /// none is passed over for ever).
     #[arg(long, value_name = "arrival|fewest-new", default_value = "fewest-new")]
     prefill_order: engine::PrefillOrder,
+    /// Threads that look up and load queued requests' cached prefixes from RAM, SSD or
+    /// Redis, a load each at a time: a slow load (a cold SSD, a remote tier) holds back only
+    /// its own request, whose place in the queue is kept while the ones behind it are
+    /// admitted.
+    #[arg(long, value_name = "N", default_value_t = engine::DEFAULT_IO_WORKERS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    io_workers: usize,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from
     /// measured step times, putting running streams before a long prompt's TTFT; `none`
@@ -155,6 +161,7 @@ pub fn run(args: Args) -> Result<()> {
             .unwrap_or_else(engine::default_prefill_chunk),
         itl_stretch: args.itl_stretch,
         prefill_order: args.prefill_order,
+        io_workers: args.io_workers,
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);

@@ -39,6 +39,7 @@ mod export;
 pub mod fuzzing;
 mod generate;
 mod layers;
+mod load_gate;
 mod model;
 pub mod models;
 mod prefill_order;
@@ -76,7 +77,8 @@ pub use reuse::{
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{
     CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, InjectedFault, Request,
-    RequestHandle, StepRecord, SubmitError, SUGGESTED_ITL_STRETCH, TTFT_BUCKETS,
+    RequestHandle, StepRecord, SubmitError, DEFAULT_IO_WORKERS, SUGGESTED_ITL_STRETCH,
+    TTFT_BUCKETS,
 };
 pub use tokenizer::{
     chat_request_parts, render_template, Tokenizer, MAX_RENDER_BYTES, RENDER_FUEL_BASE,

@@ -37,6 +37,7 @@ use crate::device_tier::DeviceTier;
 use crate::error::{EngineError, Result};
 use crate::export::{ExportStats, Exporter};
 use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
+use crate::load_gate::LoadGate;
 use crate::model::{LayerKind, Model};
 use crate::sequence::{prefill_alone, Sequence};
 use crate::tokenizer::Tokenizer;
@@ -130,7 +131,7 @@ pub struct ReuseReport {
     /// Whether the device hit reads the resident sequence's KV as a shared prefix (no
     /// copy, now or later) rather than a copy-on-write fork.
     pub device_shared: bool,
-    /// Whether the host blocks were loaded by the I/O thread while the request waited for
+    /// Whether the host blocks were loaded by the I/O workers while the request waited for
     /// admission (their load time is then not part of `restore_s`, unless the engine had
     /// nothing else to do and admission waited for the load: that wait is).
     pub prefetched: bool,
@@ -152,10 +153,10 @@ pub struct ReuseReport {
     /// Of `restore_s`, moving the loaded blocks into device memory (assembly on the host,
     /// the transfers, the arrays made real); the rest is the store's load.
     pub import_s: f64,
-    /// With `prefetched`: seconds from the request's submission until the I/O thread had
+    /// With `prefetched`: seconds from the request's submission until the I/O workers had
     /// looked up and loaded its cached prefix (queued behind other requests' loads
     /// included). Admission cannot pass a queued request before then, so a `queue_s` near
-    /// it was the I/O thread's; 0 when the engine loaded at admission.
+    /// it was the I/O workers'; 0 when the engine loaded at admission.
     pub prefetch_s: f64,
     /// Prefilling the uncached rest (and sampling the first token).
     pub prefill_s: f64,
@@ -307,6 +308,8 @@ pub struct KvTiers {
     /// Blocks reach the host tiers as their sequences leave the device
     /// ([`DeviceTier::Exclusive`], with host tiers).
     exclusive: bool,
+    /// Test support: loads held until released ([`Self::hold_loads`]).
+    load_gate: LoadGate,
 }
 
 const RECENT_SEQUENCES: usize = 8;
@@ -352,12 +355,12 @@ pub struct HostPrefix {
     lookup_s: f64,
     load_s: f64,
     remote_s: f64,
-    /// When the I/O thread finished it.
+    /// When the I/O workers finished it.
     done_at: Option<Instant>,
 }
 
 impl HostPrefix {
-    /// When the I/O thread finished looking it up and loading it.
+    /// When the I/O workers finished looking it up and loading it.
     pub(crate) fn done_at(&self) -> Option<Instant> {
         self.done_at
     }
@@ -637,7 +640,28 @@ impl KvTiers {
             restore_always: config.restore_always,
             host_tiers,
             exclusive,
+            load_gate: LoadGate::default(),
         })
+    }
+
+    /// Test support: from now on [`Self::load_host`] of a prompt starting with `prefix` (an
+    /// I/O worker's load of a queued request) waits before it starts until
+    /// [`Self::release_loads`], as a slow disk or remote tier would. Not a stable API.
+    #[doc(hidden)]
+    pub fn hold_loads(&self, prefix: Vec<u32>) {
+        self.load_gate.hold(prefix);
+    }
+
+    /// Lets every held load run (see [`Self::hold_loads`]).
+    #[doc(hidden)]
+    pub fn release_loads(&self) {
+        self.load_gate.release();
+    }
+
+    /// How many loads wait at [`Self::hold_loads`]'s gate now.
+    #[doc(hidden)]
+    pub fn loads_waiting(&self) -> usize {
+        self.load_gate.waiting()
     }
 
     /// The device tier, locked.
@@ -880,10 +904,11 @@ impl KvTiers {
         self.prepare_with(namespace, prompt, None)
     }
 
-    /// The host half of a restore, for an I/O thread: the prompt's chain keys, what the
+    /// The host half of a restore, for an I/O worker: the prompt's chain keys, what the
     /// device tier holds of it now, and the store's blocks after that (lookup, SSD reads,
     /// remote fetches, verification; the cost model decides how far). No MLX call.
     pub fn load_host(&self, namespace: NamespaceId, prompt: &[u32]) -> Result<HostPrefix> {
+        self.load_gate.pass(prompt);
         let t = Instant::now();
         let reusable = prompt.len().saturating_sub(1);
         let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
@@ -1032,7 +1057,7 @@ impl KvTiers {
     }
 
     /// [`Self::prepare_in`] with the host half already loaded by [`Self::load_host`] (on
-    /// an I/O thread while the request waited for admission). If the device tier changed
+    /// an I/O worker while the request waited for admission). If the device tier changed
     /// since, the loaded blocks are cut to fit, or loaded again from where the device hit
     /// ends.
     pub fn prepare_with(

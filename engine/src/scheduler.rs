@@ -96,7 +96,15 @@ pub struct EngineConfig {
     /// tokens left to compute (engine/src/prefill_order.rs). Default: [`PrefillOrder`]'s,
     /// fewest-new.
     pub prefill_order: PrefillOrder,
+    /// I/O workers that look up and load queued requests' cached prefixes (with a prefix
+    /// cache), each a load at a time, so that a slow load (an SSD read, a remote fetch)
+    /// holds back only its own request. Default: [`DEFAULT_IO_WORKERS`].
+    pub io_workers: usize,
 }
+
+/// [`EngineConfig::io_workers`]'s default: a few loads at once, as a burst of requests
+/// needs; each load also reads its SSD blocks on the store's own readers.
+pub const DEFAULT_IO_WORKERS: usize = 4;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -111,6 +119,7 @@ impl Default for EngineConfig {
             batch_arena: None,
             mixed_steps: None,
             prefill_order: PrefillOrder::default(),
+            io_workers: DEFAULT_IO_WORKERS,
         }
     }
 }
@@ -394,7 +403,7 @@ pub struct EngineMetrics {
     pub kv_device_peak_bytes: u64,
     /// Decode steps whose rows attended in a batch arena.
     pub batch_arena_steps: u64,
-    /// Requests whose cached-prefix lookup and load the I/O thread started at submission
+    /// Requests whose cached-prefix lookup and load the I/O workers started at submission
     /// (the queue was short), rather than once they neared the head of the queue.
     pub early_loads: u64,
     /// TTFT histogram: cumulative counts per bucket of [`TTFT_BUCKETS`].
@@ -437,11 +446,14 @@ struct Pending {
     submitted: Instant,
     reserve: u64,
     prefetch: Prefetch,
+    /// How long admission has waited for its load (an idle engine with nothing else ready
+    /// does): billed to its restore, not its queue.
+    load_waited: std::time::Duration,
 }
 
-/// The host half of a queued request's restore, loaded by the I/O thread.
+/// The host half of a queued request's restore, loaded by the I/O workers.
 enum Prefetch {
-    /// No prefix cache, or the I/O thread is gone: the engine loads at admission.
+    /// No prefix cache, or the I/O workers are gone: the engine loads at admission.
     None,
     /// Not asked for yet (the request is far from the head of the queue).
     NotYet,
@@ -478,7 +490,7 @@ impl Prefetch {
     }
 }
 
-/// A job of the I/O thread: look up and load a queued request's cached prefix from the
+/// A job of the I/O workers: look up and load a queued request's cached prefix from the
 /// store (RAM, SSD, remote), so that the engine thread never waits on disk or network
 /// while other rows decode.
 struct IoJob {
@@ -494,7 +506,7 @@ fn prefetch_depth(config: &EngineConfig) -> usize {
     2 * config.max_batch
 }
 
-/// Hands `request`'s lookup and load to the I/O thread: [`Prefetch::Waiting`] for its
+/// Hands `request`'s lookup and load to the I/O workers: [`Prefetch::Waiting`] for its
 /// answer, `None` when the thread is gone.
 fn send_load(io: &mpsc::Sender<IoJob>, request: &Request) -> Option<Prefetch> {
     let (reply, done) = mpsc::sync_channel(1);
@@ -506,14 +518,94 @@ fn send_load(io: &mpsc::Sender<IoJob>, request: &Request) -> Option<Prefetch> {
     io.send(job).ok().map(|()| Prefetch::Waiting(done))
 }
 
-/// The I/O thread's loop: one job at a time, in submission order.
-fn io_loop(prefix: Arc<KvTiers>, jobs: mpsc::Receiver<IoJob>) {
-    for job in jobs {
+/// How many loads the I/O workers have finished (answered, failed or abandoned), so that an
+/// idle engine whose queued requests are all still loading can sleep until one ends.
+#[derive(Debug, Default)]
+struct LoadsDone {
+    count: Mutex<u64>,
+    changed: std::sync::Condvar,
+}
+
+impl LoadsDone {
+    fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.count.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Loads finished so far.
+    fn count(&self) -> u64 {
+        *self.lock()
+    }
+
+    /// Waits until more than `seen` loads have finished.
+    fn wait_past(&self, seen: u64) {
+        let mut n = self.lock();
+        while *n <= seen {
+            n = self.changed.wait(n).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Counts a load as finished when dropped: after its answer is sent, or when its worker
+/// unwinds (the answer's sender is dropped first, so a woken engine sees the load over).
+struct LoadFinished<'a>(&'a LoadsDone);
+
+impl Drop for LoadFinished<'_> {
+    fn drop(&mut self) {
+        *self.0.lock() += 1;
+        self.0.changed.notify_all();
+    }
+}
+
+/// An I/O worker's loop: takes the next job (in submission order) and runs it; the
+/// workers share the queue, so while one waits on a slow load the others take the jobs
+/// behind it. Ends when the engine drops the sending side.
+fn io_loop(prefix: Arc<KvTiers>, jobs: Arc<Mutex<mpsc::Receiver<IoJob>>>, done: Arc<LoadsDone>) {
+    loop {
+        let next = match jobs.lock() {
+            Ok(rx) => rx.recv(),
+            Err(_) => return,
+        };
+        let Ok(next) = next else {
+            return;
+        };
+        // Declared after the counter, so dropped before it (also when unwinding).
+        let _finished = LoadFinished(&done);
+        let job = next;
         let result = prefix
             .namespace_for(job.salt.as_deref())
             .and_then(|ns| prefix.load_host(ns, &job.prompt));
         let _ = job.reply.send(result);
+        drop(job);
     }
+}
+
+/// The I/O workers of an engine with a prefix cache: their job queue, their threads, and
+/// the count of loads they finished.
+struct IoWorkers {
+    jobs: mpsc::Sender<IoJob>,
+    threads: Vec<JoinHandle<()>>,
+    done: Arc<LoadsDone>,
+}
+
+/// Starts `workers` (at least one) I/O workers over one job queue.
+fn spawn_io(prefix: &Arc<KvTiers>, workers: usize) -> Result<IoWorkers> {
+    let (tx, rx) = mpsc::channel();
+    let rx = Arc::new(Mutex::new(rx));
+    let done = Arc::new(LoadsDone::default());
+    let mut threads = Vec::with_capacity(workers.max(1));
+    for i in 0..workers.max(1) {
+        let (pc, rx, done) = (prefix.clone(), rx.clone(), done.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("kvstore-io-{i}"))
+            .spawn(move || io_loop(pc, rx, done))
+            .map_err(|e| EngineError::io("kvstore-io thread", e))?;
+        threads.push(thread);
+    }
+    Ok(IoWorkers {
+        jobs: tx,
+        threads,
+        done,
+    })
 }
 
 /// What one engine step computed (see [`EngineConfig::step_log`]).
@@ -548,8 +640,9 @@ pub struct StepRecord {
     /// new full blocks and handing them to the export thread, waiting when it is behind)
     /// and parking finished sequences on the device.
     pub publish_us: u64,
-    /// Whether admission stopped at a queued request whose cached prefix was still being
-    /// loaded by the I/O thread while a batch slot and the budget were free.
+    /// Whether admission met a queued request whose cached prefix the I/O workers were
+    /// still loading while a batch slot and the budget were free (it kept its place; ready
+    /// requests behind it were admitted past it).
     pub admit_waited_load: bool,
     /// Microseconds of the whole step: taking commands, admission, the parts above and the
     /// bookkeeping after them (not the wait for work while the engine is idle).
@@ -570,9 +663,9 @@ struct Shared {
 /// module docs for the loop; docs/library.md for an example.
 pub struct Engine {
     tx: Mutex<mpsc::Sender<Command>>,
-    /// The I/O thread's queue (with a prefix cache), for [`Engine::submit`] to start a
+    /// The I/O workers' queue (with a prefix cache), for [`Engine::submit`] to start a
     /// request's lookup and load at once; taken before the engine thread is stopped, which
-    /// then ends the I/O thread.
+    /// then ends the I/O workers.
     io: Mutex<Option<mpsc::Sender<IoJob>>>,
     /// The engine thread; it hands the model back when it ends.
     thread: Mutex<Option<JoinHandle<Model>>>,
@@ -659,23 +752,19 @@ impl Engine {
             steps: Mutex::new(VecDeque::new()),
         });
         let (tx, rx) = mpsc::channel();
-        // The I/O thread (with a prefix cache) ends when the worker drops its sender.
-        let (io, io_thread) = match &prefix {
+        // The I/O workers (with a prefix cache) end when the engine drops its senders.
+        let (io, io_threads, loads_done) = match &prefix {
             Some(pc) => {
-                let (io_tx, io_rx) = mpsc::channel();
-                let pc = pc.clone();
-                let thread = std::thread::Builder::new()
-                    .name("kvstore-io".into())
-                    .spawn(move || io_loop(pc, io_rx))
-                    .map_err(|e| EngineError::io("kvstore-io thread", e))?;
-                (Some(io_tx), Some(thread))
+                let w = spawn_io(pc, config.io_workers)?;
+                (Some(w.jobs), w.threads, Some(w.done))
             }
-            None => (None, None),
+            None => (None, Vec::new(), None),
         };
         let engine_io = io.clone();
         let mut worker = Worker {
             io,
-            io_thread,
+            io_threads,
+            loads_done,
             model,
             tokenizer: tokenizer.clone(),
             prefix: prefix.clone(),
@@ -816,7 +905,7 @@ impl Engine {
         let (tx, rx) = chan::unbounded_channel();
         let cancel = CancelHandle::default();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        // The request's cached prefix is looked up and loaded by the I/O thread from now,
+        // The request's cached prefix is looked up and loaded by the I/O workers from now,
         // while the engine runs its current step, when the queue is short; behind a long
         // queue the engine asks for it once the request nears the head (see
         // `Worker::prefetch`), so that waiting requests do not all hold loaded blocks.
@@ -838,6 +927,7 @@ impl Engine {
             submitted: Instant::now(),
             reserve,
             prefetch,
+            load_waited: std::time::Duration::ZERO,
         };
         c.queue_depth.fetch_add(1, Ordering::Relaxed);
         let sent = match self.tx.lock() {
@@ -863,7 +953,7 @@ impl Engine {
         })
     }
 
-    /// Hands `request`'s lookup and load to the I/O thread ([`Prefetch::NotYet`] when it is
+    /// Hands `request`'s lookup and load to the I/O workers ([`Prefetch::NotYet`] when it is
     /// gone: the engine asks again later, or loads at admission).
     fn start_load(&self, request: &Request) -> Prefetch {
         let Ok(io) = self.io.lock() else {
@@ -884,7 +974,7 @@ impl Engine {
         }
     }
 
-    /// Stops handing loads to the I/O thread, so that it ends with the engine thread.
+    /// Stops handing loads to the I/O workers, so that they end with the engine thread.
     fn close_io(&self) {
         if let Ok(mut io) = self.io.lock() {
             io.take();
@@ -991,7 +1081,7 @@ impl Engine {
     /// scratch store, where the flush is only time (`bench trace --no-flush`).
     pub fn close_without_flush(mut self) {
         self.stop(false);
-        // The worker and its I/O thread have ended; the tiers drop with the last share.
+        // The worker and its I/O workers have ended; the tiers drop with the last share.
         self.prefix = None;
     }
 
@@ -1025,7 +1115,7 @@ impl Engine {
             .join()
             .map_err(|_| EngineError::EngineStopped)?;
         self.flush()?;
-        // The worker and its I/O thread have ended and dropped their shares; the engine's
+        // The worker and its I/O workers have ended and dropped their shares; the engine's
         // own go with it (its `Drop` then finds nothing left to stop or flush).
         let tiers = self.prefix.take();
         let tokenizer = self.tokenizer.clone();
@@ -1074,10 +1164,12 @@ struct Prefilling {
 }
 
 struct Worker {
-    /// Jobs for the I/O thread, with a prefix cache.
+    /// Jobs for the I/O workers, with a prefix cache.
     io: Option<mpsc::Sender<IoJob>>,
-    /// The I/O thread, joined when the worker ends ([`Worker::stop_io`]).
-    io_thread: Option<JoinHandle<()>>,
+    /// The I/O workers, joined when the worker ends ([`Worker::stop_io`]).
+    io_threads: Vec<JoinHandle<()>>,
+    /// The loads they finished (with a prefix cache).
+    loads_done: Option<Arc<LoadsDone>>,
     model: Model,
     tokenizer: Arc<Tokenizer>,
     prefix: Option<Arc<KvTiers>>,
@@ -1116,7 +1208,7 @@ struct Worker {
     published_us: u64,
     /// The current step's prefill-pass charges (see [`StepRecord::prefill_charged_us`]).
     charged_us: Vec<(u64, u64)>,
-    /// Set when admission stopped at a request whose prefix was still loading.
+    /// Set when admission met a request whose prefix was still loading.
     admit_waited_load: bool,
     /// Engine steps run so far.
     steps: u64,
@@ -1294,10 +1386,10 @@ impl Worker {
         self.set_gauges();
     }
 
-    /// Ends the I/O thread and waits for it, so its share of the tiers is dropped.
+    /// Ends the I/O workers and waits for them, so their share of the tiers is dropped.
     fn stop_io(&mut self) {
         self.io = None;
-        if let Some(t) = self.io_thread.take() {
+        for t in std::mem::take(&mut self.io_threads) {
             let _ = t.join();
         }
     }
@@ -1361,6 +1453,11 @@ impl Worker {
         }));
     }
 
+    /// Admits queued requests, in queue order, while rows and KV bytes are free: a request
+    /// whose cached prefix is still loading keeps its place (its row and bytes stay free
+    /// for it) and the ready requests behind it are admitted past it, as vLLM passes over
+    /// requests waiting for remote KV. The engine waits for a load only where it has
+    /// nothing else to do (idle, nothing ready).
     fn admit(&mut self) {
         // Requests cancelled while queued leave without being prefilled.
         let (gone, keep): (Vec<Pending>, Vec<Pending>) = std::mem::take(&mut self.queue)
@@ -1371,32 +1468,70 @@ impl Worker {
             self.refuse_cancelled(p);
         }
         self.prefetch();
-        while self.active.len() + self.prefilling.len() < self.config.max_batch {
-            let fits = match self.queue.front() {
-                Some(p) => {
-                    (self.active.is_empty() && self.prefilling.is_empty())
-                        || self.reserved + p.reserve <= self.config.kv_budget_bytes
-                }
-                None => false,
+        loop {
+            let seen = self.loads_done.as_ref().map(|d| d.count());
+            if self.admit_ready() > 0 || !self.active.is_empty() || !self.prefilling.is_empty() {
+                break;
+            }
+            // Nothing runs and every request that could be admitted is still loading:
+            // sleep until an I/O worker finishes a load (whichever), then look again. The
+            // wait is the loading requests' restore, not their queue.
+            let loading = |p: &Pending| matches!(p.prefetch, Prefetch::Waiting(_));
+            let (Some(done), Some(seen)) = (self.loads_done.clone(), seen) else {
+                break;
             };
-            if !fits {
+            if !self.queue.iter().any(loading) {
                 break;
             }
-            // The front request's cached prefix comes from the I/O thread: rows decoding
-            // now never wait for it; with none decoding, waiting for it is all there is.
-            let idle = self.active.is_empty() && self.prefilling.is_empty();
             let t = Instant::now();
-            if !self
-                .queue
-                .front_mut()
-                .is_some_and(|p| p.prefetch.ready(idle))
-            {
-                self.admit_waited_load = true;
+            done.wait_past(seen);
+            let waited = t.elapsed();
+            for p in self.queue.iter_mut().filter(|p| loading(p)) {
+                p.load_waited += waited;
+            }
+            // Requests submitted meanwhile (their loads may be what woke it) join the queue.
+            self.take_submissions();
+            if self.draining == Some(true) {
                 break;
             }
-            // Waiting for the load with nothing else to do is the request's restore.
-            let waited = t.elapsed();
-            let Some(p) = self.queue.pop_front() else {
+            self.prefetch();
+        }
+        self.set_gauges();
+    }
+
+    /// Takes the commands sent since the loop last looked (submissions into the queue),
+    /// without waiting.
+    fn take_submissions(&mut self) {
+        while let Ok(cmd) = self.rx.try_recv() {
+            self.command(cmd);
+        }
+    }
+
+    /// One pass over the queue for [`Self::admit`]: admits every request that is loaded
+    /// and fits, passing over those still loading (holding a row and their reservation for
+    /// each), and stops at the first that does not fit (memory goes in queue order, so a
+    /// large request is not passed over for ever). Returns how many it admitted.
+    fn admit_ready(&mut self) -> usize {
+        let (mut held_rows, mut held_bytes) = (0usize, 0u64);
+        let mut admitted = 0;
+        let mut i = 0;
+        while self.active.len() + self.prefilling.len() + held_rows < self.config.max_batch {
+            let empty = self.active.is_empty() && self.prefilling.is_empty() && held_rows == 0;
+            let Some(p) = self.queue.get_mut(i) else {
+                break;
+            };
+            // A request is always admitted into an empty engine, whatever its size.
+            if !empty && self.reserved + held_bytes + p.reserve > self.config.kv_budget_bytes {
+                break;
+            }
+            if !p.prefetch.ready(false) {
+                self.admit_waited_load = true;
+                held_rows += 1;
+                held_bytes += p.reserve;
+                i += 1;
+                continue;
+            }
+            let Some(p) = self.queue.remove(i) else {
                 break;
             };
             // One budget: resident sequences leave the device to make room for live ones.
@@ -1408,19 +1543,20 @@ impl Worker {
             self.set_gauges();
             let (id, tx) = (p.id, p.tx.clone());
             let reserve = p.reserve;
-            match self.begin(p, waited) {
+            match self.begin(p) {
                 Ok(mut r) => {
                     self.unreserve_shared(&mut r);
                     self.reserved += r.p.reserve;
                     self.prefilling.push_back(r);
+                    admitted += 1;
                 }
                 Err(e) => self.fail_prefill(id, &tx, reserve, e),
             }
         }
-        self.set_gauges();
+        admitted
     }
 
-    /// Asks the I/O thread for the cached prefix of the queued requests near the head of
+    /// Asks the I/O workers for the cached prefix of the queued requests near the head of
     /// the queue ([`prefetch_depth`]) that [`Engine::submit`] did not hand it already.
     fn prefetch(&mut self) {
         let Some(io) = &self.io else {
@@ -1435,11 +1571,12 @@ impl Worker {
     }
 
     /// Admits `p`: checks its context, restores its cached prefix into a fresh cache, and
-    /// returns it ready to prefill the rest. `waited` is how long admission just waited for
-    /// its prefetched host blocks (an idle engine does): that load is billed to its restore,
-    /// not to its queue.
-    fn begin(&mut self, mut p: Pending, waited: std::time::Duration) -> Result<Prefilling> {
+    /// returns it ready to prefill the rest. `p.load_waited` is how long admission waited
+    /// for its prefetched host blocks (an idle engine with nothing else ready does): that
+    /// load is billed to its restore, not to its queue.
+    fn begin(&mut self, mut p: Pending) -> Result<Prefilling> {
         let now = Instant::now();
+        let waited = p.load_waited;
         let admitted = now.checked_sub(waited).unwrap_or(now).max(p.submitted);
         let queue_s = (admitted - p.submitted).as_secs_f64();
         let namespace = match &self.prefix {
@@ -1603,22 +1740,36 @@ impl Worker {
     /// waiting for the first's whole prefill, as a long prompt never holds back an arrival
     /// for more than a chunk.
     fn arrival_can_join(&mut self) -> bool {
-        while let Ok(cmd) = self.rx.try_recv() {
-            self.command(cmd);
-        }
+        self.take_submissions();
         if self.draining == Some(true) {
             return false;
         }
         self.prefetch();
         self.set_gauges();
-        let busy = self.active.len() + self.prefilling.len() + 1;
+        self.admissible(1)
+    }
+
+    /// Whether [`Self::admit_ready`] would admit a request now, with `extra_rows` rows
+    /// taken besides the engine's (a prompt out of `prefilling` for a moment): a queued
+    /// request that is loaded and fits, past those still loading (each holding its row
+    /// and bytes). Waits for nothing.
+    fn admissible(&mut self, extra_rows: usize) -> bool {
+        let busy = self.active.len() + self.prefilling.len() + extra_rows;
         let (reserved, budget) = (self.reserved, self.config.kv_budget_bytes);
-        busy < self.config.max_batch
-            && self.queue.front_mut().is_some_and(|p| {
-                !p.cancel.is_cancelled()
-                    && reserved + p.reserve <= budget
-                    && p.prefetch.ready(false)
-            })
+        let (mut held_rows, mut held_bytes) = (0usize, 0u64);
+        for p in self.queue.iter_mut() {
+            if busy + held_rows >= self.config.max_batch
+                || reserved + held_bytes + p.reserve > budget
+            {
+                return false;
+            }
+            if !p.cancel.is_cancelled() && p.prefetch.ready(false) {
+                return true;
+            }
+            held_rows += 1;
+            held_bytes += p.reserve;
+        }
+        false
     }
 
     /// A request whose client went away while it prefilled: what was computed is

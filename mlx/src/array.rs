@@ -46,14 +46,14 @@ pub struct Array {
 //    rewind history of array handles): built, written, read, forked, rewound and published
 //    only on the engine thread. The
 //    device pool of finished sequences (`ResidentPool`, cache/src/resident.rs) lives in
-//    `KvTiers` behind a `Mutex`, and `KvTiers` is shared (`Arc`) with the `kvstore-io`
-//    thread and the HTTP runtime; those two read only token ids and byte counts through the
+//    `KvTiers` behind a `Mutex`, and `KvTiers` is shared (`Arc`) with the `kvstore-io-N`
+//    I/O workers and the HTTP runtime; those read only token ids and byte counts through the
 //    lock (`peek`, `stats`), never an array. At shutdown `Engine::shutdown` joins the engine
 //    thread before the last `Arc<KvTiers>` can drop, so the pool's arrays are dropped, on
 //    whatever thread that is, after their last use (rule a). MLX's own scheduler threads
 //    keep their own references to arrays they are still computing.
 // 3. Host blocks (`store::Block`: plane bytes) cross between the engine thread, the
-//    `kvstore-io` thread and the store's writer threads; arrays are made from host blocks
+//    `kvstore-io-N` I/O workers and the store's writer threads; arrays are made from host blocks
 //    on the engine thread only (cache/src/host.rs).
 // 4. Publication (cache/src/export.rs, engine/src/export.rs): the engine thread gathers
 //    the new blocks of a cache into fresh arrays and calls `async_eval` on them, which

@@ -1464,6 +1464,75 @@ fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
 }
 
 /// Waits for `h`'s first token (panics on a failure or an end without one).
+/// A queued request whose cached-prefix load is slow (held at the I/O workers' gate, as a
+/// cold SSD or a far remote tier would be) keeps its place while a request submitted after
+/// it is loaded by another worker, admitted past it and answered; once the load ends, the
+/// slow request is served too. With one I/O thread and admission stopping at the first
+/// request still loading (the engine before session 29), the second request waited for the
+/// first's load.
+#[test]
+fn a_slow_load_holds_back_only_its_own_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            max_batch: 4,
+            step_log: 100_000,
+            ..EngineConfig::default()
+        },
+    );
+    let tiers = engine.kv_tiers().expect("a prefix cache");
+    let slow_prompt = distinct_ids(40, 7);
+    // The slow request's prefix is in the store, so its load has something to read.
+    engine
+        .submit(Request::new(slow_prompt.clone(), no_eos(2)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    tiers.hold_loads(slow_prompt[..8].to_vec());
+    let slow = engine
+        .submit(Request::new(slow_prompt.clone(), no_eos(2)))
+        .unwrap();
+    while tiers.loads_waiting() == 0 {
+        std::thread::yield_now();
+    }
+    let quick = engine
+        .submit(Request::new(distinct_ids(24, 8), no_eos(3)))
+        .unwrap();
+    let quick_id = quick.id();
+    // Waited for on another thread, so that an engine that holds it behind the slow load
+    // fails the test instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || tx.send(quick.wait()));
+    let done = match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(done) => done.unwrap(),
+        Err(_) => {
+            tiers.release_loads();
+            panic!("the quick request waited for the slow request's load");
+        }
+    };
+    assert_eq!(done.completion_tokens, 3);
+    // The slow request is still waiting for its load: it neither ran nor was dropped.
+    assert_eq!(tiers.loads_waiting(), 1);
+    let log = engine.step_log();
+    assert!(
+        log.iter().any(|s| s.admit_waited_load),
+        "no step saw a request still loading"
+    );
+    assert!(log
+        .iter()
+        .any(|s| s.prefilled.is_some_and(|p| p.0 == quick_id)
+            || s.riders.iter().any(|r| r.0 == quick_id)));
+    tiers.release_loads();
+    let slow = slow.wait().unwrap();
+    assert_eq!(slow.completion_tokens, 2);
+    assert!(
+        slow.cached_tokens > 0,
+        "the held load was restored once released"
+    );
+    assert!(slow.reuse.prefetched);
+}
+
 /// An idle engine prefills a prompt back to back, chunk after chunk; a request that
 /// arrives meanwhile is admitted at the next chunk boundary and shares the next pass, so it
 /// waits for one chunk of the long prompt, not all of them (from the step log: its prefill

@@ -47,10 +47,10 @@ pub struct Outcome {
 /// The parts of an in-process request's time to first token, as the engine counted them.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct TtftParts {
-    /// Waiting in the engine's queue for admission (behind the I/O thread's lookup and
+    /// Waiting in the engine's queue for admission (behind the I/O workers' lookup and
     /// load, a free row, the KV budget).
     pub queue_s: f64,
-    /// Of `queue_s`'s span: from submission until the I/O thread had the cached prefix
+    /// Of `queue_s`'s span: from submission until the I/O workers had the cached prefix
     /// looked up and loaded (0 where it was not prefetched).
     pub prefetch_s: f64,
     /// Finding the cached prefix (keys, index lookups).

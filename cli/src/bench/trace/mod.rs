@@ -137,6 +137,10 @@ pub struct Args {
     /// In process: which admitted prompt is prefilled next (as `serve --prefill-order`).
     #[arg(long, value_name = "arrival|fewest-new", default_value = "fewest-new")]
     prefill_order: engine::PrefillOrder,
+    /// In process: threads loading queued requests' cached prefixes (as `serve
+    /// --io-workers`).
+    #[arg(long, value_name = "N", default_value_t = engine::DEFAULT_IO_WORKERS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
+    io_workers: usize,
     /// In process: a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (as `serve --itl-stretch`); `none` always runs the whole chunk.
     #[arg(long, value_name = "X|none", default_value = "none", value_parser = crate::serve::parse_itl_stretch)]

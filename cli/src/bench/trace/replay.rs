@@ -371,7 +371,7 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     }
     if let Some(p) = &overall.ttft_parts_p50 {
         println!(
-            "TTFT parts, each its median: queue {:.4} s (the prefix loaded by the I/O thread \
+            "TTFT parts, each its median: queue {:.4} s (the prefix loaded by the I/O workers \
              {:.4} s after submission), lookup {:.4} s, restore {:.4} s, \
              prefill and first pick {:.4} s, other work in its steps {:.4} s",
             p.queue_s, p.prefetch_s, p.lookup_s, p.restore_s, p.prefill_s, p.other_work_s
@@ -433,6 +433,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
                 prefill_chunk: args.prefill_chunk(),
                 itl_stretch: args.itl_stretch,
                 prefill_order: args.prefill_order,
+                io_workers: args.io_workers,
                 kv_budget_bytes: cache.kv_budget_bytes()?,
                 max_queue: s.max_concurrency.max(256),
                 context_limit: None,
