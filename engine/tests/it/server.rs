@@ -1503,7 +1503,9 @@ fn a_slow_load_holds_back_only_its_own_request() {
     // Waited for on another thread, so that an engine that holds it behind the slow load
     // fails the test instead of hanging it.
     let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || tx.send(quick.wait()));
+    std::thread::spawn(move || {
+        let _ = tx.send(quick.wait());
+    });
     let done = match rx.recv_timeout(Duration::from_secs(60)) {
         Ok(done) => done.unwrap(),
         Err(_) => {
