@@ -226,7 +226,7 @@ impl StepSummary {
     /// One line: step counts and times.
     pub(crate) fn summary(&self) -> String {
         format!(
-            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms (engine thread CPU {:.1} ms; decode-only {:.1} ms, CPU {:.1} ms), read+emit {:.1} ms, prefill {:.1} ms; admit {:.2} ms, publish {:.2} ms a step; {} steps stopped admitting at a prefix still loading",
+            "steps: {} decode-only (P50 {:.1} ms), {} decode+prefill (P50 {:.1} ms), {} prefill-only; {:.1} rows a step; mean launch {:.1} ms (engine thread CPU {:.1} ms; decode-only {:.1} ms, CPU {:.1} ms), read+emit {:.1} ms, prefill {:.1} ms; admit {:.2} ms, publish {:.2} ms a step; {} steps met a prefix still loading (admitted past it)",
             self.decode_only,
             self.decode_only_s.p50 * 1e3,
             self.decode_and_prefill,
