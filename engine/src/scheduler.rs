@@ -518,25 +518,33 @@ fn send_load(io: &mpsc::Sender<IoJob>, request: &Request) -> Option<Prefetch> {
     io.send(job).ok().map(|()| Prefetch::Waiting(done))
 }
 
-/// How many loads the I/O workers have finished (answered, failed or abandoned), so that an
-/// idle engine whose queued requests are all still loading can sleep until one ends.
+/// Counts what can let an idle engine admit a request whose load held it back: a load the
+/// I/O workers finished (answered, failed or abandoned) and a command sent to the engine
+/// (a submission, a shutdown). An idle engine whose admissible requests are all still
+/// loading sleeps until the count moves.
 #[derive(Debug, Default)]
-struct LoadsDone {
+struct Wakeups {
     count: Mutex<u64>,
     changed: std::sync::Condvar,
 }
 
-impl LoadsDone {
+impl Wakeups {
     fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
         self.count.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Loads finished so far.
+    /// Events so far.
     fn count(&self) -> u64 {
         *self.lock()
     }
 
-    /// Waits until more than `seen` loads have finished.
+    /// Counts one event and wakes the engine if it sleeps.
+    fn signal(&self) {
+        *self.lock() += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until more than `seen` events have happened.
     fn wait_past(&self, seen: u64) {
         let mut n = self.lock();
         while *n <= seen {
@@ -547,19 +555,18 @@ impl LoadsDone {
 
 /// Counts a load as finished when dropped: after its answer is sent, or when its worker
 /// unwinds (the answer's sender is dropped first, so a woken engine sees the load over).
-struct LoadFinished<'a>(&'a LoadsDone);
+struct LoadFinished<'a>(&'a Wakeups);
 
 impl Drop for LoadFinished<'_> {
     fn drop(&mut self) {
-        *self.0.lock() += 1;
-        self.0.changed.notify_all();
+        self.0.signal();
     }
 }
 
 /// An I/O worker's loop: takes the next job (in submission order) and runs it; the
 /// workers share the queue, so while one waits on a slow load the others take the jobs
 /// behind it. Ends when the engine drops the sending side.
-fn io_loop(prefix: Arc<KvTiers>, jobs: Arc<Mutex<mpsc::Receiver<IoJob>>>, done: Arc<LoadsDone>) {
+fn io_loop(prefix: Arc<KvTiers>, jobs: Arc<Mutex<mpsc::Receiver<IoJob>>>, done: Arc<Wakeups>) {
     loop {
         let next = match jobs.lock() {
             Ok(rx) => rx.recv(),
@@ -580,18 +587,18 @@ fn io_loop(prefix: Arc<KvTiers>, jobs: Arc<Mutex<mpsc::Receiver<IoJob>>>, done: 
 }
 
 /// The I/O workers of an engine with a prefix cache: their job queue, their threads, and
-/// the count of loads they finished.
+/// the wake-ups they signal as their loads end.
 struct IoWorkers {
     jobs: mpsc::Sender<IoJob>,
     threads: Vec<JoinHandle<()>>,
-    done: Arc<LoadsDone>,
+    done: Arc<Wakeups>,
 }
 
 /// Starts `workers` (at least one) I/O workers over one job queue.
 fn spawn_io(prefix: &Arc<KvTiers>, workers: usize) -> Result<IoWorkers> {
     let (tx, rx) = mpsc::channel();
     let rx = Arc::new(Mutex::new(rx));
-    let done = Arc::new(LoadsDone::default());
+    let done = Arc::new(Wakeups::default());
     let mut threads = Vec::with_capacity(workers.max(1));
     for i in 0..workers.max(1) {
         let (pc, rx, done) = (prefix.clone(), rx.clone(), done.clone());
@@ -667,6 +674,8 @@ pub struct Engine {
     /// request's lookup and load at once; taken before the engine thread is stopped, which
     /// then ends the I/O workers.
     io: Mutex<Option<mpsc::Sender<IoJob>>>,
+    /// Signalled with every command sent, so an engine sleeping on its loads wakes for it.
+    wakeups: Option<Arc<Wakeups>>,
     /// The engine thread; it hands the model back when it ends.
     thread: Mutex<Option<JoinHandle<Model>>>,
     shared: Arc<Shared>,
@@ -753,7 +762,7 @@ impl Engine {
         });
         let (tx, rx) = mpsc::channel();
         // The I/O workers (with a prefix cache) end when the engine drops its senders.
-        let (io, io_threads, loads_done) = match &prefix {
+        let (io, io_threads, wakeups) = match &prefix {
             Some(pc) => {
                 let w = spawn_io(pc, config.io_workers)?;
                 (Some(w.jobs), w.threads, Some(w.done))
@@ -761,10 +770,11 @@ impl Engine {
             None => (None, Vec::new(), None),
         };
         let engine_io = io.clone();
+        let engine_wakeups = wakeups.clone();
         let mut worker = Worker {
             io,
             io_threads,
-            loads_done,
+            wakeups,
             model,
             tokenizer: tokenizer.clone(),
             prefix: prefix.clone(),
@@ -802,6 +812,7 @@ impl Engine {
         Ok(Engine {
             tx: Mutex::new(tx),
             io: Mutex::new(engine_io),
+            wakeups: engine_wakeups,
             thread: Mutex::new(Some(thread)),
             shared,
             tokenizer,
@@ -930,12 +941,7 @@ impl Engine {
             load_waited: std::time::Duration::ZERO,
         };
         c.queue_depth.fetch_add(1, Ordering::Relaxed);
-        let sent = match self.tx.lock() {
-            Ok(tx) => tx
-                .send(Command::Submit(Box::new(pending)))
-                .map_err(|_| engine_gone()),
-            Err(_) => Err(EngineError::Poisoned("submission")),
-        };
+        let sent = self.send(Command::Submit(Box::new(pending)));
         if let Err(e) = sent {
             c.queue_depth.fetch_sub(1, Ordering::Relaxed);
             // A shutdown ends the thread on purpose; anything else is the engine's failure.
@@ -1026,11 +1032,7 @@ impl Engine {
         };
         if p.is_exclusive() {
             let (tx, rx) = std::sync::mpsc::channel();
-            let sent = self.is_running()
-                && self
-                    .tx
-                    .lock()
-                    .is_ok_and(|t| t.send(Command::ExportResident(tx)).is_ok());
+            let sent = self.is_running() && self.send(Command::ExportResident(tx)).is_ok();
             // No answer: the engine thread ended (or never took it); no MLX work runs now.
             if !sent || rx.recv().is_err() {
                 p.export_resident()?;
@@ -1062,9 +1064,19 @@ impl Engine {
     /// what clients are told. Not a stable API.
     #[doc(hidden)]
     pub fn inject_fault(&self, fault: InjectedFault) {
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(Command::Fault(fault));
+        let _ = self.send(Command::Fault(fault));
+    }
+
+    /// Sends `cmd` to the engine thread and wakes it where it sleeps waiting for loads.
+    fn send(&self, cmd: Command) -> Result<()> {
+        let sent = match self.tx.lock() {
+            Ok(tx) => tx.send(cmd).map_err(|_| engine_gone()),
+            Err(_) => Err(EngineError::Poisoned("submission")),
+        };
+        if let Some(w) = &self.wakeups {
+            w.signal();
         }
+        sent
     }
 
     /// Stops accepting requests, then either finishes (`cancel = false`) or cancels every
@@ -1089,9 +1101,7 @@ impl Engine {
     fn stop(&self, cancel: bool) {
         self.shared.accepting.store(false, Ordering::SeqCst);
         self.close_io();
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(Command::Shutdown { cancel });
-        }
+        let _ = self.send(Command::Shutdown { cancel });
         let thread = self.thread.lock().ok().and_then(|mut t| t.take());
         if let Some(t) = thread {
             let _ = t.join();
@@ -1106,9 +1116,7 @@ impl Engine {
     pub fn close(mut self) -> Result<(Model, Tokenizer, Option<KvTiers>)> {
         self.shared.accepting.store(false, Ordering::SeqCst);
         self.close_io();
-        if let Ok(tx) = self.tx.lock() {
-            let _ = tx.send(Command::Shutdown { cancel: false });
-        }
+        let _ = self.send(Command::Shutdown { cancel: false });
         let thread = self.thread.lock().ok().and_then(|mut t| t.take());
         let model = thread
             .ok_or(EngineError::EngineStopped)?
@@ -1168,8 +1176,9 @@ struct Worker {
     io: Option<mpsc::Sender<IoJob>>,
     /// The I/O workers, joined when the worker ends ([`Worker::stop_io`]).
     io_threads: Vec<JoinHandle<()>>,
-    /// The loads they finished (with a prefix cache).
-    loads_done: Option<Arc<LoadsDone>>,
+    /// Their finished loads and the commands sent (with a prefix cache): what an idle
+    /// engine waiting for loads sleeps on.
+    wakeups: Option<Arc<Wakeups>>,
     model: Model,
     tokenizer: Arc<Tokenizer>,
     prefix: Option<Arc<KvTiers>>,
@@ -1469,15 +1478,15 @@ impl Worker {
         }
         self.prefetch();
         loop {
-            let seen = self.loads_done.as_ref().map(|d| d.count());
+            let seen = self.wakeups.as_ref().map(|d| d.count());
             if self.admit_ready() > 0 || !self.active.is_empty() || !self.prefilling.is_empty() {
                 break;
             }
             // Nothing runs and every request that could be admitted is still loading:
-            // sleep until an I/O worker finishes a load (whichever), then look again. The
-            // wait is the loading requests' restore, not their queue.
+            // sleep until an I/O worker finishes a load (whichever) or a command arrives,
+            // then look again. The wait is the loading requests' restore, not their queue.
             let loading = |p: &Pending| matches!(p.prefetch, Prefetch::Waiting(_));
-            let (Some(done), Some(seen)) = (self.loads_done.clone(), seen) else {
+            let (Some(done), Some(seen)) = (self.wakeups.clone(), seen) else {
                 break;
             };
             if !self.queue.iter().any(loading) {

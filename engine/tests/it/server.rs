@@ -1407,17 +1407,7 @@ fn the_prefill_order_decides_whether_a_short_prompt_passes_a_long_one() {
 #[test]
 fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(
-        dir.path(),
-        EngineConfig {
-            max_batch: 8,
-            prefill_chunk: 64,
-            mixed_steps: Some(true),
-            step_log: 100_000,
-            prefill_order: engine::PrefillOrder::FewestNew,
-            ..EngineConfig::default()
-        },
-    );
+    let engine = fewest_new_engine(dir.path(), 8, 64);
     let mut row = engine
         .submit(Request::new(distinct_ids(12, 1), no_eos(100_000)))
         .unwrap();
@@ -1463,7 +1453,6 @@ fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
     );
 }
 
-/// Waits for `h`'s first token (panics on a failure or an end without one).
 /// A queued request whose cached-prefix load is slow (held at the I/O workers' gate, as a
 /// cold SSD or a far remote tier would be) keeps its place while a request submitted after
 /// it is loaded by another worker, admitted past it and answered; once the load ends, the
@@ -1544,17 +1533,7 @@ fn a_slow_load_holds_back_only_its_own_request() {
 #[test]
 fn an_arrival_joins_a_back_to_back_prefill_at_the_next_chunk() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(
-        dir.path(),
-        EngineConfig {
-            max_batch: 4,
-            prefill_chunk: 8,
-            mixed_steps: Some(true),
-            step_log: 100_000,
-            prefill_order: engine::PrefillOrder::FewestNew,
-            ..EngineConfig::default()
-        },
-    );
+    let engine = fewest_new_engine(dir.path(), 4, 8);
     let mut conclusive = 0;
     for round in 0..6u32 {
         let long = distinct_ids(480, 100 + 2 * round);
@@ -1619,6 +1598,23 @@ fn an_arrival_joins_a_back_to_back_prefill_at_the_next_chunk() {
     );
 }
 
+/// An engine with mixed steps, the fewest-new prefill order and a step log, of
+/// `max_batch` rows and `prefill_chunk`-token passes.
+fn fewest_new_engine(dir: &std::path::Path, max_batch: usize, prefill_chunk: usize) -> Arc<Engine> {
+    open_engine(
+        dir,
+        EngineConfig {
+            max_batch,
+            prefill_chunk,
+            mixed_steps: Some(true),
+            step_log: 100_000,
+            prefill_order: engine::PrefillOrder::FewestNew,
+            ..EngineConfig::default()
+        },
+    )
+}
+
+/// Waits for `h`'s first token (panics on a failure or an end without one).
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {
         match h.recv_blocking() {
