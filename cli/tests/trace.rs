@@ -232,6 +232,17 @@ fn replay_over_http_reads_the_servers_cached_tokens() {
         stdout.contains("with this run's hits 0.500 / 1.000 / 1.000 (8 / 16 / 16 of 16 / 16 / 16 tokens); with the ideal's 0.062 /"),
         "{stdout}"
     );
+    // Every request has its own timestamp: each is the first of its burst.
+    let places = v["burst_places"].as_array().unwrap();
+    assert_eq!(places.len(), 1, "{places:?}");
+    assert_eq!(places[0]["places"], "1st");
+    assert_eq!(places[0]["requests"], 5);
+    assert!(
+        places[0]["queue_p50_s"].is_null(),
+        "HTTP reports no queue time"
+    );
+    assert!(stdout
+        .contains("by place in a burst (requests with one timestamp), medians: 1st 5 req: TTFT "));
     // The server's counters say where the hits came from: all from the device tier.
     let delta = &v["counters"]["server_metrics_delta"];
     assert_eq!(

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
+mod bursts;
 pub(crate) mod dispatch;
 #[cfg(test)]
 mod exact_tests;

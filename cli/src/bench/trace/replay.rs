@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde_json::json;
 use store::StoreStats;
 
+use super::bursts;
 use super::dispatch::{self, Sent};
 use super::http::HttpTarget;
 use super::inprocess::{EngineTarget, RoundRobin};
@@ -84,6 +85,10 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
     let overall = report::summarize(&rows.iter().collect::<Vec<_>>());
     let minutes = report::per_minute(&rows, start_ms);
     print(&overall, &minutes, &ran, s);
+    let places = bursts::burst_places(&rows);
+    if !places.is_empty() {
+        println!("{}", bursts::describe(&places));
+    }
     let bounds = prefill_bounds(&rows);
     if let (Some(hits), Some(ideal)) = (&bounds.hits, &bounds.ideal) {
         println!(
@@ -138,6 +143,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "counters": ran.counters,
             "steps": ran.steps,
             "prefill_bound": bounds,
+            "burst_places": places,
             "requests": rows,
         });
         super::write_json(path, &doc)?;
