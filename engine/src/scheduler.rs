@@ -20,7 +20,8 @@
 //!    in a pass of its own; its last chunk picks the first token and the row joins the
 //!    decode batch. So a long prompt delays running streams by one chunk per step, never by
 //!    its whole prefill (as vLLM's and SGLang's chunked prefill). With no row decoding,
-//!    chunks of the request's own `prefill_chunk` (2,048 tokens on a GPU) run back to back.
+//!    each step runs a chunk of the request's own `prefill_chunk` (2,048 tokens on a GPU),
+//!    so a request arriving meanwhile is admitted at the next chunk boundary.
 //!
 //! A row under a grammar ([`GenerateParams::constraint`]) does not run ahead: before step
 //! 3 queues its next pick, its previous pick is read and committed to the grammar, whose
@@ -1347,8 +1348,8 @@ impl Worker {
                 row.seq.advance();
             }
             let emitted = Instant::now();
-            // 5. One chunk of the front prefill (back to back while nothing decodes), unless
-            //    it ran in the decode pass.
+            // 5. One chunk of the front prefill (the request's own while nothing decodes),
+            //    unless it ran in the decode pass.
             record.prefilled = match mixed {
                 Some(mut parts) => {
                     self.charge_mixed_pass(&mut parts, t);
@@ -1677,108 +1678,61 @@ impl Worker {
         }
     }
 
-    /// Runs one chunk of the front prefill, or, while no row decodes, every chunk of it.
-    /// Returns the request and the prompt tokens computed.
+    /// Runs one chunk of the front prefill. Returns the request and the prompt tokens
+    /// computed. With no row decoding the chunk is the request's own (larger on a GPU); the
+    /// engine still returns to its loop after each chunk, so a request that arrived
+    /// meanwhile is admitted at the next chunk boundary and shares the next pass instead of
+    /// waiting for the whole prompt (until session 29 an idle engine ran every chunk back to
+    /// back, and a burst's requests whose loads ended after the first's admission waited
+    /// for the first's whole prefill).
     fn prefill_step(&mut self) -> Option<(u64, usize)> {
         let mut r = self.prefilling.pop_front()?;
         let id = r.p.id;
-        let mut computed = 0;
-        loop {
-            // A client that goes away stops the prefill at a chunk boundary; what was
-            // computed is published and kept, so a retry of the same prompt reuses it.
-            if r.p.cancel.is_cancelled() || r.p.tx.is_closed() {
-                self.cut_off(r);
-                return Some((id, computed));
-            }
-            let result = if std::mem::take(&mut self.fail_next_prefill) {
-                Err(EngineError::InvalidParameter {
-                    name: "tokens",
-                    message: "fault injected by a test".into(),
-                })
+        // A client that goes away stops the prefill at a chunk boundary; what was computed
+        // is published and kept, so a retry of the same prompt reuses it.
+        if r.p.cancel.is_cancelled() || r.p.tx.is_closed() {
+            self.cut_off(r);
+            return Some((id, 0));
+        }
+        let result = if std::mem::take(&mut self.fail_next_prefill) {
+            Err(EngineError::InvalidParameter {
+                name: "tokens",
+                message: "fault injected by a test".into(),
+            })
+        } else {
+            // While rows decode, a step prefills at most the engine's chunk; with none, the
+            // request's own (larger on a GPU, where small steps leave it waiting on
+            // launches).
+            self.chunk_cached = r.cache.offset();
+            let most = if self.active.is_empty() {
+                usize::MAX
             } else {
-                // While rows decode, a step prefills at most the engine's chunk; with none,
-                // the request's own (larger on a GPU, where small steps leave it waiting on
-                // launches).
-                self.chunk_cached = r.cache.offset();
-                let most = if self.active.is_empty() {
-                    usize::MAX
-                } else {
-                    self.chunk_budget
-                        .most(self.chunk_cached, self.config.prefill_chunk)
-                };
-                r.seq.prefill_step(&self.model, &mut r.cache, most)
+                self.chunk_budget
+                    .most(self.chunk_cached, self.config.prefill_chunk)
             };
-            match result {
-                Ok((n, None)) if self.active.is_empty() => {
-                    computed += n;
-                    // A request that arrived meanwhile and can be admitted now shares the
-                    // next pass instead of waiting for the whole of this prompt.
-                    if self.arrival_can_join() {
-                        self.prefilling.push_front(r);
-                        return Some((id, computed));
-                    }
-                }
-                Ok((n, None)) => {
-                    self.prefilling.push_front(r);
-                    return Some((id, computed + n));
-                }
-                Ok((n, Some(logits))) => {
-                    let reserve = r.p.reserve;
-                    let tx = r.p.tx.clone();
-                    if let Err(e) = self.join_batch(r, &logits) {
-                        self.fail_prefill(id, &tx, reserve, ours(e));
-                        self.reserved = self.reserved.saturating_sub(reserve);
-                    }
-                    return Some((id, computed + n));
-                }
-                Err(e) => {
-                    let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
+            r.seq.prefill_step(&self.model, &mut r.cache, most)
+        };
+        match result {
+            Ok((n, None)) => {
+                self.prefilling.push_front(r);
+                Some((id, n))
+            }
+            Ok((n, Some(logits))) => {
+                let reserve = r.p.reserve;
+                let tx = r.p.tx.clone();
+                if let Err(e) = self.join_batch(r, &logits) {
                     self.fail_prefill(id, &tx, reserve, ours(e));
                     self.reserved = self.reserved.saturating_sub(reserve);
-                    return Some((id, computed));
                 }
+                Some((id, n))
+            }
+            Err(e) => {
+                let (reserve, tx) = (r.p.reserve, r.p.tx.clone());
+                self.fail_prefill(id, &tx, reserve, ours(e));
+                self.reserved = self.reserved.saturating_sub(reserve);
+                Some((id, 0))
             }
         }
-    }
-
-    /// Between two chunks of a prompt prefilled back to back (nothing decodes, the prompt
-    /// taken out of `prefilling`): takes the submissions sent meanwhile, starts their loads,
-    /// and says whether the queue's front can be admitted now (a row and KV bytes for it
-    /// beside the prompt, its cached prefix loaded). A burst's later requests, whose loads
-    /// finish after the first was admitted, then join the next pass (riders) instead of
-    /// waiting for the first's whole prefill, as a long prompt never holds back an arrival
-    /// for more than a chunk.
-    fn arrival_can_join(&mut self) -> bool {
-        self.take_submissions();
-        if self.draining == Some(true) {
-            return false;
-        }
-        self.prefetch();
-        self.set_gauges();
-        self.admissible(1)
-    }
-
-    /// Whether [`Self::admit_ready`] would admit a request now, with `extra_rows` rows
-    /// taken besides the engine's (a prompt out of `prefilling` for a moment): a queued
-    /// request that is loaded and fits, past those still loading (each holding its row
-    /// and bytes). Waits for nothing.
-    fn admissible(&mut self, extra_rows: usize) -> bool {
-        let busy = self.active.len() + self.prefilling.len() + extra_rows;
-        let (reserved, budget) = (self.reserved, self.config.kv_budget_bytes);
-        let (mut held_rows, mut held_bytes) = (0usize, 0u64);
-        for p in self.queue.iter_mut() {
-            if busy + held_rows >= self.config.max_batch
-                || reserved + held_bytes + p.reserve > budget
-            {
-                return false;
-            }
-            if !p.cancel.is_cancelled() && p.prefetch.ready(false) {
-                return true;
-            }
-            held_rows += 1;
-            held_bytes += p.reserve;
-        }
-        false
     }
 
     /// A request whose client went away while it prefilled: what was computed is

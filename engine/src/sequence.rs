@@ -836,7 +836,8 @@ fn pick_rows(seqs: &mut [&mut Sequence], logits: &mlx::Array) -> Result<()> {
 }
 
 /// Prefills `seq` alone over `cache`, chunk after chunk, and picks its first token: the
-/// engine's prefill steps back to back, as the worker runs them while nothing decodes.
+/// engine's prefill steps one after another, as the worker runs them while nothing
+/// decodes and nothing else arrives.
 pub(crate) fn prefill_alone(
     seq: &mut Sequence,
     model: &Model,

@@ -668,29 +668,18 @@ mod tests {
             &[("llama.rope.freq_base", 12, 10_000f64.to_le_bytes().to_vec())],
             &[],
         );
-        let array = gguf_bytes(
-            &[("tokenizer.ggml.scores", 9, {
-                let mut v = 12u32.to_le_bytes().to_vec();
-                v.extend(3u64.to_le_bytes());
-                v.extend([0u8; 24]);
-                v
-            })],
-            &[],
-        );
-        for b in [scalar, array] {
+        // A metadata array (type 9) of three zeros of element type `elem`, `width` bytes each.
+        let zeros = |elem: u32, width: usize| {
+            let mut v = elem.to_le_bytes().to_vec();
+            v.extend(3u64.to_le_bytes());
+            v.extend(vec![0u8; 3 * width]);
+            gguf_bytes(&[("tokenizer.ggml.scores", 9, v)], &[])
+        };
+        for b in [scalar, zeros(12, 8)] {
             let e = check(&b).unwrap_err().reason;
             assert!(e.contains("float64"), "{e}");
         }
-        let f32_array = gguf_bytes(
-            &[("tokenizer.ggml.scores", 9, {
-                let mut v = 6u32.to_le_bytes().to_vec();
-                v.extend(3u64.to_le_bytes());
-                v.extend([0u8; 12]);
-                v
-            })],
-            &[],
-        );
-        assert!(check(&f32_array).is_ok());
+        assert!(check(&zeros(6, 4)).is_ok());
     }
 
     #[test]

@@ -1524,14 +1524,15 @@ fn a_slow_load_holds_back_only_its_own_request() {
     assert!(slow.reuse.prefetched);
 }
 
-/// An idle engine prefills a prompt back to back, chunk after chunk; a request that
-/// arrives meanwhile is admitted at the next chunk boundary and shares the next pass, so it
-/// waits for one chunk of the long prompt, not all of them (from the step log: its prefill
-/// comes before the long prompt's last chunk). Before, it waited for the whole prompt: a
+/// An idle engine prefills a prompt chunk after chunk; a request that arrives meanwhile
+/// is admitted at the next chunk boundary and shares the next pass, so it waits for one
+/// chunk of the long prompt, not all of them (from the step log: its prefill comes before
+/// the long prompt's last chunk). Before, it waited for the whole prompt (an idle engine
+/// ran every chunk back to back in one step): a
 /// burst whose later loads finished after the first request's admission queued behind the
 /// first's whole prefill (docs/server.md, "Arrivals during a prefill").
 #[test]
-fn an_arrival_joins_a_back_to_back_prefill_at_the_next_chunk() {
+fn an_arrival_joins_an_idle_engines_prefill_at_the_next_chunk() {
     let dir = tempfile::tempdir().unwrap();
     let engine = fewest_new_engine(dir.path(), 4, 8);
     let mut conclusive = 0;
