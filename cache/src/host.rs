@@ -121,7 +121,7 @@ pub(crate) fn to_store_dtype(d: mlx::Dtype) -> Result<store::Dtype, CacheError> 
     })
 }
 
-fn to_mlx_dtype(d: store::Dtype) -> mlx::Dtype {
+pub(crate) fn to_mlx_dtype(d: store::Dtype) -> mlx::Dtype {
     match d {
         store::Dtype::F32 => mlx::Dtype::F32,
         store::Dtype::F16 => mlx::Dtype::F16,
@@ -510,7 +510,7 @@ pub(crate) struct RunPart<'a> {
 
 impl RunPart<'_> {
     /// `(heads, block_size, width, bytes of one head's rows in one block)`.
-    fn layout(&self) -> Result<(usize, usize, usize, usize), CacheError> {
+    pub(crate) fn layout(&self) -> Result<(usize, usize, usize, usize), CacheError> {
         match self.spec.shape[..] {
             [h, b, w] => {
                 let (h, b, w) = (h as usize, b as usize, w as usize);
@@ -524,12 +524,12 @@ impl RunPart<'_> {
     }
 
     /// Blocks the array has room for (at least the run's).
-    fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         self.capacity.max(self.planes.len())
     }
 
     /// Bytes of the part assembled with room for `cap` blocks a head.
-    fn bytes(&self, cap: usize) -> Result<usize, CacheError> {
+    pub(crate) fn bytes(&self, cap: usize) -> Result<usize, CacheError> {
         let (heads, _, _, block_rows) = self.layout()?;
         Ok(heads * cap * block_rows)
     }
@@ -537,7 +537,7 @@ impl RunPart<'_> {
     /// Writes the part into `host` (exactly [`Self::bytes`]`(cap)` long): per head, each
     /// block's rows, then zeros up to `cap` blocks. Large parts are copied by several
     /// threads at once.
-    fn assemble<B: AsRef<Block> + Sync>(
+    pub(crate) fn assemble<B: AsRef<Block> + Sync>(
         &self,
         blocks: &[B],
         host: &mut [u8],
@@ -572,7 +572,7 @@ impl RunPart<'_> {
     }
 
     /// The array's shape: `[1, heads, capacity · bs, width]`.
-    fn shape(&self) -> Result<[i32; 4], CacheError> {
+    pub(crate) fn shape(&self) -> Result<[i32; 4], CacheError> {
         let (heads, bs, width, _) = self.layout()?;
         Ok([1, heads as i32, (self.capacity() * bs) as i32, width as i32])
     }
@@ -586,7 +586,11 @@ impl RunPart<'_> {
     /// The write of the part's blocks, assembled without zeros in `host` (`[heads, n · bs,
     /// width]`), into `dst` (zeros of [`Self::shape`] in device memory): per head, its rows
     /// at the start of the head's room.
-    fn rows_write<'a>(&self, dst: &'a Array, host: &'a [u8]) -> Result<RowsWrite<'a>, CacheError> {
+    pub(crate) fn rows_write<'a>(
+        &self,
+        dst: &'a Array,
+        host: &'a [u8],
+    ) -> Result<RowsWrite<'a>, CacheError> {
         let (heads, _, _, block_rows) = self.layout()?;
         Ok(RowsWrite {
             dst,

@@ -31,6 +31,7 @@ mod resident;
 mod rows;
 mod scratch;
 mod share;
+mod staged;
 mod state;
 
 pub use chain::Chain;
@@ -47,6 +48,7 @@ pub use resident::{
 };
 pub use rows::{decode_path_totals, PagedKvRows};
 pub use share::ShareHandle;
+pub use staged::StagedRestore;
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 
 use mlx::fast::AttentionMask;

@@ -11,6 +11,7 @@ use crate::export::{Export, WindowExport};
 use crate::host;
 use crate::pool::{ladder_capacity, BlockPool, BlockShape};
 use crate::share::{LayerPrefix, ShareHandle};
+use crate::staged::StagedRestore;
 use crate::state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 use crate::{CacheError, Chain, KvCache, KvFormat};
 
@@ -150,6 +151,58 @@ pub struct Restored {
     /// keys that a window-trimmed block before them does not carry (their tokens are
     /// recomputed); 0 otherwise.
     pub window_cut: usize,
+    /// Whether the run's host half was staged ahead ([`PagedKvCache::restore_staged`]
+    /// installed it) rather than assembled here.
+    pub staged: bool,
+}
+
+/// The state of a cache that a run appended to it is checked and laid out against: a
+/// staged run is installed only into a cache still in this state.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct RunBase {
+    config: PagedConfig,
+    offset: usize,
+    held: Vec<usize>,
+    pooled: Vec<bool>,
+    shape: Option<BlockShape>,
+    windows: Vec<Option<usize>>,
+    floor: usize,
+    state_layers: usize,
+}
+
+/// A run of blocks checked against a cache ([`PagedKvCache::plan_run`]).
+#[derive(Debug)]
+pub(crate) struct RunPlan {
+    /// Blocks restored: the longest valid prefix, cut where states or window keys lack.
+    pub valid: usize,
+    /// Why the blocks after the valid prefix were refused.
+    stopped: Option<CacheError>,
+    state_cut: usize,
+    window_cut: usize,
+    /// The blocks' shape (or the cache's, before any block).
+    shape: Option<BlockShape>,
+    /// A hybrid's layer states at the run's end.
+    states: Option<Vec<LayerState>>,
+    /// The run's last window-trimmed block.
+    last_trimmed: Option<usize>,
+    /// Blocks a fresh pool's arrays have room for.
+    capacity: usize,
+    /// Per restored block, whether it is window-trimmed.
+    trimmed: Vec<bool>,
+}
+
+impl RunPlan {
+    /// The outcome where no block is restored: `cache` unchanged, and why.
+    fn nothing(self, cache: PagedKvCache) -> Restored {
+        Restored {
+            cache,
+            blocks: 0,
+            stopped: self.stopped,
+            state_cut: self.state_cut,
+            window_cut: self.window_cut,
+            staged: false,
+        }
+    }
 }
 
 fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, usize), CacheError> {
@@ -967,6 +1020,121 @@ impl PagedKvCache {
         mut self,
         blocks: &[B],
     ) -> Result<Restored, CacheError> {
+        let plan = self.plan_run(blocks)?;
+        let Some(shape) = plan.shape.filter(|_| plan.valid > 0) else {
+            return Ok(plan.nothing(self));
+        };
+        let specs = host::plane_specs(self.layers.len(), shape, self.config.format)?;
+        let run_parts = self.run_parts(&plan, &specs);
+        let uploaded = host::upload_run(&blocks[..plan.valid], &run_parts)?;
+        self.install_run(
+            uploaded,
+            shape,
+            plan.valid,
+            plan.capacity,
+            plan.states,
+            plan.last_trimmed,
+        )?;
+        Ok(Restored {
+            cache: self,
+            blocks: plan.valid,
+            stopped: plan.stopped,
+            state_cut: plan.state_cut,
+            window_cut: plan.window_cut,
+            staged: false,
+        })
+    }
+
+    /// The host half of [`restore_onto`](Self::restore_onto), done ahead on any thread:
+    /// `blocks` checked against this cache's state and every layer part assembled on the
+    /// host, ready for [`restore_staged`](Self::restore_staged) to install (an engine's
+    /// I/O worker stages a load this way while its request waits for admission, so the
+    /// engine thread only moves the bytes). No MLX operation runs (host memory comes from
+    /// MLX's allocator or the driver). `None` for a cache with layer states (a hybrid): its
+    /// states become arrays while checked, so it restores the ordinary way.
+    pub fn stage_restore<B: AsRef<Block> + Sync>(
+        &self,
+        blocks: &[B],
+    ) -> Result<Option<StagedRestore>, CacheError> {
+        if self.states.layers() > 0 {
+            return Ok(None);
+        }
+        let t = std::time::Instant::now();
+        let plan = self.plan_run(blocks)?;
+        let specs = match plan.shape.filter(|_| plan.valid > 0) {
+            Some(shape) => host::plane_specs(self.layers.len(), shape, self.config.format)?,
+            None => Vec::new(),
+        };
+        let run_parts = self.run_parts(&plan, &specs);
+        let checked = t.elapsed().as_secs_f64();
+        let valid = plan.valid;
+        StagedRestore::assemble(self.run_base(), plan, &blocks[..valid], &run_parts, checked)
+            .map(Some)
+    }
+
+    /// Installs a restore staged by [`stage_restore`](Self::stage_restore): the parts
+    /// move to the device (the arrays take the host memory over on the CPU; one driver copy
+    /// per part on CUDA) and the cache holds the run, as [`restore_onto`](Self::restore_onto)
+    /// of the same `blocks` would. Where the cache is no longer in the state the run was
+    /// staged against (a device-tier hit arrived meanwhile, another layout), or the driver
+    /// cannot write the parts, `blocks` (those staged) are restored by `restore_onto`;
+    /// [`Restored::staged`] says which happened.
+    pub fn restore_staged<B: AsRef<Block> + Sync>(
+        mut self,
+        mut staged: StagedRestore,
+        blocks: &[B],
+    ) -> Result<Restored, CacheError> {
+        if staged.base != self.run_base() || blocks.len() < staged.plan.valid {
+            return self.restore_onto(blocks);
+        }
+        let Some(shape) = staged.plan.shape.filter(|_| staged.plan.valid > 0) else {
+            let mut restored = staged.plan.nothing(self);
+            restored.staged = true;
+            return Ok(restored);
+        };
+        let Some(uploaded) = staged.upload()? else {
+            return self.restore_onto(blocks);
+        };
+        let plan = staged.plan;
+        self.install_run(
+            uploaded,
+            shape,
+            plan.valid,
+            plan.capacity,
+            plan.states,
+            plan.last_trimmed,
+        )?;
+        Ok(Restored {
+            cache: self,
+            blocks: plan.valid,
+            stopped: plan.stopped,
+            state_cut: plan.state_cut,
+            window_cut: plan.window_cut,
+            staged: true,
+        })
+    }
+
+    /// What a run appended to this cache is checked and laid out against.
+    fn run_base(&self) -> RunBase {
+        RunBase {
+            config: self.config,
+            offset: self.offset(),
+            held: self.layers.iter().map(Layer::held).collect(),
+            pooled: self.layers.iter().map(|l| l.pool.is_some()).collect(),
+            shape: self
+                .layers
+                .iter()
+                .find_map(|l| l.pool.as_ref().map(|p| p.shape()).or(l.prefix_shape())),
+            windows: self.window.windows.clone(),
+            floor: self.window.floor,
+            state_layers: self.states.layers(),
+        }
+    }
+
+    /// Checks `blocks` as the continuation of this cache (chain links, layouts, shapes)
+    /// and cuts the run where a hybrid's layer states or a window layer's keys would be
+    /// missing: what [`restore_onto`](Self::restore_onto) appends and why it stops.
+    fn plan_run<B: AsRef<Block> + Sync>(&self, blocks: &[B]) -> Result<RunPlan, CacheError> {
         let bs = self.config.block_size;
         let layers = self.layers.len();
         let offset = self.offset();
@@ -1056,20 +1224,45 @@ impl PagedKvCache {
             .checked_sub(1)
             .and_then(|i| states_at.swap_remove(i))
             .filter(|_| self.states.layers() > 0);
-        let (Some(shape), true) = (shape, valid > 0) else {
-            return Ok(Restored {
-                cache: self,
-                blocks: 0,
-                stopped,
-                state_cut,
-                window_cut,
-            });
-        };
-        let run = &blocks[..valid];
-        let layouts = &layouts[..valid];
+        let capacity = ladder_capacity(
+            self.config.initial_blocks,
+            self.config.max_blocks,
+            self.config.block_size,
+            valid,
+        );
+        let last_trimmed = layouts[..valid].iter().rposition(|l| l.trimmed);
+        layouts.truncate(valid);
+        Ok(RunPlan {
+            valid,
+            stopped,
+            state_cut,
+            window_cut,
+            shape,
+            states,
+            last_trimmed,
+            capacity,
+            trimmed: layouts.iter().map(|l| l.trimmed).collect(),
+        })
+    }
+
+    /// Every layer part of a planned run, layer by layer: which plane of each block it
+    /// takes (a window-trimmed block leaves a window layer's out) and the blocks its array
+    /// has room for (a fresh pool gets the capacity a pool grown to these blocks would have;
+    /// on CUDA the zeros after the blocks are made on the device, host.rs; blocks appended
+    /// to a pool arrive as arrays of their own size).
+    fn run_parts<'a>(
+        &self,
+        plan: &RunPlan,
+        specs: &'a [store::PlaneSpec],
+    ) -> Vec<host::RunPart<'a>> {
+        if specs.is_empty() {
+            return Vec::new();
+        }
         let per = self.config.format.parts() * 2;
-        let config = self.config;
-        let specs = host::plane_specs(layers, shape, config.format)?;
+        let windows = match self.window.windows.is_empty() {
+            true => vec![None; self.layers.len()],
+            false => self.window.windows.clone(),
+        };
         let global_rank: Vec<Option<usize>> = windows
             .iter()
             .scan(0, |n, w| {
@@ -1078,22 +1271,13 @@ impl PagedKvCache {
                 Some(r)
             })
             .collect();
-        // A fresh pool gets the capacity a pool grown to these blocks would have (its arrays
-        // are made at that size: on CUDA the zeros after the blocks are made on the device,
-        // host.rs); blocks appended to a pool arrive as arrays of their own size.
-        let capacity = ladder_capacity(
-            config.initial_blocks,
-            config.max_blocks,
-            config.block_size,
-            valid,
-        );
-        // Every layer part of the run, layer by layer, assembled and moved in one pipeline.
-        let mut run_parts = Vec::with_capacity(layers * per);
+        let mut run_parts = Vec::with_capacity(self.layers.len() * per);
         for (li, layer) in self.layers.iter().enumerate() {
             for p in 0..per {
-                let planes = layouts
+                let planes = plan
+                    .trimmed
                     .iter()
-                    .map(|l| match (l.trimmed, global_rank[li]) {
+                    .map(|&trimmed| match (trimmed, global_rank[li]) {
                         (false, _) => Some(li * per + p),
                         (true, Some(r)) => Some(r * per + p),
                         (true, None) => None,
@@ -1103,22 +1287,13 @@ impl PagedKvCache {
                     spec: &specs[li * per + p],
                     planes,
                     capacity: match layer.pool {
-                        None => capacity,
-                        Some(_) => valid,
+                        None => plan.capacity,
+                        Some(_) => plan.valid,
                     },
                 });
             }
         }
-        let uploaded = host::upload_run(run, &run_parts)?;
-        let last_trimmed = layouts.iter().rposition(|l| l.trimmed);
-        self.install_run(uploaded, shape, valid, capacity, states, last_trimmed)?;
-        Ok(Restored {
-            cache: self,
-            blocks: valid,
-            stopped,
-            state_cut,
-            window_cut,
-        })
+        run_parts
     }
 
     /// [`restore_onto`](Self::restore_onto) fed block by block: `feed` is called once with
@@ -1220,6 +1395,7 @@ impl PagedKvCache {
             stopped: refused,
             state_cut: 0,
             window_cut: 0,
+            staged: false,
         })
     }
 

@@ -900,6 +900,12 @@ fn assert_streamed_equals_batch(
         .clone()
         .restore_streaming(expected, |push| run.iter().for_each(push))
         .unwrap();
+    assert_same_restore(&streamed, &batch, what)
+}
+
+/// Two restores of the same blocks hold the same blocks, stop at the same position and
+/// hold the same bytes; returns the blocks restored.
+fn assert_same_restore(streamed: &cache::Restored, batch: &cache::Restored, what: &str) -> usize {
     assert_eq!(streamed.blocks, batch.blocks, "{what}");
     let position = |r: &cache::Restored| match r.stopped {
         Some(CacheError::Restore { position, .. }) => Some(position),
@@ -908,12 +914,108 @@ fn assert_streamed_equals_batch(
             None
         }
     };
-    assert_eq!(position(&streamed), position(&batch), "{what}");
+    assert_eq!(position(streamed), position(batch), "{what}");
     assert!(
-        restored_state(&streamed) == restored_state(&batch),
+        restored_state(streamed) == restored_state(batch),
         "{what}: the restored caches differ"
     );
     streamed.blocks
+}
+
+/// `stage_restore` of `run` against `staged_for` on another thread, installed into
+/// `base` by `restore_staged`, against `restore_onto` of `base`: the same outcome, and
+/// whether the staged run was installed (rather than restored the ordinary way).
+fn staged_equals_batch(
+    staged_for: &PagedKvCache,
+    base: &PagedKvCache,
+    run: &[Arc<Block>],
+    what: &str,
+) -> (usize, bool) {
+    let batch = base.clone().restore_onto(run).unwrap();
+    let (against, blocks) = (staged_for.clone(), run.to_vec());
+    let staged = std::thread::spawn(move || against.stage_restore(&blocks).unwrap())
+        .join()
+        .unwrap()
+        .expect("a cache without layer states stages");
+    let installed = base.clone().restore_staged(staged, run).unwrap();
+    (
+        assert_same_restore(&installed, &batch, what),
+        installed.staged,
+    )
+}
+
+#[test]
+fn a_restore_staged_on_another_thread_equals_the_batch_restore() {
+    let mut r = rng("a_restore_staged_on_another_thread_equals_the_batch_restore");
+    let (layers, bs, n) = (3, 4, 9);
+    for (format, dtype) in [
+        (KvFormat::Float, Dtype::F32),
+        (KvFormat::Float, Dtype::BF16),
+        (KvFormat::KV4, Dtype::F32),
+    ] {
+        let ns = namespace(layers, bs, format, dtype).id();
+        let mut publish = |ids: &[u32]| -> Vec<Arc<Block>> {
+            let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
+            for l in 0..layers {
+                let (k, v) = (kv(&mut r, ids.len(), dtype), kv(&mut r, ids.len(), dtype));
+                live.update_and_fetch(l, &k, &v).unwrap();
+            }
+            let blocks = live.publish(&mut Chain::new(ns, bs), ids).unwrap();
+            blocks.into_iter().map(Arc::new).collect()
+        };
+        let good = publish(&(0..(n * bs) as u32).collect::<Vec<_>>());
+        let foreign = publish(&(500..500 + (n * bs) as u32).collect::<Vec<_>>());
+        let fresh = PagedKvCache::new(layers, config(bs, format)).unwrap();
+        let what = |case: &str| format!("{format:?} {dtype}: {case}");
+        assert_eq!(
+            staged_equals_batch(&fresh, &fresh, &good, &what("all")),
+            (n, true)
+        );
+        let mut mixed = good.clone();
+        mixed[5] = foreign[5].clone();
+        assert_eq!(
+            staged_equals_batch(&fresh, &fresh, &mixed, &what("foreign block 5")),
+            (5, true)
+        );
+        for fed in [1, 0] {
+            let case = what(&format!("{fed} blocks"));
+            assert_eq!(
+                staged_equals_batch(&fresh, &fresh, &good[..fed], &case),
+                (fed, true)
+            );
+        }
+        // Appended to a cache that holds blocks, staged against it.
+        let started = fresh.clone().restore_onto(&good[..3]).unwrap().cache;
+        assert_eq!(
+            staged_equals_batch(&started, &started, &good[3..], &what("onto 3")),
+            (6, true)
+        );
+        // Staged for an empty cache, installed into one that took arenas meanwhile (a
+        // device-tier hit cut back to no token): restored the ordinary way.
+        let mut handed = started.clone();
+        handed.trim(3 * bs).unwrap();
+        assert_eq!(handed.offset(), 0);
+        assert_eq!(
+            staged_equals_batch(&fresh, &handed, &good, &what("arenas meanwhile")),
+            (n, false)
+        );
+        // Staged for the wrong model (another layer count): nothing, either way.
+        let wider = PagedKvCache::new(layers + 1, config(bs, format)).unwrap();
+        assert_eq!(
+            staged_equals_batch(&wider, &wider, &good, &what("layers")),
+            (0, true)
+        );
+        assert_eq!(
+            staged_equals_batch(&fresh, &wider, &good, &what("other")),
+            (0, false)
+        );
+    }
+    // A hybrid's layer states become arrays while checked: not staged.
+    let hybrid = PagedKvCache::new(layers, config(bs, KvFormat::Float))
+        .unwrap()
+        .with_state_layers(1);
+    let none: Vec<Arc<Block>> = Vec::new();
+    assert!(hybrid.stage_restore(&none).unwrap().is_none());
 }
 
 #[test]

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use cache::{
     plane_specs, state_plane_specs, trimmed_plane_specs, BlockShape, Chain, EvictedSequence,
-    KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool, ResidentStats,
+    KvCache, KvFormat, PagedConfig, PagedKvCache, ResidentPool, ResidentStats, StagedRestore,
 };
 use serde::Serialize;
 use store::{
@@ -150,9 +150,14 @@ pub struct ReuseReport {
     pub lookup_s: f64,
     /// Reading, verifying and restoring the cached blocks.
     pub restore_s: f64,
-    /// Of `restore_s`, moving the loaded blocks into device memory (assembly on the host,
-    /// the transfers, the arrays made real); the rest is the store's load.
+    /// Of `restore_s`, moving the loaded blocks into device memory on the engine thread
+    /// (assembly on the host unless staged, the transfers, the arrays made real); the rest
+    /// is the store's load.
     pub import_s: f64,
+    /// Checking and assembling the loaded blocks for the device, done on an I/O worker
+    /// while the request waited for admission (a staged restore; not in `restore_s`, and
+    /// not on the engine thread); 0 where the engine thread assembled them.
+    pub staged_s: f64,
     /// With `prefetched`: seconds from the request's submission until the I/O workers had
     /// looked up and loaded its cached prefix (queued behind other requests' loads
     /// included). Admission cannot pass a queued request before then, so a `queue_s` near
@@ -357,6 +362,9 @@ pub struct HostPrefix {
     remote_s: f64,
     /// When the I/O workers finished it.
     done_at: Option<Instant>,
+    /// The blocks checked and assembled for the device ahead of admission (a load from
+    /// block 0 of a model without layer states): the engine thread installs it.
+    staged: Option<Box<StagedRestore>>,
 }
 
 impl HostPrefix {
@@ -379,6 +387,7 @@ impl HostPrefix {
             load_s: 0.0,
             remote_s: 0.0,
             done_at: None,
+            staged: None,
         }
     }
 
@@ -388,6 +397,10 @@ impl HostPrefix {
         self.blocks.drain(..n);
         self.tiers.drain(..n);
         self.first += n;
+        if n > 0 {
+            // Staged from the old first block: the engine restores the rest itself.
+            self.staged = None;
+        }
     }
 }
 
@@ -915,8 +928,26 @@ impl KvTiers {
         let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
         let mut host = self.load_host_from(chain, prompt, first)?;
         host.lookup_s = t.elapsed().as_secs_f64() - host.load_s;
+        host.staged = self.stage(&host);
         host.done_at = Some(Instant::now());
         Ok(host)
+    }
+
+    /// The host half of restoring `host`'s blocks, done on the loading thread: checked and
+    /// assembled in each layer part's device layout, for an empty cache (a load from block
+    /// 0; a device-tier hit restores the ordinary way). `None` where there is nothing to
+    /// stage, the model has layer states, or staging failed (the engine thread then
+    /// restores the blocks itself and reports any error).
+    fn stage(&self, host: &HostPrefix) -> Option<Box<StagedRestore>> {
+        if host.first > 0 || host.blocks.is_empty() || self.state_layers > 0 {
+            return None;
+        }
+        let staged = self.empty_cache().ok()?.stage_restore(&host.blocks);
+        staged
+            .inspect_err(|e| tracing::debug!("staging a restore failed: {e}"))
+            .ok()
+            .flatten()
+            .map(Box::new)
     }
 
     /// The store's blocks of `chain` from block `first` on (see [`Self::load_host`]). An
@@ -1082,7 +1113,7 @@ impl KvTiers {
         let device_tokens = resident.as_ref().map_or(0, |h| h.tokens);
         let first = device_tokens / bs;
         report.lookup_s = t.elapsed().as_secs_f64();
-        let host = match prefetched {
+        let mut host = match prefetched {
             Some(mut h) if h.chain.namespace() == namespace && h.first <= first => {
                 report.prefetched = true;
                 report.lookup_s += h.lookup_s;
@@ -1122,7 +1153,19 @@ impl KvTiers {
         if (first + host.blocks.len()) * bs > device_tokens
             && cache.trim(device_tokens - first * bs).is_ok()
         {
-            let restored = cache.restore_onto(&host.blocks)?;
+            // Staged by the I/O worker (for an empty cache: restore_staged checks that it
+            // still is one), or assembled here.
+            let restored = match host.staged.take() {
+                Some(staged) => {
+                    let staged_s = staged.seconds();
+                    let restored = cache.restore_staged(*staged, &host.blocks)?;
+                    if restored.staged {
+                        report.staged_s = staged_s;
+                    }
+                    restored
+                }
+                None => cache.restore_onto(&host.blocks)?,
+            };
             if let Some(e) = &restored.stopped {
                 report.stopped = Some(e.to_string());
             }
@@ -1142,8 +1185,11 @@ impl KvTiers {
             if restored_blocks > 0 {
                 let seconds = t.elapsed().as_secs_f64();
                 report.import_s = seconds;
+                // The fit is of the whole import's work, wherever its host half ran.
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
-                costs.import.record(restored_blocks, 0, seconds);
+                costs
+                    .import
+                    .record(restored_blocks, 0, seconds + report.staged_s);
             }
         } else {
             tiers.clear();

@@ -74,6 +74,14 @@ fn an_exclusive_device_tier_exports_a_sequence_when_it_leaves_the_device() {
     assert_eq!(again.reuse.cached_device_tokens, 0, "{:?}", again.reuse);
     assert_eq!(again.reuse.cached_ram_tokens, 32, "{:?}", again.reuse);
     assert_eq!(again.tokens, cold);
+    assert_staged(&again.reuse);
+}
+
+/// A restore loaded at submission (the queue was empty) from block 0 was checked and
+/// assembled by the I/O worker; the engine thread only installed it.
+fn assert_staged(r: &engine::ReuseReport) {
+    assert!(r.prefetched, "{r:?}");
+    assert!(r.staged_s > 0.0, "the I/O worker staged the restore: {r:?}");
 }
 
 #[test]
@@ -97,6 +105,7 @@ fn an_exclusive_device_tier_exports_what_is_resident_at_a_flush() {
     let engine = engine_with(dir.path(), DeviceTier::Exclusive, 1 << 20);
     let again = run(&engine, &a, 8);
     assert_eq!(again.reuse.cached_ssd_tokens, 32, "{:?}", again.reuse);
+    assert_staged(&again.reuse);
 }
 
 #[test]
