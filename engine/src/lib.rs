@@ -48,6 +48,7 @@ mod sampler;
 mod scheduler;
 mod sequence;
 pub mod server;
+mod staging_budget;
 mod tokenizer;
 mod warm_up;
 mod weights;
@@ -80,6 +81,7 @@ pub use scheduler::{
     RequestHandle, StepRecord, SubmitError, DEFAULT_IO_WORKERS, SUGGESTED_ITL_STRETCH,
     TTFT_BUCKETS,
 };
+pub use staging_budget::DEFAULT_STAGING_BYTES;
 pub use tokenizer::{
     chat_request_parts, render_template, Tokenizer, MAX_RENDER_BYTES, RENDER_FUEL_BASE,
     RENDER_FUEL_PER_VALUE,

@@ -40,6 +40,7 @@ use crate::generate::{decode_streaming, GenerateParams, Generation, TokenEvent};
 use crate::load_gate::LoadGate;
 use crate::model::{LayerKind, Model};
 use crate::sequence::{prefill_alone, Sequence};
+use crate::staging_budget::{StagingBudget, StagingCharge, DEFAULT_STAGING_BYTES};
 use crate::tokenizer::Tokenizer;
 
 /// Settings of prefix reuse.
@@ -80,6 +81,11 @@ pub struct ReuseConfig {
     /// they are published) or not (exported as their sequences leave the device). Default:
     /// [`DeviceTier::Inclusive`].
     pub device_tier: DeviceTier,
+    /// Host bytes that restores staged ahead of admission may hold at once (an I/O worker
+    /// assembles a loaded prefix in the device layout while its request waits; past this,
+    /// the engine thread assembles it at admission; 0 never stages). Default:
+    /// [`DEFAULT_STAGING_BYTES`] (docs/prefix-reuse.md, step 6).
+    pub staging_bytes: u64,
 }
 
 /// The fewest tokens a device hit shares on the CPU: [`SHARE_MIN_TOKENS_CPU`].
@@ -112,6 +118,7 @@ impl Default for ReuseConfig {
             window_trim: true,
             share_min_tokens: default_share_min_tokens(),
             device_tier: DeviceTier::Inclusive,
+            staging_bytes: DEFAULT_STAGING_BYTES,
         }
     }
 }
@@ -315,6 +322,8 @@ pub struct KvTiers {
     exclusive: bool,
     /// Test support: loads held until released ([`Self::hold_loads`]).
     load_gate: LoadGate,
+    /// Bounds the host bytes of restores staged ahead of admission.
+    staging: StagingBudget,
 }
 
 const RECENT_SEQUENCES: usize = 8;
@@ -364,7 +373,7 @@ pub struct HostPrefix {
     done_at: Option<Instant>,
     /// The blocks checked and assembled for the device ahead of admission (a load from
     /// block 0 of a model without layer states): the engine thread installs it.
-    staged: Option<Box<StagedRestore>>,
+    staged: Option<(Box<StagedRestore>, StagingCharge)>,
 }
 
 impl HostPrefix {
@@ -648,6 +657,7 @@ impl KvTiers {
             recent: Mutex::new(Vec::new()),
             costs: Arc::new(Mutex::new(costs)),
             ssd_probe_queued: Arc::default(),
+            staging: StagingBudget::new(config.staging_bytes),
             device,
             costs_saved: Mutex::new(None),
             restore_always: config.restore_always,
@@ -938,16 +948,24 @@ impl KvTiers {
     /// 0; a device-tier hit restores the ordinary way). `None` where there is nothing to
     /// stage, the model has layer states, or staging failed (the engine thread then
     /// restores the blocks itself and reports any error).
-    fn stage(&self, host: &HostPrefix) -> Option<Box<StagedRestore>> {
+    fn stage(&self, host: &HostPrefix) -> Option<(Box<StagedRestore>, StagingCharge)> {
         if host.first > 0 || host.blocks.is_empty() || self.state_layers > 0 {
             return None;
         }
+        // The blocks' bytes: what the staged parts hold, zeros after them aside.
+        let bytes: u64 = host
+            .blocks
+            .iter()
+            .flat_map(|b| &b.planes)
+            .map(|p| p.data.len() as u64)
+            .sum();
+        let charge = self.staging.try_charge(bytes)?;
         let staged = self.empty_cache().ok()?.stage_restore(&host.blocks);
         staged
             .inspect_err(|e| tracing::debug!("staging a restore failed: {e}"))
             .ok()
             .flatten()
-            .map(Box::new)
+            .map(|s| (Box::new(s), charge))
     }
 
     /// The store's blocks of `chain` from block `first` on (see [`Self::load_host`]). An
@@ -1156,7 +1174,7 @@ impl KvTiers {
             // Staged by the I/O worker (for an empty cache: restore_staged checks that it
             // still is one), or assembled here.
             let restored = match host.staged.take() {
-                Some(staged) => {
+                Some((staged, _charge)) => {
                     let staged_s = staged.seconds();
                     let restored = cache.restore_staged(*staged, &host.blocks)?;
                     if restored.staged {

@@ -19,6 +19,16 @@ fn run(engine: &Engine, prompt: &[u32], n: usize) -> engine::Completion {
 /// An engine on a fresh store with the device tier `tier` and `budget_tokens` tokens of
 /// device KV.
 fn engine_with(store: &std::path::Path, tier: DeviceTier, budget_tokens: u64) -> Engine {
+    engine_staging(store, tier, budget_tokens, engine::DEFAULT_STAGING_BYTES)
+}
+
+/// [`engine_with`] whose staged restores may hold `staging_bytes` at once.
+fn engine_staging(
+    store: &std::path::Path,
+    tier: DeviceTier,
+    budget_tokens: u64,
+    staging_bytes: u64,
+) -> Engine {
     let (model, tok) = load(&goldens().join("tiny-llama"), &LoadOptions::default()).unwrap();
     let config = EngineConfig {
         max_batch: 1,
@@ -28,6 +38,7 @@ fn engine_with(store: &std::path::Path, tier: DeviceTier, budget_tokens: u64) ->
     let mut reuse = reuse_config(store, BS);
     reuse.device_tier = tier;
     reuse.kv_budget_bytes = 1 << 30;
+    reuse.staging_bytes = staging_bytes;
     let tiers = KvTiers::open(&model, &tok, reuse).unwrap();
     let engine = Engine::open(model, tok, Some(tiers), config).unwrap();
     // The budget in tokens of this model's KV.
@@ -119,4 +130,25 @@ fn an_inclusive_device_tier_exports_blocks_as_they_are_published() {
     assert_eq!(tiers.resident_stats().sequences, 1);
     engine.flush().unwrap();
     assert_eq!(tiers.stats().ram_blocks, 5, "{:?}", tiers.stats());
+}
+
+/// Past the staging budget a load is not staged: the engine thread assembles it at
+/// admission, and the request decodes the same.
+#[test]
+fn a_load_past_the_staging_budget_is_assembled_at_admission() {
+    let a: Vec<u32> = (0..40u32).map(|i| (i * 3 + 2) % 200 + 3).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let first = {
+        let engine = engine_with(dir.path(), DeviceTier::Exclusive, 1 << 20);
+        let first = run(&engine, &a, 8);
+        engine.close().unwrap();
+        first
+    };
+    // The blocks' bytes are more than one byte: nothing is staged.
+    let engine = engine_staging(dir.path(), DeviceTier::Exclusive, 1 << 20, 1);
+    let again = run(&engine, &a, 8);
+    assert_eq!(again.reuse.cached_ssd_tokens, 32, "{:?}", again.reuse);
+    assert!(again.reuse.prefetched, "{:?}", again.reuse);
+    assert_eq!(again.reuse.staged_s, 0.0, "{:?}", again.reuse);
+    assert_eq!(again.tokens, first.tokens);
 }
