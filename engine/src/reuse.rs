@@ -373,7 +373,7 @@ pub struct HostPrefix {
     done_at: Option<Instant>,
     /// The blocks checked and assembled for the device ahead of admission (a load from
     /// block 0 of a model without layer states): the engine thread installs it.
-    staged: Option<(Box<StagedRestore>, StagingCharge)>,
+    staged: Option<Box<(StagedRestore, StagingCharge)>>,
 }
 
 impl HostPrefix {
@@ -948,7 +948,7 @@ impl KvTiers {
     /// 0; a device-tier hit restores the ordinary way). `None` where there is nothing to
     /// stage, the model has layer states, or staging failed (the engine thread then
     /// restores the blocks itself and reports any error).
-    fn stage(&self, host: &HostPrefix) -> Option<(Box<StagedRestore>, StagingCharge)> {
+    fn stage(&self, host: &HostPrefix) -> Option<Box<(StagedRestore, StagingCharge)>> {
         if host.first > 0 || host.blocks.is_empty() || self.state_layers > 0 {
             return None;
         }
@@ -965,7 +965,7 @@ impl KvTiers {
             .inspect_err(|e| tracing::debug!("staging a restore failed: {e}"))
             .ok()
             .flatten()
-            .map(|s| (Box::new(s), charge))
+            .map(|s| Box::new((s, charge)))
     }
 
     /// The store's blocks of `chain` from block `first` on (see [`Self::load_host`]). An
@@ -1174,9 +1174,10 @@ impl KvTiers {
             // Staged by the I/O worker (for an empty cache: restore_staged checks that it
             // still is one), or assembled here.
             let restored = match host.staged.take() {
-                Some((staged, _charge)) => {
+                Some(staged) => {
+                    let (staged, _charge) = *staged;
                     let staged_s = staged.seconds();
-                    let restored = cache.restore_staged(*staged, &host.blocks)?;
+                    let restored = cache.restore_staged(staged, &host.blocks)?;
                     if restored.staged {
                         report.staged_s = staged_s;
                     }
