@@ -205,6 +205,171 @@ impl RunPlan {
     }
 }
 
+impl RunBase {
+    /// Per layer its window, every layer global where the cache knows none.
+    fn windows_or_global(&self) -> Vec<Option<usize>> {
+        match self.windows.is_empty() {
+            true => vec![None; self.held.len()],
+            false => self.windows.clone(),
+        }
+    }
+
+    /// Checks `blocks` as the continuation of this cache (chain links, layouts, shapes)
+    /// and cuts the run where a hybrid's layer states or a window layer's keys would be
+    /// missing: what [`restore_onto`](Self::restore_onto) appends and why it stops.
+    fn plan_run<B: AsRef<Block> + Sync>(&self, blocks: &[B]) -> Result<RunPlan, CacheError> {
+        let bs = self.config.block_size;
+        let offset = self.offset;
+        if !offset.is_multiple_of(bs) || self.held.iter().any(|&h| h != offset) {
+            return Err(CacheError::Restore {
+                position: offset / bs,
+                reason: format!("the cache holds {offset} tokens, not whole blocks of {bs}"),
+            });
+        }
+        let first = offset / bs;
+        let mut valid = 0;
+        let mut stopped = None;
+        let mut shape = self.shape;
+        // Without known windows every layer is global: trimmed blocks are then refused.
+        let windows = self.windows_or_global();
+        let mut layouts = Vec::with_capacity(blocks.len());
+        for (i, b) in blocks.iter().enumerate() {
+            let b = b.as_ref();
+            let position = first + i;
+            let prev = i.checked_sub(1).map(|p| &blocks[p].as_ref().meta);
+            match check_link(b, position, prev)
+                .and_then(|()| host::block_shape(b, &windows, bs, self.config.format))
+                .and_then(|l| match shape {
+                    Some(e) if e != l.shape => Err(format!(
+                        "its shape {:?} differs from the blocks before it ({e:?})",
+                        l.shape
+                    )),
+                    _ => Ok(l),
+                }) {
+                Ok(l) => {
+                    shape = Some(l.shape);
+                    layouts.push(l);
+                    valid += 1;
+                }
+                Err(reason) => {
+                    stopped = Some(CacheError::Restore { position, reason });
+                    break;
+                }
+            }
+        }
+        // A hybrid resumes only where a block carries its layer states, and a model with
+        // window layers only where every key a window still reads is real (not left out by
+        // a trimmed block): the run is cut after the last block where both hold; the
+        // blocks after it are recomputed.
+        let mut states_at: Vec<Option<Vec<LayerState>>> = Vec::with_capacity(valid);
+        for (i, b) in blocks[..valid].iter().enumerate() {
+            if self.state_layers == 0 {
+                states_at.push(None);
+                continue;
+            }
+            match host::block_states(b.as_ref(), layouts[i].kv_planes, self.state_layers) {
+                Ok(s) => states_at.push(s),
+                Err(reason) => {
+                    stopped = Some(CacheError::Restore {
+                        position: first + i,
+                        reason,
+                    });
+                    valid = i;
+                    break;
+                }
+            }
+        }
+        let mut floor = self.floor;
+        let (mut keep, mut state_keep) = (0, 0);
+        for (i, layout) in layouts[..valid].iter().enumerate() {
+            if layout.trimmed {
+                floor = (first + i + 1) * bs;
+            }
+            let snapshot = self.state_layers == 0 || states_at[i].is_some();
+            if snapshot {
+                state_keep = i + 1;
+            }
+            if snapshot && host::WindowPlan::complete(&windows, floor, (first + i + 1) * bs) {
+                keep = i + 1;
+            }
+        }
+        let state_cut = valid - state_keep;
+        let window_cut = valid - keep - state_cut;
+        valid = keep;
+        let states = valid
+            .checked_sub(1)
+            .and_then(|i| states_at.swap_remove(i))
+            .filter(|_| self.state_layers > 0);
+        let capacity = ladder_capacity(
+            self.config.initial_blocks,
+            self.config.max_blocks,
+            self.config.block_size,
+            valid,
+        );
+        let last_trimmed = layouts[..valid].iter().rposition(|l| l.trimmed);
+        layouts.truncate(valid);
+        Ok(RunPlan {
+            valid,
+            stopped,
+            state_cut,
+            window_cut,
+            shape,
+            states,
+            last_trimmed,
+            capacity,
+            trimmed: layouts.iter().map(|l| l.trimmed).collect(),
+        })
+    }
+
+    /// Every layer part of a planned run, layer by layer: which plane of each block it
+    /// takes (a window-trimmed block leaves a window layer's out) and the blocks its array
+    /// has room for (a fresh pool gets the capacity a pool grown to these blocks would have;
+    /// on CUDA the zeros after the blocks are made on the device, host.rs; blocks appended
+    /// to a pool arrive as arrays of their own size).
+    fn run_parts<'a>(
+        &self,
+        plan: &RunPlan,
+        specs: &'a [store::PlaneSpec],
+    ) -> Vec<host::RunPart<'a>> {
+        if specs.is_empty() {
+            return Vec::new();
+        }
+        let per = self.config.format.parts() * 2;
+        let windows = self.windows_or_global();
+        let global_rank: Vec<Option<usize>> = windows
+            .iter()
+            .scan(0, |n, w| {
+                let r = w.is_none().then_some(*n);
+                *n += usize::from(w.is_none());
+                Some(r)
+            })
+            .collect();
+        let mut run_parts = Vec::with_capacity(self.pooled.len() * per);
+        for (li, &pooled) in self.pooled.iter().enumerate() {
+            for p in 0..per {
+                let planes = plan
+                    .trimmed
+                    .iter()
+                    .map(|&trimmed| match (trimmed, global_rank[li]) {
+                        (false, _) => Some(li * per + p),
+                        (true, Some(r)) => Some(r * per + p),
+                        (true, None) => None,
+                    })
+                    .collect();
+                run_parts.push(host::RunPart {
+                    spec: &specs[li * per + p],
+                    planes,
+                    capacity: match pooled {
+                        false => plan.capacity,
+                        true => plan.valid,
+                    },
+                });
+            }
+        }
+        run_parts
+    }
+}
+
 fn seq_shape(op: &str, keys: &Array, values: &Array) -> Result<(usize, usize, usize), CacheError> {
     let (ks, vs) = (keys.shape(), values.shape());
     if ks.len() != 4 || ks[0] != 1 || ks != vs || keys.dtype() != values.dtype() {
@@ -1020,12 +1185,13 @@ impl PagedKvCache {
         mut self,
         blocks: &[B],
     ) -> Result<Restored, CacheError> {
-        let plan = self.plan_run(blocks)?;
+        let base = self.run_base();
+        let plan = base.plan_run(blocks)?;
         let Some(shape) = plan.shape.filter(|_| plan.valid > 0) else {
             return Ok(plan.nothing(self));
         };
         let specs = host::plane_specs(self.layers.len(), shape, self.config.format)?;
-        let run_parts = self.run_parts(&plan, &specs);
+        let run_parts = base.run_parts(&plan, &specs);
         let uploaded = host::upload_run(&blocks[..plan.valid], &run_parts)?;
         self.install_run(
             uploaded,
@@ -1056,20 +1222,55 @@ impl PagedKvCache {
         &self,
         blocks: &[B],
     ) -> Result<Option<StagedRestore>, CacheError> {
-        if self.states.layers() > 0 {
+        self.stage_on(self.run_base(), blocks)
+    }
+
+    /// [`stage_restore`](Self::stage_restore) against the state this (empty) cache's
+    /// model has after a device-tier hit of `hit_tokens` tokens (a whole number of
+    /// blocks): every layer holding them in a pool of its own, as a hit handed over or
+    /// forked is once cut back to its last whole block. `blocks` continue the chain there.
+    /// A hit that arrives in another form (a shared prefix, another length) does not match
+    /// it, and [`restore_staged`](Self::restore_staged) restores the ordinary way.
+    pub fn stage_restore_after<B: AsRef<Block> + Sync>(
+        &self,
+        hit_tokens: usize,
+        blocks: &[B],
+    ) -> Result<Option<StagedRestore>, CacheError> {
+        let mut base = self.run_base();
+        if hit_tokens > 0 {
+            let layers = base.held.len();
+            let windows = base.windows_or_global();
+            let (bs, format) = (self.config.block_size, self.config.format);
+            base.offset = hit_tokens;
+            base.held = vec![hit_tokens; layers];
+            base.pooled = vec![true; layers];
+            base.shape = blocks
+                .first()
+                .and_then(|b| host::block_shape(b.as_ref(), &windows, bs, format).ok())
+                .map(|l| l.shape);
+        }
+        self.stage_on(base, blocks)
+    }
+
+    /// Stages `blocks` against `base` (see [`stage_restore`](Self::stage_restore)).
+    fn stage_on<B: AsRef<Block> + Sync>(
+        &self,
+        base: RunBase,
+        blocks: &[B],
+    ) -> Result<Option<StagedRestore>, CacheError> {
+        if base.state_layers > 0 {
             return Ok(None);
         }
         let t = std::time::Instant::now();
-        let plan = self.plan_run(blocks)?;
+        let plan = base.plan_run(blocks)?;
         let specs = match plan.shape.filter(|_| plan.valid > 0) {
-            Some(shape) => host::plane_specs(self.layers.len(), shape, self.config.format)?,
+            Some(shape) => host::plane_specs(base.held.len(), shape, self.config.format)?,
             None => Vec::new(),
         };
-        let run_parts = self.run_parts(&plan, &specs);
+        let run_parts = base.run_parts(&plan, &specs);
         let checked = t.elapsed().as_secs_f64();
         let valid = plan.valid;
-        StagedRestore::assemble(self.run_base(), plan, &blocks[..valid], &run_parts, checked)
-            .map(Some)
+        StagedRestore::assemble(base, plan, &blocks[..valid], &run_parts, checked).map(Some)
     }
 
     /// Installs a restore staged by [`stage_restore`](Self::stage_restore): the parts
@@ -1129,171 +1330,6 @@ impl PagedKvCache {
             floor: self.window.floor,
             state_layers: self.states.layers(),
         }
-    }
-
-    /// Checks `blocks` as the continuation of this cache (chain links, layouts, shapes)
-    /// and cuts the run where a hybrid's layer states or a window layer's keys would be
-    /// missing: what [`restore_onto`](Self::restore_onto) appends and why it stops.
-    fn plan_run<B: AsRef<Block> + Sync>(&self, blocks: &[B]) -> Result<RunPlan, CacheError> {
-        let bs = self.config.block_size;
-        let layers = self.layers.len();
-        let offset = self.offset();
-        if !offset.is_multiple_of(bs) || self.layers.iter().any(|l| l.held() != offset) {
-            return Err(CacheError::Restore {
-                position: offset / bs,
-                reason: format!("the cache holds {offset} tokens, not whole blocks of {bs}"),
-            });
-        }
-        let first = offset / bs;
-        let mut valid = 0;
-        let mut stopped = None;
-        let mut shape = self
-            .layers
-            .iter()
-            .find_map(|l| l.pool.as_ref().map(|p| p.shape()).or(l.prefix_shape()));
-        // Without known windows every layer is global: trimmed blocks are then refused.
-        let windows = match self.window.windows.is_empty() {
-            true => vec![None; layers],
-            false => self.window.windows.clone(),
-        };
-        let mut layouts = Vec::with_capacity(blocks.len());
-        for (i, b) in blocks.iter().enumerate() {
-            let b = b.as_ref();
-            let position = first + i;
-            let prev = i.checked_sub(1).map(|p| &blocks[p].as_ref().meta);
-            match check_link(b, position, prev)
-                .and_then(|()| host::block_shape(b, &windows, bs, self.config.format))
-                .and_then(|l| match shape {
-                    Some(e) if e != l.shape => Err(format!(
-                        "its shape {:?} differs from the blocks before it ({e:?})",
-                        l.shape
-                    )),
-                    _ => Ok(l),
-                }) {
-                Ok(l) => {
-                    shape = Some(l.shape);
-                    layouts.push(l);
-                    valid += 1;
-                }
-                Err(reason) => {
-                    stopped = Some(CacheError::Restore { position, reason });
-                    break;
-                }
-            }
-        }
-        // A hybrid resumes only where a block carries its layer states, and a model with
-        // window layers only where every key a window still reads is real (not left out by
-        // a trimmed block): the run is cut after the last block where both hold; the
-        // blocks after it are recomputed.
-        let mut states_at: Vec<Option<Vec<LayerState>>> = Vec::with_capacity(valid);
-        for (i, b) in blocks[..valid].iter().enumerate() {
-            if self.states.layers() == 0 {
-                states_at.push(None);
-                continue;
-            }
-            match host::block_states(b.as_ref(), layouts[i].kv_planes, self.states.layers()) {
-                Ok(s) => states_at.push(s),
-                Err(reason) => {
-                    stopped = Some(CacheError::Restore {
-                        position: first + i,
-                        reason,
-                    });
-                    valid = i;
-                    break;
-                }
-            }
-        }
-        let mut floor = self.window.floor;
-        let (mut keep, mut state_keep) = (0, 0);
-        for (i, layout) in layouts[..valid].iter().enumerate() {
-            if layout.trimmed {
-                floor = (first + i + 1) * bs;
-            }
-            let snapshot = self.states.layers() == 0 || states_at[i].is_some();
-            if snapshot {
-                state_keep = i + 1;
-            }
-            if snapshot && host::WindowPlan::complete(&windows, floor, (first + i + 1) * bs) {
-                keep = i + 1;
-            }
-        }
-        let state_cut = valid - state_keep;
-        let window_cut = valid - keep - state_cut;
-        valid = keep;
-        let states = valid
-            .checked_sub(1)
-            .and_then(|i| states_at.swap_remove(i))
-            .filter(|_| self.states.layers() > 0);
-        let capacity = ladder_capacity(
-            self.config.initial_blocks,
-            self.config.max_blocks,
-            self.config.block_size,
-            valid,
-        );
-        let last_trimmed = layouts[..valid].iter().rposition(|l| l.trimmed);
-        layouts.truncate(valid);
-        Ok(RunPlan {
-            valid,
-            stopped,
-            state_cut,
-            window_cut,
-            shape,
-            states,
-            last_trimmed,
-            capacity,
-            trimmed: layouts.iter().map(|l| l.trimmed).collect(),
-        })
-    }
-
-    /// Every layer part of a planned run, layer by layer: which plane of each block it
-    /// takes (a window-trimmed block leaves a window layer's out) and the blocks its array
-    /// has room for (a fresh pool gets the capacity a pool grown to these blocks would have;
-    /// on CUDA the zeros after the blocks are made on the device, host.rs; blocks appended
-    /// to a pool arrive as arrays of their own size).
-    fn run_parts<'a>(
-        &self,
-        plan: &RunPlan,
-        specs: &'a [store::PlaneSpec],
-    ) -> Vec<host::RunPart<'a>> {
-        if specs.is_empty() {
-            return Vec::new();
-        }
-        let per = self.config.format.parts() * 2;
-        let windows = match self.window.windows.is_empty() {
-            true => vec![None; self.layers.len()],
-            false => self.window.windows.clone(),
-        };
-        let global_rank: Vec<Option<usize>> = windows
-            .iter()
-            .scan(0, |n, w| {
-                let r = w.is_none().then_some(*n);
-                *n += usize::from(w.is_none());
-                Some(r)
-            })
-            .collect();
-        let mut run_parts = Vec::with_capacity(self.layers.len() * per);
-        for (li, layer) in self.layers.iter().enumerate() {
-            for p in 0..per {
-                let planes = plan
-                    .trimmed
-                    .iter()
-                    .map(|&trimmed| match (trimmed, global_rank[li]) {
-                        (false, _) => Some(li * per + p),
-                        (true, Some(r)) => Some(r * per + p),
-                        (true, None) => None,
-                    })
-                    .collect();
-                run_parts.push(host::RunPart {
-                    spec: &specs[li * per + p],
-                    planes,
-                    capacity: match layer.pool {
-                        None => plan.capacity,
-                        Some(_) => plan.valid,
-                    },
-                });
-            }
-        }
-        run_parts
     }
 
     /// [`restore_onto`](Self::restore_onto) fed block by block: `feed` is called once with

@@ -990,6 +990,28 @@ fn a_restore_staged_on_another_thread_equals_the_batch_restore() {
             staged_equals_batch(&started, &started, &good[3..], &what("onto 3")),
             (6, true)
         );
+        // Staged for the model's cache after a device hit of 3 blocks (pools of its own on
+        // every layer, as a hand-over or fork leaves them), installed into one: the same
+        // as appending to it; into a cache of another length, the ordinary way.
+        let after = |hit: usize| {
+            let (empty, blocks) = (fresh.clone(), good[hit..].to_vec());
+            std::thread::spawn(move || empty.stage_restore_after(hit * bs, &blocks).unwrap())
+                .join()
+                .unwrap()
+                .unwrap()
+        };
+        let installed = started
+            .clone()
+            .restore_staged(after(3), &good[3..])
+            .unwrap();
+        let batch = started.clone().restore_onto(&good[3..]).unwrap();
+        assert!(installed.staged, "{}", what("after a hit of 3"));
+        assert_eq!(assert_same_restore(&installed, &batch, &what("after 3")), 6);
+        let two = fresh.clone().restore_onto(&good[..2]).unwrap().cache;
+        let other = two.clone().restore_staged(after(3), &good[2..]).unwrap();
+        assert!(!other.staged, "{}", what("a hit of 2, staged after 3"));
+        let batch = two.restore_onto(&good[2..]).unwrap();
+        assert_eq!(assert_same_restore(&other, &batch, &what("2 for 3")), 7);
         // Staged for an empty cache, installed into one that took arenas meanwhile (a
         // device-tier hit cut back to no token): restored the ordinary way.
         let mut handed = started.clone();

@@ -944,12 +944,14 @@ impl KvTiers {
     }
 
     /// The host half of restoring `host`'s blocks, done on the loading thread: checked and
-    /// assembled in each layer part's device layout, for an empty cache (a load from block
-    /// 0; a device-tier hit restores the ordinary way). `None` where there is nothing to
-    /// stage, the model has layer states, or staging failed (the engine thread then
-    /// restores the blocks itself and reports any error).
+    /// assembled in each layer part's device layout, for the cache admission will append
+    /// them to (empty, or the device-tier hit the load started after, cut to its whole
+    /// blocks with pools of its own; a hit that arrives in another form restores the
+    /// ordinary way). `None` where there is nothing to stage, the model has layer states,
+    /// the staging budget is spent, or staging failed (the engine thread then restores the
+    /// blocks itself and reports any error).
     fn stage(&self, host: &HostPrefix) -> Option<Box<(StagedRestore, StagingCharge)>> {
-        if host.first > 0 || host.blocks.is_empty() || self.state_layers > 0 {
+        if host.blocks.is_empty() || self.state_layers > 0 {
             return None;
         }
         // The blocks' bytes: what the staged parts hold, zeros after them aside.
@@ -960,7 +962,11 @@ impl KvTiers {
             .map(|p| p.data.len() as u64)
             .sum();
         let charge = self.staging.try_charge(bytes)?;
-        let staged = self.empty_cache().ok()?.stage_restore(&host.blocks);
+        let hit = host.first * self.paged.block_size;
+        let staged = self
+            .empty_cache()
+            .ok()?
+            .stage_restore_after(hit, &host.blocks);
         staged
             .inspect_err(|e| tracing::debug!("staging a restore failed: {e}"))
             .ok()
@@ -1171,8 +1177,8 @@ impl KvTiers {
         if (first + host.blocks.len()) * bs > device_tokens
             && cache.trim(device_tokens - first * bs).is_ok()
         {
-            // Staged by the I/O worker (for an empty cache: restore_staged checks that it
-            // still is one), or assembled here.
+            // Staged by the I/O worker for the cache it expected (restore_staged checks that
+            // this is it), or assembled here.
             let restored = match host.staged.take() {
                 Some(staged) => {
                     let (staged, _charge) = *staged;

@@ -57,6 +57,12 @@ pub struct TtftParts {
     pub lookup_s: f64,
     /// Reading and restoring the cached blocks into the device.
     pub restore_s: f64,
+    /// Of `restore_s`, the engine thread's import of the loaded blocks into device memory.
+    pub import_s: f64,
+    /// The import's host half (checks and assembly) done ahead on an I/O worker while the
+    /// request queued (a staged restore; not part of the TTFT's sum): 0 where the engine
+    /// thread assembled the blocks.
+    pub staged_s: f64,
     /// Prefilling the rest and picking the first token (the engine's time on its chunks).
     pub prefill_s: f64,
     /// The rest of the time to first token: the decoding rows' and other prompts' share of

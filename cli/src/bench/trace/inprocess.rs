@@ -55,6 +55,8 @@ impl Target for EngineTarget<'_> {
                             prefetch_s: r.prefetch_s,
                             lookup_s: r.lookup_s,
                             restore_s: r.restore_s,
+                            import_s: r.import_s,
+                            staged_s: r.staged_s,
                             prefill_s: r.prefill_s,
                             other_work_s: ttft_s.map_or(0.0, |t| {
                                 (t - c.queue_s - r.lookup_s - r.restore_s - r.prefill_s).max(0.0)

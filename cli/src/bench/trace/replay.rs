@@ -383,6 +383,14 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
             p.queue_s, p.prefetch_s, p.lookup_s, p.restore_s, p.prefill_s, p.other_work_s
         );
     }
+    if let Some(i) = overall.imports.filter(|i| i.requests > 0) {
+        println!(
+            "imports of loaded blocks: {} requests, the engine thread's part {:.4} s at the \
+             median; {} staged ahead by the I/O workers ({:.4} s of checks and assembly each \
+             at the median, off the engine thread)",
+            i.requests, i.import_s_p50, i.staged, i.staged_s_p50
+        );
+    }
     if let Some(note) = &ran.tier_note {
         println!("{note}");
     }

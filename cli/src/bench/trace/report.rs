@@ -104,6 +104,21 @@ pub struct Summary {
     pub late_s: Percentiles,
     /// Medians of the parts of the time to first token, where the target reports them.
     pub ttft_parts_p50: Option<TtftParts>,
+    /// The requests that imported loaded blocks, where the target reports them.
+    pub imports: Option<Imports>,
+}
+
+/// Imports of loaded blocks into device memory over a run's requests.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Imports {
+    /// Requests that imported blocks from a host tier.
+    pub requests: usize,
+    /// Of those, the requests whose import an I/O worker staged (assembled ahead).
+    pub staged: usize,
+    /// Median of the engine thread's import seconds, over `requests`.
+    pub import_s_p50: f64,
+    /// Median of the I/O workers' staging seconds, over `staged`.
+    pub staged_s_p50: f64,
 }
 
 /// Sums up `rows`.
@@ -144,6 +159,20 @@ pub fn summarize(rows: &[&Row]) -> Summary {
         restore_s: median(|p| p.restore_s),
         prefill_s: median(|p| p.prefill_s),
         other_work_s: median(|p| p.other_work_s),
+        import_s: median(|p| p.import_s),
+        staged_s: median(|p| p.staged_s),
+    });
+    let imported: Vec<&TtftParts> = parts.iter().filter(|p| p.import_s > 0.0).collect();
+    let staged: Vec<f64> = imported
+        .iter()
+        .map(|p| p.staged_s)
+        .filter(|&s| s > 0.0)
+        .collect();
+    let imports = (!parts.is_empty()).then(|| Imports {
+        requests: imported.len(),
+        staged: staged.len(),
+        import_s_p50: Percentiles::of(&imported.iter().map(|p| p.import_s).collect::<Vec<_>>()).p50,
+        staged_s_p50: Percentiles::of(&staged).p50,
     });
     Summary {
         requests: rows.len(),
@@ -176,6 +205,7 @@ pub fn summarize(rows: &[&Row]) -> Summary {
         e2e_s: pct(|r| r.sent.outcome.e2e_s),
         late_s: pct(|r| Some((r.sent.sent_s - r.sent.scheduled_s).max(0.0))),
         ttft_parts_p50,
+        imports,
     }
 }
 
@@ -224,6 +254,40 @@ mod tests {
                 },
             },
         }
+    }
+
+    /// Imports are counted over the requests that imported (an import time above 0), and
+    /// staged ones over those with a staging time: medians by hand.
+    #[test]
+    fn imports_count_the_requests_that_imported_and_those_staged() {
+        let parts = [
+            (0.0, 0.0),
+            (0.004, 0.0),
+            (0.001, 0.002),
+            (0.002, 0.006),
+            (0.003, 0.0),
+        ];
+        let rows: Vec<Row> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, &(import_s, staged_s))| {
+                let mut r = row(i, 0, 10, 0, 0, 0.1);
+                r.sent.outcome.ttft_parts = Some(TtftParts {
+                    import_s,
+                    staged_s,
+                    ..TtftParts::default()
+                });
+                r
+            })
+            .collect();
+        let i = summarize(&rows.iter().collect::<Vec<_>>()).imports.unwrap();
+        assert_eq!((i.requests, i.staged), (4, 2));
+        // Imports 0.001, 0.002, 0.003, 0.004: the nearest-rank median is the 2nd.
+        assert_eq!(i.import_s_p50, 0.002);
+        assert_eq!(i.staged_s_p50, 0.002);
+        // Without TTFT parts (over HTTP) nothing is said.
+        let plain = row(0, 0, 10, 0, 0, 0.1);
+        assert!(summarize(&[&plain]).imports.is_none());
     }
 
     #[test]
