@@ -44,6 +44,12 @@ pub struct CacheArgs {
     /// the blocks of the prompts published at once.
     #[arg(long, value_name = "SIZE", default_value = "1GiB")]
     pub ssd_queue: String,
+    /// Host memory that restores staged ahead of admission may hold at once: an I/O worker
+    /// checks a queued request's loaded prefix and assembles it in the device layout, so
+    /// the engine thread only moves the bytes; past this, the engine thread assembles at
+    /// admission (0: never staged).
+    #[arg(long, value_name = "SIZE", default_value = "4GiB")]
+    pub staging_bytes: String,
     /// Which block the RAM and SSD tiers give up when full: `freq-admit` (a new block
     /// displaces only a block used less often, or one left unused for a whole turnover of
     /// the tier), `lru` (least recently used) or `lfu` (least frequently used).
@@ -236,6 +242,7 @@ impl CacheArgs {
                 .share_min_tokens
                 .unwrap_or_else(engine::default_share_min_tokens),
             device_tier: self.device_tier,
+            staging_bytes: parse_size(&self.staging_bytes).context("--staging-bytes")?,
             ..ReuseConfig::default()
         })
     }

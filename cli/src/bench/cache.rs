@@ -99,6 +99,12 @@ struct BlockRow {
     restore_share: f64,
     /// Publication throughput (block bytes / publish time), GB/s.
     publish_gb_s: f64,
+    /// A staged restore: its host half (`stage_restore`: checks and assembly, the part an
+    /// engine's I/O worker does), ms a block.
+    stage_ms_per_block: f64,
+    /// Its install (`restore_staged`, arrays made real: the engine thread's part), ms a
+    /// block.
+    install_ms_per_block: f64,
     /// One device array of the same bytes read to the host, GB/s.
     device_to_host_gb_s: f64,
 }
@@ -760,6 +766,29 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             mlx::eval(&all)?;
             Ok(())
         })?;
+        // The same restore staged: the host half and the install timed apart, each rep
+        // on a fresh empty cache.
+        let (mut stage_t, mut install_t) = (Vec::new(), Vec::new());
+        for _ in 0..if quick { 2 } else { 5 } {
+            let empty = PagedKvCache::new(layers, config)?;
+            let t = Instant::now();
+            let staged = empty
+                .stage_restore(&published)?
+                .ok_or_else(|| anyhow::anyhow!("a float cache without layer states stages"))?;
+            stage_t.push(t.elapsed());
+            let t = Instant::now();
+            let r = empty.restore_staged(staged, &published)?;
+            let mut all = Vec::new();
+            for l in 0..layers {
+                all.extend(r.cache.pool(l).into_iter().flat_map(|p| p.arrays()));
+            }
+            mlx::eval(&all)?;
+            install_t.push(t.elapsed());
+            if !r.staged || r.blocks != blocks {
+                anyhow::bail!("the staged restore was not installed ({} blocks)", r.blocks);
+            }
+        }
+        let (stage, install) = (median_of(&mut stage_t), median_of(&mut install_t));
         let block_bytes = published.first().map_or(0, |b| b.data_len() as usize);
         let total = block_bytes * blocks;
         let host = vec![1u8; total];
@@ -795,6 +824,8 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             restore_gb_s,
             host_to_device_gb_s: h2d_gb_s,
             restore_share: restore_gb_s / h2d_gb_s,
+            stage_ms_per_block: stage.as_secs_f64() * 1e3 / blocks as f64,
+            install_ms_per_block: install.as_secs_f64() * 1e3 / blocks as f64,
         });
     }
     Ok(rows)
@@ -882,7 +913,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("\npublish / restore in bulk (f32 KV, 3 KV heads, d64)");
     println!(
-        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10}",
+        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10} {:>12} {:>12}",
         "path",
         "layers",
         "block",
@@ -894,11 +925,13 @@ pub fn run(args: Args) -> Result<()> {
         "host→dev",
         "share",
         "publish",
-        "dev→host"
+        "dev→host",
+        "staged: host",
+        "install"
     );
     for r in &report.blocks {
         println!(
-            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s",
+            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>10.3}ms {:>10.3}ms",
             if r.direct { "direct" } else { "mlx" },
             r.layers,
             r.block_size,
@@ -910,7 +943,9 @@ pub fn run(args: Args) -> Result<()> {
             r.host_to_device_gb_s,
             r.restore_share,
             r.publish_gb_s,
-            r.device_to_host_gb_s
+            r.device_to_host_gb_s,
+            r.stage_ms_per_block,
+            r.install_ms_per_block
         );
     }
     if !report.share.is_empty() {
