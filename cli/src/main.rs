@@ -91,3 +91,31 @@ fn serves_many(command: &Command) -> bool {
         _ => false,
     }
 }
+
+/// A duration given in milliseconds on the command line (`flag` names it in the error):
+/// finite and not negative.
+pub(crate) fn cli_duration_ms(ms: f64, flag: &str) -> anyhow::Result<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(ms / 1e3).map_err(|_| {
+        anyhow::anyhow!("{flag} must be a number of milliseconds, 0 or more (got {ms})")
+    })
+}
+
+#[cfg(test)]
+mod duration_tests {
+    use super::cli_duration_ms;
+
+    #[test]
+    fn milliseconds_become_durations_and_nonsense_is_refused() {
+        assert_eq!(
+            cli_duration_ms(2.0, "--x").unwrap(),
+            std::time::Duration::from_millis(2)
+        );
+        assert!(cli_duration_ms(0.0, "--x").unwrap().is_zero());
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            let e = cli_duration_ms(bad, "--load-grace")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("--load-grace"), "{e}");
+        }
+    }
+}

@@ -50,6 +50,11 @@ pub struct Args {
     /// admitted.
     #[arg(long, value_name = "N", default_value_t = engine::DEFAULT_IO_WORKERS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     io_workers: usize,
+    /// Milliseconds admission waits, at most, for the loads of just-submitted requests
+    /// before a step with a prompt to prefill, so that a burst's later prompts join that
+    /// step instead of waiting for it (0: never waits).
+    #[arg(long, value_name = "MS", default_value_t = engine::DEFAULT_LOAD_GRACE.as_secs_f64() * 1e3)]
+    load_grace: f64,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from
     /// measured step times, putting running streams before a long prompt's TTFT; `none`
@@ -162,6 +167,7 @@ pub fn run(args: Args) -> Result<()> {
         itl_stretch: args.itl_stretch,
         prefill_order: args.prefill_order,
         io_workers: args.io_workers,
+        load_grace: crate::cli_duration_ms(args.load_grace, "--load-grace")?,
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);

@@ -78,8 +78,8 @@ pub use reuse::{
 pub use sampler::{argmax, Sampled, Sampler, SamplingParams};
 pub use scheduler::{
     CancelHandle, Completion, Engine, EngineConfig, EngineMetrics, Event, InjectedFault, Request,
-    RequestHandle, StepRecord, SubmitError, DEFAULT_IO_WORKERS, SUGGESTED_ITL_STRETCH,
-    TTFT_BUCKETS,
+    RequestHandle, StepRecord, SubmitError, DEFAULT_IO_WORKERS, DEFAULT_LOAD_GRACE,
+    SUGGESTED_ITL_STRETCH, TTFT_BUCKETS,
 };
 pub use staging_budget::DEFAULT_STAGING_BYTES;
 pub use tokenizer::{

@@ -36,7 +36,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cache::{Chain, KvCache, PagedConfig, PagedKvCache, PagedKvRows};
 use serde::Serialize;
@@ -101,7 +101,19 @@ pub struct EngineConfig {
     /// cache), each a load at a time, so that a slow load (an SSD read, a remote fetch)
     /// holds back only its own request. Default: [`DEFAULT_IO_WORKERS`].
     pub io_workers: usize,
+    /// How long admission waits, at most, for loads that are about to end before a step
+    /// with a prompt to prefill starts: a burst's later requests are often still being
+    /// looked up (a fraction of a millisecond) when admission passes over them, and would
+    /// otherwise wait for the whole prefill step that starts meanwhile instead of joining
+    /// it. Only loads of requests submitted within the last five graces are waited for (a
+    /// load that takes longer is a disk or network read, which admission passes over).
+    /// Default: [`DEFAULT_LOAD_GRACE`]; zero never waits.
+    pub load_grace: Duration,
 }
+
+/// [`EngineConfig::load_grace`]'s default: a few lookups' time, small beside a prefill
+/// step (tens of milliseconds on a GPU) and beside the decode step it delays.
+pub const DEFAULT_LOAD_GRACE: Duration = Duration::from_millis(2);
 
 /// [`EngineConfig::io_workers`]'s default: a few loads at once, as a burst of requests
 /// needs; each load also reads its SSD blocks on the store's own readers.
@@ -121,6 +133,7 @@ impl Default for EngineConfig {
             mixed_steps: None,
             prefill_order: PrefillOrder::default(),
             io_workers: DEFAULT_IO_WORKERS,
+            load_grace: DEFAULT_LOAD_GRACE,
         }
     }
 }
@@ -551,6 +564,21 @@ impl Wakeups {
         while *n <= seen {
             n = self.changed.wait(n).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// [`Self::wait_past`] until `deadline` at most; whether an event came.
+    fn wait_past_until(&self, seen: u64, deadline: Instant) -> bool {
+        let mut n = self.lock();
+        while *n <= seen {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return false;
+            };
+            n = match self.changed.wait_timeout(n, left) {
+                Ok((n, _)) => n,
+                Err(e) => e.into_inner().0,
+            };
+        }
+        true
     }
 }
 
@@ -1506,7 +1534,47 @@ impl Worker {
             }
             self.prefetch();
         }
+        self.admit_late_loads();
         self.set_gauges();
+    }
+
+    /// Before a step with a prompt to prefill: waits up to [`EngineConfig::load_grace`]
+    /// for the loads of recently submitted requests (a burst's later prompts, passed over
+    /// while their lookups ran), admitting each as it ends, so they join this step's
+    /// prefill instead of waiting for all of it. The wait is billed to their restore.
+    fn admit_late_loads(&mut self) {
+        let grace = self.config.load_grace;
+        let Some(done) = self.wakeups.clone() else {
+            return;
+        };
+        if grace.is_zero() || self.prefilling.is_empty() {
+            return;
+        }
+        let deadline = Instant::now() + grace;
+        let young = |p: &Pending| {
+            matches!(p.prefetch, Prefetch::Waiting(_)) && p.submitted.elapsed() < grace * 5
+        };
+        loop {
+            if self.active.len() + self.prefilling.len() >= self.config.max_batch {
+                return;
+            }
+            let seen = done.count();
+            if self.admit_ready() > 0 {
+                continue;
+            }
+            if !self.queue.iter().any(young) {
+                return;
+            }
+            let t = Instant::now();
+            let woke = done.wait_past_until(seen, deadline);
+            let waited = t.elapsed();
+            for p in self.queue.iter_mut().filter(|p| young(p)) {
+                p.load_waited += waited;
+            }
+            if !woke {
+                return;
+            }
+        }
     }
 
     /// Takes the commands sent since the loop last looked (submissions into the queue),

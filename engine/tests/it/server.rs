@@ -1459,6 +1459,62 @@ fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
 /// slow request is served too. With one I/O thread and admission stopping at the first
 /// request still loading (the engine before session 29), the second request waited for the
 /// first's load.
+/// A request whose load ends while admission waits for it (within `load_grace`) joins the
+/// prefill step of the request admitted before it; with no grace it waits for that step.
+/// From the step log, not from timing: the held load is released while the engine waits
+/// (a grace far longer than the test), or after the first request's answer (no grace).
+#[test]
+fn a_load_that_ends_within_the_grace_joins_the_step_it_would_have_waited_for() {
+    for grace in [Duration::from_secs(60), Duration::ZERO] {
+        let dir = tempfile::tempdir().unwrap();
+        let engine = open_engine(
+            dir.path(),
+            EngineConfig {
+                max_batch: 4,
+                step_log: 100_000,
+                load_grace: grace,
+                ..EngineConfig::default()
+            },
+        );
+        let tiers = engine.kv_tiers().expect("a prefix cache");
+        let late_prompt = distinct_ids(24, 11);
+        tiers.hold_loads(late_prompt[..8].to_vec());
+        let late = engine
+            .submit(Request::new(late_prompt.clone(), no_eos(2)))
+            .unwrap();
+        while tiers.loads_waiting() == 0 {
+            std::thread::yield_now();
+        }
+        let first = engine
+            .submit(Request::new(distinct_ids(40, 12), no_eos(2)))
+            .unwrap();
+        let (late_id, first_id) = (late.id(), first.id());
+        if grace.is_zero() {
+            assert_eq!(first.wait().unwrap().completion_tokens, 2);
+            tiers.release_loads();
+        } else {
+            // The engine admits `first` and waits for `late`'s load (or has not reached
+            // the wait yet: then `late` is loaded before its admission pass, as well).
+            std::thread::sleep(Duration::from_millis(50));
+            tiers.release_loads();
+            assert_eq!(first.wait().unwrap().completion_tokens, 2);
+        }
+        assert_eq!(late.wait().unwrap().completion_tokens, 2);
+        let in_step = |s: &engine::StepRecord, id: u64| {
+            s.prefilled.is_some_and(|p| p.0 == id) || s.riders.iter().any(|r| r.0 == id)
+        };
+        let together = engine
+            .step_log()
+            .iter()
+            .any(|s| in_step(s, late_id) && in_step(s, first_id));
+        assert_eq!(
+            together,
+            !grace.is_zero(),
+            "grace {grace:?}: whether the late request joined the first one's prefill step"
+        );
+    }
+}
+
 #[test]
 fn a_slow_load_holds_back_only_its_own_request() {
     let dir = tempfile::tempdir().unwrap();

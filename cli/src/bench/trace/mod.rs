@@ -142,6 +142,10 @@ pub struct Args {
     /// --io-workers`).
     #[arg(long, value_name = "N", default_value_t = engine::DEFAULT_IO_WORKERS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=64))]
     io_workers: usize,
+    /// In process: milliseconds admission waits for just-submitted requests' loads before
+    /// a prefill step (as `serve --load-grace`).
+    #[arg(long, value_name = "MS", default_value_t = engine::DEFAULT_LOAD_GRACE.as_secs_f64() * 1e3)]
+    load_grace: f64,
     /// In process: a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (as `serve --itl-stretch`); `none` always runs the whole chunk.
     #[arg(long, value_name = "X|none", default_value = "none", value_parser = crate::serve::parse_itl_stretch)]
