@@ -1182,7 +1182,7 @@ impl PagedKvCache {
     /// assembled on the host and moved to the device in one transfer. Blocks are checked
     /// first; the longest valid prefix is appended and `stopped` says why the rest was not.
     pub fn restore_onto<B: AsRef<Block> + Sync>(
-        mut self,
+        self,
         blocks: &[B],
     ) -> Result<Restored, CacheError> {
         let base = self.run_base();
@@ -1193,6 +1193,18 @@ impl PagedKvCache {
         let specs = host::plane_specs(self.layers.len(), shape, self.config.format)?;
         let run_parts = base.run_parts(&plan, &specs);
         let uploaded = host::upload_run(&blocks[..plan.valid], &run_parts)?;
+        self.install_planned(uploaded, shape, plan, false)
+    }
+
+    /// Installs the arrays of a planned run ([`Self::install_run`]) and says what was
+    /// restored (`staged`: whether its host half was done ahead).
+    fn install_planned(
+        mut self,
+        uploaded: Vec<Array>,
+        shape: BlockShape,
+        plan: RunPlan,
+        staged: bool,
+    ) -> Result<Restored, CacheError> {
         self.install_run(
             uploaded,
             shape,
@@ -1207,7 +1219,7 @@ impl PagedKvCache {
             stopped: plan.stopped,
             state_cut: plan.state_cut,
             window_cut: plan.window_cut,
-            staged: false,
+            staged,
         })
     }
 
@@ -1281,7 +1293,7 @@ impl PagedKvCache {
     /// cannot write the parts, `blocks` (those staged) are restored by `restore_onto`;
     /// [`Restored::staged`] says which happened.
     pub fn restore_staged<B: AsRef<Block> + Sync>(
-        mut self,
+        self,
         mut staged: StagedRestore,
         blocks: &[B],
     ) -> Result<Restored, CacheError> {
@@ -1296,23 +1308,7 @@ impl PagedKvCache {
         let Some(uploaded) = staged.upload()? else {
             return self.restore_onto(blocks);
         };
-        let plan = staged.plan;
-        self.install_run(
-            uploaded,
-            shape,
-            plan.valid,
-            plan.capacity,
-            plan.states,
-            plan.last_trimmed,
-        )?;
-        Ok(Restored {
-            cache: self,
-            blocks: plan.valid,
-            stopped: plan.stopped,
-            state_cut: plan.state_cut,
-            window_cut: plan.window_cut,
-            staged: true,
-        })
+        self.install_planned(uploaded, shape, staged.plan, true)
     }
 
     /// What a run appended to this cache is checked and laid out against.

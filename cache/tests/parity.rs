@@ -887,6 +887,27 @@ fn restored_state(r: &cache::Restored) -> (usize, usize, PoolBytes) {
     (c.offset(), c.published_blocks(), layers)
 }
 
+/// `ids` appended to a fresh cache of `layers` layers with random keys and values of
+/// `dtype`, published in namespace `ns`.
+fn publish_random(
+    r: &mut StdRng,
+    layers: usize,
+    config: PagedConfig,
+    dtype: Dtype,
+    ns: store::NamespaceId,
+    ids: &[u32],
+) -> Vec<Arc<Block>> {
+    let mut live = PagedKvCache::new(layers, config).unwrap();
+    for l in 0..layers {
+        let (k, v) = (kv(r, ids.len(), dtype), kv(r, ids.len(), dtype));
+        live.update_and_fetch(l, &k, &v).unwrap();
+    }
+    let blocks = live
+        .publish(&mut Chain::new(ns, config.block_size), ids)
+        .unwrap();
+    blocks.into_iter().map(Arc::new).collect()
+}
+
 /// `restore_streaming` fed `run` against `restore_onto` of the same blocks: the same
 /// blocks, stop position and bytes.
 fn assert_streamed_equals_batch(
@@ -954,15 +975,8 @@ fn a_restore_staged_on_another_thread_equals_the_batch_restore() {
         (KvFormat::KV4, Dtype::F32),
     ] {
         let ns = namespace(layers, bs, format, dtype).id();
-        let mut publish = |ids: &[u32]| -> Vec<Arc<Block>> {
-            let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
-            for l in 0..layers {
-                let (k, v) = (kv(&mut r, ids.len(), dtype), kv(&mut r, ids.len(), dtype));
-                live.update_and_fetch(l, &k, &v).unwrap();
-            }
-            let blocks = live.publish(&mut Chain::new(ns, bs), ids).unwrap();
-            blocks.into_iter().map(Arc::new).collect()
-        };
+        let mut publish =
+            |ids: &[u32]| publish_random(&mut r, layers, config(bs, format), dtype, ns, ids);
         let good = publish(&(0..(n * bs) as u32).collect::<Vec<_>>());
         let foreign = publish(&(500..500 + (n * bs) as u32).collect::<Vec<_>>());
         let fresh = PagedKvCache::new(layers, config(bs, format)).unwrap();
@@ -1053,15 +1067,8 @@ fn a_streamed_restore_equals_the_batch_restore() {
         let n = 9;
         let tokens: Vec<u32> = (0..(n * bs) as u32).collect();
         let other: Vec<u32> = (500..500 + (n * bs) as u32).collect();
-        let mut publish = |ids: &[u32]| -> Vec<Arc<Block>> {
-            let mut live = PagedKvCache::new(layers, config(bs, format)).unwrap();
-            for l in 0..layers {
-                let (k, v) = (kv(&mut r, ids.len(), dtype), kv(&mut r, ids.len(), dtype));
-                live.update_and_fetch(l, &k, &v).unwrap();
-            }
-            let blocks = live.publish(&mut Chain::new(ns, bs), ids).unwrap();
-            blocks.into_iter().map(Arc::new).collect()
-        };
+        let mut publish =
+            |ids: &[u32]| publish_random(&mut r, layers, config(bs, format), dtype, ns, ids);
         let good = publish(&tokens);
         let foreign = publish(&other);
         let fresh = PagedKvCache::new(layers, config(bs, format)).unwrap();

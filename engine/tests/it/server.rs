@@ -1362,11 +1362,9 @@ fn the_prefill_order_decides_whether_a_short_prompt_passes_a_long_one() {
         let engine = open_engine(
             dir.path(),
             EngineConfig {
-                max_batch: 4,
                 prefill_chunk: 8,
-                step_log: 100_000,
                 prefill_order: order,
-                ..EngineConfig::default()
+                ..logged(4)
             },
         );
         let mut row = engine
@@ -1459,6 +1457,27 @@ fn under_fewest_new_riders_are_the_prompts_with_the_fewest_tokens() {
 /// slow request is served too. With one I/O thread and admission stopping at the first
 /// request still loading (the engine before session 29), the second request waited for the
 /// first's load.
+/// An engine configuration of `max_batch` rows that keeps a step log.
+fn logged(max_batch: usize) -> EngineConfig {
+    EngineConfig {
+        max_batch,
+        step_log: 100_000,
+        ..EngineConfig::default()
+    }
+}
+
+/// Submits `prompt` (for `tokens` tokens) with its load held at the gate until the test
+/// releases it ([`KvTiers::hold_loads`]), once the load is waiting there.
+fn submit_held(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> engine::RequestHandle {
+    let tiers = engine.kv_tiers().expect("a prefix cache");
+    tiers.hold_loads(prompt[..8].to_vec());
+    let h = engine.submit(Request::new(prompt, no_eos(tokens))).unwrap();
+    while tiers.loads_waiting() == 0 {
+        std::thread::yield_now();
+    }
+    h
+}
+
 /// A request whose load ends while admission waits for it (within `load_grace`) joins the
 /// prefill step of the request admitted before it; with no grace it waits for that step.
 /// From the step log, not from timing: the held load is released while the engine waits
@@ -1470,21 +1489,12 @@ fn a_load_that_ends_within_the_grace_joins_the_step_it_would_have_waited_for() {
         let engine = open_engine(
             dir.path(),
             EngineConfig {
-                max_batch: 4,
-                step_log: 100_000,
                 load_grace: grace,
-                ..EngineConfig::default()
+                ..logged(4)
             },
         );
         let tiers = engine.kv_tiers().expect("a prefix cache");
-        let late_prompt = distinct_ids(24, 11);
-        tiers.hold_loads(late_prompt[..8].to_vec());
-        let late = engine
-            .submit(Request::new(late_prompt.clone(), no_eos(2)))
-            .unwrap();
-        while tiers.loads_waiting() == 0 {
-            std::thread::yield_now();
-        }
+        let late = submit_held(&engine, distinct_ids(24, 11), 2);
         let first = engine
             .submit(Request::new(distinct_ids(40, 12), no_eos(2)))
             .unwrap();
@@ -1518,14 +1528,7 @@ fn a_load_that_ends_within_the_grace_joins_the_step_it_would_have_waited_for() {
 #[test]
 fn a_slow_load_holds_back_only_its_own_request() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(
-        dir.path(),
-        EngineConfig {
-            max_batch: 4,
-            step_log: 100_000,
-            ..EngineConfig::default()
-        },
-    );
+    let engine = open_engine(dir.path(), logged(4));
     let tiers = engine.kv_tiers().expect("a prefix cache");
     let slow_prompt = distinct_ids(40, 7);
     // The slow request's prefix is in the store, so its load has something to read.
@@ -1534,13 +1537,7 @@ fn a_slow_load_holds_back_only_its_own_request() {
         .unwrap()
         .wait()
         .unwrap();
-    tiers.hold_loads(slow_prompt[..8].to_vec());
-    let slow = engine
-        .submit(Request::new(slow_prompt.clone(), no_eos(2)))
-        .unwrap();
-    while tiers.loads_waiting() == 0 {
-        std::thread::yield_now();
-    }
+    let slow = submit_held(&engine, slow_prompt.clone(), 2);
     let quick = engine
         .submit(Request::new(distinct_ids(24, 8), no_eos(3)))
         .unwrap();
