@@ -371,8 +371,8 @@ pub struct HostPrefix {
     remote_s: f64,
     /// When the I/O workers finished it.
     done_at: Option<Instant>,
-    /// The blocks checked and assembled for the device ahead of admission (a load from
-    /// block 0 of a model without layer states): the engine thread installs it.
+    /// The blocks checked and assembled for the device ahead of admission (a model
+    /// without layer states, within the staging budget): the engine thread installs it.
     staged: Option<Box<(StagedRestore, StagingCharge)>>,
 }
 
