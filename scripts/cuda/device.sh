@@ -418,12 +418,14 @@ case "$step" in
       esac
       touch "$R/$arm.started"
       echo "starting $arm at $(date +%T): $S $A"
-      setsid bash -c "'$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
+      # GPU memory each second beside the arm (the 5/8-scale arm of session 30 failed steps
+      # with CUDA out of memory far below the GPU's size): $arm.gpumem.csv.
+      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
       echo $! > "$R/pid"
     done
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     for f in "$R"/*.log; do [ -f "$f" ] || continue; echo "== $f"; grep -E '^request .* at ' "$f" | tail -n 1; tail -n 12 "$f"; done
-    cp "$R"/*.json "$R"/*.svg "$R"/*.log "$OUT"/ 2>/dev/null
+    cp "$R"/*.json "$R"/*.svg "$R"/*.log "$R"/*.csv "$OUT"/ 2>/dev/null
     running && echo "still running: $(cat "$R/pid")"
     free -g | head -2; df -h /opt | tail -1
     echo "step $step: $(( $(date +%s) - START ))s"

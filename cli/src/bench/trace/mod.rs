@@ -12,6 +12,7 @@ pub(crate) mod dispatch;
 mod exact_tests;
 pub(crate) mod http;
 mod inprocess;
+mod memory;
 mod parse;
 mod peer;
 mod plot;

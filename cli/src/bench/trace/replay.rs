@@ -41,6 +41,8 @@ struct Ran {
     tier_note: Option<String>,
     /// Where the engine threads' time went (in process only).
     steps: Option<StepSummary>,
+    /// MLX's memory over the run (in process only).
+    memory: Option<super::memory::MemorySummary>,
     /// The in-process engines, shut down (their stores flushed) once the report is out:
     /// a write-back store's flush at the end of a long replay writes tens of GB to SSD,
     /// which is no part of the measurement.
@@ -142,6 +144,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "per_minute": minutes,
             "counters": ran.counters,
             "steps": ran.steps,
+            "mlx_memory": ran.memory,
             "prefill_bound": bounds,
             "burst_places": places,
             "requests": rows,
@@ -397,6 +400,9 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     if let Some(steps) = &ran.steps {
         println!("{}", steps.summary());
     }
+    if let Some(m) = &ran.memory {
+        println!("{}", m.line());
+    }
     let sent = overall.requests - overall.unsent;
     println!(
         "{sent} requests in {:.1} s{}: {:.2} req/s, {:.0} prompt tok/s, {:.1} completion tok/s \
@@ -504,9 +510,11 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         let r = &s.requests[i];
         (tokens::prompt(r, &s.scale, vocab), s.scale.output_len(r))
     };
+    let sampler = super::memory::MemorySampler::start()?;
     let t0 = Instant::now();
     let sent = dispatch::replay(times, &make, &target, s.max_concurrency, s.deadline);
     let wall_s = t0.elapsed().as_secs_f64();
+    let memory = sampler.finish()?;
     let after = stats(&engines);
     let exports: Vec<Option<ExportStats>> = engines
         .iter()
@@ -553,6 +561,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         tier_note: store_note(&before, &after, &cache.eviction.to_string(), wall_s)
             .map(|n| n + &export_note(&exports)),
         steps: Some(StepSummary::of(&steps)),
+        memory: Some(memory),
         engines,
         scratch: Some(scratch),
         counters: match args.engines {
@@ -670,6 +679,7 @@ fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Resu
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({}),
         steps: None,
+        memory: None,
         engines: Vec::new(),
         scratch: None,
         tier_note: Some(format!(
@@ -736,6 +746,7 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         lru_budget: args.budget_tokens.first().copied(),
         counters: json!({"server_metrics_delta": delta}),
         steps: None,
+        memory: None,
         engines: Vec::new(),
         scratch: None,
         tier_note: (!tiers.is_empty()).then(|| {
