@@ -1506,74 +1506,68 @@ impl Worker {
             self.refuse_cancelled(p);
         }
         self.prefetch();
-        loop {
-            let seen = self.wakeups.as_ref().map(|d| d.count());
-            if self.admit_ready() > 0 || !self.active.is_empty() || !self.prefilling.is_empty() {
-                break;
-            }
-            // Nothing runs and every request that could be admitted is still loading:
-            // sleep until an I/O worker finishes a load (whichever) or a command arrives,
-            // then look again. The wait is the loading requests' restore, not their queue.
-            let loading = |p: &Pending| matches!(p.prefetch, Prefetch::Waiting(_));
-            let (Some(done), Some(seen)) = (self.wakeups.clone(), seen) else {
-                break;
-            };
-            if !self.queue.iter().any(loading) {
-                break;
-            }
-            let t = Instant::now();
-            done.wait_past(seen);
-            let waited = t.elapsed();
-            for p in self.queue.iter_mut().filter(|p| loading(p)) {
-                p.load_waited += waited;
-            }
-            // Requests submitted meanwhile (their loads may be what woke it) join the queue.
-            self.take_submissions();
-            if self.draining == Some(true) {
-                break;
-            }
-            self.prefetch();
+        // Idle, with every admissible request still loading: wait for any of their loads.
+        self.admit_waiting(None);
+        // A prompt about to prefill: wait briefly for just-submitted requests' loads.
+        let grace = self.config.load_grace;
+        if !grace.is_zero() && !self.prefilling.is_empty() {
+            self.admit_waiting(Some(Instant::now() + grace));
         }
-        self.admit_late_loads();
         self.set_gauges();
     }
 
-    /// Before a step with a prompt to prefill: waits up to [`EngineConfig::load_grace`]
-    /// for the loads of recently submitted requests (a burst's later prompts, passed over
-    /// while their lookups ran), admitting each as it ends, so they join this step's
-    /// prefill instead of waiting for all of it. The wait is billed to their restore.
-    fn admit_late_loads(&mut self) {
-        let grace = self.config.load_grace;
+    /// Admits what is ready, then sleeps until an I/O worker finishes a load (or a command
+    /// arrives) and admits again. With no deadline (`until`), as long as nothing runs and
+    /// an admissible request is still loading: an idle engine has nothing else to do.
+    /// With one ([`EngineConfig::load_grace`] from now, before a step with a prompt to
+    /// prefill), until then, while rows are free and a request submitted within the last
+    /// five graces is loading: a burst's later prompts, passed over while their lookups
+    /// ran, then join this step's prefill instead of waiting for all of it. The waits are
+    /// billed to the loading requests' restore, not their queue.
+    fn admit_waiting(&mut self, until: Option<Instant>) {
         let Some(done) = self.wakeups.clone() else {
+            self.admit_ready();
             return;
         };
-        if grace.is_zero() || self.prefilling.is_empty() {
-            return;
-        }
-        let deadline = Instant::now() + grace;
-        let young = |p: &Pending| {
-            matches!(p.prefetch, Prefetch::Waiting(_)) && p.submitted.elapsed() < grace * 5
+        let young = self.config.load_grace * 5;
+        let waited_for = |p: &Pending| {
+            matches!(p.prefetch, Prefetch::Waiting(_))
+                && (until.is_none() || p.submitted.elapsed() < young)
         };
         loop {
-            if self.active.len() + self.prefilling.len() >= self.config.max_batch {
-                return;
-            }
             let seen = done.count();
-            if self.admit_ready() > 0 {
-                continue;
+            let admitted = self.admit_ready();
+            let running = self.active.len() + self.prefilling.len();
+            match until {
+                None if admitted > 0 || running > 0 => return,
+                Some(_) if running >= self.config.max_batch => return,
+                Some(_) if admitted > 0 => continue,
+                _ => {}
             }
-            if !self.queue.iter().any(young) {
+            if !self.queue.iter().any(waited_for) {
                 return;
             }
             let t = Instant::now();
-            let woke = done.wait_past_until(seen, deadline);
+            let woke = match until {
+                None => {
+                    done.wait_past(seen);
+                    true
+                }
+                Some(deadline) => done.wait_past_until(seen, deadline),
+            };
             let waited = t.elapsed();
-            for p in self.queue.iter_mut().filter(|p| young(p)) {
+            for p in self.queue.iter_mut().filter(|p| waited_for(p)) {
                 p.load_waited += waited;
             }
             if !woke {
                 return;
             }
+            // Requests submitted meanwhile (their loads may be what woke it) join the queue.
+            self.take_submissions();
+            if self.draining == Some(true) {
+                return;
+            }
+            self.prefetch();
         }
     }
 
