@@ -406,7 +406,11 @@ case "$step" in
       [ -f "$R/$arm.started" ] && continue
       while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       running && break
-      case "$arm" in
+      # ARM+TAG runs ARM with the variables of ENV_TAG set (e.g. nocache+count with
+      # ENV_count="KVSTORE_ROWS_COUNT_ARENAS=1"): an A/B in one binary and one lease.
+      base=${arm%%+*}; EV=""
+      if [ "$base" != "$arm" ]; then ev="ENV_${arm#*+}"; EV="${!ev:-}"; fi
+      case "$base" in
         nocache) A="--no-cache $KV --label no-cache" ;;
         device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
         exclusive) rm -rf "$K/tstore"; A="$TIERS --device-tier exclusive --store $K/tstore --label full-tiering-exclusive --no-flush" ;;
@@ -417,10 +421,10 @@ case "$step" in
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       touch "$R/$arm.started"
-      echo "starting $arm at $(date +%T): $S $A"
+      echo "starting $arm at $(date +%T): $EV $S $A"
       # GPU memory each second beside the arm (the 5/8-scale arm of session 30 failed steps
       # with CUDA out of memory far below the GPU's size): $arm.gpumem.csv.
-      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
+      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; env $EV '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
       echo $! > "$R/pid"
     done
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
