@@ -11,6 +11,7 @@ mod mlx;
 mod prefill;
 mod remote;
 mod serve;
+mod step_rows;
 mod store;
 mod timing;
 mod trace;

@@ -30,6 +30,7 @@ use engine::{Engine, EngineConfig, Event, GenerateParams, Request};
 use serde::Serialize;
 
 use super::child_server::ChildServer;
+use super::step_rows::DecodeRowsCost;
 use super::trace::http::HttpTarget;
 use crate::cache_args::CacheArgs;
 use crate::generate::ModelArgs;
@@ -188,6 +189,9 @@ pub(crate) struct StepSummary {
     mean_publish_s: f64,
     /// Steps whose admission stopped at a request whose cached prefix was still loading.
     admit_waited_load: usize,
+    /// Decode-only steps by their rows: launch CPU and graph building per bucket, and
+    /// what a row adds.
+    decode_only_by_rows: DecodeRowsCost,
 }
 
 impl StepSummary {
@@ -220,7 +224,18 @@ impl StepSummary {
             mean_admit_s: all_mean(&|s| s.admit_us),
             mean_publish_s: all_mean(&|s| s.publish_us),
             admit_waited_load: steps.iter().filter(|s| s.admit_waited_load).count(),
+            decode_only_by_rows: DecodeRowsCost::of(
+                &alone
+                    .iter()
+                    .map(|s| (s.decoded.len(), s.launch_us, s.launch_cpu_us, s.build_us))
+                    .collect::<Vec<_>>(),
+            ),
         }
+    }
+
+    /// One line: what a row adds to a decode-only step's launch.
+    pub(crate) fn by_rows(&self) -> String {
+        self.decode_only_by_rows.summary()
     }
 
     /// One line: step counts and times.
@@ -831,6 +846,7 @@ pub fn run(mut args: Args) -> Result<()> {
         );
         if let Some(steps) = &s.steps {
             eprintln!("sessions: {}", steps.summary());
+            eprintln!("sessions: {}", steps.by_rows());
         }
         Some(s)
     } else {

@@ -399,6 +399,7 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
     }
     if let Some(steps) = &ran.steps {
         println!("{}", steps.summary());
+        println!("{}", steps.by_rows());
     }
     if let Some(m) = &ran.memory {
         println!("{}", m.line());
