@@ -28,7 +28,6 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -171,16 +170,6 @@ struct RowMeta {
 
 // The element stride of `a`'s head axis, after checking that its tokens are rows of `d`
 // contiguous elements ([1, H, T, d] with strides (.., hs, d, 1)).
-// KVSTORE_ROWS_COUNT_ARENAS=1 declares every row's arenas as inputs too, as before
-// session 31, so that their bytes count towards MLX's graph bound (for an A/B in one binary).
-bool count_arena_bytes() {
-  static const bool on = [] {
-    const char* v = std::getenv("KVSTORE_ROWS_COUNT_ARENAS");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return on;
-}
-
 long long head_stride(const mx::array& a, int d, const char* what) {
   const auto& st = a.strides();
   if (a.ndim() != 4 || a.shape(3) != d || st[3] != 1 || (a.shape(2) > 1 && st[2] != d)) {
@@ -258,17 +247,8 @@ class RowsDecodeAttention : public mx::UnaryPrimitive {
         rk.k = reinterpret_cast<unsigned long long>(mx::gpu_ptr<char>(ka) + m.start * d * esize);
         rk.v = reinterpret_cast<unsigned long long>(mx::gpu_ptr<char>(va) + m.start * d * esize);
         rk.len = int(m.len);
-        // The arenas are declared as outputs only: that orders this node after their last
-        // writer in the graph and later readers after it, as an input would. An input's
-        // bytes also count towards MLX's bound on the data a graph references (1,000 MB on
-        // an H100/H200, MLX_MAX_MB_PER_BUFFER), which ends the graph there; every row's
-        // whole arena counted at every layer, so a step of many long rows was cut into
-        // graphs at positions that move from step to step (docs/cache.md, "The arenas
-        // and MLX's graph bound"). The arenas are the rows' KV, not data the step makes.
-        if (count_arena_bytes()) {
-          enc.set_input_array(ka);
-          enc.set_input_array(va);
-        }
+        enc.set_input_array(ka);
+        enc.set_input_array(va);
         enc.set_output_array(ka);
         enc.set_output_array(va);
         if (m.prefix) {
@@ -280,16 +260,8 @@ class RowsDecodeAttention : public mx::UnaryPrimitive {
           rk.pk = reinterpret_cast<unsigned long long>(mx::gpu_ptr<void>(pk));
           rk.pv = reinterpret_cast<unsigned long long>(mx::gpu_ptr<void>(pv));
           rk.plen = pk.shape(2);
-          // Declared like the arenas (above): ordered after any writer in the graph, their
-          // bytes not counted. Marking them outputs only orders later readers after this
-          // node, which reads them.
-          if (count_arena_bytes()) {
-            enc.set_input_array(pk);
-            enc.set_input_array(pv);
-          } else {
-            enc.set_output_array(pk);
-            enc.set_output_array(pv);
-          }
+          enc.set_input_array(pk);
+          enc.set_input_array(pv);
         }
       }
       enc.set_output_array(part);
