@@ -212,7 +212,7 @@ case "$step" in
     d=$K/smollm2-64k; mkdir -p "$d"
     for f in "$K"/smollm2-hf/*; do ln -sfn "$f" "$d/"; done; rm -f "$d/config.json"
     python3 -c "import json,sys; c=json.load(open('$K/smollm2-hf/config.json')); c['max_position_embeddings']=65536; json.dump(c,open('$d/config.json','w'))"
-    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 2000 > "$OUT/gpumem-$step.csv" 2>&1 &
+    nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 2000 > "$OUT/gpumem-$step.csv" 2>&1 &
     smi=$!
     if [ "$step" = g ]; then arms=cold,ram,ssd; name=kv; else arms=mlx-lm; name=mlxlm; fi
     { timeout ${LIMIT:-560} "$BIN/kvstore" bench agent --model "$d" --python "$(command -v python3)" --mlx-lm-model "$d" --arms $arms --turns "${TURNS:-75}" --out "$OUT/agent32k-$name" 2>&1; } > "$OUT/agent32k-$name.log"
@@ -225,7 +225,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     py=$(command -v python3)
-    mem() { nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 1000 > "$OUT/gpumem-$1.csv" 2>&1 & echo $!; }
+    mem() { nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 1000 > "$OUT/gpumem-$1.csv" 2>&1 & echo $!; }
     peak() { echo "GPU memory used, max MiB ($1): $(cut -d, -f2 "$OUT/gpumem-$1.csv" | sort -n | tail -1)"; }
     if [ "$step" = pb ]; then
       { timeout 150 "$BIN/kvstore" bench cache 2>&1; } | tee "$OUT/bench-cache.log"
@@ -422,9 +422,9 @@ case "$step" in
       esac
       touch "$R/$arm.started"
       echo "starting $arm at $(date +%T): $EV $S $A"
-      # GPU memory each second beside the arm (the 5/8-scale arm of session 30 failed steps
+      # GPU memory (MiB) and utilization (%) each second beside the arm (the 5/8-scale arm of session 30 failed steps
       # with CUDA out of memory far below the GPU's size): $arm.gpumem.csv.
-      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; env $EV '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
+      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; env $EV '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
       echo $! > "$R/pid"
     done
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
