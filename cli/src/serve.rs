@@ -55,6 +55,11 @@ pub struct Args {
     /// step instead of waiting for it (0: never waits).
     #[arg(long, value_name = "MS", default_value_t = engine::DEFAULT_LOAD_GRACE.as_secs_f64() * 1e3)]
     load_grace: f64,
+    /// The attention scores one prefill pass may hold at once where MLX materializes them
+    /// (a GPU without fused attention for the model's dtype: f32 on CUDA); the pass waits
+    /// for the device between layers to stay within it.
+    #[arg(long, value_name = "SIZE", default_value = "8GiB")]
+    pass_workspace: String,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (1.5, say): the chunk (at most --prefill-chunk) is sized from
     /// measured step times, putting running streams before a long prompt's TTFT; `none`
@@ -168,6 +173,7 @@ pub fn run(args: Args) -> Result<()> {
         prefill_order: args.prefill_order,
         io_workers: args.io_workers,
         load_grace: crate::cli_duration_ms(args.load_grace, "--load-grace")?,
+        pass_workspace: parse_size(&args.pass_workspace).context("--pass-workspace")?,
         ..EngineConfig::default()
     };
     let engine = Arc::new(Engine::open(model, tokenizer, prefix, config)?);

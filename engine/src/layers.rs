@@ -6,9 +6,11 @@ use cache::{KvCache, PagedKvRows};
 use mlx::fast::{self, AttentionMask, Rope, RopeAngles, RopeOffset};
 use mlx::{Array, Dtype, Quantized};
 use serde::Deserialize;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{EngineError, Result};
+use crate::pass_memory::{layer_score_bytes, materializes_scores, PassMemory};
 
 /// A linear layer `y = x Wᵀ (+ b)`, with W either a dense matrix or MLX-affine quantized.
 #[derive(Debug)]
@@ -717,16 +719,41 @@ pub(crate) struct Decoder {
     /// `None` when the LM head is tied to the embedding.
     pub(crate) lm_head: Option<Linear>,
     pub(crate) rope: RotaryEmbedding,
+    /// The attention scores a prefill pass may hold at once where they are materialized
+    /// (module `pass_memory`).
+    pub(crate) pass_workspace: AtomicU64,
+}
+
+impl Decoder {
+    /// The bound on a pass over `prompts` (each chunk's cached tokens and length): the bytes
+    /// of scores each layer materializes on this device (0 where attention is fused).
+    fn pass_memory(&self, prompts: &[(usize, usize)]) -> PassMemory {
+        let attn = &self.layers[0].self_attn;
+        let dtype = self.embed_tokens.dtype();
+        let device = mlx::default_device().unwrap_or(mlx::Device::Cpu);
+        let per_layer = if materializes_scores(device, dtype, attn.head_dim as usize) {
+            layer_score_bytes(attn.num_heads as usize, dtype.size(), prompts)
+        } else {
+            0
+        };
+        PassMemory::new(self.pass_workspace.load(Ordering::Relaxed), per_layer)
+    }
 }
 
 impl crate::models::Network for Decoder {
     fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
         let offset = cache.offset();
+        let mut memory = self.pass_memory(&[(offset, tokens.shape()[1] as usize)]);
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, i, offset, &self.rope, cache)?;
+            memory.after_layer(&h)?;
         }
         self.norm.forward(&h)
+    }
+
+    fn set_pass_workspace(&self, bytes: u64) {
+        self.pass_workspace.store(bytes, Ordering::Relaxed);
     }
 
     fn hidden_rows(&self, tokens: &Array, rows: &mut PagedKvRows) -> Result<Array> {
@@ -764,6 +791,7 @@ impl crate::models::Network for Decoder {
         let mut h = self
             .embed_tokens
             .forward(&mlx::ops::concatenate(&refs, 1)?)?;
+        let mut memory = self.pass_memory(&prompts);
         let mut kv = MixedKv {
             rows,
             caches,
@@ -771,6 +799,7 @@ impl crate::models::Network for Decoder {
         };
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward_mixed(&h, i, &self.rope, &mut kv)?;
+            memory.after_layer(&h)?;
         }
         let h = self.norm.forward(&h)?;
         let hidden = h.shape()[2];

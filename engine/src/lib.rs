@@ -42,6 +42,7 @@ mod layers;
 mod load_gate;
 mod model;
 pub mod models;
+mod pass_memory;
 mod prefill_order;
 mod reuse;
 mod sampler;
@@ -69,6 +70,7 @@ pub use model::{
     aligned_chunk, default_prefill_chunk, KvLayout, LayerKind, MixedStep, Model, ModelInfo,
     PromptChunk, PromptPass, DEFAULT_PREFILL_CHUNK, GPU_PREFILL_CHUNK,
 };
+pub use pass_memory::{pass_memory_waits, DEFAULT_PASS_WORKSPACE};
 pub use prefill_order::PrefillOrder;
 pub use reuse::{
     auto_state_every, combined_salt, default_share_min_tokens, generate_with_reuse,

@@ -198,6 +198,13 @@ impl Model {
         Ok(*self.fingerprint.get_or_init(|| out))
     }
 
+    /// Bounds the attention scores a prefill pass holds at once where MLX materializes them
+    /// (`EngineConfig::pass_workspace`; engine/src/pass_memory.rs). The llama and qwen
+    /// decoders take it; other families ignore it.
+    pub fn set_pass_workspace(&self, bytes: u64) {
+        self.decoder.set_pass_workspace(bytes);
+    }
+
     /// A fresh KV cache for this model: paged, float KV, 32-token blocks, growing as
     /// needed (appends update it in place; attention reads it through a view), with the
     /// state layers a hybrid carries.

@@ -47,6 +47,7 @@ use crate::chunk_budget::ChunkBudget;
 use crate::error::{EngineError, ErrorClass, Result};
 use crate::generate::{FinishReason, GenerateParams, Timings};
 use crate::model::{Model, ModelInfo};
+use crate::pass_memory::DEFAULT_PASS_WORKSPACE;
 use crate::prefill_order::PrefillOrder;
 use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
@@ -109,6 +110,11 @@ pub struct EngineConfig {
     /// load that takes longer is a disk or network read, which admission passes over).
     /// Default: [`DEFAULT_LOAD_GRACE`]; zero never waits.
     pub load_grace: Duration,
+    /// The attention scores one prefill pass may hold at once where MLX materializes them
+    /// (a GPU without fused attention for the model's dtype and head size: f32 on CUDA):
+    /// the pass waits for the device between layers to stay within it (engine/src/
+    /// pass_memory.rs). Default: [`DEFAULT_PASS_WORKSPACE`].
+    pub pass_workspace: u64,
 }
 
 /// [`EngineConfig::load_grace`]'s default: a few lookups' time, small beside a prefill
@@ -134,6 +140,7 @@ impl Default for EngineConfig {
             prefill_order: PrefillOrder::default(),
             io_workers: DEFAULT_IO_WORKERS,
             load_grace: DEFAULT_LOAD_GRACE,
+            pass_workspace: DEFAULT_PASS_WORKSPACE,
         }
     }
 }
@@ -784,6 +791,7 @@ impl Engine {
                 message: format!("{x} is not a multiple above 1 (leave it unset for no budget)"),
             });
         }
+        model.set_pass_workspace(config.pass_workspace);
         let shared = Arc::new(Shared {
             counters: Counters::default(),
             accepting: AtomicBool::new(true),

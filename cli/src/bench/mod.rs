@@ -73,6 +73,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             100.0 * one as f64 / (one + each) as f64
         );
     }
+    let waits = engine::pass_memory_waits();
+    if waits > 0 {
+        eprintln!(
+            "prefill passes waited {waits} times for the device to free their attention scores \
+             (--pass-workspace)"
+        );
+    }
     Ok(())
 }
 

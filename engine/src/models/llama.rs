@@ -4,11 +4,14 @@
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
+use std::sync::atomic::AtomicU64;
+
 use crate::layers::{
     Attention, Decoder, DecoderLayer, FusedLinear, Mlp, RopeScaling, RotaryEmbedding,
 };
 use crate::model::{KvLayout, ModelInfo};
 use crate::models::{Built, Family, GgufLayout};
+use crate::pass_memory::DEFAULT_PASS_WORKSPACE;
 use crate::weights::{Checkpoint, Weights};
 
 fn default_theta() -> f64 {
@@ -185,6 +188,7 @@ pub(crate) fn build(cfg: &Config, w: &Weights, v: &Variant, source: &str) -> Res
             cfg.rope_scaling.as_ref(),
             source,
         )?,
+        pass_workspace: AtomicU64::new(DEFAULT_PASS_WORKSPACE),
     })
 }
 

@@ -42,6 +42,9 @@ pub(crate) trait Network: Send + std::fmt::Debug {
     ) -> Result<Option<(Option<Array>, Vec<Array>)>> {
         Ok(None)
     }
+    /// Bounds the attention scores a prefill pass holds at once where MLX materializes them
+    /// (module `pass_memory`); families that do not bound them ignore it.
+    fn set_pass_workspace(&self, _bytes: u64) {}
     /// Logits `[.., vocab]` of hidden states `[.., hidden]`.
     fn logits(&self, h: &Array) -> Result<Array>;
     /// Shapes of each non-attention layer's state parts for one sequence (batch axis first,

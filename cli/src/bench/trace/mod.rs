@@ -147,6 +147,10 @@ pub struct Args {
     /// a prefill step (as `serve --load-grace`).
     #[arg(long, value_name = "MS", default_value_t = engine::DEFAULT_LOAD_GRACE.as_secs_f64() * 1e3)]
     load_grace: f64,
+    /// In process: the attention scores one prefill pass may hold at once where MLX
+    /// materializes them (as `serve --pass-workspace`).
+    #[arg(long, value_name = "SIZE", default_value = "8GiB")]
+    pass_workspace: String,
     /// In process: a step with a prefill chunk takes at most this multiple of a
     /// decode-only step (as `serve --itl-stretch`); `none` always runs the whole chunk.
     #[arg(long, value_name = "X|none", default_value = "none", value_parser = crate::serve::parse_itl_stretch)]

@@ -456,6 +456,8 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
                 prefill_order: args.prefill_order,
                 io_workers: args.io_workers,
                 load_grace: crate::cli_duration_ms(args.load_grace, "--load-grace")?,
+                pass_workspace: crate::cache_args::parse_size(&args.pass_workspace)
+                    .context("--pass-workspace")?,
                 kv_budget_bytes: cache.kv_budget_bytes()?,
                 max_queue: s.max_concurrency.max(256),
                 context_limit: None,
