@@ -45,7 +45,8 @@ pub(crate) fn materializes_scores(device: Device, dtype: Dtype, head_dim: usize)
     if cfg!(target_os = "macos") {
         return ![64, 80, 128].contains(&head_dim);
     }
-    let fused = matches!(dtype, Dtype::F16 | Dtype::BF16) && head_dim % 8 == 0 && head_dim <= 128;
+    let fused =
+        matches!(dtype, Dtype::F16 | Dtype::BF16) && head_dim.is_multiple_of(8) && head_dim <= 128;
     !fused
 }
 

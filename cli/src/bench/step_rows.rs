@@ -54,7 +54,10 @@ impl RowsLine {
 /// Bucket bounds: a row alone, then ranges of four up to the default batch of 16.
 const BUCKETS: [(usize, usize); 6] = [(1, 1), (2, 4), (5, 8), (9, 12), (13, 16), (17, usize::MAX)];
 
-/// Per-row costs of decode-only steps, from `(rows, launch_us, launch_cpu_us, build_us)`.
+/// One decode-only step's rows and its launch, launch CPU and graph building, microseconds.
+pub(crate) type StepCost = (usize, u64, u64, u64);
+
+/// Per-row costs of decode-only steps.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub(crate) struct DecodeRowsCost {
     /// The non-empty buckets, fewest rows first.
@@ -66,14 +69,14 @@ pub(crate) struct DecodeRowsCost {
 
 impl DecodeRowsCost {
     /// From each decode-only step's rows, launch, launch CPU and build, in microseconds.
-    pub(crate) fn of(steps: &[(usize, u64, u64, u64)]) -> DecodeRowsCost {
+    pub(crate) fn of(steps: &[StepCost]) -> DecodeRowsCost {
         let secs = |us: u64| us as f64 * 1e-6;
         let buckets = BUCKETS
             .iter()
             .filter_map(|&(lo, hi)| {
                 let inside: Vec<_> = steps.iter().filter(|s| (lo..=hi).contains(&s.0)).collect();
                 let n = inside.len();
-                let mean = |f: &dyn Fn(&(usize, u64, u64, u64)) -> u64| {
+                let mean = |f: &dyn Fn(&StepCost) -> u64| {
                     inside.iter().map(|s| secs(f(s))).sum::<f64>() / n as f64
                 };
                 (n > 0).then(|| RowsCost {
@@ -86,7 +89,7 @@ impl DecodeRowsCost {
                 })
             })
             .collect();
-        let line = |f: &dyn Fn(&(usize, u64, u64, u64)) -> u64| {
+        let line = |f: &dyn Fn(&StepCost) -> u64| {
             RowsLine::fit(&steps.iter().map(|s| (s.0, secs(f(s)))).collect::<Vec<_>>())
         };
         DecodeRowsCost {
