@@ -1,11 +1,11 @@
 //! Llama (SmolLM2, Llama 2/3.x incl. `rope_scaling` type llama3): pre-norm decoder, grouped
 //! query attention, SwiGLU MLP, optional tied embeddings.
 
+use std::sync::atomic::AtomicU64;
+
 use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
-use std::sync::atomic::AtomicU64;
-
 use crate::layers::{
     Attention, Decoder, DecoderLayer, FusedLinear, Mlp, RopeScaling, RotaryEmbedding,
 };
