@@ -406,10 +406,11 @@ case "$step" in
       [ -f "$R/$arm.started" ] && continue
       while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
       running && break
-      # ARM+TAG runs ARM with the variables of ENV_TAG set (e.g. nocache+count with
-      # ENV_count="KVSTORE_ROWS_COUNT_ARENAS=1"): an A/B in one binary and one lease.
-      base=${arm%%+*}; EV=""
-      if [ "$base" != "$arm" ]; then ev="ENV_${arm#*+}"; EV="${!ev:-}"; fi
+      # ARM+TAG runs ARM with the variables of ENV_TAG set and the bench flags of ARGS_TAG
+      # added (e.g. nocache+ws with ARGS_ws="--pass-workspace 1TiB", the passes unbounded):
+      # an A/B in one binary and one lease.
+      base=${arm%%+*}; EV=""; XA=""
+      if [ "$base" != "$arm" ]; then ev="ENV_${arm#*+}"; EV="${!ev:-}"; xa="ARGS_${arm#*+}"; XA="${!xa:-}"; fi
       case "$base" in
         nocache) A="--no-cache $KV --label no-cache" ;;
         device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
@@ -421,6 +422,7 @@ case "$step" in
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
       touch "$R/$arm.started"
+      A="$A $XA"
       echo "starting $arm at $(date +%T): $EV $S $A"
       # GPU memory (MiB) and utilization (%) each second beside the arm (the 5/8-scale arm of session 30 failed steps
       # with CUDA out of memory far below the GPU's size): $arm.gpumem.csv.
