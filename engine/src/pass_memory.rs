@@ -39,6 +39,10 @@ pub const DEFAULT_PASS_WORKSPACE: u64 = 8 << 30;
 /// On macOS the GPU is Metal, whose full attention kernel takes every float type at head
 /// dimensions 64, 80 and 128.
 pub(crate) fn materializes_scores(device: Device, dtype: Dtype, head_dim: usize) -> bool {
+    #[cfg(test)]
+    if tests::FORCE.with(|f| f.get()) {
+        return true;
+    }
     if device == Device::Cpu {
         return false;
     }
@@ -114,6 +118,59 @@ impl PassMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::cell::Cell;
+
+    use crate::model::PromptChunk;
+
+    thread_local! {
+        /// Makes this thread's passes count their scores as materialized (on the CPU, whose
+        /// fused attention never does), so that the waits run where tests run.
+        pub(super) static FORCE: Cell<bool> = const { Cell::new(false) };
+    }
+
+    #[test]
+    fn a_pass_that_waits_between_layers_computes_what_one_pass_computes() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens/tiny-qwen3");
+        let (model, _) = crate::load(&dir, &crate::LoadOptions::default()).unwrap();
+        let a: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 300).collect();
+        let b: Vec<u32> = (0..25).map(|i| (i * 11 + 5) % 300).collect();
+        // A prompt in two chunks (the second over the first's cache), and a pass of two
+        // prompts; each one's last logits.
+        let run = |waits: bool| -> Vec<Vec<f32>> {
+            FORCE.with(|f| f.set(waits));
+            model.set_pass_workspace(if waits { 1 } else { DEFAULT_PASS_WORKSPACE });
+            let mut one = model.new_cache();
+            model.forward(&a[..20], &mut one).unwrap();
+            let second = model.forward(&a[20..], &mut one).unwrap();
+            let (mut ca, mut cb) = (model.new_cache(), model.new_cache());
+            let pass = model
+                .forward_prompts(&mut [
+                    PromptChunk {
+                        tokens: &a,
+                        cache: &mut ca,
+                    },
+                    PromptChunk {
+                        tokens: &b,
+                        cache: &mut cb,
+                    },
+                ])
+                .unwrap()
+                .expect("the qwen3 decoder has a pass of prompts");
+            FORCE.with(|f| f.set(false));
+            let mut out = vec![second.to_vec::<f32>().unwrap()];
+            out.extend(pass.iter().map(|p| p.logits.to_vec::<f32>().unwrap()));
+            out
+        };
+        let before = pass_memory_waits();
+        let plain = run(false);
+        let waited = run(true);
+        // A 1-byte workspace waits after every layer of all three passes (other tests may
+        // add theirs; none runs on this thread).
+        let layers = model.info().kv.layers as u64;
+        assert!(pass_memory_waits() - before >= 3 * layers);
+        // The same graph, computed in pieces: the same numbers, bit for bit.
+        assert_eq!(plain, waited);
+    }
 
     #[test]
     fn only_unfused_gpu_attention_materializes_its_scores() {
