@@ -728,6 +728,12 @@ impl Decoder {
     /// The bound on a pass over `prompts` (each chunk's cached tokens and length): the bytes
     /// of scores each layer materializes on this device (0 where attention is fused).
     fn pass_memory(&self, prompts: &[(usize, usize)]) -> PassMemory {
+        let budget = self.pass_workspace.load(Ordering::Relaxed);
+        // One token a prompt (a decode step) attends through MLX's vector kernel, which
+        // materializes nothing: no device query on the decode path.
+        if prompts.iter().all(|&(_, len)| len <= 1) {
+            return PassMemory::new(budget, 0);
+        }
         let attn = &self.layers[0].self_attn;
         let dtype = self.embed_tokens.dtype();
         let device = mlx::default_device().unwrap_or(mlx::Device::Cpu);
@@ -736,7 +742,7 @@ impl Decoder {
         } else {
             0
         };
-        PassMemory::new(self.pass_workspace.load(Ordering::Relaxed), per_layer)
+        PassMemory::new(budget, per_layer)
     }
 }
 

@@ -1214,8 +1214,9 @@ impl KvTiers {
                 // the host half (staged_s) while the request waited for admission, which is
                 // passed over it until the load is done, so the rows decoding and the
                 // requests behind it never wait for that half. Billing it here priced
-                // restores at 2-4x their engine cost on the H200 and had 11 % of the prompt
-                // tokens recomputed though cached (docs/benchmarks.md, session 31).
+                // restores at about 3x their engine cost on the H200 (16.5 + 7.7 ms against
+                // 7.7 at the medians) and had 11 % of the prompt tokens recomputed though
+                // cached (docs/benchmarks.md, session 31).
                 let mut costs = self.costs.lock().map_err(|_| poisoned())?;
                 costs.import.record(restored_blocks, 0, seconds);
             }
