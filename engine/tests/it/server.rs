@@ -1344,7 +1344,13 @@ fn the_step_log_times_admission_and_publication() {
             log.iter().all(|s| s.admit_us + s.publish_us <= s.step_us),
             "parts longer than their steps: {log:?}"
         );
-        assert!(log.iter().all(|s| !s.admit_waited_load));
+        // Without a cache no request has a load to wait for. With one, the lone request's
+        // lookup may still be running on the I/O worker when the idle engine first looks
+        // at it (a loaded machine), which the flag rightly records: only the plain engine
+        // can be held to never.
+        if !with_cache {
+            assert!(log.iter().all(|s| !s.admit_waited_load), "{log:?}");
+        }
     }
 }
 
