@@ -133,6 +133,14 @@ pub struct RopeAngles {
     sin: Array,
 }
 
+impl RopeAngles {
+    /// The cosines and the sines, `[T, dims/2]` (one offset) or `[B, 1, T, dims/2]` (one
+    /// per row).
+    pub fn parts(&self) -> (&Array, &Array) {
+        (&self.cos, &self.sin)
+    }
+}
+
 /// The angles [`rope`] uses for positions `offset .. offset + t` under `cfg`, in `dtype`
 /// (the input's), made by the ops and in the order MLX's own RoPE on the CPU uses, so
 /// that [`rope_with_angles`] gives what [`rope`] gives there, bit for bit. On a GPU
@@ -176,8 +184,27 @@ pub fn rope_angles(
 }
 
 /// [`rope`] of `x` `[B, H, T, D]` with angles from [`rope_angles`] made for `x`'s positions
-/// and dtype under the same `cfg`.
+/// and dtype under the same `cfg`. f32 on the CPU is one graph node ([`crate::cpu_rope`]),
+/// unless the fused CPU paths are switched off ([`set_cpu_attention`]); elsewhere MLX's ops
+/// in the order of its CPU fallback. Either way the result equals [`rope`]'s on the CPU bit
+/// for bit.
 pub fn rope_with_angles(x: &Array, cfg: &Rope<'_>, angles: &RopeAngles) -> Result<Array> {
+    if x.dtype() == Dtype::F32
+        && angles.cos.dtype() == Dtype::F32
+        && cpu_attention()
+        && crate::default_device()? == Device::Cpu
+    {
+        return Array::wrap(
+            "rope_with_angles",
+            ffi::rope_rotate(
+                x.inner(),
+                angles.cos.inner(),
+                angles.sin.inner(),
+                cfg.dims,
+                cfg.traditional,
+            ),
+        );
+    }
     Array::wrap(
         "rope_with_angles",
         ffi::rope_apply(

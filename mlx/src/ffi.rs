@@ -63,6 +63,9 @@ pub(crate) mod ffi {
         /// the keys' and values' strides (3 each) and the batch, q heads, kv heads, keys and
         /// head dimension.
         fn one_query_host(q: &[f32], k: &[f32], v: &[f32], at: &[usize], s: f32, o: &mut [f32]);
+        /// The RoPE kernel for the shim's `RopeRotate` node; `at` is the input's strides (4),
+        /// its shape (4), the rotated dims, and 1/0 for traditional and for angles per row.
+        fn rope_rotate_host(x: &[f32], cos: &[f32], sin: &[f32], at: &[usize], o: &mut [f32]);
     }
 
     unsafe extern "C++" {
@@ -236,6 +239,13 @@ pub(crate) mod ffi {
             dims: i32,
             traditional: bool,
         ) -> Result<UniquePtr<Array>>;
+        fn rope_rotate(
+            x: &Array,
+            cos: &Array,
+            sin: &Array,
+            dims: i32,
+            traditional: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn array_is_available(a: &Array) -> bool;
         fn pending_primitives(arrays: &ArrayList) -> Result<Vec<String>>;
         fn gated_activation(op: UnaryOp, gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
@@ -319,6 +329,30 @@ fn one_query_host(q: &[f32], k: &[f32], v: &[f32], at: &[usize], s: f32, o: &mut
             false,
             "the one-query attention refused its inputs: {message}"
         );
+        o.fill(f32::NAN);
+    }
+}
+
+/// RoPE's rotation into `o` through [`crate::cpu_rope`], `at` as the bridge's declaration
+/// says. The shim checked the shapes when it made the node; should the kernel still refuse
+/// them, the output is NaN (never stale memory).
+fn rope_rotate_host(x: &[f32], cos: &[f32], sin: &[f32], at: &[usize], o: &mut [f32]) {
+    use crate::cpu_rope::{rotate, RopeLayout};
+    let result = match at {
+        &[s0, s1, s2, s3, b, h, t, d, dims, traditional, per_row] => {
+            let layout = RopeLayout {
+                shape: [b, h, t, d],
+                strides: [s0, s1, s2, s3],
+                dims,
+                traditional: traditional != 0,
+                per_row: per_row != 0,
+            };
+            rotate(x, cos, sin, layout, o)
+        }
+        _ => Err(format!("a layout of {} values", at.len())),
+    };
+    if let Err(message) = result {
+        debug_assert!(false, "the RoPE kernel refused its inputs: {message}");
         o.fill(f32::NAN);
     }
 }

@@ -20,6 +20,7 @@ mod array;
 pub mod cpu_activation;
 pub mod cpu_attention;
 pub mod cpu_decode_attention;
+pub mod cpu_rope;
 pub mod cpu_row_product;
 mod cuda_graphs;
 mod device;

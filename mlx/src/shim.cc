@@ -632,7 +632,92 @@ class OneQueryAttention : public mx::UnaryPrimitive {
   float scale_;
 };
 
+// RoPE's rotation of f32 heads with angles made once a step: the graph node of
+// `rope_rotate`, one task on the CPU stream's thread that runs the Rust kernel (which reads
+// the input through its strides, so a transposed or sliced view is not gathered first).
+class RopeRotate : public mx::UnaryPrimitive {
+ public:
+  RopeRotate(mx::Stream s, int dims, bool traditional)
+      : mx::UnaryPrimitive(s), dims_(dims), traditional_(traditional) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& in : inputs) encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
+                      cos = mx::array::unsafe_weak_copy(inputs[1]),
+                      sin = mx::array::unsafe_weak_copy(inputs[2]), op = out.data<float>(),
+                      n = out.size(), dims = dims_, traditional = traditional_]() {
+      std::vector<float> xs, cs, ss;
+      const auto& sh = x.shape();
+      const auto& st = x.strides();
+      bool in_place = true;
+      for (int i = 0; i < 4; ++i) in_place = in_place && st[i] >= 0;
+      const float* xp;
+      std::array<size_t, 4> strides;
+      size_t span = x.size() == 0 ? 0 : 1;
+      if (in_place) {
+        xp = x.data<float>();
+        for (int i = 0; i < 4; ++i) {
+          strides[i] = static_cast<size_t>(st[i]);
+          if (x.size() > 0) span += static_cast<size_t>(sh[i] - 1) * strides[i];
+        }
+      } else {
+        xp = row_major(x, xs);
+        strides = {size_t(sh[1]) * sh[2] * sh[3], size_t(sh[2]) * sh[3], size_t(sh[3]), 1};
+        span = x.size();
+      }
+      std::array<size_t, 11> at = {strides[0], strides[1], strides[2], strides[3],
+                                   size_t(sh[0]), size_t(sh[1]), size_t(sh[2]), size_t(sh[3]),
+                                   size_t(dims), traditional ? 1u : 0u, cos.ndim() == 4 ? 1u : 0u};
+      const float* cp = row_major(cos, cs);
+      const float* sp = row_major(sin, ss);
+      rope_rotate_host(rust::Slice<const float>(xp, span),
+                       rust::Slice<const float>(cp, cos.size()),
+                       rust::Slice<const float>(sp, sin.size()),
+                       rust::Slice<const size_t>(at.data(), at.size()), rust::Slice<float>(op, n));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("RopeRotate runs on the CPU only");
+  }
+
+  const char* name() const override { return "RopeRotate"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RopeRotate&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  bool traditional_;
+};
+
 }  // namespace
+
+std::unique_ptr<Array> rope_rotate(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional) {
+  const auto &a = x.inner, &c = cos.inner, &s = sin.inner;
+  if (a.dtype() != mx::float32 || c.dtype() != mx::float32 || s.dtype() != mx::float32) {
+    throw std::invalid_argument("the CPU rotation takes f32 heads and f32 angles");
+  }
+  if (a.ndim() != 4 || dims <= 0 || dims % 2 != 0 || dims > a.shape(3)) {
+    throw std::invalid_argument("the CPU rotation needs [B, H, T, D] input and even dims <= D");
+  }
+  const int b = a.shape(0), t = a.shape(2), half = dims / 2;
+  const bool shared = c.shape() == mx::Shape{t, half};
+  const bool per_row = c.shape() == mx::Shape{b, 1, t, half};
+  if (c.shape() != s.shape() || !(shared || per_row)) {
+    throw std::invalid_argument("the CPU rotation's angles must be [T, dims/2] or [B, 1, T, dims/2]");
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return wrap(mx::array(a.shape(), mx::float32,
+                        std::make_shared<RopeRotate>(stream, dims, traditional), {a, c, s}));
+}
 
 std::unique_ptr<Array> one_query_attention(const Array& q, const Array& k, const Array& v, float scale) {
   const auto &qa = q.inner, &ka = k.inner, &va = v.inner;

@@ -576,6 +576,97 @@ fn rope_matches_naive_both_modes_scalar_and_per_row_offsets() {
     }
 }
 
+/// `fast::rope_with_angles` (angles made once, as the engine makes them a step) equals
+/// `fast::rope` bit for bit and the naive rotation to float rounding, both modes, all or
+/// half the features, one offset or one per row, over views read in place (the transpose
+/// of `[B, T, H, D]` heads sliced out of wider rows, as a step's q/k/v are) and a prefill's
+/// worth of heads (the kernel's threads). On the CPU an f32 rotation is one `RopeRotate`
+/// node.
+#[test]
+fn rope_with_angles_equals_rope_bit_for_bit_in_one_cpu_node() {
+    let mut r = rng("rope_with_angles_equals_rope_bit_for_bit_in_one_cpu_node");
+    let on_cpu = mlx::default_device().unwrap() == mlx::Device::Cpu && fast::cpu_attention();
+    for (b, h, l, d) in [
+        (3usize, 4usize, 1usize, 16usize),
+        (1, 4, 7, 16),
+        (1, 8, 1024, 16),
+    ] {
+        // Rows of [q | k] per token: the heads are the first h·d values of each.
+        let wide = randn(&mut r, b * l * 2 * h * d);
+        let rows = arr(&wide, &[b as i32, l as i32, (2 * h * d) as i32]);
+        let x = rows
+            .slice(&[0, 0, 0], &[b as i32, l as i32, (h * d) as i32])
+            .unwrap()
+            .reshape(&[b as i32, l as i32, h as i32, d as i32])
+            .unwrap()
+            .transpose(&[0, 2, 1, 3])
+            .unwrap();
+        let mut plain = vec![0f32; b * h * l * d];
+        for (bi, li, hi, di) in (0..b)
+            .flat_map(|bi| (0..l).map(move |li| (bi, li)))
+            .flat_map(|(bi, li)| (0..h).flat_map(move |hi| (0..d).map(move |di| (bi, li, hi, di))))
+        {
+            plain[((bi * h + hi) * l + li) * d + di] =
+                wide[(bi * l + li) * 2 * h * d + hi * d + di];
+        }
+        mlx::eval(&[&x]).unwrap();
+        for traditional in [false, true] {
+            for dims in [d, d / 2] {
+                let cfg = Rope {
+                    dims: dims as i32,
+                    traditional,
+                    base: 10000.0,
+                    scale: 1.0,
+                    freqs: None,
+                };
+                let inv: Vec<f64> = (0..dims / 2)
+                    .map(|i| 10000f64.powf(-2.0 * i as f64 / dims as f64))
+                    .collect();
+                let offs: Vec<i32> = (0..b).map(|_| r.gen_range(0..3000)).collect();
+                let oa = Array::from_slice(&offs, &[b as i32]).unwrap();
+                let cases = [
+                    (RopeOffset::Scalar(offs[0]), offs[0..1].repeat(b)),
+                    (RopeOffset::PerRow(&oa), offs.clone()),
+                ];
+                for (offset, at) in cases {
+                    let angles = fast::rope_angles(&cfg, offset, l as i32, Dtype::F32).unwrap();
+                    let got = fast::rope_with_angles(&x, &cfg, &angles).unwrap();
+                    if on_cpu {
+                        // The angles and the heads are inputs made before it: one node.
+                        let (cos, sin) = angles.parts();
+                        mlx::eval(&[cos, sin]).unwrap();
+                        let names = mlx::pending_primitives(&[&got]).unwrap();
+                        assert_eq!(names, vec!["RopeRotate".to_string()]);
+                    }
+                    let want = fast::rope(&x, &cfg, offset).unwrap();
+                    let what = format!("[{b}, {h}, {l}, {d}], dims {dims}, {traditional}");
+                    if on_cpu {
+                        assert_eq!(host(&got), host(&want), "{what}");
+                    }
+                    let naive =
+                        naive_rope(&plain, (b, h, l, d), dims, traditional, &inv, 1.0, &|bi| {
+                            at[bi]
+                        });
+                    assert_close(&host(&got), &naive, angle_tolerance(3000 + l as i32), 1e-4);
+                }
+            }
+        }
+    }
+    // Shapes that do not fit are errors, not a crash.
+    let cfg = Rope {
+        dims: 8,
+        traditional: false,
+        base: 10000.0,
+        scale: 1.0,
+        freqs: None,
+    };
+    let angles = fast::rope_angles(&cfg, RopeOffset::Scalar(0), 3, Dtype::F32).unwrap();
+    let short = arr(&[0.0; 2 * 4 * 2 * 8], &[2, 4, 2, 8]);
+    if on_cpu {
+        assert!(fast::rope_with_angles(&short, &cfg, &angles).is_err());
+    }
+}
+
 #[test]
 fn rms_norm_matches_naive() {
     let mut r = rng("rms_norm_matches_naive");
