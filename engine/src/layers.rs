@@ -496,10 +496,15 @@ impl Attention {
         b: i32,
         l: i32,
     ) -> Result<(Array, Array, Array)> {
-        // (B, L, H·D) -> (B, L, H, D).
-        let q = q.reshape(&[b, l, self.num_heads, self.head_dim])?;
-        let k = k.reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
-        let v = v.reshape(&[b, l, self.num_kv_heads, self.head_dim])?;
+        // (B, L, H·D) -> (B, L, H, D); one token a row goes straight to (B, H, 1, D), the
+        // same values in the same order, one view instead of two (a decode step's heads).
+        let heads = |a: &Array, h: i32| match l {
+            1 => a.reshape(&[b, h, 1, self.head_dim]),
+            _ => a.reshape(&[b, l, h, self.head_dim]),
+        };
+        let q = heads(q, self.num_heads)?;
+        let k = heads(k, self.num_kv_heads)?;
+        let v = heads(v, self.num_kv_heads)?;
         // 2. qwen3 normalizes each head's q and k before rotating them.
         let q = match &self.q_norm {
             Some(n) => n.forward(&q)?,
@@ -510,6 +515,9 @@ impl Attention {
             None => k,
         };
         // 3. (B, L, H, D) -> (B, H, L, D).
+        if l == 1 {
+            return Ok((q, k, v));
+        }
         Ok((
             q.transpose(&[0, 2, 1, 3])?,
             k.transpose(&[0, 2, 1, 3])?,
@@ -520,10 +528,16 @@ impl Attention {
     /// Attention output `[B, H, L, D]` -> `[B, L, H·D]` -> output projection.
     pub(crate) fn output(&self, o: &Array) -> Result<Array> {
         let (b, l) = (o.shape()[0], o.shape()[2]);
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, l, self.num_heads * self.head_dim])?;
-        self.o_proj.forward(&o)
+        self.o_proj.forward(&self.merge_heads(o, b, l)?)
+    }
+
+    /// Heads `[B, H, L, D]` -> `[B, L, H·D]`; with one token a row a reshape alone.
+    fn merge_heads(&self, o: &Array, b: i32, l: i32) -> Result<Array> {
+        let width = self.num_heads * self.head_dim;
+        Ok(match l {
+            1 => o.reshape(&[b, 1, width])?,
+            _ => o.transpose(&[0, 2, 1, 3])?.reshape(&[b, l, width])?,
+        })
     }
 
     /// `x` `[1, L, hidden]` at position `offset` → `[1, L, hidden]`.
@@ -595,7 +609,8 @@ impl Attention {
             let rq = rope.forward_rows(&rq, offsets)?;
             let rk = rope.forward_rows(&rk, offsets)?;
             let ro = rows.attend(layer, &rq, &rk, &rv, self.scale, None)?;
-            outs.push(ro.transpose(&[0, 2, 1, 3])?.reshape(&[1, b, width])?);
+            // [B, H, 1, D] holds [1, B, H·D]'s values in its order.
+            outs.push(ro.reshape(&[1, b, width])?);
             start = b;
         }
         for (cache, &(offset, l)) in kv.caches.iter_mut().zip(&kv.prompts) {
@@ -608,7 +623,7 @@ impl Attention {
                 l,
             )?;
             let co = self.attend_sequence(cq, ck, cv, layer, offset, rope, &mut **cache)?;
-            outs.push(co.transpose(&[0, 2, 1, 3])?.reshape(&[1, l, width])?);
+            outs.push(self.merge_heads(&co, 1, l)?);
             start += l;
         }
         let refs: Vec<&Array> = outs.iter().collect();
