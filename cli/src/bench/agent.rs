@@ -402,6 +402,7 @@ impl Ctx<'_> {
             serde_json::json!({"max_tokens": self.params.max_tokens, "prompts": self.prompts});
         std::fs::write(file.path(), serde_json::to_vec(&transcript)?)?;
         eprintln!("mlx-lm: {} turns", self.prompts.len());
+        super::peer_blas::warn_if_reference_blas(&args.python);
         let mut cmd = Command::new(&args.python);
         cmd.arg("scripts/bench/mlx_lm_agent.py")
             .arg(&args.mlx_lm_model)

@@ -67,6 +67,7 @@ impl ChildServer {
         prompt_caches: usize,
         cache_bytes: Option<u64>,
     ) -> Result<ChildServer> {
+        super::peer_blas::warn_if_reference_blas(Path::new(python));
         let port = free_port()?;
         let mut cmd = Command::new(python);
         cmd.args(["-m", "mlx_lm.server", "--model"])

@@ -186,6 +186,7 @@ fn theirs(model_path: &Path, args: &Args) -> anyhow::Result<Vec<Row>> {
             model_path.display()
         ),
     };
+    super::peer_blas::warn_if_reference_blas(&python);
     let script = checkout_file("scripts/goldens/bench_mlx_lm.py")
         .context("scripts/goldens/bench_mlx_lm.py not found")?;
     let lens: Vec<String> = args.prompt_lens.iter().map(|n| n.to_string()).collect();

@@ -8,6 +8,7 @@ mod child_server;
 mod generate;
 mod grammar;
 mod mlx;
+mod peer_blas;
 mod prefill;
 mod remote;
 mod serve;
