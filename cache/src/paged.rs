@@ -1643,8 +1643,9 @@ impl KvCache for PagedKvCache {
         scale: f32,
         mask: AttentionMask<'_>,
     ) -> Result<Array, CacheError> {
-        // One query and no mask (a decode step of an unwindowed layer): on a CUDA GPU the
-        // key and value are written in place and attended in one node, as for a batch
+        // One query and no mask (a decode step of an unwindowed layer): where the node is
+        // usable (a CUDA GPU; the CPU for f32) the key and value are written in place and
+        // attended in one node, as for a batch
         // (`PagedKvRows`, docs/cache.md "Batched decode attention in one node").
         let one_query = matches!(mask, AttentionMask::None)
             && queries.shape().first() == Some(&1)

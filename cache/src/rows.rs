@@ -9,9 +9,9 @@ use crate::batch_arena::BatchArena;
 use crate::mask::visible;
 use crate::{CacheError, KvCache, LayerState, PagedKvCache};
 
-/// Process-wide decode attention paths on a GPU where the batched decode attention is
-/// usable, counted by row and layer: in one node (a batch's or a single sequence's) and
-/// otherwise.
+/// Process-wide decode attention paths where the batched decode attention is usable (a
+/// CUDA GPU, the CPU), counted by row and layer: in one node (a batch's or a single
+/// sequence's) and otherwise.
 static ONE_NODE_LAYERS: AtomicU64 = AtomicU64::new(0);
 static ROW_BY_ROW_LAYERS: AtomicU64 = AtomicU64::new(0);
 
@@ -91,9 +91,10 @@ pub(crate) fn attend_in_one_node(
 /// ([`PagedKvRows::push_reserved`]) together plus an allowance
 /// ([`PagedKvRows::set_arena_allowance`]).
 ///
-/// On a CUDA GPU an unwindowed layer's decode step skips the batch: one graph node writes
-/// every row's new key and value into its own arena and attends each row there
-/// ([`mlx::rows_attention`]), when every row's arena may be written in place.
+/// On a CUDA GPU and, for f32, on the CPU, an unwindowed layer's decode step skips the
+/// batch: one graph node writes every row's new key and value into its own arena and
+/// attends each row there ([`mlx::rows_attention`]), when every row's arena may be written
+/// in place.
 #[derive(Default)]
 pub struct PagedKvRows {
     rows: Vec<PagedKvCache>,

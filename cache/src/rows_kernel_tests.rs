@@ -1,7 +1,8 @@
 //! The batched decode attention ([`mlx::rows_attention`], one graph node per layer) against
-//! the row-by-row path over identical rows. It runs only in a CUDA build on a GPU: elsewhere
-//! the test says loudly that it did not run, and fails when `KVSTORE_EXPECT_ROWS_KERNEL=1`
-//! (scripts/cuda/device.sh sets it on the H200).
+//! the row-by-row path over identical rows: on the CPU (f32) in every build, on a GPU in a
+//! CUDA build (f32 and bf16). Where the node cannot run (a GPU without the CUDA kernels, the
+//! fused CPU paths switched off) the tests say loudly that they did not run, and fail when
+//! `KVSTORE_EXPECT_ROWS_KERNEL=1` (scripts/cuda/device.sh sets it on the H200).
 
 use mlx::{Array, Dtype};
 
@@ -217,16 +218,21 @@ fn assert_same_kv(one: &PagedKvRows, each: &PagedKvRows, step: u64) {
     }
 }
 
-/// Decode steps through one node per layer give the row-by-row outputs within float
-/// rounding and leave exactly the same KV: rows of mixed lengths crossing block boundaries
-/// and growing their arenas, more rows than one launch takes (32), a row with a shared
-/// prefix, f32 at head dimension 64 (3 q heads per kv head) and bf16 at 128 (4).
 /// The larger of two errors, NaN winning (`f64::max` would drop a NaN output).
 fn nan_max(m: f64, x: f64) -> f64 {
     if m.is_nan() || x.is_nan() {
         f64::NAN
     } else {
         m.max(x)
+    }
+}
+
+/// The 16-bit dtype of the wide cases: bf16 on a GPU; f32 on the CPU, whose node takes f32
+/// only (the engine runs f32 there).
+fn wide_dtype() -> Dtype {
+    match mlx::default_device() {
+        Ok(mlx::Device::Cpu) => Dtype::F32,
+        _ => Dtype::BF16,
     }
 }
 
@@ -237,8 +243,8 @@ fn kernel_or_skip(test: &str) -> bool {
         return true;
     }
     eprintln!(
-        "\n*** SKIPPED {test}: the batched decode attention needs the CUDA build on a GPU \
-         (built: {}, GPU: {:?}) ***\n",
+        "\n*** SKIPPED {test}: the batched decode attention is not usable here: a GPU needs \
+         the CUDA build, the CPU the fused CPU paths (built: {}, GPU: {:?}) ***\n",
         mlx::rows_attention::rows_kernel_built(),
         mlx::gpu_available()
     );
@@ -250,9 +256,14 @@ fn kernel_or_skip(test: &str) -> bool {
     false
 }
 
+/// Decode steps through one node per layer give the row-by-row outputs within float
+/// rounding and leave exactly the same KV: rows of mixed lengths crossing block boundaries
+/// and growing their arenas, more rows than one GPU launch takes (32), a row with a shared
+/// prefix, f32 at head dimension 64 (3 q heads per kv head) and bf16 (f32 on the CPU) at
+/// 128 (4).
 #[test]
-fn one_node_decode_steps_match_row_by_row_on_the_gpu() {
-    if !kernel_or_skip("one_node_decode_steps_match_row_by_row_on_the_gpu") {
+fn one_node_decode_steps_match_row_by_row() {
+    if !kernel_or_skip("one_node_decode_steps_match_row_by_row") {
         return;
     }
     // Rows at, across and far past block edges; then the same with row 0 on a shared prefix.
@@ -267,7 +278,7 @@ fn one_node_decode_steps_match_row_by_row_on_the_gpu() {
         });
     }
     run(&Case {
-        dtype: Dtype::BF16,
+        dtype: wide_dtype(),
         kv_heads: 2,
         q_heads: 8,
         head_dim: 128,
@@ -277,16 +288,16 @@ fn one_node_decode_steps_match_row_by_row_on_the_gpu() {
 }
 
 /// A single sequence's decode step (`KvCache::update_and_attend` with one query, no mask)
-/// goes through the same node: bf16 at head dimension 128 with 4 q heads per kv head (the
-/// 8B's shape), on its own and on a shared prefix, against a naive f64 attention and the
+/// goes through the same node: bf16 (f32 on the CPU) at head dimension 128 with 4 q heads
+/// per kv head (the 8B's shape), on its own and on a shared prefix, against a naive f64 attention and the
 /// fused attention of a twin cache, with the same KV left behind.
 #[test]
-fn a_single_sequence_decodes_in_one_node_on_the_gpu() {
-    if !kernel_or_skip("a_single_sequence_decodes_in_one_node_on_the_gpu") {
+fn a_single_sequence_decodes_in_one_node() {
+    if !kernel_or_skip("a_single_sequence_decodes_in_one_node") {
         return;
     }
     let case = Case {
-        dtype: Dtype::BF16,
+        dtype: wide_dtype(),
         kv_heads: 2,
         q_heads: 8,
         head_dim: 128,

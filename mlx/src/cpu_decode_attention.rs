@@ -55,21 +55,13 @@ pub fn attend_one_query(
 ) -> Result<(), String> {
     let OneQueryDims {
         batch,
-        q_heads,
         kv_heads,
         len,
         head_dim: d,
+        ..
     } = dims;
-    if batch == 0 || kv_heads == 0 || len == 0 || d == 0 || !q_heads.is_multiple_of(kv_heads) {
+    if batch == 0 || kv_heads == 0 || len == 0 || d == 0 {
         return Err(format!("attention of shape {dims:?}"));
-    }
-    let q_len = batch * q_heads * d;
-    if q.len() != q_len || out.len() != q_len {
-        return Err(format!(
-            "{} query and {} output values for {dims:?}",
-            q.len(),
-            out.len()
-        ));
     }
     let reach = |s: ViewStrides| (batch - 1) * s[0] + (kv_heads - 1) * s[1] + (len - 1) * s[2] + d;
     if k.len() < reach(k_strides) || v.len() < reach(v_strides) {
@@ -79,31 +71,119 @@ pub fn attend_one_query(
             v.len()
         ));
     }
+    // Each batch row is one part of its own slice of the views.
+    let rows: Vec<[KvPart<'_>; 1]> = (0..batch)
+        .map(|b| {
+            [KvPart {
+                k: &k[b * k_strides[0]..],
+                k_strides: [k_strides[1], k_strides[2]],
+                v: &v[b * v_strides[0]..],
+                v_strides: [v_strides[1], v_strides[2]],
+                len,
+            }]
+        })
+        .collect();
+    let rows: Vec<&[KvPart<'_>]> = rows.iter().map(|r| &r[..]).collect();
+    attend_parts(q, &rows, dims.q_heads, kv_heads, d, scale, out)
+}
+
+/// A stretch of keys and values one row attends: `len` positions of each kv head, kv head
+/// `h`'s position `s` at `h · strides[0] + s · strides[1]` in `k` / `v` (the last axis
+/// contiguous): a shared prefix's view, or the row's own tokens in its arena.
+#[derive(Clone, Copy, Debug)]
+pub struct KvPart<'a> {
+    /// The keys, from the part's first element.
+    pub k: &'a [f32],
+    /// Elements between kv heads and between positions of `k`.
+    pub k_strides: [usize; 2],
+    /// The values, from the part's first element.
+    pub v: &'a [f32],
+    /// Elements between kv heads and between positions of `v`.
+    pub v_strides: [usize; 2],
+    /// Positions (0: the part adds nothing).
+    pub len: usize,
+}
+
+/// For every row `r` (`rows[r]`: its parts, attended as one sequence) and q head,
+/// `softmax(q · kᵀ · scale) · v` over the keys of all its parts, into `out`; `q` and `out`
+/// are row-major `[rows, q_heads, head_dim]`. The keys of each (row, kv head, part) are
+/// split into chunks over rayon's threads, each chunk's online softmax merged at the end:
+/// the parts of a row are one softmax, as if concatenated.
+pub fn attend_parts(
+    q: &[f32],
+    rows: &[&[KvPart<'_>]],
+    q_heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), String> {
+    let batch = rows.len();
+    if batch == 0 || kv_heads == 0 || d == 0 || !q_heads.is_multiple_of(kv_heads) {
+        return Err(format!(
+            "attention of {batch} rows, {q_heads} q heads over {kv_heads} kv heads of {d}"
+        ));
+    }
+    let q_len = batch * q_heads * d;
+    if q.len() != q_len || out.len() != q_len {
+        return Err(format!(
+            "{} query and {} output values for {batch} rows of {q_heads} heads of {d}",
+            q.len(),
+            out.len()
+        ));
+    }
+    for (r, parts) in rows.iter().enumerate() {
+        if parts.iter().all(|p| p.len == 0) {
+            return Err(format!("row {r} has no key to attend"));
+        }
+        for p in parts.iter().filter(|p| p.len > 0) {
+            let reach = |s: [usize; 2]| (kv_heads - 1) * s[0] + (p.len - 1) * s[1] + d;
+            if p.k.len() < reach(p.k_strides) || p.v.len() < reach(p.v_strides) {
+                return Err(format!(
+                    "row {r}: a part of {} positions with keys of {} and values of {} values \
+                     through strides {:?} / {:?}",
+                    p.len,
+                    p.k.len(),
+                    p.v.len(),
+                    p.k_strides,
+                    p.v_strides
+                ));
+            }
+        }
+    }
     let group = q_heads / kv_heads;
-    let chunks = len.div_ceil(CHUNK);
+    // Every (row, kv head, part, chunk of keys), in that order; `spans[r · kv_heads + h]`
+    // is where (row r, kv head h)'s units end.
+    let mut units = Vec::new();
+    let mut spans = Vec::with_capacity(batch * kv_heads);
+    for (r, parts) in rows.iter().enumerate() {
+        for h in 0..kv_heads {
+            for (i, p) in parts.iter().enumerate() {
+                for from in (0..p.len).step_by(CHUNK) {
+                    units.push((r, h, i, from, (from + CHUNK).min(p.len)));
+                }
+            }
+            spans.push(units.len());
+        }
+    }
     let kernel = chunk_kernel();
-    // Every (batch row, kv head, chunk of keys): its partial softmax per q head of the group.
-    let partials: Vec<Partial> = (0..batch * kv_heads * chunks)
-        .into_par_iter()
-        .map(|unit| {
-            let (bh, c) = (unit / chunks, unit % chunks);
-            let (b, h) = (bh / kv_heads, bh % kv_heads);
-            let (from, to) = (c * CHUNK, ((c + 1) * CHUNK).min(len));
-            let qs = &q[(b * q_heads + h * group) * d..(b * q_heads + (h + 1) * group) * d];
-            let k0 = b * k_strides[0] + h * k_strides[1];
-            let v0 = b * v_strides[0] + h * v_strides[1];
+    let partials: Vec<Partial> = units
+        .par_iter()
+        .map(|&(r, h, i, from, to)| {
+            let p = &rows[r][i];
+            let qs = &q[(r * q_heads + h * group) * d..(r * q_heads + (h + 1) * group) * d];
             let mut part = Partial::new(group, d);
             kernel(
                 qs,
                 Rows {
-                    data: k,
-                    start: k0 + from * k_strides[2],
-                    stride: k_strides[2],
+                    data: p.k,
+                    start: h * p.k_strides[0] + from * p.k_strides[1],
+                    stride: p.k_strides[1],
                 },
                 Rows {
-                    data: v,
-                    start: v0 + from * v_strides[2],
-                    stride: v_strides[2],
+                    data: p.v,
+                    start: h * p.v_strides[0] + from * p.v_strides[1],
+                    stride: p.v_strides[1],
                 },
                 to - from,
                 d,
@@ -113,15 +193,18 @@ pub fn attend_one_query(
             part
         })
         .collect();
-    // Merge the chunks of each (batch row, kv head): weights exp(m_c − m) of the chunks' sums.
-    for (bh, parts) in partials.chunks(chunks).enumerate() {
-        let (b, h) = (bh / kv_heads, bh % kv_heads);
+    // Merge the chunks of each (row, kv head): weights exp(m_c − m) of the chunks' sums.
+    let mut begin = 0;
+    for (rh, &end) in spans.iter().enumerate() {
+        let (r, h) = (rh / kv_heads, rh % kv_heads);
+        let parts = &partials[begin..end];
+        begin = end;
         for g in 0..group {
             let m = parts
                 .iter()
                 .map(|p| p.max[g])
                 .fold(f32::NEG_INFINITY, f32::max);
-            let o = &mut out[(b * q_heads + h * group + g) * d..][..d];
+            let o = &mut out[(r * q_heads + h * group + g) * d..][..d];
             o.fill(0.0);
             let mut sum = 0f32;
             for p in parts {
@@ -346,6 +429,107 @@ mod tests {
             attend_one_query(&q, &kw, arena, &vw, arena, dims, scale, &mut out).unwrap();
             check(&out, "arena view");
         }
+    }
+
+    /// A row's keys split in two parts (a prefix view and its own arena, each with other
+    /// strides), a part of nothing and rows of different lengths: the same as one softmax over
+    /// each row's keys together (the naive attention of the concatenation).
+    #[test]
+    fn parts_of_a_row_are_one_softmax() {
+        let (q_heads, kv_heads, d) = (6, 2, 16);
+        let scale = 0.4;
+        // Row 0: 300 prefix positions + 45 own; row 1: 0 + 7; row 2: 1 + 0.
+        let splits = [(300usize, 45usize), (0, 7), (1, 0)];
+        let mut rows_parts = Vec::new();
+        let mut out = vec![f32::NAN; splits.len() * q_heads * d];
+        let q = values(out.len(), 11);
+        let mut want = Vec::new();
+        let stores: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = splits
+            .iter()
+            .enumerate()
+            .map(|(r, &(pl, ol))| {
+                // The prefix row-major [kv_heads, pl, d]; the own part in an arena of
+                // capacity ol + 3, heads `(ol + 3) · d` apart.
+                let pk = values(kv_heads * pl * d, 100 + r);
+                let pv = values(kv_heads * pl * d, 200 + r);
+                let cap = ol + 3;
+                let mut ok = vec![f32::NAN; kv_heads * cap * d];
+                let mut ov = vec![f32::NAN; kv_heads * cap * d];
+                let (k_own, v_own) = (
+                    values(kv_heads * ol * d, 300 + r),
+                    values(kv_heads * ol * d, 400 + r),
+                );
+                for h in 0..kv_heads {
+                    ok[h * cap * d..][..ol * d].copy_from_slice(&k_own[h * ol * d..][..ol * d]);
+                    ov[h * cap * d..][..ol * d].copy_from_slice(&v_own[h * ol * d..][..ol * d]);
+                }
+                // The reference: both parts concatenated per head, row-major.
+                let t = pl + ol;
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                for h in 0..kv_heads {
+                    k.extend_from_slice(&pk[h * pl * d..][..pl * d]);
+                    k.extend_from_slice(&k_own[h * ol * d..][..ol * d]);
+                    v.extend_from_slice(&pv[h * pl * d..][..pl * d]);
+                    v.extend_from_slice(&v_own[h * ol * d..][..ol * d]);
+                }
+                let dims = OneQueryDims {
+                    batch: 1,
+                    q_heads,
+                    kv_heads,
+                    len: t,
+                    head_dim: d,
+                };
+                want.extend(naive(
+                    &q[r * q_heads * d..][..q_heads * d],
+                    &k,
+                    &v,
+                    dims,
+                    scale,
+                ));
+                (pk, pv, ok, ov)
+            })
+            .collect();
+        for ((pk, pv, ok, ov), &(pl, ol)) in stores.iter().zip(&splits) {
+            let cap = ol + 3;
+            rows_parts.push([
+                KvPart {
+                    k: pk,
+                    k_strides: [pl * d, d],
+                    v: pv,
+                    v_strides: [pl * d, d],
+                    len: pl,
+                },
+                KvPart {
+                    k: ok,
+                    k_strides: [cap * d, d],
+                    v: ov,
+                    v_strides: [cap * d, d],
+                    len: ol,
+                },
+            ]);
+        }
+        let rows: Vec<&[KvPart<'_>]> = rows_parts.iter().map(|r| &r[..]).collect();
+        attend_parts(&q, &rows, q_heads, kv_heads, d, scale, &mut out).unwrap();
+        for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+            assert!((*g as f64 - w).abs() < 2e-5, "value {i}: {g} vs {w}");
+        }
+        // A row with no key at all is refused.
+        let empty = [KvPart {
+            len: 0,
+            ..rows_parts[0][0]
+        }];
+        let rows: Vec<&[KvPart<'_>]> = vec![&empty];
+        let mut one = vec![0f32; q_heads * d];
+        assert!(attend_parts(
+            &q[..q_heads * d],
+            &rows,
+            q_heads,
+            kv_heads,
+            d,
+            1.0,
+            &mut one
+        )
+        .is_err());
     }
 
     #[test]

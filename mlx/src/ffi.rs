@@ -66,6 +66,9 @@ pub(crate) mod ffi {
         /// The RoPE kernel for the shim's `RopeRotate` node; `at` is the input's strides (4),
         /// its shape (4), the rotated dims, and 1/0 for traditional and for angles per row.
         fn rope_rotate_host(x: &[f32], cos: &[f32], sin: &[f32], at: &[usize], o: &mut [f32]);
+        /// The batched decode attention's CPU kernel for the shim's `RowsDecodeAttention`
+        /// node; `meta` as `rows_attend_cpu` in rows_attention.cc lays it out.
+        fn rows_attend_host(q: &[f32], meta: &[usize], scale: f32, o: &mut [f32]);
     }
 
     unsafe extern "C++" {
@@ -355,4 +358,59 @@ fn rope_rotate_host(x: &[f32], cos: &[f32], sin: &[f32], at: &[usize], o: &mut [
         debug_assert!(false, "the RoPE kernel refused its inputs: {message}");
         o.fill(f32::NAN);
     }
+}
+
+/// The batched decode attention on the CPU through
+/// [`crate::cpu_decode_attention::attend_parts`]. `meta`: q heads, kv heads, head dim and
+/// rows, then per row its part count and per part the keys' address, values reached, head
+/// and token strides, the values' four, and its positions. Should the layout not parse or
+/// the kernel refuse it, the output is NaN (never stale memory).
+fn rows_attend_host(q: &[f32], meta: &[usize], scale: f32, o: &mut [f32]) {
+    if let Err(message) = rows_attend_parsed(q, meta, scale, o) {
+        debug_assert!(
+            false,
+            "the batched decode attention refused its inputs: {message}"
+        );
+        o.fill(f32::NAN);
+    }
+}
+
+fn rows_attend_parsed(q: &[f32], meta: &[usize], scale: f32, o: &mut [f32]) -> Result<(), String> {
+    use crate::cpu_decode_attention::{attend_parts, KvPart};
+    let mut it = meta.iter().copied();
+    let mut next = || it.next().ok_or_else(|| "a short layout".to_string());
+    let (q_heads, kv_heads, d, rows) = (next()?, next()?, next()?, next()?);
+    let mut all: Vec<Vec<KvPart<'_>>> = Vec::with_capacity(rows);
+    for _ in 0..rows {
+        let parts = next()?;
+        let mut row = Vec::with_capacity(parts);
+        for _ in 0..parts {
+            let (ka, kn, khs, kts) = (next()?, next()?, next()?, next()?);
+            let (va, vn, vhs, vts) = (next()?, next()?, next()?, next()?);
+            let len = next()?;
+            if ka == 0 || va == 0 {
+                return Err("a null part".into());
+            }
+            // SAFETY: the shim passes the addresses of f32 buffers of the node's inputs,
+            // which MLX keeps alive until the node's task has run, and the number of values
+            // the part's shape reaches through its strides from there (checked against the
+            // arrays' shapes when the node was made); nothing writes them during the call.
+            let (k, v) = unsafe {
+                (
+                    std::slice::from_raw_parts(ka as *const f32, kn),
+                    std::slice::from_raw_parts(va as *const f32, vn),
+                )
+            };
+            row.push(KvPart {
+                k,
+                k_strides: [khs, kts],
+                v,
+                v_strides: [vhs, vts],
+                len,
+            });
+        }
+        all.push(row);
+    }
+    let rows: Vec<&[KvPart<'_>]> = all.iter().map(Vec::as_slice).collect();
+    attend_parts(q, &rows, q_heads, kv_heads, d, scale, o)
 }

@@ -2,10 +2,11 @@
 // node (`RowsDecodeAttention`) that runs two CUDA kernels per 32 rows: the batch's cost on
 // the host is one node per layer instead of a write, a view and an attention per row.
 //
-// Built only when the shim is compiled against the CUDA backend's headers (`KVSTORE_CUDA`,
-// set by build.rs when KVSTORE_CUDA_INCLUDE names the CUDA runtime headers; see
-// scripts/cuda/build.sh). Elsewhere `rows_attention_kernel_built()` is false and the cache
-// attends row by row.
+// The CUDA kernels are built only when the shim is compiled against the CUDA backend's
+// headers (`KVSTORE_CUDA`, set by build.rs when KVSTORE_CUDA_INCLUDE names the CUDA runtime
+// headers; see scripts/cuda/build.sh); elsewhere `rows_attention_kernel_built()` is false.
+// On the CPU the same node, in every build, copies each row's new key and value into its
+// arenas and attends through the Rust kernel (`cpu_decode_attention::attend_parts`), f32.
 //
 // What it relies on (MLX 0.32.4's CUDA backend, headers in the wheel):
 // - `cu::get_command_encoder(stream)`, `CommandEncoder::{set_input_array, set_output_array,
@@ -20,11 +21,16 @@
 
 #include "kvstore-mlx/src/ffi.rs.h"
 
+#include <cstring>
 #include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
 
 #ifdef KVSTORE_CUDA
-
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -33,12 +39,110 @@
 #include <tuple>
 
 #include "mlx/backend/cuda/device.h"
-#include "mlx/primitives.h"
+#endif  // KVSTORE_CUDA
 
 namespace kvmlx {
 namespace {
 
 namespace mx = mlx::core;
+
+// How a row's KV lies among the node's inputs (after q, keys, values): its own K and V
+// arenas, then its prefix's K and V views when it has one.
+struct RowMeta {
+  int64_t start;   // the arena position of the row's first own token
+  int64_t len;     // own tokens before this step (the new one goes at start + len)
+  int64_t prefix;  // 1: the row has a shared prefix (two more inputs)
+};
+
+// The element stride of `a`'s head axis, after checking that its tokens are rows of `d`
+// contiguous elements ([1, H, T, d] with strides (.., hs, d, 1)).
+long long head_stride(const mx::array& a, int d, const char* what) {
+  const auto& st = a.strides();
+  if (a.ndim() != 4 || a.shape(3) != d || st[3] != 1 || (a.shape(2) > 1 && st[2] != d)) {
+    throw std::invalid_argument(std::string("the batched decode attention needs ") + what +
+                                " whose tokens are contiguous rows of the head dimension");
+  }
+  return st[1];
+}
+
+// The f32 values of `a` in row-major order: its own memory when it is row-contiguous, else
+// gathered through its strides into `scratch` (q, k and v of a step are small).
+const float* rows_major(const mx::array& a, std::vector<float>& scratch) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  scratch.resize(a.size());
+  const float* base = a.data<float>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  std::vector<int64_t> index(shape.size(), 0);
+  for (size_t i = 0; i < a.size(); ++i) {
+    int64_t at = 0;
+    for (size_t dim = 0; dim < shape.size(); ++dim) at += index[dim] * strides[dim];
+    scratch[i] = base[at];
+    for (size_t dim = shape.size(); dim-- > 0;) {
+      if (++index[dim] < shape[dim]) break;
+      index[dim] = 0;
+    }
+  }
+  return scratch.data();
+}
+
+// The CPU evaluation: each row's new key and value copied into its arenas at start + len,
+// then every row attended over its prefix and its own len + 1 tokens by the Rust kernel
+// (`rows_attend_host`), which reads the arenas in place. Runs as one task on the CPU
+// stream's thread, after every earlier node and before every later one.
+void rows_attend_cpu(const std::vector<mx::array>& in, const std::vector<RowMeta>& rows,
+                     float scale, float* out, size_t n) {
+  const mx::array &q = in[0], &kn = in[1], &vn = in[2];
+  const int b = q.shape(0), hq = q.shape(1), d = q.shape(3), hkv = kn.shape(1);
+  std::vector<float> qs, ks, vs;
+  const float* qp = rows_major(q, qs);
+  const float* kp = rows_major(kn, ks);
+  const float* vp = rows_major(vn, vs);
+  // What rows_attend_host reads: q heads, kv heads, head dim, rows; per row its parts; per
+  // part keys (address, values reached, head stride, token stride), values (the same four)
+  // and positions.
+  std::vector<size_t> meta = {size_t(hq), size_t(hkv), size_t(d), size_t(b)};
+  auto part = [&](const float* k, long long khs, const float* v, long long vhs, size_t len) {
+    const size_t reach_k = size_t(hkv - 1) * size_t(khs) + (len - 1) * size_t(d) + size_t(d);
+    const size_t reach_v = size_t(hkv - 1) * size_t(vhs) + (len - 1) * size_t(d) + size_t(d);
+    meta.insert(meta.end(), {reinterpret_cast<size_t>(k), reach_k, size_t(khs), size_t(d),
+                             reinterpret_cast<size_t>(v), reach_v, size_t(vhs), size_t(d), len});
+  };
+  size_t at = 3;
+  for (int r = 0; r < b; ++r) {
+    const RowMeta& m = rows[r];
+    const mx::array& ka = in[at];
+    const mx::array& va = in[at + 1];
+    at += 2;
+    const long long khs = head_stride(ka, d, "key arenas");
+    const long long vhs = head_stride(va, d, "value arenas");
+    if (m.start + m.len + 1 > ka.shape(2) || m.start + m.len + 1 > va.shape(2)) {
+      throw std::invalid_argument("the batched decode attention's arena has no room for the new token");
+    }
+    // The caller (the cache) made sure no other array shares these buffers.
+    float* kw = const_cast<float*>(ka.data<float>()) + m.start * d;
+    float* vw = const_cast<float*>(va.data<float>()) + m.start * d;
+    for (int h = 0; h < hkv; ++h) {
+      std::memcpy(kw + h * khs + m.len * d, kp + (size_t(r) * hkv + h) * d, sizeof(float) * d);
+      std::memcpy(vw + h * vhs + m.len * d, vp + (size_t(r) * hkv + h) * d, sizeof(float) * d);
+    }
+    meta.push_back(m.prefix ? 2 : 1);
+    if (m.prefix) {
+      const mx::array& pk = in[at];
+      const mx::array& pv = in[at + 1];
+      at += 2;
+      part(pk.data<float>(), head_stride(pk, d, "prefix keys"), pv.data<float>(),
+           head_stride(pv, d, "prefix values"), size_t(pk.shape(2)));
+    }
+    part(kw, khs, vw, vhs, size_t(m.len) + 1);
+  }
+  rows_attend_host(rust::Slice<const float>(qp, q.size()),
+                   rust::Slice<const size_t>(meta.data(), meta.size()), scale,
+                   rust::Slice<float>(out, n));
+}
+
+#ifdef KVSTORE_CUDA
+
 namespace cu = mlx::core::cu;
 
 constexpr int kRows = 32;  // rows per launch: the Table parameter below holds this many
@@ -160,133 +264,140 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   return k;
 }
 
-// How a row's KV lies among the node's inputs (after q, keys, values): its own K and V
-// arenas, then its prefix's K and V views when it has one.
-struct RowMeta {
-  int64_t start;   // the arena position of the row's first own token
-  int64_t len;     // own tokens before this step (the new one goes at start + len)
-  int64_t prefix;  // 1: the row has a shared prefix (two more inputs)
-};
+// The GPU evaluation: two kernels per 32 rows, the arenas written in place.
+void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out,
+                     float scale, const std::vector<RowMeta>& rows) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  const auto &q = inputs[0], &kn = inputs[1], &vn = inputs[2];
+  const int b = q.shape(0), hq = q.shape(1), d = q.shape(3), hkv = kn.shape(1);
+  const int nrep = hq / hkv;
+  Kernels kern = kernels(q.dtype(), d, nrep);
 
-// The element stride of `a`'s head axis, after checking that its tokens are rows of `d`
-// contiguous elements ([1, H, T, d] with strides (.., hs, d, 1)).
-long long head_stride(const mx::array& a, int d, const char* what) {
-  const auto& st = a.strides();
-  if (a.ndim() != 4 || a.shape(3) != d || st[3] != 1 || (a.shape(2) > 1 && st[2] != d)) {
-    throw std::invalid_argument(std::string("the batched decode attention needs ") + what +
-                                " whose tokens are contiguous rows of the head dimension");
+  // Each row's whole sequence (prefix, own keys, the new one) and the split size.
+  int64_t longest = 1;
+  std::vector<int> plens(b, 0);
+  {
+    size_t at = 3;
+    for (int r = 0; r < b; ++r) {
+      at += 2;
+      if (rows[r].prefix) {
+        plens[r] = inputs[at].shape(2);
+        at += 2;
+      }
+      longest = std::max<int64_t>(longest, plens[r] + rows[r].len + 1);
+    }
   }
-  return st[1];
+  int chunk = 64;
+  auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
+  while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
+  const int splits = int((longest + chunk - 1) / chunk);
+
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  mx::array part({b, hq, splits, d + 2}, mx::float32, nullptr, {});
+  part.set_data(mx::allocator::malloc(part.nbytes()));
+  enc.add_temporary(part);
+
+  Strides st{q.strides()[0], q.strides()[1], kn.strides()[0], kn.strides()[1],
+             vn.strides()[0], vn.strides()[1]};
+  if (q.strides()[3] != 1 || kn.strides()[3] != 1 || vn.strides()[3] != 1) {
+    throw std::invalid_argument("the batched decode attention needs q, k and v with a contiguous last axis");
+  }
+  const size_t esize = q.itemsize();
+  size_t at = 3;
+  for (int row0 = 0; row0 < b; row0 += kRows) {
+    const int n = std::min(kRows, b - row0);
+    Table tab{};
+    enc.set_input_array(q);
+    enc.set_input_array(kn);
+    enc.set_input_array(vn);
+    for (int i = 0; i < n; ++i) {
+      const RowMeta& m = rows[row0 + i];
+      const mx::array& ka = inputs[at];
+      const mx::array& va = inputs[at + 1];
+      at += 2;
+      RowKv& rk = tab.r[i];
+      rk.khs = head_stride(ka, d, "key arenas");
+      rk.vhs = head_stride(va, d, "value arenas");
+      if (m.start + m.len + 1 > ka.shape(2) || m.start + m.len + 1 > va.shape(2)) {
+        throw std::invalid_argument("the batched decode attention's arena has no room for the new token");
+      }
+      rk.k = reinterpret_cast<unsigned long long>(mx::gpu_ptr<char>(ka) + m.start * d * esize);
+      rk.v = reinterpret_cast<unsigned long long>(mx::gpu_ptr<char>(va) + m.start * d * esize);
+      rk.len = int(m.len);
+      enc.set_input_array(ka);
+      enc.set_input_array(va);
+      enc.set_output_array(ka);
+      enc.set_output_array(va);
+      if (m.prefix) {
+        const mx::array& pk = inputs[at];
+        const mx::array& pv = inputs[at + 1];
+        at += 2;
+        rk.pkhs = head_stride(pk, d, "prefix keys");
+        rk.pvhs = head_stride(pv, d, "prefix values");
+        rk.pk = reinterpret_cast<unsigned long long>(mx::gpu_ptr<void>(pk));
+        rk.pv = reinterpret_cast<unsigned long long>(mx::gpu_ptr<void>(pv));
+        rk.plen = pk.shape(2);
+        enc.set_input_array(pk);
+        enc.set_input_array(pv);
+      }
+    }
+    enc.set_output_array(part);
+    {
+      const void* qp = mx::gpu_ptr<void>(q);
+      const void* kp = mx::gpu_ptr<void>(kn);
+      const void* vp = mx::gpu_ptr<void>(vn);
+      void* pp = mx::gpu_ptr<void>(part);
+      int r0 = row0, sp = splits, ch = chunk, h = hkv;
+      float sc = scale;
+      void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h};
+      enc.add_kernel_node_raw(kern.partial, dim3(splits, hkv, n), dim3(kWarps * 32, 1, 1),
+                              dim3(1, 1, 1), 0, args);
+    }
+    enc.set_input_array(part);
+    enc.set_output_array(out);
+    {
+      const void* pp = mx::gpu_ptr<void>(part);
+      void* op = mx::gpu_ptr<void>(out);
+      int r0 = row0, sp = splits, h = hq;
+      void* args[] = {&pp, &op, &r0, &sp, &h};
+      enc.add_kernel_node_raw(kern.combine, dim3(hq, n, 1), dim3(d, 1, 1), dim3(1, 1, 1), 0,
+                              args);
+    }
+  }
 }
+
+#else  // KVSTORE_CUDA
+
+void rows_attend_gpu(mx::Stream, const std::vector<mx::array>&, mx::array&, float,
+                     const std::vector<RowMeta>&) {
+  throw std::runtime_error(
+      "this build has no batched decode attention kernel for the GPU (build with the CUDA "
+      "backend's headers: scripts/cuda/build.sh)");
+}
+
+#endif  // KVSTORE_CUDA
 
 class RowsDecodeAttention : public mx::UnaryPrimitive {
  public:
   RowsDecodeAttention(mx::Stream s, float scale, std::vector<RowMeta> rows)
       : mx::UnaryPrimitive(s), scale_(scale), rows_(std::move(rows)) {}
 
-  void eval_cpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("RowsDecodeAttention runs on a CUDA GPU only");
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> in;
+    for (const auto& a : inputs) {
+      encoder.set_input_array(a);
+      in.push_back(mx::array::unsafe_weak_copy(a));
+    }
+    encoder.set_output_array(out);
+    encoder.dispatch([in = std::move(in), rows = rows_, scale = scale_, op = out.data<float>(),
+                      n = out.size()]() { rows_attend_cpu(in, rows, scale, op, n); });
   }
 
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    auto& enc = cu::get_command_encoder(stream());
-    enc.device().make_current();
-    const auto &q = inputs[0], &kn = inputs[1], &vn = inputs[2];
-    const int b = q.shape(0), hq = q.shape(1), d = q.shape(3), hkv = kn.shape(1);
-    const int nrep = hq / hkv;
-    Kernels kern = kernels(q.dtype(), d, nrep);
-
-    // Each row's whole sequence (prefix, own keys, the new one) and the split size.
-    int64_t longest = 1;
-    std::vector<int> plens(b, 0);
-    {
-      size_t at = 3;
-      for (int r = 0; r < b; ++r) {
-        at += 2;
-        if (rows_[r].prefix) {
-          plens[r] = inputs[at].shape(2);
-          at += 2;
-        }
-        longest = std::max<int64_t>(longest, plens[r] + rows_[r].len + 1);
-      }
-    }
-    int chunk = 64;
-    auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
-    while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
-    const int splits = int((longest + chunk - 1) / chunk);
-
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    mx::array part({b, hq, splits, d + 2}, mx::float32, nullptr, {});
-    part.set_data(mx::allocator::malloc(part.nbytes()));
-    enc.add_temporary(part);
-
-    Strides st{q.strides()[0], q.strides()[1], kn.strides()[0], kn.strides()[1],
-               vn.strides()[0], vn.strides()[1]};
-    if (q.strides()[3] != 1 || kn.strides()[3] != 1 || vn.strides()[3] != 1) {
-      throw std::invalid_argument("the batched decode attention needs q, k and v with a contiguous last axis");
-    }
-    const size_t esize = q.itemsize();
-    size_t at = 3;
-    for (int row0 = 0; row0 < b; row0 += kRows) {
-      const int n = std::min(kRows, b - row0);
-      Table tab{};
-      enc.set_input_array(q);
-      enc.set_input_array(kn);
-      enc.set_input_array(vn);
-      for (int i = 0; i < n; ++i) {
-        const RowMeta& m = rows_[row0 + i];
-        const mx::array& ka = inputs[at];
-        const mx::array& va = inputs[at + 1];
-        at += 2;
-        RowKv& rk = tab.r[i];
-        rk.khs = head_stride(ka, d, "key arenas");
-        rk.vhs = head_stride(va, d, "value arenas");
-        if (m.start + m.len + 1 > ka.shape(2) || m.start + m.len + 1 > va.shape(2)) {
-          throw std::invalid_argument("the batched decode attention's arena has no room for the new token");
-        }
-        rk.k = reinterpret_cast<unsigned long long>(mx::gpu_ptr<char>(ka) + m.start * d * esize);
-        rk.v = reinterpret_cast<unsigned long long>(mx::gpu_ptr<char>(va) + m.start * d * esize);
-        rk.len = int(m.len);
-        enc.set_input_array(ka);
-        enc.set_input_array(va);
-        enc.set_output_array(ka);
-        enc.set_output_array(va);
-        if (m.prefix) {
-          const mx::array& pk = inputs[at];
-          const mx::array& pv = inputs[at + 1];
-          at += 2;
-          rk.pkhs = head_stride(pk, d, "prefix keys");
-          rk.pvhs = head_stride(pv, d, "prefix values");
-          rk.pk = reinterpret_cast<unsigned long long>(mx::gpu_ptr<void>(pk));
-          rk.pv = reinterpret_cast<unsigned long long>(mx::gpu_ptr<void>(pv));
-          rk.plen = pk.shape(2);
-          enc.set_input_array(pk);
-          enc.set_input_array(pv);
-        }
-      }
-      enc.set_output_array(part);
-      {
-        const void* qp = mx::gpu_ptr<void>(q);
-        const void* kp = mx::gpu_ptr<void>(kn);
-        const void* vp = mx::gpu_ptr<void>(vn);
-        void* pp = mx::gpu_ptr<void>(part);
-        int r0 = row0, sp = splits, ch = chunk, h = hkv;
-        float sc = scale_;
-        void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h};
-        enc.add_kernel_node_raw(kern.partial, dim3(splits, hkv, n), dim3(kWarps * 32, 1, 1),
-                                dim3(1, 1, 1), 0, args);
-      }
-      enc.set_input_array(part);
-      enc.set_output_array(out);
-      {
-        const void* pp = mx::gpu_ptr<void>(part);
-        void* op = mx::gpu_ptr<void>(out);
-        int r0 = row0, sp = splits, h = hq;
-        void* args[] = {&pp, &op, &r0, &sp, &h};
-        enc.add_kernel_node_raw(kern.combine, dim3(hq, n, 1), dim3(d, 1, 1), dim3(1, 1, 1), 0,
-                                args);
-      }
-    }
+    rows_attend_gpu(stream(), inputs, out, scale_, rows_);
   }
 
   const char* name() const override { return "RowsDecodeAttention"; }
@@ -302,7 +413,11 @@ class RowsDecodeAttention : public mx::UnaryPrimitive {
 
 }  // namespace
 
+#ifdef KVSTORE_CUDA
 bool rows_attention_kernel_built() { return true; }
+#else
+bool rows_attention_kernel_built() { return false; }
+#endif
 
 std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, const Array& v,
                                              const ArrayList& kv,
@@ -315,10 +430,16 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
         "the batched decode attention takes q [B, Hq, 1, D] and k, v [B, Hkv, 1, D]");
   }
   const int b = qa.shape(0), d = qa.shape(3), nrep = qa.shape(1) / ka.shape(1);
-  if (d % 32 != 0 || d > 256 || nrep > 8 || qa.dtype() != ka.dtype() ||
-      qa.dtype() != va.dtype()) {
+  if (qa.dtype() != ka.dtype() || qa.dtype() != va.dtype()) {
+    throw std::invalid_argument("the batched decode attention takes q, k and v of one dtype");
+  }
+  const auto device = mx::default_device();
+  if (device == mx::Device::cpu && qa.dtype() != mx::float32) {
+    throw std::invalid_argument("the batched decode attention takes f32 on the CPU");
+  }
+  if (device != mx::Device::cpu && (d % 32 != 0 || d > 256 || nrep > 8)) {
     throw std::invalid_argument(
-        "the batched decode attention takes one dtype, a head dimension that is a multiple "
+        "the batched decode attention takes, on a GPU, a head dimension that is a multiple "
         "of 32 up to 256 and at most 8 q heads per kv head");
   }
   if (meta.size() != size_t(b) * 3) {
@@ -348,28 +469,10 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
   if (at != kv.items.size()) {
     throw std::invalid_argument("the batched decode attention got too many KV arrays");
   }
-  auto stream = mx::default_stream(mx::default_device());
+  auto stream = mx::default_stream(device);
   return std::make_unique<Array>(Array{mx::array(
       qa.shape(), qa.dtype(), std::make_shared<RowsDecodeAttention>(stream, scale, std::move(rows)),
       std::move(inputs))});
 }
 
 }  // namespace kvmlx
-
-#else  // KVSTORE_CUDA
-
-namespace kvmlx {
-
-bool rows_attention_kernel_built() { return false; }
-
-std::unique_ptr<Array> rows_decode_attention(const Array&, const Array&, const Array&,
-                                             const ArrayList&, rust::Slice<const int64_t>,
-                                             float) {
-  throw std::runtime_error(
-      "this build has no batched decode attention kernel (build with the CUDA backend's "
-      "headers: scripts/cuda/build.sh)");
-}
-
-}  // namespace kvmlx
-
-#endif  // KVSTORE_CUDA
