@@ -49,8 +49,15 @@ fn main() -> mlx::Result<()> {
             mlx::eval(&outs.iter().collect::<Vec<_>>())?;
             best = best.min(t.elapsed().as_secs_f64());
         }
-        let what = if kernel { "one node (RopeRotate)" } else { "MLX's ops" };
-        println!("{tokens} tokens, {rows} rows: {what:22} {:8.3} ms", best * 1e3);
+        let what = if kernel {
+            "one node (RopeRotate)"
+        } else {
+            "MLX's ops"
+        };
+        println!(
+            "{tokens} tokens, {rows} rows: {what:22} {:8.3} ms",
+            best * 1e3
+        );
     }
     Ok(())
 }

@@ -444,7 +444,9 @@ mod tests {
         let mut out = vec![f32::NAN; splits.len() * q_heads * d];
         let q = values(out.len(), 11);
         let mut want = Vec::new();
-        let stores: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> = splits
+        // Per row: prefix keys, prefix values, own key arena, own value arena.
+        type Stores = Vec<[Vec<f32>; 4]>;
+        let stores: Stores = splits
             .iter()
             .enumerate()
             .map(|(r, &(pl, ol))| {
@@ -486,10 +488,10 @@ mod tests {
                     dims,
                     scale,
                 ));
-                (pk, pv, ok, ov)
+                [pk, pv, ok, ov]
             })
             .collect();
-        for ((pk, pv, ok, ov), &(pl, ol)) in stores.iter().zip(&splits) {
+        for ([pk, pv, ok, ov], &(pl, ol)) in stores.iter().zip(&splits) {
             let cap = ol + 3;
             rows_parts.push([
                 KvPart {

@@ -189,25 +189,18 @@ pub fn rope_angles(
 /// in the order of its CPU fallback. Either way the result equals [`rope`]'s on the CPU bit
 /// for bit.
 pub fn rope_with_angles(x: &Array, cfg: &Rope<'_>, angles: &RopeAngles) -> Result<Array> {
-    if x.dtype() == Dtype::F32
+    let one_node = x.dtype() == Dtype::F32
         && angles.cos.dtype() == Dtype::F32
         && cpu_attention()
-        && crate::default_device()? == Device::Cpu
-    {
-        return Array::wrap(
-            "rope_with_angles",
-            ffi::rope_rotate(
-                x.inner(),
-                angles.cos.inner(),
-                angles.sin.inner(),
-                cfg.dims,
-                cfg.traditional,
-            ),
-        );
-    }
+        && crate::default_device()? == Device::Cpu;
+    let rotate = if one_node {
+        ffi::rope_rotate
+    } else {
+        ffi::rope_apply
+    };
     Array::wrap(
         "rope_with_angles",
-        ffi::rope_apply(
+        rotate(
             x.inner(),
             angles.cos.inner(),
             angles.sin.inner(),

@@ -65,27 +65,6 @@ long long head_stride(const mx::array& a, int d, const char* what) {
   return st[1];
 }
 
-// The f32 values of `a` in row-major order: its own memory when it is row-contiguous, else
-// gathered through its strides into `scratch` (q, k and v of a step are small).
-const float* rows_major(const mx::array& a, std::vector<float>& scratch) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  scratch.resize(a.size());
-  const float* base = a.data<float>();
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  std::vector<int64_t> index(shape.size(), 0);
-  for (size_t i = 0; i < a.size(); ++i) {
-    int64_t at = 0;
-    for (size_t dim = 0; dim < shape.size(); ++dim) at += index[dim] * strides[dim];
-    scratch[i] = base[at];
-    for (size_t dim = shape.size(); dim-- > 0;) {
-      if (++index[dim] < shape[dim]) break;
-      index[dim] = 0;
-    }
-  }
-  return scratch.data();
-}
-
 // The CPU evaluation: each row's new key and value copied into its arenas at start + len,
 // then every row attended over its prefix and its own len + 1 tokens by the Rust kernel
 // (`rows_attend_host`), which reads the arenas in place. Runs as one task on the CPU
@@ -95,9 +74,9 @@ void rows_attend_cpu(const std::vector<mx::array>& in, const std::vector<RowMeta
   const mx::array &q = in[0], &kn = in[1], &vn = in[2];
   const int b = q.shape(0), hq = q.shape(1), d = q.shape(3), hkv = kn.shape(1);
   std::vector<float> qs, ks, vs;
-  const float* qp = rows_major(q, qs);
-  const float* kp = rows_major(kn, ks);
-  const float* vp = rows_major(vn, vs);
+  const float* qp = row_major(q, qs);
+  const float* kp = row_major(kn, ks);
+  const float* vp = row_major(vn, vs);
   // What rows_attend_host reads: q heads, kv heads, head dim, rows; per row its parts; per
   // part keys (address, values reached, head stride, token stride), values (the same four)
   // and positions.

@@ -488,8 +488,6 @@ std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Arr
   }
 }
 
-namespace {
-
 // The f32 values of `a` in row-major order: its own memory when it is row-contiguous, else
 // gathered through its strides into `scratch`.
 const float* row_major(const mx::array& a, std::vector<float>& scratch) {
@@ -510,6 +508,9 @@ const float* row_major(const mx::array& a, std::vector<float>& scratch) {
   }
   return scratch.data();
 }
+
+namespace {
+
 
 // `x · wᵀ` for a few f32 rows on the CPU: the graph node of `rows_times_weight_t`. Its CPU
 // evaluation queues one task on the stream's thread, which runs the Rust kernel (itself on

@@ -133,6 +133,9 @@ bool array_is_available(const Array& a);
 std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up);
 // x [.., k] (at most `max_rows` rows) times wᵀ for w [n, k], both f32, on the CPU stream, as
 // one node whose CPU evaluation runs the crate's row-product kernel (cpu_row_product.rs).
+// The f32 values of `a` in row-major order: its own memory when it is row-contiguous, else
+// gathered through its strides into `scratch` (for the shim's CPU primitives).
+const float* row_major(const mlx::core::array& a, std::vector<float>& scratch);
 std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_t max_rows);
 // One query per head over f32 keys and values read in place, on the CPU stream, as one node
 // whose CPU evaluation runs the crate's kernel (cpu_decode_attention.rs).
