@@ -66,6 +66,9 @@ pub(crate) mod ffi {
         /// The RoPE kernel for the shim's `RopeRotate` node; `at` is the input's strides (4),
         /// its shape (4), the rotated dims, and 1/0 for traditional and for angles per row.
         fn rope_rotate_host(x: &[f32], cos: &[f32], sin: &[f32], at: &[usize], o: &mut [f32]);
+        /// The gated activation kernel for the shim's `GatedMulStacked` node (SiLU, else the
+        /// tanh GELU) over rows of `2 · inter` stacked values.
+        fn gated_mul_host(silu: bool, y: &[f32], inter: usize, o: &mut [f32]);
         /// The batched decode attention's CPU kernel for the shim's `RowsDecodeAttention`
         /// node; `meta` as `rows_attend_cpu` in rows_attention.cc lays it out.
         fn rows_attend_host(q: &[f32], meta: &[usize], scale: f32, o: &mut [f32]);
@@ -242,6 +245,7 @@ pub(crate) mod ffi {
             dims: i32,
             traditional: bool,
         ) -> Result<UniquePtr<Array>>;
+        fn gated_mul_stacked_cpu(y: &Array, silu: bool) -> Result<UniquePtr<Array>>;
         fn rope_rotate(
             x: &Array,
             cos: &Array,
@@ -413,4 +417,16 @@ fn rows_attend_parsed(q: &[f32], meta: &[usize], scale: f32, o: &mut [f32]) -> R
     }
     let rows: Vec<&[KvPart<'_>]> = all.iter().map(Vec::as_slice).collect();
     attend_parts(q, &rows, q_heads, kv_heads, d, scale, o)
+}
+
+/// `act(gate) · up` over stacked rows into `o` through [`crate::cpu_activation`]. The shim
+/// checked the shape when it made the node; should the kernel still refuse it, the output
+/// is NaN (never stale memory).
+fn gated_mul_host(silu: bool, y: &[f32], inter: usize, o: &mut [f32]) {
+    use crate::cpu_activation::{gated_mul_rows, Gate};
+    let gate = if silu { Gate::Silu } else { Gate::GeluTanh };
+    if let Err(message) = gated_mul_rows(gate, y, inter, o) {
+        debug_assert!(false, "the gated activation refused its inputs: {message}");
+        o.fill(f32::NAN);
+    }
 }

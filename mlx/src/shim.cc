@@ -633,6 +633,46 @@ class OneQueryAttention : public mx::UnaryPrimitive {
   float scale_;
 };
 
+// A gated MLP's activation over the stacked gate/up product of f32 rows: the graph node of
+// `gated_mul_stacked_cpu`, one task on the CPU stream's thread that runs the Rust kernel
+// (`cpu_activation::gated_mul_rows`, vectorized, on rayon's threads).
+class GatedMulStacked : public mx::UnaryPrimitive {
+ public:
+  GatedMulStacked(mx::Stream s, bool silu) : mx::UnaryPrimitive(s), silu_(silu) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    encoder.set_output_array(out);
+    encoder.dispatch([y = mx::array::unsafe_weak_copy(inputs[0]), op = out.data<float>(),
+                      n = out.size(), silu = silu_]() {
+      std::vector<float> ys;
+      const float* yp = row_major(y, ys);
+      const size_t inter = static_cast<size_t>(y.shape(-1) / 2);
+      gated_mul_host(silu, rust::Slice<const float>(yp, y.size()), inter,
+                     rust::Slice<float>(op, n));
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("GatedMulStacked runs on the CPU only");
+  }
+
+  const char* name() const override { return "GatedMulStacked"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return silu_ == static_cast<const GatedMulStacked&>(other).silu_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() /= 2;
+    return {s};
+  }
+
+ private:
+  bool silu_;
+};
+
 // RoPE's rotation of f32 heads with angles made once a step: the graph node of
 // `rope_rotate`, one task on the CPU stream's thread that runs the Rust kernel (which reads
 // the input through its strides, so a transposed or sliced view is not gathered first).
@@ -700,6 +740,18 @@ class RopeRotate : public mx::UnaryPrimitive {
 };
 
 }  // namespace
+
+std::unique_ptr<Array> gated_mul_stacked_cpu(const Array& y, bool silu) {
+  const auto& a = y.inner;
+  if (a.dtype() != mx::float32 || a.ndim() == 0 || a.shape(-1) == 0 || a.shape(-1) % 2 != 0) {
+    throw std::invalid_argument("the CPU gated activation takes f32 rows of an even width");
+  }
+  mx::Shape shape = a.shape();
+  shape.back() /= 2;
+  auto stream = mx::default_stream(mx::Device::cpu);
+  return wrap(mx::array(std::move(shape), mx::float32,
+                        std::make_shared<GatedMulStacked>(stream, silu), {a}));
+}
 
 std::unique_ptr<Array> rope_rotate(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional) {
   const auto &a = x.inner, &c = cos.inner, &s = sin.inner;

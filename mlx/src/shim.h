@@ -128,6 +128,7 @@ void synchronize();
 bool array_same_node(const Array& a, const Array& b);
 std::unique_ptr<ArrayList> rope_angles(int32_t t, const Array& offset, int32_t dims, float base, bool has_base, float scale, const ArrayList& freqs, uint8_t dtype);
 std::unique_ptr<Array> rope_apply(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional);
+std::unique_ptr<Array> gated_mul_stacked_cpu(const Array& y, bool silu);
 std::unique_ptr<Array> rope_rotate(const Array& x, const Array& cos, const Array& sin, int32_t dims, bool traditional);
 bool array_is_available(const Array& a);
 std::unique_ptr<Array> gated_activation(UnaryOp op, const Array& gate, const Array& up);

@@ -667,6 +667,84 @@ fn rope_with_angles_equals_rope_bit_for_bit_in_one_cpu_node() {
     }
 }
 
+/// `fast::gated_mul_stacked` against each activation's f64 definition for a decode step's
+/// row, a few rows, a prefill's rows and a strided view of them, both gates, and against MLX's
+/// ops over the halves (`fast::gated_mul`); on the CPU an f32 call is one `GatedMulStacked`
+/// node whatever its rows.
+#[test]
+fn gated_mul_stacked_matches_its_definition_in_one_cpu_node() {
+    let mut r = rng("gated_mul_stacked_matches_its_definition_in_one_cpu_node");
+    let on_cpu = mlx::default_device().unwrap() == mlx::Device::Cpu && fast::cpu_attention();
+    let c = (2.0 / std::f64::consts::PI).sqrt();
+    for (gate, f) in [
+        (
+            fast::Gate::Silu,
+            Box::new(|g: f64| g / (1.0 + (-g).exp())) as Box<dyn Fn(f64) -> f64>,
+        ),
+        (
+            fast::Gate::GeluTanh,
+            Box::new(move |g: f64| 0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh())),
+        ),
+    ] {
+        for (rows, inter) in [(1usize, 96usize), (3, 40), (40, 24)] {
+            let y: Vec<f32> = randn(&mut r, rows * 2 * inter)
+                .iter()
+                .map(|v| v * 4.0)
+                .collect();
+            let want: Vec<f32> = (0..rows * inter)
+                .map(|i| {
+                    let (row, j) = (i / inter, i % inter);
+                    let (g, u) = (
+                        y[row * 2 * inter + j] as f64,
+                        y[row * 2 * inter + inter + j] as f64,
+                    );
+                    (f(g) * u) as f32
+                })
+                .collect();
+            // Contiguous [1, rows, 2·inter], and the same values as the transpose of a
+            // [2·inter, rows] array (read through strides).
+            let mut yt = vec![0f32; y.len()];
+            for row in 0..rows {
+                for j in 0..2 * inter {
+                    yt[j * rows + row] = y[row * 2 * inter + j];
+                }
+            }
+            let inputs = [
+                arr(&y, &[1, rows as i32, (2 * inter) as i32]),
+                arr(&yt, &[(2 * inter) as i32, rows as i32])
+                    .transpose(&[1, 0])
+                    .unwrap(),
+            ];
+            for ya in inputs {
+                mlx::eval(&[&ya]).unwrap();
+                let got = fast::gated_mul_stacked(gate, &ya).unwrap();
+                let mut shape = ya.shape();
+                *shape.last_mut().unwrap() = inter as i32;
+                assert_eq!(got.shape(), shape);
+                if on_cpu {
+                    let names = mlx::pending_primitives(&[&got]).unwrap();
+                    assert_eq!(
+                        names,
+                        vec!["GatedMulStacked".to_string()],
+                        "{gate:?} {rows}"
+                    );
+                }
+                assert_close(&host(&got), &want, 1e-5, 2e-6);
+                // MLX's ops over the halves agree to float rounding.
+                let w = ya.shape().len() - 1;
+                let (mut a, mut b) = (vec![0; w + 1], ya.shape());
+                b[w] = inter as i32;
+                let g = ya.slice(&a, &b).unwrap();
+                (a[w], b[w]) = (inter as i32, 2 * inter as i32);
+                let u = ya.slice(&a, &b).unwrap();
+                let theirs = fast::gated_mul(gate, &g, &u).unwrap();
+                assert_close(&host(&got), &host(&theirs), 1e-5, 1e-5);
+            }
+        }
+    }
+    assert!(fast::gated_mul_stacked(fast::Gate::Silu, &arr(&[1.0; 6], &[2, 3])).is_err());
+}
+
 #[test]
 fn rms_norm_matches_naive() {
     let mut r = rng("rms_norm_matches_naive");
