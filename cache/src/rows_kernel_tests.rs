@@ -21,6 +21,15 @@ struct Case {
 }
 
 const LAYERS: usize = 2;
+
+/// Held by each test for its whole run: both switch the node off process-wide
+/// (`set_rows_kernel`) to compute their reference, which would send the other test's steps
+/// row by row if they ran at once (the test threads share the switch).
+static SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn hold_switch() -> std::sync::MutexGuard<'static, ()> {
+    SWITCH.lock().unwrap_or_else(|e| e.into_inner())
+}
 const STEPS: u64 = 12;
 
 fn normal(shape: &[i32], dtype: Dtype, seed: u64) -> Array {
@@ -266,6 +275,7 @@ fn one_node_decode_steps_match_row_by_row() {
     if !kernel_or_skip("one_node_decode_steps_match_row_by_row") {
         return;
     }
+    let _switch = hold_switch();
     // Rows at, across and far past block edges; then the same with row 0 on a shared prefix.
     for prefix in [false, true] {
         run(&Case {
@@ -296,6 +306,7 @@ fn a_single_sequence_decodes_in_one_node() {
     if !kernel_or_skip("a_single_sequence_decodes_in_one_node") {
         return;
     }
+    let _switch = hold_switch();
     let case = Case {
         dtype: wide_dtype(),
         kv_heads: 2,
