@@ -81,9 +81,10 @@ void rows_attend_cpu(const std::vector<mx::array>& in, const std::vector<RowMeta
   // part keys (address, values reached, head stride, token stride), values (the same four)
   // and positions.
   std::vector<size_t> meta = {size_t(hq), size_t(hkv), size_t(d), size_t(b)};
+  // A part of no positions (an empty prefix view) reaches nothing; the kernel skips it.
   auto part = [&](const float* k, long long khs, const float* v, long long vhs, size_t len) {
-    const size_t reach_k = size_t(hkv - 1) * size_t(khs) + (len - 1) * size_t(d) + size_t(d);
-    const size_t reach_v = size_t(hkv - 1) * size_t(vhs) + (len - 1) * size_t(d) + size_t(d);
+    const size_t reach_k = len == 0 ? 0 : size_t(hkv - 1) * size_t(khs) + len * size_t(d);
+    const size_t reach_v = len == 0 ? 0 : size_t(hkv - 1) * size_t(vhs) + len * size_t(d);
     meta.insert(meta.end(), {reinterpret_cast<size_t>(k), reach_k, size_t(khs), size_t(d),
                              reinterpret_cast<size_t>(v), reach_v, size_t(vhs), size_t(d), len});
   };
