@@ -12,9 +12,21 @@
 
 use rayon::prelude::*;
 
-/// The most rows the kernel takes; more rows go to MLX's matmul (BLAS), where a GEMM's
-/// reuse of each weight across rows pays.
-pub const MAX_ROWS: usize = 8;
+/// The most rows the kernel takes; more rows go to MLX's matmul (BLAS). Measured on
+/// cpu-vm (docs/mlx.md): up to here the kernel is faster, from about 16 rows BLAS's GEMM
+/// makes up for copying the whole weight into its packed layout on every call.
+pub const MAX_ROWS: usize = 16;
+
+/// Rows from which the product runs in register tiles ([`tile_task`]): up to here each
+/// weight row is read once for all input rows, which is bound by the memory reads; beyond,
+/// the arithmetic is, and a tile reuses each load for several multiply-adds.
+const TILE_FROM: usize = 9;
+
+/// Input rows of a register tile (the weight rows are the kernel's: [`Tiling`]).
+const TILE_ROWS: usize = 6;
+
+/// The most weight rows of a register tile (AVX-512's).
+const MAX_TILE_FEATURES: usize = 4;
 
 /// Weight bytes a task streams (a few hundred KB: enough tasks for every thread, few
 /// enough that handing them out costs nothing next to the reads).
@@ -47,6 +59,7 @@ pub fn rows_times_weight_t(
     }
     let per_task = (TASK_BYTES / (4 * k)).max(1);
     let kernel = dot_kernel(rows);
+    let tiling = (rows >= TILE_FROM).then(tiling);
     // Each task fills its features for every row, feature-major: with one row that is
     // `out`'s own layout; with several the result is transposed into `out` at the end
     // (rows · n values, next to nothing).
@@ -61,6 +74,9 @@ pub fn rows_times_weight_t(
         .par_chunks_mut(per_task * rows)
         .zip(w.par_chunks(per_task * k))
         .for_each(|(o, w)| {
+            if let Some(tiling) = &tiling {
+                return tile_task(tiling, x, w, rows, k, o);
+            }
             for (o, w) in o.chunks_exact_mut(rows).zip(w.chunks_exact(k)) {
                 kernel(x, w, k, o);
             }
@@ -71,6 +87,252 @@ pub fn rows_times_weight_t(
         }
     }
     Ok(())
+}
+
+/// One task's share of a product of many rows: its weight rows `w` (`feats · k` values)
+/// times every row of `x`, feature-major into `o` (`feats · rows`), in register tiles of
+/// the kernel's weight rows by [`TILE_ROWS`] input rows (the last weight rows of an odd
+/// count one at a time). For each group of input rows the tiles walk the task's weights,
+/// which stay in the core's second-level cache after the first group read them from
+/// memory; each load then feeds several multiply-adds, as in a GEMM, without BLAS's copy
+/// of the whole weight into its packed layout on every call (what a BLAS product of a few
+/// rows spends most of its time on: docs/mlx.md).
+fn tile_task(tiling: &Tiling, x: &[f32], w: &[f32], rows: usize, k: usize, o: &mut [f32]) {
+    let feats = w.len() / k;
+    let mut sums = [0f32; MAX_TILE_FEATURES * TILE_ROWS];
+    for r in (0..rows).step_by(TILE_ROWS) {
+        let rs = (rows - r).min(TILE_ROWS);
+        let mut f = 0;
+        while f < feats {
+            let fs = if feats - f >= tiling.features {
+                tiling.features
+            } else {
+                1
+            };
+            let kernel = (tiling.kernel)(fs, rs);
+            kernel(
+                &x[r * k..(r + rs) * k],
+                &w[f * k..(f + fs) * k],
+                k,
+                &mut sums,
+            );
+            for fi in 0..fs {
+                let dst = &mut o[(f + fi) * rows + r..][..rs];
+                dst.copy_from_slice(&sums[fi * TILE_ROWS..][..rs]);
+            }
+            f += fs;
+        }
+    }
+}
+
+/// The sums of one tile: `sums[f · TILE_ROWS + r] = Σᵢ x[r · k + i] · w[f · k + i]` for
+/// its weight rows `f` and input rows `r`.
+type TileKernel = fn(&[f32], &[f32], usize, &mut [f32]);
+
+/// The register tiles of this CPU: how many weight rows a tile takes (with [`TILE_ROWS`]
+/// input rows) and the kernel for a tile of `(weight rows, input rows)`: one or
+/// `features` by one to [`TILE_ROWS`].
+struct Tiling {
+    features: usize,
+    kernel: fn(usize, usize) -> TileKernel,
+}
+
+/// Picks `$f::<F, R>` for `(features, rows)`: `F` is 1 or `$full`, `R` 1 to [`TILE_ROWS`].
+macro_rules! tile_shapes {
+    ($f:ident, $full:literal) => {
+        |features: usize, rows: usize| -> TileKernel {
+            match (features == 1, rows) {
+                (true, 1) => |x, w, k, s| $f::<1, 1>(x, w, k, s),
+                (true, 2) => |x, w, k, s| $f::<1, 2>(x, w, k, s),
+                (true, 3) => |x, w, k, s| $f::<1, 3>(x, w, k, s),
+                (true, 4) => |x, w, k, s| $f::<1, 4>(x, w, k, s),
+                (true, 5) => |x, w, k, s| $f::<1, 5>(x, w, k, s),
+                (true, _) => |x, w, k, s| $f::<1, 6>(x, w, k, s),
+                (false, 1) => |x, w, k, s| $f::<$full, 1>(x, w, k, s),
+                (false, 2) => |x, w, k, s| $f::<$full, 2>(x, w, k, s),
+                (false, 3) => |x, w, k, s| $f::<$full, 3>(x, w, k, s),
+                (false, 4) => |x, w, k, s| $f::<$full, 4>(x, w, k, s),
+                (false, 5) => |x, w, k, s| $f::<$full, 5>(x, w, k, s),
+                (false, _) => |x, w, k, s| $f::<$full, 6>(x, w, k, s),
+            }
+        }
+    };
+}
+
+/// The tiling for this CPU: AVX-512 (4 weight rows by 6 input rows, 24 of the 32
+/// registers for the sums), else AVX2 + FMA (2 by 6, 12 of 16), else the portable code
+/// (2 by 6).
+fn tiling() -> Tiling {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") {
+            return Tiling {
+                features: 4,
+                kernel: tile_shapes!(tile_avx512, 4),
+            };
+        }
+        if has!("avx2") && has!("fma") {
+            return Tiling {
+                features: 2,
+                kernel: tile_shapes!(tile_avx2, 2),
+            };
+        }
+    }
+    portable_tiling()
+}
+
+/// The tiling of a CPU without AVX2 (also tested on its own on any CPU).
+fn portable_tiling() -> Tiling {
+    Tiling {
+        features: 2,
+        kernel: tile_shapes!(tile, 2),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_avx2<const F: usize, const R: usize>(x: &[f32], w: &[f32], k: usize, sums: &mut [f32]) {
+    assert!(
+        x.len() >= R * k && w.len() >= F * k && sums.len() >= F * TILE_ROWS && R <= TILE_ROWS,
+        "tile kernel bounds"
+    );
+    // SAFETY: chosen only when the CPU has AVX2 and FMA (`tile_kernel`); bounds asserted.
+    unsafe { tile_avx2_inner::<F, R>(x, w, k, sums) }
+}
+
+/// [`tile`] with AVX2 + FMA registers: one vector of 8 values a sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2_inner<const F: usize, const R: usize>(
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    sums: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let whole = k - k % 8;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); R]; F];
+    let mut i = 0;
+    while i < whole {
+        let mut wv = [_mm256_setzero_ps(); F];
+        for (f, wv) in wv.iter_mut().enumerate() {
+            *wv = _mm256_loadu_ps(wp.add(f * k + i));
+        }
+        for r in 0..R {
+            let xv = _mm256_loadu_ps(xp.add(r * k + i));
+            for (a, wv) in acc.iter_mut().zip(&wv) {
+                a[r] = _mm256_fmadd_ps(xv, *wv, a[r]);
+            }
+        }
+        i += 8;
+    }
+    for (f, a) in acc.iter().enumerate() {
+        for (r, a) in a.iter().enumerate() {
+            let lanes: [f32; 8] = std::mem::transmute(*a);
+            let mut s = lanes.iter().sum::<f32>();
+            for j in whole..k {
+                s += x[r * k + j] * w[f * k + j];
+            }
+            sums[f * TILE_ROWS + r] = s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tile_avx512<const F: usize, const R: usize>(x: &[f32], w: &[f32], k: usize, sums: &mut [f32]) {
+    assert!(
+        x.len() >= R * k && w.len() >= F * k && sums.len() >= F * TILE_ROWS && R <= TILE_ROWS,
+        "tile kernel bounds"
+    );
+    // SAFETY: chosen only when the CPU has AVX-512F (`tile_kernel`); bounds asserted.
+    unsafe { tile_avx512_inner::<F, R>(x, w, k, sums) }
+}
+
+/// [`tile`] with AVX-512 registers: one vector of 16 values a sum.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512_inner<const F: usize, const R: usize>(
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    sums: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let whole = k - k % 16;
+    let mut acc = [[_mm512_setzero_ps(); R]; F];
+    let mut i = 0;
+    while i < whole {
+        tile_step_avx512(&mut acc, xp, wp, k, i, u16::MAX);
+        i += 16;
+    }
+    for (f, a) in acc.iter().enumerate() {
+        for (r, a) in a.iter().enumerate() {
+            let mut s = _mm512_reduce_add_ps(*a);
+            for j in whole..k {
+                s += x[r * k + j] * w[f * k + j];
+            }
+            sums[f * TILE_ROWS + r] = s;
+        }
+    }
+}
+
+/// One step of [`tile_avx512_inner`]: the 16 values from `i` of each row (those `mask`
+/// keeps) into the tile's sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn tile_step_avx512<const F: usize, const R: usize>(
+    acc: &mut [[std::arch::x86_64::__m512; R]; F],
+    xp: *const f32,
+    wp: *const f32,
+    k: usize,
+    i: usize,
+    mask: u16,
+) {
+    use std::arch::x86_64::*;
+    let mut wv = [_mm512_setzero_ps(); F];
+    for (f, wv) in wv.iter_mut().enumerate() {
+        *wv = _mm512_maskz_loadu_ps(mask, wp.add(f * k + i));
+    }
+    for r in 0..R {
+        let xv = _mm512_maskz_loadu_ps(mask, xp.add(r * k + i));
+        for (a, wv) in acc.iter_mut().zip(&wv) {
+            a[r] = _mm512_fmadd_ps(xv, *wv, a[r]);
+        }
+    }
+}
+
+/// The portable tile: `F` weight rows times `R` input rows in eight partial sums each.
+#[inline(always)]
+fn tile<const F: usize, const R: usize>(x: &[f32], w: &[f32], k: usize, sums: &mut [f32]) {
+    assert!(
+        x.len() >= R * k && w.len() >= F * k && sums.len() >= F * TILE_ROWS && R <= TILE_ROWS,
+        "tile kernel bounds"
+    );
+    let whole = k - k % 8;
+    let mut acc = [[[0f32; 8]; R]; F];
+    for i in (0..whole).step_by(8) {
+        for (f, a) in acc.iter_mut().enumerate() {
+            let wv = &w[f * k + i..][..8];
+            for (r, a) in a.iter_mut().enumerate() {
+                let xv = &x[r * k + i..][..8];
+                for l in 0..8 {
+                    a[l] += xv[l] * wv[l];
+                }
+            }
+        }
+    }
+    for (f, a) in acc.iter().enumerate() {
+        for (r, a) in a.iter().enumerate() {
+            let mut s = a.iter().sum::<f32>();
+            for j in whole..k {
+                s += x[r * k + j] * w[f * k + j];
+            }
+            sums[f * TILE_ROWS + r] = s;
+        }
+    }
 }
 
 /// Dot products of one weight row `w` (`k` values) with each row of `x`, into `out`
@@ -253,6 +515,52 @@ mod tests {
             let mut out = vec![f32::NAN; rows];
             kernel(&x, &w, k, &mut out);
             assert_product(&out, &x, &w, rows, k, &format!("portable, {rows} rows"));
+        }
+    }
+
+    /// Every register tiling this CPU can run (the portable one always), on its own: rows
+    /// that fill tiles and leave a part, weight rows that leave one over, a tail of `k`.
+    #[test]
+    fn every_tiling_matches_a_naive_product() {
+        let mut tilings = vec![("portable", portable_tiling())];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") {
+                let kernel = tile_shapes!(tile_avx2, 2);
+                tilings.push((
+                    "avx2",
+                    Tiling {
+                        features: 2,
+                        kernel,
+                    },
+                ));
+            }
+            if has!("avx512f") {
+                let kernel = tile_shapes!(tile_avx512, 4);
+                tilings.push((
+                    "avx512",
+                    Tiling {
+                        features: 4,
+                        kernel,
+                    },
+                ));
+            }
+        }
+        let (k, n) = (16 * 37 + 5, 13);
+        for (name, tiling) in &tilings {
+            for rows in [1, 5, 6, 7, 12, 17] {
+                let (x, w) = (values(rows * k, rows), values(n * k, 3));
+                let mut by_feature = vec![f32::NAN; n * rows];
+                tile_task(tiling, &x, &w, rows, k, &mut by_feature);
+                let mut out = vec![f32::NAN; rows * n];
+                for (f, v) in by_feature.chunks_exact(rows).enumerate() {
+                    for (r, &v) in v.iter().enumerate() {
+                        out[r * n + f] = v;
+                    }
+                }
+                assert_product(&out, &x, &w, rows, k, &format!("{name}, {rows} rows"));
+            }
         }
     }
 

@@ -1508,15 +1508,15 @@ fn split_into_more_than_ten_pieces_is_exact_and_builds_few_nodes() {
     );
 }
 
-/// `x · wᵀ` through `fast::matmul_weight_t` against a naive product for 1 to 10 rows, x
-/// contiguous, batched ([2, r, k]) and a transposed view: on the CPU up to
-/// `cpu_row_product::MAX_ROWS` rows are one `RowsTimesWeightT` node (the kernel), more rows
-/// MLX's matmul; the two agree to float rounding.
+/// `x · wᵀ` through `fast::matmul_weight_t` against a naive product for 1 to
+/// `cpu_row_product::MAX_ROWS` + 2 rows, x contiguous, batched ([2, r, k]) and a transposed
+/// view: on the CPU up to `MAX_ROWS` rows are one `RowsTimesWeightT` node (the kernel, in
+/// register tiles from 9 rows), more rows MLX's matmul; the two agree to float rounding.
 #[test]
 fn matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx() {
     let mut r = rng("matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx");
     let on_cpu = mlx::default_device().unwrap() == mlx::Device::Cpu && fast::cpu_attention();
-    for rows in 1..=10usize {
+    for rows in 1..=mlx::cpu_row_product::MAX_ROWS + 2 {
         let (k, n) = (r.gen_range(1..300), r.gen_range(1..200));
         let x = randn(&mut r, rows * k);
         let w = randn(&mut r, n * k);
