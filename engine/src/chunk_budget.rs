@@ -8,10 +8,13 @@
 //! may take at most `stretch` times a decode-only step, and the chunk is the largest that
 //! the measured chunk cost says fits (a power of two, so chunk starts stay aligned).
 //!
-//! Two limits keep prefill from crawling: where a chunk's fixed cost (its pass over the
-//! layers, whatever its tokens; the H200's case) alone exceeds the budget, shrinking cannot
-//! help and the full chunk runs; and a chunk is never so small that its fixed cost is more
-//! than half of it (at most 2x the prefill time per token while rows decode).
+//! A chunk is never so small that its fixed cost (its pass over the layers, whatever its
+//! tokens) is more than half of it: at most 2x the prefill time per token while rows
+//! decode. Where that fixed cost alone is near or over the budget, no chunk keeps a step
+//! within it, and the smallest chunk that still spends half its time on tokens runs: the
+//! engine's whole chunk where the fixed cost dwarfs a token's (the H200's case), a few
+//! dozen tokens where tokens are dear (the CPU's, where 8 decoding rows and 16 prompt
+//! tokens leave the row kernel for BLAS: docs/server.md, "Step budget").
 
 use crate::cost_model::{Fit, Measure};
 
@@ -87,11 +90,11 @@ impl ChunkBudget {
 }
 
 /// The largest power-of-two chunk (at least [`MIN_CHUNK`], at most `ceiling`) whose cost
-/// after `cached` tokens, by `fit`, is at most `budget_s`; `ceiling` where the fixed cost
-/// alone is over the budget; never one whose fixed cost is over half of it.
+/// after `cached` tokens, by `fit`, is at most `budget_s`, but never one whose fixed cost
+/// is over half of it (the smallest that is not, or `ceiling`, where none fits).
 pub(crate) fn chunk_within(fit: &Fit, cached: usize, budget_s: f64, ceiling: usize) -> usize {
     let ceiling = ceiling.max(1);
-    if fit.fixed_s >= budget_s || ceiling <= MIN_CHUNK {
+    if ceiling <= MIN_CHUNK {
         return ceiling;
     }
     let cost = |n: usize| fit.seconds(n, cached);
@@ -100,10 +103,11 @@ pub(crate) fn chunk_within(fit: &Fit, cached: usize, budget_s: f64, ceiling: usi
         n *= 2;
     }
     // Half of a chunk's time at least goes to its tokens.
-    while n * 2 <= ceiling && cost(n) < 2.0 * fit.fixed_s {
+    let mostly_fixed = |n: usize| cost(n) < 2.0 * fit.fixed_s;
+    while n * 2 <= ceiling && mostly_fixed(n) {
         n *= 2;
     }
-    if n * 2 > ceiling && cost(ceiling) <= budget_s {
+    if n * 2 > ceiling && (cost(ceiling) <= budget_s || mostly_fixed(n)) {
         return ceiling;
     }
     n
@@ -132,9 +136,19 @@ mod tests {
     }
 
     #[test]
-    fn a_fixed_cost_over_the_budget_keeps_the_whole_chunk() {
-        // A pass costs 40 ms whatever its tokens, the budget is 10 ms: shrinking cannot help.
+    fn a_fixed_cost_that_dwarfs_the_tokens_keeps_the_whole_chunk() {
+        // A pass costs 40 ms whatever its tokens, 10 µs a token, the budget is 10 ms: no
+        // chunk fits, and any below 4,000 tokens would be mostly its fixed cost.
         assert_eq!(chunk_within(&fit(0.040, 0.00001), 0, 0.010, 512), 512);
+    }
+
+    #[test]
+    fn a_fixed_cost_over_the_budget_still_shrinks_a_dear_chunk() {
+        // The CPU's mixed step (cpu-vm, SmolLM2, 8 rows decoding in 49 ms, stretch 1.5):
+        // about 31 ms fixed and 1.7 ms a token against a 24.5 ms budget. No chunk fits;
+        // 16 tokens (58 ms) would be mostly fixed cost, 32 (85 ms) are not, and the whole
+        // 512 would take 0.9 s.
+        assert_eq!(chunk_within(&fit(0.031, 0.0017), 0, 0.0245, 512), 32);
     }
 
     #[test]
