@@ -195,10 +195,12 @@ case "$step" in
     stash >/dev/null; du -sh "$K"
     assemble_mlx || exit 1
     ;;
-  t) # test binaries given as arguments (names under deps/), full logs
+  t) # test binaries given as arguments (names under deps/), full logs; the GGUF only where
+     # its parts came (the cache's unit tests need none)
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
-    assemble_gguf >/dev/null || exit 1
+    assemble_gguf >/dev/null 2>&1 || echo "no GGUF here: tests that load it will fail"
+    [ -e "$K/smollm2-hf" ] && mkdir -p "$REPO/target/goldens" && ln -sfn "$K/smollm2-hf" "$REPO/target/goldens/smollm2-hf"
     env_setup; assemble_tests || exit 1
     shift; list=(); for n in "$@"; do list+=("$BIN/deps/$n"); done
     NOCAP=1 TAIL=1000000 TEST_LIMIT=300 run_tests "${list[@]}" > "$OUT/tests-t.log" 2>&1
