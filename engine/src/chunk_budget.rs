@@ -5,21 +5,29 @@
 //! CPU a 512-token chunk of SmolLM2 takes several decode steps, so a long prompt arriving
 //! triples the running streams' inter-token latency (docs/benchmarks.md). As Sarathi-Serve
 //! does, the budget here is time, learned from the engine's own steps: a step with a chunk
-//! may take at most `stretch` times a decode-only step, and the chunk is the largest that
-//! the measured chunk cost says fits (a power of two, so chunk starts stay aligned).
+//! may take at most `stretch` times a decode-only step, and the chunk is the largest power
+//! of two (so chunk starts stay aligned) whose cost fits.
 //!
-//! A chunk is never so small that its fixed cost (its pass over the layers, whatever its
-//! tokens) is more than half of it: at most 2x the prefill time per token while rows
-//! decode. Where that fixed cost alone is near or over the budget, no chunk keeps a step
-//! within it, and the smallest chunk that still spends half its time on tokens runs: the
-//! engine's whole chunk where the fixed cost dwarfs a token's (the H200's case), a few
-//! dozen tokens where tokens are dear (the CPU's, where 8 decoding rows and 16 prompt
-//! tokens leave the row kernel for BLAS: docs/server.md, "Step budget").
+//! A chunk's cost is what steps of its size measured, where one ran, else the fit of all
+//! chunks (a fixed part, a part per token and one per attended position). Measured sizes
+//! come first because the cost is not one line: on the CPU, 8 decoding rows and 8 prompt
+//! tokens stay in the row kernel while 16 go to BLAS, whose copy of every weight adds ~30
+//! ms (docs/server.md, "Step budget"); a fit across both reads that as a fixed cost of
+//! every chunk. Where nothing fits and the smallest size has not run, it runs once.
+//!
+//! A chunk is never one whose time per token is over twice the best measured or fitted
+//! (at most 2x the prefill time per token while rows decode). Where no chunk fits the
+//! budget, the smallest that meets this runs: a large one where a pass's fixed cost dwarfs
+//! a token's (the H200's case), a few dozen tokens where tokens are dear.
 
-use crate::cost_model::{Fit, Measure};
+use crate::cost_model::Measure;
+use std::collections::BTreeMap;
 
-/// The smallest chunk the budget picks (a pass of fewer tokens is mostly its fixed cost).
-pub(crate) const MIN_CHUNK: usize = 16;
+/// The smallest chunk the budget picks.
+pub(crate) const MIN_CHUNK: usize = 8;
+
+/// Weight of the newest step in a chunk size's running estimate of its cost.
+const SIZE_WEIGHT: f64 = 0.5;
 
 /// Weight of the newest decode-only step in the running estimate of its time.
 const DECODE_WEIGHT: f64 = 0.25;
@@ -35,6 +43,8 @@ pub(crate) struct ChunkBudget {
     /// What a chunk adds to a step: seconds beyond the decode estimate for n prompt tokens
     /// after c cached ones.
     chunks: Measure,
+    /// The same by the number of prompt tokens a step ran: a running estimate of each.
+    by_size: BTreeMap<usize, f64>,
 }
 
 impl ChunkBudget {
@@ -44,6 +54,7 @@ impl ChunkBudget {
             stretch: stretch.filter(|s| s.is_finite() && *s > 1.0),
             decode_s: None,
             chunks: Measure::default(),
+            by_size: BTreeMap::new(),
         }
     }
 
@@ -61,7 +72,10 @@ impl ChunkBudget {
     /// A step that decoded and prefilled `tokens` after `cached` took `seconds`.
     pub(crate) fn observe_chunk(&mut self, tokens: usize, cached: usize, seconds: f64) {
         if let Some(d) = self.decode_s {
-            self.chunks.record(tokens, cached, (seconds - d).max(1e-6));
+            let beyond = (seconds - d).max(1e-6);
+            self.chunks.record(tokens, cached, beyond);
+            let e = self.by_size.entry(tokens).or_insert(beyond);
+            *e += SIZE_WEIGHT * (beyond - *e);
         }
     }
 
@@ -82,40 +96,56 @@ impl ChunkBudget {
             self.chunks.fit_or_per_unit(true),
         ) {
             (Some(stretch), Some(decode_s), Some(fit)) => {
-                chunk_within(&fit, cached, (stretch - 1.0) * decode_s, ceiling)
+                let cost = |n: usize| {
+                    (self.by_size.get(&n).copied()).unwrap_or_else(|| fit.seconds(n, cached))
+                };
+                let untried = !self.by_size.contains_key(&MIN_CHUNK);
+                chunk_within(cost, (stretch - 1.0) * decode_s, ceiling, untried)
             }
             _ => ceiling,
         }
     }
 }
 
-/// The largest power-of-two chunk (at least [`MIN_CHUNK`], at most `ceiling`) whose cost
-/// after `cached` tokens, by `fit`, is at most `budget_s`, but never one whose fixed cost
-/// is over half of it (the smallest that is not, or `ceiling`, where none fits).
-pub(crate) fn chunk_within(fit: &Fit, cached: usize, budget_s: f64, ceiling: usize) -> usize {
+/// The largest power-of-two chunk (at least [`MIN_CHUNK`], at most `ceiling`, or
+/// `ceiling` itself) whose `cost` is at most `budget_s` and whose time per token is at
+/// most twice the best of these sizes'. Where none fits: [`MIN_CHUNK`] when
+/// `min_untried` (a cost read from larger chunks may not hold for it), else the smallest
+/// size within twice the best time per token.
+pub(crate) fn chunk_within(
+    cost: impl Fn(usize) -> f64,
+    budget_s: f64,
+    ceiling: usize,
+    min_untried: bool,
+) -> usize {
     let ceiling = ceiling.max(1);
     if ceiling <= MIN_CHUNK {
         return ceiling;
     }
-    let cost = |n: usize| fit.seconds(n, cached);
-    let mut n = MIN_CHUNK;
-    while n * 2 <= ceiling && cost(n * 2) <= budget_s {
-        n *= 2;
+    let mut sizes: Vec<usize> = std::iter::successors(Some(MIN_CHUNK), |n| Some(n * 2))
+        .take_while(|&n| n < ceiling)
+        .collect();
+    sizes.push(ceiling);
+    let costs: Vec<(usize, f64)> = sizes.iter().map(|&n| (n, cost(n))).collect();
+    let best = costs
+        .iter()
+        .map(|&(n, c)| c / n as f64)
+        .fold(f64::INFINITY, f64::min);
+    let efficient = |&&(n, c): &&(usize, f64)| c <= 2.0 * best * n as f64;
+    if let Some(&(n, _)) = costs.iter().rfind(|p| efficient(p) && p.1 <= budget_s) {
+        return n;
     }
-    // Half of a chunk's time at least goes to its tokens.
-    let mostly_fixed = |n: usize| cost(n) < 2.0 * fit.fixed_s;
-    while n * 2 <= ceiling && mostly_fixed(n) {
-        n *= 2;
+    if min_untried {
+        return MIN_CHUNK;
     }
-    if n * 2 > ceiling && (cost(ceiling) <= budget_s || mostly_fixed(n)) {
-        return ceiling;
-    }
-    n
+    costs.iter().find(efficient).map_or(ceiling, |&(n, _)| n)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use crate::cost_model::Fit;
 
     fn fit(fixed_s: f64, per_unit_s: f64) -> Fit {
         Fit {
@@ -125,37 +155,43 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_chunk_is_the_largest_power_of_two_within_the_budget() {
-        // 1 ms fixed + 1 ms a token, 100 ms of budget: 64 tokens cost 65 ms, 128 cost 129.
-        assert_eq!(chunk_within(&fit(0.001, 0.001), 0, 0.100, 512), 64);
-        // Everything fits: the ceiling, even when it is not a power of two.
-        assert_eq!(chunk_within(&fit(0.001, 0.0001), 0, 1.0, 500), 500);
-        // Nothing fits: the smallest chunk.
-        assert_eq!(chunk_within(&fit(0.001, 0.01), 0, 0.05, 512), MIN_CHUNK);
+    /// [`chunk_within`] with every size's cost from `f` after `cached` tokens.
+    fn within(f: Fit, cached: usize, budget_s: f64, ceiling: usize) -> usize {
+        chunk_within(|n| f.seconds(n, cached), budget_s, ceiling, false)
     }
 
     #[test]
-    fn a_fixed_cost_that_dwarfs_the_tokens_keeps_the_whole_chunk() {
+    fn the_chunk_is_the_largest_power_of_two_within_the_budget() {
+        // 1 ms fixed + 1 ms a token, 100 ms of budget: 64 tokens cost 65 ms, 128 cost 129.
+        assert_eq!(within(fit(0.001, 0.001), 0, 0.100, 512), 64);
+        // Everything fits: the ceiling, even when it is not a power of two.
+        assert_eq!(within(fit(0.001, 0.0001), 0, 1.0, 500), 500);
+        // Nothing fits: the smallest chunk.
+        assert_eq!(within(fit(0.001, 0.01), 0, 0.05, 512), MIN_CHUNK);
+    }
+
+    #[test]
+    fn a_fixed_cost_that_dwarfs_the_tokens_keeps_a_large_chunk() {
         // A pass costs 40 ms whatever its tokens, 10 µs a token, the budget is 10 ms: no
-        // chunk fits, and any below 4,000 tokens would be mostly its fixed cost.
-        assert_eq!(chunk_within(&fit(0.040, 0.00001), 0, 0.010, 512), 512);
+        // chunk fits; 512 tokens cost 88 µs a token, and 256 (166 µs) are the smallest
+        // within twice that.
+        assert_eq!(within(fit(0.040, 0.00001), 0, 0.010, 512), 256);
     }
 
     #[test]
     fn a_fixed_cost_over_the_budget_still_shrinks_a_dear_chunk() {
-        // The CPU's mixed step (cpu-vm, SmolLM2, 8 rows decoding in 49 ms, stretch 1.5):
-        // about 31 ms fixed and 1.7 ms a token against a 24.5 ms budget. No chunk fits;
-        // 16 tokens (58 ms) would be mostly fixed cost, 32 (85 ms) are not, and the whole
-        // 512 would take 0.9 s.
-        assert_eq!(chunk_within(&fit(0.031, 0.0017), 0, 0.0245, 512), 32);
+        // About 31 ms fixed and 1.7 ms a token against a 24.5 ms budget. No chunk fits;
+        // 16 tokens (58 ms, 3.6 ms a token) would be mostly fixed cost, 32 (85 ms) are
+        // not, and the whole 512 would take 0.9 s.
+        assert_eq!(within(fit(0.031, 0.0017), 0, 0.0245, 512), 32);
     }
 
     #[test]
     fn a_chunk_is_never_mostly_its_fixed_cost() {
         // 20 ms fixed, 0.5 ms a token, 30 ms budget: 16 tokens would fit (28 ms) but spend
-        // 71 % of it on the fixed cost; 64 tokens are the first with half on their tokens.
-        assert_eq!(chunk_within(&fit(0.020, 0.0005), 0, 0.030, 512), 64);
+        // 71 % of it on the fixed cost; 64 tokens are the first within twice the best time
+        // a token.
+        assert_eq!(within(fit(0.020, 0.0005), 0, 0.030, 512), 64);
     }
 
     #[test]
@@ -165,9 +201,34 @@ mod tests {
             per_unit_s: 0.001,
             per_position_s: 1e-6,
         };
-        // After 0 cached: 64 tokens cost 66 ms; after 4,096 cached they cost 328 ms.
-        assert_eq!(chunk_within(&f, 0, 0.100, 512), 64);
-        assert_eq!(chunk_within(&f, 4096, 0.100, 512), 16);
+        // After 0 cached: 64 tokens cost 66 ms; after 4,096 cached 16 cost 82 ms.
+        assert_eq!(within(f, 0, 0.100, 512), 64);
+        assert_eq!(within(f, 4096, 0.100, 512), 16);
+    }
+
+    #[test]
+    fn measured_sizes_outrank_the_fit_and_the_smallest_size_is_tried() {
+        // The CPU's mixed step (cpu-vm, SmolLM2, 8 rows decoding in 49 ms, stretch 1.5: a
+        // 24.5 ms budget): 512 tokens add 0.92 s, 16 tokens 57 ms (24 rows: BLAS and its
+        // weight copy). A line through both puts ~29 ms of fixed cost on every chunk, so 8
+        // tokens would not fit either; they have not run, so they are tried.
+        let mut b = ChunkBudget::new(Some(1.5));
+        b.observe_decode(0.049);
+        b.observe_chunk(512, 0, 0.049 + 0.92);
+        b.observe_chunk(16, 512, 0.049 + 0.057);
+        assert_eq!(b.most(528, 512), MIN_CHUNK);
+        // 8 tokens add 18 ms (16 rows: the row kernel): they fit, and stay.
+        b.observe_chunk(8, 528, 0.049 + 0.018);
+        assert_eq!(b.most(536, 512), 8);
+        // Once tried, a size that does not fit is not tried again: where 8 tokens add 45
+        // ms (5.6 ms a token), the smallest size within twice the best time a token (1.8
+        // ms, the 512-token chunk's) runs: 16 tokens at 3.6 ms.
+        let mut b = ChunkBudget::new(Some(1.5));
+        b.observe_decode(0.049);
+        b.observe_chunk(512, 0, 0.049 + 0.92);
+        b.observe_chunk(8, 512, 0.049 + 0.045);
+        b.observe_chunk(16, 520, 0.049 + 0.057);
+        assert_eq!(b.most(536, 512), 16);
     }
 
     #[test]
