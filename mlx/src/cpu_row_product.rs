@@ -6,10 +6,10 @@
 //! to BLAS as a GEMM with `M = 1`, which OpenBLAS runs on one thread: 12-13 GB/s on cpu-vm
 //! against 19 GB/s for a two-thread GEMV over the same weights (docs/mlx.md, "A decode
 //! step's products on the CPU"). This kernel splits the output features over rayon's
-//! threads, each streaming its weight rows once for all input rows; from 9 rows it works in
-//! register tiles ([`tile_task`]), where arithmetic, not memory, is the bound. It runs inside MLX's
-//! graph as a primitive of the C++ shim (`RowsTimesWeightT`) on MLX's CPU stream, so a
-//! decode step stays one lazily evaluated graph.
+//! threads, each streaming its weight rows once for all input rows; from 9 rows it works
+//! in register tiles ([`tile_task`]), where arithmetic, not memory, is the bound. It runs
+//! inside MLX's graph as a primitive of the C++ shim (`RowsTimesWeightT`) on MLX's CPU
+//! stream, so a decode step stays one lazily evaluated graph.
 
 use rayon::prelude::*;
 
