@@ -265,7 +265,16 @@ unsafe fn tile_avx512_inner<const F: usize, const R: usize>(
     let mut acc = [[_mm512_setzero_ps(); R]; F];
     let mut i = 0;
     while i < whole {
-        tile_step_avx512(&mut acc, xp, wp, k, i, u16::MAX);
+        let mut wv = [_mm512_setzero_ps(); F];
+        for (f, wv) in wv.iter_mut().enumerate() {
+            *wv = _mm512_loadu_ps(wp.add(f * k + i));
+        }
+        for r in 0..R {
+            let xv = _mm512_loadu_ps(xp.add(r * k + i));
+            for (a, wv) in acc.iter_mut().zip(&wv) {
+                a[r] = _mm512_fmadd_ps(xv, *wv, a[r]);
+            }
+        }
         i += 16;
     }
     for (f, a) in acc.iter().enumerate() {
@@ -275,32 +284,6 @@ unsafe fn tile_avx512_inner<const F: usize, const R: usize>(
                 s += x[r * k + j] * w[f * k + j];
             }
             sums[f * TILE_ROWS + r] = s;
-        }
-    }
-}
-
-/// One step of [`tile_avx512_inner`]: the 16 values from `i` of each row (those `mask`
-/// keeps) into the tile's sums.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn tile_step_avx512<const F: usize, const R: usize>(
-    acc: &mut [[std::arch::x86_64::__m512; R]; F],
-    xp: *const f32,
-    wp: *const f32,
-    k: usize,
-    i: usize,
-    mask: u16,
-) {
-    use std::arch::x86_64::*;
-    let mut wv = [_mm512_setzero_ps(); F];
-    for (f, wv) in wv.iter_mut().enumerate() {
-        *wv = _mm512_maskz_loadu_ps(mask, wp.add(f * k + i));
-    }
-    for r in 0..R {
-        let xv = _mm512_maskz_loadu_ps(mask, xp.add(r * k + i));
-        for (a, wv) in acc.iter_mut().zip(&wv) {
-            a[r] = _mm512_fmadd_ps(xv, *wv, a[r]);
         }
     }
 }
