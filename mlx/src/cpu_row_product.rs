@@ -13,21 +13,44 @@
 
 use rayon::prelude::*;
 
-/// The most rows the kernel takes; more rows go to MLX's matmul (BLAS). Measured on
-/// cpu-vm (docs/mlx.md): up to here the kernel is faster, from about 16 rows BLAS's GEMM
-/// makes up for copying the whole weight into its packed layout on every call.
-pub const MAX_ROWS: usize = 16;
+/// The most rows the kernel takes without register tiles: up to here each weight row is
+/// read once for all input rows, which is bound by the memory reads.
+const DOT_ROWS: usize = 8;
 
-/// Rows from which the product runs in register tiles ([`tile_task`]): up to here each
-/// weight row is read once for all input rows, which is bound by the memory reads; beyond,
-/// the arithmetic is, and a tile reuses each load for several multiply-adds.
-const TILE_FROM: usize = 9;
+/// The most rows the kernel takes with register tiles (AVX-512, [`tile_task`]). Measured on
+/// cpu-vm (docs/mlx.md): up to here the tiles are faster than MLX's matmul, from about 16
+/// rows BLAS's GEMM makes up for copying the whole weight into its packed layout on every
+/// call. AVX2 tiles (2 weight rows by 6) were slower than BLAS at 16 rows there, so a CPU
+/// without AVX-512 keeps [`DOT_ROWS`].
+const TILED_ROWS: usize = 16;
 
-/// Input rows of a register tile (the weight rows are the kernel's: [`Tiling`]).
+/// Input rows of a register tile.
 const TILE_ROWS: usize = 6;
 
-/// The most weight rows of a register tile (AVX-512's).
-const MAX_TILE_FEATURES: usize = 4;
+/// Weight rows (output features) of a register tile: with [`TILE_ROWS`], 24 sums of 16
+/// lanes in AVX-512's 32 registers.
+const TILE_FEATURES: usize = 4;
+
+/// The most rows [`rows_times_weight_t`] takes on this CPU; more rows go to MLX's matmul.
+pub fn max_rows() -> usize {
+    if has_tiles() {
+        TILED_ROWS
+    } else {
+        DOT_ROWS
+    }
+}
+
+/// Whether this CPU runs the register tiles (AVX-512).
+fn has_tiles() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
 
 /// Weight bytes a task streams (a few hundred KB: enough tasks for every thread, few
 /// enough that handing them out costs nothing next to the reads).
@@ -44,9 +67,10 @@ pub fn rows_times_weight_t(
     k: usize,
     out: &mut [f32],
 ) -> Result<(), String> {
-    if rows == 0 || rows > MAX_ROWS || k == 0 || !w.len().is_multiple_of(k) {
+    let most = max_rows();
+    if rows == 0 || rows > most || k == 0 || !w.len().is_multiple_of(k) {
         return Err(format!(
-            "{rows} rows (at most {MAX_ROWS}) of {k} values times a weight of {} values",
+            "{rows} rows (at most {most}) of {k} values times a weight of {} values",
             w.len()
         ));
     }
@@ -60,7 +84,8 @@ pub fn rows_times_weight_t(
     }
     let per_task = (TASK_BYTES / (4 * k)).max(1);
     let kernel = dot_kernel(rows);
-    let tiling = (rows >= TILE_FROM).then(tiling);
+    #[cfg(target_arch = "x86_64")]
+    let tiled = rows > DOT_ROWS;
     // Each task fills its features for every row, feature-major: with one row that is
     // `out`'s own layout; with several the result is transposed into `out` at the end
     // (rows · n values, next to nothing).
@@ -75,8 +100,9 @@ pub fn rows_times_weight_t(
         .par_chunks_mut(per_task * rows)
         .zip(w.par_chunks(per_task * k))
         .for_each(|(o, w)| {
-            if let Some(tiling) = &tiling {
-                return tile_task(tiling, x, w, rows, k, o);
+            #[cfg(target_arch = "x86_64")]
+            if tiled {
+                return tile_task(x, w, rows, k, o);
             }
             for (o, w) in o.chunks_exact_mut(rows).zip(w.chunks_exact(k)) {
                 kernel(x, w, k, o);
@@ -92,31 +118,32 @@ pub fn rows_times_weight_t(
 
 /// One task's share of a product of many rows: its weight rows `w` (`feats · k` values)
 /// times every row of `x`, feature-major into `o` (`feats · rows`), in register tiles of
-/// the kernel's weight rows by [`TILE_ROWS`] input rows (the last weight rows of an odd
-/// count one at a time). For each group of input rows the tiles walk the task's weights,
-/// which stay in the core's second-level cache after the first group read them from
-/// memory; each load then feeds several multiply-adds, as in a GEMM, without BLAS's copy
-/// of the whole weight into its packed layout on every call (what a BLAS product of a few
-/// rows spends most of its time on: docs/mlx.md).
-fn tile_task(tiling: &Tiling, x: &[f32], w: &[f32], rows: usize, k: usize, o: &mut [f32]) {
+/// [`TILE_FEATURES`] weight rows by [`TILE_ROWS`] input rows (the last weight rows of a
+/// count that is not a multiple one at a time). For each group of input rows the tiles
+/// walk the task's weights, which stay in the core's second-level cache after the first
+/// group read them from memory; each load then feeds several multiply-adds, as in a GEMM,
+/// without BLAS's copy of the whole weight into its packed layout on every call (what a
+/// BLAS product of a few rows spends most of its time on: docs/mlx.md). Only on a CPU with
+/// AVX-512 ([`has_tiles`]).
+#[cfg(target_arch = "x86_64")]
+fn tile_task(x: &[f32], w: &[f32], rows: usize, k: usize, o: &mut [f32]) {
+    assert!(has_tiles(), "register tiles need AVX-512");
     let feats = w.len() / k;
-    let mut sums = [0f32; MAX_TILE_FEATURES * TILE_ROWS];
+    let mut sums = [0f32; TILE_FEATURES * TILE_ROWS];
     for r in (0..rows).step_by(TILE_ROWS) {
         let rs = (rows - r).min(TILE_ROWS);
         let mut f = 0;
         while f < feats {
-            let fs = if feats - f >= tiling.features {
-                tiling.features
+            let fs = if feats - f >= TILE_FEATURES {
+                TILE_FEATURES
             } else {
                 1
             };
-            let kernel = (tiling.kernel)(fs, rs);
-            kernel(
-                &x[r * k..(r + rs) * k],
-                &w[f * k..(f + fs) * k],
-                k,
-                &mut sums,
-            );
+            let (x, w) = (&x[r * k..(r + rs) * k], &w[f * k..(f + fs) * k]);
+            assert!(x.len() == rs * k && w.len() == fs * k, "tile bounds");
+            // SAFETY: the CPU has AVX-512 (asserted above); the tile reads `fs` rows of `w`
+            // and `rs` of `x`, `k` values each, which the slices hold (asserted).
+            unsafe { tile_kernel(fs, rs)(x, w, k, &mut sums) };
             for fi in 0..fs {
                 let dst = &mut o[(f + fi) * rows + r..][..rs];
                 dst.copy_from_slice(&sums[fi * TILE_ROWS..][..rs]);
@@ -127,133 +154,36 @@ fn tile_task(tiling: &Tiling, x: &[f32], w: &[f32], rows: usize, k: usize, o: &m
 }
 
 /// The sums of one tile: `sums[f · TILE_ROWS + r] = Σᵢ x[r · k + i] · w[f · k + i]` for
-/// its weight rows `f` and input rows `r`.
-type TileKernel = fn(&[f32], &[f32], usize, &mut [f32]);
-
-/// The register tiles of this CPU: how many weight rows a tile takes (with [`TILE_ROWS`]
-/// input rows) and the kernel for a tile of `(weight rows, input rows)`: one or
-/// `features` by one to [`TILE_ROWS`].
-struct Tiling {
-    features: usize,
-    kernel: fn(usize, usize) -> TileKernel,
-}
-
-/// Picks `$f::<F, R>` for `(features, rows)`: `F` is 1 or `$full`, `R` 1 to [`TILE_ROWS`].
-macro_rules! tile_shapes {
-    ($f:ident, $full:literal) => {
-        |features: usize, rows: usize| -> TileKernel {
-            match (features == 1, rows) {
-                (true, 1) => |x, w, k, s| $f::<1, 1>(x, w, k, s),
-                (true, 2) => |x, w, k, s| $f::<1, 2>(x, w, k, s),
-                (true, 3) => |x, w, k, s| $f::<1, 3>(x, w, k, s),
-                (true, 4) => |x, w, k, s| $f::<1, 4>(x, w, k, s),
-                (true, 5) => |x, w, k, s| $f::<1, 5>(x, w, k, s),
-                (true, _) => |x, w, k, s| $f::<1, 6>(x, w, k, s),
-                (false, 1) => |x, w, k, s| $f::<$full, 1>(x, w, k, s),
-                (false, 2) => |x, w, k, s| $f::<$full, 2>(x, w, k, s),
-                (false, 3) => |x, w, k, s| $f::<$full, 3>(x, w, k, s),
-                (false, 4) => |x, w, k, s| $f::<$full, 4>(x, w, k, s),
-                (false, 5) => |x, w, k, s| $f::<$full, 5>(x, w, k, s),
-                (false, _) => |x, w, k, s| $f::<$full, 6>(x, w, k, s),
-            }
-        }
-    };
-}
-
-/// The tiling for this CPU: AVX-512 (4 weight rows by 6 input rows, 24 of the 32
-/// registers for the sums), else AVX2 + FMA (2 by 6, 12 of 16), else the portable code
-/// (2 by 6).
-fn tiling() -> Tiling {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") {
-            return Tiling {
-                features: 4,
-                kernel: tile_shapes!(tile_avx512, 4),
-            };
-        }
-        if has!("avx2") && has!("fma") {
-            return Tiling {
-                features: 2,
-                kernel: tile_shapes!(tile_avx2, 2),
-            };
-        }
-    }
-    portable_tiling()
-}
-
-/// The tiling of a CPU without AVX2 (also tested on its own on any CPU).
-fn portable_tiling() -> Tiling {
-    Tiling {
-        features: 2,
-        kernel: tile_shapes!(tile, 2),
-    }
-}
-
+/// its weight rows `f` and input rows `r`. Unsafe: the CPU must have AVX-512, and `x`
+/// and `w` must hold the tile's rows of `k` values.
 #[cfg(target_arch = "x86_64")]
-fn tile_avx2<const F: usize, const R: usize>(x: &[f32], w: &[f32], k: usize, sums: &mut [f32]) {
-    assert!(
-        x.len() >= R * k && w.len() >= F * k && sums.len() >= F * TILE_ROWS && R <= TILE_ROWS,
-        "tile kernel bounds"
-    );
-    // SAFETY: chosen only when the CPU has AVX2 and FMA (`tile_kernel`); bounds asserted.
-    unsafe { tile_avx2_inner::<F, R>(x, w, k, sums) }
-}
+type TileKernel = unsafe fn(&[f32], &[f32], usize, &mut [f32]);
 
-/// [`tile`] with AVX2 + FMA registers: one vector of 8 values a sum.
+/// The tile of `features` weight rows (1 or [`TILE_FEATURES`]) by `rows` input rows (1 to
+/// [`TILE_ROWS`]).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2_inner<const F: usize, const R: usize>(
-    x: &[f32],
-    w: &[f32],
-    k: usize,
-    sums: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    let whole = k - k % 8;
-    let (xp, wp) = (x.as_ptr(), w.as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); R]; F];
-    let mut i = 0;
-    while i < whole {
-        let mut wv = [_mm256_setzero_ps(); F];
-        for (f, wv) in wv.iter_mut().enumerate() {
-            *wv = _mm256_loadu_ps(wp.add(f * k + i));
-        }
-        for r in 0..R {
-            let xv = _mm256_loadu_ps(xp.add(r * k + i));
-            for (a, wv) in acc.iter_mut().zip(&wv) {
-                a[r] = _mm256_fmadd_ps(xv, *wv, a[r]);
-            }
-        }
-        i += 8;
-    }
-    for (f, a) in acc.iter().enumerate() {
-        for (r, a) in a.iter().enumerate() {
-            let lanes: [f32; 8] = std::mem::transmute(*a);
-            let mut s = lanes.iter().sum::<f32>();
-            for j in whole..k {
-                s += x[r * k + j] * w[f * k + j];
-            }
-            sums[f * TILE_ROWS + r] = s;
-        }
+fn tile_kernel(features: usize, rows: usize) -> TileKernel {
+    match (features == 1, rows) {
+        (true, 1) => tile_avx512::<1, 1>,
+        (true, 2) => tile_avx512::<1, 2>,
+        (true, 3) => tile_avx512::<1, 3>,
+        (true, 4) => tile_avx512::<1, 4>,
+        (true, 5) => tile_avx512::<1, 5>,
+        (true, _) => tile_avx512::<1, 6>,
+        (false, 1) => tile_avx512::<TILE_FEATURES, 1>,
+        (false, 2) => tile_avx512::<TILE_FEATURES, 2>,
+        (false, 3) => tile_avx512::<TILE_FEATURES, 3>,
+        (false, 4) => tile_avx512::<TILE_FEATURES, 4>,
+        (false, 5) => tile_avx512::<TILE_FEATURES, 5>,
+        (false, _) => tile_avx512::<TILE_FEATURES, 6>,
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-fn tile_avx512<const F: usize, const R: usize>(x: &[f32], w: &[f32], k: usize, sums: &mut [f32]) {
-    assert!(
-        x.len() >= R * k && w.len() >= F * k && sums.len() >= F * TILE_ROWS && R <= TILE_ROWS,
-        "tile kernel bounds"
-    );
-    // SAFETY: chosen only when the CPU has AVX-512F (`tile_kernel`); bounds asserted.
-    unsafe { tile_avx512_inner::<F, R>(x, w, k, sums) }
-}
-
-/// [`tile`] with AVX-512 registers: one vector of 16 values a sum.
+/// One tile with AVX-512 registers: one vector of 16 values a sum, the tail of `k` past the
+/// last whole vector in scalar code.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512_inner<const F: usize, const R: usize>(
+unsafe fn tile_avx512<const F: usize, const R: usize>(
     x: &[f32],
     w: &[f32],
     k: usize,
@@ -280,37 +210,6 @@ unsafe fn tile_avx512_inner<const F: usize, const R: usize>(
     for (f, a) in acc.iter().enumerate() {
         for (r, a) in a.iter().enumerate() {
             let mut s = _mm512_reduce_add_ps(*a);
-            for j in whole..k {
-                s += x[r * k + j] * w[f * k + j];
-            }
-            sums[f * TILE_ROWS + r] = s;
-        }
-    }
-}
-
-/// The portable tile: `F` weight rows times `R` input rows in eight partial sums each.
-#[inline(always)]
-fn tile<const F: usize, const R: usize>(x: &[f32], w: &[f32], k: usize, sums: &mut [f32]) {
-    assert!(
-        x.len() >= R * k && w.len() >= F * k && sums.len() >= F * TILE_ROWS && R <= TILE_ROWS,
-        "tile kernel bounds"
-    );
-    let whole = k - k % 8;
-    let mut acc = [[[0f32; 8]; R]; F];
-    for i in (0..whole).step_by(8) {
-        for (f, a) in acc.iter_mut().enumerate() {
-            let wv = &w[f * k + i..][..8];
-            for (r, a) in a.iter_mut().enumerate() {
-                let xv = &x[r * k + i..][..8];
-                for l in 0..8 {
-                    a[l] += xv[l] * wv[l];
-                }
-            }
-        }
-    }
-    for (f, a) in acc.iter().enumerate() {
-        for (r, a) in a.iter().enumerate() {
-            let mut s = a.iter().sum::<f32>();
             for j in whole..k {
                 s += x[r * k + j] * w[f * k + j];
             }
@@ -473,7 +372,7 @@ mod tests {
 
     #[test]
     fn matches_a_naive_product_for_every_row_count_and_tail() {
-        for rows in 1..=MAX_ROWS {
+        for rows in 1..=max_rows() {
             // 16 · 37 + 5 values a row: whole lane groups and a tail; 300 features span tasks.
             for (k, n) in [(597, 300), (16, 3), (3, 5), (4096, 70)] {
                 let x = values(rows * k, rows);
@@ -502,49 +401,30 @@ mod tests {
         }
     }
 
-    /// Every register tiling this CPU can run (the portable one always), on its own: rows
-    /// that fill tiles and leave a part, weight rows that leave one over, a tail of `k`.
+    /// The register tiles on their own: rows that fill tiles and leave a part, weight rows
+    /// that leave some over, a tail of `k`. Needs AVX-512 (the tiles run nowhere else).
     #[test]
-    fn every_tiling_matches_a_naive_product() {
-        let mut tilings = vec![("portable", portable_tiling())];
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx2") && has!("fma") {
-                let kernel = tile_shapes!(tile_avx2, 2);
-                tilings.push((
-                    "avx2",
-                    Tiling {
-                        features: 2,
-                        kernel,
-                    },
-                ));
-            }
-            if has!("avx512f") {
-                let kernel = tile_shapes!(tile_avx512, 4);
-                tilings.push((
-                    "avx512",
-                    Tiling {
-                        features: 4,
-                        kernel,
-                    },
-                ));
-            }
+    #[cfg(target_arch = "x86_64")]
+    fn the_register_tiles_match_a_naive_product() {
+        if !has_tiles() {
+            eprintln!(
+                "\n*** SKIPPED the_register_tiles_match_a_naive_product: this CPU has no \
+                 AVX-512, so the row product never runs the tiles here\n"
+            );
+            return;
         }
         let (k, n) = (16 * 37 + 5, 13);
-        for (name, tiling) in &tilings {
-            for rows in [1, 5, 6, 7, 12, 17] {
-                let (x, w) = (values(rows * k, rows), values(n * k, 3));
-                let mut by_feature = vec![f32::NAN; n * rows];
-                tile_task(tiling, &x, &w, rows, k, &mut by_feature);
-                let mut out = vec![f32::NAN; rows * n];
-                for (f, v) in by_feature.chunks_exact(rows).enumerate() {
-                    for (r, &v) in v.iter().enumerate() {
-                        out[r * n + f] = v;
-                    }
+        for rows in [1, 5, 6, 7, 12, 17] {
+            let (x, w) = (values(rows * k, rows), values(n * k, 3));
+            let mut by_feature = vec![f32::NAN; n * rows];
+            tile_task(&x, &w, rows, k, &mut by_feature);
+            let mut out = vec![f32::NAN; rows * n];
+            for (f, v) in by_feature.chunks_exact(rows).enumerate() {
+                for (r, &v) in v.iter().enumerate() {
+                    out[r * n + f] = v;
                 }
-                assert_product(&out, &x, &w, rows, k, &format!("{name}, {rows} rows"));
             }
+            assert_product(&out, &x, &w, rows, k, &format!("tiles, {rows} rows"));
         }
     }
 
@@ -552,7 +432,7 @@ mod tests {
     fn refuses_shapes_that_do_not_fit() {
         let mut out = [0f32; 2];
         assert!(rows_times_weight_t(&[1.0; 4], &[1.0; 4], 0, 2, &mut out).is_err());
-        assert!(rows_times_weight_t(&[1.0; 18], &[1.0; 4], MAX_ROWS + 1, 2, &mut out).is_err());
+        assert!(rows_times_weight_t(&[1.0; 34], &[1.0; 4], max_rows() + 1, 2, &mut out).is_err());
         assert!(rows_times_weight_t(&[1.0; 4], &[1.0; 5], 2, 2, &mut out).is_err());
         assert!(rows_times_weight_t(&[1.0; 3], &[1.0; 4], 2, 2, &mut out).is_err());
         assert!(rows_times_weight_t(&[1.0; 4], &[1.0; 6], 2, 2, &mut [0f32; 4]).is_err());

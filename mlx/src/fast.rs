@@ -62,7 +62,7 @@ pub fn gated_mul_stacked(gate: Gate, y: &Array) -> Result<Array> {
 
 /// `x · wᵀ` for `x` `[.., k]` and a weight `w` `[n, k]` (a linear layer's product, as
 /// checkpoints store the weight). On the CPU, f32 with at most
-/// [`crate::cpu_row_product::MAX_ROWS`] rows (a decode step's) is one graph node that runs
+/// [`crate::cpu_row_product::max_rows`] rows (a decode step's) is one graph node that runs
 /// [`crate::cpu_row_product`] on all cores when MLX evaluates it (MLX's CPU matmul reads the
 /// weights on one thread); elsewhere, and with the fused CPU paths switched off
 /// ([`set_cpu_attention`]), MLX's matmul over a transposed view.
@@ -72,7 +72,7 @@ pub fn matmul_weight_t(x: &Array, w: &Array) -> Result<Array> {
     if shape.len() == 2
         && k > 0
         && x.size() > 0
-        && x.size() / k <= crate::cpu_row_product::MAX_ROWS
+        && x.size() / k <= crate::cpu_row_product::max_rows()
         && x.dtype() == Dtype::F32
         && w.dtype() == Dtype::F32
         && cpu_attention()
@@ -80,7 +80,7 @@ pub fn matmul_weight_t(x: &Array, w: &Array) -> Result<Array> {
     {
         return Array::wrap(
             "matmul_weight_t",
-            ffi::rows_times_weight_t(x.inner(), w.inner(), crate::cpu_row_product::MAX_ROWS),
+            ffi::rows_times_weight_t(x.inner(), w.inner(), crate::cpu_row_product::max_rows()),
         );
     }
     x.matmul(&w.transpose(&[1, 0])?)

@@ -1509,14 +1509,15 @@ fn split_into_more_than_ten_pieces_is_exact_and_builds_few_nodes() {
 }
 
 /// `x · wᵀ` through `fast::matmul_weight_t` against a naive product for 1 to
-/// `cpu_row_product::MAX_ROWS` + 2 rows, x contiguous, batched ([2, r, k]) and a transposed
-/// view: on the CPU up to `MAX_ROWS` rows are one `RowsTimesWeightT` node (the kernel, in
-/// register tiles from 9 rows), more rows MLX's matmul; the two agree to float rounding.
+/// `cpu_row_product::max_rows()` + 2 rows, x contiguous, batched ([2, r, k]) and a
+/// transposed view: on the CPU up to `max_rows()` rows are one `RowsTimesWeightT` node (the
+/// kernel, in register tiles from 9 rows with AVX-512), more rows MLX's matmul; the two
+/// agree to float rounding.
 #[test]
 fn matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx() {
     let mut r = rng("matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx");
     let on_cpu = mlx::default_device().unwrap() == mlx::Device::Cpu && fast::cpu_attention();
-    for rows in 1..=mlx::cpu_row_product::MAX_ROWS + 2 {
+    for rows in 1..=mlx::cpu_row_product::max_rows() + 2 {
         let (k, n) = (r.gen_range(1..300), r.gen_range(1..200));
         let x = randn(&mut r, rows * k);
         let w = randn(&mut r, n * k);
@@ -1544,7 +1545,7 @@ fn matmul_weight_t_matches_naive_on_the_row_kernel_and_mlx() {
         for xa in inputs {
             let got = fast::matmul_weight_t(&xa, &wa).unwrap();
             assert_eq!(got.shape(), vec![rows as i32, n as i32]);
-            let kernel = on_cpu && rows <= mlx::cpu_row_product::MAX_ROWS;
+            let kernel = on_cpu && rows <= mlx::cpu_row_product::max_rows();
             let names = mlx::pending_primitives(&[&got]).unwrap();
             assert_eq!(
                 names.iter().any(|p| p == "RowsTimesWeightT"),
