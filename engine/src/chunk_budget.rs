@@ -15,8 +15,9 @@
 //! ms (docs/server.md, "Step budget"); a fit across both reads that as a fixed cost of
 //! every chunk. Where nothing fits and the smallest size has not run, it runs once.
 //!
-//! A chunk is never one whose time per token is over twice the best measured or fitted
-//! (at most 2x the prefill time per token while rows decode). Where no chunk fits the
+//! A chunk is never one whose time per token is over twice the best (the best measured
+//! size's where any was measured, else the fit's: at most 2x the prefill time per token
+//! while rows decode). Where no chunk fits the
 //! budget, the smallest that meets this runs: a large one where a pass's fixed cost dwarfs
 //! a token's (the H200's case), a few dozen tokens where tokens are dear.
 
@@ -96,8 +97,9 @@ impl ChunkBudget {
             self.chunks.fit_or_per_unit(true),
         ) {
             (Some(stretch), Some(decode_s), Some(fit)) => {
-                let cost = |n: usize| {
-                    (self.by_size.get(&n).copied()).unwrap_or_else(|| fit.seconds(n, cached))
+                let cost = |n: usize| match self.by_size.get(&n) {
+                    Some(&measured) => (measured, true),
+                    None => (fit.seconds(n, cached), false),
                 };
                 let untried = !self.by_size.contains_key(&MIN_CHUNK);
                 chunk_within(cost, (stretch - 1.0) * decode_s, ceiling, untried)
@@ -111,9 +113,12 @@ impl ChunkBudget {
 /// `ceiling` itself) whose `cost` is at most `budget_s` and whose time per token is at
 /// most twice the best of these sizes'. Where none fits: [`MIN_CHUNK`] when
 /// `min_untried` (a cost read from larger chunks may not hold for it), else the smallest
-/// size within twice the best time per token.
+/// size within twice the best time per token. `cost` gives each size's seconds and
+/// whether they were measured; where any size was, the best time per token is the best
+/// measured one (a fit's estimate for a size not run may be far too low on a machine
+/// whose cost is not one line, and would make every measured size look dear).
 pub(crate) fn chunk_within(
-    cost: impl Fn(usize) -> f64,
+    cost: impl Fn(usize) -> (f64, bool),
     budget_s: f64,
     ceiling: usize,
     min_untried: bool,
@@ -126,19 +131,27 @@ pub(crate) fn chunk_within(
         .take_while(|&n| n < ceiling)
         .collect();
     sizes.push(ceiling);
-    let costs: Vec<(usize, f64)> = sizes.iter().map(|&n| (n, cost(n))).collect();
+    let costs: Vec<(usize, f64, bool)> = sizes
+        .iter()
+        .map(|&n| {
+            let (c, measured) = cost(n);
+            (n, c, measured)
+        })
+        .collect();
+    let any_measured = costs.iter().any(|c| c.2);
     let best = costs
         .iter()
-        .map(|&(n, c)| c / n as f64)
+        .filter(|c| c.2 || !any_measured)
+        .map(|&(n, c, _)| c / n as f64)
         .fold(f64::INFINITY, f64::min);
-    let efficient = |&&(n, c): &&(usize, f64)| c <= 2.0 * best * n as f64;
-    if let Some(&(n, _)) = costs.iter().rfind(|p| efficient(p) && p.1 <= budget_s) {
+    let efficient = |&&(n, c, _): &&(usize, f64, bool)| c <= 2.0 * best * n as f64;
+    if let Some(&(n, _, _)) = costs.iter().rfind(|p| efficient(p) && p.1 <= budget_s) {
         return n;
     }
     if min_untried {
         return MIN_CHUNK;
     }
-    costs.iter().find(efficient).map_or(ceiling, |&(n, _)| n)
+    costs.iter().find(efficient).map_or(ceiling, |&(n, _, _)| n)
 }
 
 #[cfg(test)]
@@ -157,7 +170,7 @@ mod tests {
 
     /// [`chunk_within`] with every size's cost from `f` after `cached` tokens.
     fn within(f: Fit, cached: usize, budget_s: f64, ceiling: usize) -> usize {
-        chunk_within(|n| f.seconds(n, cached), budget_s, ceiling, false)
+        chunk_within(|n| (f.seconds(n, cached), false), budget_s, ceiling, false)
     }
 
     #[test]
@@ -229,6 +242,25 @@ mod tests {
         b.observe_chunk(8, 512, 0.049 + 0.045);
         b.observe_chunk(16, 520, 0.049 + 0.057);
         assert_eq!(b.most(536, 512), 16);
+    }
+
+    #[test]
+    fn a_fitted_size_never_sets_the_bar_for_measured_ones() {
+        // Session 33's slow stretch arm (cpu-vm, SmolLM2, 8 rows decoding in 49 ms): the
+        // 512-token chunk measured 1.8 ms a token, 16 tokens 4 ms and 32 tokens 2.5 ms; a line through the
+        // measured sizes put 128 unmeasured tokens at ~1.2 ms a token. Against that
+        // estimate, 32 measured tokens were over twice the best and 128 ran (a 150 ms
+        // stall). Against the best measured size (1.8 ms) 32 tokens are efficient, and
+        // the smallest efficient size runs.
+        let measured = [(8, 0.071), (16, 0.064), (32, 0.080), (512, 0.92)];
+        let cost = |n: usize| match measured.iter().find(|m| m.0 == n) {
+            Some(&(_, s)) => (s, true),
+            None => (n as f64 * 0.0012, false),
+        };
+        assert_eq!(chunk_within(cost, 0.0245, 512, false), 32);
+        // With nothing measured the fit is all there is: the same estimates set the bar.
+        let fitted = |n: usize| (cost(n).0, false);
+        assert_eq!(chunk_within(fitted, 0.0245, 512, false), 64);
     }
 
     #[test]
