@@ -173,7 +173,10 @@ fn metrics_show_the_remote_tier_two_servers_share_blocks_through_redis() {
     let (sa, sb) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let a = start(sa.path(), &["--remote", &url, "--remote-ttl", "600"]);
     let pa = a.port;
-    let b = start(sb.path(), &["--remote", &url]);
+    // B restores every cached block (`--restore always`): this test is about the remote
+    // tier's metrics, and for the tiny model under a loaded machine the cost model may
+    // rightly find recomputing 3 blocks cheaper than importing them (then no remote hits).
+    let b = start(sb.path(), &["--remote", &url, "--restore", "always"]);
     let pb = b.port;
     let body = serde_json::json!({
         "model": "tiny-qwen3",
