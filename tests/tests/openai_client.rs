@@ -79,12 +79,7 @@ fn sixty_four_concurrent_streams_finish_without_errors_and_memory_returns_to_bas
         })
         .to_string()
     };
-    // Warm-up: one whole load of 64 streams first, so the baseline holds what the engine
-    // makes once and keeps (a first load can leave ~0.2 MB of MLX memory that no array of
-    // ours holds and that no later load adds to: seen in a tenth to a quarter of runs on a
-    // loaded 2-core machine, with mixed steps only; docs/server.md, "Memory after a
-    // load"). The second load must then give back everything but what the device tier
-    // keeps resident: a leak of 512 bytes a request would show.
+    // One load: 64 streams at once, each must finish with [DONE]; then the server idles.
     let load = |first: usize| {
         let handles: Vec<_> = (first..first + 64)
             .map(|i| {
@@ -115,22 +110,22 @@ fn sixty_four_concurrent_streams_finish_without_errors_and_memory_returns_to_bas
             std::thread::sleep(Duration::from_millis(50));
         }
     };
-    load(1000);
     let resident = || gauge(port, "kvstore_device_resident_bytes");
-    // Settled: the same reading twice, 200 ms apart (a finished step frees its buffers
-    // just after the requests end).
-    let settle_start = Instant::now();
-    let mut baseline = gauge(port, "kvstore_mlx_active_bytes") - resident();
-    loop {
-        std::thread::sleep(Duration::from_millis(200));
-        let now = gauge(port, "kvstore_mlx_active_bytes") - resident();
-        if now == baseline || settle_start.elapsed() > Duration::from_secs(5) {
-            baseline = baseline.min(now);
-            break;
+    // Live MLX memory beyond the resident sequences, settled: the same reading twice, 200
+    // ms apart (a finished step frees its buffers just after its requests end).
+    let settled = || {
+        let start = Instant::now();
+        let mut last = gauge(port, "kvstore_mlx_active_bytes") - resident();
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = gauge(port, "kvstore_mlx_active_bytes") - resident();
+            if now == last || start.elapsed() > Duration::from_secs(5) {
+                return last.min(now);
+            }
+            last = now;
         }
-        baseline = now;
-    }
-    load(0);
+    };
+    load(1000);
     assert_eq!(
         gauge(port, "kvstore_kv_reserved_bytes"),
         0.0,
@@ -141,20 +136,27 @@ fn sixty_four_concurrent_streams_finish_without_errors_and_memory_returns_to_bas
         "the streams never shared a decode step"
     );
     // What stays on the device is the finished sequences the device tier keeps resident
-    // (within --kv-budget); everything else returns, within 32 KiB (a second load has been
-    // seen to keep up to 16 KiB more, not diagnosed; 64 requests' KV is ~8 MiB).
+    // (within --kv-budget); everything else returns. A load may keep up to ~0.25 MB once
+    // in a process (docs/server.md, "Memory after a load": open, never repeated in a
+    // process), so the memory must reach a steady state: within 4 more loads, one load
+    // leaves it where it found it, within 32 KB (a leak of 512 bytes a request, or one
+    // sequence's KV left behind, grows it in every load).
     const SLACK: f64 = 32.0 * 1024.0;
-    let start = Instant::now();
-    let mut after = gauge(port, "kvstore_mlx_active_bytes") - resident();
-    while after > baseline + SLACK && start.elapsed() < Duration::from_secs(20) {
-        std::thread::sleep(Duration::from_millis(100));
-        after = gauge(port, "kvstore_mlx_active_bytes") - resident();
+    let mut growth = Vec::new();
+    let mut before = settled();
+    for first in [2000, 3000, 4000, 5000] {
+        load(first);
+        let after = settled();
+        growth.push(after - before);
+        if after <= before + SLACK {
+            break;
+        }
+        before = after;
     }
     assert!(
-        after <= baseline + SLACK,
-        "live MLX memory beyond the resident sequences' {} bytes grew from {baseline} to \
-         {after} in a load of 64 streams",
-        resident()
+        growth.last().is_some_and(|&g| g <= SLACK),
+        "live MLX memory beyond the resident sequences grew in every load of 64 streams \
+         (bytes a load: {growth:?})"
     );
     assert!(
         resident() <= gauge(port, "kvstore_device_budget_bytes"),
