@@ -17,9 +17,9 @@
 //!
 //! A chunk is never one whose time per token is over twice the best (the best measured
 //! size's where any was measured, else the fit's: at most 2x the prefill time per token
-//! while rows decode). Where no chunk fits the
-//! budget, the smallest that meets this runs: a large one where a pass's fixed cost dwarfs
-//! a token's (the H200's case), a few dozen tokens where tokens are dear.
+//! while rows decode). Where no chunk fits the budget, the smallest that meets this runs:
+//! a large one where a pass's fixed cost dwarfs a token's (the H200's case), a few dozen
+//! tokens where tokens are dear.
 
 use crate::cost_model::Measure;
 use std::collections::BTreeMap;
