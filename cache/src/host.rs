@@ -29,6 +29,7 @@ use crate::pool::BlockShape;
 use rayon::prelude::*;
 
 use crate::scratch::{with_scratch, with_scratch_pair, KEEP_BYTES};
+use crate::transfer_pool;
 use crate::{CacheError, KvFormat, LayerState};
 
 /// What decides which published blocks carry their window layers' planes: a continuation
@@ -274,20 +275,24 @@ fn read_run(
         .chain(states.iter().flatten().flatten().flatten())
         .collect();
     mlx::eval(&all)?;
-    // Where transfers go through the driver (CUDA), layers are read and split on rayon's
-    // threads (each keeps its page-locked scratch): one thread read back ~1.4 GB/s on the
-    // H200 under the trace, below what the engine publishes (docs/benchmarks.md, session
-    // 22). On the CPU rayon's threads run MLX's kernels: one layer after another there.
+    // Where transfers go through the driver (CUDA), layers are read and split on the
+    // transfer pool's threads (each keeps its page-locked scratch): one thread read back
+    // ~1.4 GB/s on the H200 under the trace, below what the engine publishes, and every
+    // core slowed the engine thread's launches (docs/benchmarks.md, sessions 22 and 35;
+    // cache/src/transfer_pool.rs). On the CPU rayon's threads run MLX's kernels: one layer
+    // after another there.
     // Either way the planes go to the blocks in layer order.
     let planes_of = |(layer, layer_parts): (usize, Vec<Array>)| {
         layer_planes(layer, layer_parts, format, n, block_size, &keeps, &window)
     };
     let per_layer: Vec<Vec<(usize, Plane)>> = if parallel {
-        parts
-            .into_par_iter()
-            .enumerate()
-            .map(planes_of)
-            .collect::<Result<_, CacheError>>()?
+        transfer_pool::run(|| {
+            parts
+                .into_par_iter()
+                .enumerate()
+                .map(planes_of)
+                .collect::<Result<_, CacheError>>()
+        })?
     } else {
         parts
             .into_iter()
@@ -563,10 +568,12 @@ impl RunPart<'_> {
             fill(0, host);
         } else {
             let slots = host.len() / block_rows;
-            let per = slots.div_ceil(rayon::current_num_threads().max(1) * 4);
-            host.par_chunks_mut(per * block_rows)
-                .enumerate()
-                .for_each(|(c, chunk)| fill(c * per, chunk));
+            transfer_pool::run(|| {
+                let per = slots.div_ceil(rayon::current_num_threads().max(1) * 4);
+                host.par_chunks_mut(per * block_rows)
+                    .enumerate()
+                    .for_each(|(c, chunk)| fill(c * per, chunk));
+            });
         }
         Ok(())
     }
@@ -728,10 +735,12 @@ pub(crate) fn upload_run<B: AsRef<Block> + Sync>(
             hosts.push(part);
             rest = after;
         }
-        hosts
-            .par_iter_mut()
-            .zip(parts)
-            .try_for_each(|(host, p)| p.assemble(blocks, host, p.planes.len()))?;
+        transfer_pool::run(|| {
+            hosts
+                .par_iter_mut()
+                .zip(parts)
+                .try_for_each(|(host, p)| p.assemble(blocks, host, p.planes.len()))
+        })?;
         let writes = parts
             .iter()
             .zip(&hosts)
@@ -774,7 +783,7 @@ fn pipelined<B: AsRef<Block> + Sync>(
         for (i, part) in parts.iter().enumerate() {
             let following = parts.get(i + 1).map(|p| (p, sizes[i + 1]));
             let mut assembled = Ok(());
-            let moved = rayon::in_place_scope(|s| {
+            let moved = transfer_pool::in_place_scope(|s| {
                 if let Some((p, len)) = following {
                     let (next, assembled) = (&mut next[..len], &mut assembled);
                     s.spawn(move |_| *assembled = p.assemble(blocks, next, cap(p)));

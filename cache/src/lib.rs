@@ -33,6 +33,7 @@ mod scratch;
 mod share;
 mod staged;
 mod state;
+mod transfer_pool;
 
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
@@ -49,6 +50,7 @@ pub use resident::{
 pub use rows::{decode_path_totals, PagedKvRows};
 pub use share::ShareHandle;
 pub use staged::StagedRestore;
+pub use transfer_pool::transfer_threads;
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 
 use mlx::fast::AttentionMask;

@@ -186,10 +186,12 @@ impl StagedRestore {
                 at += len;
                 rest = after;
             }
-            hosts
-                .par_iter_mut()
-                .zip(run_parts)
-                .try_for_each(|(host, p)| p.assemble(blocks, host, p.planes.len()))?;
+            crate::transfer_pool::run(|| {
+                hosts
+                    .par_iter_mut()
+                    .zip(run_parts)
+                    .try_for_each(|(host, p)| p.assemble(blocks, host, p.planes.len()))
+            })?;
             Bytes::Rows { buffer, ranges }
         } else {
             let whole = run_parts

@@ -27,6 +27,7 @@
 # no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS); pt: a
 # short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS:
 # cache, nocache, always: --restore always, devonly: the device tier alone, no publication,
+# exclusive: full tiering, --device-tier exclusive,
 # ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache;
 # XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
@@ -500,6 +501,8 @@ case "$step" in
         cacherow) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering-row-by-row --no-flush" ;;
         always) rm -rf "$K/tstore"; A="$TIERS --restore always --store $K/tstore --label restore-always --no-flush" ;;
         devonly) rm -rf "$K/tstore"; A="${TIERS%% --ram-budget*} --ram-budget 0 --ssd-budget 0 --store $K/tstore --label device-tier-only --no-flush" ;;
+        # full tiering with blocks exported only as their sequence leaves the device
+        exclusive) rm -rf "$K/tstore"; A="$TIERS --device-tier exclusive --store $K/tstore --label full-tiering-exclusive --no-flush" ;;
         ramonly) rm -rf "$K/tstore"; A="${TIERS%% --ssd-budget*} --ssd-budget 0 --store $K/tstore --label device-and-ram --no-flush" ;;
         bigcache) rm -rf "$K/tstore"; A="$TIERS --mlx-cache-limit 16GiB --store $K/tstore --label full-tiering-mlx-cache-16GiB --no-flush" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
