@@ -50,8 +50,8 @@ pub use resident::{
 pub use rows::{decode_path_totals, PagedKvRows};
 pub use share::ShareHandle;
 pub use staged::StagedRestore;
-pub use transfer_pool::transfer_threads;
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
+pub use transfer_pool::transfer_threads;
 
 use mlx::fast::AttentionMask;
 use mlx::Array;

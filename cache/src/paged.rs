@@ -1509,6 +1509,22 @@ impl PagedKvCache {
             + self.states.nbytes()
     }
 
+    /// The allocator buffers behind [`Self::device_bytes`]: an evaluated arena's whole
+    /// buffer, which MLX's buffer cache may have made larger than the arena (a freed buffer
+    /// up to two pages or twice the size asked for is handed over whole:
+    /// [`mlx::Array::buffer_bytes`]); an unevaluated one's bytes. What MLX's active memory
+    /// counts for the cache; the budget counts [`Self::device_bytes`], which does not
+    /// depend on what the buffer cache held when the arenas were made.
+    pub fn buffer_bytes(&self) -> u64 {
+        self.layers
+            .iter()
+            .filter_map(|l| l.pool.as_ref())
+            .flat_map(|p| p.arrays())
+            .map(|a| a.nbytes().max(a.buffer_bytes()) as u64)
+            .sum::<u64>()
+            + self.states.nbytes()
+    }
+
     /// Whether a batch arena holds the KV of any layer (the cache is a row of a decoding
     /// [`crate::PagedKvRows`]; `PagedKvRows::row` shows it so): such a layer has no pool
     /// and [`Self::fetch`], appends, trims, publication and [`Self::state`] refuse it.

@@ -47,6 +47,8 @@ struct Entry {
     tokens: Vec<u32>,
     cache: PagedKvCache,
     bytes: u64,
+    /// The allocator buffers behind its arenas when it was parked (`buffer_bytes`).
+    buffers: u64,
     used: u64,
     /// Counts the caches that share a prefix of this one (its live sharers).
     handle: ShareHandle,
@@ -83,8 +85,12 @@ pub struct ResidentHit {
 pub struct ResidentStats {
     /// Sequences resident.
     pub sequences: usize,
-    /// Device bytes they hold (their arenas).
+    /// Device bytes they hold (their arenas), what the budget counts.
     pub resident_bytes: u64,
+    /// The allocator buffers behind those arenas: at least `resident_bytes`, more where
+    /// MLX's buffer cache handed an arena a larger freed buffer
+    /// ([`PagedKvCache::buffer_bytes`]).
+    pub resident_buffer_bytes: u64,
     /// Bytes reserved by live sequences.
     pub live_bytes: u64,
     /// The budget for both.
@@ -113,6 +119,7 @@ pub struct ResidentPool {
     budget: u64,
     live: u64,
     resident: u64,
+    resident_buffers: u64,
     entries: HashMap<u64, Entry>,
     /// Chain key of every full block of every entry → the entries holding it.
     index: HashMap<BlockKey, Vec<u64>>,
@@ -158,6 +165,7 @@ impl ResidentPool {
             budget: budget_bytes,
             live: 0,
             resident: 0,
+            resident_buffers: 0,
             entries: HashMap::new(),
             index: HashMap::new(),
             next_id: 0,
@@ -261,6 +269,7 @@ impl ResidentPool {
         ResidentStats {
             sequences: self.entries.len(),
             resident_bytes: self.resident,
+            resident_buffer_bytes: self.resident_buffers,
             live_bytes: self.live,
             budget_bytes: self.budget,
             ..self.stats
@@ -417,7 +426,9 @@ impl ResidentPool {
             self.index.entry(*k).or_default().push(id);
         }
         let bytes = cache.device_bytes();
+        let buffers = cache.buffer_bytes();
         self.resident += bytes;
+        self.resident_buffers += buffers;
         self.entries.insert(
             id,
             Entry {
@@ -425,6 +436,7 @@ impl ResidentPool {
                 tokens,
                 cache,
                 bytes,
+                buffers,
                 used: self.clock,
                 handle: ShareHandle::new(id),
             },
@@ -498,6 +510,7 @@ impl ResidentPool {
             }
         }
         self.resident -= e.bytes;
+        self.resident_buffers -= e.buffers;
         Some(e)
     }
 }

@@ -106,11 +106,17 @@ mod tests {
         };
         let (sum, on_pool) = names(true);
         assert_eq!(sum, 8_002_000);
-        assert!(on_pool.iter().all(|n| n.starts_with("kvstore-transfer-")), "{on_pool:?}");
+        assert!(
+            on_pool.iter().all(|n| n.starts_with("kvstore-transfer-")),
+            "{on_pool:?}"
+        );
         assert!(on_pool.len() <= transfer_threads(), "{on_pool:?}");
         // Off the pool the caller's own pool (rayon's global one here) does the work.
         let (sum, off) = names(false);
         assert_eq!(sum, 8_002_000);
-        assert!(off.iter().all(|n| !n.starts_with("kvstore-transfer-")), "{off:?}");
+        assert!(
+            off.iter().all(|n| !n.starts_with("kvstore-transfer-")),
+            "{off:?}"
+        );
     }
 }

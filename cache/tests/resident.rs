@@ -355,6 +355,38 @@ fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
     assert_eq!((s.handovers, s.forks, s.hits), (1, 2, 3));
 }
 
+/// The device tier counts its sequences' arenas (what the budget bounds) and the MLX
+/// buffers behind them (at least as many bytes; what MLX's active memory sees), and both
+/// go back to zero as sequences leave.
+#[test]
+fn resident_buffers_are_at_least_the_arenas_and_leave_with_them() {
+    let ns = NamespaceId([9; 32]);
+    let mut pool = ResidentPool::new(1 << 30);
+    for t in 0..3u32 {
+        park(&mut pool, ns, &[40 + t; 8]);
+        let s = pool.stats();
+        assert_eq!(s.sequences, t as usize + 1);
+        assert!(s.resident_bytes > 0);
+        assert!(
+            s.resident_buffer_bytes >= s.resident_bytes,
+            "{} buffer bytes behind {} arena bytes",
+            s.resident_buffer_bytes,
+            s.resident_bytes
+        );
+    }
+    // Each parked cache's buffers as the cache itself counts them.
+    let mut cache = PagedKvCache::new(1, config()).unwrap();
+    append(&mut cache, &[50; 8], 0);
+    assert!(cache.buffer_bytes() >= cache.device_bytes());
+    // A reservation of the whole budget evicts them all.
+    assert!(pool.reserve(1 << 30));
+    let s = pool.stats();
+    assert_eq!(
+        (s.sequences, s.resident_bytes, s.resident_buffer_bytes),
+        (0, 0, 0)
+    );
+}
+
 /// A resident sequence of `tokens` (one layer, evaluated) parked in `pool`.
 fn park(pool: &mut ResidentPool, ns: NamespaceId, tokens: &[u32]) -> usize {
     let mut cache = PagedKvCache::new(1, config()).unwrap();

@@ -164,6 +164,14 @@ impl Array {
         check("nbytes", ffi::array_nbytes(self.inner())).unwrap_or(0)
     }
 
+    /// Bytes of the allocator buffer behind an evaluated array, 0 before it is evaluated.
+    /// At least [`Self::nbytes`] for an array of its own: MLX's buffer cache hands a freed
+    /// buffer of up to about twice the size asked for to a new array, which then holds all
+    /// of it; a view reports its whole base buffer.
+    pub fn buffer_bytes(&self) -> usize {
+        check("buffer_bytes", ffi::array_buffer_bytes(self.inner())).unwrap_or(0)
+    }
+
     /// Address of the first element of an evaluated array. Used to check buffer donation
     /// (an in-place update keeps the address); an unevaluated array is an error.
     pub fn data_addr(&self) -> Result<usize> {

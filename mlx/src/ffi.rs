@@ -107,6 +107,7 @@ pub(crate) mod ffi {
         fn array_shape(a: &Array) -> Result<Vec<i32>>;
         fn array_dtype(a: &Array) -> Result<u8>;
         fn array_nbytes(a: &Array) -> Result<usize>;
+        fn array_buffer_bytes(a: &Array) -> Result<usize>;
         fn array_data_addr(a: &Array) -> Result<usize>;
         fn list_new() -> Result<UniquePtr<ArrayList>>;
         fn list_push(list: Pin<&mut ArrayList>, a: &Array) -> Result<()>;

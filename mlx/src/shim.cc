@@ -232,6 +232,14 @@ rust::Vec<int32_t> array_shape(const Array& a) {
 
 uint8_t array_dtype(const Array& a) { return from_dtype(a.inner.dtype()); }
 size_t array_nbytes(const Array& a) { return a.inner.nbytes(); }
+// The whole allocator buffer behind an evaluated array: every array MLX computes or this
+// shim makes lives in memory from MLX's allocator, whose `size` knows each buffer's length.
+size_t array_buffer_bytes(const Array& a) {
+  if (!a.inner.is_available() || !a.inner.data_shared_ptr()) return 0;
+  auto buf = a.inner.buffer();
+  if (buf.ptr() == nullptr) return 0;
+  return mx::allocator::allocator().size(buf);
+}
 
 size_t array_data_addr(const Array& a) {
   if (!a.inner.is_available()) throw std::runtime_error("array is not evaluated");

@@ -65,6 +65,7 @@ void pinned_free(size_t p);
 rust::Vec<int32_t> array_shape(const Array& a);
 uint8_t array_dtype(const Array& a);
 size_t array_nbytes(const Array& a);
+size_t array_buffer_bytes(const Array& a);
 size_t array_data_addr(const Array& a);
 std::unique_ptr<ArrayList> list_new();
 void list_push(ArrayList& list, const Array& a);

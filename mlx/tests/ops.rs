@@ -1597,3 +1597,41 @@ fn zeroed_arrays_keep_each_shape_and_dtype() {
     }
     assert!(mlx::zeroed_on_device(&[]).unwrap().is_empty());
 }
+
+/// An evaluated array's buffer is at least its bytes, and no more than MLX's buffer cache
+/// hands over (a freed buffer at most two pages, or twice the size, larger than asked for),
+/// which the array then holds whole: what `PagedKvCache::buffer_bytes` counts for an arena
+/// (docs/server.md, "Memory after a load").
+#[test]
+fn buffer_bytes_are_the_whole_buffer_an_evaluated_array_holds() {
+    let one = arr(&[1.0], &[1]);
+    let unevaluated = mlx::ops::full(&[1024], 1.0, Dtype::F32).unwrap();
+    assert_eq!(unevaluated.buffer_bytes(), 0, "no buffer before evaluation");
+    // A buffer of 33,500 floats, freed into MLX's cache, then an array of 32,768 floats
+    // (2,928 bytes fewer) computed: it may take that buffer (alone in this process it does;
+    // other tests' buffers may come first), never one beyond the cache's limit.
+    let big = mlx::ops::full(&[33_500], 2.0, Dtype::F32)
+        .unwrap()
+        .add(&one)
+        .unwrap();
+    big.eval().unwrap();
+    assert!(
+        big.buffer_bytes() >= big.nbytes(),
+        "{} < {}",
+        big.buffer_bytes(),
+        big.nbytes()
+    );
+    drop(big);
+    let small = mlx::ops::full(&[32_768], 3.0, Dtype::F32)
+        .unwrap()
+        .add(&one)
+        .unwrap();
+    small.eval().unwrap();
+    assert_eq!(host(&small)[0], 4.0);
+    let (n, b) = (small.nbytes(), small.buffer_bytes());
+    assert!(b >= n && b <= n + 2 * 16384, "{n} bytes in a buffer of {b}");
+    // A view reports its base's whole buffer.
+    let view = small.slice(&[0], &[16]).unwrap();
+    view.eval().unwrap();
+    assert_eq!(view.buffer_bytes(), b);
+}

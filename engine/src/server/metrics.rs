@@ -258,6 +258,12 @@ impl Collector for EngineCollector {
             )?;
             gauge(
                 e,
+                "kvstore_device_resident_buffer_bytes",
+                "MLX buffers behind the resident sequences' KV: at least kvstore_device_resident_bytes, more where MLX's buffer cache handed an arena a larger freed buffer.",
+                d.resident_buffer_bytes,
+            )?;
+            gauge(
+                e,
                 "kvstore_device_resident_sequences",
                 "Finished sequences kept resident on the device.",
                 d.sequences as u64,
