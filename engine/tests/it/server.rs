@@ -806,7 +806,7 @@ fn completions_metrics_cache_stats_and_flush() {
 }
 
 /// Every metric the server exports without `--remote` (docs/server.md), as scraped.
-const METRIC_NAMES: [&str; 36] = [
+const METRIC_NAMES: [&str; 37] = [
     "kvstore_requests_total",
     "kvstore_prompt_tokens_total",
     "kvstore_cached_prompt_tokens_total",
@@ -820,6 +820,7 @@ const METRIC_NAMES: [&str; 36] = [
     "kvstore_mlx_cache_bytes",
     "kvstore_ttft_seconds",
     "kvstore_device_resident_bytes",
+    "kvstore_device_resident_buffer_bytes",
     "kvstore_device_resident_sequences",
     "kvstore_device_budget_bytes",
     "kvstore_device_hits_total",
