@@ -325,6 +325,15 @@ fn in_process_arms_share_a_plot() {
     };
     assert_eq!(hits(&first), vec![0, 0, 15, 0, 15]);
     assert_eq!(hits(&second), vec![0; 5]);
+    // The transfer pool's threads are recorded where copies go through a driver (CUDA),
+    // null on the CPU.
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&first).unwrap()).unwrap();
+    assert_eq!(v["target"]["device_tier"], "inclusive");
+    let threads = &v["target"]["transfer_threads"];
+    assert!(
+        threads.is_null() || threads.as_u64().is_some_and(|n| n >= 1),
+        "{threads}"
+    );
     let svg = std::fs::read_to_string(&svg).unwrap();
     for name in [
         ">cached<",

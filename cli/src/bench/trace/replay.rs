@@ -557,6 +557,8 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
             "prefill_order": args.prefill_order.name(),
             "itl_stretch": args.itl_stretch,
             "kv_bytes_per_token": bytes_per_token,
+            // Threads of bulk host-device copies (null where they are not the driver's).
+            "transfer_threads": mlx::direct_transfers().then(cache::transfer_threads),
         }),
         sent,
         wall_s,
