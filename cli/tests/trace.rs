@@ -329,7 +329,9 @@ fn in_process_arms_share_a_plot() {
     // null on the CPU.
     let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&first).unwrap()).unwrap();
     assert_eq!(v["target"]["device_tier"], "inclusive");
-    let threads = &v["target"]["transfer_threads"];
+    let threads = v["target"]
+        .get("transfer_threads")
+        .expect("no transfer_threads in the target");
     assert!(
         threads.is_null() || threads.as_u64().is_some_and(|n| n >= 1),
         "{threads}"
