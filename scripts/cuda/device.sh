@@ -29,7 +29,8 @@
 # cache, nocache, always: --restore always, devonly: the device tier alone, no publication,
 # exclusive: full tiering, --device-tier exclusive,
 # ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache;
-# XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048); pw: the 8B decode
+# XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048; ARM+TAG: ARM with the
+# variables of ENV_TAG set, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts).
 set -uo pipefail
@@ -493,6 +494,10 @@ case "$step" in
     W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
     S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline $(( end - start + 10 )) ${XARGS:-}"
     for arm in ${ARMS:-cache nocache}; do
+      # ARM+TAG runs ARM with the variables of ENV_TAG set (e.g. cache+t16 with
+      # ENV_t16="KVSTORE_TRANSFER_THREADS=16"): an A/B in one binary and one call.
+      EV=""; tag=""
+      if [ "${arm%%+*}" != "$arm" ]; then tag=${arm#*+}; ev="ENV_$tag"; EV="${!ev:-}"; arm=${arm%%+*}; fi
       case "$arm" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
         # ...row: the same arm with the batched decode attention off (one node per layer
@@ -507,13 +512,14 @@ case "$step" in
         bigcache) rm -rf "$K/tstore"; A="$TIERS --mlx-cache-limit 16GiB --store $K/tstore --label full-tiering-mlx-cache-16GiB --no-flush" ;;
         *) rm -rf "$K/tstore"; A="$TIERS --store $K/tstore --label full-tiering --no-flush" ;;
       esac
-      echo "== $arm"
+      echo "== $arm${tag:++$tag} $EV"
       # DRAIN: seconds past the window for the requests in flight at the deadline to finish;
       # an arm that has fallen behind needs minutes (session 21 lost a report to 40 s)
       case "$arm" in *row) export KVSTORE_ROWS_KERNEL=0 ;; *) unset KVSTORE_ROWS_KERNEL ;; esac
-      timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
-          --json "$OUT/pt-$arm.json" > "$OUT/pt-$arm.log" 2>&1
-      grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/pt-$arm.log"
+      n=pt-$arm${tag:+-$tag}
+      env $EV timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
+          --json "$OUT/$n.json" > "$OUT/$n.log" 2>&1
+      grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/$n.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
