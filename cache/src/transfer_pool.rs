@@ -66,8 +66,13 @@ fn run_if<R: Send>(on_pool: bool, f: impl FnOnce() -> R + Send) -> R {
 /// through the driver (the closure itself stays on the calling thread, as the device copies
 /// it makes must); elsewhere on the current pool.
 pub(crate) fn in_place_scope<'scope, R>(f: impl FnOnce(&rayon::Scope<'scope>) -> R) -> R {
+    in_place_scope_if(mlx::direct_transfers(), f)
+}
+
+/// [`in_place_scope`] with the choice made by the caller.
+fn in_place_scope_if<'scope, R>(on_pool: bool, f: impl FnOnce(&rayon::Scope<'scope>) -> R) -> R {
     match pool() {
-        Some(p) if mlx::direct_transfers() => p.in_place_scope(f),
+        Some(p) if on_pool => p.in_place_scope(f),
         _ => rayon::in_place_scope(f),
     }
 }
@@ -118,5 +123,18 @@ mod tests {
             off.iter().all(|n| !n.starts_with("kvstore-transfer-")),
             "{off:?}"
         );
+    }
+
+    #[test]
+    fn a_scope_on_the_pool_keeps_its_closure_on_the_caller_and_spawns_onto_the_pool() {
+        let name = || std::thread::current().name().unwrap_or("").to_string();
+        let caller = name();
+        let mut spawned = String::new();
+        let in_closure = in_place_scope_if(true, |s| {
+            s.spawn(|_| spawned = name());
+            name()
+        });
+        assert_eq!(in_closure, caller, "the closure left the calling thread");
+        assert!(spawned.starts_with("kvstore-transfer-"), "{spawned:?}");
     }
 }
