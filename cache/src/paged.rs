@@ -1500,29 +1500,27 @@ impl PagedKvCache {
     /// held) and a hybrid's layer states and snapshots. A layer lent to a batch arena
     /// holds none.
     pub fn device_bytes(&self) -> u64 {
-        self.layers
-            .iter()
-            .filter_map(|l| l.pool.as_ref())
-            .flat_map(|p| p.arrays())
-            .map(|a| a.nbytes() as u64)
-            .sum::<u64>()
-            + self.states.nbytes()
+        self.arena_sum(Array::nbytes) + self.states.nbytes()
     }
 
     /// The allocator buffers behind [`Self::device_bytes`]: an evaluated arena's whole
     /// buffer, which MLX's buffer cache may have made larger than the arena (a freed buffer
-    /// up to two pages or twice the size asked for is handed over whole:
-    /// [`mlx::Array::buffer_bytes`]); an unevaluated one's bytes. What MLX's active memory
-    /// counts for the cache; the budget counts [`Self::device_bytes`], which does not
-    /// depend on what the buffer cache held when the arenas were made.
+    /// less than two pages, and less than twice the size, larger than asked for is handed
+    /// over whole: [`mlx::Array::buffer_bytes`]); an unevaluated one's bytes. What MLX's
+    /// active memory counts for the cache; the budget counts [`Self::device_bytes`], which
+    /// does not depend on what the buffer cache held when the arenas were made.
     pub fn buffer_bytes(&self) -> u64 {
+        self.arena_sum(|a| a.nbytes().max(a.buffer_bytes())) + self.states.nbytes()
+    }
+
+    /// `bytes` of every pool arena, summed.
+    fn arena_sum(&self, bytes: impl Fn(&Array) -> usize) -> u64 {
         self.layers
             .iter()
             .filter_map(|l| l.pool.as_ref())
             .flat_map(|p| p.arrays())
-            .map(|a| a.nbytes().max(a.buffer_bytes()) as u64)
-            .sum::<u64>()
-            + self.states.nbytes()
+            .map(|a| bytes(a) as u64)
+            .sum()
     }
 
     /// Whether a batch arena holds the KV of any layer (the cache is a row of a decoding

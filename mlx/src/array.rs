@@ -165,9 +165,9 @@ impl Array {
     }
 
     /// Bytes of the allocator buffer behind an evaluated array, 0 before it is evaluated.
-    /// At least [`Self::nbytes`] for an array of its own: MLX's buffer cache hands a freed
-    /// buffer of up to about twice the size asked for to a new array, which then holds all
-    /// of it; a view reports its whole base buffer.
+    /// At least [`Self::nbytes`] for an array of its own: MLX's buffer cache hands a new
+    /// array a freed buffer less than two pages (and less than twice the size) larger than
+    /// asked for, which the array then holds whole; a view reports its whole base buffer.
     pub fn buffer_bytes(&self) -> usize {
         check("buffer_bytes", ffi::array_buffer_bytes(self.inner())).unwrap_or(0)
     }

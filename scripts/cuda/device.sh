@@ -30,7 +30,7 @@
 # exclusive: full tiering, --device-tier exclusive,
 # ramonly: device and RAM tiers, no SSD, bigcache: full tiering with a 16 GiB MLX buffer cache;
 # XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048; ARM+TAG: ARM with the
-# variables of ENV_TAG set, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
+# variables of ENV_TAG and the flags of ARGS_TAG, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts).
 set -uo pipefail
@@ -48,6 +48,13 @@ step=${1:?step}
 # the trace replays' full-tiering budgets (pm, pt): device KV, RAM, SSD (64 GiB disk there)
 TIERS=${TIERS:---kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB}
 START=$(date +%s)
+
+split_arm() { # ARM+TAG: sets base (ARM), tag (TAG or empty), EV (ENV_TAG's value), XA (ARGS_TAG's)
+  base=${1%%+*}; tag=""; EV=""; XA=""
+  if [ "$base" != "$1" ]; then
+    tag=${1#*+}; local ev="ENV_$tag" xa="ARGS_$tag"; EV="${!ev:-}"; XA="${!xa:-}"
+  fi
+}
 
 stash() { # copy the parts that came with this call
   for d in .cuda/x*; do [ -d "$d" ] && find "$d" -maxdepth 1 -type f -exec cp {} "$K"/ \; ; done
@@ -413,8 +420,7 @@ case "$step" in
       # ARM+TAG runs ARM with the variables of ENV_TAG set and the bench flags of ARGS_TAG
       # added (e.g. nocache+ws with ARGS_ws="--pass-workspace 1TiB", the passes unbounded):
       # an A/B in one binary and one lease.
-      base=${arm%%+*}; EV=""; XA=""
-      if [ "$base" != "$arm" ]; then ev="ENV_${arm#*+}"; EV="${!ev:-}"; xa="ARGS_${arm#*+}"; XA="${!xa:-}"; fi
+      split_arm "$arm"
       case "$base" in
         nocache) A="--no-cache $KV --label no-cache" ;;
         device) A="--kv-budget 16GiB --ram-budget 0 --ssd-budget 0 --label device-only" ;;
@@ -494,10 +500,10 @@ case "$step" in
     W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
     S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline $(( end - start + 10 )) ${XARGS:-}"
     for arm in ${ARMS:-cache nocache}; do
-      # ARM+TAG runs ARM with the variables of ENV_TAG set (e.g. cache+t16 with
-      # ENV_t16="KVSTORE_TRANSFER_THREADS=16"): an A/B in one binary and one call.
-      EV=""; tag=""
-      if [ "${arm%%+*}" != "$arm" ]; then tag=${arm#*+}; ev="ENV_$tag"; EV="${!ev:-}"; arm=${arm%%+*}; fi
+      # ARM+TAG runs ARM with the variables of ENV_TAG set and the bench flags of ARGS_TAG
+      # added (e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"): an A/B in one
+      # binary and one call.
+      split_arm "$arm"; arm=$base
       case "$arm" in
         nocache) A="--no-cache ${TIERS%% --ram-budget*} --label no-cache" ;;
         # ...row: the same arm with the batched decode attention off (one node per layer
@@ -518,7 +524,7 @@ case "$step" in
       case "$arm" in *row) export KVSTORE_ROWS_KERNEL=0 ;; *) unset KVSTORE_ROWS_KERNEL ;; esac
       n=pt-$arm${tag:+-$tag}
       env $EV timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
-          --json "$OUT/$n.json" > "$OUT/$n.log" 2>&1
+          $XA --json "$OUT/$n.json" > "$OUT/$n.log" 2>&1
       grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/$n.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
