@@ -6,6 +6,11 @@
 //!
 //! The SSD tier persists stamps as the access journal's sequence numbers and numbers its
 //! blocks 1..n again when it opens; the clock of a store then starts after n.
+//!
+//! A stamp orders uses but tells no time. [`UsedAt`] pairs it with the wall-clock time of
+//! the same use, so a block written to the SSD tier long after its last use (a spill, the
+//! flush at close) records when it was used, which `inspect` shows and `gc --older-than`
+//! reads, not when it was written.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,6 +33,26 @@ impl UseClock {
     /// The last stamp handed out (0 before the first).
     pub fn last(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// One use of a block: its [`UseClock`] stamp (the order among uses) and the wall-clock
+/// time it happened (Unix milliseconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UsedAt {
+    /// The use's stamp.
+    pub stamp: u64,
+    /// When it happened, Unix milliseconds.
+    pub unix_ms: u64,
+}
+
+impl UsedAt {
+    /// A use stamped `stamp` that happens now.
+    pub fn now(stamp: u64) -> Self {
+        UsedAt {
+            stamp,
+            unix_ms: crate::block::now_unix_ms(),
+        }
     }
 }
 

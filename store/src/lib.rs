@@ -80,7 +80,7 @@ mod text;
 pub mod tier;
 
 pub use block::{Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
-pub use clock::UseClock;
+pub use clock::{UseClock, UsedAt};
 pub use codec::{BlockHeader, DecodeError};
 pub use error::{InsertError, OpenError, RegisterError, WriteError};
 pub use eviction::EvictionPolicy;

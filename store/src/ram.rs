@@ -19,35 +19,52 @@
 //!
 //! Recency is stamped by a [`UseClock`], the store's, shared with the SSD tier: a block that
 //! leaves ([`Evicted`]) and a block a flush writes ([`RamTier::snapshot_stamped`]) carry the
-//! stamp of their last use here, which the SSD tier ranks them by.
+//! stamp of their last use here, which the SSD tier ranks them by, and its wall-clock time,
+//! which the SSD tier records as the block's last access.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::block::Block;
-use crate::clock::UseClock;
+use crate::block::{now_unix_ms, Block};
+use crate::clock::{UseClock, UsedAt};
 use crate::eviction::{ChainOrder, EvictionPolicy};
 use crate::key::{BlockKey, NamespaceId};
 use crate::pins::Pins;
 
 type Id = (NamespaceId, BlockKey);
 
-/// A block that left the RAM tier (evicted, or a new block not admitted), with the
-/// [`UseClock`] stamp of its last use there
-/// ([`ChainOrder::leaving_stamp`](crate::eviction::ChainOrder::leaving_stamp); for a block
-/// not admitted, its refused insert).
+/// A block that left the RAM tier (evicted, or a new block not admitted), with its last
+/// use there: the [`UseClock`] stamp it leaves with
+/// ([`ChainOrder::leaving_stamp`](crate::eviction::ChainOrder::leaving_stamp)) and the
+/// wall-clock time of its last use (for a block not admitted, its refused insert).
 #[derive(Debug, Clone)]
 pub struct Evicted {
     /// The block.
     pub block: Arc<Block>,
-    /// Its recency when it left.
-    pub stamp: u64,
+    /// Its recency when it left, and when it was last used.
+    pub used: UsedAt,
+}
+
+/// A resident block and the wall-clock time of its last use (insert, get or touch), Unix
+/// milliseconds.
+struct Slot {
+    block: Arc<Block>,
+    used_ms: u64,
+}
+
+impl Slot {
+    fn new(block: Arc<Block>) -> Self {
+        Slot {
+            block,
+            used_ms: now_unix_ms(),
+        }
+    }
 }
 
 /// A byte-bounded store of `Arc<Block>` that evicts chains leaves first. Not synchronized: the
 /// [`Store`](crate::Store) wraps it in a mutex.
 pub struct RamTier {
-    slots: HashMap<Id, Arc<Block>>,
+    slots: HashMap<Id, Slot>,
     /// Which block leaves next.
     order: ChainOrder<Id>,
     used: u64,
@@ -108,7 +125,7 @@ impl RamTier {
             .pinned()
             .iter()
             .filter_map(|id| self.slots.get(id))
-            .map(|b| b.data_len())
+            .map(|s| s.block.data_len())
             .sum()
     }
 
@@ -122,18 +139,24 @@ impl RamTier {
         self.budget / mean.max(1)
     }
 
-    fn take(&mut self, id: Id) -> Option<Arc<Block>> {
-        let block = self.slots.remove(&id)?;
+    fn take(&mut self, id: Id) -> Option<Slot> {
+        let slot = self.slots.remove(&id)?;
         self.order.remove(id);
-        self.used -= block.data_len();
-        Some(block)
+        self.used -= slot.block.data_len();
+        Some(slot)
     }
 
     /// Takes `id` out as an [`Evicted`] block, with the stamp it leaves with.
     fn evict(&mut self, id: Id) -> Option<Evicted> {
         let stamp = self.order.leaving_stamp(id)?;
-        let block = self.take(id)?;
-        Some(Evicted { block, stamp })
+        let Slot { block, used_ms } = self.take(id)?;
+        Some(Evicted {
+            block,
+            used: UsedAt {
+                stamp,
+                unix_ms: used_ms,
+            },
+        })
     }
 
     /// Inserts `block` as most recently used and returns what had to leave to keep the
@@ -146,8 +169,8 @@ impl RamTier {
     pub fn insert(&mut self, block: Arc<Block>) -> Vec<Evicted> {
         let size = block.data_len();
         if size > self.budget {
-            let stamp = self.order.clock().tick();
-            return vec![Evicted { block, stamp }];
+            let used = UsedAt::now(self.order.clock().tick());
+            return vec![Evicted { block, used }];
         }
         let meta = &block.meta;
         let id = (meta.namespace, meta.key);
@@ -156,18 +179,18 @@ impl RamTier {
         let pins = self.pins.clone();
         let pinned = move |k: &Id| pins.is_pinned(k.0, k.1);
         if let Some(old) = self.slots.get(&id) {
-            self.used = self.used - old.data_len() + size;
-            self.slots.insert(id, block);
+            self.used = self.used - old.block.data_len() + size;
+            self.slots.insert(id, Slot::new(block));
             self.order.used(id, capacity);
         } else {
             let u = self.order.used(id, capacity);
             let full = self.used + size > self.budget;
             if full && !pinned(&id) && !self.order.admits(u, capacity, &pinned) {
                 self.not_admitted += 1;
-                let stamp = self.order.clock().tick();
-                return vec![Evicted { block, stamp }];
+                let used = UsedAt::now(self.order.clock().tick());
+                return vec![Evicted { block, used }];
             }
-            self.slots.insert(id, block);
+            self.slots.insert(id, Slot::new(block));
             self.used += size;
             self.order.insert(id, parent, u);
         }
@@ -189,7 +212,9 @@ impl RamTier {
 
     /// The block, marked most recently used (a use, counted by the policy).
     pub fn get(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<Block>> {
-        let p = self.slots.get(&(ns, key))?.clone();
+        let slot = self.slots.get_mut(&(ns, key))?;
+        slot.used_ms = now_unix_ms();
+        let p = slot.block.clone();
         let capacity = self.capacity(p.data_len());
         self.order.used((ns, key), capacity);
         Some(p)
@@ -200,15 +225,22 @@ impl RamTier {
     /// runs root first (as [`chain_keys`](crate::chain_keys) returns them); absent keys are
     /// skipped. Recency only: the policy does not count it as a use.
     pub fn touch_chain(&mut self, ns: NamespaceId, keys: &[BlockKey]) {
+        let now = now_unix_ms();
         for &key in keys.iter().rev() {
+            if let Some(slot) = self.slots.get_mut(&(ns, key)) {
+                slot.used_ms = now;
+            }
             self.order.touch((ns, key));
         }
     }
 
-    /// Makes a resident block at least as recent as `stamp` (a stamp of the tier's clock)
-    /// without counting a use; returns whether it is resident.
-    pub(crate) fn touch_at(&mut self, ns: NamespaceId, key: BlockKey, stamp: u64) -> bool {
-        self.order.touch_at((ns, key), stamp)
+    /// Makes a resident block at least as recent as `used` (a stamp of the tier's clock and
+    /// its time) without counting a use; returns whether it is resident.
+    pub(crate) fn touch_at(&mut self, ns: NamespaceId, key: BlockKey, used: UsedAt) -> bool {
+        if let Some(slot) = self.slots.get_mut(&(ns, key)) {
+            slot.used_ms = slot.used_ms.max(used.unix_ms);
+        }
+        self.order.touch_at((ns, key), used.stamp)
     }
 
     /// Whether the key is present, without changing recency.
@@ -218,7 +250,7 @@ impl RamTier {
 
     /// Removes a block.
     pub fn remove(&mut self, ns: NamespaceId, key: BlockKey) -> Option<Arc<Block>> {
-        self.take((ns, key))
+        self.take((ns, key)).map(|s| s.block)
     }
 
     /// Number of payloads.
@@ -251,16 +283,22 @@ impl RamTier {
     }
 
     /// [`RamTier::snapshot`], each block with the stamp it would leave with
-    /// ([`ChainOrder::eviction_order_stamped`](crate::eviction::ChainOrder::eviction_order_stamped)):
-    /// what a write-back flush writes to the SSD tier.
+    /// ([`ChainOrder::eviction_order_stamped`](crate::eviction::ChainOrder::eviction_order_stamped))
+    /// and the time of its last use: what a write-back flush writes to the SSD tier.
     pub fn snapshot_stamped(&self) -> Vec<Evicted> {
         let mut order: Vec<Evicted> = self
             .order
             .eviction_order_stamped()
             .into_iter()
             .filter_map(|(id, stamp)| {
-                let block = self.slots.get(&id)?.clone();
-                Some(Evicted { block, stamp })
+                let slot = self.slots.get(&id)?;
+                Some(Evicted {
+                    block: slot.block.clone(),
+                    used: UsedAt {
+                        stamp,
+                        unix_ms: slot.used_ms,
+                    },
+                })
             })
             .collect();
         order.reverse();

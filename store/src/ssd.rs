@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use serde::{Deserialize, Serialize};
 
 use crate::block::{now_unix_ms, Block};
-use crate::clock::UseClock;
+use crate::clock::{UseClock, UsedAt};
 use crate::codec::{self, DecodeError, EncodeError};
 use crate::error::{OpenError, RegisterError, WriteError};
 use crate::eviction::{EvictionPolicy, PolicyState, Rank};
@@ -296,8 +296,9 @@ pub struct PutJob<'a> {
     pub block: &'a Block,
     /// Written in place of a stored file of its key that holds other planes.
     pub replace: bool,
-    /// The stamp of its last use (`None`: now, the newest block).
-    pub stamp: Option<u64>,
+    /// Its last use: the stamp it is ranked by and the time recorded as its last access
+    /// (`None`: now, the newest block).
+    pub stamp: Option<UsedAt>,
 }
 
 /// What staging a block gave: its temp file written, an outcome without one, or nothing
@@ -318,6 +319,8 @@ struct Staged<W> {
     file_len: u64,
     estimate: u64,
     seq: u64,
+    /// Its last access, Unix milliseconds.
+    last_ms: u64,
     count: u64,
     last_use: u64,
 }
@@ -334,6 +337,7 @@ impl<W> Staged<W> {
             file_len: self.file_len,
             estimate: self.estimate,
             seq: self.seq,
+            last_ms: self.last_ms,
             count: self.count,
             last_use: self.last_use,
         }
@@ -942,21 +946,25 @@ impl<F: FileSystem> SsdTier<F> {
     /// Marks a block as just used (journal append; compacts the journal when it grows past
     /// four records per block).
     pub fn touch(&self, ns: NamespaceId, key: BlockKey) {
-        self.touch_at(ns, key, self.clock.tick());
+        self.touch_at(ns, key, UsedAt::now(self.clock.tick()));
     }
 
-    /// Makes a block at least as recent as `stamp` (a [`UseClock`] stamp, such as its
-    /// last use in the RAM tier); a block already more recent keeps its place.
-    pub(crate) fn touch_at(&self, ns: NamespaceId, key: BlockKey, stamp: u64) {
+    /// Makes a block at least as recent as `used` (a [`UseClock`] stamp and its time, such
+    /// as its last use in the RAM tier); a block already more recent keeps its place. Its
+    /// last access becomes that use's time unless it records a later one.
+    pub(crate) fn touch_at(&self, ns: NamespaceId, key: BlockKey, used: UsedAt) {
         let mut st = lock(&self.state);
-        let now = now_unix_ms();
-        if st.index.get(&(ns, key)).is_none_or(|e| e.seq > stamp) {
+        let Some(last_ms) = st
+            .index
+            .get(&(ns, key))
+            .and_then(|e| (e.seq <= used.stamp).then_some(e.last_ms.max(used.unix_ms)))
+        else {
             return;
-        }
-        let seq = stamp;
+        };
+        let seq = used.stamp;
         st.update(&(ns, key), |e| {
             e.seq = seq;
-            e.last_ms = now;
+            e.last_ms = last_ms;
         });
         self.journal_append(
             &mut st,
@@ -964,14 +972,14 @@ impl<F: FileSystem> SsdTier<F> {
                 ns,
                 key,
                 seq,
-                unix_ms: now,
+                unix_ms: last_ms,
             },
         );
     }
 
     /// Counts a use of a stored block that was not read (it was published again) and marks
     /// it as just used.
-    pub(crate) fn reuse(&self, ns: NamespaceId, key: BlockKey, stamp: u64) {
+    pub(crate) fn reuse(&self, ns: NamespaceId, key: BlockKey, stamp: UsedAt) {
         {
             let mut st = lock(&self.state);
             if st.index.contains_key(&(ns, key)) {
@@ -1215,15 +1223,15 @@ impl<F: FileSystem> SsdTier<F> {
         self.put_or_replace(block, false, None)
     }
 
-    /// [`SsdTier::put`] of a block last used at `stamp` (a stamp of this tier's
-    /// [`clock`](Self::clock), such as its last use in the RAM tier), ranked by it rather
-    /// than as the newest block. In recency order (`lru`, `freq-admit`) a full tier makes
+    /// [`SsdTier::put`] of a block last used at `used` (a stamp of this tier's
+    /// [`clock`](Self::clock) and its time, such as its last use in the RAM tier), ranked
+    /// by that stamp rather than as the newest block, with that time as its last access. In recency order (`lru`, `freq-admit`) a full tier makes
     /// room only from blocks no more recent than it: when the rest of the room would have
     /// to come from more recent ones, the block is the first to go, so it is not written
     /// ([`WriteOutcome::NotAdmitted`], counted as an eviction). A stored block is only made
     /// at least that recent.
-    pub fn put_at(&self, block: &Block, stamp: u64) -> Result<WriteOutcome, WriteError> {
-        self.put_or_replace(block, false, Some(stamp))
+    pub fn put_at(&self, block: &Block, used: UsedAt) -> Result<WriteOutcome, WriteError> {
+        self.put_or_replace(block, false, Some(used))
     }
 
     /// Writes `block` in place of the stored file of its key when that file holds other
@@ -1240,7 +1248,7 @@ impl<F: FileSystem> SsdTier<F> {
         &self,
         block: &Block,
         replace: bool,
-        stamp: Option<u64>,
+        stamp: Option<UsedAt>,
     ) -> Result<WriteOutcome, WriteError> {
         let job = PutJob {
             block,
@@ -1360,7 +1368,11 @@ impl<F: FileSystem> SsdTier<F> {
                         (block.data_len()..=codec::estimate_file_len(block)).contains(&m.len)
                     });
             if same {
-                self.touch_at(ns, key, stamp.unwrap_or_else(|| self.clock.tick()));
+                self.touch_at(
+                    ns,
+                    key,
+                    stamp.unwrap_or_else(|| UsedAt::now(self.clock.tick())),
+                );
                 return Ok(Staging::Done(WriteOutcome::AlreadyPresent));
             }
         }
@@ -1377,12 +1389,18 @@ impl<F: FileSystem> SsdTier<F> {
                 budget,
             });
         }
-        let (recency_order, stored_seq) = {
+        let (recency_order, stored_seq, stored_ms) = {
             let st = lock(&self.state);
-            (st.is_lru(), st.index.get(&(ns, key)).map_or(0, |e| e.seq))
+            let stored = st.index.get(&(ns, key));
+            (
+                st.is_lru(),
+                stored.map_or(0, |e| e.seq),
+                stored.map_or(0, |e| e.last_ms),
+            )
         };
         // A copy of another layout replaced keeps its place if it was more recent.
-        let seq = stamp.unwrap_or_else(|| self.clock.tick()).max(stored_seq);
+        let last = stamp.unwrap_or_else(|| UsedAt::now(self.clock.tick()));
+        let seq = last.stamp.max(stored_seq);
         // A pinned block is always admitted, as in the RAM tier.
         let newcomer = (recency_order && !self.pins.is_pinned(ns, key)).then_some(seq);
         if let Some(floor) = floor {
@@ -1495,6 +1513,7 @@ impl<F: FileSystem> SsdTier<F> {
             file_len,
             estimate,
             seq,
+            last_ms: last.unix_ms.max(stored_ms),
             count: u.count,
             last_use: u.at,
         }))
@@ -1575,12 +1594,11 @@ impl<F: FileSystem> SsdTier<F> {
                 .unwrap_or(r.estimate);
             {
                 let mut st = lock(&self.state);
-                let now = now_unix_ms();
                 let replaced = st.add(
                     r.id,
                     Entry {
                         phys,
-                        last_ms: now,
+                        last_ms: r.last_ms,
                         seq: r.seq,
                         tie: 0,
                         count: r.count,
@@ -1597,7 +1615,7 @@ impl<F: FileSystem> SsdTier<F> {
                         ns: r.id.0,
                         key: r.id.1,
                         seq: r.seq,
-                        unix_ms: now,
+                        unix_ms: r.last_ms,
                     },
                 );
             }

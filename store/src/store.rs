@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::block::{Block, BlockMeta, LayoutError};
-use crate::clock::UseClock;
+use crate::clock::{UseClock, UsedAt};
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
 use crate::eviction::EvictionPolicy;
@@ -280,25 +280,25 @@ impl std::fmt::Debug for LoadedPrefix {
     }
 }
 
-/// Jobs of the write-behind worker. A block's `u64` is the [`UseClock`] stamp of its last
-/// use in the RAM tier: the SSD tier ranks it by that, not as its newest block
-/// ([`SsdTier::put_at`]).
+/// Jobs of the write-behind worker. A block's [`UsedAt`] is its last use in the RAM tier:
+/// the SSD tier ranks it by that use's stamp, not as its newest block
+/// ([`SsdTier::put_at`]), and records that use's time as its last access.
 enum Job {
-    Write(Arc<Block>, u64),
+    Write(Arc<Block>, UsedAt),
     /// A block to write in place of the SSD's copy of its key when that holds other planes
     /// ([`SsdTier::replace`]); written like [`Job::Write`] when the SSD has none.
-    Replace(Arc<Block>, u64),
+    Replace(Arc<Block>, UsedAt),
     /// A block that left the RAM tier while the SSD held it: written only if the SSD no
     /// longer does when the job runs (its SSD recency is left as it is). The worker decides,
     /// not the evicting thread: the SSD copy seen at eviction time may be evicted by writes
     /// still queued before this job, and the block would be lost from both tiers.
-    Spill(Arc<Block>, u64),
-    /// A stored block published again (at the stamp): a use of it (recency, and its count
-    /// under the frequency policies).
-    Touch(NamespaceId, BlockKey, u64),
+    Spill(Arc<Block>, UsedAt),
+    /// A stored block published again (then): a use of it (recency, and its count under
+    /// the frequency policies).
+    Touch(NamespaceId, BlockKey, UsedAt),
     /// Re-applies a chain's recency (each key with its stamp) after the writes queued
     /// before it.
-    TouchChain(NamespaceId, Vec<(BlockKey, u64)>),
+    TouchChain(NamespaceId, Vec<(BlockKey, UsedAt)>),
     Flush(SyncSender<()>),
 }
 
@@ -664,13 +664,13 @@ impl<F: FileSystem> Store<F> {
         if !through && replace && stored() {
             // The SSD copy (or the one queued) is another layout: replace it now, as a
             // later spill of the RAM copy would find the key stored and skip it.
-            self.enqueue(payload.clone(), true, self.shared.clock.tick());
+            self.enqueue(payload.clone(), true, self.use_now());
         } else if let Some(tx) = self.tx.as_ref().filter(|_| !through) {
             if stored() {
                 // Re-published while stored or queued: the SSD copy is recent again.
                 // Recency only, so a full queue just skips it; if the SSD copy is evicted
                 // meanwhile, the RAM copy is spilled again on eviction or flush.
-                let _ = tx.try_send(Job::Touch(ns, key, self.shared.clock.tick()));
+                let _ = tx.try_send(Job::Touch(ns, key, self.use_now()));
             }
         }
         let displaced = !evicted.is_empty();
@@ -681,14 +681,14 @@ impl<F: FileSystem> Store<F> {
             // later event, and its SSD copy must not rank below theirs, or a full SSD gives
             // up the newest insert first (found by `store_under_freq_admit_matches_a_map_model`:
             // Put 3, 19, 14, 0, Get 14, Put 8, Get 14, reopen lost 8).
-            self.enqueue(payload.clone(), replace, self.shared.clock.tick());
+            self.enqueue(payload.clone(), replace, self.use_now());
         }
         if displaced {
             // The blocks it displaced were stamped as they left, after this insert's use:
             // the insert is the later event, and a write-back flush must not write its block
             // as older than them (the SSD would then give it up first).
-            let stamp = self.shared.clock.tick();
-            lock(&self.shared.ram).touch_at(ns, key, stamp);
+            let used = self.use_now();
+            lock(&self.shared.ram).touch_at(ns, key, used);
         }
         self.publish_remote(payload);
         Ok(())
@@ -719,9 +719,13 @@ impl<F: FileSystem> Store<F> {
         // valuable, not its oldest) would then never be written (docs/benchmarks.md, "With
         // the store-wide use clock": 1.07x the hits). Blocks leave leaves first, so the
         // stamps keep a chain's root no older than its leaves. Write-back flushes keep
-        // RAM's recency (`flush`): RAM still holds those blocks.
-        for Evicted { block: p, .. } in evicted {
-            let stamp = self.shared.clock.tick();
+        // RAM's recency (`flush`): RAM still holds those blocks. Either way the SSD records
+        // the block's last use in RAM as its last access (what `gc --older-than` reads).
+        for Evicted { block: p, used } in evicted {
+            let stamp = UsedAt {
+                stamp: self.shared.clock.tick(),
+                unix_ms: used.unix_ms,
+            };
             Counters::inc(&self.shared.counters.ram_evictions);
             let m = &p.meta;
             // A block already on SSD keeps its SSD recency: every use (load, touch_chain,
@@ -741,17 +745,22 @@ impl<F: FileSystem> Store<F> {
         }
     }
 
+    /// A use of a block now: the store clock's next stamp and the wall-clock time.
+    fn use_now(&self) -> UsedAt {
+        UsedAt::now(self.shared.clock.tick())
+    }
+
     /// Queues a [`Job::Spill`] without blocking: the block left RAM while the SSD held it,
     /// and the worker writes it only if the SSD no longer does when the job runs. It is not
     /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
-    fn enqueue_spill_check(&self, p: Arc<Block>, stamp: u64) {
+    fn enqueue_spill_check(&self, p: Arc<Block>, stamp: UsedAt) {
         let bytes = p.data_len();
         self.try_queue(Job::Spill(p, stamp), bytes);
     }
 
     /// Queues a write (in place of the SSD's copy when `replace`) of a block last used at
     /// `stamp` without blocking; returns whether it was queued.
-    fn enqueue(&self, p: Arc<Block>, replace: bool, stamp: u64) -> bool {
+    fn enqueue(&self, p: Arc<Block>, replace: bool, stamp: UsedAt) -> bool {
         if self.tx.is_none() {
             return false;
         }
@@ -823,11 +832,8 @@ impl<F: FileSystem> Store<F> {
         // One stamp per key for both tiers, so the root is the most recent of the chain
         // wherever its blocks are (a tier touched after the other would rank all its
         // copies above the other's).
-        let stamped: Vec<(BlockKey, u64)> = keys
-            .iter()
-            .rev()
-            .map(|&k| (k, self.shared.clock.tick()))
-            .collect();
+        let stamped: Vec<(BlockKey, UsedAt)> =
+            keys.iter().rev().map(|&k| (k, self.use_now())).collect();
         {
             let mut ram = lock(&self.shared.ram);
             for &(key, stamp) in &stamped {
@@ -1176,7 +1182,11 @@ impl<F: FileSystem> Store<F> {
             // stamps rank the root more recent): the SSD tier ranks them among its own
             // blocks by when they were used, not as newer than everything it holds.
             let resident = lock(&self.shared.ram).snapshot_stamped();
-            for Evicted { block: p, stamp } in resident.into_iter().rev() {
+            for Evicted {
+                block: p,
+                used: stamp,
+            } in resident.into_iter().rev()
+            {
                 let k = (p.meta.namespace, p.meta.key);
                 // The worker decides: it is the only thread that writes or evicts, so it
                 // sees whether the block is still stored when the job runs.
@@ -1386,14 +1396,14 @@ const GROUP_WRITES: usize = 64;
 /// A write job of the write-behind worker.
 struct Write {
     block: Arc<Block>,
-    stamp: u64,
+    stamp: UsedAt,
     /// A Write or Replace job (its block is in `pending`); a Spill job is not.
     refresh: bool,
     replace: bool,
 }
 
 impl Write {
-    fn new(block: Arc<Block>, stamp: u64, refresh: bool, replace: bool) -> Self {
+    fn new(block: Arc<Block>, stamp: UsedAt, refresh: bool, replace: bool) -> Self {
         Write {
             block,
             stamp,

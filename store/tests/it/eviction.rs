@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use proptest::prelude::*;
 use store::{
-    Block, EvictionPolicy, ReadOutcome, SsdOptions, SsdTier, Store, StoreConfig, Tier, WriteOutcome,
+    Block, EvictionPolicy, ReadOutcome, SsdOptions, SsdTier, Store, StoreConfig, Tier, UsedAt,
+    WriteOutcome,
 };
 
 use crate::common;
@@ -158,16 +159,22 @@ fn put_at_ranks_a_block_by_its_stamp() {
         t.put(a).unwrap();
         let between = t.clock().tick();
         t.put(b).unwrap();
-        assert_eq!(t.put_at(c, older).unwrap(), WriteOutcome::NotAdmitted);
+        assert_eq!(
+            t.put_at(c, UsedAt::now(older)).unwrap(),
+            WriteOutcome::NotAdmitted
+        );
         assert_eq!(on_disk(&t, &blocks), vec![true, true, false, false]);
         assert_eq!(t.stats().ssd_evictions, 1);
         assert!(matches!(
-            t.put_at(c, between).unwrap(),
+            t.put_at(c, UsedAt::now(between)).unwrap(),
             WriteOutcome::Written { .. }
         ));
         assert_eq!(recency(&t), vec![c.meta.key, b.meta.key]);
         // A stored block is only made more recent, never less.
-        assert_eq!(t.put_at(b, 1).unwrap(), WriteOutcome::AlreadyPresent);
+        assert_eq!(
+            t.put_at(b, UsedAt::now(1)).unwrap(),
+            WriteOutcome::AlreadyPresent
+        );
         assert_eq!(recency(&t), vec![c.meta.key, b.meta.key]);
         t.sync().unwrap();
     }
@@ -179,7 +186,7 @@ fn put_at_ranks_a_block_by_its_stamp() {
     t.put(a).unwrap();
     t.put(b).unwrap();
     assert!(matches!(
-        t.put_at(c, 0).unwrap(),
+        t.put_at(c, UsedAt::now(0)).unwrap(),
         WriteOutcome::Written { .. }
     ));
     assert_eq!(t.len(), 2);
@@ -202,7 +209,7 @@ fn journal_replay_takes_each_blocks_last_record() {
         t.put(x).unwrap(); // 5
         t.touch(a.meta.namespace, a.meta.key); // 6
         assert!(t.remove(a.meta.namespace, a.meta.key).unwrap());
-        t.put_at(a, 3).unwrap();
+        t.put_at(a, UsedAt::now(3)).unwrap();
         t.sync().unwrap();
     }
     let t = ssd(dir.path(), &d, EvictionPolicy::Lru);

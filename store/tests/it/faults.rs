@@ -21,7 +21,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use store::fs::{Fault, FaultKind, Op, SimFs};
 use store::{
-    Block, BlockKey, NamespaceId, PutJob, ReadOutcome, SsdOptions, SsdTier, WriteError,
+    Block, BlockKey, NamespaceId, PutJob, ReadOutcome, SsdOptions, SsdTier, UsedAt, WriteError,
     WriteOutcome,
 };
 
@@ -374,7 +374,7 @@ fn a_group_on_a_full_tier_evicts_as_single_puts_would() {
     let full = |fs: &SimFs| {
         let t = open(fs, 4 * BLOCK_PHYS);
         for (b, s) in &old {
-            t.put_at(b, *s).unwrap();
+            t.put_at(b, UsedAt::now(*s)).unwrap();
         }
         t
     };
@@ -383,13 +383,13 @@ fn a_group_on_a_full_tier_evicts_as_single_puts_would() {
         .map(|(block, s)| PutJob {
             block,
             replace: false,
-            stamp: Some(*s),
+            stamp: Some(UsedAt::now(*s)),
         })
         .collect();
     // Reference: one put at a time.
     let serial = full(&SimFs::new());
     for (b, s) in &new {
-        serial.put_at(b, *s).unwrap();
+        serial.put_at(b, UsedAt::now(*s)).unwrap();
     }
     let fs = SimFs::new();
     let grouped = full(&fs);

@@ -8,6 +8,14 @@ use store::{Block, Store, StoreConfig};
 
 use crate::common;
 
+/// The wall clock now, Unix milliseconds (what access times are recorded in).
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
 fn store_with_chains(
     dir: &std::path::Path,
 ) -> (store::NamespaceDescription, Vec<Block>, Vec<Block>) {
@@ -27,12 +35,6 @@ fn store_with_chains(
 #[test]
 fn inspect_reports_namespaces_chains_and_budget() {
     let dir = tempfile::tempdir().unwrap();
-    let now_ms = || {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-    };
     let before = now_ms();
     let (d, _, _) = store_with_chains(dir.path());
     let after = now_ms();
@@ -44,14 +46,14 @@ fn inspect_reports_namespaces_chains_and_budget() {
     assert_eq!(n.description.as_ref().unwrap().model, "gc");
     assert_eq!(n.longest_chain, 5);
     assert_eq!(n.unreachable_blocks, 0);
-    // Access times of this run. Not necessarily distinct: closing the store records the
-    // RAM tier's recency as accesses at close, often all in one millisecond.
+    // Access times of this run: the inserts' (2 ms apart), not the close's that wrote the
+    // RAM tier's blocks to the SSD.
     let (oldest, newest) = (
         n.oldest_access_unix_ms.unwrap(),
         n.newest_access_unix_ms.unwrap(),
     );
     assert!(
-        before <= oldest && oldest <= newest && newest <= after,
+        before <= oldest && oldest < newest && newest <= after,
         "{before} <= {oldest} <= {newest} <= {after}"
     );
     assert_eq!(r.ssd_budget_bytes, Some(StoreConfig::default().ssd_budget));
@@ -212,4 +214,73 @@ fn gc_removes_blocks_of_a_foreign_format_version() {
     assert_eq!(r.deleted.len(), 1);
     assert_eq!(r.deleted[0].reason, GcReason::ForeignFormat);
     assert!(r.deleted[0].detail.as_ref().unwrap().contains("version 7"));
+}
+
+/// A block's recorded access is its last use, not the moment it reached the SSD: a
+/// write-back store writes its RAM blocks at close and spills evicted ones later, and
+/// `inspect` and `gc --older-than` read these times.
+#[test]
+fn access_times_are_last_uses_not_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = common::desc("gc", 4);
+    let (a, _) = common::chain(&d, 3, 1);
+    let (b, _) = common::chain(&d, 3, 2);
+    let (c, _) = common::chain(&d, 3, 3);
+    let block_bytes = a[0].data_len();
+    // Room for six blocks: c's insert pushes a's out of RAM (spilled to the SSD then).
+    let s: Store = Store::open(
+        StoreConfig::default()
+            .root(dir.path())
+            .ram_budget(6 * block_bytes),
+    )
+    .unwrap();
+    s.register_namespace(&d).unwrap();
+    let insert = |chain: &[Block]| {
+        for blk in chain {
+            s.insert(Arc::new(blk.clone())).unwrap();
+        }
+    };
+    insert(&a);
+    let a_used = now_ms();
+    std::thread::sleep(Duration::from_millis(40));
+    insert(&b);
+    let b_used = now_ms();
+    std::thread::sleep(Duration::from_millis(40));
+    let c_first = now_ms();
+    insert(&c);
+    std::thread::sleep(Duration::from_millis(40));
+    let closing = now_ms();
+    s.close().unwrap();
+
+    let ssd = store::SsdTier::open(
+        dir.path(),
+        store::SsdOptions {
+            read_only: true,
+            budget: 1 << 30,
+        },
+    )
+    .unwrap();
+    let access = |blk: &Block| {
+        ssd.entries()
+            .into_iter()
+            .find(|e| e.key == blk.meta.key)
+            .map(|e| e.last_access_unix_ms)
+            .expect("every block reached the SSD")
+    };
+    for blk in &a {
+        // Spilled when c came, after c_first: recorded as used before b.
+        assert!(access(blk) <= a_used, "{} > {a_used}", access(blk));
+    }
+    for blk in &b {
+        // Written by the flush at close, after closing: recorded as used before c.
+        let t = access(blk);
+        assert!(a_used <= t && t <= b_used, "{a_used} <= {t} <= {b_used}");
+    }
+    for blk in &c {
+        let t = access(blk);
+        assert!(
+            c_first <= t && t <= closing,
+            "{c_first} <= {t} <= {closing}"
+        );
+    }
 }
