@@ -335,6 +335,20 @@ case "$step" in
     tail -n 14 "$OUT/agent-8b-32k.log"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
+  pp) # the transfer pool's threads on bulk copies: bench cache's blocks part (publish and
+      # restore in bulk, both copy paths) under each of POOLS (KVSTORE_TRANSFER_THREADS
+      # values; "default": the shipped quarter of the cores), after x1 and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    for t in ${POOLS:-default 16}; do
+      E=""; [ "$t" = default ] || E="KVSTORE_TRANSFER_THREADS=$t"
+      echo "== transfer threads: $t"
+      { env $E timeout ${LIMIT:-60} "$BIN/kvstore" bench cache --only blocks 2>&1; } > "$OUT/bench-cache-blocks-$t.log"
+      grep -A8 "publish / restore in bulk" "$OUT/bench-cache-blocks-$t.log"
+    done
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
   pl) # bulk restore and SSD -> device copies (bench cache blocks, ssd), then the trace's
       # no-cache arm with the batch arena off and on (ARENAS, default "0 1"), after x1 and x2
     stash >/dev/null
