@@ -373,6 +373,35 @@ mod tests {
         assert_eq!(order, expected);
     }
 
+    /// A block leaves (evicted, or written by a flush) with the time of its last use: its
+    /// last get, not its insert; a touch of its chain counts too.
+    #[test]
+    fn blocks_leave_with_the_time_of_their_last_use() {
+        let ns = NamespaceId([7; 32]);
+        let a = chain(1, 1);
+        let b = chain(1, 2);
+        let mut ram = RamTier::new(20);
+        ram.insert(a[0].clone());
+        ram.insert(b[0].clone());
+        let inserted = now_unix_ms();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let got = now_unix_ms();
+        ram.get(ns, a[0].meta.key).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        let touched = now_unix_ms();
+        ram.touch_chain(ns, &[b[0].meta.key]);
+        let snap = ram.snapshot_stamped();
+        let at = |key| snap.iter().find(|e| e.block.meta.key == key).unwrap().used;
+        assert!(at(a[0].meta.key).unix_ms >= got && at(a[0].meta.key).unix_ms < touched);
+        assert!(at(b[0].meta.key).unix_ms >= touched);
+        // Evicted by a newcomer: a (the least recent) leaves with its get's time.
+        let c = chain(1, 3);
+        let out = ram.insert(c[0].clone());
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].block.meta.key, a[0].meta.key);
+        assert!(out[0].used.unix_ms >= got && out[0].used.unix_ms > inserted);
+    }
+
     /// One-block chains (roots), 10 bytes each, seeds 10.. so they differ from `chain`'s.
     fn roots(n: usize) -> Vec<Arc<Block>> {
         (0..n).map(|i| chain(1, 10 + i as u32).remove(0)).collect()
