@@ -325,9 +325,24 @@ fn in_process_arms_share_a_plot() {
     };
     assert_eq!(hits(&first), vec![0, 0, 15, 0, 15]);
     assert_eq!(hits(&second), vec![0; 5]);
+    // The store's own policy simulated at the tiers' budget (here far above the fixture's
+    // 64 prompt tokens, so it hits the ideal's 40), beside what the run got (30 of 64).
+    let json = |p: &Path| -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+    };
+    let (a, b) = (json(&first), json(&second));
+    assert_eq!(a["policy_simulated"], "freq-admit");
+    assert_eq!(a["overall"]["policy_share"], 0.625);
+    assert_eq!(a["overall"]["policy_share"], a["overall"]["ideal_share"]);
+    assert!(
+        cached.contains("freq-admit with one perfect tier 62.5% (the run got 0.750 of it)"),
+        "{cached}"
+    );
+    // Without a cache there is no policy to simulate.
+    assert!(b["policy_simulated"].is_null() && b["overall"]["policy_share"].is_null());
     // The transfer pool's threads are recorded where copies go through a driver (CUDA),
     // null on the CPU.
-    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&first).unwrap()).unwrap();
+    let v = a;
     assert_eq!(v["target"]["device_tier"], "inclusive");
     let threads = v["target"]
         .get("transfer_threads")

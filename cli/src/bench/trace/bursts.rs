@@ -96,6 +96,7 @@ mod tests {
             prompt_len: 1,
             ideal_tokens: 0,
             lru_tokens: None,
+            policy_tokens: None,
             sent: Sent {
                 scheduled_s: 0.0,
                 sent_s: 0.0,

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use engine::{Engine, EngineConfig, ExportStats};
 use serde::Serialize;
 use serde_json::json;
-use store::StoreStats;
+use store::{EvictionPolicy, StoreStats};
 
 use super::bursts;
 use super::dispatch::{self, Sent};
@@ -34,6 +34,9 @@ struct Ran {
     wall_s: f64,
     /// The comparison budget of the simulated LRU, in (scaled) tokens.
     lru_budget: Option<u64>,
+    /// The host tiers' eviction policy, simulated at the same budget (in process, with a
+    /// cache: a server's or a peer's policy is not known here).
+    policy: Option<EvictionPolicy>,
     /// Store or server counters before and after, for evictions and bytes moved.
     counters: serde_json::Value,
     /// Lines on the tiers' counters over the run (hit shares by tier where only the
@@ -62,9 +65,14 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
     };
     let t = SimTrace::new(&s.requests, &s.scale);
     let ideal = sim::ideal(&t);
+    let blocks = |b: u64| (b / t.block as u64) as usize;
     let lru = ran
         .lru_budget
-        .map(|b| sim::simulate(&t, Policy::Lru, (b / t.block as u64) as usize));
+        .map(|b| sim::simulate(&t, Policy::Lru, blocks(b)));
+    let shipped = ran
+        .policy
+        .zip(ran.lru_budget)
+        .map(|(p, b)| sim::simulate(&t, Policy::of_store(p), blocks(b)));
     let rows: Vec<Row> = std::mem::take(&mut ran.sent)
         .into_iter()
         .enumerate()
@@ -74,6 +82,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             prompt_len: t.requests[i].len,
             ideal_tokens: ideal[i],
             lru_tokens: lru.as_ref().map(|l| l[i]),
+            policy_tokens: shipped.as_ref().map(|p| p[i]),
             sent,
         })
         .collect();
@@ -138,6 +147,7 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
             "label": label,
             "target": ran.target,
             "lru_budget_tokens": ran.lru_budget,
+            "policy_simulated": ran.policy.map(|p| p.name()),
             "wall_s": ran.wall_s,
             "throughput": throughput,
             "overall": overall,
@@ -205,6 +215,13 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
                 per_minute: per(&|m| m.lru_share),
                 dashed: true,
             });
+            if let Some(p) = ran.policy.filter(|p| *p != EvictionPolicy::Lru) {
+                series.push(Series {
+                    name: format!("{p} of {b} tokens (simulated)"),
+                    per_minute: per(&|m| m.policy_share),
+                    dashed: true,
+                });
+            }
         }
         let svg = plot::svg(
             &format!("kvstore bench trace: {}", args.file.display()),
@@ -354,6 +371,13 @@ fn print(overall: &Summary, minutes: &[Summary], ran: &Ran, s: &Settings) {
         pct(Some(overall.ideal_share)),
         match (ran.lru_budget, overall.lru_share) {
             (Some(b), Some(l)) => format!(", LRU of {b} tokens {}", pct(Some(l))),
+            _ => String::new(),
+        } + &match (ran.policy, overall.policy_share) {
+            (Some(p), Some(v)) if v > 0.0 => format!(
+                ", {p} with one perfect tier {} (the run got {:.3} of it)",
+                pct(Some(v)),
+                overall.hit_share / v
+            ),
             _ => String::new(),
         },
         overall.ttft_s.p50,
@@ -563,6 +587,7 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget,
+        policy: (!cache.no_cache).then_some(cache.eviction),
         tier_note: store_note(&before, &after, &cache.eviction.to_string(), wall_s)
             .map(|n| n + &export_note(&exports)),
         steps: Some(StepSummary::of(&steps)),
@@ -682,6 +707,7 @@ fn mlx_lm_server(args: &Args, s: &Settings, python: &str, times: &[f64]) -> Resu
         sent,
         wall_s,
         lru_budget: args.budget_tokens.first().copied(),
+        policy: None,
         counters: json!({}),
         steps: None,
         memory: None,
@@ -749,6 +775,7 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
         sent,
         wall_s,
         lru_budget: args.budget_tokens.first().copied(),
+        policy: None,
         counters: json!({"server_metrics_delta": delta}),
         steps: None,
         memory: None,

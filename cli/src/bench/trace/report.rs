@@ -19,6 +19,9 @@ pub struct Row {
     pub ideal_tokens: usize,
     /// Hit tokens of the simulated LRU at the comparison budget.
     pub lru_tokens: Option<usize>,
+    /// Hit tokens of the run's own eviction policy, simulated at the same budget with one
+    /// perfect tier (in process, with a cache).
+    pub policy_tokens: Option<usize>,
     /// What was sent and what came back.
     #[serde(flatten)]
     pub sent: Sent,
@@ -94,6 +97,10 @@ pub struct Summary {
     pub of_ideal: f64,
     /// The simulated LRU's hit share over the same requests.
     pub lru_share: Option<f64>,
+    /// The run's own eviction policy's hit share, simulated at the same budget with one
+    /// perfect tier: what the tiers' mechanics (dropped writes, recomputes chosen, the
+    /// split into tiers) leave of it is the gap to `hit_share`.
+    pub policy_share: Option<f64>,
     /// Generated tokens.
     pub completion_tokens: usize,
     /// Time to first token, seconds from sending.
@@ -143,6 +150,7 @@ pub fn summarize(rows: &[&Row]) -> Summary {
     let cached: usize = ok.iter().map(|r| r.sent.outcome.cached_tokens).sum();
     let ideal = share(ok.iter().map(|r| r.ideal_tokens).sum());
     let lru: Option<Vec<usize>> = ok.iter().map(|r| r.lru_tokens).collect();
+    let policy: Option<Vec<usize>> = ok.iter().map(|r| r.policy_tokens).collect();
     let pct = |f: fn(&Row) -> Option<f64>| {
         Percentiles::of(&ok.iter().filter_map(|r| f(r)).collect::<Vec<_>>())
     };
@@ -200,6 +208,9 @@ pub fn summarize(rows: &[&Row]) -> Summary {
             f64::NAN
         },
         lru_share: lru.filter(|v| !v.is_empty()).map(|v| share(v.iter().sum())),
+        policy_share: policy
+            .filter(|v| !v.is_empty())
+            .map(|v| share(v.iter().sum())),
         completion_tokens: ok.iter().map(|r| r.sent.outcome.completion_tokens).sum(),
         ttft_s: pct(|r| r.sent.outcome.ttft_s),
         e2e_s: pct(|r| r.sent.outcome.e2e_s),
@@ -239,6 +250,7 @@ mod tests {
             prompt_len: len,
             ideal_tokens: ideal,
             lru_tokens: Some(ideal / 2),
+            policy_tokens: Some(ideal * 3 / 4),
             sent: Sent {
                 scheduled_s: 1.0,
                 sent_s: 1.5,
@@ -328,6 +340,8 @@ mod tests {
         assert_eq!(all.hit_share, 150.0 / 400.0);
         assert_eq!(all.ideal_share, 180.0 / 400.0);
         assert_eq!(all.lru_share, Some(90.0 / 400.0));
+        // The shipped policy's tokens of the three answered rows: 3/4 of 0, 80 and 100.
+        assert_eq!(all.policy_share, Some(135.0 / 400.0));
         assert_eq!(all.tiers.device, Some(150.0 / 400.0));
         assert_eq!(all.tiers.ram, None);
         assert_eq!(

@@ -192,6 +192,15 @@ impl Policy {
         }
     }
 
+    /// The simulated policy the store's `policy` is.
+    pub fn of_store(policy: EvictionPolicy) -> Policy {
+        match policy {
+            EvictionPolicy::Lru => Policy::Lru,
+            EvictionPolicy::Lfu => Policy::Lfu,
+            EvictionPolicy::FreqAdmit => Policy::FreqAdmit,
+        }
+    }
+
     /// The store's policy this one is (LRU for the recency orders and the policies the
     /// simulator runs on its own).
     fn shared(self) -> EvictionPolicy {
