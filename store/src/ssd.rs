@@ -298,7 +298,7 @@ pub struct PutJob<'a> {
     pub replace: bool,
     /// Its last use: the stamp it is ranked by and the time recorded as its last access
     /// (`None`: now, the newest block).
-    pub stamp: Option<UsedAt>,
+    pub used: Option<UsedAt>,
 }
 
 /// What staging a block gave: its temp file written, an outcome without one, or nothing
@@ -1225,9 +1225,10 @@ impl<F: FileSystem> SsdTier<F> {
 
     /// [`SsdTier::put`] of a block last used at `used` (a stamp of this tier's
     /// [`clock`](Self::clock) and its time, such as its last use in the RAM tier), ranked
-    /// by that stamp rather than as the newest block, with that time as its last access. In recency order (`lru`, `freq-admit`) a full tier makes
-    /// room only from blocks no more recent than it: when the rest of the room would have
-    /// to come from more recent ones, the block is the first to go, so it is not written
+    /// by that stamp rather than as the newest block, with that time as its last access.
+    /// In recency order (`lru`, `freq-admit`) a full tier makes room only from blocks no
+    /// more recent than it: when the rest of the room would have to come from more recent
+    /// ones, the block is the first to go, so it is not written
     /// ([`WriteOutcome::NotAdmitted`], counted as an eviction). A stored block is only made
     /// at least that recent.
     pub fn put_at(&self, block: &Block, used: UsedAt) -> Result<WriteOutcome, WriteError> {
@@ -1248,12 +1249,12 @@ impl<F: FileSystem> SsdTier<F> {
         &self,
         block: &Block,
         replace: bool,
-        stamp: Option<UsedAt>,
+        used: Option<UsedAt>,
     ) -> Result<WriteOutcome, WriteError> {
         let job = PutJob {
             block,
             replace,
-            stamp,
+            used,
         };
         self.put_many(std::slice::from_ref(&job))
             .pop()
@@ -1354,7 +1355,7 @@ impl<F: FileSystem> SsdTier<F> {
         let PutJob {
             block,
             replace,
-            stamp,
+            used,
         } = *job;
         let ns = block.meta.namespace;
         let key = block.meta.key;
@@ -1371,7 +1372,7 @@ impl<F: FileSystem> SsdTier<F> {
                 self.touch_at(
                     ns,
                     key,
-                    stamp.unwrap_or_else(|| UsedAt::now(self.clock.tick())),
+                    used.unwrap_or_else(|| UsedAt::now(self.clock.tick())),
                 );
                 return Ok(Staging::Done(WriteOutcome::AlreadyPresent));
             }
@@ -1399,7 +1400,7 @@ impl<F: FileSystem> SsdTier<F> {
             )
         };
         // A copy of another layout replaced keeps its place if it was more recent.
-        let last = stamp.unwrap_or_else(|| UsedAt::now(self.clock.tick()));
+        let last = used.unwrap_or_else(|| UsedAt::now(self.clock.tick()));
         let seq = last.stamp.max(stored_seq);
         // A pinned block is always admitted, as in the RAM tier.
         let newcomer = (recency_order && !self.pins.is_pinned(ns, key)).then_some(seq);

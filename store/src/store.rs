@@ -1396,17 +1396,18 @@ const GROUP_WRITES: usize = 64;
 /// A write job of the write-behind worker.
 struct Write {
     block: Arc<Block>,
-    stamp: UsedAt,
+    /// Its last use in the RAM tier.
+    used: UsedAt,
     /// A Write or Replace job (its block is in `pending`); a Spill job is not.
     refresh: bool,
     replace: bool,
 }
 
 impl Write {
-    fn new(block: Arc<Block>, stamp: UsedAt, refresh: bool, replace: bool) -> Self {
+    fn new(block: Arc<Block>, used: UsedAt, refresh: bool, replace: bool) -> Self {
         Write {
             block,
-            stamp,
+            used,
             refresh,
             replace,
         }
@@ -1426,7 +1427,7 @@ fn write_group<F: FileSystem>(shared: &Shared<F>, ssd: &SsdTier<F>, group: Vec<W
         let k = w.id();
         if !w.replace && ssd.contains(k.0, k.1) {
             if w.refresh {
-                ssd.touch_at(k.0, k.1, w.stamp);
+                ssd.touch_at(k.0, k.1, w.used);
                 lock(&shared.pending).remove(&k);
             }
             continue;
@@ -1438,7 +1439,7 @@ fn write_group<F: FileSystem>(shared: &Shared<F>, ssd: &SsdTier<F>, group: Vec<W
         .map(|w| PutJob {
             block: &w.block,
             replace: w.replace,
-            stamp: Some(w.stamp),
+            used: Some(w.used),
         })
         .collect();
     if !jobs.is_empty() {

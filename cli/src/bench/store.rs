@@ -156,7 +156,7 @@ fn put_in_groups(ssd: &SsdTier, bl: &[Block]) -> Result<()> {
             .map(|block| PutJob {
                 block,
                 replace: false,
-                stamp: None,
+                used: None,
             })
             .collect();
         for r in ssd.put_many(&jobs) {

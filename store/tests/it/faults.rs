@@ -302,7 +302,7 @@ fn group(blocks: &[Block]) -> Vec<PutJob<'_>> {
         .map(|block| PutJob {
             block,
             replace: false,
-            stamp: None,
+            used: None,
         })
         .collect()
 }
@@ -383,7 +383,7 @@ fn a_group_on_a_full_tier_evicts_as_single_puts_would() {
         .map(|(block, s)| PutJob {
             block,
             replace: false,
-            stamp: Some(UsedAt::now(*s)),
+            used: Some(UsedAt::now(*s)),
         })
         .collect();
     // Reference: one put at a time.
