@@ -153,7 +153,10 @@ pub struct ReuseReport {
     /// nothing was published before. A value far below `prompt_tokens` on a later turn
     /// means the conversation's earlier text changed (template drift, edited history).
     pub diverged_at: Option<usize>,
-    /// Finding the cached prefix (hashing keys and the index lookup).
+    /// Finding the cached prefix (hashing keys and the index lookup) after admission: the
+    /// device tier's match, and the store's lookup when the engine loaded the prefix
+    /// itself. A prefetched load's store lookup ran on an I/O worker before admission
+    /// (within `prefetch_s`), not here.
     pub lookup_s: f64,
     /// Reading, verifying and restoring the cached blocks.
     pub restore_s: f64,
@@ -1139,8 +1142,10 @@ impl KvTiers {
         report.lookup_s = t.elapsed().as_secs_f64();
         let mut host = match prefetched {
             Some(mut h) if h.chain.namespace() == namespace && h.first <= first => {
+                // Its store lookup ran on an I/O worker while the request was queued (or
+                // while admission waited for the load, which `restore_s` bills): adding it
+                // here would count that time twice in the TTFT's parts.
                 report.prefetched = true;
-                report.lookup_s += h.lookup_s;
                 h.skip_to(first);
                 h
             }
