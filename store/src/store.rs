@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::block::{Block, BlockMeta, LayoutError};
+use crate::block::{now_unix_ms, Block, BlockMeta, LayoutError};
 use crate::clock::{UseClock, UsedAt};
 use crate::codec::DecodeError;
 use crate::error::{InsertError, OpenError, RegisterError, WriteError};
@@ -722,7 +722,7 @@ impl<F: FileSystem> Store<F> {
         // RAM's recency (`flush`): RAM still holds those blocks. Either way the SSD records
         // the block's last use in RAM as its last access (what `gc --older-than` reads).
         for Evicted { block: p, used } in evicted {
-            let stamp = UsedAt {
+            let used = UsedAt {
                 stamp: self.shared.clock.tick(),
                 unix_ms: used.unix_ms,
             };
@@ -738,8 +738,8 @@ impl<F: FileSystem> Store<F> {
                 .as_ref()
                 .is_some_and(|s| s.contains(m.namespace, m.key));
             if on_ssd {
-                self.enqueue_spill_check(p, stamp);
-            } else if self.enqueue(p, false, stamp) {
+                self.enqueue_spill_check(p, used);
+            } else if self.enqueue(p, false, used) {
                 Counters::inc(&self.shared.counters.spills);
             }
         }
@@ -753,14 +753,14 @@ impl<F: FileSystem> Store<F> {
     /// Queues a [`Job::Spill`] without blocking: the block left RAM while the SSD held it,
     /// and the worker writes it only if the SSD no longer does when the job runs. It is not
     /// served from `pending` meanwhile (the SSD copy serves it); a full queue skips it.
-    fn enqueue_spill_check(&self, p: Arc<Block>, stamp: UsedAt) {
+    fn enqueue_spill_check(&self, p: Arc<Block>, used: UsedAt) {
         let bytes = p.data_len();
-        self.try_queue(Job::Spill(p, stamp), bytes);
+        self.try_queue(Job::Spill(p, used), bytes);
     }
 
     /// Queues a write (in place of the SSD's copy when `replace`) of a block last used at
-    /// `stamp` without blocking; returns whether it was queued.
-    fn enqueue(&self, p: Arc<Block>, replace: bool, stamp: UsedAt) -> bool {
+    /// `used` without blocking; returns whether it was queued.
+    fn enqueue(&self, p: Arc<Block>, replace: bool, used: UsedAt) -> bool {
         if self.tx.is_none() {
             return false;
         }
@@ -769,9 +769,9 @@ impl<F: FileSystem> Store<F> {
         // In `pending` before the worker can take the job (it removes it once written).
         lock(&self.shared.pending).insert(k, p.clone());
         let job = if replace {
-            Job::Replace(p, stamp)
+            Job::Replace(p, used)
         } else {
-            Job::Write(p, stamp)
+            Job::Write(p, used)
         };
         let queued = self.try_queue(job, bytes);
         if !queued {
@@ -832,12 +832,22 @@ impl<F: FileSystem> Store<F> {
         // One stamp per key for both tiers, so the root is the most recent of the chain
         // wherever its blocks are (a tier touched after the other would rank all its
         // copies above the other's).
-        let stamped: Vec<(BlockKey, UsedAt)> =
-            keys.iter().rev().map(|&k| (k, self.use_now())).collect();
+        let now = now_unix_ms();
+        let stamped: Vec<(BlockKey, UsedAt)> = keys
+            .iter()
+            .rev()
+            .map(|&k| {
+                let used = UsedAt {
+                    stamp: self.shared.clock.tick(),
+                    unix_ms: now,
+                };
+                (k, used)
+            })
+            .collect();
         {
             let mut ram = lock(&self.shared.ram);
-            for &(key, stamp) in &stamped {
-                ram.touch_at(ns, key, stamp);
+            for &(key, used) in &stamped {
+                ram.touch_at(ns, key, used);
             }
         }
         let Some(ssd) = &self.shared.ssd else {
@@ -846,8 +856,8 @@ impl<F: FileSystem> Store<F> {
         if ssd.is_read_only() {
             return;
         }
-        for &(key, stamp) in &stamped {
-            ssd.touch_at(ns, key, stamp);
+        for &(key, used) in &stamped {
+            ssd.touch_at(ns, key, used);
         }
         let queued = {
             let pending = lock(&self.shared.pending);
@@ -1182,18 +1192,14 @@ impl<F: FileSystem> Store<F> {
             // stamps rank the root more recent): the SSD tier ranks them among its own
             // blocks by when they were used, not as newer than everything it holds.
             let resident = lock(&self.shared.ram).snapshot_stamped();
-            for Evicted {
-                block: p,
-                used: stamp,
-            } in resident.into_iter().rev()
-            {
+            for Evicted { block: p, used } in resident.into_iter().rev() {
                 let k = (p.meta.namespace, p.meta.key);
                 // The worker decides: it is the only thread that writes or evicts, so it
                 // sees whether the block is still stored when the job runs.
                 lock(&self.shared.pending).insert(k, p.clone());
                 // A flush waits for room instead of skipping: counted, not bounded.
                 self.shared.queued.add(p.data_len());
-                let job = Job::Write(p, stamp);
+                let job = Job::Write(p, used);
                 if tx.send(job).is_err() {
                     return Err(WriteError::WorkerGone);
                 }
@@ -1323,16 +1329,16 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
         };
         let _gate = lock(&shared.write_gate);
         let first = match job {
-            Job::Write(p, stamp) => Write::new(p, stamp, true, false),
-            Job::Replace(p, stamp) => Write::new(p, stamp, true, true),
-            Job::Spill(p, stamp) => Write::new(p, stamp, false, false),
-            Job::Touch(ns, key, stamp) => {
-                ssd.reuse(ns, key, stamp);
+            Job::Write(p, used) => Write::new(p, used, true, false),
+            Job::Replace(p, used) => Write::new(p, used, true, true),
+            Job::Spill(p, used) => Write::new(p, used, false, false),
+            Job::Touch(ns, key, used) => {
+                ssd.reuse(ns, key, used);
                 continue;
             }
             Job::TouchChain(ns, stamped) => {
-                for (key, stamp) in stamped {
-                    ssd.touch_at(ns, key, stamp);
+                for (key, used) in stamped {
+                    ssd.touch_at(ns, key, used);
                 }
                 continue;
             }
@@ -1355,16 +1361,16 @@ fn worker_loop<F: FileSystem>(shared: Arc<Shared<F>>, rx: Receiver<Job>) {
             let in_group =
                 |ns: NamespaceId, key: BlockKey| group.iter().any(|w| w.id() == (ns, key));
             let write = match &job {
-                Job::Write(p, stamp) => Write::new(p.clone(), *stamp, true, false),
-                Job::Replace(p, stamp) => Write::new(p.clone(), *stamp, true, true),
-                Job::Spill(p, stamp) => Write::new(p.clone(), *stamp, false, false),
-                Job::Touch(ns, key, stamp) if !in_group(*ns, *key) => {
-                    ssd.reuse(*ns, *key, *stamp);
+                Job::Write(p, used) => Write::new(p.clone(), *used, true, false),
+                Job::Replace(p, used) => Write::new(p.clone(), *used, true, true),
+                Job::Spill(p, used) => Write::new(p.clone(), *used, false, false),
+                Job::Touch(ns, key, used) if !in_group(*ns, *key) => {
+                    ssd.reuse(*ns, *key, *used);
                     continue;
                 }
                 Job::TouchChain(ns, stamped) if !stamped.iter().any(|(k, _)| in_group(*ns, *k)) => {
-                    for &(key, stamp) in stamped {
-                        ssd.touch_at(*ns, key, stamp);
+                    for &(key, used) in stamped {
+                        ssd.touch_at(*ns, key, used);
                     }
                     continue;
                 }

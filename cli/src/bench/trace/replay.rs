@@ -69,10 +69,14 @@ pub fn run(args: &Args, s: &Settings) -> Result<()> {
     let lru = ran
         .lru_budget
         .map(|b| sim::simulate(&t, Policy::Lru, blocks(b)));
+    // Under `--eviction lru` the shipped policy is the LRU just simulated.
     let shipped = ran
         .policy
         .zip(ran.lru_budget)
-        .map(|(p, b)| sim::simulate(&t, Policy::of_store(p), blocks(b)));
+        .map(|(p, b)| match Policy::of_store(p) {
+            Policy::Lru => lru.clone().unwrap_or_default(),
+            q => sim::simulate(&t, q, blocks(b)),
+        });
     let rows: Vec<Row> = std::mem::take(&mut ran.sent)
         .into_iter()
         .enumerate()
