@@ -55,9 +55,9 @@ pub struct Args {
     /// step instead of waiting for it (0: never waits).
     #[arg(long, value_name = "MS", default_value_t = engine::DEFAULT_LOAD_GRACE.as_secs_f64() * 1e3)]
     load_grace: f64,
-    /// The attention scores one prefill pass may hold at once where MLX materializes them
-    /// (a GPU without fused attention for the model's dtype: f32 on CUDA); the pass waits
-    /// for the device between layers to stay within it.
+    /// What one prefill pass may hold on a GPU at once: its layers' activations, and their
+    /// attention scores where MLX materializes them (no fused attention for the model's
+    /// dtype: f32 on CUDA); the pass waits for the device between layers to stay within it.
     #[arg(long, value_name = "SIZE", default_value = "8GiB")]
     pass_workspace: String,
     /// While requests decode, a step with a prefill chunk takes at most this multiple of a

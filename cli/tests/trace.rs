@@ -259,10 +259,11 @@ fn in_process_arms_share_a_plot() {
     let dir = tempfile::tempdir().unwrap();
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/goldens/tiny-qwen3");
     let f = fixture();
-    let (first, second, svg) = (
+    let (first, second, svg, steps) = (
         dir.path().join("a.json"),
         dir.path().join("b.json"),
         dir.path().join("ab.svg"),
+        dir.path().join("a.steps.jsonl"),
     );
     let run = |extra: &[&str]| {
         let mut args = vec![
@@ -296,6 +297,8 @@ fn in_process_arms_share_a_plot() {
         "64MiB",
         "--json",
         first.to_str().unwrap(),
+        "--step-log",
+        steps.to_str().unwrap(),
     ]);
     assert!(!cached.contains("note:"), "{cached}");
     // The arms' device KV budgets differ (64 MiB against the default 4 GiB): said.
@@ -338,6 +341,31 @@ fn in_process_arms_share_a_plot() {
         cached.contains("freq-admit with one perfect tier 62.5% (the run got 0.750 of it)"),
         "{cached}"
     );
+    // The step log names every request's prefill by the id its JSON carries: each of the
+    // five requests (one at a time) is prefilled in a step of engine 0, after the replay
+    // began, and its steps run in order.
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&steps)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let ids: Vec<u64> = a["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["request_id"].as_u64().expect("a request without its id"))
+        .collect();
+    let prefilled: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l["step"]["prefilled"][0].as_u64())
+        .collect();
+    assert_eq!(prefilled, ids, "{lines:?}");
+    let at: Vec<f64> = lines.iter().map(|l| l["t_s"].as_f64().unwrap()).collect();
+    assert!(
+        at[0] >= 0.0 && at.windows(2).all(|w| w[0] <= w[1]),
+        "{at:?}"
+    );
+    assert!(lines.iter().all(|l| l["engine"] == 0));
     // Without a cache there is no policy to simulate.
     assert!(b["policy_simulated"].is_null() && b["overall"]["policy_share"].is_null());
     // The transfer pool's threads are recorded where copies go through a driver (CUDA),

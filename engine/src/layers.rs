@@ -10,7 +10,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{EngineError, Result};
-use crate::pass_memory::{layer_score_bytes, materializes_scores, PassMemory};
+use crate::pass_memory::{
+    holds_activations, layer_activation_bytes, layer_score_bytes, materializes_scores, LayerWidths,
+    PassMemory,
+};
 
 /// A linear layer `y = x Wᵀ (+ b)`, with W either a dense matrix or MLX-affine quantized.
 #[derive(Debug)]
@@ -50,7 +53,7 @@ impl Linear {
     }
 
     /// Output features (rows of the weight).
-    fn out_features(&self) -> Option<i32> {
+    pub(crate) fn out_features(&self) -> Option<i32> {
         match &self.weight {
             LinearWeight::Dense(w) => w.shape().first().copied(),
             LinearWeight::Quantized(q) => q.packed.shape().first().copied(),
@@ -88,6 +91,16 @@ enum FusedParts {
 }
 
 impl FusedLinear {
+    /// The width of the parts' outputs together (`None` for a weight whose shape is
+    /// unknown).
+    pub(crate) fn out_width(&self) -> Option<usize> {
+        let w: Option<i32> = match &self.parts {
+            FusedParts::Stacked(_, widths) => Some(widths.iter().sum()),
+            FusedParts::Separate(parts) => parts.iter().map(Linear::out_features).sum(),
+        };
+        w.map(|w| w as usize)
+    }
+
     /// Stacks `parts` when their weights allow it (see the type's docs).
     pub(crate) fn new(parts: Vec<Linear>) -> Result<Self> {
         let Some(widths) = parts
@@ -734,37 +747,59 @@ pub(crate) struct Decoder {
     /// `None` when the LM head is tied to the embedding.
     pub(crate) lm_head: Option<Linear>,
     pub(crate) rope: RotaryEmbedding,
-    /// The attention scores a prefill pass may hold at once where they are materialized
-    /// (module `pass_memory`).
+    /// The bytes a prefill pass may hold on a GPU at once: activations, and attention scores
+    /// where they are materialized (module `pass_memory`).
     pub(crate) pass_workspace: AtomicU64,
 }
 
 impl Decoder {
-    /// The bound on a pass over `prompts` (each chunk's cached tokens and length): the bytes
-    /// of scores each layer materializes on this device (0 where attention is fused).
-    fn pass_memory(&self, prompts: &[(usize, usize)]) -> PassMemory {
+    /// The bound on a pass over `rows` decoding rows and `prompts` (each chunk's cached
+    /// tokens and length): the bytes each layer holds on this device until it has run, its
+    /// activations on a GPU and its attention scores where they are materialized.
+    fn pass_memory(&self, rows: usize, prompts: &[(usize, usize)]) -> PassMemory {
         let budget = self.pass_workspace.load(Ordering::Relaxed);
-        // One token a prompt (a decode step) attends through MLX's vector kernel, which
-        // materializes nothing: no device query on the decode path.
+        // One token a prompt (a decode step) attends through MLX's vector kernel and makes a
+        // step's few activations: no device query on the decode path.
         if prompts.iter().all(|&(_, len)| len <= 1) {
             return PassMemory::new(budget, 0);
         }
         let attn = &self.layers[0].self_attn;
         let dtype = self.embed_tokens.dtype();
         let device = mlx::default_device().unwrap_or(mlx::Device::Cpu);
-        let per_layer = if materializes_scores(device, dtype, attn.head_dim as usize) {
+        let scores = if materializes_scores(device, dtype, attn.head_dim as usize) {
             layer_score_bytes(attn.num_heads as usize, dtype.size(), prompts)
         } else {
             0
         };
-        PassMemory::new(budget, per_layer)
+        let activations = match self.layer_widths() {
+            Some(w) if holds_activations(device) => {
+                let tokens = rows + prompts.iter().map(|&(_, len)| len).sum::<usize>();
+                layer_activation_bytes(w, dtype.size(), tokens)
+            }
+            _ => 0,
+        };
+        PassMemory::new(budget, scores + activations)
+    }
+
+    /// The first layer's widths (every layer of these families has the same).
+    fn layer_widths(&self) -> Option<LayerWidths> {
+        let layer = self.layers.first()?;
+        let attn = &layer.self_attn;
+        let head_dim = attn.head_dim as usize;
+        Some(LayerWidths {
+            hidden: attn.o_proj.out_features()? as usize,
+            q: attn.num_heads as usize * head_dim,
+            kv: attn.num_kv_heads as usize * head_dim,
+            intermediate: layer.mlp.gate_up.out_width()? / 2,
+            qk_norms: attn.q_norm.is_some(),
+        })
     }
 }
 
 impl crate::models::Network for Decoder {
     fn hidden(&self, tokens: &Array, cache: &mut dyn KvCache) -> Result<Array> {
         let offset = cache.offset();
-        let mut memory = self.pass_memory(&[(offset, tokens.shape()[1] as usize)]);
+        let mut memory = self.pass_memory(0, &[(offset, tokens.shape()[1] as usize)]);
         let mut h = self.embed_tokens.forward(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(&h, i, offset, &self.rope, cache)?;
@@ -812,7 +847,7 @@ impl crate::models::Network for Decoder {
         let mut h = self
             .embed_tokens
             .forward(&mlx::ops::concatenate(&refs, 1)?)?;
-        let mut memory = self.pass_memory(&prompts);
+        let mut memory = self.pass_memory(b as usize, &prompts);
         let mut kv = MixedKv {
             rows,
             caches,

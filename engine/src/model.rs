@@ -198,9 +198,9 @@ impl Model {
         Ok(*self.fingerprint.get_or_init(|| out))
     }
 
-    /// Bounds the attention scores a prefill pass holds at once where MLX materializes them
-    /// (`EngineConfig::pass_workspace`; engine/src/pass_memory.rs). The llama and qwen
-    /// decoders take it; other families ignore it.
+    /// Bounds what a prefill pass holds on a GPU at once, its activations and its attention
+    /// scores where MLX materializes them (`EngineConfig::pass_workspace`; engine/src/
+    /// pass_memory.rs). The llama and qwen decoders take it; other families ignore it.
     pub fn set_pass_workspace(&self, bytes: u64) {
         self.decoder.set_pass_workspace(bytes);
     }

@@ -110,10 +110,10 @@ pub struct EngineConfig {
     /// load that takes longer is a disk or network read, which admission passes over).
     /// Default: [`DEFAULT_LOAD_GRACE`]; zero never waits.
     pub load_grace: Duration,
-    /// The attention scores one prefill pass may hold at once where MLX materializes them
-    /// (a GPU without fused attention for the model's dtype and head size: f32 on CUDA):
-    /// the pass waits for the device between layers to stay within it (engine/src/
-    /// pass_memory.rs). Default: [`DEFAULT_PASS_WORKSPACE`].
+    /// What one prefill pass may hold on a GPU at once: its layers' activations, and their
+    /// attention scores where MLX materializes them (no fused attention for the model's
+    /// dtype and head size: f32 on CUDA); the pass waits for the device between layers to
+    /// stay within it (engine/src/pass_memory.rs). Default: [`DEFAULT_PASS_WORKSPACE`].
     pub pass_workspace: u64,
 }
 
@@ -694,9 +694,13 @@ pub struct StepRecord {
     /// decode pass or a pass of their own) and the microseconds of the pass charged to its
     /// prefill time: its tokens' share. Empty when no such pass ran.
     pub prefill_charged_us: Vec<(u64, u64)>,
+    /// Microseconds from the engine's start ([`Engine::started`]) to the step's start.
+    pub started_us: u64,
 }
 
 struct Shared {
+    /// When the engine was made: the origin of [`StepRecord::started_us`].
+    started: Instant,
     counters: Counters,
     accepting: AtomicBool,
     steps: Mutex<VecDeque<StepRecord>>,
@@ -793,6 +797,7 @@ impl Engine {
         }
         model.set_pass_workspace(config.pass_workspace);
         let shared = Arc::new(Shared {
+            started: Instant::now(),
             counters: Counters::default(),
             accepting: AtomicBool::new(true),
             steps: Mutex::new(VecDeque::new()),
@@ -883,6 +888,11 @@ impl Engine {
             .context_limit
             .unwrap_or(usize::MAX)
             .min(self.info.max_position_embeddings)
+    }
+
+    /// When the engine was made: its step log's [`StepRecord::started_us`] count from here.
+    pub fn started(&self) -> Instant {
+        self.shared.started
     }
 
     /// The most recent engine steps, oldest first (kept when [`EngineConfig::step_log`] is
@@ -1347,7 +1357,10 @@ impl Worker {
             }
             // 2. Admit, and bring the prompt to prefill next to the front.
             self.steps += 1;
-            let mut record = StepRecord::default();
+            let mut record = StepRecord {
+                started_us: micros(top.saturating_duration_since(self.shared.started)),
+                ..StepRecord::default()
+            };
             let t = Instant::now();
             self.admit();
             self.order_prefilling();

@@ -77,8 +77,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let waits = engine::pass_memory_waits();
     if waits > 0 {
         eprintln!(
-            "prefill passes waited {waits} times for the device to free their attention scores \
-             (--pass-workspace)"
+            "prefill passes waited {waits} times for the device to free their activations and \
+             attention scores (--pass-workspace)"
         );
     }
     Ok(())

@@ -903,6 +903,7 @@ mod tests {
                 admit_waited_load: us[2] == 0,
                 step_us: us.iter().sum(),
                 prefill_charged_us: Vec::new(),
+                started_us: 0,
             };
         let log = [
             step(&[1, 2], None, [1000, 3000, 0]),

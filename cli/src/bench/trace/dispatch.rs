@@ -42,6 +42,12 @@ pub struct Outcome {
     pub ttft_parts: Option<TtftParts>,
     /// Why the request failed, if it did.
     pub error: Option<String>,
+    /// The engine's id of the request (in process), as its step log names it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<u64>,
+    /// Which of several engines in this process served it (in turn order).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<usize>,
 }
 
 /// The parts of an in-process request's time to first token, as the engine counted them.

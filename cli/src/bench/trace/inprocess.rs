@@ -29,6 +29,7 @@ impl Target for EngineTarget<'_> {
             Ok(h) => h,
             Err(e) => return Outcome::failed(format!("refused: {e}")),
         };
+        let request_id = Some(handle.id());
         let mut ttft_s = None;
         while let Some(event) = handle.recv_blocking() {
             match event {
@@ -63,9 +64,16 @@ impl Target for EngineTarget<'_> {
                             }),
                         }),
                         error: None,
+                        request_id,
+                        engine: None,
                     };
                 }
-                Event::Failed(e) => return Outcome::failed(e.to_string()),
+                Event::Failed(e) => {
+                    return Outcome {
+                        request_id,
+                        ..Outcome::failed(e.to_string())
+                    }
+                }
                 _ => {}
             }
         }
@@ -87,7 +95,10 @@ impl Target for RoundRobin<'_> {
         if self.targets.is_empty() {
             return Outcome::failed("no engine to send to");
         }
-        let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.targets[k % self.targets.len()].send(prompt, max_tokens)
+        let k = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % self.targets.len();
+        Outcome {
+            engine: Some(k),
+            ..self.targets[k].send(prompt, max_tokens)
+        }
     }
 }

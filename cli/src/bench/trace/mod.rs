@@ -109,6 +109,13 @@ pub struct Args {
     /// simulated LRU, TTFT CDF).
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
+    /// In process: write every engine step of the replay here, one JSON object a line (its
+    /// engine, its start in seconds after the first request was sent, and the engine's
+    /// step record: the rows it decoded, the prompt chunk and riders it prefilled by request
+    /// id, and where its time went). The JSON's requests carry their `request_id` and
+    /// `engine` to match.
+    #[arg(long, value_name = "FILE")]
+    step_log: Option<PathBuf>,
     /// The replay's name in its JSON and plot. Default: the target (`in process`, the URL).
     #[arg(long, value_name = "NAME")]
     label: Option<String>,
@@ -147,8 +154,8 @@ pub struct Args {
     /// a prefill step (as `serve --load-grace`).
     #[arg(long, value_name = "MS", default_value_t = engine::DEFAULT_LOAD_GRACE.as_secs_f64() * 1e3)]
     load_grace: f64,
-    /// In process: the attention scores one prefill pass may hold at once where MLX
-    /// materializes them (as `serve --pass-workspace`).
+    /// In process: what one prefill pass may hold on a GPU at once, its activations and
+    /// its attention scores where MLX materializes them (as `serve --pass-workspace`).
     #[arg(long, value_name = "SIZE", default_value = "8GiB")]
     pass_workspace: String,
     /// In process: a step with a prefill chunk takes at most this multiple of a
@@ -214,6 +221,11 @@ impl Settings {
             && (args.url.is_some() || args.peer_python.is_some() || args.cache.no_cache)
         {
             bail!("--engines runs engines in this process with their caches: not with --url, --peer-python or --no-cache");
+        }
+        if args.step_log.is_some()
+            && (args.url.is_some() || args.peer_python.is_some() || args.simulate)
+        {
+            bail!("--step-log writes the steps of engines in this process: not with --url, --peer-python or --simulate");
         }
         if args.engines > 1 && args.cache.remote.remote.is_none() {
             bail!(

@@ -554,10 +554,22 @@ fn in_process(args: &Args, s: &Settings, times: &[f64]) -> Result<Ran> {
     // The replay's steps of every engine (the warm-up's come first, unless a full log
     // lost them already).
     let mut steps = Vec::new();
-    for (engine, before) in engines.iter().zip(logged_before) {
+    let mut lines = Vec::new();
+    for (i, (engine, before)) in engines.iter().zip(logged_before).enumerate() {
         let log = engine.step_log();
         let skip = if log.len() < STEP_LOG { before } else { 0 };
-        steps.extend_from_slice(&log[skip.min(log.len())..]);
+        let ran = &log[skip.min(log.len())..];
+        if args.step_log.is_some() {
+            lines.extend(ran.iter().map(|r| step_line(i, engine.started(), t0, r)));
+        }
+        steps.extend_from_slice(ran);
+    }
+    if let Some(path) = &args.step_log {
+        let mut text = lines.join("\n");
+        text.push('\n');
+        std::fs::write(path, text)
+            .with_context(|| format!("writing the step log {}", path.display()))?;
+        eprintln!("wrote {} ({} steps)", path.display(), lines.len());
     }
     drop(target);
     let name = match (cache.no_cache, args.engines) {
@@ -798,4 +810,15 @@ fn http(args: &Args, s: &Settings, url: &str, times: &[f64]) -> Result<Ran> {
             )
         }),
     })
+}
+
+/// One line of `--step-log`: engine `engine`'s step `r`, its start in seconds after `t0`
+/// (the replay's start; negative for the warm-up) from the engine's origin `started`.
+fn step_line(engine: usize, started: Instant, t0: Instant, r: &engine::StepRecord) -> String {
+    let at = started + std::time::Duration::from_micros(r.started_us);
+    let t_s = match at.checked_duration_since(t0) {
+        Some(d) => d.as_secs_f64(),
+        None => -t0.duration_since(at).as_secs_f64(),
+    };
+    json!({ "engine": engine, "t_s": t_s, "step": r }).to_string()
 }
