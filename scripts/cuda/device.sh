@@ -22,7 +22,8 @@
 # pi: Claude Code against kvstore serve (its binary in x3 and x4); pj: the ops test, bench
 # cache's copy paths and the 8B 32K prefix arms (ops-test.zst in x3); pk: bench generate
 # beside mlx-lm (LENS, LENS8B, CHUNK, SKIPSMOL, SKIP8B); pm: bench trace at real speed, one
-# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3; an
+# arm per process session spanning calls (ARMS, WINDOW, SPEED, SCALE, WAIT; trace in x3; each
+# arm's --step-log as ARM.steps.jsonl.gz; an
 # arm still running when the machine goes back, 30 s after a call ends, is lost); pn: short
 # no-cache trace replays with mixed steps and MLX's CUDA graphs on and off (VARIANTS); pt: a
 # short slice of the trace, full tiering then no cache, in one call (WINDOW, SCALE, ARMS:
@@ -450,12 +451,12 @@ case "$step" in
       echo "starting $arm at $(date +%T): $EV $S $A"
       # GPU memory (MiB) and utilization (%) each second beside the arm (the 5/8-scale arm of session 30 failed steps
       # with CUDA out of memory far below the GPU's size): $arm.gpumem.csv.
-      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; env $EV '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
+      setsid bash -c "nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 1000 > '$R/$arm.gpumem.csv' 2>&1 & G=\$!; env $EV '$BIN/kvstore' bench trace '$T' --model '$d' $MARGS $S $A --json '$R/$arm.json' --svg '$R/$arm.svg' --step-log '$R/$arm.steps.jsonl' > '$R/$arm.log' 2>&1; echo rc=\$? >> '$R/$arm.log'; gzip -f '$R/$arm.steps.jsonl'; kill \$G; touch '$R/$arm.done'" </dev/null >/dev/null 2>&1 &
       echo $! > "$R/pid"
     done
     while running && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     for f in "$R"/*.log; do [ -f "$f" ] || continue; echo "== $f"; grep -E '^request .* at ' "$f" | tail -n 1; tail -n 12 "$f"; done
-    cp "$R"/*.json "$R"/*.svg "$R"/*.log "$R"/*.csv "$OUT"/ 2>/dev/null
+    cp "$R"/*.json "$R"/*.svg "$R"/*.log "$R"/*.csv "$R"/*.steps.jsonl.gz "$OUT"/ 2>/dev/null
     running && echo "still running: $(cat "$R/pid")"
     free -g | head -2; df -h /opt | tail -1
     echo "step $step: $(( $(date +%s) - START ))s"
