@@ -506,11 +506,14 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pt) # a short slice of the trace at real speed, full tiering then no cache, in the
-      # foreground (WINDOW, SCALE, DRAIN, CONC, BATCH; one call), after x1 and x2; logs and JSON to $OUT
+      # foreground (WINDOW, SCALE, DRAIN, CONC, BATCH; one call), after x1 and x2; logs, JSON
+      # and each arm's --step-log (gzipped) to $OUT; MODEL=llama8b: the 8B-shaped bf16 model
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
+    MARGS=""
+    if [ "${MODEL:-smollm2}" = llama8b ]; then make_llama8b; d=$K/llama8b; MARGS="--keep-quantized"; fi
     T=$K/mooncake-conversation-part1.jsonl
     W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
     S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline $(( end - start + 10 )) ${XARGS:-}"
@@ -538,8 +541,9 @@ case "$step" in
       # an arm that has fallen behind needs minutes (session 21 lost a report to 40 s)
       case "$arm" in *row) export KVSTORE_ROWS_KERNEL=0 ;; *) unset KVSTORE_ROWS_KERNEL ;; esac
       n=pt-$arm${tag:+-$tag}
-      env $EV timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $S $A \
-          $XA --json "$OUT/$n.json" > "$OUT/$n.log" 2>&1
+      env $EV timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $MARGS $S $A \
+          $XA --json "$OUT/$n.json" --step-log "$OUT/$n.steps.jsonl" > "$OUT/$n.log" 2>&1
+      gzip -f "$OUT/$n.steps.jsonl"
       grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/$n.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
