@@ -275,6 +275,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "kvstore's decode steps (medians, ms): queue the step (its CPU; building its graph), read \
          the picks before, the whole step (its mean), 1 / decode tok/s"
     );
+    println!(
+        "(a pipelined loop splits the device's time between queueing one step and reading the \
+         last, so the median step can be far below it: the mean is the step; \
+         KVSTORE_DECODE_WAIT=drained times each step alone)"
+    );
     for o in &ours {
         if let Some(s) = o.steps {
             println!(
