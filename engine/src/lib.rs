@@ -31,6 +31,7 @@ mod census;
 mod chunk_budget;
 mod constrained;
 mod cost_model;
+mod device_memory;
 mod device_sampler;
 mod device_tier;
 mod error;

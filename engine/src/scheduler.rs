@@ -795,6 +795,25 @@ impl Engine {
                 message: format!("{x} is not a multiple above 1 (leave it unset for no budget)"),
             });
         }
+        if mlx::default_device()? == mlx::Device::Gpu {
+            if let Some(total) = mlx::device_memory_size()? {
+                // What is live now besides the KV a reopened device tier still holds (inside
+                // the budget already): the weights.
+                let resident = prefix
+                    .as_ref()
+                    .map_or(0, |p| p.resident_stats().resident_buffer_bytes);
+                crate::device_memory::check_fits(
+                    total,
+                    (mlx::active_memory()? as u64).saturating_sub(resident),
+                    config.kv_budget_bytes,
+                    config.pass_workspace,
+                )
+                .map_err(|message| EngineError::InvalidParameter {
+                    name: "kv_budget",
+                    message,
+                })?;
+            }
+        }
         model.set_pass_workspace(config.pass_workspace);
         let shared = Arc::new(Shared {
             started: Instant::now(),

@@ -81,6 +81,13 @@ pub fn set_cache_limit(bytes: usize) -> Result<usize> {
     check("set_cache_limit", ffi::set_cache_limit(bytes))
 }
 
+/// The default device's total memory in bytes as MLX's `device_info` reports it (the GPU's
+/// on CUDA and Metal), `None` where it reports none (the CPU, in MLX 0.32).
+pub fn device_memory_size() -> Result<Option<u64>> {
+    let n = check("device_memory_size", ffi::device_memory_size())?;
+    Ok((n > 0).then_some(n as u64))
+}
+
 /// Frees the buffer cache.
 pub fn clear_cache() -> Result<()> {
     check("clear_cache", ffi::clear_cache())

@@ -298,6 +298,7 @@ pub(crate) mod ffi {
         fn reset_peak_memory() -> Result<()>;
         fn cache_memory() -> Result<usize>;
         fn set_cache_limit(limit: usize) -> Result<usize>;
+        fn device_memory_size() -> Result<usize>;
         fn clear_cache() -> Result<()>;
         fn version() -> Result<String>;
     }

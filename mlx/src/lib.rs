@@ -48,7 +48,7 @@ pub use cuda_graphs::{
     cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,
 };
 pub use device::{
-    active_memory, cache_memory, clear_cache, default_device, direct_transfers,
+    active_memory, cache_memory, clear_cache, default_device, device_memory_size, direct_transfers,
     f32_matmul_unit_roundoff, gpu_available, peak_memory, reset_peak_memory, set_cache_limit,
     set_default_device, set_direct_transfers, version, Device,
 };

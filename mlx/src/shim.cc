@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <variant>
 #include <stdexcept>
 #include <unordered_set>
 #include <utility>
@@ -981,6 +982,17 @@ size_t peak_memory() { return mx::get_peak_memory(); }
 void reset_peak_memory() { mx::reset_peak_memory(); }
 size_t cache_memory() { return mx::get_cache_memory(); }
 size_t set_cache_limit(size_t limit) { return mx::set_cache_limit(limit); }
+size_t device_memory_size() {
+  // MLX 0.32's device_info names the total "total_memory" or "memory_size" by backend.
+  const auto& info = mx::device_info(mx::default_device());
+  for (const char* key : {"total_memory", "memory_size"}) {
+    auto it = info.find(key);
+    if (it != info.end()) {
+      if (const size_t* v = std::get_if<size_t>(&it->second)) return *v;
+    }
+  }
+  return 0;
+}
 void clear_cache() { mx::clear_cache(); }
 rust::String version() { return rust::String(mx::version()); }
 

@@ -176,6 +176,7 @@ size_t peak_memory();
 void reset_peak_memory();
 size_t cache_memory();
 size_t set_cache_limit(size_t limit);
+size_t device_memory_size();
 void clear_cache();
 rust::String version();
 

@@ -1635,3 +1635,15 @@ fn buffer_bytes_are_the_whole_buffer_an_evaluated_array_holds() {
     view.eval().unwrap();
     assert_eq!(view.buffer_bytes(), b);
 }
+
+/// MLX reports a GPU's memory, which an engine checks its budgets against; for the CPU
+/// MLX 0.32's `device_info` names no memory, and the binding says so (`None`) instead of 0.
+#[test]
+fn the_device_reports_its_memory_on_a_gpu_only() {
+    let total = mlx::device_memory_size().unwrap();
+    if mlx::default_device().unwrap() == mlx::Device::Gpu {
+        assert!(total.is_some_and(|n| n >= 1 << 30), "{total:?}");
+    } else {
+        assert_eq!(total, None);
+    }
+}
