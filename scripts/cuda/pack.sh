@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Packs what the GPU machine needs into .cuda/x1 .cuda/x2 .cuda/x3 (ignored through
+# Packs what the GPU machine needs into .cuda/x1 .cuda/x2 ... (ignored through
 # .git/info/exclude), each under the 64 MiB a `device` call may carry with the tree:
 #   x1: first part of the mlx-cuda-13 wheel (zstd tar, include/ left out), tokenizer files, zstd
 #   x2: the rest of the wheel, the kvstore binary, the mlx-lm wheel, the GGUF's first part
-#   x3: the rest of the GGUF (+ the test binaries if they fit), x4: the test binaries if not
+#   x3, x4, ...: the rest of the GGUF in parts, then the test binaries (only `v` and the
+#   tests need the GGUF and the tests: the benchmark steps take x1 and x2)
 # Inputs: .cuda/mlxcuda.tar.zst (tar -C <unpacked wheel> --exclude=mlx/include . | zstd),
 # the build (scripts/cuda/build.sh), .cuda/dl/py312/mlx_lm-*.whl, models/, and
 # target/goldens/smollm2-hf/tokenizer*.json.
@@ -16,7 +17,7 @@ C=$ROOT/.cuda
 TREE=$(git -C "$ROOT" ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
 BUDGET=${BUDGET:-$(( 67108864 - TREE - 2000000 ))}
 BIN=$ROOT/target/cuda/release
-rm -rf "$C"/x1 "$C"/x2 "$C"/x3 "$C"/x4 && mkdir -p "$C"/x1/tok "$C"/x2 "$C"/x3 "$C"/x4
+rm -rf "$C"/x1 "$C"/x2 "$C"/x3 "$C"/x4 "$C"/x5 && mkdir -p "$C"/x1/tok "$C"/x2 "$C"/x3 "$C"/x4
 cp "$ROOT"/target/goldens/smollm2-hf/{tokenizer.json,tokenizer_config.json,chat_template.jinja} "$C"/x1/tok/
 # zstd for the GPU machine (its image has none): the binary and the compression libs it links
 mkdir -p "$C/x1/zt" && cp /usr/bin/zstd "$C/x1/zt/"
@@ -40,12 +41,24 @@ first=$((BUDGET - tok))
 head -c "$first" "$C/mlxcuda.tar.zst" > "$C/x1/mlxcuda.tar.zst.part1"
 tail -c +$((first + 1)) "$C/mlxcuda.tar.zst" > "$C/x2/mlxcuda.tar.zst.part2"
 [ -f "$C/gguf.zst" ] || zstd -q -10 -T2 -c "$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf" > "$C/gguf.zst"
-used=$(du -cb "$C"/x2 | tail -1 | cut -f1)
-room=$((BUDGET - used))
-head -c "$room" "$C/gguf.zst" > "$C/x2/gguf.zst.part1"
-tail -c +$((room + 1)) "$C/gguf.zst" > "$C/x3/gguf.zst.part2"
+# The GGUF: what fits beside x2's parts, the rest in parts of at most BUDGET in x3, x4, ...
+# (device.sh joins gguf.zst.part*); the test binaries beside its last part if they fit.
+size=$(stat -c %s "$C/gguf.zst")
+cap=$((BUDGET - $(du -cb "$C"/x2 | tail -1 | cut -f1)))
+off=0; n=1; d=2
+while [ "$off" -lt "$size" ]; do
+  if [ "$cap" -gt 0 ]; then
+    take=$(( cap < size - off ? cap : size - off ))
+    mkdir -p "$C/x$d"
+    dd if="$C/gguf.zst" of="$C/x$d/gguf.zst.part$n" bs=1M skip="$off" count="$take" \
+      iflag=skip_bytes,count_bytes status=none
+    off=$((off + take)); n=$((n + 1)); cap=$((cap - take))
+  fi
+  [ "$off" -lt "$size" ] && { d=$((d + 1)); cap=$BUDGET; }
+done
 if [ -f "$C/tests.tar.zst" ]; then
-  if [ $(( $(stat -c %s "$C/x3/gguf.zst.part2") + $(stat -c %s "$C/tests.tar.zst") )) -le "$BUDGET" ]; then
-    cp "$C/tests.tar.zst" "$C/x3/"; else cp "$C/tests.tar.zst" "$C/x4/"; fi
+  if [ $(( $(du -cb "$C/x$d" | tail -1 | cut -f1) + $(stat -c %s "$C/tests.tar.zst") )) -gt "$BUDGET" ]; then
+    d=$((d + 1)); mkdir -p "$C/x$d"; fi
+  cp "$C/tests.tar.zst" "$C/x$d/"
 fi
-du -sb "$C"/x1 "$C"/x2 "$C"/x3 "$C"/x4
+du -sb "$C"/x[0-9]*
