@@ -57,8 +57,9 @@ split_arm() { # ARM+TAG: sets base (ARM), tag (TAG or empty), EV (ENV_TAG's valu
   fi
 }
 
-stash() { # copy the parts that came with this call
+stash() { # copy the parts that came with this call (and x1's tokenizer files, to $K/tok)
   for d in .cuda/x*; do [ -d "$d" ] && find "$d" -maxdepth 1 -type f -exec cp {} "$K"/ \; ; done
+  [ -d .cuda/x1/tok ] && mkdir -p "$K/tok" && cp .cuda/x1/tok/* "$K/tok/"
   ls -la "$K"
 }
 
