@@ -37,12 +37,6 @@ pub fn pass_memory_waits() -> u64 {
 /// activations one prefill pass may hold at once on a GPU.
 pub const DEFAULT_PASS_WORKSPACE: u64 = 8 << 30;
 
-/// Whether a prefill chunk's attention materializes its scores on `device` for queries and
-/// keys of `dtype` and `head_dim`: on a GPU, unless cuDNN's fused attention takes the shape
-/// (f16 or bf16, a head dimension that is a multiple of 8 up to 128: MLX 0.32's
-/// `supports_sdpa_cudnn`). The CPU runs the fused kernel of mlx/src/cpu_attention.rs.
-/// On macOS the GPU is Metal, whose full attention kernel takes every float type at head
-/// dimensions 64, 80 and 128.
 /// Whether a pass's activations stay on `device` until it has run them: on a GPU (see the
 /// module docs), not on the CPU.
 pub(crate) fn holds_activations(device: Device) -> bool {
@@ -53,6 +47,12 @@ pub(crate) fn holds_activations(device: Device) -> bool {
     device != Device::Cpu
 }
 
+/// Whether a prefill chunk's attention materializes its scores on `device` for queries and
+/// keys of `dtype` and `head_dim`: on a GPU, unless cuDNN's fused attention takes the shape
+/// (f16 or bf16, a head dimension that is a multiple of 8 up to 128: MLX 0.32's
+/// `supports_sdpa_cudnn`). The CPU runs the fused kernel of mlx/src/cpu_attention.rs.
+/// On macOS the GPU is Metal, whose full attention kernel takes every float type at head
+/// dimensions 64, 80 and 128.
 pub(crate) fn materializes_scores(device: Device, dtype: Dtype, head_dim: usize) -> bool {
     #[cfg(test)]
     if tests::FORCE.with(|f| f.get()) {
