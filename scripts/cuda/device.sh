@@ -33,7 +33,8 @@
 # XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048; ARM+TAG: ARM with the
 # variables of ENV_TAG and the flags of ARGS_TAG, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
-# st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts).
+# st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
+# nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1-x3).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -557,6 +558,33 @@ case "$step" in
     zstd -d -q -f -o "$K/cache-test" "$K/cache-test.zst" && chmod +x "$K/cache-test"
     (cd "$REPO" && KVSTORE_EXPECT_ROWS_KERNEL=1 timeout 200 "$K/cache-test" --test-threads 1 ${FILTER:-} 2>&1) \
       | grep -E "^test |test result|panicked|SKIPPED|off by|left|right" | tail -n 60
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
+      # clocks left alone), kvstore then mlx-lm (PROMPT tokens, TOKENS decoded; NCU_ENV: more
+      # variables for kvstore's run), each as $OUT/nk-ARM.csv.gz, then both graph censuses;
+      # after x1 and x2. scripts/bench/kernel_steps.py splits the CSVs into decode steps.
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    make_llama8b
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+    nk() { # ARM COMMAND...: the kernels of COMMAND as $OUT/nk-ARM.csv.gz
+      local arm=$1; shift
+      timeout "${NK_LIMIT:-240}" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+        --page raw --print-units base --log-file "$OUT/nk-$arm.csv" "$@" > "$OUT/nk-$arm.out" 2>&1
+      echo "== $arm rc=$? kernels=$(grep -c '^"[0-9]' "$OUT/nk-$arm.csv" 2>/dev/null)"
+      tail -n 4 "$OUT/nk-$arm.out"; gzip -f "$OUT/nk-$arm.csv"
+    }
+    nk kvstore env ${NCU_ENV:-} "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized \
+      --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-16}
+    nk mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-16} stored
+    KVSTORE_GRAPH_CENSUS=1 KVSTORE_DECODE_WAIT=drained timeout 120 "$BIN/kvstore" bench generate \
+      --model "$K/llama8b" --keep-quantized --skip-mlx-lm --prompt-lens ${PROMPT:-512} \
+      --decode-tokens ${TOKENS:-16} 2>&1 | grep -i census | tee "$OUT/nk-census-kvstore.log"
+    timeout 120 python3 scripts/goldens/census_mlx_lm.py "$K/llama8b" ${PROMPT:-512} stored 2>&1 \
+      | tail -n 3 | tee "$OUT/nk-census-mlxlm.log"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pw) # the 8B-shaped bf16 decode under each step wait (WAITS: KVSTORE_DECODE_WAIT values,
