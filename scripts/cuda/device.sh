@@ -508,8 +508,9 @@ case "$step" in
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pt) # a short slice of the trace at real speed, full tiering then no cache, in the
-      # foreground (WINDOW, SCALE, DRAIN, CONC, BATCH; one call), after x1 and x2; logs, JSON
-      # and each arm's --step-log (gzipped) to $OUT; MODEL=llama8b: the 8B-shaped bf16 model
+      # foreground (WINDOW, SCALE, DRAIN, CONC, BATCH; one call), after x1 and x2; logs, JSON,
+      # each arm's --step-log (gzipped) and GPU memory each second to $OUT; MODEL=llama8b:
+      # the 8B-shaped bf16 model
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -543,9 +544,12 @@ case "$step" in
       # an arm that has fallen behind needs minutes (session 21 lost a report to 40 s)
       case "$arm" in *row) export KVSTORE_ROWS_KERNEL=0 ;; *) unset KVSTORE_ROWS_KERNEL ;; esac
       n=pt-$arm${tag:+-$tag}
+      nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 1000 \
+        > "$OUT/$n.gpumem.csv" 2>&1 & G=$!
       env $EV timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $MARGS $S $A \
           $XA --json "$OUT/$n.json" --step-log "$OUT/$n.steps.jsonl" > "$OUT/$n.log" 2>&1
-      gzip -f "$OUT/$n.steps.jsonl"
+      kill $G; gzip -f "$OUT/$n.steps.jsonl"
+      echo "GPU memory used, max MiB: $(cut -d, -f2 "$OUT/$n.gpumem.csv" | sort -n | tail -1)"
       grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/$n.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
