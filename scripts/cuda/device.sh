@@ -34,7 +34,8 @@
 # variables of ENV_TAG and the flags of ARGS_TAG, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
-# nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1-x3).
+# nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1-x3);
+# gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -589,6 +590,27 @@ case "$step" in
       --decode-tokens ${TOKENS:-16} 2>&1 | grep -i census | tee "$OUT/nk-census-kvstore.log"
     timeout 120 python3 scripts/goldens/census_mlx_lm.py "$K/llama8b" ${PROMPT:-512} stored 2>&1 \
       | tail -n 3 | tee "$OUT/nk-census-mlxlm.log"
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  gs) # the 8B-shaped bf16 decode, kvstore then mlx-lm, under each entry of GRAPHS (";"-separated
+      # variable settings, "default" for none: e.g. MLX's CUDA graph limits
+      # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER), LENS8B prompts, TOK8B tokens; after x1-x3
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    make_llama8b
+    IFS=';' read -ra sets <<< "${GRAPHS:-default}"
+    for v in "${sets[@]}"; do
+      [ "$v" = default ] && v=""
+      tag=$(echo "${v:-default}" | tr -c 'A-Za-z0-9=\n' '_' | cut -c1-60)
+      echo "== ${v:-default}"
+      env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
+        --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-64} > "$OUT/gs-kvstore-$tag.log" 2>&1
+      grep -E "decode|prefill" "$OUT/gs-kvstore-$tag.log" | grep -v '^{' | tail -n 6
+      env $v timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048} ${TOK8B:-64} stored \
+        > "$OUT/gs-mlxlm-$tag.log" 2>&1
+      grep '^{' "$OUT/gs-mlxlm-$tag.log"
+    done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pw) # the 8B-shaped bf16 decode under each step wait (WAITS: KVSTORE_DECODE_WAIT values,
