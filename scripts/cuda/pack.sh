@@ -14,7 +14,7 @@ C=$ROOT/.cuda
 # Bytes a part may take: the 64 MiB a call carries, less the tree that travels with every
 # call (its tracked files: ~17 MB in session 37, with the raw results under docs/h200), 1 KiB
 # a file for the archive it travels in (a header and padding: 4.4 MB for 4,261 files; a
-# call with 47.9 MB of parts and 17.2 MB of tree was refused in session 38) and 2 MB of
+# call with 47.9 MB of parts and 17.2 MB of tree was refused in session 38) and 0.5 MB of
 # slack; BUDGET overrides it.
 TREE=$(git -C "$ROOT" ls-files -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1+1024} END {print s+0}')
 BUDGET=${BUDGET:-$(( 67108864 - TREE - 500000 ))}
