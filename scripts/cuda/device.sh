@@ -567,7 +567,8 @@ case "$step" in
     ;;
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
       # clocks left alone), kvstore then mlx-lm (PROMPT tokens, TOKENS decoded; NCU_ENV: more
-      # variables for kvstore's run), each as $OUT/nk-ARM.csv.gz, then both graph censuses;
+      # variables for kvstore's run), each as $OUT/nk-ARM.csv.gz, then both graph censuses
+      # (NK_CENSUS=0: not);
       # after x1 and x2. scripts/bench/kernel_steps.py splits the CSVs into decode steps.
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -585,6 +586,7 @@ case "$step" in
     nk kvstore env ${NCU_ENV:-} "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized \
       --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-16}
     nk mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-16} stored
+    [ "${NK_CENSUS:-1}" = 0 ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
     KVSTORE_GRAPH_CENSUS=1 KVSTORE_DECODE_WAIT=drained timeout 120 "$BIN/kvstore" bench generate \
       --model "$K/llama8b" --keep-quantized --skip-mlx-lm --prompt-lens ${PROMPT:-512} \
       --decode-tokens ${TOKENS:-16} 2>&1 | grep -i census | tee "$OUT/nk-census-kvstore.log"
