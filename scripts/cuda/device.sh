@@ -568,8 +568,8 @@ case "$step" in
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
       # clocks left alone), kvstore then mlx-lm (PROMPT tokens, TOKENS decoded; NCU_ENV: more
       # variables for kvstore's run), each as $OUT/nk-ARM.csv.gz, then both graph censuses
-      # (NK_CENSUS=0: not);
-      # after x1 and x2. scripts/bench/kernel_steps.py splits the CSVs into decode steps.
+      # (NK_CENSUS=0: not); after x1-x3. scripts/bench/kernel_steps.py splits the CSVs into
+      # decode steps.
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
