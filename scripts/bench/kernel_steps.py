@@ -25,7 +25,10 @@ def kernels(path):
         lines = [l for l in f if l.startswith('"')]
     rows = list(csv.reader(lines))
     head = rows[0]
-    name, dur = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
+    names = [c for c in ("Kernel Name", "Function Name", "Name") if c in head]
+    if not names or "gpu__time_duration.sum" not in head:
+        sys.exit(f"{path}: no kernel name or gpu__time_duration.sum column in {head}")
+    name, dur = head.index(names[0]), head.index("gpu__time_duration.sum")
     ident = head.index("ID")
     out = []
     for r in rows[1:]:
