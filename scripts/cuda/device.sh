@@ -34,8 +34,10 @@
 # variables of ENV_TAG and the flags of ARGS_TAG, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
-# nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1-x3);
+# nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS).
+# "After x1 and x2" means with MLX's parts all stashed: x1, x2 and, where pack.sh made
+# one, xm (MLX's rest, 0.2 MB in session 38, carried beside any call).
 set -uo pipefail
 # the image has no zstd: x1 carries one (x1/zt), kept in /opt/kvx/zt
 if ! command -v zstd >/dev/null; then
@@ -568,7 +570,7 @@ case "$step" in
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
       # clocks left alone), kvstore then mlx-lm (PROMPT tokens, TOKENS decoded; NCU_ENV: more
       # variables for kvstore's run), each as $OUT/nk-ARM.csv.gz, then both graph censuses
-      # (NK_CENSUS=0: not); after x1-x3. scripts/bench/kernel_steps.py splits the CSVs into
+      # (NK_CENSUS=0: not); after x1, x2, xm. scripts/bench/kernel_steps.py splits the CSVs into
       # decode steps.
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -596,7 +598,7 @@ case "$step" in
     ;;
   gs) # the 8B-shaped bf16 decode, kvstore then mlx-lm, under each entry of GRAPHS (";"-separated
       # variable settings, "default" for none: e.g. MLX's CUDA graph limits
-      # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER), LENS8B prompts, TOK8B tokens; after x1-x3
+      # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER), LENS8B prompts, TOK8B tokens; after x1, x2, xm
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup

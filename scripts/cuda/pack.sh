@@ -41,20 +41,22 @@ cp "$C/bins.tar.zst" "$C"/x2/
 tok=$(du -cb "$C"/x1/tok "$C"/x1/zt | tail -1 | cut -f1)
 first=$((BUDGET - tok))
 head -c "$first" "$C/mlxcuda.tar.zst" > "$C/x1/mlxcuda.tar.zst.part1"
-# The rest beside x2's files; what does not fit there opens x3 (device.sh joins part*).
+# The rest beside x2's files; what does not fit there goes alone into xm (small: it travels
+# beside the call that needs MLX, with x6 or any part; device.sh joins part*).
+rm -rf "$C/xm"
 second=$((BUDGET - $(du -cb "$C"/x2 | tail -1 | cut -f1)))
 dd if="$C/mlxcuda.tar.zst" of="$C/x2/mlxcuda.tar.zst.part2" bs=1M skip="$first" count="$second" \
   iflag=skip_bytes,count_bytes status=none
 if [ "$(stat -c %s "$C/mlxcuda.tar.zst")" -gt $((first + second)) ]; then
-  tail -c +$((first + second + 1)) "$C/mlxcuda.tar.zst" > "$C/x3/mlxcuda.tar.zst.part3"
+  mkdir -p "$C/xm"
+  tail -c +$((first + second + 1)) "$C/mlxcuda.tar.zst" > "$C/xm/mlxcuda.tar.zst.part3"
 fi
 [ -f "$C/gguf.zst" ] || zstd -q -10 -T2 -c "$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf" > "$C/gguf.zst"
 # The GGUF: what fits beside x2's parts, the rest in parts of at most BUDGET in x3, x4, ...
 # (device.sh joins gguf.zst.part*); the test binaries beside its last part if they fit.
 size=$(stat -c %s "$C/gguf.zst")
-d=2; [ -f "$C/x3/mlxcuda.tar.zst.part3" ] && d=3
-cap=$((BUDGET - $(du -cb "$C/x$d" | tail -1 | cut -f1)))
-off=0; n=1
+cap=$((BUDGET - $(du -cb "$C"/x2 | tail -1 | cut -f1)))
+off=0; n=1; d=2
 while [ "$off" -lt "$size" ]; do
   if [ "$cap" -gt 0 ]; then
     take=$(( cap < size - off ? cap : size - off ))
@@ -70,4 +72,4 @@ if [ -f "$C/tests.tar.zst" ]; then
     d=$((d + 1)); mkdir -p "$C/x$d"; fi
   cp "$C/tests.tar.zst" "$C/x$d/"
 fi
-du -sb "$C"/x[0-9]*
+du -sb "$C"/x[0-9m]*
