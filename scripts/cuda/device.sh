@@ -570,8 +570,9 @@ case "$step" in
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
       # clocks left alone), kvstore then mlx-lm (PROMPT tokens, TOKENS decoded; NCU_ENV: more
       # variables for kvstore's run), each as $OUT/nk-ARM.csv.gz, then both graph censuses
-      # (NK_CENSUS=0: not); after x1, x2, xm. scripts/bench/kernel_steps.py splits the CSVs into
-      # decode steps.
+      # (NK_CENSUS=0: not); after x1, x2, xm. Caches are not flushed between kernels
+      # (--cache-control none), so a kernel reads what the one before left in L2, as in a
+      # step. scripts/bench/kernel_steps.py splits the CSVs into decode steps.
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -580,14 +581,15 @@ case "$step" in
     [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
     nk() { # ARM COMMAND...: the kernels of COMMAND as $OUT/nk-ARM.csv.gz
       local arm=$1; shift
-      timeout "${NK_LIMIT:-240}" "$ncu" --clock-control none --metrics gpu__time_duration.sum --csv \
+      timeout "${NK_LIMIT:-270}" "$ncu" --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --csv \
         --page raw --print-units base --log-file "$OUT/nk-$arm.csv" "$@" > "$OUT/nk-$arm.out" 2>&1
       echo "== $arm rc=$? kernels=$(grep -c '^"[0-9]' "$OUT/nk-$arm.csv" 2>/dev/null)"
       tail -n 4 "$OUT/nk-$arm.out"; gzip -f "$OUT/nk-$arm.csv"
     }
     nk kvstore env ${NCU_ENV:-} "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized \
-      --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-16}
-    nk mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-16} stored
+      --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-8}
+    nk mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-8} stored
     [ "${NK_CENSUS:-1}" = 0 ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
     KVSTORE_GRAPH_CENSUS=1 KVSTORE_DECODE_WAIT=drained timeout 120 "$BIN/kvstore" bench generate \
       --model "$K/llama8b" --keep-quantized --skip-mlx-lm --prompt-lens ${PROMPT:-512} \
