@@ -11,7 +11,7 @@ use engine::{Completion, Engine, EngineConfig, Event, KvTiers, Model, Request, T
 /// bounds admission). A request alone prefills in steps of its own `prefill_chunk`.
 pub fn config(kv_budget_bytes: Option<u64>) -> EngineConfig {
     EngineConfig {
-        kv_budget_bytes: kv_budget_bytes.unwrap_or(u64::MAX),
+        kv_budget_bytes: kv_budget_bytes.unwrap_or(EngineConfig::NO_KV_BUDGET),
         ..EngineConfig::default()
     }
 }

@@ -11,14 +11,21 @@
 //! a KV cache its `gpu_memory_utilization` leaves no room for. The CPU is not checked: its
 //! "device" is the machine's memory, shared with everything else on it.
 
+use crate::EngineConfig;
+
 /// Refuses `kv_budget` bytes of device KV beside `in_use` bytes already live (the weights)
-/// and a `pass_workspace`, on a device of `total` bytes; `Ok` when they fit.
+/// and a `pass_workspace`, on a device of `total` bytes; `Ok` when they fit, and for
+/// [`EngineConfig::NO_KV_BUDGET`]: without a budget there is nothing to refuse (the engine
+/// then holds what its requests need, as `generate` and `bench generate` do).
 pub(crate) fn check_fits(
     total: u64,
     in_use: u64,
     kv_budget: u64,
     pass_workspace: u64,
 ) -> Result<(), String> {
+    if kv_budget == EngineConfig::NO_KV_BUDGET {
+        return Ok(());
+    }
     let need = in_use
         .saturating_add(kv_budget)
         .saturating_add(pass_workspace);
@@ -74,6 +81,9 @@ mod tests {
         let e = check_fits(10 * GIB, 9 * GIB, GIB, 2 * GIB).unwrap_err();
         assert!(e.contains("at most 0.00 GiB (nothing is left"), "{e}");
         // No overflow on absurd budgets.
-        assert!(check_fits(h100, weights, u64::MAX, u64::MAX).is_err());
+        assert!(check_fits(h100, weights, u64::MAX - 1, u64::MAX).is_err());
+        // No budget (`generate`, `bench generate` without --kv-budget): nothing to refuse.
+        // Session 39 found both refused on the H100 before this rule.
+        assert!(check_fits(h100, weights, EngineConfig::NO_KV_BUDGET, 8 * GIB).is_ok());
     }
 }

@@ -65,7 +65,8 @@ pub struct EngineConfig {
     /// Bytes of live KV the admitted requests may reserve together (each reserves its
     /// prompt plus `max_tokens`, capped by the context, in whole blocks). A request that
     /// does not fit waits in the queue; one that alone exceeds the budget is refused.
-    /// Default: 2 GiB.
+    /// Default: 2 GiB. [`EngineConfig::NO_KV_BUDGET`]: none (a one-request command
+    /// without `--kv-budget`).
     pub kv_budget_bytes: u64,
     /// Requests waiting for admission before [`Engine::submit`] refuses more. Default: 256.
     pub max_queue: usize,
@@ -124,6 +125,12 @@ pub const DEFAULT_LOAD_GRACE: Duration = Duration::from_millis(2);
 /// [`EngineConfig::io_workers`]'s default: a few loads at once, as a burst of requests
 /// needs; each load also reads its SSD blocks on the store's own readers.
 pub const DEFAULT_IO_WORKERS: usize = 4;
+
+impl EngineConfig {
+    /// `kv_budget_bytes` of an engine with no KV budget: requests reserve nothing against one,
+    /// and [`Engine::open`] has no budget to check against the GPU's memory.
+    pub const NO_KV_BUDGET: u64 = u64::MAX;
+}
 
 impl Default for EngineConfig {
     fn default() -> Self {
