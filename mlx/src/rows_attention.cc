@@ -21,7 +21,6 @@
 
 #include "kvstore-mlx/src/ffi.rs.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -245,24 +244,6 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   return k;
 }
 
-// The keys a block of `rows_partial` attends at short contexts: 64, or KVSTORE_ROWS_SPLIT
-// (a power of two from 8 to 4096), read once. Splits double from it until a step has at
-// most 2,048 blocks, so it matters only where a step's rows and keys make fewer: a smaller
-// split gives a one-row step at 512 tokens more blocks than the GPU has multiprocessors
-// (an A/B knob for docs/benchmarks.md, session 39).
-int first_split_tokens() {
-  static const int tokens = [] {
-    const char* v = std::getenv("KVSTORE_ROWS_SPLIT");
-    if (!v) return 64;
-    const int n = std::atoi(v);
-    if (n < 8 || n > 4096 || (n & (n - 1)) != 0) {
-      throw std::invalid_argument("KVSTORE_ROWS_SPLIT must be a power of two from 8 to 4096");
-    }
-    return n;
-  }();
-  return tokens;
-}
-
 // The GPU evaluation: two kernels per 32 rows, the arenas written in place.
 void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out,
                      float scale, const std::vector<RowMeta>& rows) {
@@ -287,7 +268,7 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
       longest = std::max<int64_t>(longest, plens[r] + rows[r].len + 1);
     }
   }
-  int chunk = first_split_tokens();
+  int chunk = 64;
   auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
   while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
   const int splits = int((longest + chunk - 1) / chunk);
