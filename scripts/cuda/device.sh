@@ -611,7 +611,7 @@ case "$step" in
       [ "$v" = default ] && v=""
       tag=$(echo "${v:-default}" | tr -c 'A-Za-z0-9=\n' '_' | cut -c1-60)
       echo "== ${v:-default}"
-      env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm --kv-budget 16GiB \
+      env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-64} > "$OUT/gs-kvstore-$tag.log" 2>&1
       grep -E "decode|prefill" "$OUT/gs-kvstore-$tag.log" | grep -v '^{' | tail -n 6
       # mlx-lm again only where the setting reaches it (not for KVSTORE_ variables alone)
