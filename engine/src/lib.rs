@@ -39,6 +39,7 @@ mod export;
 #[doc(hidden)]
 pub mod fuzzing;
 mod generate;
+mod host_probe;
 mod layers;
 mod load_gate;
 mod model;

@@ -520,6 +520,7 @@ pub(crate) fn decode_step(
     // the rows' KV are made when it is queued.
     wait_for_previous_step(seqs)?;
     mlx::async_eval(&arrays.iter().collect::<Vec<_>>())?;
+    crate::host_probe::after_queued_step();
     Ok(Some(built))
 }
 

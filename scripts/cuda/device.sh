@@ -35,7 +35,8 @@
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
-# gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS).
+# gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
+# decode with host work spun after each queued step, kvstore and mlx-lm (SPINS).
 # "After x1 and x2" means with MLX's parts all stashed: x1, x2 and, where pack.sh made
 # one, xm (MLX's rest, 0.2 MB in session 38, carried beside any call).
 set -uo pipefail
@@ -596,6 +597,25 @@ case "$step" in
       --decode-tokens ${TOKENS:-16} 2>&1 | grep -i census | tee "$OUT/nk-census-kvstore.log"
     timeout 120 python3 scripts/goldens/census_mlx_lm.py "$K/llama8b" ${PROMPT:-512} stored 2>&1 \
       | tail -n 3 | tee "$OUT/nk-census-mlxlm.log"
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  hd) # the host-delay probe: the 8B-shaped bf16 decode with SPINS µs of host work spun after
+      # each queued step (KVSTORE_PROBE_HOST_US; engine/src/host_probe.rs), kvstore then
+      # mlx-lm (scripts/cuda/host_delay_mlx_lm.py), PROMPT tokens, TOKENS decoded; after x1, x2, xm
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    make_llama8b
+    for us in ${SPINS:-0 1000 2000 3000}; do
+      echo "== kvstore KVSTORE_PROBE_HOST_US=$us"
+      KVSTORE_PROBE_HOST_US=$us timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" \
+        --keep-quantized --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-64} \
+        > "$OUT/hd-kvstore-$us.log" 2>&1
+      grep -E "decode|prefill|step" "$OUT/hd-kvstore-$us.log" | grep -v '^{' | tail -n 8
+    done
+    echo "== mlx-lm"
+    timeout 200 python3 scripts/cuda/host_delay_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} \
+      "$(echo ${SPINS:-0 1000 2000 3000} | tr ' ' ,)" 2>&1 | tee "$OUT/hd-mlxlm.log" | grep '^{'
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   gs) # the 8B-shaped bf16 decode, kvstore then mlx-lm, under each entry of GRAPHS (";"-separated
