@@ -36,7 +36,8 @@
 # st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
-# decode with host work spun after each queued step, kvstore and mlx-lm (SPINS).
+# decode with host work spun after each queued step, kvstore and mlx-lm (SPINS), and what a
+# new attention or product shape costs MLX on the host (shape_cost_probe.py).
 # "After x1 and x2" means with MLX's parts all stashed: x1, x2 and, where pack.sh made
 # one, xm (MLX's rest, 0.2 MB in session 38, carried beside any call).
 set -uo pipefail
@@ -613,6 +614,8 @@ case "$step" in
         > "$OUT/hd-kvstore-$us.log" 2>&1
       grep -E "decode|prefill|step" "$OUT/hd-kvstore-$us.log" | grep -v '^{' | tail -n 8
     done
+    echo "== a new shape's cost (scripts/cuda/shape_cost_probe.py)"
+    timeout 120 python3 scripts/cuda/shape_cost_probe.py 6 2>&1 | tee "$OUT/hd-shapes.log" | tail -n 7
     echo "== mlx-lm"
     timeout 200 python3 scripts/cuda/host_delay_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} \
       "$(echo ${SPINS:-0 1000 2000 3000} | tr ' ' ,)" 2>&1 | tee "$OUT/hd-mlxlm.log" | grep '^{'
