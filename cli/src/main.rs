@@ -42,9 +42,11 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Before any thread starts or MLX runs: libmlx reads these once (mlx::cuda_graphs).
     if serves_many(&cli.command) {
-        // Before any thread starts or MLX runs: libmlx reads it once (mlx::cuda_graphs).
         mlx::default_cuda_graphs(false);
+    } else {
+        mlx::default_graph_mb();
     }
     if !matches!(cli.command, Command::Serve(_)) {
         quiet_on_closed_pipe();
@@ -83,7 +85,8 @@ fn exit_with(code: i32) -> anyhow::Result<()> {
 /// instantiated for each new shape costs more than graphs save, so these run without them
 /// unless `MLX_USE_CUDA_GRAPHS` says otherwise (docs/server.md, "CUDA graphs"). The others
 /// (one request at a time: `generate`, `chat`, `demo`, the other benchmarks) keep MLX's
-/// default, on: their decode steps repeat one shape.
+/// default, on: their decode steps repeat one shape; their graphs are committed every
+/// `mlx::KVSTORE_GRAPH_MB` megabytes of inputs (docs/cuda.md, "CUDA graphs' size").
 fn serves_many(command: &Command) -> bool {
     match command {
         Command::Serve(_) => true,

@@ -45,7 +45,8 @@ pub use array::{
     zeroed_on_device, Array, HostBuffer, RowsWrite,
 };
 pub use cuda_graphs::{
-    cuda_graphs_enabled, cuda_graphs_var_is_ours, default_cuda_graphs, CUDA_GRAPHS_VAR,
+    cuda_graphs_enabled, default_cuda_graphs, default_graph_mb, vars_set_for_kvstore,
+    CUDA_GRAPHS_VAR, GRAPH_MB_VAR, KVSTORE_GRAPH_MB,
 };
 pub use device::{
     active_memory, cache_memory, clear_cache, default_device, device_memory_size, direct_transfers,

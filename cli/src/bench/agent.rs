@@ -404,6 +404,7 @@ impl Ctx<'_> {
         eprintln!("mlx-lm: {} turns", self.prompts.len());
         super::peer_blas::warn_if_reference_blas(&args.python);
         let mut cmd = Command::new(&args.python);
+        super::peer_env(&mut cmd);
         cmd.arg("scripts/bench/mlx_lm_agent.py")
             .arg(&args.mlx_lm_model)
             .arg(file.path());

@@ -77,10 +77,7 @@ impl ChildServer {
         if let Some(b) = cache_bytes {
             cmd.args(["--prompt-cache-bytes", &b.to_string()]);
         }
-        if mlx::cuda_graphs_var_is_ours() {
-            // kvstore's serving default, not the user's: the peer runs as users run it.
-            cmd.env_remove(mlx::CUDA_GRAPHS_VAR);
-        }
+        super::peer_env(&mut cmd);
         ChildServer::start(cmd, port, "mlx_lm.server")
     }
 

@@ -190,7 +190,9 @@ fn theirs(model_path: &Path, args: &Args) -> anyhow::Result<Vec<Row>> {
     let script = checkout_file("scripts/goldens/bench_mlx_lm.py")
         .context("scripts/goldens/bench_mlx_lm.py not found")?;
     let lens: Vec<String> = args.prompt_lens.iter().map(|n| n.to_string()).collect();
-    let out = Command::new(&python)
+    let mut cmd = Command::new(&python);
+    super::peer_env(&mut cmd);
+    let out = cmd
         .arg(&script)
         .arg(&folder)
         .arg(lens.join(","))
