@@ -821,6 +821,53 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// A causal prefill chunk of a float layer without a shared prefix, attended with its
+    /// queries and keys padded to a few shapes (mlx::padded_attention: MLX's CUDA backend
+    /// then reuses its cuDNN graphs); the keys past the chunk are read from the arena, never
+    /// written. Appends the chunk's keys and values; `None` (nothing appended) where the layer
+    /// is not such a layer.
+    fn attend_padded(
+        &mut self,
+        layer: usize,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+    ) -> Result<Option<Array>, CacheError> {
+        let float = self.config.format == KvFormat::Float;
+        let own = self
+            .layers
+            .get(layer)
+            .is_some_and(|l| l.prefix.is_none() && l.lent.is_none());
+        if !float || !own || queries.shape().get(2).is_none_or(|&l| l < 2) {
+            return Ok(None);
+        }
+        self.append(layer, keys, values)?;
+        let l = &self.layers[layer];
+        if let Some(pool) = &l.pool {
+            if let Some((room, _)) = pool.read_room(&l.table)? {
+                if let [k, v] = room.as_slice() {
+                    let held = l.len as i32;
+                    if let Some(out) =
+                        mlx::padded_attention::causal_attention_padded(queries, k, v, held, scale)?
+                    {
+                        return Ok(Some(out));
+                    }
+                }
+            }
+        }
+        // Nothing to pad here (blocks out of order, one query): what the layer holds.
+        let (k, v) = self.fetch(layer)?.ok_or_else(|| {
+            CacheError::Config(format!("layer {layer} has no pool after an append"))
+        })?;
+        Ok(Some(mlx::fast::scaled_dot_product_attention(
+            queries,
+            &k,
+            &v,
+            scale,
+            AttentionMask::Causal,
+        )?))
+    }
     /// Every key and value `layer` holds, as contiguous float `[1, H, len, D]` arrays
     /// (gathered from the blocks and dequantized). `None` before the layer's first append.
     pub fn fetch(&self, layer: usize) -> Result<Option<(Array, Array)>, CacheError> {
@@ -1679,6 +1726,16 @@ impl KvCache for PagedKvCache {
             }
         }
         let shared = self.layers.get(layer).is_some_and(|l| l.prefix.is_some());
+        // 16-bit floats only: there MLX's CUDA attention is cuDNN's, built per shape.
+        if !shared
+            && matches!(mask, AttentionMask::Causal)
+            && matches!(queries.dtype(), Dtype::F16 | Dtype::BF16)
+            && mlx::padded_attention::padded_attention_enabled()
+        {
+            if let Some(out) = self.attend_padded(layer, queries, keys, values, scale)? {
+                return Ok(out);
+            }
+        }
         if !shared || matches!(mask, AttentionMask::Array(_)) {
             return crate::fetch_and_attend(self, layer, queries, keys, values, scale, mask);
         }
@@ -1754,6 +1811,56 @@ mod tests {
         .unwrap();
         c.append(0, &k, &k).unwrap();
         c
+    }
+
+    /// A padded prefill chunk (mlx::padded_attention) attends and stores what the plain
+    /// path does: its real queries' outputs within float noise, the same keys and values.
+    #[test]
+    fn a_padded_chunk_attends_and_stores_what_the_plain_path_does() {
+        let normal = |shape: &[i32], seed: u64| {
+            mlx::random::normal(shape, Dtype::F32, &mlx::random::key(seed).unwrap()).unwrap()
+        };
+        // 40 tokens held (capacity 48 after growth), then chunks that fit and that grow it.
+        for (held, chunk) in [(40, 23), (40, 8), (0, 37), (40, 100)] {
+            let (mut padded, mut plain) = (cache(held), cache(held));
+            if held == 0 {
+                padded = PagedKvCache::new(1, padded.config).unwrap();
+                plain = PagedKvCache::new(1, plain.config).unwrap();
+            }
+            let q = normal(&[1, 4, chunk, 32], 11);
+            let (k, v) = (
+                normal(&[1, 2, chunk, 32], 12),
+                normal(&[1, 2, chunk, 32], 13),
+            );
+            let got = padded
+                .attend_padded(0, &q, &k, &v, 0.2)
+                .unwrap()
+                .expect("a float layer without a prefix")
+                .to_vec::<f32>()
+                .unwrap();
+            let want =
+                crate::fetch_and_attend(&mut plain, 0, &q, &k, &v, 0.2, AttentionMask::Causal)
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert_eq!(got.len(), want.len());
+            assert!(worst < 1e-5, "({held}, {chunk}): {worst}");
+            let (pk, pv) = padded.fetch(0).unwrap().unwrap();
+            let (wk, wv) = plain.fetch(0).unwrap().unwrap();
+            assert_eq!(pk.to_vec::<f32>().unwrap(), wk.to_vec::<f32>().unwrap());
+            assert_eq!(pv.to_vec::<f32>().unwrap(), wv.to_vec::<f32>().unwrap());
+        }
+        // One query (a decode step) is not this path's: nothing appended.
+        let mut c = cache(40);
+        let one = normal(&[1, 4, 1, 32], 14);
+        let kv = normal(&[1, 2, 1, 32], 15);
+        assert!(c.attend_padded(0, &one, &kv, &kv, 0.2).unwrap().is_none());
+        assert_eq!(c.offset(), 40);
     }
 
     /// The batched decode attention writes a row's arenas in place only while nothing else

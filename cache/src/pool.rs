@@ -438,6 +438,28 @@ impl BlockPool {
         }
     }
 
+    /// The arenas from the first token of the blocks `table` (one run of consecutive
+    /// blocks) to the pools' end, views of every part, and how many token rows they hold:
+    /// what a padded attention reads past the `table`'s tokens (mlx::padded_attention).
+    /// `None` where the blocks are not one run.
+    pub fn read_room(&self, table: &[u32]) -> Result<Option<(Vec<Array>, usize)>, CacheError> {
+        let Some(first) = run_start(table) else {
+            return Ok(None);
+        };
+        let bs = self.shape.block_size;
+        let (t0, end) = (first as usize * bs, self.capacity * bs);
+        let heads = self.shape.kv_heads as i32;
+        let parts = self
+            .arenas
+            .iter()
+            .zip(&self.parts)
+            .map(|(a, &(width, _))| {
+                Ok(a.slice(&[0, 0, t0 as i32, 0], &[1, heads, end as i32, width])?)
+            })
+            .collect::<Result<Vec<_>, CacheError>>()?;
+        Ok(Some((parts, end - t0)))
+    }
+
     /// Whether MLX's CUDA attention may run a decode step over views of these arenas through
     /// cuDNN: float16 or bfloat16 keys in an arena of a whole number of [`CUDNN_KV_STEP`]s
     /// (the CPU never does, but the test is cheaper than asking for the device).

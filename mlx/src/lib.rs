@@ -34,6 +34,7 @@ pub mod fuzzing;
 mod ffi;
 pub mod io;
 pub mod ops;
+pub mod padded_attention;
 mod pinned;
 mod quantized;
 pub mod random;
