@@ -896,6 +896,31 @@ impl PagedKvCache {
         Ok(Some((k, v)))
     }
 
+    /// An independent cache holding this one's first `tokens` tokens (a fork of a resident
+    /// sequence): each global layer's own blocks are copied once into a pool sized for
+    /// them (`BlockPool::compact`), so the fork neither keeps nor, at its first write,
+    /// copies the whole capacity of a longer sequence's arenas. Window layers and shared
+    /// prefixes stay copy-on-write clones (a window bounds them; a prefix is read, never
+    /// written).
+    pub fn fork(&self, tokens: usize) -> Result<PagedKvCache, CacheError> {
+        let mut c = self.clone();
+        c.trim(self.offset().saturating_sub(tokens))?;
+        let initial = c.config.initial_blocks;
+        for (i, l) in c.layers.iter_mut().enumerate() {
+            let windowed = c.window.windows.get(i).is_some_and(Option::is_some);
+            if windowed || l.prefix.is_some() || l.lent.is_some() {
+                continue;
+            }
+            if let Some(pool) = &l.pool {
+                let blocks = l.table.len();
+                let own = pool.compact(&l.table, blocks, initial)?;
+                l.pool = Some(own);
+                l.table = (0..blocks as u32).collect();
+            }
+        }
+        Ok(c)
+    }
+
     /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
     /// Published blocks are not affected (they own their buffers). State layers go back to
     /// the state they kept there; where one kept none, the trim is refused with
@@ -1811,6 +1836,43 @@ mod tests {
         .unwrap();
         c.append(0, &k, &k).unwrap();
         c
+    }
+
+    /// A fork keeps only the matched blocks, in a pool sized for them, and leaves its
+    /// source as it was when it writes.
+    #[test]
+    fn a_fork_copies_its_blocks_into_a_pool_of_their_size() {
+        let source = cache(600);
+        let (sk, sv) = source.fetch(0).unwrap().unwrap();
+        let big = source.layers[0].pool.as_ref().unwrap().capacity();
+        assert!(big >= 38, "600 tokens in blocks of 16: {big} blocks");
+        let mut fork = source.fork(40).unwrap();
+        assert_eq!(fork.offset(), 40);
+        let pool = fork.layers[0].pool.as_ref().unwrap();
+        assert_eq!(
+            pool.capacity(),
+            3,
+            "the ladder from 2 blocks for 3 blocks, not {big}"
+        );
+        let (fk, fv) = fork.fetch(0).unwrap().unwrap();
+        let first = |a: &Array, n: i32| {
+            let s = a.shape();
+            a.slice(&[0, 0, 0, 0], &[1, s[1], n, s[3]])
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        assert_eq!(fk.to_vec::<f32>().unwrap(), first(&sk, 40));
+        assert_eq!(fv.to_vec::<f32>().unwrap(), first(&sv, 40));
+        // The fork's writes (into its own blocks, the partial third included) leave the
+        // source's tokens as they were.
+        let x = mlx::ops::full(&[1, 2, 30, 32], 9.0, Dtype::F32).unwrap();
+        fork.append(0, &x, &x).unwrap();
+        assert_eq!(fork.offset(), 70);
+        let (sk2, _) = source.fetch(0).unwrap().unwrap();
+        assert_eq!(sk2.to_vec::<f32>().unwrap(), sk.to_vec::<f32>().unwrap());
+        let (fk2, _) = fork.fetch(0).unwrap().unwrap();
+        assert_eq!(first(&fk2, 40), first(&sk, 40));
     }
 
     /// A padded prefill chunk (mlx::padded_attention) attends and stores what the plain

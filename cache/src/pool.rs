@@ -438,6 +438,33 @@ impl BlockPool {
         }
     }
 
+    /// A pool of its own holding the first `blocks` blocks of `table` in its first blocks,
+    /// copied once (one copy per part), with the capacity the growth ladder from
+    /// `initial` gives them: what a fork keeps of a longer sequence, instead of a
+    /// copy-on-write clone whose first write copies this pool's whole capacity.
+    pub fn compact(
+        &self,
+        table: &[u32],
+        blocks: usize,
+        initial: usize,
+    ) -> Result<BlockPool, CacheError> {
+        let bs = self.shape.block_size;
+        let blocks = blocks.min(table.len());
+        let capacity = ladder_capacity(initial, self.max_blocks, bs, blocks.max(1));
+        let held = self.read(&table[..blocks], blocks * bs)?;
+        let heads = self.shape.kv_heads as i32;
+        let arrays = held
+            .iter()
+            .zip(&self.parts)
+            .map(|(a, &(width, dtype))| {
+                let rest =
+                    mlx::ops::zeros(&[1, heads, ((capacity - blocks) * bs) as i32, width], dtype)?;
+                Ok(mlx::ops::concatenate(&[a, &rest], 2)?)
+            })
+            .collect::<Result<Vec<_>, CacheError>>()?;
+        BlockPool::restore_arrays(self.shape, self.format, arrays, blocks, self.max_blocks)
+    }
+
     /// The arenas from the first token of the blocks `table` (one run of consecutive
     /// blocks) to the pools' end, views of every part, and how many token rows they hold:
     /// what a padded attention reads past the `table`'s tokens (mlx::padded_attention).

@@ -5,10 +5,11 @@
 //! arenas in which its blocks are one strided run, so attention reads its KV through a
 //! view, never a gather. A request whose prompt extends a resident sequence entirely (or
 //! all but a short tail of it, as an agent's next turn does when the client re-renders the
-//! previous reply) is *handed over* its arenas: no copy at all. A request that shares only part of one (a
-//! fork, or a prompt that left the sequence mid-block) gets a clone trimmed to the shared
-//! tokens: the buffers are shared until its first write, when MLX copies each layer's
-//! arena once on the device (copy on write), so the resident sequence is never altered.
+//! previous reply) is *handed over* its arenas: no copy at all. A request that shares only
+//! part of one (a fork, or a prompt that left the sequence mid-block) gets a cache of its
+//! own holding the shared blocks, copied once into pools of their size
+//! ([`PagedKvCache::fork`]), so the resident sequence is never altered and the fork never
+//! holds a longer sequence's whole arenas.
 //! Matches are token-granular: the partial last block is reused too.
 //!
 //! A hit of at least [`ResidentPool::set_share_min_tokens`] tokens that is not a handover
@@ -343,8 +344,7 @@ impl ResidentPool {
                 shared: true,
             }));
         }
-        let mut cache = e.cache.clone();
-        cache.trim(e.tokens.len() - m)?;
+        let cache = e.cache.fork(m)?;
         self.stats.forks += 1;
         Ok(Some(ResidentHit {
             cache,

@@ -320,8 +320,9 @@ fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
     pool.park(Chain::new(ns, BS), tokens.clone(), cache);
 
     // A prompt that leaves the sequence at token 6 (mid-block) forks it; so does a second
-    // one arriving at the same time. Both read the resident sequence's own buffer (no copy
-    // at the hit); each copies it once, at its first write.
+    // one arriving at the same time. Each gets a pool of its own holding the matched
+    // blocks, copied once at the hit and sized for them, never the resident sequence's
+    // buffer or its whole capacity.
     let mut fork_prompt = tokens[..6].to_vec();
     fork_prompt.extend([40, 41, 42]);
     let chain = Chain::of(ns, BS, &fork_prompt);
@@ -329,7 +330,10 @@ fn a_whole_match_hands_the_arenas_over_and_a_partial_one_forks() {
     assert_eq!((fork.tokens, fork.handed_over), (6, false));
     let other = pool.take(&chain, &fork_prompt, 8).unwrap().unwrap();
     for c in [&fork.cache, &other.cache] {
-        assert_eq!(c.pool(0).unwrap().arrays()[0].data_addr().unwrap(), arena);
+        let own = &c.pool(0).unwrap().arrays()[0];
+        own.eval().unwrap();
+        assert_ne!(own.data_addr().unwrap(), arena, "a copy of its own");
+        assert_holds(c, &tokens[..6]);
     }
     let mut other = other.cache;
     append(&mut other, &[50, 51], 6);
