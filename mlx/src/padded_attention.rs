@@ -166,6 +166,13 @@ mod tests {
         assert!(padding(10, 300, 299).is_none());
     }
 
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
     fn reference(q: &Array, k: &Array, v: &Array, keys: i32, scale: f32) -> Vec<f32> {
         let s = k.shape();
         let k = k.slice(&[0, 0, 0, 0], &[1, s[1], keys, s[3]]).unwrap();
@@ -203,11 +210,7 @@ mod tests {
                 .unwrap();
             let want = reference(&q, &k, &v, keys, 0.17);
             assert_eq!(got.len(), want.len());
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0f32, f32::max);
+            let worst = max_diff(&got, &want);
             assert!(worst < 1e-5, "({queries}, {keys}): {worst}");
         }
         // Keys past the real ones are read but never reach a real row: poison them.
@@ -226,11 +229,7 @@ mod tests {
             .to_vec::<f32>()
             .unwrap();
         let want = reference(&q, &k, &v, 300, 0.17);
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = max_diff(&got, &want);
         assert!(worst < 1e-5, "poisoned keys reached a real row: {worst}");
     }
 }
