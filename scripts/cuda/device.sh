@@ -632,11 +632,11 @@ case "$step" in
     IFS=';' read -ra sets <<< "${GRAPHS:-default}"
     for v in "${sets[@]}"; do
       [ "$v" = default ] && v=""
-      tag=$(echo "${v:-default}" | tr -c 'A-Za-z0-9=\n' '_' | cut -c1-60)
+      tag=$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60)
       echo "== ${v:-default}"
       env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-64} > "$OUT/gs-kvstore-$tag.log" 2>&1
-      grep -E "decode|prefill" "$OUT/gs-kvstore-$tag.log" | grep -v '^{' | tail -n 6
+      grep -E "^ +[0-9]+ " "$OUT/gs-kvstore-$tag.log" | tail -n 6
       # mlx-lm again only where the setting reaches it (not for KVSTORE_ variables alone)
       if [ -z "$v" ] || echo "$v" | tr ' ' '\n' | grep -qv '^KVSTORE_'; then
         env $v timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048} ${TOK8B:-64} stored \
