@@ -845,7 +845,7 @@ impl PagedKvCache {
         self.append(layer, keys, values)?;
         let l = &self.layers[layer];
         if let Some(pool) = &l.pool {
-            if let Some((room, _)) = pool.read_room(&l.table)? {
+            if let Some(room) = pool.read_room(&l.table)? {
                 if let [k, v] = room.as_slice() {
                     let held = l.len as i32;
                     if let Some(out) =
@@ -868,6 +868,7 @@ impl PagedKvCache {
             AttentionMask::Causal,
         )?))
     }
+
     /// Every key and value `layer` holds, as contiguous float `[1, H, len, D]` arrays
     /// (gathered from the blocks and dequantized). `None` before the layer's first append.
     pub fn fetch(&self, layer: usize) -> Result<Option<(Array, Array)>, CacheError> {
@@ -912,10 +913,8 @@ impl PagedKvCache {
                 continue;
             }
             if let Some(pool) = &l.pool {
-                let blocks = l.table.len();
-                let own = pool.compact(&l.table, blocks, initial)?;
-                l.pool = Some(own);
-                l.table = (0..blocks as u32).collect();
+                l.pool = Some(pool.compact(&l.table, initial)?);
+                l.table = (0..l.table.len() as u32).collect();
             }
         }
         Ok(c)

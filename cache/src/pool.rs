@@ -438,20 +438,15 @@ impl BlockPool {
         }
     }
 
-    /// A pool of its own holding the first `blocks` blocks of `table` in its first blocks,
-    /// copied once (one copy per part), with the capacity the growth ladder from
-    /// `initial` gives them: what a fork keeps of a longer sequence, instead of a
-    /// copy-on-write clone whose first write copies this pool's whole capacity.
-    pub fn compact(
-        &self,
-        table: &[u32],
-        blocks: usize,
-        initial: usize,
-    ) -> Result<BlockPool, CacheError> {
+    /// A pool of its own holding the blocks `table` in its first blocks, copied once (one
+    /// copy per part), with the capacity the growth ladder from `initial` gives them: what a
+    /// fork keeps of a longer sequence, instead of a copy-on-write clone whose first write
+    /// copies this pool's whole capacity.
+    pub fn compact(&self, table: &[u32], initial: usize) -> Result<BlockPool, CacheError> {
         let bs = self.shape.block_size;
-        let blocks = blocks.min(table.len());
+        let blocks = table.len();
         let capacity = ladder_capacity(initial, self.max_blocks, bs, blocks.max(1));
-        let held = self.read(&table[..blocks], blocks * bs)?;
+        let held = self.read(table, blocks * bs)?;
         let heads = self.shape.kv_heads as i32;
         let arrays = held
             .iter()
@@ -466,10 +461,9 @@ impl BlockPool {
     }
 
     /// The arenas from the first token of the blocks `table` (one run of consecutive
-    /// blocks) to the pools' end, views of every part, and how many token rows they hold:
-    /// what a padded attention reads past the `table`'s tokens (mlx::padded_attention).
-    /// `None` where the blocks are not one run.
-    pub fn read_room(&self, table: &[u32]) -> Result<Option<(Vec<Array>, usize)>, CacheError> {
+    /// blocks) to the pool's end, views of every part: what a padded attention reads past
+    /// the `table`'s tokens (mlx::padded_attention). `None` where the blocks are not one run.
+    pub fn read_room(&self, table: &[u32]) -> Result<Option<Vec<Array>>, CacheError> {
         let Some(first) = run_start(table) else {
             return Ok(None);
         };
@@ -484,7 +478,7 @@ impl BlockPool {
                 Ok(a.slice(&[0, 0, t0 as i32, 0], &[1, heads, end as i32, width])?)
             })
             .collect::<Result<Vec<_>, CacheError>>()?;
-        Ok(Some((parts, end - t0)))
+        Ok(Some(parts))
     }
 
     /// Whether MLX's CUDA attention may run a decode step over views of these arenas through

@@ -56,7 +56,7 @@ pub const GRAPH_MB_VAR: &str = "MLX_MAX_MB_PER_BUFFER";
 /// inputs pass 100 MB, so each of the 8B's layers (436 MB of weights) is recorded and
 /// launched in several graphs rather than one graph per one to three layers. Measured on
 /// the H100 (docs/benchmarks.md, session 39): the 8B-shaped bf16 decode 7.35 → 6.72 ms a
-/// token at 512 tokens and 7.52 → 7.02 at 2,048, prefill 3-9 % faster; mlx-lm's own loop
+/// token at 512 tokens and 7.52 → 7.02 at 2,048, prefill 2-9 % faster; mlx-lm's own loop
 /// is faster with libmlx's default, so a peer keeps it.
 pub const KVSTORE_GRAPH_MB: u32 = 100;
 

@@ -59,8 +59,6 @@ impl Args {
     }
 }
 
-/// Runs the chosen benchmark; with `KVSTORE_GRAPH_CENSUS=1`, then prints the census of
-/// its decode steps' graphs (engine::graph_census).
 /// Makes `cmd`, a peer (mlx-lm) started as a child process, run as its users run it:
 /// without the MLX variables kvstore set for itself (`mlx::vars_set_for_kvstore`).
 fn peer_env(cmd: &mut std::process::Command) {
@@ -69,6 +67,8 @@ fn peer_env(cmd: &mut std::process::Command) {
     }
 }
 
+/// Runs the chosen benchmark; with `KVSTORE_GRAPH_CENSUS=1`, then prints the census of
+/// its decode steps' graphs (engine::graph_census).
 pub fn run(args: Args) -> anyhow::Result<()> {
     run_one(args)?;
     for line in engine::graph_census_lines() {
