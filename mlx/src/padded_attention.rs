@@ -16,9 +16,12 @@
 //! Each real row attends exactly the keys it attends unpadded (the padding rows' outputs
 //! are dropped), so only the float order of MLX's kernel can differ. Keys past the chunk
 //! must be finite: arenas are grown with zeros, and what a trimmed sequence left there was
-//! computed (a NaN there would reach real rows through a zero weight). Opt-in
-//! (`KVSTORE_PADDED_ATTENTION=1`) until it is measured on a GPU (docs/benchmarks.md,
-//! session 39).
+//! computed (a NaN there would reach real rows through a zero weight).
+//!
+//! On by default on CUDA (a GPU on Linux), where it halved the 8B's P50 TTFT under the
+//! trace (docs/benchmarks.md, session 40); off on the CPU and on Metal, whose attention
+//! has no per-shape build to avoid and would only pay for the padding rows.
+//! `KVSTORE_PADDED_ATTENTION=0` turns it off, `=1` on, on any device.
 
 use std::sync::OnceLock;
 
@@ -73,10 +76,35 @@ pub fn padding(queries: i32, keys: i32, room: i32) -> Option<Padding> {
     })
 }
 
-/// Whether callers pad (`KVSTORE_PADDED_ATTENTION=1`; read once).
+/// The variable that overrides the default: `0` off, `1` on (read once).
+pub const PADDED_ATTENTION_VAR: &str = "KVSTORE_PADDED_ATTENTION";
+
+/// Whether callers pad now: as [`PADDED_ATTENTION_VAR`] says, else where the default
+/// device is a GPU on Linux (CUDA; see the module doc).
 pub fn padded_attention_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVSTORE_PADDED_ATTENTION").is_ok_and(|v| v == "1"))
+    static CHOICE: OnceLock<Option<bool>> = OnceLock::new();
+    let choice =
+        *CHOICE.get_or_init(|| override_of(std::env::var(PADDED_ATTENTION_VAR).ok().as_deref()));
+    choice.unwrap_or_else(|| {
+        cfg!(target_os = "linux") && matches!(crate::default_device(), Ok(crate::Device::Gpu))
+    })
+}
+
+/// What a value of [`PADDED_ATTENTION_VAR`] chooses (`None`: unset, or a value that is
+/// neither `0` nor `1`, which is warned about once and leaves the default).
+fn override_of(value: Option<&str>) -> Option<bool> {
+    match value.map(str::trim) {
+        None | Some("") => None,
+        Some("1") => Some(true),
+        Some("0") => Some(false),
+        Some(other) => {
+            eprintln!(
+                "warning: {PADDED_ATTENTION_VAR}={other:?} is neither 0 nor 1; using the default \
+                 (padded on CUDA, not elsewhere)"
+            );
+            None
+        }
+    }
 }
 
 /// `softmax(q kᵀ · scale + causal) v` for q `[1, H, L, D]`, the last `L` of `keys` keys,
@@ -135,6 +163,15 @@ pub fn causal_attention_padded(
 mod tests {
     use super::*;
     use crate::Dtype;
+
+    #[test]
+    fn the_variable_overrides_the_default_only_with_0_or_1() {
+        assert_eq!(override_of(None), None);
+        assert_eq!(override_of(Some("")), None);
+        assert_eq!(override_of(Some("1")), Some(true));
+        assert_eq!(override_of(Some(" 0 ")), Some(false));
+        assert_eq!(override_of(Some("yes")), None);
+    }
 
     #[test]
     fn paddings_keep_each_real_query_on_its_own_key_and_reuse_few_shapes() {
