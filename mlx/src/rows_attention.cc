@@ -250,8 +250,9 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep, int table_rows) {
 // The rows of the kernels' parameter table for a step of `b` rows: 32 (every launch passes
 // the same 2.3 KB table), or with KVSTORE_ROWS_TABLE=batch the fewest of 1, 8 and 32 that
 // hold them (72 bytes for one row), an A/B for the 8B decode's graph launches on CUDA
-// (docs/cuda.md, "Kernel times"; not measured yet). Read once. The host's table is always 32 rows: the
-// driver copies the kernel's declared size from its start.
+// (docs/cuda.md, "Kernel times"; no gain beyond the noise on the H100 in session 40).
+// Read once. The host's table is always 32 rows: the driver copies the kernel's declared
+// size from its start.
 int table_rows(int b) {
   static const bool batch = [] {
     const char* v = std::getenv("KVSTORE_ROWS_TABLE");
