@@ -27,6 +27,7 @@ mod host;
 mod mask;
 mod paged;
 mod pool;
+mod prefill_paths;
 mod resident;
 mod rows;
 mod scratch;
@@ -44,6 +45,7 @@ pub use host::{plane_specs, state_plane_specs, trimmed_plane_specs};
 pub use mask::{attention_mask, Mask};
 pub use paged::{PagedConfig, PagedKvCache, Restored};
 pub use pool::{ladder_capacity, BlockPool, BlockShape, CUDNN_ARENA_FROM, CUDNN_KV_STEP};
+pub use prefill_paths::prefill_attention_totals;
 pub use resident::{
     EvictedSequence, ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
 };

@@ -821,6 +821,18 @@ impl PagedKvCache {
         Ok(())
     }
 
+    /// Whether `layer` can take a chunk of `queries` padded ([`Self::attend_padded`]): float
+    /// KV in blocks of its own (no shared prefix, none lent) and two queries or more.
+    fn paddable(&self, layer: usize, queries: &Array) -> bool {
+        let own = self
+            .layers
+            .get(layer)
+            .is_some_and(|l| l.prefix.is_none() && l.lent.is_none());
+        self.config.format == KvFormat::Float
+            && own
+            && queries.shape().get(2).is_some_and(|&l| l >= 2)
+    }
+
     /// A causal prefill chunk of a float layer without a shared prefix, attended with its
     /// queries and keys padded to a few shapes (mlx::padded_attention: MLX's CUDA backend
     /// then reuses its cuDNN graphs); the keys past the chunk are read from the arena, never
@@ -834,12 +846,7 @@ impl PagedKvCache {
         values: &Array,
         scale: f32,
     ) -> Result<Option<Array>, CacheError> {
-        let float = self.config.format == KvFormat::Float;
-        let own = self
-            .layers
-            .get(layer)
-            .is_some_and(|l| l.prefix.is_none() && l.lent.is_none());
-        if !float || !own || queries.shape().get(2).is_none_or(|&l| l < 2) {
+        if !self.paddable(layer, queries) {
             return Ok(None);
         }
         self.append(layer, keys, values)?;
@@ -851,12 +858,14 @@ impl PagedKvCache {
                     if let Some(out) =
                         mlx::padded_attention::causal_attention_padded(queries, k, v, held, scale)?
                     {
+                        crate::prefill_paths::count_prefill_attention(true);
                         return Ok(Some(out));
                     }
                 }
             }
         }
-        // Nothing to pad here (blocks out of order, one query): what the layer holds.
+        // Nothing to pad here (blocks out of order, keys past the room): what the layer holds.
+        crate::prefill_paths::count_prefill_attention(false);
         let (k, v) = self.fetch(layer)?.ok_or_else(|| {
             CacheError::Config(format!("layer {layer} has no pool after an append"))
         })?;
@@ -1751,12 +1760,13 @@ impl KvCache for PagedKvCache {
         }
         let shared = self.layers.get(layer).is_some_and(|l| l.prefix.is_some());
         // 16-bit floats only: there MLX's CUDA attention is cuDNN's, built per shape.
-        if !shared
-            && matches!(mask, AttentionMask::Causal)
+        if matches!(mask, AttentionMask::Causal)
             && matches!(queries.dtype(), Dtype::F16 | Dtype::BF16)
-            && mlx::padded_attention::padded_attention_enabled()
+            && self.paddable(layer, queries)
         {
-            if let Some(out) = self.attend_padded(layer, queries, keys, values, scale)? {
+            if !mlx::padded_attention::padded_attention_enabled() {
+                crate::prefill_paths::count_prefill_attention(false);
+            } else if let Some(out) = self.attend_padded(layer, queries, keys, values, scale)? {
                 return Ok(out);
             }
         }
@@ -1916,12 +1926,57 @@ mod tests {
             assert_eq!(pk.to_vec::<f32>().unwrap(), wk.to_vec::<f32>().unwrap());
             assert_eq!(pv.to_vec::<f32>().unwrap(), wv.to_vec::<f32>().unwrap());
         }
+        let padded_before = crate::prefill_attention_totals().0;
+        let mut c = cache(40);
+        c.attend_padded(
+            0,
+            &normal(&[1, 4, 9, 32], 16),
+            &normal(&[1, 2, 9, 32], 17),
+            &normal(&[1, 2, 9, 32], 18),
+            0.2,
+        )
+        .unwrap()
+        .expect("a float layer without a prefix");
+        assert!(
+            crate::prefill_attention_totals().0 > padded_before,
+            "a padded chunk is counted as padded"
+        );
         // One query (a decode step) is not this path's: nothing appended.
         let mut c = cache(40);
         let one = normal(&[1, 4, 1, 32], 14);
         let kv = normal(&[1, 2, 1, 32], 15);
         assert!(c.attend_padded(0, &one, &kv, &kv, 0.2).unwrap().is_none());
         assert_eq!(c.offset(), 40);
+    }
+
+    /// A 16-bit causal chunk is counted on the path it took: padded where padding is on
+    /// (CUDA's default, or `KVSTORE_PADDED_ATTENTION=1`), at its own shape where it is off.
+    #[test]
+    fn a_16_bit_causal_chunk_is_counted_on_the_path_it_took() {
+        let bf16 = |shape: &[i32], seed: u64| {
+            mlx::random::normal(shape, Dtype::F32, &mlx::random::key(seed).unwrap())
+                .unwrap()
+                .astype(Dtype::BF16)
+                .unwrap()
+        };
+        let mut c = PagedKvCache::new(1, PagedConfig::default()).unwrap();
+        let (q, k, v) = (
+            bf16(&[1, 4, 20, 32], 21),
+            bf16(&[1, 2, 20, 32], 22),
+            bf16(&[1, 2, 20, 32], 23),
+        );
+        let (padded, plain) = crate::prefill_attention_totals();
+        c.update_and_attend(0, &q, &k, &v, 0.2, AttentionMask::Causal)
+            .unwrap();
+        let (padded_after, plain_after) = crate::prefill_attention_totals();
+        // Other tests count too, in parallel: the counters only grow, so the path taken
+        // must have grown by at least this chunk.
+        if mlx::padded_attention::padded_attention_enabled() {
+            assert!(padded_after > padded, "padding on: counted as padded");
+        } else {
+            assert!(plain_after > plain, "padding off: counted at its own shape");
+        }
+        assert_eq!(c.offset(), 20);
     }
 
     /// The batched decode attention writes a row's arenas in place only while nothing else

@@ -82,6 +82,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             100.0 * one as f64 / (one + each) as f64
         );
     }
+    let (padded, plain) = ::cache::prefill_attention_totals();
+    if padded + plain > 0 {
+        eprintln!(
+            "prefill attention (16-bit, causal): {padded} layer-chunks padded to a few shapes, \
+             {plain} at their own shape (padding is on by default on CUDA; \
+             KVSTORE_PADDED_ATTENTION=0|1 chooses)"
+        );
+    }
     let waits = engine::pass_memory_waits();
     if waits > 0 {
         eprintln!(
