@@ -273,6 +273,12 @@ impl Settings {
 pub fn run(args: Args) -> Result<()> {
     let s = Settings::new(&args)?;
     summary(&s);
+    // mlx_lm.server (the peer arm) reuses token by token: no blocks of its own to note.
+    if !args.cache.no_cache && args.peer_python.is_none() {
+        if let Some(note) = s.scale.granularity_note(args.cache.block_size) {
+            println!("{note}");
+        }
+    }
     if args.simulate {
         let mut json = simulate(&s, &args.budget_tokens, &args.tiers)?;
         if !args.tiers.is_empty() {

@@ -45,6 +45,25 @@ impl TokenScale {
         self.block
     }
 
+    /// What a reader of the hit shares must know when the trace's blocks are shorter than
+    /// the cache's (`block_size` tokens): the ideal and the simulated policies count hits
+    /// on the trace's blocks, and a cache of longer blocks cannot reuse a shared run that
+    /// ends inside one of its blocks. `None` where the trace's blocks are at least as long.
+    pub fn granularity_note(&self, block_size: usize) -> Option<String> {
+        if self.block >= block_size {
+            return None;
+        }
+        let factor = block_size as f64 / TRACE_BLOCK_TOKENS as f64;
+        Some(format!(
+            "note: the trace's {}-token blocks are shorter than the cache's {block_size}-token \
+             blocks (--block-size): the ideal and LRU shares count hits on the trace's blocks, \
+             which a cache of {block_size}-token blocks cannot all reuse, so a replay's share \
+             of them reads low; --token-scale {factor} or more, or --block-size {}, compares \
+             like with like",
+            self.block, self.block
+        ))
+    }
+
     /// A length after scaling: ceil(len × F), at least 1. Rounding up keeps a prompt in
     /// the same number of blocks: (n-1)·512 < len ≤ n·512 gives (n-1)·b < len' ≤ n·b.
     pub fn len(&self, len: usize) -> usize {
@@ -67,6 +86,22 @@ impl TokenScale {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_trace_block_shorter_than_the_cache_block_is_noted() {
+        let note = TokenScale::new(1.0 / 64.0)
+            .unwrap()
+            .granularity_note(32)
+            .expect("8-token trace blocks against 32-token cache blocks");
+        assert!(note.contains("8-token blocks"), "{note}");
+        assert!(note.contains("--token-scale 0.0625"), "{note}");
+        assert!(note.contains("--block-size 8"), "{note}");
+        assert_eq!(
+            TokenScale::new(1.0 / 16.0).unwrap().granularity_note(32),
+            None
+        );
+        assert_eq!(TokenScale::new(0.125).unwrap().granularity_note(32), None);
+    }
 
     #[test]
     fn factors_must_give_whole_blocks() {
