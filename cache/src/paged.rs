@@ -1666,27 +1666,20 @@ impl PagedKvCache {
                 l.len
             )));
         }
-        let bs = config.block_size;
-        let blocks = count.div_ceil(bs);
-        let capacity = ladder_capacity(config.initial_blocks, config.max_blocks, bs, blocks);
         let mut parts = Vec::with_capacity(config.format.parts() * 2);
         for x in [keys, values] {
-            for p in config.format.encode(x)? {
-                let s = p.shape();
-                let tail = (capacity * bs - count) as i32;
-                let zeros = mlx::ops::zeros(&[1, s[1], tail, s[3]], p.dtype())?;
-                parts.push(mlx::ops::concatenate(&[&p, &zeros], 2)?);
-            }
+            parts.extend(config.format.encode(x)?);
         }
-        let pool = BlockPool::restore_arrays(
+        let pool = BlockPool::from_parts(
             shape,
             config.format,
-            parts,
-            blocks,
-            config.max_blocks.max(capacity),
+            &parts,
+            count,
+            config.initial_blocks,
+            config.max_blocks,
         )?;
         l.pool = Some(pool);
-        l.table = (0..blocks as u32).collect();
+        l.table = (0..count.div_ceil(config.block_size) as u32).collect();
         l.lent = None;
         Ok(())
     }

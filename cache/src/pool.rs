@@ -443,21 +443,42 @@ impl BlockPool {
     /// fork keeps of a longer sequence, instead of a copy-on-write clone whose first write
     /// copies this pool's whole capacity.
     pub fn compact(&self, table: &[u32], initial: usize) -> Result<BlockPool, CacheError> {
-        let bs = self.shape.block_size;
-        let blocks = table.len();
-        let capacity = ladder_capacity(initial, self.max_blocks, bs, blocks.max(1));
-        let held = self.read(table, blocks * bs)?;
-        let heads = self.shape.kv_heads as i32;
-        let arrays = held
+        let tokens = table.len() * self.shape.block_size;
+        let held = self.read(table, tokens)?;
+        BlockPool::from_parts(
+            self.shape,
+            self.format,
+            &held,
+            tokens,
+            initial,
+            self.max_blocks,
+        )
+    }
+
+    /// A pool holding `parts` (the pool's encoded parts in order, each `[1, H, tokens,
+    /// width]`) in its first blocks, zeros after them up to the capacity the growth ladder
+    /// from `initial` gives them: one write per part.
+    pub(crate) fn from_parts(
+        shape: BlockShape,
+        format: KvFormat,
+        parts: &[Array],
+        tokens: usize,
+        initial: usize,
+        max_blocks: usize,
+    ) -> Result<BlockPool, CacheError> {
+        let bs = shape.block_size;
+        let blocks = tokens.div_ceil(bs);
+        let capacity = ladder_capacity(initial, max_blocks, bs, blocks);
+        let tail = (capacity * bs - tokens) as i32;
+        let arrays = parts
             .iter()
-            .zip(&self.parts)
-            .map(|(a, &(width, dtype))| {
-                let rest =
-                    mlx::ops::zeros(&[1, heads, ((capacity - blocks) * bs) as i32, width], dtype)?;
-                Ok(mlx::ops::concatenate(&[a, &rest], 2)?)
+            .map(|p| {
+                let s = p.shape();
+                let zeros = mlx::ops::zeros(&[1, s[1], tail, s[3]], p.dtype())?;
+                Ok(mlx::ops::concatenate(&[p, &zeros], 2)?)
             })
             .collect::<Result<Vec<_>, CacheError>>()?;
-        BlockPool::restore_arrays(self.shape, self.format, arrays, blocks, self.max_blocks)
+        BlockPool::restore_arrays(shape, format, arrays, blocks, max_blocks.max(capacity))
     }
 
     /// The arenas from the first token of the blocks `table` (one run of consecutive
