@@ -21,7 +21,6 @@
 
 #include "kvstore-mlx/src/ffi.rs.h"
 
-#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -169,15 +168,14 @@ struct Kernels {
   CUfunction combine;
 };
 
-// The kernels for (dtype, D, NREP, table rows) on the current device, compiled once per
-// process.
-Kernels kernels(mx::Dtype dtype, int d, int nrep, int table_rows) {
+// The kernels for (dtype, D, NREP) on the current device, compiled once per process.
+Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, int, int, int>, Kernels> cache;
+  static std::map<std::tuple<int, int, int, int>, Kernels> cache;
   auto cu_ctx_get_device = reinterpret_cast<CUresult (*)(CUdevice*)>(lookup("cuCtxGetDevice"));
   CUdevice dev = 0;
   if (cu_ctx_get_device(&dev) != 0) throw std::runtime_error("cuCtxGetDevice failed");
-  auto key = std::make_tuple(int(dev), int(dtype.val()), d, nrep, table_rows);
+  auto key = std::make_tuple(int(dev), int(dtype.val()), d, nrep);
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
 
@@ -199,8 +197,7 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep, int table_rows) {
   }
   std::string src = "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
                     store + "\n#define D " + std::to_string(d) + "\n#define NREP " +
-                    std::to_string(nrep) + "\n#define ROWS " + std::to_string(table_rows) +
-                    "\n" + kSource;
+                    std::to_string(nrep) + "\n" + kSource;
   std::string arch =
       "--gpu-architecture=compute_" + std::to_string(major) + std::to_string(minor);
   const char* opts[] = {arch.c_str(), "--std=c++17"};
@@ -247,21 +244,6 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep, int table_rows) {
   return k;
 }
 
-// The rows of the kernels' parameter table for a step of `b` rows: 32 (every launch passes
-// the same 2.3 KB table), or with KVSTORE_ROWS_TABLE=batch the fewest of 1, 8 and 32 that
-// hold them (72 bytes for one row), an A/B for the 8B decode's graph launches on CUDA
-// (docs/cuda.md, "Kernel times"; no gain beyond the noise on the H100 in session 40).
-// Read once. The host's table is always 32 rows: the driver copies the kernel's declared
-// size from its start.
-int table_rows(int b) {
-  static const bool batch = [] {
-    const char* v = std::getenv("KVSTORE_ROWS_TABLE");
-    return v != nullptr && std::string(v) == "batch";
-  }();
-  if (!batch || b > 8) return kRows;
-  return b == 1 ? 1 : 8;
-}
-
 // The GPU evaluation: two kernels per 32 rows, the arenas written in place.
 void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out,
                      float scale, const std::vector<RowMeta>& rows) {
@@ -270,7 +252,7 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
   const auto &q = inputs[0], &kn = inputs[1], &vn = inputs[2];
   const int b = q.shape(0), hq = q.shape(1), d = q.shape(3), hkv = kn.shape(1);
   const int nrep = hq / hkv;
-  Kernels kern = kernels(q.dtype(), d, nrep, table_rows(b));
+  Kernels kern = kernels(q.dtype(), d, nrep);
 
   // Each row's whole sequence (prefix, own keys, the new one) and the split size.
   int64_t longest = 1;

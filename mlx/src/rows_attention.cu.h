@@ -1,6 +1,5 @@
 // The CUDA source of the batched decode attention (rows_attention.cc), compiled at run time
-// by NVRTC with `T`, `LOAD`, `STORE`, `D`, `NREP` and `ROWS` (the rows of the parameter
-// table, 32 unless set) defined in front of it. It includes no
+// by NVRTC with `T`, `LOAD`, `STORE`, `D` and `NREP` defined in front of it. It includes no
 // header (NVRTC has none of the CUDA toolkit's here): 16-bit floats are converted by hand.
 //
 // `rows_partial`: grid (splits, kv heads, rows), 128 threads. Block (s, h, r) first writes
@@ -14,9 +13,7 @@
 // `rows_combine`: grid (q heads, rows), D threads: merges a row's splits into its output.
 R"KVSRC(
 #define WARPS 4
-#ifndef ROWS
 #define ROWS 32
-#endif
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 struct RowKv {
