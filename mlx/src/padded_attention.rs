@@ -131,20 +131,12 @@ pub fn causal_attention_padded(
         a.slice(&[0, 0, 0, 0], &[s[0], s[1], p.keys, s[3]])
     };
     let (k, v) = (cut(k_room)?, cut(v_room)?);
-    let mut parts = Vec::with_capacity(3);
-    let front = ops::zeros(&[1, heads, p.front, width], q.dtype())?;
-    let back = ops::zeros(&[1, heads, p.back, width], q.dtype())?;
-    if p.front > 0 {
-        parts.push(&front);
-    }
-    parts.push(q);
-    if p.back > 0 {
-        parts.push(&back);
-    }
-    let padded = if parts.len() == 1 {
-        q.clone()
-    } else {
-        ops::concatenate(&parts, 2)?
+    let rows = |n: i32| ops::zeros(&[1, heads, n, width], q.dtype());
+    let padded = match (p.front, p.back) {
+        (0, 0) => q.clone(),
+        (0, b) => ops::concatenate(&[q, &rows(b)?], 2)?,
+        (f, 0) => ops::concatenate(&[&rows(f)?, q], 2)?,
+        (f, b) => ops::concatenate(&[&rows(f)?, q, &rows(b)?], 2)?,
     };
     let out = crate::fast::mlx_scaled_dot_product_attention(
         &padded,
@@ -233,7 +225,14 @@ mod tests {
             &crate::random::key(8).unwrap(),
         )
         .unwrap();
-        for (queries, keys) in [(37, 37), (37, 300), (200, 450), (5, 699), (64, 700)] {
+        for (queries, keys) in [
+            (37, 37),
+            (37, 300),
+            (200, 450),
+            (5, 699),
+            (64, 700),
+            (60, 700),
+        ] {
             let q = crate::random::normal(
                 &[1, hq, queries, d],
                 Dtype::F32,
