@@ -20,8 +20,9 @@ phase "the serving peer's set-up" bash scripts/bench/setup_peer.sh
 phase "cargo test" cargo test --workspace --all-targets "$@"
 phase "doc tests" cargo test --workspace --doc
 # The parity tests against mlx-lm once more with prefill attention padded to a few shapes
-# (mlx::padded_attention, opt-in until measured on a GPU): the kept-quantized bf16 model's
-# prompt takes that path, and its greedy ids and logits must still match.
+# (mlx::padded_attention: CUDA's default, off on the CPU unless forced as here): the
+# kept-quantized bf16 model's prompt takes that path, and its greedy ids and logits must
+# still match.
 KVSTORE_PADDED_ATTENTION=1 phase "parity, padded attention" \
     cargo test -p kvstore-engine --test it parity
 # Fuzz smoke over the committed corpora. The store targets build in a few minutes and the

@@ -58,6 +58,11 @@ step=${1:?step}
 TIERS=${TIERS:---kv-budget 16GiB --ram-budget 48GiB --ssd-budget 36GiB}
 START=$(date +%s)
 
+settings_tag() { # a GRAPHS entry as a file-name part: `=` and spaces as `_` (the device tool
+  # leaves out names with odd characters), "default" for none
+  echo "${1:-default}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60
+}
+
 split_arm() { # ARM+TAG: sets base (ARM), tag (TAG or empty), EV (ENV_TAG's value), XA (ARGS_TAG's)
   base=${1%%+*}; tag=""; EV=""; XA=""
   if [ "$base" != "$1" ]; then
@@ -625,8 +630,8 @@ case "$step" in
     ;;
   gs) # the 8B-shaped bf16 decode, kvstore then mlx-lm, under each entry of GRAPHS (";"-separated
       # variable settings, "default" for none: e.g. MLX's CUDA graph limits
-      # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER, or kvstore's KVSTORE_ROWS_SPLIT, for
-      # which mlx-lm does not run again), LENS8B prompts, TOK8B tokens; after x1, x2, xm
+      # MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER, or kvstore's own KVSTORE_ variables,
+      # for which mlx-lm does not run again), LENS8B prompts, TOK8B tokens; after x1, x2, xm
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -634,7 +639,7 @@ case "$step" in
     IFS=';' read -ra sets <<< "${GRAPHS:-default}"
     for v in "${sets[@]}"; do
       [ "$v" = default ] && v=""
-      tag=$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60)
+      tag=$(settings_tag "$v")
       echo "== ${v:-default}"
       env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-64} > "$OUT/gs-kvstore-$tag.log" 2>&1
@@ -661,7 +666,7 @@ case "$step" in
     IFS=';' read -ra sets <<< "${GRAPHS:-default}"
     for v in "${sets[@]}"; do
       [ "$v" = default ] && v=""
-      tag=$(echo "${v:-default}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60)
+      tag=$(settings_tag "$v")
       echo "== ${v:-default}"
       for n in ${TOKA:-64} ${TOKB:-192}; do
         env $v LD_PRELOAD="$probe" timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" \
