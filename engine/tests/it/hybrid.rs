@@ -12,7 +12,9 @@ use engine::{
 };
 use store::StoreConfig;
 
-use crate::common::{check_against_mlx_lm, goldens, logit_tol, max_diff, no_eos, tokens};
+use crate::common::{
+    assert_cold_greedy, check_against_mlx_lm, goldens, logit_tol, max_diff, no_eos, tokens,
+};
 
 /// f32 on both sides, same libmlx. The convolution is three multiply-adds here and one
 /// `conv1d` in mlx-lm: only the summation order differs. Measured max 9.1e-6.
@@ -444,11 +446,13 @@ fn serves_batched_decode_and_chunked_prefill_with_cold_output(path: &Path) {
         }
     };
     let handles: Vec<_> = prompts.iter().map(|p| submit(p)).collect();
-    for (h, want) in handles.into_iter().zip(want) {
-        assert_eq!(collect(h).0, want, "{}", path.display());
+    for ((h, want), prompt) in handles.into_iter().zip(want).zip(&prompts) {
+        let what = path.display().to_string();
+        assert_cold_greedy(path, prompt, &collect(h).0, &want, &what);
     }
     let (got, c) = collect(submit(&next_turn));
-    assert_eq!(got, want_next, "{}: the next turn", path.display());
+    let what = format!("{}: the next turn", path.display());
+    assert_cold_greedy(path, &next_turn, &got, &want_next, &what);
     // The finished row, handed over from the device: prompt and reply (its last token fed
     // by the step computed ahead, which was trimmed back to what the row emitted).
     assert_eq!(

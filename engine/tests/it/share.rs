@@ -4,7 +4,7 @@
 
 use engine::{load, Engine, EngineConfig, Event, GenerateParams, KvTiers, LoadOptions, Request};
 
-use crate::common::{goldens, no_eos, reuse_config};
+use crate::common::{assert_cold_greedy, goldens, no_eos, reuse_config};
 
 /// Greedy tokens of each prompt, submitted together to `engine` and decoded in one batch.
 fn together(engine: &Engine, prompts: &[Vec<u32>], n: usize) -> Vec<(Vec<u32>, usize)> {
@@ -49,7 +49,8 @@ fn check(name: &str) {
             *cached, 27,
             "{name}: request {i} reused the resident prefix"
         );
-        assert_eq!(got, want, "{name}: request {i}: shared prefix vs cold");
+        let what = format!("{name}: request {i}: shared prefix vs cold");
+        assert_cold_greedy(&path, &prompts[i], got, want, &what);
     }
     assert!(
         after.decode_rows - before.decode_rows > after.decode_steps - before.decode_steps,
