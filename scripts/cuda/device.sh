@@ -149,7 +149,7 @@ run_tests() { # test binaries ($@, default all), each under a time limit; rc lin
     if [ "$(date +%s)" -gt "${DEADLINE:-9999999999}" ]; then echo "=== skipped (deadline) $(basename "$t")"; echo "$t" >> "$K/failed.txt"; continue; fi
     case "$t" in *.so|*.d|*.rlib|*.rmeta) continue ;; esac
     echo "=== $(basename "$t")"
-    (cd "$REPO" && timeout "${TEST_LIMIT:-400}" "$t" --test-threads="${TEST_THREADS:-1}" ${NOCAP:+--nocapture} 2>&1) | tail -n "${TAIL:-60}"
+    (cd "$REPO" && timeout "${TEST_LIMIT:-400}" "$t" --test-threads="${TEST_THREADS:-1}" ${NOCAP:+--nocapture} ${FILTER:-} 2>&1) | tail -n "${TAIL:-60}"
     local rc=${PIPESTATUS[0]}
     echo "=== rc=$rc $(basename "$t")"
     [ "$rc" = 0 ] || echo "$t" >> "$K/failed.txt"
@@ -223,7 +223,7 @@ case "$step" in
     assemble_mlx || exit 1
     ;;
   t) # test binaries given as arguments (names under deps/), full logs; the GGUF only where
-     # its parts came (the cache's unit tests need none)
+     # its parts came (the cache's unit tests need none); FILTER: a test-name filter
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     assemble_gguf >/dev/null 2>&1 || echo "no GGUF here: tests that load it will fail"
@@ -852,6 +852,26 @@ case "$step" in
     done
     grep -E "/v1/messages" "$OUT/cc-serve.log" | sed 's/\x1b\[[0-9;]*m//g' | tail -n 20
     cd "$REPO"; echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  e2) # engines in one process on the GPU (bench trace --engines 1, then 2, a Redis tier
+      # between them), the tiny llama over a slice of the trace (WINDOW, 0..60 at 2x): whether
+      # MLX's CUDA backend takes two engine threads at once; after x1, x2, xm, x6, x7
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    zstd -d -q -c "$K/redis.tar.zst" | tar -x -C "$K" && export PATH=$K/redis:$PATH
+    redis-server --port 6391 --save '' --appendonly no --daemonize yes >/dev/null || exit 1
+    for n in 1 2; do
+      timeout "${LIMIT:-200}" "$BIN/kvstore" bench trace "$K/mooncake-conversation-part1.jsonl" \
+        --model engine/tests/goldens/tiny-llama --engines "$n" --remote redis://127.0.0.1:6391 \
+        --window "${WINDOW:-0..60}" --speed 2 --token-scale 0.015625 --max-concurrency 16 \
+        --json "$OUT/e2-$n.json" > "$OUT/e2-$n.log" 2>&1
+      echo "engines $n: rc=$?"
+      grep -E "requests in|what\(\)|panicked|Aborted" "$OUT/e2-$n.log" | head -5
+      redis-cli -p 6391 flushall >/dev/null 2>&1  # the next run starts with no shared blocks
+    done
+    redis-cli -p 6391 shutdown nosave >/dev/null 2>&1
+    echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   v) # every test binary, with redis-server and the openai client that some tests need
     stash >/dev/null

@@ -259,6 +259,11 @@ fn device_hits_hand_over_whole_sequences_fork_partial_ones_and_match_cold_output
     // token-granular, and the resident turn 2 is untouched (asked again below).
     let mut branch = turn2[..101].to_vec();
     branch.extend(random_tokens(&mut r, 12, 320));
+    // A random token may equal turn 2's own (1 in 320; turn 2 holds the model's reply,
+    // which a GPU's rounding can change): the branch must leave turn 2 at token 101.
+    if branch[101] == turn2[101] {
+        branch[101] = (branch[101] + 1) % 320;
+    }
     let (got, rep) = cached(&model, &tok, &pc, &branch, 8);
     assert_eq!(
         got,
