@@ -161,8 +161,9 @@ pub struct ReuseReport {
     /// Reading, verifying and restoring the cached blocks.
     pub restore_s: f64,
     /// Of `restore_s`, moving the loaded blocks into device memory on the engine thread
-    /// (assembly on the host unless staged, the transfers, the arrays made real); the rest
-    /// is the store's load.
+    /// (assembly on the host unless staged, the transfers); the rest is the store's load.
+    /// Copies into a pool the request already holds (after a device-tier hit) run with its
+    /// first prefill step, on the device's queue, not here.
     pub import_s: f64,
     /// Checking and assembling the loaded blocks for the device, done on an I/O worker
     /// while the request waited for admission (a staged restore; not in `restore_s`, and
@@ -1210,8 +1211,14 @@ impl KvTiers {
             let restored_blocks = restored.blocks;
             cache = restored.cache;
             report.cached_device_tokens = first * bs;
-            // Make the restored arenas real now, so the restore is not billed to prefill.
-            self.eval_pools(&cache)?;
+            // No wait for the device here. The restored blocks are already in device memory
+            // (the upload waited for its own copies, on a stream of its own), and a run that
+            // continues a pool the request already holds (its device-tier hit: under the
+            // Mooncake trace nearly every request's first blocks) is appended by ops that
+            // join the request's first prefill step. Evaluating those here queued them on
+            // the default stream behind the decode step computed ahead, and the engine
+            // thread waited for that step and any prefill pass before it: 0.2-1.3 s stalls
+            // of every decoding row at bursts of RAM hits (docs/benchmarks.md, session 41).
             if restored_blocks > 0 {
                 let seconds = t.elapsed().as_secs_f64();
                 report.import_s = seconds;

@@ -11,6 +11,10 @@ For each run (a `--json` report and the `--step-log` of the same run) it prints:
 - prompt steps: over every step with prompt tokens, the sums of its wall time, launch,
   launch CPU, publication, admission and prefill parts, the prompt tokens they ran and
   the wall time per token, and the P90 / P99 / max step;
+- mixed steps by size: over the steps that decoded rows and ran prompt tokens in one pass,
+  the median wall time per prompt token less the step's publication and admission, by the
+  step's prompt tokens (under 512, 512-1,023, ..., 2,048 and more): the pass's own cost, to
+  compare arms whose engine threads publish and admit differently;
 - first in burst: for the requests first in their burst (the first of those sharing a
   trace timestamp, so they wait for no other prompt), the medians of their TTFT and of the
   parts of the step that prefilled them.
@@ -77,6 +81,19 @@ def analyse(json_path, steps_path):
             f" admit {total('admit_us'):.2f} s, prefill part {total('prefill_us'):.2f} s;"
             f" step P90 / P99 / max {pct(walls, 0.9):.0f} / {pct(walls, 0.99):.0f} / {max(walls):.0f} ms"
         )
+
+    buckets = {}
+    for s in prompt:
+        if s.get("decoded"):
+            n = prompt_tokens(s)
+            own = s["step_us"] - s["publish_us"] - s["admit_us"]
+            buckets.setdefault(min(n // 512, 4), []).append(own / n)
+    if buckets:
+        parts = [
+            f"{k * 512}{'+' if k == 4 else f'-{k * 512 + 511}'}: {statistics.median(v):.1f} ({len(v)})"
+            for k, v in sorted(buckets.items())
+        ]
+        print("mixed steps, µs a prompt token less publication and admission (steps): " + ", ".join(parts))
 
     prefilled_in = {}
     for s in steps:
