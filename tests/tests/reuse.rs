@@ -391,6 +391,57 @@ fn other_models_and_other_salts_never_share_blocks() {
     );
 }
 
+/// A host-tier run restored after a device-tier hit is appended to the hit's pools by ops
+/// that run with the request's first prefill step: admission does not evaluate them (on a
+/// GPU that evaluation waited for the decode step queued ahead and any prefill pass before
+/// it, and stalled every decoding row at bursts of RAM hits: docs/benchmarks.md, session
+/// 41). The request's output is still the cold output.
+#[test]
+fn a_host_run_after_a_device_hit_is_appended_with_the_first_prefill_step_and_matches_cold() {
+    use cache::KvCache;
+    let mut r = rng(
+        "a_host_run_after_a_device_hit_is_appended_with_the_first_prefill_step_and_matches_cold",
+    );
+    let (model, tok) = load(&tiny_model("tiny-llama"));
+    let dir = tempfile::tempdir().unwrap();
+    let pc = KvTiers::open(&model, &tok, config(dir.path(), 8)).unwrap();
+    // Turn A: its 8 blocks reach RAM; then the device tier is emptied (RAM keeps them).
+    let a = random_tokens(&mut r, 64, 320);
+    cached(&model, &tok, &pc, &a, 1);
+    pc.set_kv_budget(ReuseConfig::default().kv_budget_bytes)
+        .unwrap();
+    // A request sharing A's first 20 tokens restores 2 blocks from RAM and stays resident.
+    let mut b = a[..20].to_vec();
+    b.extend(random_tokens(&mut r, 10, 320));
+    b[20] = if a[20] == b[20] {
+        (b[20] + 1) % 320
+    } else {
+        b[20]
+    };
+    cached(&model, &tok, &pc, &b, 1);
+    // A's continuation: the device hit (its first 2 whole blocks, from that sequence), then
+    // RAM's blocks 2-7 appended to the hit's pools.
+    let mut c = a.clone();
+    c.extend(random_tokens(&mut r, 8, 320));
+    let want = cold(&model, &tok, &c, 8);
+    let mut p = pc.prepare(&c).unwrap();
+    let rep = &p.report;
+    assert_eq!(
+        (rep.cached_device_tokens, rep.cached_ram_tokens),
+        (16, 48),
+        "{rep:?}"
+    );
+    for l in 0..p.cache.layers() {
+        let pool = p.cache.pool(l).expect("a pool for every layer");
+        assert!(
+            pool.arrays().iter().any(|a| !a.is_available()),
+            "layer {l}: the appended run was evaluated at admission"
+        );
+    }
+    let out = engine::generate(&model, &tok, &mut p.cache, &c, &params(8), &mut |_| true).unwrap();
+    assert_eq!(out.tokens, want, "the appended run changed the output");
+}
+
 #[test]
 fn a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it() {
     let mut r = rng("a_prompt_diverging_inside_a_block_reuses_the_blocks_before_it");
