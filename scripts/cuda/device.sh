@@ -37,9 +37,7 @@
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
 # decode with host work spun after each queued step, kvstore and mlx-lm (SPINS), and what a
-# new attention or product shape costs MLX on the host (shape_cost_probe.py); gp: the CUDA
-# graph calls of the 8B decode (instantiations, updates, launches), kvstore and mlx-lm
-# (graph_probe.c; GRAPHS, TOKA, TOKB).
+# new attention or product shape costs MLX on the host (shape_cost_probe.py).
 # "After x1 and x2" means with MLX's parts all stashed: x1, x2 and, where pack.sh made
 # one, xm (MLX's rest, 0.2 MB in session 38, carried beside any call).
 set -uo pipefail
@@ -653,34 +651,6 @@ case "$step" in
           > "$OUT/gs-mlxlm-$tag.log" 2>&1
         grep '^{' "$OUT/gs-mlxlm-$tag.log"
       fi
-    done
-    echo "step $step: $(( $(date +%s) - START ))s"
-    ;;
-  gp) # the driver's CUDA graph calls (scripts/cuda/graph_probe.c, LD_PRELOAD) of the 8B
-      # decode, kvstore then mlx-lm, each at TOKA and TOKB decode tokens after a 512-token
-      # prompt: the difference is what TOKB - TOKA decode steps asked for; under each GRAPHS
-      # entry (as gs); after x1, x2, xm (xm carries graph_probe.so, built by pack.sh)
-    stash >/dev/null
-    assemble_mlx >/dev/null || exit 1
-    env_setup
-    make_llama8b
-    probe=$K/graph_probe.so
-    [ -f "$probe" ] || cc -O2 -shared -fPIC -o "$probe" scripts/cuda/graph_probe.c -ldl || exit 1
-    IFS=';' read -ra sets <<< "${GRAPHS:-default}"
-    for v in "${sets[@]}"; do
-      [ "$v" = default ] && v=""
-      tag=$(settings_tag "$v")
-      echo "== ${v:-default}"
-      for n in ${TOKA:-64} ${TOKB:-192}; do
-        env $v LD_PRELOAD="$probe" timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" \
-          --keep-quantized --skip-mlx-lm --prompt-lens 512 --decode-tokens "$n" > "$OUT/gp-kvstore-$tag-$n.log" 2>&1
-        echo "kvstore $n: $(grep -E '^ +512 ' "$OUT/gp-kvstore-$tag-$n.log" | head -n 1)"
-        grep '^graph_probe' "$OUT/gp-kvstore-$tag-$n.log"
-        env $v LD_PRELOAD="$probe" timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" 512 "$n" stored \
-          > "$OUT/gp-mlxlm-$tag-$n.log" 2>&1
-        echo "mlx-lm $n: $(grep '^{' "$OUT/gp-mlxlm-$tag-$n.log")"
-        grep '^graph_probe' "$OUT/gp-mlxlm-$tag-$n.log"
-      done
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;

@@ -51,10 +51,6 @@ if [ "$(stat -c %s "$C/mlxcuda.tar.zst")" -gt $((first + second)) ]; then
   mkdir -p "$C/xm"
   tail -c +$((first + second + 1)) "$C/mlxcuda.tar.zst" > "$C/xm/mlxcuda.tar.zst.part3"
 fi
-# graph_probe.so for device.sh gp, built here (the GPU image may have no C compiler); it
-# travels in xm, beside every call that needs MLX.
-mkdir -p "$C/xm"
-cc -O2 -shared -fPIC -o "$C/xm/graph_probe.so" "$ROOT/scripts/cuda/graph_probe.c" -ldl
 [ -f "$C/gguf.zst" ] || zstd -q -10 -T2 -c "$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf" > "$C/gguf.zst"
 # The GGUF: what fits beside x2's parts, the rest in parts of at most BUDGET in x3, x4, ...
 # (device.sh joins gguf.zst.part*); the test binaries beside its last part if they fit.

@@ -413,11 +413,9 @@ fn a_host_run_after_a_device_hit_is_appended_with_the_first_prefill_step_and_mat
     // A request sharing A's first 20 tokens restores 2 blocks from RAM and stays resident.
     let mut b = a[..20].to_vec();
     b.extend(random_tokens(&mut r, 10, 320));
-    b[20] = if a[20] == b[20] {
-        (b[20] + 1) % 320
-    } else {
-        b[20]
-    };
+    if b[20] == a[20] {
+        b[20] = (b[20] + 1) % 320;
+    }
     cached(&model, &tok, &pc, &b, 1);
     // A's continuation: the device hit (its first 2 whole blocks, from that sequence), then
     // RAM's blocks 2-7 appended to the hit's pools.
