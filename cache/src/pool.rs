@@ -109,6 +109,14 @@ fn part_layouts(arenas: &[Array]) -> Vec<(i32, Dtype)> {
         .collect()
 }
 
+/// Whether [`BlockPool::copy_range`] gathers by token index even where a contiguous copy of
+/// a view would do: `KVSTORE_GATHERED_COPIES=1` at the first call, the path before session
+/// 42, kept for comparing the two in one binary (docs/benchmarks.md).
+fn gathered_copies() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVSTORE_GATHERED_COPIES").is_ok_and(|v| v == "1"))
+}
+
 /// Whether `blocks` is a run of consecutive ids, and where it starts.
 pub(crate) fn run_start(blocks: &[u32]) -> Option<u32> {
     let first = *blocks.first()?;
@@ -522,6 +530,16 @@ impl BlockPool {
 
     /// Tokens `start..end` of the blocks `table` (in order), as [`Self::copy_run`] gives
     /// them: `[1, H, end − start, width]` per part, in fresh buffers.
+    ///
+    /// Where the blocks are a run and the range is a strided view of the arena (more than
+    /// one head, not the whole arena), each part is that view made contiguous: one copy, no
+    /// index array. Otherwise a gather by token index (`take`), whose index array comes
+    /// from the host: on CUDA, MLX puts such a small host array in managed memory, which
+    /// costs the engine thread an allocation (and a device page fault) per layer, and a
+    /// device-wide synchronization when it is freed past MLX's cache limit (docs/cache.md,
+    /// "Publication"). A row-contiguous range keeps the gather: made contiguous it would
+    /// stay a view of the arena, a second holder that makes the next in-place write copy
+    /// the arena.
     pub fn copy_range(
         &self,
         table: &[u32],
@@ -534,6 +552,28 @@ impl BlockPool {
                 "tokens {start}..{end} copied from {} blocks of {bs}",
                 table.len()
             )));
+        }
+        if start < end && !gathered_copies() {
+            let blocks = &table[start / bs..end.div_ceil(bs)];
+            if let Some(first) = run_start(blocks) {
+                let lo = first as usize * bs + start % bs;
+                let hi = lo + (end - start);
+                let whole = lo == 0 && hi == self.capacity * bs;
+                if self.shape.kv_heads > 1 && !whole {
+                    let heads = self.shape.kv_heads as i32;
+                    return self
+                        .arenas
+                        .iter()
+                        .zip(&self.parts)
+                        .map(|(a, &(width, _))| {
+                            Ok(
+                                a.slice(&[0, 0, lo as i32, 0], &[1, heads, hi as i32, width])?
+                                    .contiguous()?,
+                            )
+                        })
+                        .collect();
+                }
+            }
         }
         let idx: Vec<u32> = (start..end)
             .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
@@ -620,5 +660,92 @@ mod tests {
             BlockPool::restore_arrays(p.shape(), KvFormat::Float, p.arrays().to_vec(), 1, 8)
                 .unwrap();
         assert!(!restored.writable_in_place());
+    }
+
+    /// Bytes of tokens `start..end` of blocks `table`, from the arenas on the host (the
+    /// naive reference of a copy).
+    fn naive_range(p: &BlockPool, table: &[u32], start: usize, end: usize) -> Vec<Vec<f32>> {
+        let bs = p.shape().block_size;
+        let (h, d) = (p.shape().kv_heads, p.shape().head_dim);
+        let cap = p.capacity() * bs;
+        p.arrays()
+            .iter()
+            .map(|a| {
+                let all: Vec<f32> = a.to_vec().unwrap();
+                let mut out = Vec::new();
+                for head in 0..h {
+                    for t in start..end {
+                        let at = table[t / bs] as usize * bs + t % bs;
+                        let row = (head * cap + at) * d;
+                        out.extend_from_slice(&all[row..row + d]);
+                    }
+                }
+                out
+            })
+            .collect()
+    }
+
+    #[test]
+    fn range_copies_equal_the_arenas_and_gather_only_where_a_copy_of_a_view_would_not_do() {
+        for heads in [2usize, 1] {
+            let shape = BlockShape {
+                kv_heads: heads,
+                block_size: 4,
+                head_dim: 8,
+                dtype: Dtype::F32,
+            };
+            let mut p = BlockPool::new(shape, KvFormat::Float, 4, 8).unwrap();
+            for step in 0..4u64 {
+                let b = p.alloc().unwrap();
+                let key = mlx::random::key(10 + step).unwrap();
+                for t in 0..4 {
+                    let k = mlx::random::normal(&[1, heads as i32, 1, 8], Dtype::F32, &key)
+                        .unwrap()
+                        .add_scalar(t as f64)
+                        .unwrap();
+                    p.write(b, t, std::slice::from_ref(&k), std::slice::from_ref(&k))
+                        .unwrap();
+                }
+            }
+            for (table, start, end) in [
+                (vec![0u32, 1, 2, 3], 2, 14),
+                (vec![0, 1, 2, 3], 0, 16),
+                (vec![1, 2], 1, 7),
+                (vec![2, 0], 0, 8),
+            ] {
+                let copies = p.copy_range(&table, start, end).unwrap();
+                let names = mlx::pending_primitives(&copies.iter().collect::<Vec<_>>()).unwrap();
+                let gathered = names.iter().any(|n| n == "Gather");
+                let run = crate::pool::run_start(&table).is_some();
+                let whole = start == 0 && end == 16 && table[0] == 0;
+                assert_eq!(
+                    gathered,
+                    heads == 1 || !run || whole,
+                    "{heads} heads, table {table:?}, {start}..{end}: {names:?}"
+                );
+                let want = naive_range(&p, &table, start, end);
+                for (c, w) in copies.iter().zip(&want) {
+                    assert_eq!(c.shape(), vec![1, heads as i32, (end - start) as i32, 8]);
+                    assert_eq!(&c.to_vec::<f32>().unwrap(), w);
+                    // A fresh buffer: not a view of the arena.
+                    assert!(p
+                        .arrays()
+                        .iter()
+                        .all(|a| a.data_addr().unwrap() != c.data_addr().unwrap()));
+                }
+                // A later in-place write leaves the copies as they were.
+                let k = mlx::ops::full(&[1, heads as i32, 1, 8], 7.0, Dtype::F32).unwrap();
+                p.write(
+                    table[0],
+                    0,
+                    std::slice::from_ref(&k),
+                    std::slice::from_ref(&k),
+                )
+                .unwrap();
+                for (c, w) in copies.iter().zip(&want) {
+                    assert_eq!(&c.to_vec::<f32>().unwrap(), w);
+                }
+            }
+        }
     }
 }
