@@ -79,14 +79,6 @@ pub(crate) fn attend_in_one_node(
     Ok(Some(out))
 }
 
-/// Whether [`PagedKvRows::offsets`] makes every step's array from the host:
-/// `KVSTORE_HOST_OFFSETS=1` at the first call (the path before session 42, kept for
-/// comparing the two in one binary).
-fn host_offsets() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVSTORE_HOST_OFFSETS").is_ok_and(|v| v == "1"))
-}
-
 /// A batch of rows (sequences) for decoding. Row `b` keeps its own [`PagedKvCache`]; a
 /// step appends each row's new keys and values and fetches all rows as one
 /// `[B, H, T, D]` batch, left-padded with zeros to the longest row `T`.
@@ -119,21 +111,6 @@ pub struct PagedKvRows {
     /// and row by row, since the batch was made.
     one_node_layers: u64,
     row_by_row_layers: u64,
-    /// The RoPE offsets of the last step, held on the device ([`PagedKvRows::offsets`]).
-    offsets: Option<StepOffsets>,
-}
-
-/// Offsets a step's device-held RoPE offsets array holds at least (see
-/// [`PagedKvRows::offsets`]): 16 bytes, above MLX's pool of managed memory for arrays of
-/// at most 8.
-const MIN_OFFSET_SLOTS: usize = 4;
-
-/// The offsets array of the last step (padded to [`MIN_OFFSET_SLOTS`]) and the values its
-/// first `B` hold, with the ones to advance it by.
-struct StepOffsets {
-    values: Vec<i32>,
-    array: Array,
-    one: Array,
 }
 
 impl std::fmt::Debug for PagedKvRows {
@@ -360,49 +337,9 @@ impl PagedKvRows {
 
     /// Each row's offset (position of its next token) as an int32 `[B]` array: the RoPE
     /// offsets of a batched step.
-    ///
-    /// While the same rows advance one token a step, it is the last step's array plus one,
-    /// computed on the device, so no host bytes enter the step: on CUDA MLX keeps an array
-    /// made from host bytes in managed memory, which the host writes and the device then
-    /// faults in, and any array of at most 8 bytes (a batch of one or two rows' offsets)
-    /// in a shared pool of managed memory. So the device array holds at least
-    /// [`MIN_OFFSET_SLOTS`] offsets (16 bytes, ordinary device memory) and the step reads
-    /// a view of its first `B`. A new set of rows, or any other change, starts again from
-    /// the host values. `KVSTORE_HOST_OFFSETS=1` (read at the first call) makes every
-    /// step's array from the host, as before session 42 (docs/engine.md, "Pipelined
-    /// decode").
-    pub fn offsets(&mut self) -> Result<Array, CacheError> {
-        let values: Vec<i32> = self.rows.iter().map(|r| r.offset() as i32).collect();
-        let b = values.len() as i32;
-        if host_offsets() {
-            return Ok(Array::from_slice(&values, &[b])?);
-        }
-        let slots = values.len().max(MIN_OFFSET_SLOTS);
-        let next = match self.offsets.take() {
-            Some(last) if last.values == values => last,
-            Some(last)
-                if last.values.len() == values.len()
-                    && last.values.iter().zip(&values).all(|(a, b)| a + 1 == *b) =>
-            {
-                StepOffsets {
-                    array: last.array.add(&last.one)?,
-                    values,
-                    one: last.one,
-                }
-            }
-            _ => {
-                let mut padded = values.clone();
-                padded.resize(slots, 0);
-                StepOffsets {
-                    array: Array::from_slice(&padded, &[slots as i32])?,
-                    values,
-                    one: Array::from_slice(&vec![1i32; slots], &[slots as i32])?,
-                }
-            }
-        };
-        let view = next.array.slice(&[0], &[b])?;
-        self.offsets = Some(next);
-        Ok(view)
+    pub fn offsets(&self) -> Result<Array, CacheError> {
+        let offs: Vec<i32> = self.rows.iter().map(|r| r.offset() as i32).collect();
+        Ok(Array::from_slice(&offs, &[offs.len() as i32])?)
     }
 
     /// Each row's length in `layer`.
