@@ -109,14 +109,6 @@ fn part_layouts(arenas: &[Array]) -> Vec<(i32, Dtype)> {
         .collect()
 }
 
-/// Whether [`BlockPool::copy_range`] gathers by token index even where a contiguous copy of
-/// a view would do: `KVSTORE_GATHERED_COPIES=1` at the first call, the path before session
-/// 42, kept for comparing the two in one binary (docs/benchmarks.md).
-fn gathered_copies() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KVSTORE_GATHERED_COPIES").is_ok_and(|v| v == "1"))
-}
-
 /// Whether `blocks` is a run of consecutive ids, and where it starts.
 pub(crate) fn run_start(blocks: &[u32]) -> Option<u32> {
     let first = *blocks.first()?;
@@ -553,7 +545,7 @@ impl BlockPool {
                 table.len()
             )));
         }
-        if start < end && !gathered_copies() {
+        if start < end {
             let blocks = &table[start / bs..end.div_ceil(bs)];
             if let Some(first) = run_start(blocks) {
                 let lo = first as usize * bs + start % bs;
