@@ -51,7 +51,7 @@ pub use resident::{
 };
 pub use rows::{decode_path_totals, PagedKvRows};
 pub use share::ShareHandle;
-pub use staged::StagedRestore;
+pub use staged::{prewarm_staging, StagedRestore};
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};
 pub use transfer_pool::transfer_threads;
 

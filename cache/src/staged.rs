@@ -20,16 +20,102 @@ use store::Block;
 use crate::host::RunPart;
 use crate::CacheError;
 
-/// Page-locked staging memory kept for reuse between restores, at most (a few runs'
-/// worth: page-locking is a driver call that costs more than the copy it speeds up).
-const KEPT_PINNED_BYTES: usize = 1 << 30;
+/// Page-locked staging memory a process holds at most. Page-locking (`cuMemHostAlloc`) and
+/// unlocking (`cuMemFreeHost`, which waits for the whole device) are driver calls that
+/// stalled the engine thread's launches for up to a second under the trace's bursts of
+/// host-tier hits (docs/benchmarks.md, session 42): buffers are page-locked until the pool
+/// holds this much, ahead of the first request where [`prewarm_staging`] runs, and then
+/// reused for the life of the process, never freed; a run that finds none free is staged
+/// in ordinary memory.
+const PINNED_POOL_BYTES: usize = 1 << 30;
 
-/// A page-locked buffer is allocated with at least this many bytes (small runs share the
-/// sizes, so the pool's buffers fit the next run).
+/// A run larger than this is staged in ordinary memory: a buffer that size would take a
+/// quarter of the pool.
+const MAX_PINNED_RUN: usize = 256 << 20;
+
+/// A page-locked buffer is allocated with at least this many bytes, in powers of two, so
+/// the pool's buffers fit the next runs of similar sizes.
 const FIRST_PINNED_BYTES: usize = 16 << 20;
 
-/// Page-locked buffers returned by finished restores, waiting for the next.
-static PINNED: Mutex<Vec<PinnedBuffer>> = Mutex::new(Vec::new());
+/// The sizes [`prewarm_staging`] page-locks: a burst's worth of small runs and a few large
+/// ones (736 MiB; the rest of the pool is allocated as runs need it).
+const PREWARM_SIZES_MIB: [usize; 9] = [16, 16, 32, 32, 64, 64, 128, 128, 256];
+
+/// Buffers of type `B` handed out best fit and taken back, allocated only while the pool
+/// holds less than its cap and never freed: the policy of the page-locked staging pool,
+/// generic so that it is tested with ordinary memory.
+#[derive(Debug)]
+struct BufferPool<B> {
+    free: Vec<B>,
+    allocated: usize,
+    cap: usize,
+}
+
+impl<B: std::ops::Deref<Target = [u8]>> BufferPool<B> {
+    const fn new(cap: usize) -> Self {
+        Self {
+            free: Vec::new(),
+            allocated: 0,
+            cap,
+        }
+    }
+
+    /// The smallest free buffer of at least `len` bytes, else a new one of the size
+    /// [`rounded`] gives from `alloc` while the pool stays within its cap, else `None`.
+    fn take(&mut self, len: usize, alloc: impl FnOnce(usize) -> Option<B>) -> Option<B> {
+        let best = self
+            .free
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() >= len)
+            .min_by_key(|(_, b)| b.len())
+            .map(|(i, _)| i);
+        if let Some(i) = best {
+            return Some(self.free.swap_remove(i));
+        }
+        let size = rounded(len);
+        if len > MAX_PINNED_RUN || self.allocated + size > self.cap {
+            return None;
+        }
+        let b = alloc(size)?;
+        self.allocated += b.len();
+        Some(b)
+    }
+
+    /// Takes `b` back for the next run.
+    fn give(&mut self, b: B) {
+        self.free.push(b);
+    }
+}
+
+/// The size a new pooled buffer for a run of `len` bytes gets.
+fn rounded(len: usize) -> usize {
+    len.max(FIRST_PINNED_BYTES).next_power_of_two()
+}
+
+/// The page-locked buffers of every staging, free or not.
+static PINNED: Mutex<BufferPool<PinnedBuffer>> = Mutex::new(BufferPool::new(PINNED_POOL_BYTES));
+
+/// Page-locks the staging pool's first buffers now, before any request needs them (an
+/// engine calls it as it starts); returns the bytes page-locked. Nothing where transfers do
+/// not go through the driver (the CPU).
+pub fn prewarm_staging() -> usize {
+    let Ok(mut pool) = PINNED.lock() else {
+        return 0;
+    };
+    let before = pool.allocated;
+    let mut made = Vec::new();
+    for mib in PREWARM_SIZES_MIB {
+        match pool.take(mib << 20, PinnedBuffer::new) {
+            Some(b) => made.push(b),
+            None => break,
+        }
+    }
+    for b in made {
+        pool.give(b);
+    }
+    pool.allocated - before
+}
 
 /// One run's host bytes, laid out for the device.
 enum Bytes {
@@ -51,19 +137,14 @@ enum Staging {
 }
 
 impl Staging {
-    /// At least `len` bytes: the smallest pooled page-locked buffer that fits, a new one,
-    /// or (no page-locked memory) the heap.
+    /// At least `len` bytes: a pooled page-locked buffer (a new one while the pool has
+    /// room), or ordinary memory.
     fn take(len: usize) -> Self {
-        let pooled = PINNED.lock().ok().and_then(|mut pool| {
-            let best = pool
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.len() >= len)
-                .min_by_key(|(_, b)| b.len())
-                .map(|(i, _)| i)?;
-            Some(pool.swap_remove(best))
-        });
-        match pooled.or_else(|| PinnedBuffer::new(len.max(FIRST_PINNED_BYTES))) {
+        let pinned = PINNED
+            .lock()
+            .ok()
+            .and_then(|mut pool| pool.take(len, PinnedBuffer::new));
+        match pinned {
             Some(b) => Staging::Pinned(Some(b)),
             None => Staging::Heap(vec![0u8; len]),
         }
@@ -85,18 +166,13 @@ impl Staging {
 }
 
 impl Drop for Staging {
-    /// A page-locked buffer goes back to the pool while the pool keeps less than
-    /// [`KEPT_PINNED_BYTES`]; else it is freed.
+    /// A page-locked buffer goes back to the pool (never freed: see [`PINNED_POOL_BYTES`]).
     fn drop(&mut self) {
         let Staging::Pinned(b) = self else {
             return;
         };
-        let (Some(b), Ok(mut pool)) = (b.take(), PINNED.lock()) else {
-            return;
-        };
-        let kept: usize = pool.iter().map(|p| p.len()).sum();
-        if kept + b.len() <= KEPT_PINNED_BYTES {
-            pool.push(b);
+        if let (Some(b), Ok(mut pool)) = (b.take(), PINNED.lock()) {
+            pool.give(b);
         }
     }
 }
@@ -250,6 +326,82 @@ impl StagedRestore {
                     .collect();
                 Ok(mlx::write_rows_direct(&writes)?.then_some(dsts))
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: usize = 1 << 20;
+
+    /// An allocator of ordinary buffers that counts its calls.
+    fn counting(calls: &mut usize) -> impl FnMut(usize) -> Option<Vec<u8>> + '_ {
+        move |n| {
+            *calls += 1;
+            Some(vec![0u8; n])
+        }
+    }
+
+    #[test]
+    fn the_pool_reuses_best_fit_allocates_only_within_its_cap_and_never_frees() {
+        let mut pool: BufferPool<Vec<u8>> = BufferPool::new(64 * MIB);
+        let mut calls = 0;
+        // A small run gets the first size, rounded up.
+        let a = pool.take(3 * MIB, counting(&mut calls)).unwrap();
+        assert_eq!((a.len(), calls), (FIRST_PINNED_BYTES, 1));
+        // A run of 20 MiB gets 32 MiB (a power of two).
+        let b = pool.take(20 * MIB, counting(&mut calls)).unwrap();
+        assert_eq!((b.len(), calls), (32 * MIB, 2));
+        // 48 MiB allocated: another 32 MiB would pass the 64 MiB cap, so nothing.
+        assert!(pool.take(17 * MIB, counting(&mut calls)).is_none());
+        assert_eq!(calls, 2);
+        // Given back, both are reused best fit: the 16 MiB for a 10 MiB run, the 32 MiB for
+        // a 17 MiB run, with no allocation.
+        pool.give(b);
+        pool.give(a);
+        let c = pool.take(10 * MIB, counting(&mut calls)).unwrap();
+        let d = pool.take(17 * MIB, counting(&mut calls)).unwrap();
+        assert_eq!((c.len(), d.len(), calls), (16 * MIB, 32 * MIB, 2));
+        // The 16 MiB left in the cap still serve a new small run.
+        let e = pool.take(MIB, counting(&mut calls)).unwrap();
+        assert_eq!((e.len(), calls, pool.allocated), (16 * MIB, 3, 64 * MIB));
+        // Every buffer comes back; the pool frees none and stays at its cap.
+        for x in [c, d, e] {
+            pool.give(x);
+        }
+        assert_eq!((pool.free.len(), pool.allocated), (3, 64 * MIB));
+    }
+
+    #[test]
+    fn runs_past_the_largest_pooled_size_and_refused_allocations_are_not_pooled() {
+        let mut pool: BufferPool<Vec<u8>> = BufferPool::new(PINNED_POOL_BYTES);
+        let mut calls = 0;
+        assert!(pool
+            .take(MAX_PINNED_RUN + 1, counting(&mut calls))
+            .is_none());
+        assert_eq!(calls, 0);
+        // The driver refusing (None) leaves nothing counted.
+        assert!(pool.take(MIB, |_| None::<Vec<u8>>).is_none());
+        assert_eq!(pool.allocated, 0);
+        let full = pool.take(MAX_PINNED_RUN, counting(&mut calls)).unwrap();
+        assert_eq!(full.len(), MAX_PINNED_RUN);
+    }
+
+    #[test]
+    fn prewarming_page_locks_within_the_pool_and_nothing_without_direct_transfers() {
+        let total: usize = PREWARM_SIZES_MIB.iter().sum::<usize>() * MIB;
+        assert!(total <= PINNED_POOL_BYTES);
+        let made = prewarm_staging();
+        if mlx::direct_transfers() {
+            // Earlier stagings in this process may have page-locked some of it already.
+            assert!(made <= total);
+            assert!(PINNED.lock().unwrap().allocated >= total);
+            // Done once: a second call finds the buffers free and makes none.
+            assert_eq!(prewarm_staging(), 0);
+        } else {
+            assert_eq!(made, 0);
         }
     }
 }

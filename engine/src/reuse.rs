@@ -1328,7 +1328,16 @@ impl KvTiers {
     /// 13-turn session's worst turn was that first restore: 2.2x of recomputing it).
     /// Two runs of each size are made; the second of each is timed, as a real restore is
     /// (assembled, moved and made real on the device). Returns the prior it measured.
+    /// With host tiers it first page-locks the staging pool's buffers
+    /// ([`cache::prewarm_staging`]; CUDA only), so that no request pays a page-locking
+    /// driver call, which stalls every launch while it runs.
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
+        if self.host_tiers {
+            let locked = cache::prewarm_staging();
+            if locked > 0 {
+                tracing::debug!(bytes = locked, "page-locked the restore staging pool");
+            }
+        }
         // Every block a snapshot block (a hybrid's restore keeps only runs that end in one).
         let specs: Vec<&store::PlaneSpec> = self
             .description
