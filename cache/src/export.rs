@@ -2,7 +2,7 @@
 //! that runs the model.
 //!
 //! Publishing has two halves. On the engine thread, [`PagedKvCache::export`] takes device
-//! copies of the new blocks (one gather per layer part into fresh buffers, so later writes
+//! copies of the new blocks (one copy per layer part into fresh buffers, so later writes
 //! to the live arenas, in place or not, never reach them and never have to copy around
 //! them) and starts computing them ([`mlx::async_eval`]). That costs a few kernel launches
 //! and no host synchronization. The [`Export`] then crosses to an export thread, which

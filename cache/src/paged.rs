@@ -463,7 +463,7 @@ fn append_parts(
 /// Fresh copies of positions `a..b` of a layer (encoded parts, `[1, H, b − a, width]`):
 /// from its shared prefix (views of a resident entry's arenas, which are never written while
 /// shared, and never donated to an in-place write while a view holds them) and its own pool
-/// (a gather), concatenated where the range straddles the prefix's end.
+/// (a copy: `BlockPool::copy_range`), concatenated where the range straddles the prefix's end.
 fn copy_positions(l: &Layer, a: usize, b: usize) -> Result<Vec<Array>, CacheError> {
     let m = l.prefix_len();
     let mut pieces: Vec<Vec<Array>> = Vec::with_capacity(2);
@@ -1096,14 +1096,14 @@ impl PagedKvCache {
             })
             .collect();
         // The states are shared with this cache's history: computed now, so the export
-        // thread only reads them. The gathers are the export's own: computed in the
+        // thread only reads them. The copies are the export's own: computed in the
         // background (crossing 4 at `unsafe impl Send for Array`).
         let shared: Vec<&Array> = states.iter().flatten().flatten().flatten().collect();
         if !shared.is_empty() {
             mlx::eval(&shared)?;
         }
-        let gathers: Vec<&Array> = parts.iter().flatten().collect();
-        mlx::async_eval(&gathers)?;
+        let copies: Vec<&Array> = parts.iter().flatten().collect();
+        mlx::async_eval(&copies)?;
         if self.window.kept_from >= from {
             self.window.kept_from = from + keeps.iter().position(|&k| k).unwrap_or(n);
         }
@@ -1229,8 +1229,8 @@ impl PagedKvCache {
             )));
         }
         let parts = self.copy_run(from, to, false)?;
-        let gathers: Vec<&Array> = parts.iter().flatten().collect();
-        mlx::async_eval(&gathers)?;
+        let copies: Vec<&Array> = parts.iter().flatten().collect();
+        mlx::async_eval(&copies)?;
         let metas = (from..to)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
