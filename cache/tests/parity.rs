@@ -564,65 +564,6 @@ fn rows_merge_filter_extract_equal_per_row_caches_and_masks_match_naive() {
     assert!(batch.filter(&[5]).is_err());
 }
 
-/// A decode step's RoPE offsets: from the host for a new set of rows, then advanced by
-/// one on the device while the same rows each take one token (an `Add` node, no host
-/// array), always equal to the rows' offsets; one and two rows (below MLX's 8-byte pool)
-/// read a view of a padded array. Unset `KVSTORE_HOST_OFFSETS` (the old path) for this.
-#[test]
-fn step_offsets_advance_on_the_device_and_equal_the_rows_offsets() {
-    let mut r = rng("step_offsets_advance_on_the_device_and_equal_the_rows_offsets");
-    let layers = 2;
-    for lens in [vec![3usize], vec![7, 2], vec![5, 13, 1, 9, 4]] {
-        let rows: Vec<PagedKvCache> = lens
-            .iter()
-            .map(|&n| {
-                let mut p = PagedKvCache::new(layers, config(4, KvFormat::Float)).unwrap();
-                for l in 0..layers {
-                    let k = kv(&mut r, n, Dtype::F32);
-                    p.update_and_fetch(l, &k, &k).unwrap();
-                }
-                p
-            })
-            .collect();
-        let mut batch = PagedKvRows::from_rows(rows).unwrap();
-        let b = lens.len();
-        for step in 0..4 {
-            let offsets = batch.offsets().unwrap();
-            let pending = mlx::pending_primitives(&[&offsets]).unwrap();
-            // The first step's array comes from the host; every later one adds one.
-            assert_eq!(
-                pending.iter().any(|n| n == "Add"),
-                step > 0,
-                "{lens:?} step {step}: {pending:?}"
-            );
-            let want: Vec<i32> = lens.iter().map(|&n| (n + step) as i32).collect();
-            assert_eq!(offsets.shape(), vec![b as i32]);
-            assert_eq!(
-                offsets.to_vec::<i32>().unwrap(),
-                want,
-                "{lens:?} step {step}"
-            );
-            // Asked again before the rows move: the same values.
-            assert_eq!(batch.offsets().unwrap().to_vec::<i32>().unwrap(), want);
-            for l in 0..layers {
-                let ks: Vec<Array> = (0..b).map(|_| kv(&mut r, 1, Dtype::F32)).collect();
-                let kb = mlx::ops::concatenate(&ks.iter().collect::<Vec<_>>(), 0).unwrap();
-                batch.update_and_fetch(l, &kb, &kb).unwrap();
-            }
-        }
-        // A changed set of rows starts from the host again.
-        if b > 1 {
-            batch.filter(&[0]).unwrap();
-            let offsets = batch.offsets().unwrap();
-            assert!(!mlx::pending_primitives(&[&offsets])
-                .unwrap()
-                .iter()
-                .any(|n| n == "Add"));
-            assert_eq!(offsets.to_vec::<i32>().unwrap(), vec![lens[0] as i32 + 4]);
-        }
-    }
-}
-
 #[test]
 fn step_masks_match_a_naive_reference() {
     for (offset, queries, window) in [
