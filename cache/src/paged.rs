@@ -1362,7 +1362,7 @@ impl PagedKvCache {
         let run_parts = base.run_parts(&plan, &specs);
         let checked = t.elapsed().as_secs_f64();
         let valid = plan.valid;
-        StagedRestore::assemble(base, plan, &blocks[..valid], &run_parts, checked).map(Some)
+        StagedRestore::assemble(base, plan, &blocks[..valid], &run_parts, checked)
     }
 
     /// Installs a restore staged by [`stage_restore`](Self::stage_restore): the parts

@@ -20,17 +20,17 @@ use store::Block;
 use crate::host::RunPart;
 use crate::CacheError;
 
-/// Page-locked staging memory a process holds at most. Page-locking (`cuMemHostAlloc`) and
-/// unlocking (`cuMemFreeHost`, which waits for the whole device) are driver calls that
-/// stalled the engine thread's launches for up to a second under the trace's bursts of
-/// host-tier hits (docs/benchmarks.md, session 42): buffers are page-locked until the pool
-/// holds this much, ahead of the first request where [`prewarm_staging`] runs, and then
-/// reused for the life of the process, never freed; a run that finds none free is staged
-/// in ordinary memory.
-const PINNED_POOL_BYTES: usize = 1 << 30;
+/// Page-locked staging memory a process holds at most: what [`prewarm_staging`] page-locks.
+/// Page-locking (`cuMemHostAlloc`) and unlocking (`cuMemFreeHost`, which waits for the
+/// whole device) are driver calls that stalled the engine thread's launches for up to a
+/// second under the trace's bursts of host-tier hits (docs/benchmarks.md, session 42): an
+/// engine page-locks the pool's buffers before its first request and reuses them for the
+/// life of the process, never freeing one; a run that finds none free is staged in
+/// ordinary memory. (Without an engine's warm-up, buffers are page-locked as runs need
+/// them, up to the same total.)
+const PINNED_POOL_BYTES: usize = prewarm_bytes();
 
-/// A run larger than this is staged in ordinary memory: a buffer that size would take a
-/// quarter of the pool.
+/// A run larger than this is not staged ([`stages_rows`]).
 const MAX_PINNED_RUN: usize = 256 << 20;
 
 /// A page-locked buffer is allocated with at least this many bytes, in powers of two, so
@@ -38,8 +38,19 @@ const MAX_PINNED_RUN: usize = 256 << 20;
 const FIRST_PINNED_BYTES: usize = 16 << 20;
 
 /// The sizes [`prewarm_staging`] page-locks: a burst's worth of small runs and a few large
-/// ones (736 MiB; the rest of the pool is allocated as runs need it).
+/// ones.
 const PREWARM_SIZES_MIB: [usize; 9] = [16, 16, 32, 32, 64, 64, 128, 128, 256];
+
+/// The bytes of [`PREWARM_SIZES_MIB`] (736 MiB).
+const fn prewarm_bytes() -> usize {
+    let mut total = 0;
+    let mut i = 0;
+    while i < PREWARM_SIZES_MIB.len() {
+        total += PREWARM_SIZES_MIB[i] << 20;
+        i += 1;
+    }
+    total
+}
 
 /// Buffers of type `B` handed out best fit and taken back, allocated only while the pool
 /// holds less than its cap and never freed: the policy of the page-locked staging pool,
@@ -86,6 +97,15 @@ impl<B: std::ops::Deref<Target = [u8]>> BufferPool<B> {
     fn give(&mut self, b: B) {
         self.free.push(b);
     }
+}
+
+/// Whether a run of `total` bytes of rows is staged (in the pool's page-locked memory, or in
+/// ordinary memory when none is free): not past the largest pooled buffer. Under the trace
+/// on the H100 an 803 MB run staged in ordinary memory took the I/O worker 0.28 s and the
+/// engine thread's upload from it 0.18 s (4.5 GB/s; docs/benchmarks.md, session 42), where
+/// the engine's own pipelined restore moves 1.5 GB at ~20 GB/s (session 19).
+fn stages_rows(total: usize) -> bool {
+    total <= MAX_PINNED_RUN
 }
 
 /// The size a new pooled buffer for a run of `len` bytes gets.
@@ -224,13 +244,16 @@ impl StagedRestore {
     /// Assembles every part of `parts` from `blocks`: whole arrays on the CPU (and on a GPU
     /// without direct transfers), the blocks' rows alone where the driver writes them
     /// into zeros on the device. Host memory only; large parts use the thread pool.
+    /// `None` for rows past the largest page-locked buffer ([`stages_rows`]): the owner
+    /// restores those the ordinary way, through its pipeline of two reused page-locked
+    /// buffers, faster than one upload from ordinary memory.
     pub(crate) fn assemble<B: AsRef<Block> + Sync>(
         base: crate::paged::RunBase,
         plan: crate::paged::RunPlan,
         blocks: &[B],
         run_parts: &[RunPart<'_>],
         seconds_before: f64,
-    ) -> Result<Self, CacheError> {
+    ) -> Result<Option<Self>, CacheError> {
         let t = std::time::Instant::now();
         let mut parts = Vec::with_capacity(run_parts.len());
         let mut sizes = Vec::with_capacity(run_parts.len());
@@ -248,8 +271,11 @@ impl StagedRestore {
             sizes.push(p.bytes(p.planes.len())?);
         }
         let rows = mlx::default_device()? != mlx::Device::Cpu && mlx::direct_transfers();
+        let total: usize = sizes.iter().sum();
+        if rows && !stages_rows(total) {
+            return Ok(None);
+        }
         let bytes = if rows {
-            let total: usize = sizes.iter().sum();
             let mut buffer = Staging::take(total);
             let mut ranges = Vec::with_capacity(sizes.len());
             let mut hosts = Vec::with_capacity(sizes.len());
@@ -280,13 +306,13 @@ impl StagedRestore {
                 .collect::<Result<Vec<_>, CacheError>>()?;
             Bytes::Whole(whole)
         };
-        Ok(Self {
+        Ok(Some(Self {
             base,
             plan,
             parts,
             bytes,
             seconds: seconds_before + t.elapsed().as_secs_f64(),
-        })
+        }))
     }
 
     /// Moves every part to the device: on the CPU the arrays take the buffers over; on
@@ -390,14 +416,26 @@ mod tests {
     }
 
     #[test]
+    fn rows_past_the_largest_pooled_buffer_are_left_to_the_owners_pipeline() {
+        assert!(stages_rows(MIB));
+        assert!(stages_rows(MAX_PINNED_RUN));
+        assert!(!stages_rows(MAX_PINNED_RUN + 1));
+        // The largest prewarmed buffer takes the largest staged run.
+        assert_eq!(
+            PREWARM_SIZES_MIB.iter().max().copied(),
+            Some(MAX_PINNED_RUN / MIB)
+        );
+    }
+
+    #[test]
     fn prewarming_page_locks_within_the_pool_and_nothing_without_direct_transfers() {
         let total: usize = PREWARM_SIZES_MIB.iter().sum::<usize>() * MIB;
-        assert!(total <= PINNED_POOL_BYTES);
+        assert_eq!((total, PINNED_POOL_BYTES), (736 * MIB, 736 * MIB));
         let made = prewarm_staging();
         if mlx::direct_transfers() {
             // Earlier stagings in this process may have page-locked some of it already.
             assert!(made <= total);
-            assert!(PINNED.lock().unwrap().allocated >= total);
+            assert!(PINNED.lock().unwrap().allocated <= PINNED_POOL_BYTES);
             // Done once: a second call finds the buffers free and makes none.
             assert_eq!(prewarm_staging(), 0);
         } else {
