@@ -1309,7 +1309,9 @@ impl PagedKvCache {
     /// I/O worker stages a load this way while its request waits for admission, so the
     /// engine thread only moves the bytes). No MLX operation runs (host memory comes from
     /// MLX's allocator or the driver). `None` for a cache with layer states (a hybrid): its
-    /// states become arrays while checked, so it restores the ordinary way.
+    /// states become arrays while checked, so it restores the ordinary way; `None` too on
+    /// CUDA for a run of more than 256 MiB, which the ordinary way moves faster (a pipeline
+    /// of two reused page-locked buffers; docs/cache.md, "Staged restore").
     pub fn stage_restore<B: AsRef<Block> + Sync>(
         &self,
         blocks: &[B],
