@@ -424,18 +424,24 @@ impl BlockPool {
             // keys start at their buffer's first byte (mlx/backend/cuda/
             // scaled_dot_product_attention.cpp, `unslice_kv`; docs/cache.md).
             Some(first) if first == 0 || !self.cudnn_decodable() => {
-                let (t0, heads) = ((first as usize * bs) as i32, self.shape.kv_heads as i32);
-                self.arenas
-                    .iter()
-                    .zip(&self.parts)
-                    .map(|(a, &(width, _))| {
-                        Ok(a.slice(&[0, 0, t0, 0], &[1, heads, t0 + len as i32, width])?)
-                    })
-                    .collect()
+                let t0 = first as usize * bs;
+                self.views(t0, t0 + len)
             }
             None if len == 0 => self.read(&[0], 0),
             _ => self.copy_run(table, len),
         }
+    }
+
+    /// Arena positions `lo..hi` of every part, as views `[1, H, hi − lo, width]`.
+    fn views(&self, lo: usize, hi: usize) -> Result<Vec<Array>, CacheError> {
+        let heads = self.shape.kv_heads as i32;
+        self.arenas
+            .iter()
+            .zip(&self.parts)
+            .map(|(a, &(width, _))| {
+                Ok(a.slice(&[0, 0, lo as i32, 0], &[1, heads, hi as i32, width])?)
+            })
+            .collect()
     }
 
     /// A pool of its own holding the blocks `table` in its first blocks, copied once (one
@@ -552,17 +558,10 @@ impl BlockPool {
                 let hi = lo + (end - start);
                 let whole = lo == 0 && hi == self.capacity * bs;
                 if self.shape.kv_heads > 1 && !whole {
-                    let heads = self.shape.kv_heads as i32;
                     return self
-                        .arenas
+                        .views(lo, hi)?
                         .iter()
-                        .zip(&self.parts)
-                        .map(|(a, &(width, _))| {
-                            Ok(
-                                a.slice(&[0, 0, lo as i32, 0], &[1, heads, hi as i32, width])?
-                                    .contiguous()?,
-                            )
-                        })
+                        .map(|v| Ok(v.contiguous()?))
                         .collect();
                 }
             }
