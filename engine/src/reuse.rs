@@ -1330,7 +1330,7 @@ impl KvTiers {
     /// (assembled, moved and made real on the device). Returns the prior it measured.
     /// With host tiers it first page-locks the staging pool's buffers
     /// ([`cache::prewarm_staging`]; CUDA only), so that no request pays a page-locking
-    /// driver call, which stalls every launch while it runs.
+    /// driver call, which can hold up the engine thread's launches while it runs.
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
         if self.host_tiers {
             let locked = cache::prewarm_staging();
