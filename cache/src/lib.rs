@@ -50,6 +50,7 @@ pub use resident::{
     EvictedSequence, ResidentHit, ResidentPool, ResidentStats, ShareCount, DEFAULT_SHARE_MIN_TOKENS,
 };
 pub use rows::{decode_path_totals, PagedKvRows};
+pub use scratch::prewarm_scratch;
 pub use share::ShareHandle;
 pub use staged::{prewarm_staging, StagedRestore};
 pub use state::{LayerState, LayerStates, DEFAULT_STATE_HISTORY};

@@ -14,9 +14,8 @@ use std::cell::RefCell;
 /// ordinary buffer of its own, freed afterwards.
 pub(crate) const KEEP_BYTES: usize = 256 << 20;
 
-/// A thread's first buffer has at least this size: a conversation's restores grow from a
-/// few blocks to hundreds of megabytes, and each growth of a page-locked buffer costs a
-/// driver allocation that its restore pays (noise in the restore's cost samples).
+/// A thread's first buffer of ordinary memory has at least this size: a conversation's
+/// restores grow from a few blocks to hundreds of megabytes.
 const FIRST_BYTES: usize = 16 << 20;
 
 enum Scratch {
@@ -46,9 +45,22 @@ thread_local! {
     static SCRATCH: RefCell<[Option<Scratch>; 2]> = const { RefCell::new([None, None]) };
 }
 
-/// `slot`'s buffer with at least `len` bytes (grown ×1.5 at least, so a run of slowly
-/// growing requests reallocates rarely; never past what is kept), or `None` over the kept
-/// size.
+/// The size of the buffer that replaces one of `have` bytes (0: none yet) for a request of
+/// `len` bytes (at most [`KEEP_BYTES`]). Page-locked memory goes straight to the kept size,
+/// so a thread page-locks once and never frees: page-locking (`cuMemHostAlloc`) and
+/// unlocking (`cuMemFreeHost`, which waits for the whole device) are driver calls that held
+/// up the engine thread's launches for up to a second (docs/benchmarks.md, session 42).
+/// Ordinary memory grows ×1.5 at least, so a run of slowly growing requests reallocates
+/// rarely.
+fn grown_len(have: usize, len: usize, page_locked: bool) -> usize {
+    match page_locked {
+        true => KEEP_BYTES,
+        false => len.max(have + have / 2).clamp(FIRST_BYTES, KEEP_BYTES),
+    }
+}
+
+/// `slot`'s buffer with at least `len` bytes (grown by [`grown_len`]), or `None` over the
+/// kept size.
 fn kept(slot: &mut Option<Scratch>, len: usize) -> Option<&mut [u8]> {
     if len > KEEP_BYTES {
         // Not kept: page-locking it would cost more than the copy it speeds up.
@@ -57,10 +69,36 @@ fn kept(slot: &mut Option<Scratch>, len: usize) -> Option<&mut [u8]> {
     let big_enough = slot.as_mut().is_some_and(|s| s.bytes().len() >= len);
     if !big_enough {
         let have = slot.as_mut().map_or(0, |s| s.bytes().len());
-        let want = len.max(have + have / 2).clamp(FIRST_BYTES, KEEP_BYTES);
-        *slot = Some(Scratch::with_len(want));
+        *slot = Some(Scratch::with_len(grown_len(
+            have,
+            len,
+            mlx::direct_transfers(),
+        )));
     }
     slot.as_mut().map(|s| &mut s.bytes()[..len])
+}
+
+/// Gives the calling thread's first `slots` buffers (at most 2) their kept size now, where
+/// they are page-locked (CUDA), so that no transfer of the thread page-locks memory later
+/// (an engine's thread and its export thread call it as they start); returns the bytes
+/// page-locked. Nothing where transfers do not go through the driver (the CPU).
+pub fn prewarm_scratch(slots: usize) -> usize {
+    if !mlx::direct_transfers() {
+        return 0;
+    }
+    SCRATCH.with(|cell| {
+        let Ok(mut held) = cell.try_borrow_mut() else {
+            return 0;
+        };
+        let mut made = 0;
+        for slot in held.iter_mut().take(slots) {
+            let before = slot.as_mut().map_or(0, |s| s.bytes().len());
+            if kept(slot, KEEP_BYTES).is_some() {
+                made += slot.as_mut().map_or(0, |s| s.bytes().len()) - before;
+            }
+        }
+        made
+    })
 }
 
 /// Runs `f` on a host buffer of `len` bytes whose contents are unspecified (the caller
@@ -114,6 +152,40 @@ mod tests {
         // Larger: a new buffer of the size asked.
         assert_eq!(with_scratch(5000, |b| b.len()), 5000);
         assert_eq!(with_scratch(KEEP_BYTES + 1, |b| b.len()), KEEP_BYTES + 1);
+    }
+
+    #[test]
+    fn page_locked_buffers_grow_once_to_the_kept_size_and_ordinary_ones_by_half() {
+        // Page-locked: whatever the request, the first buffer and any replacement are the
+        // kept size, so a thread allocates one and frees none.
+        assert_eq!(grown_len(0, 1000, true), KEEP_BYTES);
+        assert_eq!(grown_len(FIRST_BYTES, FIRST_BYTES + 1, true), KEEP_BYTES);
+        // Ordinary memory: at least the first size, then ×1.5, never past the kept size.
+        assert_eq!(grown_len(0, 1000, false), FIRST_BYTES);
+        assert_eq!(
+            grown_len(FIRST_BYTES, FIRST_BYTES + 1, false),
+            FIRST_BYTES * 3 / 2
+        );
+        assert_eq!(grown_len(FIRST_BYTES, 100 << 20, false), 100 << 20);
+        assert_eq!(grown_len(200 << 20, 201 << 20, false), KEEP_BYTES);
+    }
+
+    #[test]
+    fn prewarming_page_locks_the_kept_size_once_and_nothing_on_the_cpu() {
+        let small = with_scratch_pair(64, |a, b| (a.as_ptr() as usize, b.as_ptr() as usize));
+        let made = prewarm_scratch(2);
+        let at = |len| with_scratch_pair(len, |a, b| (a.as_ptr() as usize, b.as_ptr() as usize));
+        if mlx::direct_transfers() {
+            // Both buffers now hold the kept size: a request of any kept size reuses them,
+            // and prewarming again makes nothing.
+            assert!(made > 0);
+            assert_eq!(at(KEEP_BYTES), at(64));
+            assert_eq!(prewarm_scratch(2), 0);
+        } else {
+            // No page-locked memory: nothing is made and the buffers stay as they were.
+            assert_eq!(made, 0);
+            assert_eq!(at(64), small);
+        }
     }
 
     #[test]

@@ -238,6 +238,9 @@ impl Exporter {
         let worker = std::thread::Builder::new()
             .name("kvstore-export".into())
             .spawn(move || {
+                // This thread's transfer buffer, page-locked once now rather than at a
+                // publication that needs more than it has (CUDA only; cache/src/scratch.rs).
+                cache::prewarm_scratch(1);
                 while let Ok(first) = rx.recv() {
                     // Everything submitted meanwhile is read back after one wait for the
                     // device: an export's copies are queued behind the engine's step, so

@@ -1329,13 +1329,17 @@ impl KvTiers {
     /// Two runs of each size are made; the second of each is timed, as a real restore is
     /// (assembled, moved and made real on the device). Returns the prior it measured.
     /// With host tiers it first page-locks the staging pool's buffers
-    /// ([`cache::prewarm_staging`]; CUDA only), so that no request pays a page-locking
+    /// ([`cache::prewarm_staging`]) and the calling thread's two transfer buffers
+    /// ([`cache::prewarm_scratch`]; CUDA only), so that no request pays a page-locking
     /// driver call, which can hold up the engine thread's launches while it runs.
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
         if self.host_tiers {
-            let locked = cache::prewarm_staging();
+            let locked = cache::prewarm_staging() + cache::prewarm_scratch(2);
             if locked > 0 {
-                tracing::debug!(bytes = locked, "page-locked the restore staging pool");
+                tracing::debug!(
+                    bytes = locked,
+                    "page-locked the restore staging and transfer buffers"
+                );
             }
         }
         // Every block a snapshot block (a hybrid's restore keeps only runs that end in one).
