@@ -520,7 +520,7 @@ case "$step" in
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
-  pt) # a short slice of the trace at real speed, full tiering then no cache, in the
+  pt) # a short slice of the trace at real speed (or SPEED), full tiering then no cache, in the
       # foreground (WINDOW, SCALE, DRAIN, CONC, BATCH; one call), after x1 and x2; logs, JSON,
       # each arm's --step-log (gzipped) and GPU memory each second to $OUT; MODEL=llama8b:
       # the 8B-shaped bf16 model
@@ -532,7 +532,9 @@ case "$step" in
     if [ "${MODEL:-smollm2}" = llama8b ]; then make_llama8b; d=$K/llama8b; MARGS="--keep-quantized"; fi
     T=$K/mooncake-conversation-part1.jsonl
     W=${WINDOW:-0..100}; end=${W##*..}; start=${W%%..*}
-    S="--window $W --speed 1 --token-scale ${SCALE:-0.0625} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline $(( end - start + 10 )) ${XARGS:-}"
+    # SPEED: time compression (1: real speed); wall: the window's seconds at that speed
+    wall=$(python3 -c "print(int(($end - $start) / ${SPEED:-1}))")
+    S="--window $W --speed ${SPEED:-1} --token-scale ${SCALE:-0.0625} --max-concurrency ${CONC:-64} --max-batch ${BATCH:-16} --deadline $(( wall + 10 )) ${XARGS:-}"
     for arm in ${ARMS:-cache nocache}; do
       # ARM+TAG runs ARM with the variables of ENV_TAG set and the bench flags of ARGS_TAG
       # added (e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"): an A/B in one
@@ -559,7 +561,7 @@ case "$step" in
       n=pt-$arm${tag:+-$tag}
       nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits -lms 1000 \
         > "$OUT/$n.gpumem.csv" 2>&1 & G=$!
-      env $EV timeout $(( end - start + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $MARGS $S $A \
+      env $EV timeout $(( wall + ${DRAIN:-180} )) "$BIN/kvstore" bench trace "$T" --model "$d" $MARGS $S $A \
           $XA --json "$OUT/$n.json" --step-log "$OUT/$n.steps.jsonl" > "$OUT/$n.log" 2>&1
       kill $G; gzip -f "$OUT/$n.steps.jsonl"
       echo "GPU memory used, max MiB: $(cut -d, -f2 "$OUT/$n.gpumem.csv" | sort -n | tail -1)"
