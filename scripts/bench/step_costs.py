@@ -15,6 +15,12 @@ For each run (a `--json` report and the `--step-log` of the same run) it prints:
   the median wall time per prompt token less the step's publication and admission, by the
   step's prompt tokens (under 512, 512-1,023, ..., 2,048 and more): the pass's own cost, to
   compare arms whose engine threads publish and admit differently;
+- engine thread: over every step of the run, the seconds the engine thread was busy and
+  how they split into launches, reading and emitting picks, the prefill part, admission
+  (restores inside it) and the rest, against the run's wall time, and the publication
+  within those parts (taken as prefills finish and as rows retire):
+  what a cache's hits saved in launches, against what its restores and publication cost
+  (docs/benchmarks.md, session 43);
 - first in burst: for the requests first in their burst (the first of those sharing a
   trace timestamp, so they wait for no other prompt), the medians of their TTFT and of the
   parts of the step that prefilled them.
@@ -94,6 +100,18 @@ def analyse(json_path, steps_path):
             for k, v in sorted(buckets.items())
         ]
         print("mixed steps, µs a prompt token less publication and admission (steps): " + ", ".join(parts))
+
+    total_all = lambda key: sum(s.get(key, 0) or 0 for s in steps) / 1e6  # noqa: E731
+    busy = total_all("step_us")
+    parts = ["launch_us", "emit_us", "prefill_us", "admit_us"]
+    rest = busy - sum(total_all(k) for k in parts)
+    wall = run.get("wall_s") or 0
+    print(
+        f"engine thread: busy {busy:.1f} s" + (f" of {wall:.1f} s wall ({busy / wall:.0%})" if wall else "")
+        + f": launch {total_all('launch_us'):.1f}, emit {total_all('emit_us'):.1f},"
+        f" prefill part {total_all('prefill_us'):.1f}, admission {total_all('admit_us'):.1f},"
+        f" the rest {rest:.1f} s; publication, within those parts, {total_all('publish_us'):.1f} s"
+    )
 
     prefilled_in = {}
     for s in steps:
