@@ -30,7 +30,7 @@ pub struct Args {
     #[arg(long)]
     quick: bool,
     /// Directory on the disk for the SSD → device restore (a scratch subdirectory is
-    /// created and removed). Default: the system temp directory.
+    /// created and removed; the directory is made if missing). Default: the system temp directory.
     #[arg(long, value_name = "DIR")]
     dir: Option<std::path::PathBuf>,
     /// Tokens of the prefix restored from SSD.
@@ -282,9 +282,7 @@ fn ssd_rows(tokens: usize, dir: &std::path::Path) -> Result<Vec<SsdRow>> {
     use store::{NamespaceDescription, StoreConfig};
     let (layers, bs) = (30usize, 32usize);
     let tokens = tokens.div_ceil(bs) * bs;
-    let scratch = tempfile::Builder::new()
-        .prefix("kvstore-bench-cache-")
-        .tempdir_in(dir)?;
+    let scratch = super::scratch_dir(dir, "kvstore-bench-cache-")?;
     let root = scratch.path().join("store");
     let config = PagedConfig {
         block_size: bs,

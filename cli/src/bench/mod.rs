@@ -61,6 +61,18 @@ impl Args {
 
 /// Makes `cmd`, a peer (mlx-lm) started as a child process, run as its users run it:
 /// without the MLX variables kvstore set for itself (`mlx::vars_set_for_kvstore`).
+/// A scratch directory (removed when dropped) inside `base`, which is created first if it
+/// does not exist: a benchmark's `--dir` may name a fresh path on the disk to measure.
+fn scratch_dir(base: &std::path::Path, prefix: &str) -> anyhow::Result<tempfile::TempDir> {
+    use anyhow::Context;
+    std::fs::create_dir_all(base)
+        .with_context(|| format!("creating the directory {} (--dir)", base.display()))?;
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(base)
+        .with_context(|| format!("creating a scratch directory in {}", base.display()))
+}
+
 fn peer_env(cmd: &mut std::process::Command) {
     for var in ::mlx::vars_set_for_kvstore() {
         cmd.env_remove(var);
@@ -112,5 +124,26 @@ fn run_one(args: Args) -> anyhow::Result<()> {
         Which::Serve(a) => serve::run(*a),
         Which::Store(a) => store::run(a),
         Which::Trace(a) => trace::run(*a),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scratch_directory_is_made_in_a_base_that_did_not_exist_and_removed_alone() {
+        let root = tempfile::tempdir().unwrap();
+        let base = root.path().join("fresh").join("disk");
+        let scratch = scratch_dir(&base, "kvstore-bench-").unwrap();
+        assert!(scratch.path().starts_with(&base) && scratch.path().is_dir());
+        let path = scratch.path().to_path_buf();
+        drop(scratch);
+        assert!(!path.exists() && base.is_dir());
+        // A base that is a file: a clear error naming it.
+        let file = root.path().join("a-file");
+        std::fs::write(&file, b"x").unwrap();
+        let err = format!("{:#}", scratch_dir(&file, "kvstore-bench-").unwrap_err());
+        assert!(err.contains("a-file"), "{err}");
     }
 }

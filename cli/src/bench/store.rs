@@ -16,7 +16,7 @@ use store::{
 /// Arguments of `kvstore bench store`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Directory on the disk to measure (a scratch subdirectory is created and removed).
+    /// Directory on the disk to measure (made if missing; a scratch subdirectory is created and removed).
     /// Default: the system temp directory.
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
@@ -267,10 +267,7 @@ pub fn run(args: Args) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("--total {:?}: {e}", args.total))?
         .as_u64();
     let base = args.dir.unwrap_or_else(std::env::temp_dir);
-    let scratch = tempfile::Builder::new()
-        .prefix("kvstore-bench-")
-        .tempdir_in(&base)
-        .with_context(|| format!("creating a scratch directory in {}", base.display()))?;
+    let scratch = super::scratch_dir(&base, "kvstore-bench-")?;
     let dir = scratch.path();
     let cold = drop_caches();
     println!(
