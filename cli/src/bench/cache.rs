@@ -29,8 +29,8 @@ pub struct Args {
     /// Small sizes and few repetitions (a smoke run, numbers not meaningful).
     #[arg(long)]
     quick: bool,
-    /// Directory on the disk for the SSD → device restore (a scratch subdirectory is
-    /// created and removed; the directory is made if missing). Default: the system temp directory.
+    /// Directory on the disk for the SSD → device restore (made if missing; a scratch
+    /// subdirectory is created and removed). Default: the system temp directory.
     #[arg(long, value_name = "DIR")]
     dir: Option<std::path::PathBuf>,
     /// Tokens of the prefix restored from SSD.

@@ -59,8 +59,6 @@ impl Args {
     }
 }
 
-/// Makes `cmd`, a peer (mlx-lm) started as a child process, run as its users run it:
-/// without the MLX variables kvstore set for itself (`mlx::vars_set_for_kvstore`).
 /// A scratch directory (removed when dropped) inside `base`, which is created first if it
 /// does not exist: a benchmark's `--dir` may name a fresh path on the disk to measure.
 fn scratch_dir(base: &std::path::Path, prefix: &str) -> anyhow::Result<tempfile::TempDir> {
@@ -73,6 +71,8 @@ fn scratch_dir(base: &std::path::Path, prefix: &str) -> anyhow::Result<tempfile:
         .with_context(|| format!("creating a scratch directory in {}", base.display()))
 }
 
+/// Makes `cmd`, a peer (mlx-lm) started as a child process, run as its users run it:
+/// without the MLX variables kvstore set for itself (`mlx::vars_set_for_kvstore`).
 fn peer_env(cmd: &mut std::process::Command) {
     for var in ::mlx::vars_set_for_kvstore() {
         cmd.env_remove(var);

@@ -16,8 +16,8 @@ use store::{
 /// Arguments of `kvstore bench store`.
 #[derive(clap::Args)]
 pub struct Args {
-    /// Directory on the disk to measure (made if missing; a scratch subdirectory is created and removed).
-    /// Default: the system temp directory.
+    /// Directory on the disk to measure (made if missing; a scratch subdirectory is created
+    /// and removed). Default: the system temp directory.
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
     /// Bytes written per block size.
