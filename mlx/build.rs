@@ -86,6 +86,8 @@ fn main() {
         .file("src/shim.cc")
         .file("src/direct_copy.cc")
         .file("src/rows_attention.cc")
+        .file("src/copy_runs.cc")
+        .file("src/nvrtc.cc")
         .include(&include)
         .include("src")
         .std("c++20")
@@ -112,6 +114,9 @@ fn main() {
     println!("cargo:rerun-if-changed=src/direct_copy.h");
     println!("cargo:rerun-if-changed=src/rows_attention.cc");
     println!("cargo:rerun-if-changed=src/rows_attention.cu.h");
+    println!("cargo:rerun-if-changed=src/copy_runs.cc");
+    println!("cargo:rerun-if-changed=src/nvrtc.cc");
+    println!("cargo:rerun-if-changed=src/nvrtc.h");
     println!("cargo:rustc-link-search=native={}", lib.display());
     println!("cargo:rustc-link-lib=dylib=mlx");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib.display());

@@ -40,6 +40,26 @@ impl Default for PagedConfig {
     }
 }
 
+impl PagedConfig {
+    /// This config for a cache that will hold `tokens` tokens: its pools start at the step
+    /// of the growth ladder from `initial_blocks` that holds them ([`ladder_capacity`]), so
+    /// the arenas have their shapes and strides as if grown, without growing through every
+    /// step on the way (each growth is a new arena and a copy per layer part: graph nodes on
+    /// the thread that runs the model and a copy of everything held so far).
+    pub fn with_room_for(self, tokens: usize) -> Self {
+        let blocks = tokens.div_ceil(self.block_size.max(1));
+        Self {
+            initial_blocks: ladder_capacity(
+                self.initial_blocks,
+                self.max_blocks,
+                self.block_size,
+                blocks,
+            ),
+            ..self
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default)]
 struct Layer {
     pool: Option<BlockPool>,
@@ -1175,6 +1195,10 @@ impl PagedKvCache {
 
     /// Device copies of every layer's parts of blocks `from..to` (`[1, H, n · bs, width]`
     /// each, not yet computed); window layers' only when `windows` (else an empty list).
+    /// The layers whose blocks lie in one run of their pool (all of them, unless a shared
+    /// prefix or a fork's table splits the range) are copied by one node together
+    /// ([`mlx::copy_runs::copy_token_runs`]): a publication costs the engine thread one
+    /// node instead of one per layer part.
     fn copy_run(
         &self,
         from: usize,
@@ -1182,15 +1206,32 @@ impl PagedKvCache {
         windows: bool,
     ) -> Result<Vec<Vec<Array>>, CacheError> {
         let bs = self.config.block_size;
-        let mut parts = Vec::with_capacity(self.layers.len());
+        let (a, b) = (from * bs, to * bs);
+        // Per layer: its copies, or how many of `runs` are its parts.
+        let mut layers: Vec<Result<Vec<Array>, usize>> = Vec::with_capacity(self.layers.len());
+        let mut runs = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             if !windows && self.window.windows.get(i).is_some_and(Option::is_some) {
-                parts.push(Vec::new());
+                layers.push(Ok(Vec::new()));
                 continue;
             }
-            parts.push(copy_positions(l, from * bs, to * bs)?);
+            let m = l.prefix_len();
+            match l.pool.as_ref().filter(|_| a >= m) {
+                Some(pool) => match pool.token_runs(&l.table, a - m, b - m) {
+                    Some(r) => {
+                        layers.push(Err(r.len()));
+                        runs.extend(r);
+                    }
+                    None => layers.push(Ok(copy_positions(l, a, b)?)),
+                },
+                None => layers.push(Ok(copy_positions(l, a, b)?)),
+            }
         }
-        Ok(parts)
+        let mut copies = mlx::copy_runs::copy_token_runs(&runs)?.into_iter();
+        Ok(layers
+            .into_iter()
+            .map(|l| l.unwrap_or_else(|n| copies.by_ref().take(n).collect()))
+            .collect())
     }
 
     /// Window-trimmed copies of the blocks this cache stored earlier with their window
@@ -1840,6 +1881,93 @@ mod tests {
         .unwrap();
         c.append(0, &k, &k).unwrap();
         c
+    }
+
+    /// A cache made with room for its prompt holds it in the arena it started with, of the
+    /// capacity a cache grown to the prompt's length reaches (same shapes and strides).
+    #[test]
+    fn a_cache_with_room_for_its_prompt_never_grows_through_the_prefill() {
+        let base = PagedConfig {
+            block_size: 16,
+            initial_blocks: 2,
+            ..PagedConfig::default()
+        };
+        let roomy = base.with_room_for(600);
+        assert_eq!(
+            roomy.initial_blocks,
+            ladder_capacity(2, base.max_blocks, 16, 38)
+        );
+        assert!(roomy.initial_blocks >= 38);
+        assert_eq!(base.with_room_for(0), base);
+        let (mut grown, mut made) = (
+            PagedKvCache::new(1, base).unwrap(),
+            PagedKvCache::new(1, roomy).unwrap(),
+        );
+        let key = mlx::random::key(9).unwrap();
+        let mut start = None;
+        for _ in 0..6 {
+            let k = mlx::random::normal(&[1, 2, 100, 8], Dtype::F32, &key).unwrap();
+            grown.append(0, &k, &k).unwrap();
+            made.append(0, &k, &k).unwrap();
+            let pool = made.layers[0].pool.as_ref().unwrap();
+            let at = (pool.capacity(), pool.arrays()[0].shape());
+            assert_eq!(
+                *start.get_or_insert(at.clone()),
+                at,
+                "the arena was regrown"
+            );
+        }
+        let (g, m) = (
+            grown.layers[0].pool.as_ref().unwrap(),
+            made.layers[0].pool.as_ref().unwrap(),
+        );
+        assert_eq!(g.capacity(), m.capacity());
+        assert_eq!(g.arrays()[0].shape(), m.arrays()[0].shape());
+        let (gk, _) = grown.fetch(0).unwrap().unwrap();
+        let (mk, _) = made.fetch(0).unwrap().unwrap();
+        assert_eq!(gk.to_vec::<f32>().unwrap(), mk.to_vec::<f32>().unwrap());
+    }
+
+    /// A publication's copies of every layer are one node (`CopyTokenRuns`) and hold each
+    /// layer's tokens of the blocks published, read from the layer's own keys and values.
+    #[test]
+    fn every_layer_of_a_publication_is_copied_by_one_node() {
+        let config = PagedConfig {
+            block_size: 8,
+            initial_blocks: 2,
+            ..PagedConfig::default()
+        };
+        let layers = 3;
+        let mut c = PagedKvCache::new(layers, config).unwrap();
+        let mut written = Vec::new();
+        for l in 0..layers {
+            let key = mlx::random::key(40 + l as u64).unwrap();
+            let k = mlx::random::normal(&[1, 2, 37, 16], Dtype::F32, &key).unwrap();
+            let v = k.add_scalar(l as f64 + 1.0).unwrap();
+            c.append(l, &k, &v).unwrap();
+            written.push((k, v));
+        }
+        // Blocks 1..4: tokens 8..32 of every layer.
+        let parts = c.copy_run(1, 4, true).unwrap();
+        let all: Vec<&Array> = parts.iter().flatten().collect();
+        let names = mlx::pending_primitives(&all).unwrap();
+        assert_eq!(
+            names.iter().filter(|n| *n == "CopyTokenRuns").count(),
+            1,
+            "{names:?}"
+        );
+        for (l, (k, v)) in written.iter().enumerate() {
+            assert_eq!(parts[l].len(), 2);
+            for (got, src) in parts[l].iter().zip([k, v]) {
+                let want = src.slice(&[0, 0, 8, 0], &[1, 2, 32, 16]).unwrap();
+                assert_eq!(got.shape(), vec![1, 2, 24, 16]);
+                assert_eq!(
+                    got.to_vec::<f32>().unwrap(),
+                    want.to_vec::<f32>().unwrap(),
+                    "layer {l}"
+                );
+            }
+        }
     }
 
     /// A fork keeps only the matched blocks, in a pool sized for them, and leaves its

@@ -529,15 +529,13 @@ impl BlockPool {
     /// Tokens `start..end` of the blocks `table` (in order), as [`Self::copy_run`] gives
     /// them: `[1, H, end − start, width]` per part, in fresh buffers.
     ///
-    /// Where the blocks are a run and the range is a strided view of the arena (more than
-    /// one head, not the whole arena), each part is that view made contiguous: one copy, no
-    /// index array. Otherwise a gather by token index (`take`), whose index array comes
-    /// from the host: on CUDA, MLX puts such a small host array in managed memory, which
-    /// costs the engine thread an allocation (and a device page fault) per layer, and a
-    /// device-wide synchronization when it is freed past MLX's cache limit (docs/cache.md,
-    /// "Publication"). A row-contiguous range keeps the gather: made contiguous it would
-    /// stay a view of the arena, a second holder that makes the next in-place write copy
-    /// the arena.
+    /// Where the blocks are a run, the parts are copied by one node
+    /// ([`mlx::copy_runs::copy_token_runs`], which [`Self::token_runs`] feeds; a publication
+    /// takes every layer's parts through one such node). Otherwise a gather by token index
+    /// (`take`), whose index array comes from the host: on CUDA, MLX puts such a small host
+    /// array in managed memory, which costs the engine thread an allocation (and a device
+    /// page fault) per layer, and a device-wide synchronization when it is freed past MLX's
+    /// cache limit (docs/cache.md, "Publication").
     pub fn copy_range(
         &self,
         table: &[u32],
@@ -551,26 +549,38 @@ impl BlockPool {
                 table.len()
             )));
         }
-        if start < end {
-            let blocks = &table[start / bs..end.div_ceil(bs)];
-            if let Some(first) = run_start(blocks) {
-                let lo = first as usize * bs + start % bs;
-                let hi = lo + (end - start);
-                let whole = lo == 0 && hi == self.capacity * bs;
-                if self.shape.kv_heads > 1 && !whole {
-                    return self
-                        .views(lo, hi)?
-                        .iter()
-                        .map(|v| Ok(v.contiguous()?))
-                        .collect();
-                }
-            }
+        if let Some(runs) = self.token_runs(table, start, end) {
+            return Ok(mlx::copy_runs::copy_token_runs(&runs)?);
         }
         let idx: Vec<u32> = (start..end)
             .map(|t| table[t / bs] * bs as u32 + (t % bs) as u32)
             .collect();
         let idx = Array::from_slice(&idx, &[(end - start) as i32])?;
         self.arenas.iter().map(|a| Ok(a.take(&idx, 2)?)).collect()
+    }
+
+    /// Each part's arena with the arena positions of tokens `start..end` of the blocks
+    /// `table`, when those tokens lie in consecutive blocks (a run) and are at least one:
+    /// what [`mlx::copy_runs::copy_token_runs`] copies. `None` otherwise (or out of range).
+    pub fn token_runs(
+        &self,
+        table: &[u32],
+        start: usize,
+        end: usize,
+    ) -> Option<Vec<mlx::copy_runs::TokenRun<'_>>> {
+        let bs = self.shape.block_size;
+        if start >= end || end > table.len() * bs {
+            return None;
+        }
+        let first = run_start(&table[start / bs..end.div_ceil(bs)])?;
+        let lo = first as usize * bs + start % bs;
+        let hi = lo + (end - start);
+        Some(
+            self.arenas
+                .iter()
+                .map(|source| mlx::copy_runs::TokenRun { source, lo, hi })
+                .collect(),
+        )
     }
 
     /// Copies of one block: K parts then V parts, each `[H, block_size, width]`, in fresh
@@ -677,7 +687,7 @@ mod tests {
     }
 
     #[test]
-    fn range_copies_equal_the_arenas_and_gather_only_where_a_copy_of_a_view_would_not_do() {
+    fn range_copies_equal_the_arenas_in_one_node_for_a_run_and_a_gather_otherwise() {
         for heads in [2usize, 1] {
             let shape = BlockShape {
                 kv_heads: heads,
@@ -708,10 +718,10 @@ mod tests {
                 let names = mlx::pending_primitives(&copies.iter().collect::<Vec<_>>()).unwrap();
                 let gathered = names.iter().any(|n| n == "Gather");
                 let run = crate::pool::run_start(&table).is_some();
-                let whole = start == 0 && end == 16 && table[0] == 0;
+                let nodes = names.iter().filter(|n| *n == "CopyTokenRuns").count();
                 assert_eq!(
-                    gathered,
-                    heads == 1 || !run || whole,
+                    (gathered, nodes),
+                    (!run, usize::from(run)),
                     "{heads} heads, table {table:?}, {start}..{end}: {names:?}"
                 );
                 let want = naive_range(&p, &table, start, end);

@@ -942,7 +942,7 @@ impl KvTiers {
         let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
         let mut host = self.load_host_from(chain, prompt, first)?;
         host.lookup_s = t.elapsed().as_secs_f64() - host.load_s;
-        host.staged = self.stage(&host);
+        host.staged = self.stage(&host, prompt.len());
         host.done_at = Some(Instant::now());
         Ok(host)
     }
@@ -954,7 +954,11 @@ impl KvTiers {
     /// ordinary way). `None` where there is nothing to stage, the model has layer states,
     /// the staging budget is spent, or staging failed (the engine thread then restores the
     /// blocks itself and reports any error).
-    fn stage(&self, host: &HostPrefix) -> Option<Box<(StagedRestore, StagingCharge)>> {
+    fn stage(
+        &self,
+        host: &HostPrefix,
+        prompt_tokens: usize,
+    ) -> Option<Box<(StagedRestore, StagingCharge)>> {
         if host.blocks.is_empty() || self.state_layers > 0 {
             return None;
         }
@@ -967,10 +971,13 @@ impl KvTiers {
             .sum();
         let charge = self.staging.try_charge(bytes)?;
         let hit = host.first * self.paged.block_size;
-        let staged = self
-            .empty_cache()
-            .ok()?
-            .stage_restore_after(hit, &host.blocks);
+        // The cache admission will have: made with room for the prompt where nothing is
+        // resident, else the device-tier hit's (prepare_with).
+        let base = match hit {
+            0 => self.empty_cache_for(prompt_tokens),
+            _ => self.empty_cache(),
+        };
+        let staged = base.ok()?.stage_restore_after(hit, &host.blocks);
         staged
             .inspect_err(|e| tracing::debug!("staging a restore failed: {e}"))
             .ok()
@@ -1169,7 +1176,7 @@ impl KvTiers {
                 report.device_shared = h.shared;
                 h.cache
             }
-            None => self.empty_cache()?,
+            None => self.empty_cache_for(prompt.len())?,
         };
         // Where this request could be resumed from later: its prompt's last full block (an
         // agent's next turn replaces the reply), and a point it resumed from whose window
@@ -1441,7 +1448,21 @@ impl KvTiers {
     /// A fresh cache for this model's sequences: its layers, state layers, snapshots and
     /// windows.
     pub(crate) fn empty_cache(&self) -> Result<PagedKvCache> {
-        let cache = PagedKvCache::new(self.layers, self.paged)?
+        self.cache_with(self.paged)
+    }
+
+    /// [`Self::empty_cache`] for a sequence whose prompt is `tokens` long: its pools are
+    /// made at once with room for the prompt ([`cache::PagedConfig::with_room_for`],
+    /// [`crate::sequence::prompt_room`]), not grown step by step through the prefill.
+    pub(crate) fn empty_cache_for(&self, tokens: usize) -> Result<PagedKvCache> {
+        self.cache_with(
+            self.paged
+                .with_room_for(crate::sequence::prompt_room(tokens)),
+        )
+    }
+
+    fn cache_with(&self, config: cache::PagedConfig) -> Result<PagedKvCache> {
+        let cache = PagedKvCache::new(self.layers, config)?
             .with_state_layers(self.state_layers)
             .with_state_snapshots(self.state_every);
         Ok(match self.windows.is_empty() {

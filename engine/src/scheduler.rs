@@ -52,8 +52,8 @@ use crate::prefill_order::PrefillOrder;
 use crate::reuse::{HostPrefix, KvTiers, ReuseConfig, ReuseReport};
 use crate::sampler::Sampled;
 use crate::sequence::{
-    check_prompt, context_limit, decode_step, decode_step_mixed, prefill_packed, ChunkJob,
-    ChunkRan, Sequence, StepKv,
+    check_prompt, context_limit, decode_step, decode_step_mixed, prefill_packed, prompt_room,
+    ChunkJob, ChunkRan, Sequence, StepKv,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -1727,7 +1727,8 @@ impl Worker {
                 (r.cache, Some(r.chain), r.report)
             }
             _ => (
-                self.model.empty_cache(self.paged)?,
+                self.model
+                    .empty_cache(self.paged.with_room_for(prompt_room(seq.prompt.len())))?,
                 None,
                 ReuseReport {
                     prompt_tokens: seq.prompt.len(),

@@ -443,6 +443,19 @@ impl Sequence {
     }
 }
 
+/// The tokens a new sequence's cache is made with room for: its prompt's, unless
+/// `KVSTORE_PROMPT_ROOM=0` (read once: the cache then grows from its first pool through
+/// the prefill, for measuring both).
+pub(crate) fn prompt_room(prompt_tokens: usize) -> usize {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("KVSTORE_PROMPT_ROOM").map_or(true, |v| v != "0"));
+    if on {
+        prompt_tokens
+    } else {
+        0
+    }
+}
+
 fn rate(n: usize, s: f64) -> f64 {
     if s > 0.0 && n > 0 {
         n as f64 / s

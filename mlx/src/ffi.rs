@@ -273,6 +273,8 @@ pub(crate) mod ffi {
             meta: &[i64],
             scale: f32,
         ) -> Result<UniquePtr<Array>>;
+        fn copy_runs_kernel_built() -> bool;
+        fn copy_token_runs(sources: &ArrayList, ranges: &[i64]) -> Result<UniquePtr<ArrayList>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;

@@ -17,6 +17,7 @@
 //! ```
 
 mod array;
+pub mod copy_runs;
 pub mod cpu_activation;
 pub mod cpu_attention;
 pub mod cpu_decode_attention;

@@ -14,7 +14,7 @@
 //   The encoder orders graph nodes by the buffers they declare: the arenas this node writes
 //   are declared as outputs, so a later reader of an arena waits for it.
 // - NVRTC and the driver API are already loaded by libmlx (it links libnvrtc.so.13 and
-//   libcuda.so.1); their entry points are looked up with dlsym, nothing is linked here.
+//   libcuda.so.1); their entry points are looked up with dlsym (nvrtc.h), nothing is linked here.
 // - Writing into the arenas in place is safe only when no other array shares their buffer:
 //   the caller (the cache, which tracks its arenas' holders) decides it before it builds the node.
 #include "shim.h"
@@ -31,7 +31,6 @@
 #include "mlx/primitives.h"
 
 #ifdef KVSTORE_CUDA
-#include <dlfcn.h>
 
 #include <algorithm>
 #include <map>
@@ -39,6 +38,7 @@
 #include <tuple>
 
 #include "mlx/backend/cuda/device.h"
+#include "nvrtc.h"
 #endif  // KVSTORE_CUDA
 
 namespace kvmlx {
@@ -145,24 +145,6 @@ struct Strides {
   long long qb, qh, kb, kh, vb, vh;
 };
 
-// NVRTC's C API, declared here (libnvrtc is loaded by libmlx; its header is not shipped).
-using nvrtcProgram = void*;
-using NvrtcCreate = int (*)(nvrtcProgram*, const char*, const char*, int, const char* const*,
-                            const char* const*);
-using NvrtcCompile = int (*)(nvrtcProgram, int, const char* const*);
-using NvrtcSize = int (*)(nvrtcProgram, size_t*);
-using NvrtcGet = int (*)(nvrtcProgram, char*);
-using NvrtcDestroy = int (*)(nvrtcProgram*);
-
-void* lookup(const char* name) {
-  void* p = dlsym(RTLD_DEFAULT, name);
-  if (!p) {
-    throw std::runtime_error(std::string("the batched decode attention needs ") + name +
-                             ", which is not loaded (libmlx's CUDA backend links it)");
-  }
-  return p;
-}
-
 struct Kernels {
   CUfunction partial;
   CUfunction combine;
@@ -172,18 +154,10 @@ struct Kernels {
 Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int>, Kernels> cache;
-  auto cu_ctx_get_device = reinterpret_cast<CUresult (*)(CUdevice*)>(lookup("cuCtxGetDevice"));
-  CUdevice dev = 0;
-  if (cu_ctx_get_device(&dev) != 0) throw std::runtime_error("cuCtxGetDevice failed");
+  const CUdevice dev = nvrtc::current_device();
   auto key = std::make_tuple(int(dev), int(dtype.val()), d, nrep);
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
-
-  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(
-      lookup("cuDeviceGetAttribute"));
-  int major = 0, minor = 0;
-  attr(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
-  attr(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
 
   std::string type, load, store;
   if (dtype == mx::float32) {
@@ -198,48 +172,9 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   std::string src = "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
                     store + "\n#define D " + std::to_string(d) + "\n#define NREP " +
                     std::to_string(nrep) + "\n" + kSource;
-  std::string arch =
-      "--gpu-architecture=compute_" + std::to_string(major) + std::to_string(minor);
-  const char* opts[] = {arch.c_str(), "--std=c++17"};
-
-  auto create = reinterpret_cast<NvrtcCreate>(lookup("nvrtcCreateProgram"));
-  auto compile = reinterpret_cast<NvrtcCompile>(lookup("nvrtcCompileProgram"));
-  auto ptx_size = reinterpret_cast<NvrtcSize>(lookup("nvrtcGetPTXSize"));
-  auto get_ptx = reinterpret_cast<NvrtcGet>(lookup("nvrtcGetPTX"));
-  auto log_size = reinterpret_cast<NvrtcSize>(lookup("nvrtcGetProgramLogSize"));
-  auto get_log = reinterpret_cast<NvrtcGet>(lookup("nvrtcGetProgramLog"));
-  auto destroy = reinterpret_cast<NvrtcDestroy>(lookup("nvrtcDestroyProgram"));
-  nvrtcProgram prog = nullptr;
-  if (create(&prog, src.c_str(), "kvstore_rows_attention.cu", 0, nullptr, nullptr) != 0) {
-    throw std::runtime_error("nvrtcCreateProgram failed");
-  }
-  if (compile(prog, 2, opts) != 0) {
-    size_t n = 0;
-    log_size(prog, &n);
-    std::string log(n, '\0');
-    get_log(prog, log.data());
-    destroy(&prog);
-    throw std::runtime_error("NVRTC could not compile the batched decode attention: " + log);
-  }
-  size_t n = 0;
-  ptx_size(prog, &n);
-  std::string ptx(n, '\0');
-  get_ptx(prog, ptx.data());
-  destroy(&prog);
-
-  auto load_module = reinterpret_cast<CUresult (*)(CUmodule*, const void*)>(
-      lookup("cuModuleLoadData"));
-  auto get_function = reinterpret_cast<CUresult (*)(CUfunction*, CUmodule, const char*)>(
-      lookup("cuModuleGetFunction"));
-  CUmodule module = nullptr;
-  if (load_module(&module, ptx.data()) != 0) {
-    throw std::runtime_error("cuModuleLoadData failed for the batched decode attention");
-  }
-  Kernels k{};
-  if (get_function(&k.partial, module, "rows_partial") != 0 ||
-      get_function(&k.combine, module, "rows_combine") != 0) {
-    throw std::runtime_error("the batched decode attention's module lacks its kernels");
-  }
+  auto fns = nvrtc::compile(src, "kvstore_rows_attention.cu", {"rows_partial", "rows_combine"},
+                            "the batched decode attention");
+  Kernels k{fns[0], fns[1]};
   cache.emplace(key, k);
   return k;
 }

@@ -148,6 +148,9 @@ bool rows_attention_kernel_built();
 std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, const Array& v,
                                              const ArrayList& kv, rust::Slice<const int64_t> meta,
                                              float scale);
+// copy_runs.cc: copies of token runs of several arrays as one node (a kernel on CUDA).
+bool copy_runs_kernel_built();
+std::unique_ptr<ArrayList> copy_token_runs(const ArrayList& sources, rust::Slice<const int64_t> ranges);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 
 // Files.

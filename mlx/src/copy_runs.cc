@@ -1,0 +1,289 @@
+// Copies of token runs of several arrays as one graph node (`CopyTokenRuns`): output i is
+// input i's tokens [lo_i, hi_i) (axis 2 of a 4-D [A, H, T, W] array) in a buffer of its own,
+// row-major. What a publication takes of every layer part of a sequence's arenas: one node
+// and, on CUDA, one kernel per 32 parts, instead of a view and a copy per part (64 nodes for
+// a 32-layer model), each of which costs the engine thread MLX's per-node launch time.
+//
+// The copies read the inputs as they are when the node runs: a later in-place write into an
+// input (the arenas of the batched decode attention) is ordered after it like after any other
+// reader, by the stream (the inputs are declared to the encoder).
+//
+// On CUDA the kernel is compiled by NVRTC (nvrtc.h) once per device; on the CPU the same
+// node copies the rows on the CPU stream's thread. An input's last axis must be contiguous
+// (stride 1): the arenas and their views are.
+//
+// The outputs live in one buffer that an MLX op made (zeros, the node's last input), each at
+// a 16-byte aligned offset: the shim cannot allocate device memory the way MLX's own kernels
+// do (`cu::malloc_async` is not exported), and `allocator::malloc` gives CUDA managed memory,
+// which the kernel's writes and the export thread's reads would page through (measured on the
+// H100, session 44: the trace's cache arm read back 2.4x slower and its prompt steps took
+// twice the engine thread's CPU).
+#include "shim.h"
+
+#include "kvstore-mlx/src/ffi.rs.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+#ifdef KVSTORE_CUDA
+#include <algorithm>
+#include <map>
+#include <mutex>
+
+#include "mlx/backend/cuda/device.h"
+#include "nvrtc.h"
+#endif  // KVSTORE_CUDA
+
+namespace kvmlx {
+namespace {
+
+namespace mx = mlx::core;
+
+// One output's copy: `a · h · t` rows of `row` bytes, the row (a, h, t) read at
+// src + a·s0 + h·s1 + t·s2 (bytes; src already at the run's first token) and written
+// consecutively from dst. The kernel's parameter struct, field for field.
+struct Run {
+  unsigned long long src, dst, s0, s1, s2;
+  unsigned int a, h, t, row, unit;
+};
+
+constexpr int kRuns = 32;  // runs per launch: the Runs parameter below holds this many
+struct Runs {
+  Run r[kRuns];
+};
+
+// The run that copies `out` from `in`'s tokens from `lo`: checks the layout it relies on.
+Run run_of(const mx::array& in, const mx::array& out, int64_t lo, const char* src, char* dst) {
+  const auto& st = in.strides();
+  if (in.shape(3) > 1 && st[3] != 1) {
+    throw std::invalid_argument("a token run's source must have a contiguous last axis");
+  }
+  const size_t e = in.itemsize();
+  Run r{};
+  r.src = reinterpret_cast<unsigned long long>(src + lo * st[2] * e);
+  r.dst = reinterpret_cast<unsigned long long>(dst);
+  r.s0 = st[0] * e, r.s1 = st[1] * e, r.s2 = st[2] * e;
+  r.a = unsigned(out.shape(0)), r.h = unsigned(out.shape(1)), r.t = unsigned(out.shape(2));
+  r.row = unsigned(out.shape(3) * e);
+  // The widest unit every address and stride is a multiple of.
+  r.unit = 1;
+  for (unsigned u : {16u, 8u, 4u}) {
+    if ((r.src | r.dst | r.s0 | r.s1 | r.s2 | r.row) % u == 0) {
+      r.unit = u;
+      break;
+    }
+  }
+  return r;
+}
+
+// Each output made a row-major view of `dest` (bytes) from its byte offset in `offsets`.
+void place_outputs(const mx::array& dest, std::vector<mx::array>& outputs, const std::vector<size_t>& offsets) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    mx::array& o = outputs[i];
+    mx::Strides strides(o.ndim(), 1);
+    for (int d = int(o.ndim()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * o.shape(d + 1);
+    mx::array::Flags flags{};
+    flags.contiguous = true;
+    flags.row_contiguous = true;
+    size_t longest = 0;
+    for (auto d : o.shape()) longest = std::max<size_t>(longest, size_t(d));
+    flags.col_contiguous = o.size() <= 1 || o.size() == longest;
+    // The offset counts elements of the output's dtype (array::copy_shared_buffer).
+    o.copy_shared_buffer(dest, strides, flags, o.size(), int64_t(offsets[i] / o.itemsize()));
+  }
+}
+
+void copy_run_host(const Run& r) {
+  const auto* src = reinterpret_cast<const char*>(r.src);
+  auto* dst = reinterpret_cast<char*>(r.dst);
+  for (unsigned a = 0; a < r.a; ++a) {
+    for (unsigned h = 0; h < r.h; ++h) {
+      for (unsigned t = 0; t < r.t; ++t) {
+        std::memcpy(dst, src + a * r.s0 + h * r.s1 + t * r.s2, r.row);
+        dst += r.row;
+      }
+    }
+  }
+}
+
+#ifdef KVSTORE_CUDA
+
+namespace cu = mlx::core::cu;
+
+const char* kSource = R"(
+struct Run {
+  unsigned long long src, dst, s0, s1, s2;
+  unsigned int a, h, t, row, unit;
+};
+struct Runs { Run r[32]; };
+struct alignas(16) W16 { unsigned long long x, y; };
+
+template <typename W>
+__device__ void copy_run(const Run& r, unsigned long long first, unsigned long long step) {
+  const unsigned int per_row = r.row / sizeof(W);
+  const unsigned long long rows = (unsigned long long)r.a * r.h * r.t;
+  const unsigned long long total = rows * per_row;
+  for (unsigned long long i = first; i < total; i += step) {
+    const unsigned long long q = i / per_row;
+    const unsigned int c = (unsigned int)(i - q * per_row);
+    const unsigned long long ah = q / r.t;
+    const unsigned int t = (unsigned int)(q - ah * r.t);
+    const unsigned int h = (unsigned int)(ah % r.h);
+    const unsigned long long a = ah / r.h;
+    const char* s = (const char*)r.src + a * r.s0 + h * r.s1 + t * r.s2;
+    reinterpret_cast<W*>(r.dst)[i] = reinterpret_cast<const W*>(s)[c];
+  }
+}
+
+extern "C" __global__ void copy_runs(const Runs runs) {
+  const Run r = runs.r[blockIdx.y];
+  const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+  switch (r.unit) {
+    case 16: copy_run<W16>(r, first, step); break;
+    case 8: copy_run<unsigned long long>(r, first, step); break;
+    case 4: copy_run<unsigned int>(r, first, step); break;
+    default: copy_run<unsigned char>(r, first, step); break;
+  }
+}
+)";
+
+// The kernel on the current device, compiled once per process and device.
+CUfunction copy_runs_kernel() {
+  static std::mutex mu;
+  static std::map<int, CUfunction> cache;
+  const CUdevice dev = nvrtc::current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(int(dev)); it != cache.end()) return it->second;
+  CUfunction f = nvrtc::compile(kSource, "kvstore_copy_runs.cu", {"copy_runs"}, "the token-run copy")[0];
+  cache.emplace(int(dev), f);
+  return f;
+}
+
+void copy_runs_gpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                   const std::vector<int64_t>& los, const std::vector<size_t>& offsets) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  place_outputs(inputs.back(), outputs, offsets);
+  enc.set_input_array(inputs.back());
+  std::vector<Run> runs;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    enc.set_input_array(inputs[i]);
+    enc.set_output_array(outputs[i]);
+    if (outputs[i].nbytes() == 0) continue;
+    runs.push_back(run_of(inputs[i], outputs[i], los[i], mx::gpu_ptr<char>(inputs[i]), mx::gpu_ptr<char>(outputs[i])));
+  }
+  CUfunction kernel = runs.empty() ? nullptr : copy_runs_kernel();
+  for (size_t at = 0; at < runs.size(); at += kRuns) {
+    const size_t n = std::min<size_t>(kRuns, runs.size() - at);
+    Runs p{};
+    unsigned long long most = 0;
+    for (size_t j = 0; j < n; ++j) {
+      p.r[j] = runs[at + j];
+      const Run& r = p.r[j];
+      most = std::max(most, (unsigned long long)r.a * r.h * r.t * (r.row / r.unit));
+    }
+    const unsigned int blocks = unsigned(std::clamp<unsigned long long>((most + 255) / 256, 1, 1024));
+    void* args[] = {&p};
+    enc.add_kernel_node_raw(kernel, dim3(blocks, unsigned(n), 1), dim3(256, 1, 1), dim3(1, 1, 1), 0, args);
+  }
+}
+
+#else  // KVSTORE_CUDA
+
+void copy_runs_gpu(mx::Stream, const std::vector<mx::array>&, std::vector<mx::array>&, const std::vector<int64_t>&,
+                   const std::vector<size_t>&) {
+  throw std::runtime_error(
+      "this build has no token-run copy for the GPU (build with the CUDA backend's headers: "
+      "scripts/cuda/build.sh)");
+}
+
+#endif  // KVSTORE_CUDA
+
+class CopyTokenRuns : public mx::Primitive {
+ public:
+  CopyTokenRuns(mx::Stream s, std::vector<int64_t> los, std::vector<size_t> offsets)
+      : mx::Primitive(s), los_(std::move(los)), offsets_(std::move(offsets)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    place_outputs(inputs.back(), outputs, offsets_);
+    encoder.set_input_array(inputs.back());
+    std::vector<Run> runs;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      encoder.set_input_array(inputs[i]);
+      encoder.set_output_array(outputs[i]);
+      if (outputs[i].nbytes() == 0) continue;
+      runs.push_back(run_of(inputs[i], outputs[i], los_[i], inputs[i].data<char>(), outputs[i].data<char>()));
+    }
+    encoder.dispatch([runs = std::move(runs)]() {
+      for (const Run& r : runs) copy_run_host(r);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    copy_runs_gpu(stream(), inputs, outputs, los_, offsets_);
+  }
+
+  const char* name() const override { return "CopyTokenRuns"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  std::vector<int64_t> los_;
+  std::vector<size_t> offsets_;
+};
+
+}  // namespace
+
+#ifdef KVSTORE_CUDA
+bool copy_runs_kernel_built() { return true; }
+#else
+bool copy_runs_kernel_built() { return false; }
+#endif
+
+std::unique_ptr<ArrayList> copy_token_runs(const ArrayList& sources, rust::Slice<const int64_t> ranges) {
+  const auto& in = sources.items;
+  if (ranges.size() != in.size() * 2) {
+    throw std::invalid_argument("copy_token_runs needs a token range for every source");
+  }
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  std::vector<int64_t> los;
+  for (size_t i = 0; i < in.size(); ++i) {
+    const int64_t lo = ranges[2 * i], hi = ranges[2 * i + 1];
+    if (in[i].ndim() != 4) throw std::invalid_argument("copy_token_runs takes 4-D sources [A, H, T, W]");
+    if (lo < 0 || lo > hi || hi > in[i].shape(2)) {
+      throw std::invalid_argument("tokens " + std::to_string(lo) + ".." + std::to_string(hi) + " of a source of " +
+                                  std::to_string(in[i].shape(2)));
+    }
+    shapes.push_back({in[i].shape(0), in[i].shape(1), int(hi - lo), in[i].shape(3)});
+    dtypes.push_back(in[i].dtype());
+    los.push_back(lo);
+  }
+  auto out = std::make_unique<ArrayList>();
+  if (in.empty()) return out;
+  // One buffer for every output, each at a 16-byte aligned offset.
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  for (size_t i = 0; i < in.size(); ++i) {
+    size_t n = mx::size_of(dtypes[i]);
+    for (auto d : shapes[i]) n *= size_t(d);
+    offsets.push_back(total);
+    total += (n + 15) / 16 * 16;
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  std::vector<mx::array> inputs = in;
+  inputs.push_back(mx::zeros({int(std::max<size_t>(total, 16) / 8)}, mx::uint64, stream));
+  out->items = mx::array::make_arrays(std::move(shapes), dtypes,
+                                      std::make_shared<CopyTokenRuns>(stream, std::move(los), std::move(offsets)), inputs);
+  return out;
+}
+
+}  // namespace kvmlx

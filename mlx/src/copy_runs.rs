@@ -1,0 +1,238 @@
+//! Copies of token runs of several arrays as one graph node (the shim's `CopyTokenRuns`,
+//! `copy_runs.cc`): what a publication takes of every layer part of a sequence's arenas.
+//!
+//! Each copy as a view and a `contiguous` costs the thread that builds the graph MLX's
+//! per-node time, ~64 copies for a 32-layer model's publication (~1.3 ms on the H100 under
+//! the trace, docs/benchmarks.md session 43). The node takes every part at once: on CUDA one
+//! kernel per 32 parts, on the CPU one task on the CPU stream's thread. On a GPU the node is
+//! opt-in until measured ([`copy_runs_on_gpu`]); without it (and on Metal) each part is
+//! copied on its own as before.
+
+use crate::array::{list, unlist, Array};
+use crate::ffi::ffi;
+use crate::{Device, Dtype, Result};
+
+/// One source of [`copy_token_runs`]: tokens `lo..hi` (axis 2) of a 4-D `[A, H, T, W]`
+/// array whose last axis is contiguous.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenRun<'a> {
+    /// The array copied from.
+    pub source: &'a Array,
+    /// The first token copied.
+    pub lo: usize,
+    /// One past the last token copied.
+    pub hi: usize,
+}
+
+/// Whether this build has the GPU kernel (built against the CUDA backend's headers); the
+/// CPU's evaluation is in every build.
+pub fn copy_runs_kernel_built() -> bool {
+    ffi::copy_runs_kernel_built()
+}
+
+/// Whether [`copy_token_runs`] copies on a GPU in one node: the kernel is built and
+/// `KVSTORE_COPY_RUNS=1` (read once). Off by default until measured: on an H100 (session 44)
+/// its copies were byte-identical to the per-part ones, but that build put the outputs in
+/// CUDA managed memory and the trace's cache arm ran slower; the outputs now share a
+/// buffer an MLX op made in device memory, which no GPU has run yet.
+pub fn copy_runs_on_gpu() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        copy_runs_kernel_built() && std::env::var("KVSTORE_COPY_RUNS").is_ok_and(|v| v == "1")
+    })
+}
+
+/// Copies of `runs`, in order: output i is `runs[i].source[:, :, lo..hi, :]`, row-major in
+/// a buffer of its own, so later writes to the source (in place or not) never reach it.
+/// One graph node for all of them where the default device has the node's evaluation (the
+/// CPU, or a CUDA build with the kernel switched on: [`copy_runs_on_gpu`]); a copy each
+/// elsewhere.
+pub fn copy_token_runs(runs: &[TokenRun<'_>]) -> Result<Vec<Array>> {
+    if runs.is_empty() {
+        return Ok(Vec::new());
+    }
+    if crate::default_device()? == Device::Gpu && !copy_runs_on_gpu() {
+        return runs.iter().map(copy_one_run).collect();
+    }
+    let sources: Vec<&Array> = runs.iter().map(|r| r.source).collect();
+    let l = list("copy_token_runs", &sources)?;
+    let ranges: Vec<i64> = runs
+        .iter()
+        .flat_map(|r| [r.lo as i64, r.hi as i64])
+        .collect();
+    let out = crate::error::check("copy_token_runs", ffi::copy_token_runs(&l, &ranges))?;
+    unlist("copy_token_runs", &out)
+}
+
+/// One run copied on its own, by the rule measured best for a GPU before the node (session
+/// 42): a strided view made contiguous (one copy, no index array), or a gather by an index
+/// made on the device where the view is row-contiguous already (one head, or all tokens),
+/// since `contiguous` would then hand back the source's own buffer.
+fn copy_one_run(r: &TokenRun<'_>) -> Result<Array> {
+    let s = r.source.shape();
+    if s.len() != 4 {
+        return Err(crate::Error::Mlx {
+            op: "copy_token_runs",
+            message: "copy_token_runs takes 4-D sources [A, H, T, W]".into(),
+        });
+    }
+    let strided = s[0] * s[1] > 1 && !(r.lo == 0 && r.hi == s[2] as usize);
+    if strided {
+        return r
+            .source
+            .slice(&[0, 0, r.lo as i32, 0], &[s[0], s[1], r.hi as i32, s[3]])?
+            .contiguous();
+    }
+    let idx = crate::ops::arange(r.lo as f64, r.hi as f64, 1.0, Dtype::I32)?;
+    r.source.take(&idx, 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `data` (row-major `[a, h, t, w]`) restricted to tokens `lo..hi`: the naive reference.
+    fn tokens<T: Copy>(data: &[T], dims: [usize; 4], lo: usize, hi: usize) -> Vec<T> {
+        let [a, h, t, w] = dims;
+        let mut out = Vec::new();
+        for i in 0..a * h {
+            for tok in lo..hi {
+                let at = (i * t + tok) * w;
+                out.extend_from_slice(&data[at..at + w]);
+            }
+        }
+        out
+    }
+
+    fn counting(n: usize) -> Vec<f32> {
+        (0..n).map(|i| i as f32 * 0.5 - 7.0).collect()
+    }
+
+    #[test]
+    fn each_output_is_its_sources_token_run() {
+        // Parts of different widths and heads, as a quantized cache's data and scales are.
+        let a = counting(2 * 9 * 8);
+        let b = counting(3 * 9 * 2);
+        let c = counting(4 * 16 * 5);
+        let xa = Array::from_slice(&a, &[1, 2, 9, 8]).unwrap();
+        let xb = Array::from_slice(&b, &[1, 3, 9, 2]).unwrap();
+        let xc = Array::from_slice(&c, &[2, 2, 16, 5]).unwrap();
+        let runs = [
+            TokenRun {
+                source: &xa,
+                lo: 3,
+                hi: 7,
+            },
+            TokenRun {
+                source: &xb,
+                lo: 0,
+                hi: 9,
+            },
+            TokenRun {
+                source: &xc,
+                lo: 15,
+                hi: 16,
+            },
+            TokenRun {
+                source: &xa,
+                lo: 4,
+                hi: 4,
+            },
+        ];
+        let out = copy_token_runs(&runs).unwrap();
+        assert_eq!(out.len(), 4);
+        assert_eq!(out[0].shape(), vec![1, 2, 4, 8]);
+        assert_eq!(
+            out[0].to_vec::<f32>().unwrap(),
+            tokens(&a, [1, 2, 9, 8], 3, 7)
+        );
+        assert_eq!(
+            out[1].to_vec::<f32>().unwrap(),
+            tokens(&b, [1, 3, 9, 2], 0, 9)
+        );
+        assert_eq!(out[2].shape(), vec![2, 2, 1, 5]);
+        assert_eq!(
+            out[2].to_vec::<f32>().unwrap(),
+            tokens(&c, [2, 2, 16, 5], 15, 16)
+        );
+        assert_eq!(out[3].shape(), vec![1, 2, 0, 8]);
+        assert!(out[3].to_vec::<f32>().unwrap().is_empty());
+        // The outputs share one buffer without overlapping: each starts past the last one.
+        let spans: Vec<(usize, usize)> = out[..3]
+            .iter()
+            .map(|o| (o.data_addr().unwrap(), o.nbytes()))
+            .collect();
+        for w in spans.windows(2) {
+            assert!(w[1].0 >= w[0].0 + w[0].1, "{spans:?}");
+        }
+        assert!(spans[2].0 - spans[0].0 < 1024, "one buffer: {spans:?}");
+    }
+
+    #[test]
+    fn a_strided_view_and_16_bit_elements_are_copied_by_their_strides() {
+        let data = counting(2 * 12 * 6);
+        let big = Array::from_slice(&data, &[1, 2, 12, 6])
+            .unwrap()
+            .astype(Dtype::BF16)
+            .unwrap();
+        // Tokens 2..10 and features 0..4 of `big`: a view whose rows are not consecutive.
+        let view = big.slice(&[0, 0, 2, 0], &[1, 2, 10, 4]).unwrap();
+        let out = copy_token_runs(&[TokenRun {
+            source: &view,
+            lo: 1,
+            hi: 6,
+        }])
+        .unwrap();
+        let got = out[0].astype(Dtype::F32).unwrap().to_vec::<f32>().unwrap();
+        let mut want = Vec::new();
+        for h in 0..2 {
+            for tok in 3..8 {
+                let at = (h * 12 + tok) * 6;
+                want.extend_from_slice(&data[at..at + 4]);
+            }
+        }
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn the_copies_keep_what_the_source_held_when_they_were_taken() {
+        let data = counting(2 * 4 * 4);
+        let src = Array::from_slice(&data, &[1, 2, 4, 4]).unwrap();
+        let out = copy_token_runs(&[TokenRun {
+            source: &src,
+            lo: 1,
+            hi: 3,
+        }])
+        .unwrap();
+        crate::eval(&[&out[0]]).unwrap();
+        drop(src);
+        assert_eq!(
+            out[0].to_vec::<f32>().unwrap(),
+            tokens(&data, [1, 2, 4, 4], 1, 3)
+        );
+    }
+
+    #[test]
+    fn a_range_outside_the_source_or_a_source_not_4_d_is_refused() {
+        let src = Array::from_slice(&counting(8), &[1, 1, 2, 4]).unwrap();
+        let e = copy_token_runs(&[TokenRun {
+            source: &src,
+            lo: 1,
+            hi: 3,
+        }])
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("tokens 1..3 of a source of 2"),
+            "{e}"
+        );
+        let flat = Array::from_slice(&counting(8), &[2, 4]).unwrap();
+        let e = copy_token_runs(&[TokenRun {
+            source: &flat,
+            lo: 0,
+            hi: 1,
+        }])
+        .unwrap_err();
+        assert!(e.to_string().contains("4-D"), "{e}");
+        assert!(copy_token_runs(&[]).unwrap().is_empty());
+    }
+}
