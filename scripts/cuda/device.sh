@@ -476,6 +476,26 @@ case "$step" in
     free -g | head -2; df -h /opt | tail -1
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
+  cr) # the publication node on the GPU, after x1 and x2: the same prompt published with
+      # KVSTORE_COPY_RUNS=1 (one node) and =0 (a copy per part) into two stores, whose blocks
+      # must be byte-identical (scripts/cuda/compare_stores.py); then the trace pair with the
+      # node as a third arm: ARMS="cache cache+runs nocache" ENV_runs="KVSTORE_COPY_RUNS=1"
+      # MODEL=llama8b WINDOW=60..150 SCALE=0.125 device.sh pt
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    P="$(seq 1 ${CR_TOKENS:-1500} | tr '\n' ' ')"
+    for v in 1 0; do
+      rm -rf "$K/cr$v"
+      KVSTORE_COPY_RUNS=$v KVSTORE_QUIET=1 timeout 120 "$BIN/kvstore" generate --model "$d" --store "$K/cr$v" \
+        --prompt "$P" --max-tokens 2 --json > "$OUT/cr-$v.json" 2> "$OUT/cr-$v.err" || tail -n 20 "$OUT/cr-$v.err"
+    done
+    python3 scripts/cuda/compare_stores.py "$K/cr1" "$K/cr0" | tee "$OUT/cr-compare.json"
+    python3 -c "import json; r=json.load(open('$OUT/cr-compare.json')); print('MATCH' if r['compared'] > 0 and r['differing_tensors'] == 0 and r['a_blocks'] == r['b_blocks'] else 'MISMATCH')"
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
   st) # stash only: a call that carries one more part (e.g. .cuda/xaN from aiperf_pack.sh)
     stash | tail -n 4
     ;;
