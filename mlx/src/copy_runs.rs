@@ -43,7 +43,8 @@ pub fn copy_runs_on_gpu() -> bool {
 }
 
 /// Copies of `runs`, in order: output i is `runs[i].source[:, :, lo..hi, :]`, row-major in
-/// a buffer of its own, so later writes to the source (in place or not) never reach it.
+/// fresh memory (the node's outputs share one new buffer without overlapping), so later
+/// writes to the source (in place or not) never reach it.
 /// One graph node for all of them where the default device has the node's evaluation (the
 /// CPU, or a CUDA build with the kernel switched on: [`copy_runs_on_gpu`]); a copy each
 /// elsewhere.
@@ -210,6 +211,32 @@ mod tests {
             out[0].to_vec::<f32>().unwrap(),
             tokens(&data, [1, 2, 4, 4], 1, 3)
         );
+    }
+
+    /// The per-part copies a GPU without the node uses, run here on the CPU: the same tokens,
+    /// and fresh memory also where the range is row-contiguous already.
+    #[test]
+    fn a_run_copied_on_its_own_is_its_tokens_in_fresh_memory() {
+        let data = counting(2 * 6 * 4);
+        let two_heads = Array::from_slice(&data, &[1, 2, 6, 4]).unwrap();
+        let one_head = Array::from_slice(&data[..24], &[1, 1, 6, 4]).unwrap();
+        crate::eval(&[&two_heads, &one_head]).unwrap();
+        for (src, dims, lo, hi) in [
+            (&two_heads, [1, 2, 6, 4], 1, 5),
+            (&two_heads, [1, 2, 6, 4], 0, 6),
+            (&one_head, [1, 1, 6, 4], 2, 4),
+        ] {
+            let out = copy_one_run(&TokenRun {
+                source: src,
+                lo,
+                hi,
+            })
+            .unwrap();
+            crate::eval(&[&out]).unwrap();
+            assert_ne!(out.data_addr().unwrap(), src.data_addr().unwrap());
+            let full: Vec<f32> = src.to_vec().unwrap();
+            assert_eq!(out.to_vec::<f32>().unwrap(), tokens(&full, dims, lo, hi));
+        }
     }
 
     #[test]
