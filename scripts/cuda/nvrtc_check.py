@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Compiles the batched decode attention's CUDA source (mlx/src/rows_attention.cu.h) with
-NVRTC for every variant the shim can ask for, on a machine without a GPU.
+NVRTC for every variant the shim can ask for, and the kernel source of every other shim file
+that embeds one (`kSource = R"(...)"`: copy_runs.cc, host_upload.cc where present), on a
+machine without a GPU.
 
     python3 scripts/cuda/nvrtc_check.py
 
@@ -53,11 +55,21 @@ def kernel_body():
     return src[start:end]
 
 
-def compile_variant(lib, body, t, load, store, d, nrep):
-    full = (f"#define T {t}\n#define LOAD {load}\n#define STORE {store}\n#define D {d}\n"
-            f"#define NREP {nrep}\n" + body)
+def embedded_sources():
+    """(file name, kernel source) of every shim file with a `kSource = R"(...)"` string."""
+    out = []
+    for path in sorted((ROOT / "mlx" / "src").glob("*.cc")):
+        text = path.read_text()
+        mark = 'kSource = R"('
+        if mark in text:
+            start = text.index(mark) + len(mark)
+            out.append((path.name, text[start:text.index(')";', start)]))
+    return out
+
+
+def compile_source(lib, full, name=b"rows_attention.cu"):
     prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), full.encode(), b"rows_attention.cu", 0,
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), full.encode(), name, 0,
                               None, None) != 0:
         return False, "nvrtcCreateProgram failed"
     opts = (ctypes.c_char_p * 2)(b"--gpu-architecture=compute_90", b"--std=c++17")
@@ -68,6 +80,12 @@ def compile_variant(lib, body, t, load, store, d, nrep):
     lib.nvrtcGetProgramLog(prog, log)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     return rc == 0, log.value.decode(errors="replace")
+
+
+def compile_variant(lib, body, t, load, store, d, nrep):
+    full = (f"#define T {t}\n#define LOAD {load}\n#define STORE {store}\n#define D {d}\n"
+            f"#define NREP {nrep}\n" + body)
+    return compile_source(lib, full)
 
 
 def main():
@@ -84,6 +102,12 @@ def main():
                     return 1
                 count += 1
     print(f"rows_attention.cu.h: {count} variants compile with NVRTC {VERSION} (compute_90)")
+    for name, source in embedded_sources():
+        ok, log = compile_source(lib, source, name.encode())
+        if not ok:
+            print(f"FAILED: {name}\n{log}")
+            return 1
+        print(f"{name}: its kernel source compiles with NVRTC {VERSION} (compute_90)")
     return 0
 
 
