@@ -1,0 +1,247 @@
+// A node whose output is an array of zeros with rows of host bytes in it, read when the node
+// runs (`HostRowsUpload`): a restore's upload that the device orders with the rest of the
+// graph, so the thread that builds the graph never waits for the bytes to cross the bus.
+//
+// On CUDA a kernel reads the rows straight from page-locked host memory (mapped into the
+// device's address space: `cuMemHostAlloc` with DEVICEMAP, its device address from
+// `cuMemHostGetDevicePointer`) and writes zeros around them: one kernel node in MLX's graph,
+// ordered by the buffers it declares like every other node, so the prefill that reads the
+// arrays waits for it on the device. The host bytes are held by the node's source until the
+// command buffer that ran it has completed (`CommandEncoder::add_completed_handler`); then
+// (or when the node is dropped unevaluated) the Rust side is told it may reuse them
+// (`release_host_rows`). On the CPU the same node copies the rows on the CPU stream's thread.
+//
+// What it relies on (MLX 0.32.4's CUDA backend, headers in the wheel): the symbols
+// rows_attention.cc lists, and `CommandEncoder::add_completed_handler`, exported by libmlx.
+// The kernel is compiled by NVRTC (loaded by libmlx) once per device.
+#include "shim.h"
+
+#include "kvstore-mlx/src/ffi.rs.h"
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+#ifdef KVSTORE_CUDA
+#include <dlfcn.h>
+
+#include <map>
+#include <mutex>
+
+#include "mlx/backend/cuda/device.h"
+#endif  // KVSTORE_CUDA
+
+namespace kvmlx {
+namespace {
+
+namespace mx = mlx::core;
+
+// The host rows of one node: `height` rows of `width` bytes at `src`, which go at a pitch
+// of `pitch` bytes in the output. Tells the Rust side when the node is done with them.
+struct Source {
+  const uint8_t* src;
+  size_t width, height, pitch;
+  uint64_t token;
+  Source(const uint8_t* s, size_t w, size_t h, size_t p, uint64_t t)
+      : src(s), width(w), height(h), pitch(p), token(t) {}
+  Source(const Source&) = delete;
+  Source& operator=(const Source&) = delete;
+  ~Source() { release_host_rows(token); }
+};
+
+void copy_rows_host(const Source& s, uint8_t* out, size_t n) {
+  std::memset(out, 0, n);
+  for (size_t r = 0; r < s.height; ++r) std::memcpy(out + r * s.pitch, s.src + r * s.width, s.width);
+}
+
+#ifdef KVSTORE_CUDA
+
+namespace cu = mlx::core::cu;
+
+const char* kSource = R"(
+struct alignas(16) Word { unsigned long long a, b; };
+extern "C" __global__ void host_rows(const unsigned char* __restrict__ src,
+                                     unsigned char* __restrict__ dst,
+                                     unsigned long long total, unsigned long long width,
+                                     unsigned long long height, unsigned long long pitch,
+                                     int words) {
+  const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+  const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (words) {
+    const unsigned long long n = total / 16;
+    for (unsigned long long i = first; i < n; i += step) {
+      const unsigned long long o = i * 16, row = o / pitch, col = o % pitch;
+      Word w = {0ull, 0ull};
+      if (row < height && col < width) w = *reinterpret_cast<const Word*>(src + row * width + col);
+      reinterpret_cast<Word*>(dst)[i] = w;
+    }
+  } else {
+    for (unsigned long long o = first; o < total; o += step) {
+      const unsigned long long row = o / pitch, col = o % pitch;
+      dst[o] = (row < height && col < width) ? src[row * width + col] : 0;
+    }
+  }
+}
+)";
+
+void* lookup(const char* name) {
+  void* p = dlsym(RTLD_DEFAULT, name);
+  if (!p) {
+    throw std::runtime_error(std::string("the host rows upload needs ") + name +
+                             ", which is not loaded (libmlx's CUDA backend links it)");
+  }
+  return p;
+}
+
+using nvrtcProgram = void*;
+
+// The kernel on the current device, compiled once per process and device.
+CUfunction host_rows_kernel() {
+  static std::mutex mu;
+  static std::map<int, CUfunction> cache;
+  auto ctx_device = reinterpret_cast<CUresult (*)(CUdevice*)>(lookup("cuCtxGetDevice"));
+  CUdevice dev = 0;
+  if (ctx_device(&dev) != 0) throw std::runtime_error("cuCtxGetDevice failed");
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(int(dev)); it != cache.end()) return it->second;
+  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
+  int major = 0, minor = 0;
+  attr(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
+  attr(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
+  std::string arch = "--gpu-architecture=compute_" + std::to_string(major) + std::to_string(minor);
+  const char* opts[] = {arch.c_str(), "--std=c++17"};
+  auto create = reinterpret_cast<int (*)(nvrtcProgram*, const char*, const char*, int, const char* const*,
+                                         const char* const*)>(lookup("nvrtcCreateProgram"));
+  auto compile = reinterpret_cast<int (*)(nvrtcProgram, int, const char* const*)>(lookup("nvrtcCompileProgram"));
+  auto ptx_size = reinterpret_cast<int (*)(nvrtcProgram, size_t*)>(lookup("nvrtcGetPTXSize"));
+  auto get_ptx = reinterpret_cast<int (*)(nvrtcProgram, char*)>(lookup("nvrtcGetPTX"));
+  auto log_size = reinterpret_cast<int (*)(nvrtcProgram, size_t*)>(lookup("nvrtcGetProgramLogSize"));
+  auto get_log = reinterpret_cast<int (*)(nvrtcProgram, char*)>(lookup("nvrtcGetProgramLog"));
+  auto destroy = reinterpret_cast<int (*)(nvrtcProgram*)>(lookup("nvrtcDestroyProgram"));
+  nvrtcProgram prog = nullptr;
+  if (create(&prog, kSource, "kvstore_host_rows.cu", 0, nullptr, nullptr) != 0) {
+    throw std::runtime_error("nvrtcCreateProgram failed");
+  }
+  if (compile(prog, 2, opts) != 0) {
+    size_t n = 0;
+    log_size(prog, &n);
+    std::string log(n, '\0');
+    get_log(prog, log.data());
+    destroy(&prog);
+    throw std::runtime_error("NVRTC could not compile the host rows upload: " + log);
+  }
+  size_t n = 0;
+  ptx_size(prog, &n);
+  std::string ptx(n, '\0');
+  get_ptx(prog, ptx.data());
+  destroy(&prog);
+  auto load_module = reinterpret_cast<CUresult (*)(CUmodule*, const void*)>(lookup("cuModuleLoadData"));
+  auto get_function = reinterpret_cast<CUresult (*)(CUfunction*, CUmodule, const char*)>(lookup("cuModuleGetFunction"));
+  CUmodule module = nullptr;
+  CUfunction f = nullptr;
+  if (load_module(&module, ptx.data()) != 0 || get_function(&f, module, "host_rows") != 0) {
+    throw std::runtime_error("the host rows upload's module could not be loaded");
+  }
+  cache.emplace(int(dev), f);
+  return f;
+}
+
+void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, mx::array& out) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  auto device_pointer = reinterpret_cast<CUresult (*)(CUdeviceptr*, void*, unsigned int)>(
+      lookup("cuMemHostGetDevicePointer_v2"));
+  CUdeviceptr src = 0;
+  if (device_pointer(&src, const_cast<uint8_t*>(source->src), 0) != 0) {
+    throw std::runtime_error("the host rows are not page-locked memory the device can read");
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  enc.set_output_array(out);
+  const unsigned long long total = out.nbytes(), width = source->width, height = source->height,
+                           pitch = source->pitch;
+  void* dst = mx::gpu_ptr<void>(out);
+  int words = total % 16 == 0 && width % 16 == 0 && pitch % 16 == 0 && src % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const unsigned long long units = words ? total / 16 : total;
+  const unsigned int blocks = unsigned(std::min<unsigned long long>((units + 255) / 256, 4096));
+  const void* sp = reinterpret_cast<const void*>(src);
+  void* args[] = {&sp, &dst, const_cast<unsigned long long*>(&total), const_cast<unsigned long long*>(&width),
+                  const_cast<unsigned long long*>(&height), const_cast<unsigned long long*>(&pitch), &words};
+  enc.add_kernel_node_raw(host_rows_kernel(), dim3(std::max(blocks, 1u), 1, 1), dim3(256, 1, 1), dim3(1, 1, 1), 0,
+                          args);
+  // The host bytes stay lent until the command buffer that reads them has completed.
+  enc.add_completed_handler([source]() {});
+}
+
+#else  // KVSTORE_CUDA
+
+void host_rows_gpu(mx::Stream, const std::shared_ptr<Source>&, mx::array&) {
+  throw std::runtime_error(
+      "this build has no host rows upload for the GPU (build with the CUDA backend's headers: "
+      "scripts/cuda/build.sh)");
+}
+
+#endif  // KVSTORE_CUDA
+
+class HostRowsUpload : public mx::UnaryPrimitive {
+ public:
+  HostRowsUpload(mx::Stream s, std::shared_ptr<Source> source) : mx::UnaryPrimitive(s), source_(std::move(source)) {}
+
+  void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_output_array(out);
+    encoder.dispatch([source = source_, op = out.data<uint8_t>(), n = out.nbytes()]() {
+      copy_rows_host(*source, op, n);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array& out) override { host_rows_gpu(stream(), source_, out); }
+
+  const char* name() const override { return "HostRowsUpload"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  std::shared_ptr<Source> source_;
+};
+
+}  // namespace
+
+#ifdef KVSTORE_CUDA
+bool host_rows_kernel_built() { return true; }
+#else
+bool host_rows_kernel_built() { return false; }
+#endif
+
+std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_t dtype, size_t src, size_t len,
+                                        size_t width, size_t height, size_t pitch, uint64_t token) {
+  // The source is made first, so that every refusal below still hands the bytes back.
+  auto source = std::make_shared<Source>(reinterpret_cast<const uint8_t*>(src), width, height, pitch, token);
+  mx::Shape dims(shape.begin(), shape.end());
+  auto dt = dtype_from_code(dtype);
+  size_t elems = 1;
+  for (auto d : dims) {
+    if (d < 0) throw std::invalid_argument("a host rows upload of a negative dimension");
+    elems *= size_t(d);
+  }
+  const size_t nbytes = elems * mx::size_of(dt);
+  if (len != width * height) {
+    throw std::invalid_argument("host rows of " + std::to_string(len) + " bytes are not " + std::to_string(height) +
+                                " rows of " + std::to_string(width));
+  }
+  if (height > 0 && (width > pitch || (height - 1) * pitch + width > nbytes)) {
+    throw std::invalid_argument(std::to_string(height) + " rows of " + std::to_string(width) + " bytes at a pitch of " +
+                                std::to_string(pitch) + " do not fit an array of " + std::to_string(nbytes) +
+                                " bytes");
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  return std::make_unique<Array>(
+      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsUpload>(stream, std::move(source)), {})});
+}
+
+}  // namespace kvmlx
