@@ -681,6 +681,40 @@ case "$step" in
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
+  gv) # a restore from the SSD in a second process against the first process's cold output
+      # (greedy tokens must match; the report must say the restore was staged), then a short
+      # trace slice with host tiers (every staged restore an upload node), after x1 and x2
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    rm -rf "$K/gvstore"
+    P="$(seq 1 ${GV_TOKENS:-1500} | tr '\n' ' ')"
+    for i in 1 2; do
+      KVSTORE_QUIET=1 timeout 120 "$BIN/kvstore" generate --model "$d" --store "$K/gvstore" --prompt "$P" \
+        --max-tokens 24 --json > "$OUT/gv-$i.json" 2> "$OUT/gv-$i.err" || tail -n 20 "$OUT/gv-$i.err"
+    done
+    python3 - "$OUT/gv-1.json" "$OUT/gv-2.json" <<'PY'
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+c = b["cache"]
+print("cold tokens", a["tokens"])
+print("SSD  tokens", b["tokens"], "cached", c["cached_tokens"], "ssd", c["cached_ssd_tokens"],
+      "staged_s", c["staged_s"], "import_s", c["import_s"])
+print("MATCH" if a["tokens"] == b["tokens"] and c["cached_tokens"] > 0 and c["staged_s"] > 0 else "MISMATCH")
+PY
+    T=$K/mooncake-conversation-part1.jsonl
+    if [ -f "$T" ]; then
+      rm -rf "$K/gvtrace"
+      timeout 100 "$BIN/kvstore" bench trace "$T" --model "$d" --window 0..40 --speed 2 --token-scale 0.125 \
+        --kv-budget 1GiB --ram-budget 8GiB --ssd-budget 8GiB --store "$K/gvtrace" --no-flush \
+        --json "$OUT/gv-trace.json" > "$OUT/gv-trace.log" 2>&1; echo "trace rc $?"
+      grep -E "^hit share|^TTFT parts|requests in" "$OUT/gv-trace.log"
+      python3 -c "import json; r=json.load(open('$OUT/gv-trace.json')); print('imports', r['overall']['imports'])"
+    fi
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent agentrep cachedb
       # prefill decode overlap probe census cudnn ab opsbuf): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times
