@@ -158,7 +158,16 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, mx::arra
       lookup("cuMemHostGetDevicePointer_v2"));
   CUdeviceptr src = 0;
   if (device_pointer(&src, const_cast<uint8_t*>(source->src), 0) != 0) {
-    throw std::runtime_error("the host rows are not page-locked memory the device can read");
+    // Under unified addressing a mapped page-locked buffer has the same address on both
+    // sides (the call may refuse an address inside an allocation rather than its start).
+    auto ctx_device = reinterpret_cast<CUresult (*)(CUdevice*)>(lookup("cuCtxGetDevice"));
+    auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
+    CUdevice dev = 0;
+    int unified = 0;
+    if (ctx_device(&dev) != 0 || attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev) != 0 || !unified) {
+      throw std::runtime_error("the host rows are not page-locked memory the device can read");
+    }
+    src = reinterpret_cast<CUdeviceptr>(source->src);
   }
   out.set_data(mx::allocator::malloc(out.nbytes()));
   enc.set_output_array(out);
