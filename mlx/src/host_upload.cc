@@ -13,7 +13,7 @@
 //
 // What it relies on (MLX 0.32.4's CUDA backend, headers in the wheel): the symbols
 // rows_attention.cc lists, and `CommandEncoder::add_completed_handler`, exported by libmlx.
-// The kernel is compiled by NVRTC (loaded by libmlx) once per device.
+// The kernel is compiled by NVRTC (nvrtc.h) once per device.
 #include "shim.h"
 
 #include "kvstore-mlx/src/ffi.rs.h"
@@ -28,12 +28,11 @@
 #include "mlx/primitives.h"
 
 #ifdef KVSTORE_CUDA
-#include <dlfcn.h>
-
 #include <map>
 #include <mutex>
 
 #include "mlx/backend/cuda/device.h"
+#include "nvrtc.h"
 #endif  // KVSTORE_CUDA
 
 namespace kvmlx {
@@ -89,64 +88,16 @@ extern "C" __global__ void host_rows(const unsigned char* __restrict__ src,
 }
 )";
 
-void* lookup(const char* name) {
-  void* p = dlsym(RTLD_DEFAULT, name);
-  if (!p) {
-    throw std::runtime_error(std::string("the host rows upload needs ") + name +
-                             ", which is not loaded (libmlx's CUDA backend links it)");
-  }
-  return p;
-}
-
-using nvrtcProgram = void*;
+void* lookup(const char* name) { return nvrtc::lookup(name, "the host rows upload"); }
 
 // The kernel on the current device, compiled once per process and device.
 CUfunction host_rows_kernel() {
   static std::mutex mu;
   static std::map<int, CUfunction> cache;
-  auto ctx_device = reinterpret_cast<CUresult (*)(CUdevice*)>(lookup("cuCtxGetDevice"));
-  CUdevice dev = 0;
-  if (ctx_device(&dev) != 0) throw std::runtime_error("cuCtxGetDevice failed");
+  const CUdevice dev = nvrtc::current_device();
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(int(dev)); it != cache.end()) return it->second;
-  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
-  int major = 0, minor = 0;
-  attr(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
-  attr(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
-  std::string arch = "--gpu-architecture=compute_" + std::to_string(major) + std::to_string(minor);
-  const char* opts[] = {arch.c_str(), "--std=c++17"};
-  auto create = reinterpret_cast<int (*)(nvrtcProgram*, const char*, const char*, int, const char* const*,
-                                         const char* const*)>(lookup("nvrtcCreateProgram"));
-  auto compile = reinterpret_cast<int (*)(nvrtcProgram, int, const char* const*)>(lookup("nvrtcCompileProgram"));
-  auto ptx_size = reinterpret_cast<int (*)(nvrtcProgram, size_t*)>(lookup("nvrtcGetPTXSize"));
-  auto get_ptx = reinterpret_cast<int (*)(nvrtcProgram, char*)>(lookup("nvrtcGetPTX"));
-  auto log_size = reinterpret_cast<int (*)(nvrtcProgram, size_t*)>(lookup("nvrtcGetProgramLogSize"));
-  auto get_log = reinterpret_cast<int (*)(nvrtcProgram, char*)>(lookup("nvrtcGetProgramLog"));
-  auto destroy = reinterpret_cast<int (*)(nvrtcProgram*)>(lookup("nvrtcDestroyProgram"));
-  nvrtcProgram prog = nullptr;
-  if (create(&prog, kSource, "kvstore_host_rows.cu", 0, nullptr, nullptr) != 0) {
-    throw std::runtime_error("nvrtcCreateProgram failed");
-  }
-  if (compile(prog, 2, opts) != 0) {
-    size_t n = 0;
-    log_size(prog, &n);
-    std::string log(n, '\0');
-    get_log(prog, log.data());
-    destroy(&prog);
-    throw std::runtime_error("NVRTC could not compile the host rows upload: " + log);
-  }
-  size_t n = 0;
-  ptx_size(prog, &n);
-  std::string ptx(n, '\0');
-  get_ptx(prog, ptx.data());
-  destroy(&prog);
-  auto load_module = reinterpret_cast<CUresult (*)(CUmodule*, const void*)>(lookup("cuModuleLoadData"));
-  auto get_function = reinterpret_cast<CUresult (*)(CUfunction*, CUmodule, const char*)>(lookup("cuModuleGetFunction"));
-  CUmodule module = nullptr;
-  CUfunction f = nullptr;
-  if (load_module(&module, ptx.data()) != 0 || get_function(&f, module, "host_rows") != 0) {
-    throw std::runtime_error("the host rows upload's module could not be loaded");
-  }
+  CUfunction f = nvrtc::compile(kSource, "kvstore_host_rows.cu", {"host_rows"}, "the host rows upload")[0];
   cache.emplace(int(dev), f);
   return f;
 }
@@ -160,11 +111,9 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, mx::arra
   if (device_pointer(&src, const_cast<uint8_t*>(source->src), 0) != 0) {
     // Under unified addressing a mapped page-locked buffer has the same address on both
     // sides (the call may refuse an address inside an allocation rather than its start).
-    auto ctx_device = reinterpret_cast<CUresult (*)(CUdevice*)>(lookup("cuCtxGetDevice"));
     auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
-    CUdevice dev = 0;
     int unified = 0;
-    if (ctx_device(&dev) != 0 || attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, dev) != 0 || !unified) {
+    if (attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, nvrtc::current_device()) != 0 || !unified) {
       throw std::runtime_error("the host rows are not page-locked memory the device can read");
     }
     src = reinterpret_cast<CUdeviceptr>(source->src);
