@@ -331,8 +331,7 @@ impl StagedRestore {
     /// the ordinary way).
     pub(crate) fn upload(&mut self) -> Result<Option<Vec<Array>>, CacheError> {
         if let Bytes::Rows { buffer, ranges } = &mut self.bytes {
-            if matches!(buffer, Staging::Pinned(_)) && mlx::host_upload::upload_rows_kernel_built()
-            {
+            if matches!(buffer, Staging::Pinned(_)) && mlx::host_upload::upload_rows_on() {
                 let owner =
                     std::sync::Arc::new(std::mem::replace(buffer, Staging::Heap(Vec::new())));
                 let arrays = self

@@ -4,7 +4,8 @@
 //
 // On CUDA a kernel reads the rows straight from page-locked host memory (mapped into the
 // device's address space: `cuMemHostAlloc` with DEVICEMAP, its device address from
-// `cuMemHostGetDevicePointer`) and writes zeros around them: one kernel node in MLX's graph,
+// `cuMemHostGetDevicePointer`) into zeros an MLX op made (the node's input, whose device
+// buffer the output shares): one kernel node in MLX's graph,
 // ordered by the buffers it declares like every other node, so the prefill that reads the
 // arrays waits for it on the device. The host bytes are held by the node's source until the
 // command buffer that ran it has completed (`CommandEncoder::add_completed_handler`); then
@@ -53,8 +54,8 @@ struct Source {
   ~Source() { release_host_rows(token); }
 };
 
-void copy_rows_host(const Source& s, uint8_t* out, size_t n) {
-  std::memset(out, 0, n);
+// The rows into `out`, whose zeros an MLX op made (the node's input, whose buffer it shares).
+void copy_rows_host(const Source& s, uint8_t* out) {
   for (size_t r = 0; r < s.height; ++r) std::memcpy(out + r * s.pitch, s.src + r * s.width, s.width);
 }
 
@@ -66,23 +67,17 @@ const char* kSource = R"(
 struct alignas(16) Word { unsigned long long a, b; };
 extern "C" __global__ void host_rows(const unsigned char* __restrict__ src,
                                      unsigned char* __restrict__ dst,
-                                     unsigned long long total, unsigned long long width,
-                                     unsigned long long height, unsigned long long pitch,
-                                     int words) {
+                                     unsigned long long width, unsigned long long height,
+                                     unsigned long long pitch, int words) {
   const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
   const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (words) {
-    const unsigned long long n = total / 16;
-    for (unsigned long long i = first; i < n; i += step) {
-      const unsigned long long o = i * 16, row = o / pitch, col = o % pitch;
-      Word w = {0ull, 0ull};
-      if (row < height && col < width) w = *reinterpret_cast<const Word*>(src + row * width + col);
-      reinterpret_cast<Word*>(dst)[i] = w;
-    }
-  } else {
-    for (unsigned long long o = first; o < total; o += step) {
-      const unsigned long long row = o / pitch, col = o % pitch;
-      dst[o] = (row < height && col < width) ? src[row * width + col] : 0;
+  const unsigned long long unit = words ? 16 : 1, per_row = width / unit, n = per_row * height;
+  for (unsigned long long i = first; i < n; i += step) {
+    const unsigned long long row = i / per_row, col = (i - row * per_row) * unit;
+    if (words) {
+      *reinterpret_cast<Word*>(dst + row * pitch + col) = *reinterpret_cast<const Word*>(src + row * width + col);
+    } else {
+      dst[row * pitch + col] = src[row * width + col];
     }
   }
 }
@@ -102,7 +97,7 @@ CUfunction host_rows_kernel() {
   return f;
 }
 
-void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, mx::array& out) {
+void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::array& zeros, mx::array& out) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
   auto device_pointer = reinterpret_cast<CUresult (*)(CUdeviceptr*, void*, unsigned int)>(
@@ -118,18 +113,18 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, mx::arra
     }
     src = reinterpret_cast<CUdeviceptr>(source->src);
   }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  // The zeros around the rows come from the input, made by an MLX op in device memory
+  // (allocator::malloc would give managed memory: docs/benchmarks.md, session 44).
+  out.copy_shared_buffer(zeros);
+  enc.set_input_array(zeros);
   enc.set_output_array(out);
-  const unsigned long long total = out.nbytes(), width = source->width, height = source->height,
-                           pitch = source->pitch;
+  unsigned long long width = source->width, height = source->height, pitch = source->pitch;
   void* dst = mx::gpu_ptr<void>(out);
-  int words = total % 16 == 0 && width % 16 == 0 && pitch % 16 == 0 && src % 16 == 0 &&
-              reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  const unsigned long long units = words ? total / 16 : total;
+  int words = width % 16 == 0 && pitch % 16 == 0 && src % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const unsigned long long units = (words ? width / 16 : width) * height;
   const unsigned int blocks = unsigned(std::min<unsigned long long>((units + 255) / 256, 4096));
   const void* sp = reinterpret_cast<const void*>(src);
-  void* args[] = {&sp, &dst, const_cast<unsigned long long*>(&total), const_cast<unsigned long long*>(&width),
-                  const_cast<unsigned long long*>(&height), const_cast<unsigned long long*>(&pitch), &words};
+  void* args[] = {&sp, &dst, &width, &height, &pitch, &words};
   enc.add_kernel_node_raw(host_rows_kernel(), dim3(std::max(blocks, 1u), 1, 1), dim3(256, 1, 1), dim3(1, 1, 1), 0,
                           args);
   // The host bytes stay lent until the command buffer that reads them has completed.
@@ -138,7 +133,7 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, mx::arra
 
 #else  // KVSTORE_CUDA
 
-void host_rows_gpu(mx::Stream, const std::shared_ptr<Source>&, mx::array&) {
+void host_rows_gpu(mx::Stream, const std::shared_ptr<Source>&, const mx::array&, mx::array&) {
   throw std::runtime_error(
       "this build has no host rows upload for the GPU (build with the CUDA backend's headers: "
       "scripts/cuda/build.sh)");
@@ -150,16 +145,17 @@ class HostRowsUpload : public mx::UnaryPrimitive {
  public:
   HostRowsUpload(mx::Stream s, std::shared_ptr<Source> source) : mx::UnaryPrimitive(s), source_(std::move(source)) {}
 
-  void eval_cpu(const std::vector<mx::array>&, mx::array& out) override {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.copy_shared_buffer(inputs[0]);
     auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
     encoder.set_output_array(out);
-    encoder.dispatch([source = source_, op = out.data<uint8_t>(), n = out.nbytes()]() {
-      copy_rows_host(*source, op, n);
-    });
+    encoder.dispatch([source = source_, op = out.data<uint8_t>()]() { copy_rows_host(*source, op); });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array& out) override { host_rows_gpu(stream(), source_, out); }
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    host_rows_gpu(stream(), source_, inputs[0], out);
+  }
 
   const char* name() const override { return "HostRowsUpload"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
@@ -198,8 +194,10 @@ std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_
                                 " bytes");
   }
   auto stream = mx::default_stream(mx::default_device());
+  // The zeros the rows go into: an MLX op's, so on CUDA device memory from the stream's pool.
+  auto zeros = mx::zeros(dims, dt, stream);
   return std::make_unique<Array>(
-      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsUpload>(stream, std::move(source)), {})});
+      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsUpload>(stream, std::move(source)), {zeros})});
 }
 
 }  // namespace kvmlx

@@ -4,7 +4,7 @@
 //! A restore's upload through the driver (`write_rows_direct`) makes the thread that calls
 //! it wait for the bytes to cross the bus, and that thread is the engine's. Here the upload
 //! is a node (`HostRowsUpload`, mlx/src/host_upload.cc): on CUDA a kernel reads the rows
-//! from page-locked host memory that the device can address and writes zeros around them,
+//! from page-locked host memory that the device can address into zeros an MLX op made,
 //! ordered with the prefill that reads the array like any other node. The host bytes are
 //! lent to the node: [`upload_rows`] takes a shared handle to their owner and keeps it until
 //! the node's command buffer has completed, or the node is dropped unevaluated.
@@ -52,6 +52,17 @@ pub fn lent_count() -> usize {
 /// headers); the CPU evaluation is in every build.
 pub fn upload_rows_kernel_built() -> bool {
     ffi::host_rows_kernel_built()
+}
+
+/// Whether a GPU restore from page-locked staging should go through [`upload_rows`]: the
+/// kernel is built and `KVSTORE_UPLOAD_NODES` is not `0` (read once; `0` restores through
+/// the driver's copies, for measuring both paths).
+pub fn upload_rows_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        upload_rows_kernel_built()
+            && std::env::var("KVSTORE_UPLOAD_NODES").map_or(true, |v| v != "0")
+    })
 }
 
 /// An array of `shape` and `dtype` holding zeros except `height` rows of `width` bytes,
