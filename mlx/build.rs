@@ -88,6 +88,7 @@ fn main() {
         .file("src/rows_attention.cc")
         .file("src/copy_runs.cc")
         .file("src/nvrtc.cc")
+        .file("src/host_upload.cc")
         .include(&include)
         .include("src")
         .std("c++20")
@@ -113,6 +114,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/direct_copy.cc");
     println!("cargo:rerun-if-changed=src/direct_copy.h");
     println!("cargo:rerun-if-changed=src/rows_attention.cc");
+    println!("cargo:rerun-if-changed=src/host_upload.cc");
     println!("cargo:rerun-if-changed=src/rows_attention.cu.h");
     println!("cargo:rerun-if-changed=src/copy_runs.cc");
     println!("cargo:rerun-if-changed=src/nvrtc.cc");

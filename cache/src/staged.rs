@@ -185,6 +185,13 @@ impl Staging {
     }
 }
 
+impl std::ops::Deref for Staging {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.bytes()
+    }
+}
+
 impl Drop for Staging {
     /// A page-locked buffer goes back to the pool (never freed: see [`PINNED_POOL_BYTES`]).
     fn drop(&mut self) {
@@ -315,11 +322,38 @@ impl StagedRestore {
         }))
     }
 
-    /// Moves every part to the device: on the CPU the arrays take the buffers over; on
-    /// CUDA one driver copy per part into zeros made on the device, all waited for once.
-    /// `None` where the driver found no buffer to write into (the caller restores the
-    /// ordinary way).
+    /// Moves every part to the device: on the CPU the arrays take the buffers over. On CUDA,
+    /// from page-locked staging, each part is a node that reads its rows when the graph
+    /// that uses it runs ([`mlx::host_upload::upload_rows`]): nothing is waited for here,
+    /// and the buffer goes back to the pool once the device has read it. From ordinary
+    /// memory, one driver copy per part into zeros made on the device, all waited for
+    /// once. `None` where the driver found no buffer to write into (the caller restores
+    /// the ordinary way).
     pub(crate) fn upload(&mut self) -> Result<Option<Vec<Array>>, CacheError> {
+        if let Bytes::Rows { buffer, ranges } = &mut self.bytes {
+            if matches!(buffer, Staging::Pinned(_)) && mlx::host_upload::upload_rows_on() {
+                let owner =
+                    std::sync::Arc::new(std::mem::replace(buffer, Staging::Heap(Vec::new())));
+                let arrays = self
+                    .parts
+                    .iter()
+                    .zip(ranges.iter())
+                    .map(|(p, r)| {
+                        let (width, height, pitch) = p.rows;
+                        Ok(mlx::host_upload::upload_rows(
+                            &p.shape,
+                            p.dtype,
+                            owner.clone(),
+                            r.clone(),
+                            width,
+                            height,
+                            pitch,
+                        )?)
+                    })
+                    .collect::<Result<Vec<_>, CacheError>>()?;
+                return Ok(Some(arrays));
+            }
+        }
         match &mut self.bytes {
             Bytes::Whole(bufs) => {
                 let bufs = std::mem::take(bufs);

@@ -266,7 +266,9 @@ uint8_t* pinned_alloc(size_t n) {
   if (n == 0 || !available()) return nullptr;
   make_current(0);
   void* p = nullptr;
-  if (driver()->mem_host_alloc(&p, n, 0) != 0) return nullptr;
+  // DEVICEMAP (0x02): the device can address the memory too, which the host rows upload's
+  // kernel reads (host_upload.cc).
+  if (driver()->mem_host_alloc(&p, n, 0x02) != 0) return nullptr;
   return static_cast<uint8_t*>(p);
 }
 

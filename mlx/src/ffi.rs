@@ -72,6 +72,9 @@ pub(crate) mod ffi {
         /// The batched decode attention's CPU kernel for the shim's `RowsDecodeAttention`
         /// node; `meta` as `rows_attend_cpu` in rows_attention.cc lays it out.
         fn rows_attend_host(q: &[f32], meta: &[usize], scale: f32, o: &mut [f32]);
+        /// The shim's `HostRowsUpload` node is done with the host bytes lent under `token`
+        /// (the device has read them, or the node was dropped unevaluated).
+        fn release_host_rows(token: u64);
     }
 
     unsafe extern "C++" {
@@ -265,6 +268,18 @@ pub(crate) mod ffi {
             scale: f32,
         ) -> Result<UniquePtr<Array>>;
         fn rows_attention_kernel_built() -> bool;
+        fn host_rows_kernel_built() -> bool;
+        #[allow(clippy::too_many_arguments)]
+        fn host_rows_upload(
+            shape: &[i32],
+            dtype: u8,
+            src: usize,
+            len: usize,
+            width: usize,
+            height: usize,
+            pitch: usize,
+            token: u64,
+        ) -> Result<UniquePtr<Array>>;
         fn rows_decode_attention(
             q: &Array,
             k: &Array,
@@ -366,6 +381,10 @@ fn rope_rotate_host(x: &[f32], cos: &[f32], sin: &[f32], at: &[usize], o: &mut [
         debug_assert!(false, "the RoPE kernel refused its inputs: {message}");
         o.fill(f32::NAN);
     }
+}
+
+fn release_host_rows(token: u64) {
+    crate::host_upload::release(token);
 }
 
 /// The batched decode attention on the CPU through

@@ -33,6 +33,7 @@ pub mod fuzzing;
 // The bridge file holds exactly one `ffi` module, as cxx_build expects.
 #[allow(clippy::module_inception)]
 mod ffi;
+pub mod host_upload;
 pub mod io;
 pub mod ops;
 pub mod padded_attention;

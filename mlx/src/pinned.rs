@@ -15,6 +15,9 @@ pub struct PinnedBuffer {
 // SAFETY: the buffer is plain host memory owned by this value alone (no other handle to it
 // exists); moving it to another thread and freeing it there is sound, as for a `Vec<u8>`.
 unsafe impl Send for PinnedBuffer {}
+// SAFETY: a shared reference gives only `&[u8]` (reads of plain host memory); writes need
+// `&mut`.
+unsafe impl Sync for PinnedBuffer {}
 
 impl PinnedBuffer {
     /// `len` bytes of page-locked memory (contents unspecified), or `None` where direct

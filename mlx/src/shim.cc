@@ -81,6 +81,8 @@ void check_host_bytes(const mx::Shape& sh, mx::Dtype dt, size_t bytes) {
 
 }  // namespace
 
+mx::Dtype dtype_from_code(uint8_t code) { return to_dtype(code); }
+
 // Host buffers from this size on are uploaded with one driver copy on CUDA (smaller ones,
 // token ids and scalars, take MLX's ordinary path).
 constexpr size_t kDirectUploadMin = 1 << 20;

@@ -143,6 +143,15 @@ std::unique_ptr<Array> rows_times_weight_t(const Array& x, const Array& w, size_
 // whose CPU evaluation runs the crate's kernel (cpu_decode_attention.rs).
 std::unique_ptr<Array> one_query_attention(const Array& q, const Array& k, const Array& v, float scale);
 
+// The dtype of a crate dtype code (dtype.rs), for the other shim files.
+mlx::core::Dtype dtype_from_code(uint8_t code);
+
+// host_upload.cc: an array of zeros with host rows in it, read when its node runs (on CUDA a
+// kernel reading page-locked host memory); `release_host_rows(token)` once they are read.
+bool host_rows_kernel_built();
+std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_t dtype, size_t src, size_t len,
+                                        size_t width, size_t height, size_t pitch, uint64_t token);
+
 // rows_attention.cc: one decode step's attention over every row's own arena (CUDA only).
 bool rows_attention_kernel_built();
 std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, const Array& v,

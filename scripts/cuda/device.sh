@@ -701,6 +701,45 @@ case "$step" in
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
+  gv) # the upload node's check, after x1 and x2: a second process restores a prompt from the
+      # SSD (staged, so through the node), decodes and publishes the blocks after it; a cold
+      # run in another store publishes the same blocks; their tensors must agree
+      # (scripts/cuda/compare_stores.py: the random model repeats one token, so its tokens
+      # would prove nothing). Then a short trace slice with host tiers.
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    d=$K/smollm2-rand
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    rm -rf "$K/gva" "$K/gvc"
+    P="$(seq 1 ${GV_TOKENS:-1000} | tr '\n' ' ')"  # ~4,300 tokens: under the 256 MiB a staged run may hold
+    gen() { KVSTORE_QUIET=1 timeout 120 "$BIN/kvstore" generate --model "$d" --prompt "$P" --json "$@"; }
+    gen --store "$K/gva" --max-tokens 1 > "$OUT/gv-1.json" 2> "$OUT/gv-1.err" || tail -n 20 "$OUT/gv-1.err"
+    gen --store "$K/gva" --restore always --max-tokens 80 > "$OUT/gv-2.json" 2> "$OUT/gv-2.err" || tail -n 20 "$OUT/gv-2.err"
+    gen --store "$K/gvc" --max-tokens 80 > "$OUT/gv-3.json" 2> "$OUT/gv-3.err" || tail -n 20 "$OUT/gv-3.err"
+    from=$(python3 -c "import json; print(json.load(open('$OUT/gv-1.json'))['cache']['prompt_tokens'] // 32)")
+    python3 scripts/cuda/compare_stores.py "$K/gva" "$K/gvc" "$from" > "$OUT/gv-compare.json"
+    python3 - "$OUT/gv-2.json" "$OUT/gv-compare.json" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["cache"]
+r = json.load(open(sys.argv[2]))
+print("restored", c["cached_tokens"], "from SSD", c["cached_ssd_tokens"], "staged_s", c["staged_s"])
+print("blocks after the prompt compared", r["compared"], "equal tensors", r["equal_tensors"],
+      "differing", r["differing_tensors"], "max rel", r["max_rel"])
+ok = c["cached_ssd_tokens"] > 0 and c["staged_s"] > 0 and r["compared"] > 0 and r["max_rel"] < 1e-3
+print("MATCH" if ok else "MISMATCH")
+PY
+    T=$K/mooncake-conversation-part1.jsonl
+    if [ -f "$T" ]; then
+      rm -rf "$K/gvtrace"
+      timeout 100 "$BIN/kvstore" bench trace "$T" --model "$d" --window 0..40 --speed 2 --token-scale 0.125 \
+        --kv-budget 1GiB --ram-budget 8GiB --ssd-budget 8GiB --store "$K/gvtrace" --no-flush \
+        --json "$OUT/gv-trace.json" > "$OUT/gv-trace.log" 2>&1; echo "trace rc $?"
+      grep -E "^hit share|^TTFT parts|requests in" "$OUT/gv-trace.log"
+      python3 -c "import json; r=json.load(open('$OUT/gv-trace.json')); print('imports', r['overall']['imports'])"
+    fi
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
   pu) # the queued issue-15/16 rows in one or two calls, after x1 and x2 (PARTS: ssd agent agentrep cachedb
       # prefill decode overlap probe census cudnn ab opsbuf): bench cache's SSD rows, the 13-turn session (cold, RAM, SSD), SmolLM2
       # prefill beside mlx-lm at 2K/8K/32K, and the 8B decode beside mlx-lm, alternated ROUNDS times

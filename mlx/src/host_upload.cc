@@ -1,0 +1,203 @@
+// A node whose output is an array of zeros with rows of host bytes in it, read when the node
+// runs (`HostRowsUpload`): a restore's upload that the device orders with the rest of the
+// graph, so the thread that builds the graph never waits for the bytes to cross the bus.
+//
+// On CUDA a kernel reads the rows straight from page-locked host memory (mapped into the
+// device's address space: `cuMemHostAlloc` with DEVICEMAP, its device address from
+// `cuMemHostGetDevicePointer`) into zeros an MLX op made (the node's input, whose device
+// buffer the output shares): one kernel node in MLX's graph,
+// ordered by the buffers it declares like every other node, so the prefill that reads the
+// arrays waits for it on the device. The host bytes are held by the node's source until the
+// command buffer that ran it has completed (`CommandEncoder::add_completed_handler`); then
+// (or when the node is dropped unevaluated) the Rust side is told it may reuse them
+// (`release_host_rows`). On the CPU the same node copies the rows on the CPU stream's thread.
+//
+// What it relies on (MLX 0.32.4's CUDA backend, headers in the wheel): the symbols
+// rows_attention.cc lists, and `CommandEncoder::add_completed_handler`, exported by libmlx.
+// The kernel is compiled by NVRTC (nvrtc.h) once per device.
+#include "shim.h"
+
+#include "kvstore-mlx/src/ffi.rs.h"
+
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+#ifdef KVSTORE_CUDA
+#include <map>
+#include <mutex>
+
+#include "mlx/backend/cuda/device.h"
+#include "nvrtc.h"
+#endif  // KVSTORE_CUDA
+
+namespace kvmlx {
+namespace {
+
+namespace mx = mlx::core;
+
+// The host rows of one node: `height` rows of `width` bytes at `src`, which go at a pitch
+// of `pitch` bytes in the output. Tells the Rust side when the node is done with them.
+struct Source {
+  const uint8_t* src;
+  size_t width, height, pitch;
+  uint64_t token;
+  Source(const uint8_t* s, size_t w, size_t h, size_t p, uint64_t t)
+      : src(s), width(w), height(h), pitch(p), token(t) {}
+  Source(const Source&) = delete;
+  Source& operator=(const Source&) = delete;
+  ~Source() { release_host_rows(token); }
+};
+
+// The rows into `out`, whose zeros an MLX op made (the node's input, whose buffer it shares).
+void copy_rows_host(const Source& s, uint8_t* out) {
+  for (size_t r = 0; r < s.height; ++r) std::memcpy(out + r * s.pitch, s.src + r * s.width, s.width);
+}
+
+#ifdef KVSTORE_CUDA
+
+namespace cu = mlx::core::cu;
+
+const char* kSource = R"(
+struct alignas(16) Word { unsigned long long a, b; };
+extern "C" __global__ void host_rows(const unsigned char* __restrict__ src,
+                                     unsigned char* __restrict__ dst,
+                                     unsigned long long width, unsigned long long height,
+                                     unsigned long long pitch, int words) {
+  const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+  const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long unit = words ? 16 : 1, per_row = width / unit, n = per_row * height;
+  for (unsigned long long i = first; i < n; i += step) {
+    const unsigned long long row = i / per_row, col = (i - row * per_row) * unit;
+    if (words) {
+      *reinterpret_cast<Word*>(dst + row * pitch + col) = *reinterpret_cast<const Word*>(src + row * width + col);
+    } else {
+      dst[row * pitch + col] = src[row * width + col];
+    }
+  }
+}
+)";
+
+void* lookup(const char* name) { return nvrtc::lookup(name, "the host rows upload"); }
+
+// The kernel on the current device, compiled once per process and device.
+CUfunction host_rows_kernel() {
+  static std::mutex mu;
+  static std::map<int, CUfunction> cache;
+  const CUdevice dev = nvrtc::current_device();
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(int(dev)); it != cache.end()) return it->second;
+  CUfunction f = nvrtc::compile(kSource, "kvstore_host_rows.cu", {"host_rows"}, "the host rows upload")[0];
+  cache.emplace(int(dev), f);
+  return f;
+}
+
+void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::array& zeros, mx::array& out) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  auto device_pointer = reinterpret_cast<CUresult (*)(CUdeviceptr*, void*, unsigned int)>(
+      lookup("cuMemHostGetDevicePointer_v2"));
+  CUdeviceptr src = 0;
+  if (device_pointer(&src, const_cast<uint8_t*>(source->src), 0) != 0) {
+    // Under unified addressing a mapped page-locked buffer has the same address on both
+    // sides (the call may refuse an address inside an allocation rather than its start).
+    auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
+    int unified = 0;
+    if (attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, nvrtc::current_device()) != 0 || !unified) {
+      throw std::runtime_error("the host rows are not page-locked memory the device can read");
+    }
+    src = reinterpret_cast<CUdeviceptr>(source->src);
+  }
+  // The zeros around the rows come from the input, made by an MLX op in device memory
+  // (allocator::malloc would give managed memory: docs/benchmarks.md, session 44).
+  out.copy_shared_buffer(zeros);
+  enc.set_input_array(zeros);
+  enc.set_output_array(out);
+  unsigned long long width = source->width, height = source->height, pitch = source->pitch;
+  void* dst = mx::gpu_ptr<void>(out);
+  int words = width % 16 == 0 && pitch % 16 == 0 && src % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  const unsigned long long units = (words ? width / 16 : width) * height;
+  const unsigned int blocks = unsigned(std::min<unsigned long long>((units + 255) / 256, 4096));
+  const void* sp = reinterpret_cast<const void*>(src);
+  void* args[] = {&sp, &dst, &width, &height, &pitch, &words};
+  enc.add_kernel_node_raw(host_rows_kernel(), dim3(std::max(blocks, 1u), 1, 1), dim3(256, 1, 1), dim3(1, 1, 1), 0,
+                          args);
+  // The host bytes stay lent until the command buffer that reads them has completed.
+  enc.add_completed_handler([source]() {});
+}
+
+#else  // KVSTORE_CUDA
+
+void host_rows_gpu(mx::Stream, const std::shared_ptr<Source>&, const mx::array&, mx::array&) {
+  throw std::runtime_error(
+      "this build has no host rows upload for the GPU (build with the CUDA backend's headers: "
+      "scripts/cuda/build.sh)");
+}
+
+#endif  // KVSTORE_CUDA
+
+class HostRowsUpload : public mx::UnaryPrimitive {
+ public:
+  HostRowsUpload(mx::Stream s, std::shared_ptr<Source> source) : mx::UnaryPrimitive(s), source_(std::move(source)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.copy_shared_buffer(inputs[0]);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    encoder.set_output_array(out);
+    encoder.dispatch([source = source_, op = out.data<uint8_t>()]() { copy_rows_host(*source, op); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    host_rows_gpu(stream(), source_, inputs[0], out);
+  }
+
+  const char* name() const override { return "HostRowsUpload"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  std::shared_ptr<Source> source_;
+};
+
+}  // namespace
+
+#ifdef KVSTORE_CUDA
+bool host_rows_kernel_built() { return true; }
+#else
+bool host_rows_kernel_built() { return false; }
+#endif
+
+std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_t dtype, size_t src, size_t len,
+                                        size_t width, size_t height, size_t pitch, uint64_t token) {
+  // The source is made first, so that every refusal below still hands the bytes back.
+  auto source = std::make_shared<Source>(reinterpret_cast<const uint8_t*>(src), width, height, pitch, token);
+  mx::Shape dims(shape.begin(), shape.end());
+  auto dt = dtype_from_code(dtype);
+  size_t elems = 1;
+  for (auto d : dims) {
+    if (d < 0) throw std::invalid_argument("a host rows upload of a negative dimension");
+    elems *= size_t(d);
+  }
+  const size_t nbytes = elems * mx::size_of(dt);
+  if (len != width * height) {
+    throw std::invalid_argument("host rows of " + std::to_string(len) + " bytes are not " + std::to_string(height) +
+                                " rows of " + std::to_string(width));
+  }
+  if (height > 0 && (width > pitch || (height - 1) * pitch + width > nbytes)) {
+    throw std::invalid_argument(std::to_string(height) + " rows of " + std::to_string(width) + " bytes at a pitch of " +
+                                std::to_string(pitch) + " do not fit an array of " + std::to_string(nbytes) +
+                                " bytes");
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  // The zeros the rows go into: an MLX op's, so on CUDA device memory from the stream's pool.
+  auto zeros = mx::zeros(dims, dt, stream);
+  return std::make_unique<Array>(
+      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsUpload>(stream, std::move(source)), {zeros})});
+}
+
+}  // namespace kvmlx
