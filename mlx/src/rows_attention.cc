@@ -22,6 +22,7 @@
 #include "kvstore-mlx/src/ffi.rs.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -220,25 +221,34 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
   // takes q's buffer where q is this node's alone (the combine kernel writes a row group's
   // output only after the partial kernel has read its queries); the partials live in the
   // thread's scratch, the node's last input, made by an MLX op.
-  if (q.is_donatable() && q.flags().row_contiguous && q.itemsize() == out.itemsize() && q.size() == out.size()) {
+  // Without a scratch input (KVSTORE_DECODE_ALLOC=0) both come from allocator::malloc, as
+  // before, for measuring both.
+  size_t expected = 3;
+  for (const RowMeta& m : rows) expected += m.prefix ? 4 : 2;
+  const bool scratched = inputs.size() == expected + 1;
+  if (scratched && q.is_donatable() && q.flags().row_contiguous && q.itemsize() == out.itemsize() &&
+      q.size() == out.size()) {
     out.copy_shared_buffer(q);
   } else {
     out.set_data(mx::allocator::malloc(out.nbytes()));
   }
-  const mx::array& scratch = inputs.back();
-  if (scratch.dtype() != mx::float32 || scratch.size() < size_t(b) * hq * splits * (d + 2)) {
-    throw std::invalid_argument("the batched decode attention's partials do not fit its scratch");
-  }
   mx::array part({b, hq, splits, d + 2}, mx::float32, nullptr, {});
-  {
+  if (scratched) {
+    const mx::array& scratch = inputs.back();
+    if (scratch.dtype() != mx::float32 || scratch.size() < size_t(b) * hq * splits * (d + 2)) {
+      throw std::invalid_argument("the batched decode attention's partials do not fit its scratch");
+    }
     mx::Strides strides = {int64_t(hq) * splits * (d + 2), int64_t(splits) * (d + 2), d + 2, 1};
     mx::array::Flags flags{};
     flags.contiguous = true;
     flags.row_contiguous = true;
     part.copy_shared_buffer(scratch, strides, flags, part.size(), 0);
+    enc.set_input_array(scratch);
+    enc.set_output_array(scratch);
+  } else {
+    part.set_data(mx::allocator::malloc(part.nbytes()));
+    enc.add_temporary(part);
   }
-  enc.set_input_array(scratch);
-  enc.set_output_array(scratch);
 
   Strides st{q.strides()[0], q.strides()[1], kn.strides()[0], kn.strides()[1],
              vn.strides()[0], vn.strides()[1]};
@@ -426,7 +436,13 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
     throw std::invalid_argument("the batched decode attention got too many KV arrays");
   }
   auto stream = mx::default_stream(device);
-  if (device != mx::Device::cpu) {
+  // KVSTORE_DECODE_ALLOC=0 (read once) leaves the scratch out: the GPU evaluation then
+  // allocates as before, for measuring both.
+  static const bool scratch_on = [] {
+    const char* v = std::getenv("KVSTORE_DECODE_ALLOC");
+    return !(v && std::string(v) == "0");
+  }();
+  if (device != mx::Device::cpu && scratch_on) {
     // The partials' scratch (see rows_attend_gpu), sized as the kernel will split the rows.
     int64_t longest = 1;
     size_t in = 3;
