@@ -21,6 +21,8 @@
 
 #include "kvstore-mlx/src/ffi.rs.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -121,6 +123,15 @@ void rows_attend_cpu(const std::vector<mx::array>& in, const std::vector<RowMeta
                    rust::Slice<float>(out, n));
 }
 
+// The keys each split of the partial kernel takes and how many splits the longest row needs:
+// splits of 64 keys and more, doubled until at most 2,048 blocks of work.
+std::pair<int, int> split_of(int b, int hkv, int64_t longest) {
+  int chunk = 64;
+  auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
+  while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
+  return {chunk, int((longest + chunk - 1) / chunk)};
+}
+
 #ifdef KVSTORE_CUDA
 
 namespace cu = mlx::core::cu;
@@ -203,15 +214,41 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
       longest = std::max<int64_t>(longest, plens[r] + rows[r].len + 1);
     }
   }
-  int chunk = 64;
-  auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
-  while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
-  const int splits = int((longest + chunk - 1) / chunk);
+  const auto [chunk, splits] = split_of(b, hkv, longest);
 
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  // No buffer from allocator::malloc, which on CUDA is managed memory (and moving a recycled
+  // device buffer there synchronizes the device: docs/benchmarks.md, session 44). The output
+  // takes q's buffer where q is this node's alone (the combine kernel writes a row group's
+  // output only after the partial kernel has read its queries); the partials live in the
+  // thread's scratch, the node's last input, made by an MLX op.
+  // Without a scratch input (KVSTORE_DECODE_ALLOC=0) both come from allocator::malloc, as
+  // before, for measuring both.
+  size_t expected = 3;
+  for (const RowMeta& m : rows) expected += m.prefix ? 4 : 2;
+  const bool scratched = inputs.size() == expected + 1;
+  if (scratched && q.is_donatable() && q.flags().row_contiguous && q.itemsize() == out.itemsize() &&
+      q.size() == out.size()) {
+    out.copy_shared_buffer(q);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
   mx::array part({b, hq, splits, d + 2}, mx::float32, nullptr, {});
-  part.set_data(mx::allocator::malloc(part.nbytes()));
-  enc.add_temporary(part);
+  if (scratched) {
+    const mx::array& scratch = inputs.back();
+    if (scratch.dtype() != mx::float32 || scratch.size() < size_t(b) * hq * splits * (d + 2)) {
+      throw std::invalid_argument("the batched decode attention's partials do not fit its scratch");
+    }
+    mx::Strides strides = {int64_t(hq) * splits * (d + 2), int64_t(splits) * (d + 2), d + 2, 1};
+    mx::array::Flags flags{};
+    flags.contiguous = true;
+    flags.row_contiguous = true;
+    part.copy_shared_buffer(scratch, strides, flags, part.size(), 0);
+    enc.set_input_array(scratch);
+    enc.set_output_array(scratch);
+  } else {
+    part.set_data(mx::allocator::malloc(part.nbytes()));
+    enc.add_temporary(part);
+  }
 
   Strides st{q.strides()[0], q.strides()[1], kn.strides()[0], kn.strides()[1],
              vn.strides()[0], vn.strides()[1]};
@@ -292,6 +329,20 @@ void rows_attend_gpu(mx::Stream, const std::vector<mx::array>&, mx::array&, floa
 }
 
 #endif  // KVSTORE_CUDA
+
+// The calling thread's scratch for the partials of every batched decode attention node it
+// builds: a float32 array of at least `n` elements, made by an MLX op (device memory on a GPU)
+// once and again only when a step needs more. Nodes write it in stream order (each declares
+// it as an output), and consecutive layers depend on each other anyway.
+mx::array partial_scratch(size_t n, mx::Stream stream) {
+  thread_local std::vector<mx::array> scratch;
+  if (scratch.empty() || scratch.back().size() < n) {
+    const size_t want = std::max<size_t>(n, scratch.empty() ? size_t(1) << 16 : scratch.back().size() * 2);
+    scratch.clear();
+    scratch.push_back(mx::zeros({int(want)}, mx::float32, stream));
+  }
+  return scratch.back();
+}
 
 class RowsDecodeAttention : public mx::UnaryPrimitive {
  public:
@@ -385,6 +436,24 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
     throw std::invalid_argument("the batched decode attention got too many KV arrays");
   }
   auto stream = mx::default_stream(device);
+  // KVSTORE_DECODE_ALLOC=0 (read once) leaves the scratch out: the GPU evaluation then
+  // allocates as before, for measuring both.
+  static const bool scratch_on = [] {
+    const char* v = std::getenv("KVSTORE_DECODE_ALLOC");
+    return !(v && std::string(v) == "0");
+  }();
+  if (device != mx::Device::cpu && scratch_on) {
+    // The partials' scratch (see rows_attend_gpu), sized as the kernel will split the rows.
+    int64_t longest = 1;
+    size_t in = 3;
+    for (int r = 0; r < b; ++r) {
+      const int64_t plen = rows[r].prefix ? inputs[in + 2].shape(2) : 0;
+      in += rows[r].prefix ? 4 : 2;
+      longest = std::max<int64_t>(longest, plen + rows[r].len + 1);
+    }
+    const int splits = split_of(b, ka.shape(1), longest).second;
+    inputs.push_back(partial_scratch(size_t(b) * qa.shape(1) * splits * (d + 2), stream));
+  }
   return std::make_unique<Array>(Array{mx::array(
       qa.shape(), qa.dtype(), std::make_shared<RowsDecodeAttention>(stream, scale, std::move(rows)),
       std::move(inputs))});
