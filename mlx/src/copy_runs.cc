@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -100,6 +101,24 @@ void place_outputs(const mx::array& dest, std::vector<mx::array>& outputs, const
   }
 }
 
+// Places the outputs in the node's buffer (its last input), declares every array to `enc`
+// (the CPU's or CUDA's command encoder) and returns a run per non-empty output, its addresses
+// from `src_of` and `dst_of` (host or device pointers).
+template <typename Encoder, typename Src, typename Dst>
+std::vector<Run> declared_runs(Encoder& enc, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                               const std::vector<int64_t>& los, const std::vector<size_t>& offsets, Src src_of,
+                               Dst dst_of) {
+  place_outputs(inputs.back(), outputs, offsets);
+  enc.set_input_array(inputs.back());
+  std::vector<Run> runs;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    enc.set_input_array(inputs[i]);
+    enc.set_output_array(outputs[i]);
+    if (outputs[i].nbytes() > 0) runs.push_back(run_of(inputs[i], outputs[i], los[i], src_of(inputs[i]), dst_of(outputs[i])));
+  }
+  return runs;
+}
+
 void copy_run_host(const Run& r) {
   const auto* src = reinterpret_cast<const char*>(r.src);
   auto* dst = reinterpret_cast<char*>(r.dst);
@@ -171,15 +190,9 @@ void copy_runs_gpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vect
                    const std::vector<int64_t>& los, const std::vector<size_t>& offsets) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
-  place_outputs(inputs.back(), outputs, offsets);
-  enc.set_input_array(inputs.back());
-  std::vector<Run> runs;
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    enc.set_input_array(inputs[i]);
-    enc.set_output_array(outputs[i]);
-    if (outputs[i].nbytes() == 0) continue;
-    runs.push_back(run_of(inputs[i], outputs[i], los[i], mx::gpu_ptr<char>(inputs[i]), mx::gpu_ptr<char>(outputs[i])));
-  }
+  auto runs = declared_runs(
+      enc, inputs, outputs, los, offsets, [](const mx::array& a) { return mx::gpu_ptr<char>(a); },
+      [](mx::array& a) { return mx::gpu_ptr<char>(a); });
   CUfunction kernel = runs.empty() ? nullptr : copy_runs_kernel();
   for (size_t at = 0; at < runs.size(); at += kRuns) {
     const size_t n = std::min<size_t>(kRuns, runs.size() - at);
@@ -214,15 +227,9 @@ class CopyTokenRuns : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    place_outputs(inputs.back(), outputs, offsets_);
-    encoder.set_input_array(inputs.back());
-    std::vector<Run> runs;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      encoder.set_input_array(inputs[i]);
-      encoder.set_output_array(outputs[i]);
-      if (outputs[i].nbytes() == 0) continue;
-      runs.push_back(run_of(inputs[i], outputs[i], los_[i], inputs[i].data<char>(), outputs[i].data<char>()));
-    }
+    auto runs = declared_runs(
+        encoder, inputs, outputs, los_, offsets_, [](const mx::array& a) { return a.data<char>(); },
+        [](mx::array& a) { return a.data<char>(); });
     encoder.dispatch([runs = std::move(runs)]() {
       for (const Run& r : runs) copy_run_host(r);
     });
@@ -277,6 +284,9 @@ std::unique_ptr<ArrayList> copy_token_runs(const ArrayList& sources, rust::Slice
     for (auto d : shapes[i]) n *= size_t(d);
     offsets.push_back(total);
     total += (n + 15) / 16 * 16;
+  }
+  if (total / 8 > size_t(std::numeric_limits<int>::max())) {
+    throw std::invalid_argument("token runs of " + std::to_string(total) + " bytes do not fit one buffer");
   }
   auto stream = mx::default_stream(mx::default_device());
   std::vector<mx::array> inputs = in;
