@@ -729,6 +729,17 @@ print("blocks after the prompt compared", r["compared"], "equal tensors", r["equ
 ok = c["cached_ssd_tokens"] > 0 and c["staged_s"] > 0 and r["compared"] > 0 and r["max_rel"] < 1e-3
 print("MATCH" if ok else "MISMATCH")
 PY
+    # the batched decode attention's buffers (branch decode-alloc): cold runs with the old
+    # allocations (KVSTORE_DECODE_ALLOC=0) and with the row-by-row path (KVSTORE_ROWS_KERNEL=0)
+    # must publish the same decoded blocks as the default cold run (same kernels: exact; the
+    # row-by-row path: within float error)
+    for v in DECODE_ALLOC ROWS_KERNEL; do
+      rm -rf "$K/gv$v"
+      env KVSTORE_$v=0 KVSTORE_QUIET=1 timeout 120 "$BIN/kvstore" generate --model "$d" --prompt "$P" --json \
+        --store "$K/gv$v" --max-tokens 80 > "$OUT/gv-$v.json" 2> "$OUT/gv-$v.err" || tail -n 20 "$OUT/gv-$v.err"
+      python3 scripts/cuda/compare_stores.py "$K/gvc" "$K/gv$v" "$from" > "$OUT/gv-compare-$v.json"
+      python3 -c "import json; r=json.load(open('$OUT/gv-compare-$v.json')); print('KVSTORE_$v=0 against default:', r['compared'], 'blocks, differing tensors', r['differing_tensors'], 'max rel', r['max_rel'])"
+    done
     T=$K/mooncake-conversation-part1.jsonl
     if [ -f "$T" ]; then
       rm -rf "$K/gvtrace"
