@@ -12,7 +12,7 @@
 //! into a single device array: the host → device bandwidth of this machine.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use cache::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache, PagedKvRows};
@@ -100,11 +100,12 @@ struct BlockRow {
     /// Publication throughput (block bytes / publish time), GB/s.
     publish_gb_s: f64,
     /// A staged restore: its host half (`stage_restore`: checks and assembly, the part an
-    /// engine's I/O worker does), ms a block.
-    stage_ms_per_block: f64,
+    /// engine's I/O worker does), ms a block. `None` where the run is larger than a staging
+    /// may hold on a GPU (an engine restores such a run through its pipeline instead).
+    stage_ms_per_block: Option<f64>,
     /// Its install (`restore_staged`, arrays made real: the engine thread's part), ms a
-    /// block.
-    install_ms_per_block: f64,
+    /// block; `None` where the run was not staged.
+    install_ms_per_block: Option<f64>,
     /// One device array of the same bytes read to the host, GB/s.
     device_to_host_gb_s: f64,
 }
@@ -765,14 +766,15 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             Ok(())
         })?;
         // The same restore staged: the host half and the install timed apart, each rep
-        // on a fresh empty cache.
+        // on a fresh empty cache. A run larger than a staging may hold (on a GPU) is not
+        // staged, and its row says so.
         let (mut stage_t, mut install_t) = (Vec::new(), Vec::new());
         for _ in 0..if quick { 2 } else { 5 } {
             let empty = PagedKvCache::new(layers, config)?;
             let t = Instant::now();
-            let staged = empty
-                .stage_restore(&published)?
-                .ok_or_else(|| anyhow::anyhow!("a float cache without layer states stages"))?;
+            let Some(staged) = empty.stage_restore(&published)? else {
+                break;
+            };
             stage_t.push(t.elapsed());
             let t = Instant::now();
             let r = empty.restore_staged(staged, &published)?;
@@ -786,7 +788,10 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
                 anyhow::bail!("the staged restore was not installed ({} blocks)", r.blocks);
             }
         }
-        let (stage, install) = (median_of(&mut stage_t), median_of(&mut install_t));
+        let per_block = |times: &mut Vec<Duration>| {
+            (!times.is_empty()).then(|| median_of(times).as_secs_f64() * 1e3 / blocks as f64)
+        };
+        let (stage, install) = (per_block(&mut stage_t), per_block(&mut install_t));
         let block_bytes = published.first().map_or(0, |b| b.data_len() as usize);
         let total = block_bytes * blocks;
         let host = vec![1u8; total];
@@ -822,11 +827,16 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             restore_gb_s,
             host_to_device_gb_s: h2d_gb_s,
             restore_share: restore_gb_s / h2d_gb_s,
-            stage_ms_per_block: stage.as_secs_f64() * 1e3 / blocks as f64,
-            install_ms_per_block: install.as_secs_f64() * 1e3 / blocks as f64,
+            stage_ms_per_block: stage,
+            install_ms_per_block: install,
         });
     }
     Ok(rows)
+}
+
+/// A staged restore's column: its time, or why there is none.
+fn staged_ms(ms: Option<f64>) -> String {
+    ms.map_or_else(|| "not staged".to_string(), |ms| format!("{ms:.3}ms"))
 }
 
 /// Runs the cache benchmark and prints a table or JSON.
@@ -929,7 +939,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     for r in &report.blocks {
         println!(
-            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>10.3}ms {:>10.3}ms",
+            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>12} {:>12}",
             if r.direct { "direct" } else { "mlx" },
             r.layers,
             r.block_size,
@@ -942,8 +952,8 @@ pub fn run(args: Args) -> Result<()> {
             r.restore_share,
             r.publish_gb_s,
             r.device_to_host_gb_s,
-            r.stage_ms_per_block,
-            r.install_ms_per_block
+            staged_ms(r.stage_ms_per_block),
+            staged_ms(r.install_ms_per_block)
         );
     }
     if !report.share.is_empty() {
