@@ -31,14 +31,14 @@ pub fn copy_runs_kernel_built() -> bool {
 }
 
 /// Whether [`copy_token_runs`] copies on a GPU in one node: the kernel is built and
-/// `KVSTORE_COPY_RUNS=1` (read once). Off by default until measured: on an H100 (session 44)
-/// its copies were byte-identical to the per-part ones, but that build put the outputs in
-/// CUDA managed memory and the trace's cache arm ran slower; the outputs now share a
-/// buffer an MLX op made in device memory, which no GPU has run yet.
+/// `KVSTORE_COPY_RUNS=0` is not set (read once). On an H100 (session 45) its copies were
+/// byte-identical to the per-part ones for every tensor of 200 published blocks, and the
+/// trace's cache arm ran at 0.92x the per-part build's TTFT P50 and 0.87x its P99
+/// (docs/benchmarks.md).
 pub fn copy_runs_on_gpu() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
-        copy_runs_kernel_built() && std::env::var("KVSTORE_COPY_RUNS").is_ok_and(|v| v == "1")
+        copy_runs_kernel_built() && std::env::var("KVSTORE_COPY_RUNS").map_or(true, |v| v != "0")
     })
 }
 
@@ -46,7 +46,7 @@ pub fn copy_runs_on_gpu() -> bool {
 /// fresh memory (the node's outputs share one new buffer without overlapping), so later
 /// writes to the source (in place or not) never reach it.
 /// One graph node for all of them where the default device has the node's evaluation (the
-/// CPU, or a CUDA build with the kernel switched on: [`copy_runs_on_gpu`]); a copy each
+/// CPU, or a CUDA build with the kernel not switched off: [`copy_runs_on_gpu`]); a copy each
 /// elsewhere.
 pub fn copy_token_runs(runs: &[TokenRun<'_>]) -> Result<Vec<Array>> {
     if runs.is_empty() {

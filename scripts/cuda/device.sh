@@ -479,7 +479,7 @@ case "$step" in
   cr) # the publication node on the GPU, after x1 and x2: the same prompt published with
       # KVSTORE_COPY_RUNS=1 (one node) and =0 (a copy per part) into two stores, whose blocks
       # must be byte-identical (scripts/cuda/compare_stores.py); then the trace pair with the
-      # node as a third arm: ARMS="cache cache+runs nocache" ENV_runs="KVSTORE_COPY_RUNS=1"
+      # node off as a third arm: ARMS="cache cache+parts nocache" ENV_parts="KVSTORE_COPY_RUNS=0"
       # MODEL=llama8b WINDOW=60..150 SCALE=0.125 device.sh pt
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
