@@ -1000,6 +1000,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn block_rows_time_the_staged_restore_where_the_run_is_staged() {
+        // The CPU stages every run; a GPU leaves runs over its staging bound out, and the
+        // row says so instead of ending the benchmark.
+        let rows = block_rows_on(true, false).unwrap();
+        let shapes: Vec<(usize, usize)> = rows.iter().map(|r| (r.block_size, r.blocks)).collect();
+        assert_eq!(shapes, [(16, 4), (64, 4)]);
+        for r in &rows {
+            assert!(
+                r.stage_ms_per_block.is_some_and(|ms| ms > 0.0),
+                "{}",
+                r.block_size
+            );
+            assert!(
+                r.install_ms_per_block.is_some_and(|ms| ms > 0.0),
+                "{}",
+                r.block_size
+            );
+        }
+        assert_eq!(staged_ms(None), "not staged");
+        assert_eq!(staged_ms(Some(1.23456)), "1.235ms");
+    }
+
+    #[test]
     fn the_share_rows_compare_a_shared_hit_with_a_fork_of_the_same_tokens() {
         let shared = share_hit(64, true).unwrap();
         assert_eq!(shared.shared_prefix().map(|(_, t)| t), Some(64));
