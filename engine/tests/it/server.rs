@@ -1355,10 +1355,13 @@ fn the_step_log_times_admission_and_publication() {
     }
 }
 
-/// While a row decodes, a 64-token prompt (eight 8-token chunks) and an 8-token one are
-/// admitted: prefilling the fewest new tokens first, the short prompt's chunk runs before
-/// the long prompt's last; in arrival order, after it (the long prompt's chunks fill each
-/// step's budget, so the short one cannot ride along).
+/// While a row decodes, a 64-token prompt (eight 8-token chunks) starts prefilling and an
+/// 8-token one arrives: prefilling the fewest new tokens first, the short prompt's chunk
+/// runs before the long prompt's last; in arrival order, after it (the long prompt's chunks
+/// fill each step's budget, so the short one cannot ride along). The short prompt is
+/// submitted once the step log shows the long one's first chunk: submitted together, a
+/// loaded machine could finish the short one's lookup first, and admission rightly passes
+/// over a request still loading.
 #[test]
 fn the_prefill_order_decides_whether_a_short_prompt_passes_a_long_one() {
     for (order, passes) in [
@@ -1381,6 +1384,7 @@ fn the_prefill_order_decides_whether_a_short_prompt_passes_a_long_one() {
         let long = engine
             .submit(Request::new(distinct_ids(64, 2), no_eos(2)))
             .unwrap();
+        wait_prefilling(&engine, long.id());
         let short = engine
             .submit(Request::new(distinct_ids(8, 3), no_eos(2)))
             .unwrap();
@@ -1676,6 +1680,20 @@ fn fewest_new_engine(dir: &std::path::Path, max_batch: usize, prefill_chunk: usi
 }
 
 /// Waits for `h`'s first token (panics on a failure or an end without one).
+/// Waits until the step log shows a step that prefilled (part of) request `id`'s prompt.
+fn wait_prefilling(engine: &Engine, id: u64) {
+    let t = Instant::now();
+    while !engine.step_log().iter().any(|s| {
+        s.prefilled.is_some_and(|(p, _)| p == id) || s.riders.iter().any(|(p, _)| *p == id)
+    }) {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "request {id} did not start prefilling"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {
         match h.recv_blocking() {
