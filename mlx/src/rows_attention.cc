@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -123,6 +124,29 @@ void rows_attend_cpu(const std::vector<mx::array>& in, const std::vector<RowMeta
                    rust::Slice<float>(out, n));
 }
 
+// Where the rows' inputs are: after q, k and v, each row's key and value arenas and, with a
+// shared prefix, the prefix's keys and values. `longest`: the longest row's whole sequence
+// (prefix, own keys, the new one); `end`: the index after the last row input (a scratch for
+// the partials may follow).
+struct RowSpans {
+  int64_t longest = 1;
+  size_t end = 3;
+};
+
+RowSpans row_spans(const std::vector<RowMeta>& rows, const std::vector<mx::array>& inputs) {
+  RowSpans s;
+  for (const RowMeta& row : rows) {
+    s.end += 2;
+    int64_t plen = 0;
+    if (row.prefix) {
+      plen = inputs[s.end].shape(2);
+      s.end += 2;
+    }
+    s.longest = std::max<int64_t>(s.longest, plen + row.len + 1);
+  }
+  return s;
+}
+
 // The keys each split of the partial kernel takes and how many splits the longest row needs:
 // splits of 64 keys and more, doubled until at most 2,048 blocks of work.
 std::pair<int, int> split_of(int b, int hkv, int64_t longest) {
@@ -201,20 +225,8 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
   Kernels kern = kernels(q.dtype(), d, nrep);
 
   // Each row's whole sequence (prefix, own keys, the new one) and the split size.
-  int64_t longest = 1;
-  std::vector<int> plens(b, 0);
-  {
-    size_t at = 3;
-    for (int r = 0; r < b; ++r) {
-      at += 2;
-      if (rows[r].prefix) {
-        plens[r] = inputs[at].shape(2);
-        at += 2;
-      }
-      longest = std::max<int64_t>(longest, plens[r] + rows[r].len + 1);
-    }
-  }
-  const auto [chunk, splits] = split_of(b, hkv, longest);
+  const RowSpans spans = row_spans(rows, inputs);
+  const auto [chunk, splits] = split_of(b, hkv, spans.longest);
 
   // No buffer from allocator::malloc, which on CUDA is managed memory (and moving a recycled
   // device buffer there synchronizes the device: docs/benchmarks.md, session 44). The output
@@ -223,9 +235,7 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
   // thread's scratch, the node's last input, made by an MLX op.
   // Without a scratch input (KVSTORE_DECODE_ALLOC=0) both come from allocator::malloc, as
   // before, for measuring both.
-  size_t expected = 3;
-  for (const RowMeta& m : rows) expected += m.prefix ? 4 : 2;
-  const bool scratched = inputs.size() == expected + 1;
+  const bool scratched = inputs.size() == spans.end + 1;
   if (scratched && q.is_donatable() && q.flags().row_contiguous && q.itemsize() == out.itemsize() &&
       q.size() == out.size()) {
     out.copy_shared_buffer(q);
@@ -335,13 +345,12 @@ void rows_attend_gpu(mx::Stream, const std::vector<mx::array>&, mx::array&, floa
 // once and again only when a step needs more. Nodes write it in stream order (each declares
 // it as an output), and consecutive layers depend on each other anyway.
 mx::array partial_scratch(size_t n, mx::Stream stream) {
-  thread_local std::vector<mx::array> scratch;
-  if (scratch.empty() || scratch.back().size() < n) {
-    const size_t want = std::max<size_t>(n, scratch.empty() ? size_t(1) << 16 : scratch.back().size() * 2);
-    scratch.clear();
-    scratch.push_back(mx::zeros({int(want)}, mx::float32, stream));
+  thread_local std::optional<mx::array> scratch;
+  if (!scratch || scratch->size() < n) {
+    const size_t want = std::max<size_t>(n, scratch ? scratch->size() * 2 : size_t(1) << 16);
+    scratch = mx::zeros({int(want)}, mx::float32, stream);
   }
-  return scratch.back();
+  return *scratch;
 }
 
 class RowsDecodeAttention : public mx::UnaryPrimitive {
@@ -444,14 +453,7 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
   }();
   if (device != mx::Device::cpu && scratch_on) {
     // The partials' scratch (see rows_attend_gpu), sized as the kernel will split the rows.
-    int64_t longest = 1;
-    size_t in = 3;
-    for (int r = 0; r < b; ++r) {
-      const int64_t plen = rows[r].prefix ? inputs[in + 2].shape(2) : 0;
-      in += rows[r].prefix ? 4 : 2;
-      longest = std::max<int64_t>(longest, plen + rows[r].len + 1);
-    }
-    const int splits = split_of(b, ka.shape(1), longest).second;
+    const int splits = split_of(b, ka.shape(1), row_spans(rows, inputs).longest).second;
     inputs.push_back(partial_scratch(size_t(b) * qa.shape(1) * splits * (d + 2), stream));
   }
   return std::make_unique<Array>(Array{mx::array(
