@@ -25,6 +25,7 @@
 use mlx::{Array, HostBuffer, RowsWrite};
 use store::{Block, BlockMeta, Plane, PlaneSpec};
 
+use crate::block_memory::PinnedChunk;
 use crate::pool::BlockShape;
 use rayon::prelude::*;
 
@@ -203,17 +204,32 @@ fn split_run(
     blocks: usize,
     bs: usize,
     row_bytes: usize,
-) -> Vec<Vec<u8>> {
+) -> Vec<bytes::Bytes> {
     let block_rows = bs * row_bytes;
     let head_stride = blocks * block_rows;
+    let rows = |b: usize, h: usize| {
+        let start = h * head_stride + b * block_rows;
+        &bytes[start..start + block_rows]
+    };
     (0..blocks)
         .map(|b| {
+            // In page-locked block memory where the engine allows it (a restore from RAM
+            // then reads the plane where it lies), else ordinary memory.
+            if let Some(mut chunk) = PinnedChunk::take(heads * block_rows) {
+                for (h, dst) in chunk
+                    .as_mut()
+                    .chunks_exact_mut(block_rows.max(1))
+                    .enumerate()
+                {
+                    dst.copy_from_slice(rows(b, h));
+                }
+                return bytes::Bytes::from_owner(chunk);
+            }
             let mut out = Vec::with_capacity(heads * block_rows);
             for h in 0..heads {
-                let start = h * head_stride + b * block_rows;
-                out.extend_from_slice(&bytes[start..start + block_rows]);
+                out.extend_from_slice(rows(b, h));
             }
-            out
+            out.into()
         })
         .collect()
 }
@@ -1038,9 +1054,10 @@ mod tests {
             .flat_map(|h| (0..6u8).map(move |t| 10 * h + t))
             .collect();
         let blocks = split_run(&bytes, 2, 3, 2, 1);
+        let blocks: Vec<&[u8]> = blocks.iter().map(|b| b.as_ref()).collect();
         assert_eq!(
             blocks,
-            vec![vec![0, 1, 10, 11], vec![2, 3, 12, 13], vec![4, 5, 14, 15]]
+            [&[0, 1, 10, 11][..], &[2, 3, 12, 13], &[4, 5, 14, 15]]
         );
     }
 }

@@ -18,6 +18,7 @@
 //! - [`attention_mask`]: causal and sliding-window masks for a step.
 
 mod batch_arena;
+mod block_memory;
 mod chain;
 mod contiguous;
 mod error;
@@ -36,6 +37,7 @@ mod staged;
 mod state;
 mod transfer_pool;
 
+pub use block_memory::{allow_block_memory, block_memory, BlockMemory};
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;

@@ -13,6 +13,7 @@
 use std::ops::Range;
 use std::sync::Mutex;
 
+use mlx::host_upload::GatherRow;
 use mlx::{Array, HostBuffer, PinnedBuffer, RowsWrite};
 use rayon::prelude::*;
 use store::Block;
@@ -148,6 +149,76 @@ enum Bytes {
         buffer: Staging,
         ranges: Vec<Range<usize>>,
     },
+    /// Every block in page-locked block memory (cache/src/block_memory.rs): per part, a
+    /// range of one table of rows ([`GatherRow`]) that a node reads where they lie (CUDA).
+    Gather(Option<Gathered>),
+}
+
+/// What a gather's nodes read: the table (page-locked, from the staging pool) and the
+/// blocks whose planes its rows point into, held until the device has read them.
+struct Gathered {
+    table: Staging,
+    rows: usize,
+    ranges: Vec<Range<usize>>,
+    _blocks: Vec<Block>,
+}
+
+impl Gathered {
+    /// The table's rows.
+    fn table(&self) -> &[GatherRow] {
+        let bytes = &self.table[..self.rows * std::mem::size_of::<GatherRow>()];
+        // SAFETY: the table was written as `rows` `GatherRow`s (plain `repr(C)` pairs of
+        // u64) at the start of a page-aligned buffer, which outlives the borrow.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<GatherRow>(), self.rows) }
+    }
+
+    /// The table for `parts` of `blocks`, if every row it names lies in page-locked block
+    /// memory and a page-locked buffer is free for it; `None` otherwise (the run is staged
+    /// the ordinary way).
+    fn new<B: AsRef<Block>>(
+        blocks: &[B],
+        run_parts: &[RunPart<'_>],
+    ) -> Result<Option<Self>, CacheError> {
+        let mut table: Vec<GatherRow> = Vec::new();
+        let mut ranges = Vec::with_capacity(run_parts.len());
+        for p in run_parts {
+            let (heads, _, _, block_rows) = p.layout()?;
+            let pitch = p.capacity() * block_rows;
+            let first = table.len();
+            for h in 0..heads {
+                for (b, plane) in p.planes.iter().enumerate() {
+                    let Some(i) = plane else { continue };
+                    let data = &blocks[b].as_ref().planes[*i].data;
+                    let Some(rows) = data.get(h * block_rows..(h + 1) * block_rows) else {
+                        return Ok(None);
+                    };
+                    if !crate::block_memory::is_block_memory(rows) {
+                        return Ok(None);
+                    }
+                    table.push(GatherRow {
+                        src: rows.as_ptr() as u64,
+                        at: (h * pitch + b * block_rows) as u64,
+                    });
+                }
+            }
+            ranges.push(first..table.len());
+        }
+        let len = std::mem::size_of_val(table.as_slice());
+        let mut buffer = Staging::take(len);
+        if !matches!(buffer, Staging::Pinned(_)) {
+            return Ok(None);
+        }
+        for (dst, row) in buffer.bytes_mut().chunks_exact_mut(16).zip(&table) {
+            dst[..8].copy_from_slice(&row.src.to_ne_bytes());
+            dst[8..].copy_from_slice(&row.at.to_ne_bytes());
+        }
+        Ok(Some(Self {
+            table: buffer,
+            rows: table.len(),
+            ranges,
+            _blocks: blocks.iter().map(|b| b.as_ref().clone()).collect(),
+        }))
+    }
 }
 
 /// Host memory for [`Bytes::Rows`]: page-locked from the pool where the driver allows it.
@@ -210,6 +281,8 @@ struct Part {
     dtype: mlx::Dtype,
     /// Rows of the blocks alone (for [`Bytes::Rows`]): width, height and pitch in bytes.
     rows: (usize, usize, usize),
+    /// Bytes of one head's rows of one block (a row of [`Bytes::Gather`]).
+    block_rows: usize,
 }
 
 /// The host half of a restore, done ahead ([`crate::PagedKvCache::stage_restore`]): the
@@ -248,6 +321,12 @@ impl StagedRestore {
         self.seconds
     }
 
+    /// Whether the install reads the blocks where they lie (every plane in page-locked
+    /// block memory: one gather node per layer part) rather than from an assembled copy.
+    pub fn reads_in_place(&self) -> bool {
+        matches!(self.bytes, Bytes::Gather(Some(_)))
+    }
+
     /// Assembles every part of `parts` from `blocks`: whole arrays on the CPU (and on a GPU
     /// without direct transfers), the blocks' rows alone where the driver writes them
     /// into zeros on the device. Host memory only; large parts use the thread pool.
@@ -274,10 +353,22 @@ impl StagedRestore {
                     heads,
                     p.capacity() * block_rows,
                 ),
+                block_rows,
             });
             sizes.push(p.bytes(p.planes.len())?);
         }
         let rows = mlx::default_device()? != mlx::Device::Cpu && mlx::direct_transfers();
+        if rows && mlx::host_upload::upload_rows_on() {
+            if let Some(g) = Gathered::new(blocks, run_parts)? {
+                return Ok(Some(Self {
+                    base,
+                    plan,
+                    parts,
+                    bytes: Bytes::Gather(Some(g)),
+                    seconds: seconds_before + t.elapsed().as_secs_f64(),
+                }));
+            }
+        }
         let total: usize = sizes.iter().sum();
         if rows && !stages_rows(total) {
             return Ok(None);
@@ -330,6 +421,34 @@ impl StagedRestore {
     /// once. `None` where the driver found no buffer to write into (the caller restores
     /// the ordinary way).
     pub(crate) fn upload(&mut self) -> Result<Option<Vec<Array>>, CacheError> {
+        if let Bytes::Gather(g) = &mut self.bytes {
+            let Some(g) = g.take() else {
+                return Ok(None);
+            };
+            let owner = std::sync::Arc::new(g);
+            let table = owner.table();
+            let arrays = self
+                .parts
+                .iter()
+                .zip(&owner.ranges)
+                .map(|(p, r)| {
+                    // SAFETY: the owner holds the table (page-locked staging) and the blocks
+                    // whose page-locked planes its rows point into, unchanged, until the
+                    // node gives it back.
+                    let a = unsafe {
+                        mlx::host_upload::gather_rows(
+                            &p.shape,
+                            p.dtype,
+                            owner.clone(),
+                            &table[r.clone()],
+                            p.block_rows,
+                        )
+                    };
+                    Ok(a?)
+                })
+                .collect::<Result<Vec<_>, CacheError>>()?;
+            return Ok(Some(arrays));
+        }
         if let Bytes::Rows { buffer, ranges } = &mut self.bytes {
             if matches!(buffer, Staging::Pinned(_)) && mlx::host_upload::upload_rows_on() {
                 let owner =
@@ -355,6 +474,8 @@ impl StagedRestore {
             }
         }
         match &mut self.bytes {
+            // Taken above.
+            Bytes::Gather(_) => Ok(None),
             Bytes::Whole(bufs) => {
                 let bufs = std::mem::take(bufs);
                 let arrays = bufs

@@ -965,6 +965,73 @@ fn staged_equals_batch(
     )
 }
 
+/// Where published blocks live in page-locked block memory (an engine on a GPU allows it),
+/// the staged restore reads them where they lie, one gather node per layer part, and the
+/// cache it installs equals the batch restore's; a mixed run (one block in ordinary
+/// memory) assembles as before. On the CPU nothing is page-locked, so every run assembles:
+/// the test checks that too, and says so.
+#[test]
+fn a_restore_from_page_locked_blocks_reads_them_in_place_and_equals_the_batch_restore() {
+    let mut r = rng("a_restore_from_page_locked_blocks_reads_them_in_place");
+    let (layers, bs, n) = (3, 16, 9);
+    cache::allow_block_memory(256 << 20);
+    let gpu = mlx::default_device().unwrap() != mlx::Device::Cpu
+        && mlx::direct_transfers()
+        && mlx::host_upload::upload_rows_on();
+    if !gpu {
+        eprintln!("CPU: no page-locked block memory; checking that every restore assembles");
+    }
+    for (format, dtype) in [
+        (KvFormat::Float, Dtype::F32),
+        (KvFormat::Float, Dtype::BF16),
+        (KvFormat::KV4, Dtype::F32),
+    ] {
+        let ns = namespace(layers, bs, format, dtype).id();
+        let good = publish_random(
+            &mut r,
+            layers,
+            config(bs, format),
+            dtype,
+            ns,
+            &(0..(n * bs) as u32).collect::<Vec<_>>(),
+        );
+        let fresh = PagedKvCache::new(layers, config(bs, format)).unwrap();
+        let what = format!("{format:?} {dtype}");
+        let staged = fresh
+            .stage_restore(&good)
+            .unwrap()
+            .expect("a cache without layer states stages");
+        assert_eq!(staged.reads_in_place(), gpu, "{what}");
+        if gpu {
+            assert!(
+                cache::block_memory().in_use > 0,
+                "{what}: the planes are page-locked"
+            );
+        }
+        let installed = fresh.clone().restore_staged(staged, &good).unwrap();
+        let batch = fresh.clone().restore_onto(&good).unwrap();
+        assert!(installed.staged, "{what}");
+        assert_eq!(assert_same_restore(&installed, &batch, &what), n);
+        // One block copied into ordinary memory: the run assembles, with the same outcome.
+        let mut mixed = good.clone();
+        let mut copy = (*mixed[4]).clone();
+        for p in &mut copy.planes {
+            p.data = bytes::Bytes::from(p.data.to_vec());
+        }
+        mixed[4] = Arc::new(copy);
+        let staged = fresh.stage_restore(&mixed).unwrap().expect("stages");
+        assert!(
+            !staged.reads_in_place(),
+            "{what}: a block in ordinary memory"
+        );
+        let installed = fresh.clone().restore_staged(staged, &mixed).unwrap();
+        assert_eq!(
+            assert_same_restore(&installed, &batch, &format!("{what} mixed")),
+            n
+        );
+    }
+}
+
 #[test]
 fn a_restore_staged_on_another_thread_equals_the_batch_restore() {
     let mut r = rng("a_restore_staged_on_another_thread_equals_the_batch_restore");

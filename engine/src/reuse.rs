@@ -232,6 +232,27 @@ fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: C
     }
 }
 
+/// Page-locked host memory published blocks may take (cache::allow_block_memory): what the
+/// RAM tier and its write-behind queue hold, at most [`MAX_PINNED_BLOCK_BYTES`];
+/// `KVSTORE_PINNED_BLOCKS_MIB` sets it (0: none, every restore from RAM assembles).
+fn pinned_block_bytes(store: &store::StoreConfig) -> usize {
+    if let Some(mib) = std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+    {
+        return mib << 20;
+    }
+    let held = store.ram_budget.saturating_add(store.queue_bytes);
+    usize::try_from(held)
+        .unwrap_or(usize::MAX)
+        .min(MAX_PINNED_BLOCK_BYTES)
+}
+
+/// The most host memory blocks are page-locked in by default: page-locking is a driver
+/// call, made as publication needs it (a 64 MiB slab at a time), beside the engine
+/// thread's launches.
+const MAX_PINNED_BLOCK_BYTES: usize = 8 << 30;
+
 /// Bytes of one block of `description` (every plane, layer states included), at least 1.
 fn block_bytes(description: &NamespaceDescription) -> u64 {
     description
@@ -1341,6 +1362,9 @@ impl KvTiers {
     /// driver call, which can hold up the engine thread's launches while it runs.
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
         if self.host_tiers {
+            if mlx::direct_transfers() {
+                cache::allow_block_memory(pinned_block_bytes(self.store.config()));
+            }
             let locked = cache::prewarm_staging() + cache::prewarm_scratch(2);
             if locked > 0 {
                 tracing::debug!(

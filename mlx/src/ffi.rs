@@ -280,6 +280,14 @@ pub(crate) mod ffi {
             pitch: usize,
             token: u64,
         ) -> Result<UniquePtr<Array>>;
+        fn host_rows_gather(
+            shape: &[i32],
+            dtype: u8,
+            table: usize,
+            entries: usize,
+            width: usize,
+            token: u64,
+        ) -> Result<UniquePtr<Array>>;
         fn rows_decode_attention(
             q: &Array,
             k: &Array,

@@ -12,6 +12,10 @@
 // (or when the node is dropped unevaluated) the Rust side is told it may reuse them
 // (`release_host_rows`). On the CPU the same node copies the rows on the CPU stream's thread.
 //
+// `HostRowsGather` is the same node for rows scattered over many host buffers: a table of
+// (source address, offset in the output) pairs, each a row of `width` bytes, so that blocks
+// the host tier keeps in page-locked memory are read where they lie, with no assembly.
+//
 // What it relies on (MLX 0.32.4's CUDA backend, headers in the wheel): the symbols
 // rows_attention.cc lists, and `CommandEncoder::add_completed_handler`, exported by libmlx.
 // The kernel is compiled by NVRTC (nvrtc.h) once per device.
@@ -59,6 +63,25 @@ void copy_rows_host(const Source& s, uint8_t* out) {
   for (size_t r = 0; r < s.height; ++r) std::memcpy(out + r * s.pitch, s.src + r * s.width, s.width);
 }
 
+// The rows of one gather node: `entries` pairs at `table` (a row's source address, then
+// its offset in the output), each row `width` bytes. Tells the Rust side when the node is
+// done with the table and the rows.
+struct GatherSource {
+  const uint64_t* table;
+  size_t entries, width;
+  uint64_t token;
+  GatherSource(const uint64_t* t, size_t e, size_t w, uint64_t tok) : table(t), entries(e), width(w), token(tok) {}
+  GatherSource(const GatherSource&) = delete;
+  GatherSource& operator=(const GatherSource&) = delete;
+  ~GatherSource() { release_host_rows(token); }
+};
+
+void gather_rows_host(const GatherSource& s, uint8_t* out) {
+  for (size_t e = 0; e < s.entries; ++e) {
+    std::memcpy(out + s.table[2 * e + 1], reinterpret_cast<const uint8_t*>(s.table[2 * e]), s.width);
+  }
+}
+
 #ifdef KVSTORE_CUDA
 
 namespace cu = mlx::core::cu;
@@ -81,20 +104,55 @@ extern "C" __global__ void host_rows(const unsigned char* __restrict__ src,
     }
   }
 }
+// One thread block per table entry at a time: its first thread reads the entry (host
+// memory, over the bus) once for the block, then the block copies the row.
+extern "C" __global__ void host_gather(const unsigned long long* __restrict__ table,
+                                       unsigned char* __restrict__ dst,
+                                       unsigned long long width, unsigned long long entries, int words) {
+  __shared__ unsigned long long entry[2];
+  const unsigned long long unit = words ? 16 : 1, per_row = width / unit;
+  for (unsigned long long e = blockIdx.x; e < entries; e += gridDim.x) {
+    if (threadIdx.x == 0) {
+      entry[0] = table[2 * e];
+      entry[1] = table[2 * e + 1];
+    }
+    __syncthreads();
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(entry[0]);
+    unsigned char* out = dst + entry[1];
+    for (unsigned long long i = threadIdx.x; i < per_row; i += blockDim.x) {
+      if (words) {
+        reinterpret_cast<Word*>(out)[i] = reinterpret_cast<const Word*>(src)[i];
+      } else {
+        out[i] = src[i];
+      }
+    }
+    __syncthreads();
+  }
+}
 )";
 
 void* lookup(const char* name) { return nvrtc::lookup(name, "the host rows upload"); }
 
-// The kernel on the current device, compiled once per process and device.
-CUfunction host_rows_kernel() {
+// The kernels on the current device (`host_rows`, `host_gather`), compiled once per
+// process and device.
+const std::vector<CUfunction>& host_rows_kernels() {
   static std::mutex mu;
-  static std::map<int, CUfunction> cache;
+  static std::map<int, std::vector<CUfunction>> cache;
   const CUdevice dev = nvrtc::current_device();
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(int(dev)); it != cache.end()) return it->second;
-  CUfunction f = nvrtc::compile(kSource, "kvstore_host_rows.cu", {"host_rows"}, "the host rows upload")[0];
-  cache.emplace(int(dev), f);
-  return f;
+  auto fs = nvrtc::compile(kSource, "kvstore_host_rows.cu", {"host_rows", "host_gather"}, "the host rows upload");
+  return cache.emplace(int(dev), std::move(fs)).first->second;
+}
+
+CUfunction host_rows_kernel() { return host_rows_kernels()[0]; }
+
+// Whether the device reads page-locked host memory at its host address (unified
+// addressing: every 64-bit Linux GPU MLX's CUDA backend runs on).
+bool unified_addressing() {
+  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
+  int unified = 0;
+  return attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, nvrtc::current_device()) == 0 && unified;
 }
 
 void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::array& zeros, mx::array& out) {
@@ -106,9 +164,7 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx
   if (device_pointer(&src, const_cast<uint8_t*>(source->src), 0) != 0) {
     // Under unified addressing a mapped page-locked buffer has the same address on both
     // sides (the call may refuse an address inside an allocation rather than its start).
-    auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
-    int unified = 0;
-    if (attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, nvrtc::current_device()) != 0 || !unified) {
+    if (!unified_addressing()) {
       throw std::runtime_error("the host rows are not page-locked memory the device can read");
     }
     src = reinterpret_cast<CUdeviceptr>(source->src);
@@ -131,11 +187,43 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx
   enc.add_completed_handler([source]() {});
 }
 
+void host_gather_gpu(mx::Stream s, const std::shared_ptr<GatherSource>& source, const mx::array& zeros,
+                     mx::array& out) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  // The table and the rows are page-locked host memory (the caller's contract), read at
+  // their host addresses.
+  if (!unified_addressing()) {
+    throw std::runtime_error("this device cannot read page-locked host memory at its host address");
+  }
+  out.copy_shared_buffer(zeros);
+  enc.set_input_array(zeros);
+  enc.set_output_array(out);
+  unsigned long long width = source->width, entries = source->entries;
+  void* dst = mx::gpu_ptr<void>(out);
+  int words = width % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  for (size_t e = 0; words && e < source->entries; ++e) {
+    words = source->table[2 * e] % 16 == 0 && source->table[2 * e + 1] % 16 == 0;
+  }
+  const unsigned int blocks = unsigned(std::min<unsigned long long>(entries, 8192));
+  const void* tp = source->table;
+  void* args[] = {&tp, &dst, &width, &entries, &words};
+  enc.add_kernel_node_raw(host_rows_kernels()[1], dim3(std::max(blocks, 1u), 1, 1), dim3(256, 1, 1),
+                          dim3(1, 1, 1), 0, args);
+  enc.add_completed_handler([source]() {});
+}
+
 #else  // KVSTORE_CUDA
 
 void host_rows_gpu(mx::Stream, const std::shared_ptr<Source>&, const mx::array&, mx::array&) {
   throw std::runtime_error(
       "this build has no host rows upload for the GPU (build with the CUDA backend's headers: "
+      "scripts/cuda/build.sh)");
+}
+
+void host_gather_gpu(mx::Stream, const std::shared_ptr<GatherSource>&, const mx::array&, mx::array&) {
+  throw std::runtime_error(
+      "this build has no host rows gather for the GPU (build with the CUDA backend's headers: "
       "scripts/cuda/build.sh)");
 }
 
@@ -162,6 +250,30 @@ class HostRowsUpload : public mx::UnaryPrimitive {
 
  private:
   std::shared_ptr<Source> source_;
+};
+
+class HostRowsGather : public mx::UnaryPrimitive {
+ public:
+  HostRowsGather(mx::Stream s, std::shared_ptr<GatherSource> source)
+      : mx::UnaryPrimitive(s), source_(std::move(source)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.copy_shared_buffer(inputs[0]);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(inputs[0]);
+    encoder.set_output_array(out);
+    encoder.dispatch([source = source_, op = out.data<uint8_t>()]() { gather_rows_host(*source, op); });
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    host_gather_gpu(stream(), source_, inputs[0], out);
+  }
+
+  const char* name() const override { return "HostRowsGather"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  std::shared_ptr<GatherSource> source_;
 };
 
 }  // namespace
@@ -198,6 +310,32 @@ std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_
   auto zeros = mx::zeros(dims, dt, stream);
   return std::make_unique<Array>(
       Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsUpload>(stream, std::move(source)), {zeros})});
+}
+
+std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_t dtype, size_t table,
+                                        size_t entries, size_t width, uint64_t token) {
+  // The source is made first, so that every refusal below still hands the bytes back.
+  auto source = std::make_shared<GatherSource>(reinterpret_cast<const uint64_t*>(table), entries, width, token);
+  mx::Shape dims(shape.begin(), shape.end());
+  auto dt = dtype_from_code(dtype);
+  size_t elems = 1;
+  for (auto d : dims) {
+    if (d < 0) throw std::invalid_argument("a host rows gather of a negative dimension");
+    elems *= size_t(d);
+  }
+  const size_t nbytes = elems * mx::size_of(dt);
+  // Every row must land inside the output: the table is host memory, checked here once.
+  for (size_t e = 0; e < entries; ++e) {
+    const uint64_t at = source->table[2 * e + 1];
+    if (width > nbytes || at > nbytes - width) {
+      throw std::invalid_argument("a gathered row of " + std::to_string(width) + " bytes at " + std::to_string(at) +
+                                  " does not fit an array of " + std::to_string(nbytes) + " bytes");
+    }
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  auto zeros = mx::zeros(dims, dt, stream);
+  return std::make_unique<Array>(
+      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsGather>(stream, std::move(source)), {zeros})});
 }
 
 }  // namespace kvmlx

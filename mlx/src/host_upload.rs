@@ -90,23 +90,67 @@ where
         });
     };
     let (addr, len) = (src.as_ptr() as usize, src.len());
-    let token = NEXT.fetch_add(1, Ordering::Relaxed);
-    match LENT.lock() {
-        Ok(mut lent) => {
-            lent.get_or_insert_with(HashMap::new)
-                .insert(token, Box::new(owner));
-        }
-        Err(_) => {
-            return Err(Error::InvalidArgument {
-                op: "upload_rows",
-                message: "the registry of lent host bytes is poisoned".into(),
-            })
-        }
-    }
+    let token = lend("upload_rows", Box::new(owner))?;
     // From here the shim owns the lending: every outcome, an error included, releases it.
     Array::wrap(
         "upload_rows",
         ffi::host_rows_upload(shape, dtype.code(), addr, len, width, height, pitch, token),
+    )
+}
+
+/// Registers `owner` as lent to a node; returns its token.
+fn lend(op: &'static str, owner: Lent) -> Result<u64> {
+    let token = NEXT.fetch_add(1, Ordering::Relaxed);
+    match LENT.lock() {
+        Ok(mut lent) => {
+            lent.get_or_insert_with(HashMap::new).insert(token, owner);
+            Ok(token)
+        }
+        Err(_) => Err(Error::InvalidArgument {
+            op,
+            message: "the registry of lent host bytes is poisoned".into(),
+        }),
+    }
+}
+
+/// One row of [`gather_rows`]: `width` bytes at `src` go to byte `at` of the array.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct GatherRow {
+    /// The row's address in host memory.
+    pub src: u64,
+    /// Its byte offset in the array.
+    pub at: u64,
+}
+
+/// An array of `shape` and `dtype` holding zeros except the rows of `table`, each `width`
+/// bytes read from its `src` and placed at its `at`: computed when the array is evaluated,
+/// on the default device's stream, like [`upload_rows`] but from rows scattered over host
+/// memory (blocks a host tier keeps where they lie, with no assembly). `owner` is kept
+/// until the node has read the rows; rows that land outside the array are refused here.
+///
+/// # Safety
+///
+/// `table` and every row it names (`width` bytes from each `src`) must be memory that
+/// `owner` keeps alive and unchanged until it is dropped. On CUDA all of it must be
+/// page-locked memory the device can read ([`crate::PinnedBuffer`] and memory carved from
+/// one); on the CPU any memory.
+pub unsafe fn gather_rows<O>(
+    shape: &[i32],
+    dtype: Dtype,
+    owner: Arc<O>,
+    table: &[GatherRow],
+    width: usize,
+) -> Result<Array>
+where
+    O: Send + Sync + 'static,
+{
+    let (addr, entries) = (table.as_ptr() as usize, table.len());
+    let token = lend("gather_rows", Box::new(owner))?;
+    // From here the shim owns the lending: every outcome, an error included, releases it.
+    Array::wrap(
+        "gather_rows",
+        ffi::host_rows_gather(shape, dtype.code(), addr, entries, width, token),
     )
 }
 
@@ -137,6 +181,65 @@ mod tests {
         assert_eq!(got, expected(256, &src, 48, 2, 128));
         drop(a);
         assert_eq!(Arc::strong_count(&owner), 1, "the node gave the bytes back");
+    }
+
+    /// Rows of several buffers and their table, held together as a gather's owner.
+    struct Scattered {
+        _rows: Vec<Vec<u8>>,
+        table: Vec<GatherRow>,
+    }
+
+    #[test]
+    fn gathered_rows_land_at_their_offsets_with_zeros_elsewhere_and_come_back_once_read() {
+        // Three rows of 16 bytes in separate buffers, placed out of order in a [4, 16] u8
+        // array, one slot left zero.
+        let rows: Vec<Vec<u8>> = (0..3u8)
+            .map(|r| (0..16).map(|i| r * 40 + i + 1).collect())
+            .collect();
+        let table = vec![
+            GatherRow {
+                src: rows[0].as_ptr() as u64,
+                at: 32,
+            },
+            GatherRow {
+                src: rows[1].as_ptr() as u64,
+                at: 0,
+            },
+            GatherRow {
+                src: rows[2].as_ptr() as u64,
+                at: 48,
+            },
+        ];
+        let mut want = vec![0u8; 64];
+        for (r, g) in rows.iter().zip(&table) {
+            want[g.at as usize..g.at as usize + 16].copy_from_slice(r);
+        }
+        let owner = Arc::new(Scattered { _rows: rows, table });
+        // SAFETY: the owner keeps the rows and the table; on the CPU any memory is read.
+        let a =
+            unsafe { gather_rows(&[4, 16], Dtype::U8, owner.clone(), &owner.table, 16) }.unwrap();
+        assert_eq!(Arc::strong_count(&owner), 2);
+        assert_eq!(a.to_bytes().unwrap(), want);
+        drop(a);
+        assert_eq!(Arc::strong_count(&owner), 1, "the node gave the rows back");
+    }
+
+    #[test]
+    fn a_gathered_row_past_the_array_is_refused_and_its_owner_given_back() {
+        let row = vec![1u8; 16];
+        let table = vec![GatherRow {
+            src: row.as_ptr() as u64,
+            at: 56,
+        }];
+        let owner = Arc::new(Scattered {
+            _rows: vec![row],
+            table,
+        });
+        // SAFETY: as above.
+        let err = unsafe { gather_rows(&[4, 16], Dtype::U8, owner.clone(), &owner.table, 16) }
+            .unwrap_err();
+        assert!(err.to_string().contains("does not fit"), "{err}");
+        assert_eq!(Arc::strong_count(&owner), 1);
     }
 
     #[test]

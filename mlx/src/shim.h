@@ -151,6 +151,10 @@ mlx::core::Dtype dtype_from_code(uint8_t code);
 bool host_rows_kernel_built();
 std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_t dtype, size_t src, size_t len,
                                         size_t width, size_t height, size_t pitch, uint64_t token);
+// The same for rows scattered over host memory: `entries` (source address, output offset)
+// pairs at `table`, each row `width` bytes.
+std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_t dtype, size_t table,
+                                        size_t entries, size_t width, uint64_t token);
 
 // rows_attention.cc: one decode step's attention over every row's own arena (CUDA only).
 bool rows_attention_kernel_built();

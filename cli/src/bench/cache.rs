@@ -106,6 +106,11 @@ struct BlockRow {
     /// Its install (`restore_staged`, arrays made real: the engine thread's part), ms a
     /// block; `None` where the run was not staged.
     install_ms_per_block: Option<f64>,
+    /// Whether the staged restore read the blocks where they lie (page-locked block
+    /// memory, one gather node per layer part) instead of assembling them.
+    staged_in_place: bool,
+    /// Block bytes / (staging + install), GB/s; `None` where the run was not staged.
+    staged_gb_s: Option<f64>,
     /// One device array of the same bytes read to the host, GB/s.
     device_to_host_gb_s: f64,
 }
@@ -703,6 +708,12 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
     if !mlx::direct_transfers() {
         return block_rows_on(quick, false);
     }
+    // Published blocks in page-locked memory, as an engine's RAM tier keeps them on a GPU
+    // (the staged restore then reads them in place); KVSTORE_PINNED_BLOCKS_MIB=0 keeps them
+    // in ordinary memory, for the assembling path.
+    if std::env::var("KVSTORE_PINNED_BLOCKS_MIB").map_or(true, |v| v.trim() != "0") {
+        cache::allow_block_memory(4 << 30);
+    }
     let was = mlx::set_direct_transfers(true);
     let mut rows = block_rows_on(quick, true);
     mlx::set_direct_transfers(false);
@@ -748,6 +759,8 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
         // Each publish runs on a fresh clone (nothing published yet, buffers shared).
         let mut published: Vec<Arc<store::Block>> = Vec::new();
         let publish = median(if quick { 2 } else { 3 }, || {
+            // The last rep's blocks go first: their page-locked memory serves this one.
+            published.clear();
             published = cache
                 .clone()
                 .publish(&mut Chain::new(ns, block_size), &tokens)?
@@ -769,6 +782,7 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
         // on a fresh empty cache. A run larger than a staging may hold (on a GPU) is not
         // staged, and its row says so.
         let (mut stage_t, mut install_t) = (Vec::new(), Vec::new());
+        let (mut in_place, mut last_staged) = (false, None);
         for _ in 0..if quick { 2 } else { 5 } {
             let empty = PagedKvCache::new(layers, config)?;
             let t = Instant::now();
@@ -776,6 +790,7 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
                 break;
             };
             stage_t.push(t.elapsed());
+            in_place = staged.reads_in_place();
             let t = Instant::now();
             let r = empty.restore_staged(staged, &published)?;
             let mut all = Vec::new();
@@ -786,6 +801,21 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             install_t.push(t.elapsed());
             if !r.staged || r.blocks != blocks {
                 anyhow::bail!("the staged restore was not installed ({} blocks)", r.blocks);
+            }
+            last_staged = Some(r.cache);
+        }
+        // The staged path (in place or assembled) must restore the batch restore's bytes.
+        if let Some(staged) = last_staged.take() {
+            let batch = PagedKvCache::restore(layers, config, &published)?.cache;
+            for l in 0..layers {
+                let pools = staged.pool(l).into_iter().zip(batch.pool(l));
+                for (a, b) in pools.flat_map(|(s, b)| s.arrays().iter().zip(b.arrays())) {
+                    if a.to_bytes()? != b.to_bytes()? {
+                        anyhow::bail!(
+                            "layer {l}: the staged restore (in place: {in_place}) differs from the batch restore"
+                        );
+                    }
+                }
             }
         }
         let per_block = |times: &mut Vec<Duration>| {
@@ -829,6 +859,10 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             restore_share: restore_gb_s / h2d_gb_s,
             stage_ms_per_block: stage,
             install_ms_per_block: install,
+            staged_in_place: in_place,
+            staged_gb_s: stage
+                .zip(install)
+                .map(|(s, i)| block_bytes as f64 / ((s + i) * 1e-3) / 1e9),
         });
     }
     Ok(rows)
@@ -921,7 +955,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("\npublish / restore in bulk (f32 KV, 3 KV heads, d64)");
     println!(
-        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10} {:>12} {:>12}",
+        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10} {:>12} {:>12} {:>10} {:>8}",
         "path",
         "layers",
         "block",
@@ -935,11 +969,13 @@ pub fn run(args: Args) -> Result<()> {
         "publish",
         "dev→host",
         "staged: host",
-        "install"
+        "install",
+        "staged",
+        "in place"
     );
     for r in &report.blocks {
         println!(
-            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>12} {:>12}",
+            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>12} {:>12} {:>10} {:>8}",
             if r.direct { "direct" } else { "mlx" },
             r.layers,
             r.block_size,
@@ -953,7 +989,10 @@ pub fn run(args: Args) -> Result<()> {
             r.publish_gb_s,
             r.device_to_host_gb_s,
             staged_ms(r.stage_ms_per_block),
-            staged_ms(r.install_ms_per_block)
+            staged_ms(r.install_ms_per_block),
+            r.staged_gb_s
+                .map_or_else(|| "-".to_string(), |g| format!("{g:.2}GB/s")),
+            if r.staged_in_place { "yes" } else { "no" }
         );
     }
     if !report.share.is_empty() {

@@ -1,0 +1,258 @@
+//! Page-locked host memory for the planes of published blocks (CUDA): the host RAM tier
+//! keeps them where the device can read them, so that a restore from RAM is one gather node
+//! per layer part reading every block where it lies ([`mlx::host_upload::gather_rows`]),
+//! with no assembly on the host and nothing waited for on the engine thread.
+//!
+//! Memory comes in slabs of [`SLAB_BYTES`], page-locked as publication needs them up to a
+//! cap the engine raises from its RAM tier's budget ([`allow_block_memory`]; 0, the
+//! default, keeps every plane in ordinary memory), and never freed: unlocking
+//! (`cuMemFreeHost`) waits for the whole device. A slab is carved into chunks of a plane's
+//! size; a chunk dropped with the last copy of its block goes back to a free list of its
+//! size for the next plane. Past the cap, planes are ordinary memory and restore the
+//! ordinary way (docs/cache.md, "Restore from page-locked blocks").
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use mlx::PinnedBuffer;
+
+/// Bytes page-locked at a time.
+const SLAB_BYTES: usize = 64 << 20;
+
+/// Every chunk starts at a multiple of this (the gather kernel reads 16-byte words).
+const ALIGN: usize = 256;
+
+/// Bytes of page-locked block memory a process may hold (0: none).
+static CAP: AtomicUsize = AtomicUsize::new(0);
+
+/// The slabs of every chunk.
+static MEMORY: Mutex<Slabs<PinnedBuffer>> = Mutex::new(Slabs::new());
+
+/// Lets publication page-lock up to `bytes` for blocks' planes (whole slabs), or more where
+/// an earlier call allowed more (engines of one process share the memory); an engine on a
+/// GPU calls it with its RAM tier's budget.
+pub fn allow_block_memory(bytes: usize) {
+    CAP.fetch_max(bytes, Ordering::Relaxed);
+}
+
+/// What the page-locked block memory holds now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockMemory {
+    /// The cap ([`allow_block_memory`]).
+    pub cap: usize,
+    /// Bytes page-locked (whole slabs).
+    pub page_locked: usize,
+    /// Bytes of chunks held by planes now.
+    pub in_use: usize,
+}
+
+/// The block memory's figures now.
+pub fn block_memory() -> BlockMemory {
+    let cap = CAP.load(Ordering::Relaxed);
+    MEMORY.lock().map_or(
+        BlockMemory {
+            cap,
+            ..BlockMemory::default()
+        },
+        |m| BlockMemory {
+            cap,
+            page_locked: m.page_locked(),
+            in_use: m.in_use,
+        },
+    )
+}
+
+/// Slabs of type `S` carved into chunks: generic so that the carving is tested with
+/// ordinary memory.
+#[derive(Debug)]
+struct Slabs<S> {
+    /// Every slab, never freed, with its address range, sorted by address.
+    slabs: Vec<(usize, usize, S)>,
+    /// The slab being carved (its address) and the bytes of it carved so far.
+    carving: Option<(usize, usize, usize)>,
+    /// Free chunks by their rounded size.
+    free: Option<HashMap<usize, Vec<usize>>>,
+    in_use: usize,
+}
+
+impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
+    const fn new() -> Self {
+        Self {
+            slabs: Vec::new(),
+            carving: None,
+            free: None,
+            in_use: 0,
+        }
+    }
+
+    fn page_locked(&self) -> usize {
+        self.slabs.iter().map(|(_, len, _)| len).sum()
+    }
+
+    /// The address of a chunk of `len` bytes: a free one of its size, else carved from the
+    /// current slab, else from a new slab of `alloc` while the slabs stay within `cap`.
+    fn take(
+        &mut self,
+        len: usize,
+        cap: usize,
+        alloc: impl FnOnce(usize) -> Option<S>,
+    ) -> Option<usize> {
+        let size = len.checked_next_multiple_of(ALIGN)?;
+        if size == 0 || size > SLAB_BYTES {
+            return None;
+        }
+        if let Some(addr) = self.free.as_mut().and_then(|f| f.get_mut(&size)?.pop()) {
+            self.in_use += size;
+            return Some(addr);
+        }
+        let room = |c: &Option<(usize, usize, usize)>| {
+            c.is_some_and(|(_, slab, used)| slab - used >= size)
+        };
+        if !room(&self.carving) {
+            if self.page_locked() + SLAB_BYTES > cap {
+                return None;
+            }
+            let slab = alloc(SLAB_BYTES)?;
+            let (addr, slab_len) = (slab.as_ptr() as usize, slab.len());
+            let at = self.slabs.partition_point(|(a, _, _)| *a < addr);
+            self.slabs.insert(at, (addr, slab_len, slab));
+            // Page-locked slabs start on a page; others on the alignment's next multiple.
+            self.carving = Some((addr, slab_len, addr.next_multiple_of(ALIGN) - addr));
+        }
+        let (addr, slab_len, used) = self.carving?;
+        self.carving = Some((addr, slab_len, used + size));
+        self.in_use += size;
+        Some(addr + used)
+    }
+
+    /// Takes the chunk at `addr` of `len` bytes back.
+    fn give(&mut self, addr: usize, len: usize) {
+        let size = len.next_multiple_of(ALIGN);
+        self.in_use -= size;
+        self.free
+            .get_or_insert_with(HashMap::new)
+            .entry(size)
+            .or_default()
+            .push(addr);
+    }
+
+    /// Whether `len` bytes at `addr` lie inside one slab.
+    fn holds(&self, addr: usize, len: usize) -> bool {
+        let at = self.slabs.partition_point(|(a, _, _)| *a <= addr);
+        at > 0 && {
+            let (start, slab_len, _) = &self.slabs[at - 1];
+            addr + len <= start + slab_len
+        }
+    }
+}
+
+/// One plane's bytes in page-locked block memory, given back when dropped (with the last
+/// copy of the `bytes::Bytes` that owns it).
+pub(crate) struct PinnedChunk {
+    addr: usize,
+    len: usize,
+}
+
+// SAFETY: the chunk's bytes are plain host memory that no other value addresses until the
+// chunk is dropped (the slabs hand each address out once and are never freed).
+unsafe impl Send for PinnedChunk {}
+// SAFETY: a shared reference gives only reads; writes need `&mut`.
+unsafe impl Sync for PinnedChunk {}
+
+impl PinnedChunk {
+    /// A chunk of `len` bytes (contents unspecified), or `None` where no block memory is
+    /// allowed ([`allow_block_memory`]), the cap is reached or the driver refuses.
+    pub(crate) fn take(len: usize) -> Option<Self> {
+        let cap = CAP.load(Ordering::Relaxed);
+        if cap == 0 || len == 0 {
+            return None;
+        }
+        let addr = MEMORY.lock().ok()?.take(len, cap, PinnedBuffer::new)?;
+        Some(Self { addr, len })
+    }
+}
+
+impl AsRef<[u8]> for PinnedChunk {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `len` bytes at `addr` belong to this chunk alone until it is dropped, and
+        // the slab holding them is never freed.
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+}
+
+impl AsMut<[u8]> for PinnedChunk {
+    fn as_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_ref`, and `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+impl Drop for PinnedChunk {
+    fn drop(&mut self) {
+        if let Ok(mut m) = MEMORY.lock() {
+            m.give(self.addr, self.len);
+        }
+    }
+}
+
+/// Whether `bytes` lie in page-locked block memory (a plane published while it was
+/// allowed, or a slice of one).
+pub(crate) fn is_block_memory(bytes: &[u8]) -> bool {
+    !bytes.is_empty()
+        && MEMORY
+            .lock()
+            .is_ok_and(|m| m.holds(bytes.as_ptr() as usize, bytes.len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slab(n: usize) -> Option<Vec<u8>> {
+        Some(vec![0u8; n])
+    }
+
+    #[test]
+    fn chunks_are_carved_aligned_reused_by_size_and_held_within_the_cap() {
+        let mut s: Slabs<Vec<u8>> = Slabs::new();
+        let cap = 2 * SLAB_BYTES;
+        let a = s.take(1000, cap, slab).unwrap();
+        let b = s.take(1000, cap, slab).unwrap();
+        assert_eq!(a % ALIGN, 0);
+        assert_eq!(
+            b,
+            a + 1024,
+            "carved one after the other, each rounded to the alignment"
+        );
+        assert!(s.holds(a, 1000) && s.holds(b + 10, 990));
+        assert!(!s.holds(a + SLAB_BYTES, 1), "past the slab");
+        assert_eq!(s.in_use, 2048);
+        // Given back, a chunk of the same size is reused before anything is carved.
+        s.give(a, 1000);
+        assert_eq!(s.take(1024, cap, slab), Some(a));
+        // A chunk larger than a slab is never made.
+        assert_eq!(s.take(SLAB_BYTES + 1, cap, slab), None);
+        // A chunk the first slab has no room left for opens a second; another would need a
+        // third, past the cap.
+        let big = SLAB_BYTES - 2 * ALIGN;
+        let c = s.take(big, cap, slab).unwrap();
+        assert_eq!(s.page_locked(), 2 * SLAB_BYTES);
+        assert!(s.holds(c, big) && !s.holds(a, SLAB_BYTES));
+        assert_eq!(s.take(big, cap, slab), None, "the cap is reached");
+        // Given back, it serves the next chunk of its size without a new slab.
+        s.give(c, big);
+        assert_eq!(s.take(big, cap, slab), Some(c));
+        // The driver refusing leaves nothing counted.
+        let mut t: Slabs<Vec<u8>> = Slabs::new();
+        assert_eq!(t.take(10, cap, |_| None), None);
+        assert_eq!((t.page_locked(), t.in_use), (0, 0));
+    }
+
+    #[test]
+    fn without_a_cap_or_without_direct_transfers_no_plane_is_page_locked() {
+        // The cap is 0 unless an engine sets it: nothing is taken.
+        assert!(PinnedChunk::take(4096).is_none());
+        assert!(!is_block_memory(&[0u8; 16]));
+    }
+}
