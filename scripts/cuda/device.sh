@@ -33,7 +33,8 @@
 # XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048; ARM+TAG: ARM with the
 # variables of ENV_TAG and the flags of ARGS_TAG, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
-# st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
+# pr: restores from RAM in place against assembled (bench cache's block rows, the 32K
+# session's RAM arm each way beside mlx-lm); st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
 # decode with host work spun after each queued step, kvstore and mlx-lm (SPINS), and what a
@@ -279,6 +280,28 @@ case "$step" in
           --arms mlx-lm --turns "${TURNS:-75}" --out "$OUT/agent32k-mlxlm" 2>&1; } > "$OUT/agent32k-mlxlm.log"
       kill $s; tail -n 6 "$OUT/agent32k-mlxlm.log"; peak mlxlm
     fi
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  pr) # restores from RAM read in place (page-locked blocks, one gather node per layer part)
+      # against assembled (KVSTORE_PINNED_BLOCKS_MIB=0): bench cache's block rows (which check
+      # the staged restore's bytes against the batch restore's), then the 32K session's RAM
+      # arm each way beside mlx-lm's prompt cache, after x1 and x2 (SmolLM2's shape, random)
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    py=$(command -v python3)
+    { timeout 150 "$BIN/kvstore" bench cache --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks.log" | tail -n 9
+    d=$K/smollm2-rand
+    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
+    for pinned in default 0; do
+      arms=${ARMSR:-ram,mlx-lm}; pv=""
+      [ "$pinned" = 0 ] && { arms=ram; pv=KVSTORE_PINNED_BLOCKS_MIB=0; }
+      { env $pv timeout ${LIMIT32:-240} "$BIN/kvstore" bench agent --model "$d" \
+          --python "$py" --mlx-lm-model "$d" --arms "$arms" --turns "${TURNS:-75}" --kv-budget 4GiB \
+          --out "$OUT/agent32k-pinned-$pinned" 2>&1; } > "$OUT/agent32k-pinned-$pinned.log"
+      echo "== pinned blocks: $pinned"; tail -n 5 "$OUT/agent32k-pinned-$pinned.log"
+    done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   pd) # SSD read-ahead and the pipelined device-sampled decode, after x1 and x2 (no GGUF)
