@@ -294,7 +294,7 @@ case "$step" in
     d=$K/smollm2-rand
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
     [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
-    for pinned in default 0; do
+    for pinned in ${PINNED:-default 0}; do
       arms=${ARMSR:-ram,mlx-lm}; pv=""
       [ "$pinned" = 0 ] && { arms=ram; pv=KVSTORE_PINNED_BLOCKS_MIB=0; }
       { env $pv timeout ${LIMIT32:-240} "$BIN/kvstore" bench agent --model "$d" \
