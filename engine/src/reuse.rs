@@ -232,26 +232,17 @@ fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: C
     }
 }
 
-/// Page-locked host memory published blocks may take (cache::allow_block_memory): what the
-/// RAM tier and its write-behind queue hold, at most [`MAX_PINNED_BLOCK_BYTES`];
-/// `KVSTORE_PINNED_BLOCKS_MIB` sets it (0: none, every restore from RAM assembles).
-fn pinned_block_bytes(store: &store::StoreConfig) -> usize {
-    if let Some(mib) = std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
+/// Page-locked host memory published blocks may take (cache::allow_block_memory), from
+/// `KVSTORE_PINNED_BLOCKS_MIB`: 0 (the default) keeps them in ordinary memory and every
+/// restore from RAM assembles; N lets publication page-lock up to N MiB, and a restore from
+/// RAM then reads the blocks in place. Off by default until the in-place path has run on a
+/// GPU (docs/cache.md, "Restore from page-locked blocks").
+fn pinned_block_bytes() -> usize {
+    std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-    {
-        return mib << 20;
-    }
-    let held = store.ram_budget.saturating_add(store.queue_bytes);
-    usize::try_from(held)
-        .unwrap_or(usize::MAX)
-        .min(MAX_PINNED_BLOCK_BYTES)
+        .map_or(0, |mib| mib << 20)
 }
-
-/// The most host memory blocks are page-locked in by default: page-locking is a driver
-/// call, made as publication needs it (a 64 MiB slab at a time), beside the engine
-/// thread's launches.
-const MAX_PINNED_BLOCK_BYTES: usize = 8 << 30;
 
 /// Bytes of one block of `description` (every plane, layer states included), at least 1.
 fn block_bytes(description: &NamespaceDescription) -> u64 {
@@ -1363,7 +1354,7 @@ impl KvTiers {
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
         if self.host_tiers {
             if mlx::direct_transfers() {
-                cache::allow_block_memory(pinned_block_bytes(self.store.config()));
+                cache::allow_block_memory(pinned_block_bytes());
             }
             let locked = cache::prewarm_staging() + cache::prewarm_scratch(2);
             if locked > 0 {

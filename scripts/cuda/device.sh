@@ -282,25 +282,26 @@ case "$step" in
     fi
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
-  pr) # restores from RAM read in place (page-locked blocks, one gather node per layer part)
-      # against assembled (KVSTORE_PINNED_BLOCKS_MIB=0): bench cache's block rows (which check
-      # the staged restore's bytes against the batch restore's), then the 32K session's RAM
-      # arm each way beside mlx-lm's prompt cache, after x1 and x2 (SmolLM2's shape, random)
+  pr) # restores from RAM read in place (page-locked blocks, one gather node per layer part:
+      # KVSTORE_PINNED_BLOCKS_MIB=8192) against assembled (the default): bench cache's block
+      # rows (which check the staged restore's bytes against the batch restore's), then the
+      # 32K session's RAM arm each way beside mlx-lm's prompt cache, after x1 and x2
+      # (SmolLM2's shape, random weights); PINNED: the arms (default "8192 0")
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
     py=$(command -v python3)
-    { timeout 150 "$BIN/kvstore" bench cache --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks.log" | tail -n 9
+    { KVSTORE_PINNED_BLOCKS_MIB=8192 timeout 150 "$BIN/kvstore" bench cache --only blocks 2>&1; } |
+      tee "$OUT/bench-cache-blocks.log" | tail -n 9
     d=$K/smollm2-rand
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
     [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
-    for pinned in ${PINNED:-default 0}; do
-      arms=${ARMSR:-ram,mlx-lm}; pv=""
-      [ "$pinned" = 0 ] && { arms=ram; pv=KVSTORE_PINNED_BLOCKS_MIB=0; }
-      { env $pv timeout ${LIMIT32:-240} "$BIN/kvstore" bench agent --model "$d" \
+    for pinned in ${PINNED:-8192 0}; do
+      arms=${ARMSR:-ram,mlx-lm}; [ "$pinned" = 0 ] && arms=ram
+      { KVSTORE_PINNED_BLOCKS_MIB=$pinned timeout ${LIMIT32:-240} "$BIN/kvstore" bench agent --model "$d" \
           --python "$py" --mlx-lm-model "$d" --arms "$arms" --turns "${TURNS:-75}" --kv-budget 4GiB \
           --out "$OUT/agent32k-pinned-$pinned" 2>&1; } > "$OUT/agent32k-pinned-$pinned.log"
-      echo "== pinned blocks: $pinned"; tail -n 5 "$OUT/agent32k-pinned-$pinned.log"
+      echo "== KVSTORE_PINNED_BLOCKS_MIB=$pinned"; tail -n 5 "$OUT/agent32k-pinned-$pinned.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;

@@ -708,12 +708,13 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
     if !mlx::direct_transfers() {
         return block_rows_on(quick, false);
     }
-    // Published blocks in page-locked memory, as an engine's RAM tier keeps them on a GPU
-    // (the staged restore then reads them in place); KVSTORE_PINNED_BLOCKS_MIB=0 keeps them
-    // in ordinary memory, for the assembling path.
-    if std::env::var("KVSTORE_PINNED_BLOCKS_MIB").map_or(true, |v| v.trim() != "0") {
-        cache::allow_block_memory(4 << 30);
-    }
+    // With KVSTORE_PINNED_BLOCKS_MIB=N (N > 0), published blocks in page-locked memory, as
+    // an engine's RAM tier then keeps them (the staged restore reads them in place).
+    let pinned_mib = std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    cache::allow_block_memory(pinned_mib << 20);
     let was = mlx::set_direct_transfers(true);
     let mut rows = block_rows_on(quick, true);
     mlx::set_direct_transfers(false);
