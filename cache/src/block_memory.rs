@@ -12,6 +12,8 @@
 //! ordinary way (docs/cache.md, "Restore from page-locked blocks").
 
 use std::collections::HashMap;
+#[cfg(test)]
+use std::sync::atomic::AtomicBool;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
@@ -27,7 +29,66 @@ const ALIGN: usize = 256;
 static CAP: AtomicUsize = AtomicUsize::new(0);
 
 /// The slabs of every chunk.
-static MEMORY: Mutex<Slabs<PinnedBuffer>> = Mutex::new(Slabs::new());
+static MEMORY: Mutex<Slabs<Slab>> = Mutex::new(Slabs::new());
+
+/// A slab's memory: page-locked, or (this crate's unit tests on the CPU, which has none)
+/// ordinary memory standing in for it.
+enum Slab {
+    Pinned(PinnedBuffer),
+    #[cfg(test)]
+    Heap(Vec<u8>),
+}
+
+impl std::ops::Deref for Slab {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Slab::Pinned(b) => b,
+            #[cfg(test)]
+            Slab::Heap(v) => v,
+        }
+    }
+}
+
+impl std::fmt::Debug for Slab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slab").field("len", &self.len()).finish()
+    }
+}
+
+/// A new slab of `len` bytes: page-locked, else (unit tests that asked) ordinary memory.
+fn new_slab(len: usize) -> Option<Slab> {
+    if let Some(b) = PinnedBuffer::new(len) {
+        return Some(Slab::Pinned(b));
+    }
+    #[cfg(test)]
+    if HEAP_SLABS.load(Ordering::Relaxed) {
+        return Some(Slab::Heap(vec![0u8; len]));
+    }
+    None
+}
+
+/// Unit tests: ordinary memory stands in for page-locked slabs (the CPU has none), so that
+/// the in-place restore's table and node run on the CPU.
+#[cfg(test)]
+static HEAP_SLABS: AtomicBool = AtomicBool::new(false);
+
+/// Unit tests: lets blocks' planes take ordinary memory standing in for page-locked slabs,
+/// up to 256 MiB, and staged restores read them in place on the CPU.
+#[cfg(test)]
+pub(crate) fn stand_in_for_tests() {
+    HEAP_SLABS.store(true, Ordering::Relaxed);
+    allow_block_memory(256 << 20);
+}
+
+/// Whether a staged restore may read blocks in place without a GPU: only in this crate's
+/// unit tests, after [`stand_in_for_tests`].
+pub(crate) fn stands_in() -> bool {
+    #[cfg(test)]
+    return HEAP_SLABS.load(Ordering::Relaxed);
+    #[cfg(not(test))]
+    false
+}
 
 /// Lets publication page-lock up to `bytes` for blocks' planes (whole slabs), or more where
 /// an earlier call allowed more (engines of one process share the memory); an engine on a
@@ -168,7 +229,7 @@ impl PinnedChunk {
         if cap == 0 || len == 0 {
             return None;
         }
-        let addr = MEMORY.lock().ok()?.take(len, cap, PinnedBuffer::new)?;
+        let addr = MEMORY.lock().ok()?.take(len, cap, new_slab)?;
         Some(Self { addr, len })
     }
 }
@@ -196,13 +257,18 @@ impl Drop for PinnedChunk {
     }
 }
 
-/// Whether `bytes` lie in page-locked block memory (a plane published while it was
-/// allowed, or a slice of one).
-pub(crate) fn is_block_memory(bytes: &[u8]) -> bool {
-    !bytes.is_empty()
-        && MEMORY
-            .lock()
-            .is_ok_and(|m| m.holds(bytes.as_ptr() as usize, bytes.len()))
+/// Whether every one of `planes` lies in page-locked block memory (planes published while
+/// it was allowed, or slices of them); `false` for none or an empty one.
+pub(crate) fn all_in_block_memory(planes: &[&[u8]]) -> bool {
+    if planes.is_empty() || CAP.load(Ordering::Relaxed) == 0 {
+        return false;
+    }
+    let Ok(m) = MEMORY.lock() else {
+        return false;
+    };
+    planes
+        .iter()
+        .all(|p| !p.is_empty() && m.holds(p.as_ptr() as usize, p.len()))
 }
 
 #[cfg(test)]
@@ -250,9 +316,9 @@ mod tests {
     }
 
     #[test]
-    fn without_a_cap_or_without_direct_transfers_no_plane_is_page_locked() {
-        // The cap is 0 unless an engine sets it: nothing is taken.
-        assert!(PinnedChunk::take(4096).is_none());
-        assert!(!is_block_memory(&[0u8; 16]));
+    fn memory_outside_every_slab_is_not_block_memory() {
+        assert!(PinnedChunk::take(0).is_none());
+        assert!(!all_in_block_memory(&[&[0u8; 16]]));
+        assert!(!all_in_block_memory(&[]));
     }
 }

@@ -18,6 +18,7 @@ use mlx::{Array, HostBuffer, PinnedBuffer, RowsWrite};
 use rayon::prelude::*;
 use store::Block;
 
+use crate::block_memory::PinnedChunk;
 use crate::host::RunPart;
 use crate::CacheError;
 
@@ -154,10 +155,10 @@ enum Bytes {
     Gather(Option<Gathered>),
 }
 
-/// What a gather's nodes read: the table (page-locked, from the staging pool) and the
-/// blocks whose planes its rows point into, held until the device has read them.
+/// What a gather's nodes read: the table (in page-locked block memory) and the blocks whose
+/// planes its rows point into, held until the device has read them.
 struct Gathered {
-    table: Staging,
+    table: PinnedChunk,
     rows: usize,
     ranges: Vec<Range<usize>>,
     _blocks: Vec<Block>,
@@ -166,19 +167,35 @@ struct Gathered {
 impl Gathered {
     /// The table's rows.
     fn table(&self) -> &[GatherRow] {
-        let bytes = &self.table[..self.rows * std::mem::size_of::<GatherRow>()];
+        let bytes = &self.table.as_ref()[..self.rows * std::mem::size_of::<GatherRow>()];
         // SAFETY: the table was written as `rows` `GatherRow`s (plain `repr(C)` pairs of
-        // u64) at the start of a page-aligned buffer, which outlives the borrow.
+        // u64) at the start of a chunk aligned to 256 bytes, which outlives the borrow.
         unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<GatherRow>(), self.rows) }
     }
 
-    /// The table for `parts` of `blocks`, if every row it names lies in page-locked block
-    /// memory and a page-locked buffer is free for it; `None` otherwise (the run is staged
-    /// the ordinary way).
+    /// The table for `parts` of `blocks`, if every plane it reads lies in page-locked block
+    /// memory and the block memory has room for the table; `None` otherwise (the run is
+    /// staged the ordinary way).
     fn new<B: AsRef<Block>>(
         blocks: &[B],
         run_parts: &[RunPart<'_>],
     ) -> Result<Option<Self>, CacheError> {
+        // Every plane read, checked in one pass.
+        let mut planes: Vec<&[u8]> = Vec::new();
+        for p in run_parts {
+            let (heads, _, _, block_rows) = p.layout()?;
+            for (b, plane) in p.planes.iter().enumerate() {
+                let Some(i) = plane else { continue };
+                let data = &blocks[b].as_ref().planes[*i].data;
+                if data.len() < heads * block_rows {
+                    return Ok(None);
+                }
+                planes.push(data);
+            }
+        }
+        if !crate::block_memory::all_in_block_memory(&planes) {
+            return Ok(None);
+        }
         let mut table: Vec<GatherRow> = Vec::new();
         let mut ranges = Vec::with_capacity(run_parts.len());
         for p in run_parts {
@@ -189,31 +206,28 @@ impl Gathered {
                 for (b, plane) in p.planes.iter().enumerate() {
                     let Some(i) = plane else { continue };
                     let data = &blocks[b].as_ref().planes[*i].data;
-                    let Some(rows) = data.get(h * block_rows..(h + 1) * block_rows) else {
-                        return Ok(None);
-                    };
-                    if !crate::block_memory::is_block_memory(rows) {
-                        return Ok(None);
-                    }
                     table.push(GatherRow {
-                        src: rows.as_ptr() as u64,
+                        src: data[h * block_rows..].as_ptr() as u64,
                         at: (h * pitch + b * block_rows) as u64,
                     });
                 }
             }
             ranges.push(first..table.len());
         }
-        let len = std::mem::size_of_val(table.as_slice());
-        let mut buffer = Staging::take(len);
-        if !matches!(buffer, Staging::Pinned(_)) {
+        // Tables come in powers of two, so their chunks are reused across runs of other
+        // lengths.
+        let len = std::mem::size_of_val(table.as_slice())
+            .max(1)
+            .next_power_of_two();
+        let Some(mut chunk) = PinnedChunk::take(len) else {
             return Ok(None);
-        }
-        for (dst, row) in buffer.bytes_mut().chunks_exact_mut(16).zip(&table) {
+        };
+        for (dst, row) in chunk.as_mut().chunks_exact_mut(16).zip(&table) {
             dst[..8].copy_from_slice(&row.src.to_ne_bytes());
             dst[8..].copy_from_slice(&row.at.to_ne_bytes());
         }
         Ok(Some(Self {
-            table: buffer,
+            table: chunk,
             rows: table.len(),
             ranges,
             _blocks: blocks.iter().map(|b| b.as_ref().clone()).collect(),
@@ -358,7 +372,7 @@ impl StagedRestore {
             sizes.push(p.bytes(p.planes.len())?);
         }
         let rows = mlx::default_device()? != mlx::Device::Cpu && mlx::direct_transfers();
-        if rows && mlx::host_upload::upload_rows_on() {
+        if (rows && mlx::host_upload::upload_rows_on()) || crate::block_memory::stands_in() {
             if let Some(g) = Gathered::new(blocks, run_parts)? {
                 return Ok(Some(Self {
                     base,
@@ -580,6 +594,68 @@ mod tests {
             PREWARM_SIZES_MIB.iter().max().copied(),
             Some(MAX_PINNED_RUN / MIB)
         );
+    }
+
+    /// The in-place restore's table and nodes, run on the CPU with ordinary memory standing
+    /// in for page-locked slabs: every layer part equals the batch restore's (the blocks'
+    /// rows at each head's pitch, zeros after them), for float and bf16 arenas.
+    #[test]
+    fn blocks_in_block_memory_are_gathered_in_place_into_the_batch_restores_layout() {
+        use crate::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache};
+        crate::block_memory::stand_in_for_tests();
+        let (layers, bs, n, heads, dim) = (2, 4, 5, 3, 8);
+        for dtype in [mlx::Dtype::F32, mlx::Dtype::BF16] {
+            let config = PagedConfig {
+                block_size: bs,
+                format: KvFormat::Float,
+                initial_blocks: 2,
+                max_blocks: 16,
+            };
+            let mut cache = PagedKvCache::new(layers, config).unwrap();
+            let tokens: Vec<u32> = (0..(n * bs) as u32).collect();
+            let len = n * bs * heads * dim;
+            for l in 0..layers {
+                let vals =
+                    |at: usize| -> Vec<f32> { (0..len).map(|i| (at + i) as f32 * 0.25).collect() };
+                let shape = [1, heads as i32, (n * bs) as i32, dim as i32];
+                let k = Array::from_slice(&vals(l * 7), &shape)
+                    .unwrap()
+                    .astype(dtype)
+                    .unwrap();
+                let v = Array::from_slice(&vals(l * 11 + 3), &shape)
+                    .unwrap()
+                    .astype(dtype)
+                    .unwrap();
+                cache.update_and_fetch(l, &k, &v).unwrap();
+            }
+            let ns = store::NamespaceId([3; 32]);
+            let blocks = cache.publish(&mut Chain::new(ns, bs), &tokens).unwrap();
+            assert_eq!(blocks.len(), n);
+            let fresh = PagedKvCache::new(layers, config).unwrap();
+            let staged = fresh.stage_restore(&blocks).unwrap().expect("stages");
+            assert!(
+                staged.reads_in_place(),
+                "{dtype}: every plane is in block memory"
+            );
+            let installed = fresh.clone().restore_staged(staged, &blocks).unwrap();
+            let batch = fresh.restore_onto(&blocks).unwrap();
+            assert_eq!((installed.blocks, batch.blocks), (n, n));
+            for l in 0..layers {
+                let (a, b) = (
+                    installed.cache.pool(l).unwrap(),
+                    batch.cache.pool(l).unwrap(),
+                );
+                assert_eq!(a.arrays().len(), b.arrays().len());
+                for (x, y) in a.arrays().iter().zip(b.arrays()) {
+                    assert_eq!(x.shape(), y.shape(), "{dtype} layer {l}");
+                    assert_eq!(
+                        x.to_bytes().unwrap(),
+                        y.to_bytes().unwrap(),
+                        "{dtype} layer {l}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
