@@ -59,7 +59,7 @@ struct Source {
 };
 
 // The rows into `out`, whose zeros an MLX op made (the node's input, whose buffer it shares).
-void copy_rows_host(const Source& s, uint8_t* out) {
+void copy_host(const Source& s, uint8_t* out) {
   for (size_t r = 0; r < s.height; ++r) std::memcpy(out + r * s.pitch, s.src + r * s.width, s.width);
 }
 
@@ -76,7 +76,7 @@ struct GatherSource {
   ~GatherSource() { release_host_rows(token); }
 };
 
-void gather_rows_host(const GatherSource& s, uint8_t* out) {
+void copy_host(const GatherSource& s, uint8_t* out) {
   for (size_t e = 0; e < s.entries; ++e) {
     std::memcpy(out + s.table[2 * e + 1], reinterpret_cast<const uint8_t*>(s.table[2 * e]), s.width);
   }
@@ -155,7 +155,7 @@ bool unified_addressing() {
   return attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, nvrtc::current_device()) == 0 && unified;
 }
 
-void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::array& zeros, mx::array& out) {
+void copy_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::array& zeros, mx::array& out) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
   auto device_pointer = reinterpret_cast<CUresult (*)(CUdeviceptr*, void*, unsigned int)>(
@@ -187,7 +187,7 @@ void host_rows_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx
   enc.add_completed_handler([source]() {});
 }
 
-void host_gather_gpu(mx::Stream s, const std::shared_ptr<GatherSource>& source, const mx::array& zeros,
+void copy_gpu(mx::Stream s, const std::shared_ptr<GatherSource>& source, const mx::array& zeros,
                      mx::array& out) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
@@ -215,13 +215,13 @@ void host_gather_gpu(mx::Stream s, const std::shared_ptr<GatherSource>& source, 
 
 #else  // KVSTORE_CUDA
 
-void host_rows_gpu(mx::Stream, const std::shared_ptr<Source>&, const mx::array&, mx::array&) {
+void copy_gpu(mx::Stream, const std::shared_ptr<Source>&, const mx::array&, mx::array&) {
   throw std::runtime_error(
       "this build has no host rows upload for the GPU (build with the CUDA backend's headers: "
       "scripts/cuda/build.sh)");
 }
 
-void host_gather_gpu(mx::Stream, const std::shared_ptr<GatherSource>&, const mx::array&, mx::array&) {
+void copy_gpu(mx::Stream, const std::shared_ptr<GatherSource>&, const mx::array&, mx::array&) {
   throw std::runtime_error(
       "this build has no host rows gather for the GPU (build with the CUDA backend's headers: "
       "scripts/cuda/build.sh)");
@@ -229,51 +229,34 @@ void host_gather_gpu(mx::Stream, const std::shared_ptr<GatherSource>&, const mx:
 
 #endif  // KVSTORE_CUDA
 
-class HostRowsUpload : public mx::UnaryPrimitive {
+// A node whose output shares the buffer of its zeros input and gets host bytes written
+// into it from `S` (`Source`: rows of one buffer, `HostRowsUpload`; `GatherSource`: rows
+// scattered over host memory, `HostRowsGather`): `copy_host` on the CPU stream's thread,
+// `copy_gpu` on CUDA.
+template <class S>
+class HostBytesNode : public mx::UnaryPrimitive {
  public:
-  HostRowsUpload(mx::Stream s, std::shared_ptr<Source> source) : mx::UnaryPrimitive(s), source_(std::move(source)) {}
+  HostBytesNode(mx::Stream s, std::shared_ptr<S> source, const char* name)
+      : mx::UnaryPrimitive(s), source_(std::move(source)), name_(name) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     out.copy_shared_buffer(inputs[0]);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(inputs[0]);
     encoder.set_output_array(out);
-    encoder.dispatch([source = source_, op = out.data<uint8_t>()]() { copy_rows_host(*source, op); });
+    encoder.dispatch([source = source_, op = out.data<uint8_t>()]() { copy_host(*source, op); });
   }
 
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    host_rows_gpu(stream(), source_, inputs[0], out);
+    copy_gpu(stream(), source_, inputs[0], out);
   }
 
-  const char* name() const override { return "HostRowsUpload"; }
+  const char* name() const override { return name_; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
  private:
-  std::shared_ptr<Source> source_;
-};
-
-class HostRowsGather : public mx::UnaryPrimitive {
- public:
-  HostRowsGather(mx::Stream s, std::shared_ptr<GatherSource> source)
-      : mx::UnaryPrimitive(s), source_(std::move(source)) {}
-
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    out.copy_shared_buffer(inputs[0]);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(inputs[0]);
-    encoder.set_output_array(out);
-    encoder.dispatch([source = source_, op = out.data<uint8_t>()]() { gather_rows_host(*source, op); });
-  }
-
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
-    host_gather_gpu(stream(), source_, inputs[0], out);
-  }
-
-  const char* name() const override { return "HostRowsGather"; }
-  bool is_equivalent(const mx::Primitive&) const override { return false; }
-
- private:
-  std::shared_ptr<GatherSource> source_;
+  std::shared_ptr<S> source_;
+  const char* name_;
 };
 
 }  // namespace
@@ -309,7 +292,8 @@ std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_
   // The zeros the rows go into: an MLX op's, so on CUDA device memory from the stream's pool.
   auto zeros = mx::zeros(dims, dt, stream);
   return std::make_unique<Array>(
-      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsUpload>(stream, std::move(source)), {zeros})});
+      Array{mx::array(std::move(dims), dt,
+                      std::make_shared<HostBytesNode<Source>>(stream, std::move(source), "HostRowsUpload"), {zeros})});
 }
 
 std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_t dtype, size_t table,
@@ -335,7 +319,9 @@ std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_
   auto stream = mx::default_stream(mx::default_device());
   auto zeros = mx::zeros(dims, dt, stream);
   return std::make_unique<Array>(
-      Array{mx::array(std::move(dims), dt, std::make_shared<HostRowsGather>(stream, std::move(source)), {zeros})});
+      Array{mx::array(std::move(dims), dt,
+                      std::make_shared<HostBytesNode<GatherSource>>(stream, std::move(source), "HostRowsGather"),
+                      {zeros})});
 }
 
 }  // namespace kvmlx
