@@ -267,18 +267,38 @@ bool host_rows_kernel_built() { return true; }
 bool host_rows_kernel_built() { return false; }
 #endif
 
+namespace {
+
+// The bytes of an array of `dims` and `dt`; a negative dimension is refused (`what` names
+// the node).
+size_t array_bytes(const mx::Shape& dims, mx::Dtype dt, const char* what) {
+  size_t elems = 1;
+  for (auto d : dims) {
+    if (d < 0) throw std::invalid_argument(std::string("a ") + what + " of a negative dimension");
+    elems *= size_t(d);
+  }
+  return elems * mx::size_of(dt);
+}
+
+// The node's array: zeros an MLX op makes (on CUDA device memory from the stream's pool),
+// filled from `source` when the node runs.
+template <class S>
+std::unique_ptr<Array> host_bytes_array(mx::Shape dims, mx::Dtype dt, std::shared_ptr<S> source, const char* name) {
+  auto stream = mx::default_stream(mx::default_device());
+  auto zeros = mx::zeros(dims, dt, stream);
+  auto node = std::make_shared<HostBytesNode<S>>(stream, std::move(source), name);
+  return std::make_unique<Array>(Array{mx::array(std::move(dims), dt, std::move(node), {zeros})});
+}
+
+}  // namespace
+
 std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_t dtype, size_t src, size_t len,
                                         size_t width, size_t height, size_t pitch, uint64_t token) {
   // The source is made first, so that every refusal below still hands the bytes back.
   auto source = std::make_shared<Source>(reinterpret_cast<const uint8_t*>(src), width, height, pitch, token);
   mx::Shape dims(shape.begin(), shape.end());
   auto dt = dtype_from_code(dtype);
-  size_t elems = 1;
-  for (auto d : dims) {
-    if (d < 0) throw std::invalid_argument("a host rows upload of a negative dimension");
-    elems *= size_t(d);
-  }
-  const size_t nbytes = elems * mx::size_of(dt);
+  const size_t nbytes = array_bytes(dims, dt, "host rows upload");
   if (len != width * height) {
     throw std::invalid_argument("host rows of " + std::to_string(len) + " bytes are not " + std::to_string(height) +
                                 " rows of " + std::to_string(width));
@@ -288,12 +308,7 @@ std::unique_ptr<Array> host_rows_upload(rust::Slice<const int32_t> shape, uint8_
                                 std::to_string(pitch) + " do not fit an array of " + std::to_string(nbytes) +
                                 " bytes");
   }
-  auto stream = mx::default_stream(mx::default_device());
-  // The zeros the rows go into: an MLX op's, so on CUDA device memory from the stream's pool.
-  auto zeros = mx::zeros(dims, dt, stream);
-  return std::make_unique<Array>(
-      Array{mx::array(std::move(dims), dt,
-                      std::make_shared<HostBytesNode<Source>>(stream, std::move(source), "HostRowsUpload"), {zeros})});
+  return host_bytes_array(std::move(dims), dt, std::move(source), "HostRowsUpload");
 }
 
 std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_t dtype, size_t table,
@@ -302,12 +317,7 @@ std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_
   auto source = std::make_shared<GatherSource>(reinterpret_cast<const uint64_t*>(table), entries, width, token);
   mx::Shape dims(shape.begin(), shape.end());
   auto dt = dtype_from_code(dtype);
-  size_t elems = 1;
-  for (auto d : dims) {
-    if (d < 0) throw std::invalid_argument("a host rows gather of a negative dimension");
-    elems *= size_t(d);
-  }
-  const size_t nbytes = elems * mx::size_of(dt);
+  const size_t nbytes = array_bytes(dims, dt, "host rows gather");
   // Every row must land inside the output: the table is host memory, checked here once.
   for (size_t e = 0; e < entries; ++e) {
     const uint64_t at = source->table[2 * e + 1];
@@ -316,12 +326,7 @@ std::unique_ptr<Array> host_rows_gather(rust::Slice<const int32_t> shape, uint8_
                                   " does not fit an array of " + std::to_string(nbytes) + " bytes");
     }
   }
-  auto stream = mx::default_stream(mx::default_device());
-  auto zeros = mx::zeros(dims, dt, stream);
-  return std::make_unique<Array>(
-      Array{mx::array(std::move(dims), dt,
-                      std::make_shared<HostBytesNode<GatherSource>>(stream, std::move(source), "HostRowsGather"),
-                      {zeros})});
+  return host_bytes_array(std::move(dims), dt, std::move(source), "HostRowsGather");
 }
 
 }  // namespace kvmlx
