@@ -1,15 +1,16 @@
-//! Page-locked host memory for the planes of published blocks (CUDA): the host RAM tier
-//! keeps them where the device can read them, so that a restore from RAM is one gather node
-//! per layer part reading every block where it lies ([`mlx::host_upload::gather_rows`]),
-//! with no assembly on the host and nothing waited for on the engine thread.
+//! Page-locked host memory for the planes of published blocks and for the block files the
+//! store reads from the SSD (CUDA): the host tiers then keep blocks where the device can
+//! read them, so that a restore from RAM or SSD is one gather node per layer part reading
+//! every block where it lies ([`mlx::host_upload::gather_rows`]), with no assembly on the
+//! host and nothing waited for on the engine thread.
 //!
-//! Memory comes in slabs of [`SLAB_BYTES`], page-locked as publication needs them up to a
-//! cap the engine raises from its RAM tier's budget ([`allow_block_memory`]; 0, the
-//! default, keeps every plane in ordinary memory), and never freed: unlocking
-//! (`cuMemFreeHost`) waits for the whole device. A slab is carved into chunks of a plane's
+//! Memory comes in slabs of [`SLAB_BYTES`], page-locked as they are needed up to a cap
+//! ([`allow_block_memory`]: an engine passes `KVSTORE_PINNED_BLOCKS_MIB`; 0, the default,
+//! keeps every plane in ordinary memory), and never freed: unlocking (`cuMemFreeHost`)
+//! waits for the whole device. A slab is carved into chunks of a plane's (or a file's)
 //! size; a chunk dropped with the last copy of its block goes back to a free list of its
-//! size for the next plane. Past the cap, planes are ordinary memory and restore the
-//! ordinary way (docs/cache.md, "Restore from page-locked blocks").
+//! size. Past the cap, planes are ordinary memory and restore the ordinary way
+//! (docs/cache.md, "Restore from page-locked blocks").
 
 use std::collections::HashMap;
 #[cfg(test)]
@@ -95,7 +96,26 @@ pub(crate) fn stands_in() -> bool {
 /// GPU calls it with its RAM tier's budget.
 pub fn allow_block_memory(bytes: usize) {
     CAP.fetch_max(bytes, Ordering::Relaxed);
+    if bytes > 0 {
+        // Block files the store reads are put in the same memory, so that blocks loaded
+        // from the SSD restore in place too.
+        static REGISTERED: std::sync::Once = std::sync::Once::new();
+        REGISTERED.call_once(|| {
+            store::set_block_buffers(Box::new(FileBuffers));
+        });
+    }
 }
+
+/// The store's buffers for block files: chunks of block memory while it has room.
+struct FileBuffers;
+
+impl store::BlockBuffers for FileBuffers {
+    fn buffer(&self, len: usize) -> Option<Box<dyn store::BlockBuffer>> {
+        PinnedChunk::take(len).map(|c| Box::new(c) as Box<dyn store::BlockBuffer>)
+    }
+}
+
+impl store::BlockBuffer for PinnedChunk {}
 
 /// What the page-locked block memory holds now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

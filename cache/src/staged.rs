@@ -658,6 +658,82 @@ mod tests {
         }
     }
 
+    /// Block files the store reads from the SSD land in block memory too (the store's
+    /// registered buffers), so a restore from the SSD after a restart reads them in place
+    /// and equals the batch restore.
+    #[test]
+    fn blocks_read_from_the_ssd_are_gathered_in_place_too() {
+        use crate::{BlockShape, Chain, KvCache, KvFormat, PagedConfig, PagedKvCache};
+        crate::block_memory::stand_in_for_tests();
+        let (layers, bs, n, heads, dim) = (2, 4, 3, 2, 8);
+        let config = PagedConfig {
+            block_size: bs,
+            format: KvFormat::Float,
+            initial_blocks: 2,
+            max_blocks: 16,
+        };
+        let mut cache = PagedKvCache::new(layers, config).unwrap();
+        let tokens: Vec<u32> = (0..(n * bs) as u32).collect();
+        let shape = [1, heads as i32, (n * bs) as i32, dim as i32];
+        for l in 0..layers {
+            let vals: Vec<f32> = (0..n * bs * heads * dim)
+                .map(|i| (l * 1000 + i) as f32)
+                .collect();
+            let k = Array::from_slice(&vals, &shape).unwrap();
+            let v = k
+                .add(&Array::scalar(0.5, mlx::Dtype::F32).unwrap())
+                .unwrap();
+            cache.update_and_fetch(l, &k, &v).unwrap();
+        }
+        let mut d = store::NamespaceDescription::new("in-place-ssd", store::Dtype::F32, bs as u32);
+        d.layers = (0..layers).map(|_| "global".to_string()).collect();
+        let block_shape = BlockShape {
+            kv_heads: heads,
+            block_size: bs,
+            head_dim: dim,
+            dtype: mlx::Dtype::F32,
+        };
+        d.planes = crate::plane_specs(layers, block_shape, KvFormat::Float).unwrap();
+        let ns = d.id();
+        let blocks = cache.publish(&mut Chain::new(ns, bs), &tokens).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let open = || store::Store::open(store::StoreConfig::default().root(dir.path())).unwrap();
+        {
+            let s = open();
+            s.register_namespace(&d).unwrap();
+            for b in &blocks {
+                s.insert(std::sync::Arc::new(b.clone())).unwrap();
+            }
+            s.flush().unwrap();
+        }
+        let s = open();
+        s.register_namespace(&d).unwrap();
+        let keys: Vec<store::BlockKey> = blocks.iter().map(|b| b.meta.key).collect();
+        let toks: Vec<&[u32]> = tokens.chunks(bs).collect();
+        let loaded = s.load_prefix(ns, &keys, &toks);
+        assert!(loaded.stopped.is_none(), "{:?}", loaded.stopped);
+        assert!(loaded.blocks.iter().all(|(_, t)| *t == store::Tier::Ssd));
+        let from_ssd: Vec<_> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
+        let fresh = PagedKvCache::new(layers, config).unwrap();
+        let staged = fresh.stage_restore(&from_ssd).unwrap().expect("stages");
+        assert!(
+            staged.reads_in_place(),
+            "the files were read into block memory"
+        );
+        let installed = fresh.clone().restore_staged(staged, &from_ssd).unwrap();
+        let batch = fresh.restore_onto(&blocks).unwrap();
+        assert_eq!((installed.blocks, batch.blocks), (n, n));
+        for l in 0..layers {
+            let (a, b) = (
+                installed.cache.pool(l).unwrap(),
+                batch.cache.pool(l).unwrap(),
+            );
+            for (x, y) in a.arrays().iter().zip(b.arrays()) {
+                assert_eq!(x.to_bytes().unwrap(), y.to_bytes().unwrap(), "layer {l}");
+            }
+        }
+    }
+
     #[test]
     fn prewarming_page_locks_within_the_pool_and_nothing_without_direct_transfers() {
         let total: usize = PREWARM_SIZES_MIB.iter().sum::<usize>() * MIB;

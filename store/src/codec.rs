@@ -539,7 +539,8 @@ pub(crate) fn read_file_in_chunks<R: ReadAt + ?Sized>(
             found: len,
         }));
     };
-    let mut buf = vec![0u8; ulen];
+    let mut file_buffer = crate::block_buffers::FileBuffer::new(ulen);
+    let buf = file_buffer.bytes_mut();
     if let Err(e) = file.read_exact_at(&mut buf[..8], 0) {
         return truncated(e);
     }
@@ -554,7 +555,7 @@ pub(crate) fn read_file_in_chunks<R: ReadAt + ?Sized>(
     if let Err(e) = file.read_exact_at(&mut buf[8..data_start], 8) {
         return truncated(e);
     }
-    let layout = match layout(&buf) {
+    let layout = match layout(buf) {
         Ok(l) => l,
         Err(e) => return Ok(Err(e)),
     };
@@ -568,7 +569,7 @@ pub(crate) fn read_file_in_chunks<R: ReadAt + ?Sized>(
         for (spec, range) in &layout.planes {
             checksum_plane(&mut h, spec, &buf[range.clone()]);
         }
-        return Ok(finish(layout, h, Bytes::from(buf)));
+        return Ok(finish(layout, h, file_buffer.into_bytes()));
     }
     let read = std::thread::scope(|scope| -> std::io::Result<()> {
         // READERS threads keep that many large reads in flight (the disk wants queue depth;
@@ -621,7 +622,7 @@ pub(crate) fn read_file_in_chunks<R: ReadAt + ?Sized>(
     if let Err(e) = read {
         return truncated(e);
     }
-    Ok(finish(layout, h, Bytes::from(buf)))
+    Ok(finish(layout, h, file_buffer.into_bytes()))
 }
 
 #[derive(serde::Deserialize)]

@@ -54,6 +54,7 @@
 #![deny(unsafe_code)]
 
 mod block;
+mod block_buffers;
 mod clock;
 mod codec;
 mod error;
@@ -80,6 +81,7 @@ mod text;
 pub mod tier;
 
 pub use block::{Block, BlockMeta, Dtype, LayoutError, Plane, PlaneSpec};
+pub use block_buffers::{set_block_buffers, BlockBuffer, BlockBuffers};
 pub use clock::{UseClock, UsedAt};
 pub use codec::{BlockHeader, DecodeError};
 pub use error::{InsertError, OpenError, RegisterError, WriteError};

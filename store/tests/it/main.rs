@@ -1,5 +1,6 @@
 //! Integration tests of the store: one binary, one module per area.
 
+mod block_buffers;
 mod chains;
 mod common;
 mod corruption;
