@@ -4,9 +4,10 @@
 //! every block where it lies ([`mlx::host_upload::gather_rows`]), with no assembly on the
 //! host and nothing waited for on the engine thread.
 //!
-//! Memory comes in slabs of [`SLAB_BYTES`], page-locked as they are needed up to a cap
-//! ([`allow_block_memory`]: an engine passes `KVSTORE_PINNED_BLOCKS_MIB`; 0, the default,
-//! keeps every plane in ordinary memory), and never freed: unlocking (`cuMemFreeHost`)
+//! Memory comes in slabs of [`SLAB_BYTES`] up to a cap ([`allow_block_memory`]: an engine
+//! passes `KVSTORE_PINNED_BLOCKS_MIB`; 0, the default, keeps every plane in ordinary
+//! memory), page-locked when the engine starts ([`prewarm_block_memory`]; else as they are
+//! needed), and never freed: unlocking (`cuMemFreeHost`)
 //! waits for the whole device. A slab is carved into chunks of a plane's (or a file's)
 //! size; a chunk dropped with the last copy of its block goes back to a free list of its
 //! size. Past the cap, planes are ordinary memory and restore the ordinary way
@@ -106,6 +107,15 @@ pub fn allow_block_memory(bytes: usize) {
     }
 }
 
+/// Page-locks the block memory's slabs up to the cap now (an engine calls it as it starts,
+/// after [`allow_block_memory`]), so that no publication or SSD read makes the driver call
+/// beside the engine thread's launches (docs/cache.md, "Staged restore": such calls stalled
+/// them for up to a second under the trace); returns the bytes page-locked.
+pub fn prewarm_block_memory() -> usize {
+    let cap = CAP.load(Ordering::Relaxed);
+    MEMORY.lock().map_or(0, |mut m| m.reserve(cap, new_slab))
+}
+
 /// The store's buffers for block files: chunks of block memory while it has room.
 struct FileBuffers;
 
@@ -152,6 +162,8 @@ struct Slabs<S> {
     slabs: Vec<(usize, usize, S)>,
     /// The slab being carved (its address) and the bytes of it carved so far.
     carving: Option<(usize, usize, usize)>,
+    /// Slabs page-locked ahead ([`prewarm_block_memory`]) and not carved yet.
+    spare: Vec<(usize, usize)>,
     /// Free chunks by their rounded size.
     free: Option<HashMap<usize, Vec<usize>>>,
     in_use: usize,
@@ -162,6 +174,7 @@ impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
         Self {
             slabs: Vec::new(),
             carving: None,
+            spare: Vec::new(),
             free: None,
             in_use: 0,
         }
@@ -191,13 +204,10 @@ impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
             c.is_some_and(|(_, slab, used)| slab - used >= size)
         };
         if !room(&self.carving) {
-            if self.page_locked() + SLAB_BYTES > cap {
-                return None;
-            }
-            let slab = alloc(SLAB_BYTES)?;
-            let (addr, slab_len) = (slab.as_ptr() as usize, slab.len());
-            let at = self.slabs.partition_point(|(a, _, _)| *a < addr);
-            self.slabs.insert(at, (addr, slab_len, slab));
+            let (addr, slab_len) = match self.spare.pop() {
+                Some(s) => s,
+                None => self.add_slab(cap, alloc)?,
+            };
             // Page-locked slabs start on a page; others on the alignment's next multiple.
             self.carving = Some((addr, slab_len, addr.next_multiple_of(ALIGN) - addr));
         }
@@ -205,6 +215,31 @@ impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
         self.carving = Some((addr, slab_len, used + size));
         self.in_use += size;
         Some(addr + used)
+    }
+
+    /// A new slab from `alloc` while the slabs stay within `cap`: its address and length.
+    fn add_slab(
+        &mut self,
+        cap: usize,
+        alloc: impl FnOnce(usize) -> Option<S>,
+    ) -> Option<(usize, usize)> {
+        if self.page_locked() + SLAB_BYTES > cap {
+            return None;
+        }
+        let slab = alloc(SLAB_BYTES)?;
+        let (addr, slab_len) = (slab.as_ptr() as usize, slab.len());
+        let at = self.slabs.partition_point(|(a, _, _)| *a < addr);
+        self.slabs.insert(at, (addr, slab_len, slab));
+        Some((addr, slab_len))
+    }
+
+    /// Allocates slabs up to `cap` now, kept spare for later chunks; returns the bytes made.
+    fn reserve(&mut self, cap: usize, mut alloc: impl FnMut(usize) -> Option<S>) -> usize {
+        let before = self.page_locked();
+        while let Some(s) = self.add_slab(cap, &mut alloc) {
+            self.spare.push(s);
+        }
+        self.page_locked() - before
     }
 
     /// Takes the chunk at `addr` of `len` bytes back.
@@ -329,6 +364,15 @@ mod tests {
         // Given back, it serves the next chunk of its size without a new slab.
         s.give(c, big);
         assert_eq!(s.take(big, cap, slab), Some(c));
+        // Slabs reserved ahead are carved before any new one is made.
+        let mut r: Slabs<Vec<u8>> = Slabs::new();
+        assert_eq!(r.reserve(cap, slab), 2 * SLAB_BYTES);
+        assert_eq!(r.reserve(cap, slab), 0, "the cap is reached");
+        let never = |_| -> Option<Vec<u8>> { panic!("no slab is made past the reserve") };
+        let x = r.take(big, cap, never).unwrap();
+        let y = r.take(big, cap, never).unwrap();
+        assert!(r.holds(x, big) && r.holds(y, big) && x != y);
+        assert_eq!(r.take(big, cap, never), None);
         // The driver refusing leaves nothing counted.
         let mut t: Slabs<Vec<u8>> = Slabs::new();
         assert_eq!(t.take(10, cap, |_| None), None);

@@ -1356,7 +1356,9 @@ impl KvTiers {
             if mlx::direct_transfers() {
                 cache::allow_block_memory(pinned_block_bytes());
             }
-            let locked = cache::prewarm_staging() + cache::prewarm_scratch(2);
+            let locked = cache::prewarm_staging()
+                + cache::prewarm_scratch(2)
+                + cache::prewarm_block_memory();
             if locked > 0 {
                 tracing::debug!(
                     bytes = locked,
