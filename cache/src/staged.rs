@@ -186,11 +186,14 @@ impl Gathered {
             let (heads, _, _, block_rows) = p.layout()?;
             for (b, plane) in p.planes.iter().enumerate() {
                 let Some(i) = plane else { continue };
-                let data = &blocks[b].as_ref().planes[*i].data;
-                if data.len() < heads * block_rows {
+                // The run was checked against these blocks; anything else is not gathered.
+                let Some(found) = blocks.get(b).and_then(|x| x.as_ref().planes.get(*i)) else {
+                    return Ok(None);
+                };
+                if found.data.len() < heads * block_rows {
                     return Ok(None);
                 }
-                planes.push(data);
+                planes.push(&found.data);
             }
         }
         if !crate::block_memory::all_in_block_memory(&planes) {
