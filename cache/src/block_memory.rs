@@ -312,10 +312,15 @@ impl Drop for PinnedChunk {
     }
 }
 
+/// Whether any block memory is allowed (else no plane can lie in it).
+pub(crate) fn allowed() -> bool {
+    CAP.load(Ordering::Relaxed) > 0
+}
+
 /// Whether every one of `planes` lies in page-locked block memory (planes published while
 /// it was allowed, or slices of them); `false` for none or an empty one.
 pub(crate) fn all_in_block_memory(planes: &[&[u8]]) -> bool {
-    if planes.is_empty() || CAP.load(Ordering::Relaxed) == 0 {
+    if planes.is_empty() || !allowed() {
         return false;
     }
     let Ok(m) = MEMORY.lock() else {

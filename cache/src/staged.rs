@@ -180,6 +180,9 @@ impl Gathered {
         blocks: &[B],
         run_parts: &[RunPart<'_>],
     ) -> Result<Option<Self>, CacheError> {
+        if !crate::block_memory::allowed() {
+            return Ok(None);
+        }
         // Every plane read, checked in one pass.
         let mut planes: Vec<&[u8]> = Vec::new();
         for p in run_parts {
