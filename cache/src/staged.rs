@@ -602,65 +602,53 @@ mod tests {
         );
     }
 
+    /// A cache of `layers` layers holding `n` blocks of `bs` tokens of distinct values
+    /// (`heads` × `dim`, `dtype`), its config and its tokens.
+    fn filled_cache(
+        layers: usize,
+        (bs, n, heads, dim): (usize, usize, usize, usize),
+        dtype: mlx::Dtype,
+    ) -> (crate::PagedConfig, crate::PagedKvCache, Vec<u32>) {
+        use crate::KvCache;
+        let config = crate::PagedConfig {
+            block_size: bs,
+            format: crate::KvFormat::Float,
+            initial_blocks: 2,
+            max_blocks: 16,
+        };
+        let mut cache = crate::PagedKvCache::new(layers, config).unwrap();
+        let len = n * bs * heads * dim;
+        let shape = [1, heads as i32, (n * bs) as i32, dim as i32];
+        let vals = |at: usize| -> Vec<f32> { (0..len).map(|i| (at + i) as f32 * 0.25).collect() };
+        for l in 0..layers {
+            let k = Array::from_slice(&vals(l * 7), &shape)
+                .unwrap()
+                .astype(dtype)
+                .unwrap();
+            let v = Array::from_slice(&vals(l * 11 + 3), &shape)
+                .unwrap()
+                .astype(dtype)
+                .unwrap();
+            cache.update_and_fetch(l, &k, &v).unwrap();
+        }
+        (config, cache, (0..(n * bs) as u32).collect())
+    }
+
     /// The in-place restore's table and nodes, run on the CPU with ordinary memory standing
     /// in for page-locked slabs: every layer part equals the batch restore's (the blocks'
     /// rows at each head's pitch, zeros after them), for float and bf16 arenas.
     #[test]
     fn blocks_in_block_memory_are_gathered_in_place_into_the_batch_restores_layout() {
-        use crate::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache};
         crate::block_memory::stand_in_for_tests();
-        let (layers, bs, n, heads, dim) = (2, 4, 5, 3, 8);
+        let (layers, bs, n) = (2, 4, 5);
         for dtype in [mlx::Dtype::F32, mlx::Dtype::BF16] {
-            let config = PagedConfig {
-                block_size: bs,
-                format: KvFormat::Float,
-                initial_blocks: 2,
-                max_blocks: 16,
-            };
-            let mut cache = PagedKvCache::new(layers, config).unwrap();
-            let tokens: Vec<u32> = (0..(n * bs) as u32).collect();
-            let len = n * bs * heads * dim;
-            for l in 0..layers {
-                let vals =
-                    |at: usize| -> Vec<f32> { (0..len).map(|i| (at + i) as f32 * 0.25).collect() };
-                let shape = [1, heads as i32, (n * bs) as i32, dim as i32];
-                let k = Array::from_slice(&vals(l * 7), &shape)
-                    .unwrap()
-                    .astype(dtype)
-                    .unwrap();
-                let v = Array::from_slice(&vals(l * 11 + 3), &shape)
-                    .unwrap()
-                    .astype(dtype)
-                    .unwrap();
-                cache.update_and_fetch(l, &k, &v).unwrap();
-            }
+            let (config, mut cache, tokens) = filled_cache(layers, (bs, n, 3, 8), dtype);
             let ns = store::NamespaceId([3; 32]);
-            let blocks = cache.publish(&mut Chain::new(ns, bs), &tokens).unwrap();
+            let blocks = cache
+                .publish(&mut crate::Chain::new(ns, bs), &tokens)
+                .unwrap();
             assert_eq!(blocks.len(), n);
-            let fresh = PagedKvCache::new(layers, config).unwrap();
-            let staged = fresh.stage_restore(&blocks).unwrap().expect("stages");
-            assert!(
-                staged.reads_in_place(),
-                "{dtype}: every plane is in block memory"
-            );
-            let installed = fresh.clone().restore_staged(staged, &blocks).unwrap();
-            let batch = fresh.restore_onto(&blocks).unwrap();
-            assert_eq!((installed.blocks, batch.blocks), (n, n));
-            for l in 0..layers {
-                let (a, b) = (
-                    installed.cache.pool(l).unwrap(),
-                    batch.cache.pool(l).unwrap(),
-                );
-                assert_eq!(a.arrays().len(), b.arrays().len());
-                for (x, y) in a.arrays().iter().zip(b.arrays()) {
-                    assert_eq!(x.shape(), y.shape(), "{dtype} layer {l}");
-                    assert_eq!(
-                        x.to_bytes().unwrap(),
-                        y.to_bytes().unwrap(),
-                        "{dtype} layer {l}"
-                    );
-                }
-            }
+            assert_in_place_equals_batch(layers, config, &blocks, &blocks, &dtype.to_string());
         }
     }
 
@@ -669,28 +657,11 @@ mod tests {
     /// and equals the batch restore.
     #[test]
     fn blocks_read_from_the_ssd_are_gathered_in_place_too() {
-        use crate::{BlockShape, Chain, KvCache, KvFormat, PagedConfig, PagedKvCache};
+        use crate::{BlockShape, KvFormat};
         crate::block_memory::stand_in_for_tests();
         let (layers, bs, n, heads, dim) = (2, 4, 3, 2, 8);
-        let config = PagedConfig {
-            block_size: bs,
-            format: KvFormat::Float,
-            initial_blocks: 2,
-            max_blocks: 16,
-        };
-        let mut cache = PagedKvCache::new(layers, config).unwrap();
-        let tokens: Vec<u32> = (0..(n * bs) as u32).collect();
-        let shape = [1, heads as i32, (n * bs) as i32, dim as i32];
-        for l in 0..layers {
-            let vals: Vec<f32> = (0..n * bs * heads * dim)
-                .map(|i| (l * 1000 + i) as f32)
-                .collect();
-            let k = Array::from_slice(&vals, &shape).unwrap();
-            let v = k
-                .add(&Array::scalar(0.5, mlx::Dtype::F32).unwrap())
-                .unwrap();
-            cache.update_and_fetch(l, &k, &v).unwrap();
-        }
+        let (config, mut cache, tokens) =
+            filled_cache(layers, (bs, n, heads, dim), mlx::Dtype::F32);
         let mut d = store::NamespaceDescription::new("in-place-ssd", store::Dtype::F32, bs as u32);
         d.layers = (0..layers).map(|_| "global".to_string()).collect();
         let block_shape = BlockShape {
@@ -701,7 +672,9 @@ mod tests {
         };
         d.planes = crate::plane_specs(layers, block_shape, KvFormat::Float).unwrap();
         let ns = d.id();
-        let blocks = cache.publish(&mut Chain::new(ns, bs), &tokens).unwrap();
+        let blocks = cache
+            .publish(&mut crate::Chain::new(ns, bs), &tokens)
+            .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let open = || store::Store::open(store::StoreConfig::default().root(dir.path())).unwrap();
         {
@@ -720,22 +693,48 @@ mod tests {
         assert!(loaded.stopped.is_none(), "{:?}", loaded.stopped);
         assert!(loaded.blocks.iter().all(|(_, t)| *t == store::Tier::Ssd));
         let from_ssd: Vec<_> = loaded.blocks.into_iter().map(|(b, _)| b).collect();
-        let fresh = PagedKvCache::new(layers, config).unwrap();
-        let staged = fresh.stage_restore(&from_ssd).unwrap().expect("stages");
+        assert_in_place_equals_batch(layers, config, &from_ssd, &blocks, "from the SSD");
+    }
+
+    /// Stages `run` for an empty cache of `config`, requires it to be read in place,
+    /// installs it and compares every arena, byte for byte, with the batch restore of
+    /// `blocks` (the same blocks, as published).
+    fn assert_in_place_equals_batch<B, C>(
+        layers: usize,
+        config: crate::PagedConfig,
+        run: &[B],
+        blocks: &[C],
+        what: &str,
+    ) where
+        B: AsRef<Block> + Sync,
+        C: AsRef<Block> + Sync,
+    {
+        let fresh = crate::PagedKvCache::new(layers, config).unwrap();
+        let staged = fresh.stage_restore(run).unwrap().expect("stages");
         assert!(
             staged.reads_in_place(),
-            "the files were read into block memory"
+            "{what}: every plane is in block memory"
         );
-        let installed = fresh.clone().restore_staged(staged, &from_ssd).unwrap();
-        let batch = fresh.restore_onto(&blocks).unwrap();
-        assert_eq!((installed.blocks, batch.blocks), (n, n));
+        let installed = fresh.clone().restore_staged(staged, run).unwrap();
+        let batch = fresh.restore_onto(blocks).unwrap();
+        assert_eq!(
+            (installed.blocks, batch.blocks),
+            (run.len(), blocks.len()),
+            "{what}"
+        );
         for l in 0..layers {
             let (a, b) = (
                 installed.cache.pool(l).unwrap(),
                 batch.cache.pool(l).unwrap(),
             );
+            assert_eq!(a.arrays().len(), b.arrays().len(), "{what}");
             for (x, y) in a.arrays().iter().zip(b.arrays()) {
-                assert_eq!(x.to_bytes().unwrap(), y.to_bytes().unwrap(), "layer {l}");
+                assert_eq!(x.shape(), y.shape(), "{what} layer {l}");
+                assert_eq!(
+                    x.to_bytes().unwrap(),
+                    y.to_bytes().unwrap(),
+                    "{what} layer {l}"
+                );
             }
         }
     }
