@@ -52,12 +52,6 @@ impl std::ops::Deref for Slab {
     }
 }
 
-impl std::fmt::Debug for Slab {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Slab").field("len", &self.len()).finish()
-    }
-}
-
 /// A new slab of `len` bytes: page-locked, else (unit tests that asked) ordinary memory.
 fn new_slab(len: usize) -> Option<Slab> {
     if let Some(b) = PinnedBuffer::new(len) {
@@ -92,9 +86,19 @@ pub(crate) fn stands_in() -> bool {
     false
 }
 
-/// Lets publication page-lock up to `bytes` for blocks' planes (whole slabs), or more where
-/// an earlier call allowed more (engines of one process share the memory); an engine on a
-/// GPU calls it with its RAM tier's budget.
+/// The block memory `KVSTORE_PINNED_BLOCKS_MIB` asks for, in bytes: 0 (the default, or
+/// anything that is not a number) keeps every plane in ordinary memory. Off by default
+/// until the in-place restore has run on a GPU (docs/cache.md).
+pub fn requested_block_memory() -> usize {
+    std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map_or(0, |mib| mib << 20)
+}
+
+/// Lets publication and the store's file reads page-lock up to `bytes` for blocks (whole
+/// slabs), or more where an earlier call allowed more (engines of one process share the
+/// memory); an engine on a GPU calls it with [`requested_block_memory`].
 pub fn allow_block_memory(bytes: usize) {
     CAP.fetch_max(bytes, Ordering::Relaxed);
     if bytes > 0 {
@@ -156,11 +160,11 @@ pub fn block_memory() -> BlockMemory {
 
 /// Slabs of type `S` carved into chunks: generic so that the carving is tested with
 /// ordinary memory.
-#[derive(Debug)]
 struct Slabs<S> {
     /// Every slab, never freed, with its address range, sorted by address.
     slabs: Vec<(usize, usize, S)>,
-    /// The slab being carved (its address) and the bytes of it carved so far.
+    /// The slab being carved (its address, its length and the bytes of it carved so far;
+    /// what is left of it when a chunk no longer fits stays unused).
     carving: Option<(usize, usize, usize)>,
     /// Slabs page-locked ahead ([`prewarm_block_memory`]) and not carved yet.
     spare: Vec<(usize, usize)>,

@@ -37,7 +37,9 @@ mod staged;
 mod state;
 mod transfer_pool;
 
-pub use block_memory::{allow_block_memory, block_memory, prewarm_block_memory, BlockMemory};
+pub use block_memory::{
+    allow_block_memory, block_memory, prewarm_block_memory, requested_block_memory, BlockMemory,
+};
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;
 pub use error::CacheError;

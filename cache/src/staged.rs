@@ -173,6 +173,31 @@ impl Gathered {
         unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<GatherRow>(), self.rows) }
     }
 
+    /// One gather node per part, each lent the table and the blocks until it has read them.
+    fn upload(self, parts: &[Part]) -> Result<Vec<Array>, CacheError> {
+        let owner = std::sync::Arc::new(self);
+        let table = owner.table();
+        parts
+            .iter()
+            .zip(&owner.ranges)
+            .map(|(p, r)| {
+                // SAFETY: the owner holds the table and the blocks whose planes its rows
+                // point into (all in block memory, never freed), unchanged, until the node
+                // gives it back.
+                let a = unsafe {
+                    mlx::host_upload::gather_rows(
+                        &p.shape,
+                        p.dtype,
+                        owner.clone(),
+                        &table[r.clone()],
+                        p.block_rows,
+                    )
+                };
+                Ok(a?)
+            })
+            .collect()
+    }
+
     /// The table for `parts` of `blocks`, if every plane it reads lies in page-locked block
     /// memory and the block memory has room for the table; `None` otherwise (the run is
     /// staged the ordinary way).
@@ -436,39 +461,12 @@ impl StagedRestore {
     /// Moves every part to the device: on the CPU the arrays take the buffers over. On CUDA,
     /// from page-locked staging, each part is a node that reads its rows when the graph
     /// that uses it runs ([`mlx::host_upload::upload_rows`]): nothing is waited for here,
-    /// and the buffer goes back to the pool once the device has read it. From ordinary
+    /// and the buffer goes back to the pool once the device has read it. Blocks in block
+    /// memory are read where they lie, one gather node per part, in the same way. From ordinary
     /// memory, one driver copy per part into zeros made on the device, all waited for
     /// once. `None` where the driver found no buffer to write into (the caller restores
     /// the ordinary way).
     pub(crate) fn upload(&mut self) -> Result<Option<Vec<Array>>, CacheError> {
-        if let Bytes::Gather(g) = &mut self.bytes {
-            let Some(g) = g.take() else {
-                return Ok(None);
-            };
-            let owner = std::sync::Arc::new(g);
-            let table = owner.table();
-            let arrays = self
-                .parts
-                .iter()
-                .zip(&owner.ranges)
-                .map(|(p, r)| {
-                    // SAFETY: the owner holds the table (page-locked staging) and the blocks
-                    // whose page-locked planes its rows point into, unchanged, until the
-                    // node gives it back.
-                    let a = unsafe {
-                        mlx::host_upload::gather_rows(
-                            &p.shape,
-                            p.dtype,
-                            owner.clone(),
-                            &table[r.clone()],
-                            p.block_rows,
-                        )
-                    };
-                    Ok(a?)
-                })
-                .collect::<Result<Vec<_>, CacheError>>()?;
-            return Ok(Some(arrays));
-        }
         if let Bytes::Rows { buffer, ranges } = &mut self.bytes {
             if matches!(buffer, Staging::Pinned(_)) && mlx::host_upload::upload_rows_on() {
                 let owner =
@@ -494,8 +492,7 @@ impl StagedRestore {
             }
         }
         match &mut self.bytes {
-            // Taken above.
-            Bytes::Gather(_) => Ok(None),
+            Bytes::Gather(g) => g.take().map(|g| g.upload(&self.parts)).transpose(),
             Bytes::Whole(bufs) => {
                 let bufs = std::mem::take(bufs);
                 let arrays = bufs

@@ -232,18 +232,6 @@ fn save_costs_to(store: &Store, namespace: NamespaceId, device: String, costs: C
     }
 }
 
-/// Page-locked host memory published blocks may take (cache::allow_block_memory), from
-/// `KVSTORE_PINNED_BLOCKS_MIB`: 0 (the default) keeps them in ordinary memory and every
-/// restore from RAM assembles; N lets publication page-lock up to N MiB, and a restore from
-/// RAM then reads the blocks in place. Off by default until the in-place path has run on a
-/// GPU (docs/cache.md, "Restore from page-locked blocks").
-fn pinned_block_bytes() -> usize {
-    std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(0, |mib| mib << 20)
-}
-
 /// Bytes of one block of `description` (every plane, layer states included), at least 1.
 fn block_bytes(description: &NamespaceDescription) -> u64 {
     description
@@ -1349,12 +1337,14 @@ impl KvTiers {
     /// (assembled, moved and made real on the device). Returns the prior it measured.
     /// With host tiers it first page-locks the staging pool's buffers
     /// ([`cache::prewarm_staging`]) and the calling thread's two transfer buffers
-    /// ([`cache::prewarm_scratch`]; CUDA only), so that no request pays a page-locking
-    /// driver call, which can hold up the engine thread's launches while it runs.
+    /// ([`cache::prewarm_scratch`]; CUDA only), and the block memory
+    /// `KVSTORE_PINNED_BLOCKS_MIB` asks for ([`cache::prewarm_block_memory`]), so that no
+    /// request pays a page-locking driver call, which can hold up the engine thread's
+    /// launches while it runs.
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
         if self.host_tiers {
             if mlx::direct_transfers() {
-                cache::allow_block_memory(pinned_block_bytes());
+                cache::allow_block_memory(cache::requested_block_memory());
             }
             let locked = cache::prewarm_staging()
                 + cache::prewarm_scratch(2)

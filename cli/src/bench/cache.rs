@@ -710,11 +710,7 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
     }
     // With KVSTORE_PINNED_BLOCKS_MIB=N (N > 0), published blocks in page-locked memory, as
     // an engine's RAM tier then keeps them (the staged restore reads them in place).
-    let pinned_mib = std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    cache::allow_block_memory(pinned_mib << 20);
+    cache::allow_block_memory(cache::requested_block_memory());
     let was = mlx::set_direct_transfers(true);
     let mut rows = block_rows_on(quick, true);
     mlx::set_direct_transfers(false);

@@ -1679,7 +1679,6 @@ fn fewest_new_engine(dir: &std::path::Path, max_batch: usize, prefill_chunk: usi
     )
 }
 
-/// Waits for `h`'s first token (panics on a failure or an end without one).
 /// Waits until the step log shows a step that prefilled (part of) request `id`'s prompt.
 fn wait_prefilling(engine: &Engine, id: u64) {
     let t = Instant::now();
@@ -1694,6 +1693,7 @@ fn wait_prefilling(engine: &Engine, id: u64) {
     }
 }
 
+/// Waits for `h`'s first token (panics on a failure or an end without one).
 fn wait_first_token(h: &mut engine::RequestHandle) {
     loop {
         match h.recv_blocking() {
