@@ -59,9 +59,12 @@ constexpr int kRuns = 32;  // runs per launch: the Runs parameter below holds th
 struct Runs {
   Run r[kRuns];
 };
+// A table entry of `copy_runs_table` is one `Run`: the Rust side sizes tables by this.
+static_assert(sizeof(Run) == 64, "mlx/src/copy_runs.rs: HOST_RUN_TABLE_ENTRY");
 
-// The run that copies `out` from `in`'s tokens from `lo`: checks the layout it relies on.
-Run run_of(const mx::array& in, const mx::array& out, int64_t lo, const char* src, char* dst) {
+// The run that copies `in`'s tokens [lo, hi) to `dst`, row-major: checks the layout it
+// relies on.
+Run run_of(const mx::array& in, int64_t lo, int64_t hi, const char* src, char* dst) {
   const auto& st = in.strides();
   if (in.shape(3) > 1 && st[3] != 1) {
     throw std::invalid_argument("a token run's source must have a contiguous last axis");
@@ -71,8 +74,8 @@ Run run_of(const mx::array& in, const mx::array& out, int64_t lo, const char* sr
   r.src = reinterpret_cast<unsigned long long>(src + lo * st[2] * e);
   r.dst = reinterpret_cast<unsigned long long>(dst);
   r.s0 = st[0] * e, r.s1 = st[1] * e, r.s2 = st[2] * e;
-  r.a = unsigned(out.shape(0)), r.h = unsigned(out.shape(1)), r.t = unsigned(out.shape(2));
-  r.row = unsigned(out.shape(3) * e);
+  r.a = unsigned(in.shape(0)), r.h = unsigned(in.shape(1)), r.t = unsigned(hi - lo);
+  r.row = unsigned(in.shape(3) * e);
   // The widest unit every address and stride is a multiple of.
   r.unit = 1;
   for (unsigned u : {16u, 8u, 4u}) {
@@ -114,7 +117,9 @@ std::vector<Run> declared_runs(Encoder& enc, const std::vector<mx::array>& input
   for (size_t i = 0; i < outputs.size(); ++i) {
     enc.set_input_array(inputs[i]);
     enc.set_output_array(outputs[i]);
-    if (outputs[i].nbytes() > 0) runs.push_back(run_of(inputs[i], outputs[i], los[i], src_of(inputs[i]), dst_of(outputs[i])));
+    if (outputs[i].nbytes() > 0) {
+      runs.push_back(run_of(inputs[i], los[i], los[i] + outputs[i].shape(2), src_of(inputs[i]), dst_of(outputs[i])));
+    }
   }
   return runs;
 }
@@ -131,6 +136,35 @@ void copy_run_host(const Run& r) {
     }
   }
 }
+
+// What a `CopyTokenRunsToHost` node writes: run i is source `runs[3i]`'s tokens
+// `runs[3i+1]..runs[3i+2]`, row-major at host address `dsts[i]`; on CUDA through a table of
+// `Run`s at `table` (page-locked, `table_len` bytes) that the node fills when it runs. Tells
+// the Rust side when the node is done with the memory (the destinations and the table).
+struct HostRuns {
+  std::vector<int64_t> runs;
+  std::vector<uint64_t> dsts;
+  Run* table;
+  size_t table_len;
+  uint64_t token;
+  HostRuns(std::vector<int64_t> r, std::vector<uint64_t> d, Run* t, size_t tl, uint64_t tok)
+      : runs(std::move(r)), dsts(std::move(d)), table(t), table_len(tl), token(tok) {}
+  HostRuns(const HostRuns&) = delete;
+  HostRuns& operator=(const HostRuns&) = delete;
+  ~HostRuns() { release_host_rows(token); }
+
+  // The non-empty runs, their sources' addresses from `src_of` (host or device pointers).
+  template <typename Src>
+  std::vector<Run> resolved(const std::vector<mx::array>& sources, Src src_of) const {
+    std::vector<Run> out;
+    for (size_t i = 0; i < dsts.size(); ++i) {
+      const mx::array& in = sources[size_t(runs[3 * i])];
+      const int64_t lo = runs[3 * i + 1], hi = runs[3 * i + 2];
+      if (hi > lo && in.size() > 0) out.push_back(run_of(in, lo, hi, src_of(in), reinterpret_cast<char*>(dsts[i])));
+    }
+    return out;
+  }
+};
 
 #ifdef KVSTORE_CUDA
 
@@ -172,18 +206,36 @@ extern "C" __global__ void copy_runs(const Runs runs) {
     default: copy_run<unsigned char>(r, first, step); break;
   }
 }
+
+// One thread block per run of a table at a time (the runs of a publication written straight
+// into host memory: thousands, one per block and part): its first thread reads the run
+// (page-locked host memory, over the bus) once for the block, then the block copies it.
+extern "C" __global__ void copy_runs_table(const Run* __restrict__ table, unsigned long long n) {
+  __shared__ Run r;
+  for (unsigned long long e = blockIdx.x; e < n; e += gridDim.x) {
+    if (threadIdx.x == 0) r = table[e];
+    __syncthreads();
+    switch (r.unit) {
+      case 16: copy_run<W16>(r, threadIdx.x, blockDim.x); break;
+      case 8: copy_run<unsigned long long>(r, threadIdx.x, blockDim.x); break;
+      case 4: copy_run<unsigned int>(r, threadIdx.x, blockDim.x); break;
+      default: copy_run<unsigned char>(r, threadIdx.x, blockDim.x); break;
+    }
+    __syncthreads();
+  }
+}
 )";
 
-// The kernel on the current device, compiled once per process and device.
-CUfunction copy_runs_kernel() {
+// The kernels on the current device (`copy_runs`, `copy_runs_table`), compiled once per
+// process and device.
+const std::vector<CUfunction>& copy_runs_kernels() {
   static std::mutex mu;
-  static std::map<int, CUfunction> cache;
+  static std::map<int, std::vector<CUfunction>> cache;
   const CUdevice dev = nvrtc::current_device();
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(int(dev)); it != cache.end()) return it->second;
-  CUfunction f = nvrtc::compile(kSource, "kvstore_copy_runs.cu", {"copy_runs"}, "the token-run copy")[0];
-  cache.emplace(int(dev), f);
-  return f;
+  auto fs = nvrtc::compile(kSource, "kvstore_copy_runs.cu", {"copy_runs", "copy_runs_table"}, "the token-run copy");
+  return cache.emplace(int(dev), std::move(fs)).first->second;
 }
 
 void copy_runs_gpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
@@ -193,7 +245,7 @@ void copy_runs_gpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vect
   auto runs = declared_runs(
       enc, inputs, outputs, los, offsets, [](const mx::array& a) { return mx::gpu_ptr<char>(a); },
       [](mx::array& a) { return mx::gpu_ptr<char>(a); });
-  CUfunction kernel = runs.empty() ? nullptr : copy_runs_kernel();
+  CUfunction kernel = runs.empty() ? nullptr : copy_runs_kernels()[0];
   for (size_t at = 0; at < runs.size(); at += kRuns) {
     const size_t n = std::min<size_t>(kRuns, runs.size() - at);
     Runs p{};
@@ -209,6 +261,35 @@ void copy_runs_gpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vect
   }
 }
 
+// The host runs on CUDA: the table filled now, then one kernel reading it writes every run
+// into host memory over the bus. The destinations and the table stay lent until the command
+// buffer has completed.
+void copy_runs_to_host_gpu(mx::Stream s, const std::shared_ptr<HostRuns>& host, const std::vector<mx::array>& inputs,
+                           mx::array& out) {
+  auto& enc = cu::get_command_encoder(s);
+  enc.device().make_current();
+  if (!nvrtc::unified_addressing()) {
+    throw std::runtime_error("this device cannot write page-locked host memory at its host address");
+  }
+  out.copy_shared_buffer(inputs.back());
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+  const std::vector<mx::array> sources(inputs.begin(), inputs.end() - 1);
+  auto runs = host->resolved(sources, [](const mx::array& a) { return mx::gpu_ptr<char>(a); });
+  if (runs.empty()) return;
+  if (runs.size() * sizeof(Run) > host->table_len) {
+    throw std::invalid_argument("a table of " + std::to_string(host->table_len) + " bytes for " +
+                                std::to_string(runs.size()) + " token runs");
+  }
+  std::memcpy(host->table, runs.data(), runs.size() * sizeof(Run));
+  const Run* table = host->table;
+  unsigned long long n = runs.size();
+  const unsigned int blocks = unsigned(std::min<unsigned long long>(n, 8192));
+  void* args[] = {&table, &n};
+  enc.add_kernel_node_raw(copy_runs_kernels()[1], dim3(blocks, 1, 1), dim3(256, 1, 1), dim3(1, 1, 1), 0, args);
+  enc.add_completed_handler([host]() {});
+}
+
 #else  // KVSTORE_CUDA
 
 void copy_runs_gpu(mx::Stream, const std::vector<mx::array>&, std::vector<mx::array>&, const std::vector<int64_t>&,
@@ -216,6 +297,13 @@ void copy_runs_gpu(mx::Stream, const std::vector<mx::array>&, std::vector<mx::ar
   throw std::runtime_error(
       "this build has no token-run copy for the GPU (build with the CUDA backend's headers: "
       "scripts/cuda/build.sh)");
+}
+
+void copy_runs_to_host_gpu(mx::Stream, const std::shared_ptr<HostRuns>&, const std::vector<mx::array>&,
+                           mx::array&) {
+  throw std::runtime_error(
+      "this build has no token-run copy into host memory for the GPU (build with the CUDA "
+      "backend's headers: scripts/cuda/build.sh)");
 }
 
 #endif  // KVSTORE_CUDA
@@ -245,6 +333,37 @@ class CopyTokenRuns : public mx::Primitive {
  private:
   std::vector<int64_t> los_;
   std::vector<size_t> offsets_;
+};
+
+// The token runs of several arrays written straight into host memory (`HostRuns`): a
+// publication's blocks, each part's plane at the block's own page-locked chunk. Its output is
+// a small array that shares the buffer of its last input (zeros): waiting for it is waiting
+// for the writes.
+class CopyTokenRunsToHost : public mx::UnaryPrimitive {
+ public:
+  CopyTokenRunsToHost(mx::Stream s, std::shared_ptr<HostRuns> host) : mx::UnaryPrimitive(s), host_(std::move(host)) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    out.copy_shared_buffer(inputs.back());
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const std::vector<mx::array> sources(inputs.begin(), inputs.end() - 1);
+    auto runs = host_->resolved(sources, [](const mx::array& a) { return a.data<char>(); });
+    encoder.dispatch([runs = std::move(runs), host = host_]() {
+      for (const Run& r : runs) copy_run_host(r);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    copy_runs_to_host_gpu(stream(), host_, inputs, out);
+  }
+
+  const char* name() const override { return "CopyTokenRunsToHost"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  std::shared_ptr<HostRuns> host_;
 };
 
 }  // namespace
@@ -294,6 +413,44 @@ std::unique_ptr<ArrayList> copy_token_runs(const ArrayList& sources, rust::Slice
   out->items = mx::array::make_arrays(std::move(shapes), dtypes,
                                       std::make_shared<CopyTokenRuns>(stream, std::move(los), std::move(offsets)), inputs);
   return out;
+}
+
+std::unique_ptr<Array> copy_token_runs_to_host(const ArrayList& sources, rust::Slice<const int64_t> runs,
+                                               rust::Slice<const uint64_t> dsts, size_t table, size_t table_len,
+                                               uint64_t token) {
+  // The host side is made first, so that every refusal below still hands the memory back.
+  auto host = std::make_shared<HostRuns>(std::vector<int64_t>(runs.begin(), runs.end()),
+                                         std::vector<uint64_t>(dsts.begin(), dsts.end()),
+                                         reinterpret_cast<Run*>(table), table_len, token);
+  const auto& in = sources.items;
+  if (host->runs.size() != host->dsts.size() * 3) {
+    throw std::invalid_argument("copy_token_runs_to_host needs a source and a token range for every destination");
+  }
+  for (const auto& a : in) {
+    if (a.ndim() != 4) throw std::invalid_argument("copy_token_runs_to_host takes 4-D sources [A, H, T, W]");
+  }
+  for (size_t i = 0; i < host->dsts.size(); ++i) {
+    const int64_t src = host->runs[3 * i], lo = host->runs[3 * i + 1], hi = host->runs[3 * i + 2];
+    if (src < 0 || size_t(src) >= in.size()) {
+      throw std::invalid_argument("token run " + std::to_string(i) + " names source " + std::to_string(src) + " of " +
+                                  std::to_string(in.size()));
+    }
+    if (lo < 0 || lo > hi || hi > in[size_t(src)].shape(2)) {
+      throw std::invalid_argument("tokens " + std::to_string(lo) + ".." + std::to_string(hi) + " of a source of " +
+                                  std::to_string(in[size_t(src)].shape(2)));
+    }
+    if (hi > lo && host->dsts[i] == 0) throw std::invalid_argument("token run " + std::to_string(i) + " has no destination");
+  }
+  if (table_len < host->dsts.size() * sizeof(Run)) {
+    throw std::invalid_argument("a table of " + std::to_string(table_len) + " bytes for " +
+                                std::to_string(host->dsts.size()) + " token runs (" + std::to_string(sizeof(Run)) +
+                                " bytes each)");
+  }
+  auto stream = mx::default_stream(mx::default_device());
+  std::vector<mx::array> inputs = in;
+  inputs.push_back(mx::zeros({16}, mx::uint8, stream));
+  auto node = std::make_shared<CopyTokenRunsToHost>(stream, std::move(host));
+  return std::make_unique<Array>(Array{mx::array({16}, mx::uint8, std::move(node), std::move(inputs))});
 }
 
 }  // namespace kvmlx

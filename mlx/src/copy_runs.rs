@@ -8,6 +8,8 @@
 //! opt-in until measured ([`copy_runs_on_gpu`]); without it (and on Metal) each part is
 //! copied on its own as before.
 
+use std::sync::Arc;
+
 use crate::array::{list, unlist, Array};
 use crate::ffi::ffi;
 use crate::{Device, Dtype, Result};
@@ -63,6 +65,62 @@ pub fn copy_token_runs(runs: &[TokenRun<'_>]) -> Result<Vec<Array>> {
         .collect();
     let out = crate::error::check("copy_token_runs", ffi::copy_token_runs(&l, &ranges))?;
     unlist("copy_token_runs", &out)
+}
+
+/// One run of [`copy_token_runs_to_host`]: tokens `lo..hi` (axis 2) of source `source` (an
+/// index into its sources), written row-major at host address `dst`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostRun {
+    /// The source, by its index.
+    pub source: usize,
+    /// The first token copied.
+    pub lo: usize,
+    /// One past the last token copied.
+    pub hi: usize,
+    /// Where the run's rows go, in host memory.
+    pub dst: u64,
+}
+
+/// Bytes of [`copy_token_runs_to_host`]'s table per run (the shim's `Run`).
+pub const HOST_RUN_TABLE_ENTRY: usize = 64;
+
+/// A node that writes `runs` of `sources` straight into host memory: run i's rows (the
+/// source's tokens `lo..hi`, every leading index, row-major, as [`copy_token_runs`] lays
+/// out its outputs) at its `dst`. The returned array is 16 bytes of nothing: once it is
+/// evaluated the writes are done. On CUDA one kernel reads the runs from `table` (filled
+/// when the node runs) and writes over the bus; on the CPU the CPU stream's thread copies.
+/// `owner` is kept until the node has written (or is dropped unevaluated); runs outside
+/// their source are refused here.
+///
+/// # Safety
+///
+/// Every `dst` must point to at least its run's bytes, and `table` to
+/// `runs.len()` · [`HOST_RUN_TABLE_ENTRY`] bytes, all memory that `owner` keeps alive and
+/// that nothing reads or writes until the returned array has been evaluated. On CUDA all of
+/// it must be page-locked memory the device can address ([`crate::PinnedBuffer`] and memory
+/// carved from one); on the CPU any memory.
+pub unsafe fn copy_token_runs_to_host<O>(
+    sources: &[&Array],
+    runs: &[HostRun],
+    table: *mut u8,
+    table_len: usize,
+    owner: Arc<O>,
+) -> Result<Array>
+where
+    O: Send + Sync + 'static,
+{
+    let l = list("copy_token_runs_to_host", sources)?;
+    let spans: Vec<i64> = runs
+        .iter()
+        .flat_map(|r| [r.source as i64, r.lo as i64, r.hi as i64])
+        .collect();
+    let dsts: Vec<u64> = runs.iter().map(|r| r.dst).collect();
+    let token = crate::host_upload::lend("copy_token_runs_to_host", Box::new(owner))?;
+    // From here the shim owns the lending: every outcome, an error included, releases it.
+    Array::wrap(
+        "copy_token_runs_to_host",
+        ffi::copy_token_runs_to_host(&l, &spans, &dsts, table as usize, table_len, token),
+    )
 }
 
 /// One run copied on its own, by the rule measured best for a GPU before the node (session
@@ -261,5 +319,129 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("4-D"), "{e}");
         assert!(copy_token_runs(&[]).unwrap().is_empty());
+    }
+
+    /// Host memory a [`copy_token_runs_to_host`] node writes: one buffer per run and the
+    /// table, kept by the node until it is done.
+    struct HostBuffers {
+        runs: Vec<std::cell::UnsafeCell<Vec<u8>>>,
+        table: std::cell::UnsafeCell<Vec<u8>>,
+    }
+    // The node writes the buffers only while the test waits for it.
+    unsafe impl Sync for HostBuffers {}
+    unsafe impl Send for HostBuffers {}
+
+    impl HostBuffers {
+        fn new(lens: &[usize], runs: usize) -> Arc<Self> {
+            Arc::new(Self {
+                runs: lens
+                    .iter()
+                    .map(|&n| std::cell::UnsafeCell::new(vec![0xAB; n]))
+                    .collect(),
+                table: std::cell::UnsafeCell::new(vec![0; runs * HOST_RUN_TABLE_ENTRY]),
+            })
+        }
+        fn dst(&self, i: usize) -> u64 {
+            unsafe { (*self.runs[i].get()).as_mut_ptr() as u64 }
+        }
+        fn table(&self) -> (*mut u8, usize) {
+            let t = unsafe { &mut *self.table.get() };
+            (t.as_mut_ptr(), t.len())
+        }
+        fn bytes(&self, i: usize) -> Vec<u8> {
+            unsafe { (*self.runs[i].get()).clone() }
+        }
+    }
+
+    fn le_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn runs_written_to_host_memory_hold_their_sources_tokens_and_nothing_past_them() {
+        // A publication's shape: every block of every part at its own host buffer; parts of
+        // different widths and heads, and a run of no tokens that writes nothing.
+        let a = counting(2 * 9 * 8);
+        let b = counting(3 * 9 * 2);
+        let xa = Array::from_slice(&a, &[1, 2, 9, 8]).unwrap();
+        let xb = Array::from_slice(&b, &[1, 3, 9, 2]).unwrap();
+        let runs = [(0, 0, 3), (0, 3, 6), (1, 3, 6), (1, 6, 9), (0, 4, 4)];
+        let want: Vec<Vec<u8>> = runs
+            .iter()
+            .map(|&(s, lo, hi)| match s {
+                0 => le_bytes(&tokens(&a, [1, 2, 9, 8], lo, hi)),
+                _ => le_bytes(&tokens(&b, [1, 3, 9, 2], lo, hi)),
+            })
+            .collect();
+        // One byte past each run's rows shows that the node writes no further.
+        let lens: Vec<usize> = want.iter().map(|w| w.len() + 1).collect();
+        let host = HostBuffers::new(&lens, runs.len());
+        let list: Vec<HostRun> = runs
+            .iter()
+            .enumerate()
+            .map(|(i, &(source, lo, hi))| HostRun {
+                source,
+                lo,
+                hi,
+                dst: host.dst(i),
+            })
+            .collect();
+        let (table, table_len) = host.table();
+        let done =
+            unsafe { copy_token_runs_to_host(&[&xa, &xb], &list, table, table_len, host.clone()) }
+                .unwrap();
+        crate::eval(&[&done]).unwrap();
+        drop(done);
+        for (i, w) in want.iter().enumerate() {
+            let got = host.bytes(i);
+            assert_eq!(&got[..w.len()], &w[..], "run {i}");
+            assert_eq!(got[w.len()], 0xAB, "run {i} wrote past its rows");
+        }
+        // The node gave its owner back once it had written.
+        for _ in 0..100 {
+            if Arc::strong_count(&host) == 1 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(Arc::strong_count(&host), 1);
+    }
+
+    #[test]
+    fn a_host_run_outside_its_source_or_a_short_table_is_refused_and_its_owner_given_back() {
+        let src = Array::from_slice(&counting(8), &[1, 1, 2, 4]).unwrap();
+        let host = HostBuffers::new(&[64], 1);
+        let (table, table_len) = host.table();
+        let run = |source, lo, hi| HostRun {
+            source,
+            lo,
+            hi,
+            dst: host.dst(0),
+        };
+        let e = unsafe {
+            copy_token_runs_to_host(&[&src], &[run(0, 1, 3)], table, table_len, host.clone())
+        }
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("tokens 1..3 of a source of 2"),
+            "{e}"
+        );
+        let e = unsafe {
+            copy_token_runs_to_host(&[&src], &[run(1, 0, 1)], table, table_len, host.clone())
+        }
+        .unwrap_err();
+        assert!(e.to_string().contains("names source 1 of 1"), "{e}");
+        let e = unsafe {
+            copy_token_runs_to_host(
+                &[&src],
+                &[run(0, 0, 1), run(0, 1, 2)],
+                table,
+                table_len,
+                host.clone(),
+            )
+        }
+        .unwrap_err();
+        assert!(e.to_string().contains("a table of 64 bytes for 2"), "{e}");
+        assert_eq!(Arc::strong_count(&host), 1);
     }
 }

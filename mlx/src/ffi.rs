@@ -298,6 +298,14 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<Array>>;
         fn copy_runs_kernel_built() -> bool;
         fn copy_token_runs(sources: &ArrayList, ranges: &[i64]) -> Result<UniquePtr<ArrayList>>;
+        fn copy_token_runs_to_host(
+            sources: &ArrayList,
+            runs: &[i64],
+            dsts: &[u64],
+            table: usize,
+            table_len: usize,
+            token: u64,
+        ) -> Result<UniquePtr<Array>>;
 
         fn load_safetensors(path: &str) -> Result<UniquePtr<Loaded>>;
         fn load_gguf(path: &str) -> Result<UniquePtr<Loaded>>;

@@ -147,14 +147,6 @@ const std::vector<CUfunction>& host_rows_kernels() {
 
 CUfunction host_rows_kernel() { return host_rows_kernels()[0]; }
 
-// Whether the device reads page-locked host memory at its host address (unified
-// addressing: every 64-bit Linux GPU MLX's CUDA backend runs on).
-bool unified_addressing() {
-  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(lookup("cuDeviceGetAttribute"));
-  int unified = 0;
-  return attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, nvrtc::current_device()) == 0 && unified;
-}
-
 void copy_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::array& zeros, mx::array& out) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
@@ -164,7 +156,7 @@ void copy_gpu(mx::Stream s, const std::shared_ptr<Source>& source, const mx::arr
   if (device_pointer(&src, const_cast<uint8_t*>(source->src), 0) != 0) {
     // Under unified addressing a mapped page-locked buffer has the same address on both
     // sides (the call may refuse an address inside an allocation rather than its start).
-    if (!unified_addressing()) {
+    if (!nvrtc::unified_addressing()) {
       throw std::runtime_error("the host rows are not page-locked memory the device can read");
     }
     src = reinterpret_cast<CUdeviceptr>(source->src);
@@ -193,7 +185,7 @@ void copy_gpu(mx::Stream s, const std::shared_ptr<GatherSource>& source, const m
   enc.device().make_current();
   // The table and the rows are page-locked host memory (the caller's contract), read at
   // their host addresses.
-  if (!unified_addressing()) {
+  if (!nvrtc::unified_addressing()) {
     throw std::runtime_error("this device cannot read page-locked host memory at its host address");
   }
   out.copy_shared_buffer(zeros);

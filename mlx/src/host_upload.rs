@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::ffi::ffi;
 
 /// What a node holds while it may still read host bytes: the owner of those bytes.
-type Lent = Box<dyn Send>;
+pub(crate) type Lent = Box<dyn Send>;
 
 /// Host bytes lent to nodes, by token.
 static LENT: Mutex<Option<HashMap<u64, Lent>>> = Mutex::new(None);
@@ -99,7 +99,7 @@ where
 }
 
 /// Registers `owner` as lent to a node; returns its token.
-fn lend(op: &'static str, owner: Lent) -> Result<u64> {
+pub(crate) fn lend(op: &'static str, owner: Lent) -> Result<u64> {
     let token = NEXT.fetch_add(1, Ordering::Relaxed);
     match LENT.lock() {
         Ok(mut lent) => {

@@ -36,6 +36,13 @@ CUdevice current_device() {
   return dev;
 }
 
+bool unified_addressing() {
+  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(
+      lookup("cuDeviceGetAttribute", "a kvstore kernel"));
+  int unified = 0;
+  return attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, current_device()) == 0 && unified;
+}
+
 std::vector<CUfunction> compile(const std::string& source, const char* file,
                                 const std::vector<const char*>& names, const char* what) {
   const CUdevice dev = current_device();

@@ -19,6 +19,10 @@ void* lookup(const char* name, const char* what);
 // The device of the current context.
 CUdevice current_device();
 
+// Whether the current device reads and writes page-locked host memory at its host address
+// (unified addressing: every 64-bit Linux GPU MLX's CUDA backend runs on).
+bool unified_addressing();
+
 // `source` compiled for the current device's architecture and loaded, its kernels `names`
 // in that order. Compiles every time it is called: callers keep what it returns.
 std::vector<CUfunction> compile(const std::string& source, const char* file,

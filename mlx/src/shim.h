@@ -164,6 +164,11 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
 // copy_runs.cc: copies of token runs of several arrays as one node (a kernel on CUDA).
 bool copy_runs_kernel_built();
 std::unique_ptr<ArrayList> copy_token_runs(const ArrayList& sources, rust::Slice<const int64_t> ranges);
+// The same runs written straight into host memory as one node (a kernel reading a table of
+// runs from page-locked memory on CUDA); `release_host_rows(token)` once they are written.
+std::unique_ptr<Array> copy_token_runs_to_host(const ArrayList& sources, rust::Slice<const int64_t> runs,
+                                               rust::Slice<const uint64_t> dsts, size_t table, size_t table_len,
+                                               uint64_t token);
 rust::Vec<rust::String> pending_primitives(const ArrayList& arrays);
 
 // Files.
