@@ -18,6 +18,7 @@
 use mlx::Array;
 use store::{Block, BlockMeta};
 
+use crate::export_to_block_memory::BlockMemoryRun;
 use crate::{host, CacheError, KvFormat, LayerState};
 
 /// Device copies of a run of newly full blocks and what they become: see the module doc.
@@ -34,6 +35,9 @@ pub struct Export {
     pub(crate) window: Box<WindowExport>,
     /// Whether the blocks are window-trimmed copies that replace stored ones.
     pub(crate) replaces: bool,
+    /// The run's planes written by the device straight into block memory (then `parts` is
+    /// empty): [`BlockMemoryRun`].
+    pub(crate) written: Option<BlockMemoryRun>,
 }
 
 /// The owned inputs of a [`host::WindowPlan`], carried to the export thread.
@@ -96,21 +100,49 @@ impl Export {
         self.replaces
     }
 
-    /// The device copies it reads back (layer parts, then any layer states), for a reader
-    /// that waits for several exports at once (`mlx::eval` of all of them).
+    /// The arrays it waits for (the device copies it reads back, or the node writing the
+    /// planes into block memory, then any layer states), for a reader that waits for
+    /// several exports at once (`mlx::eval` of all of them).
     pub fn device_arrays(&self) -> Vec<&Array> {
         let states = self.states.iter().flatten().flatten().flatten();
-        self.parts.iter().flatten().chain(states).collect()
+        let written = self.written.as_ref().map(BlockMemoryRun::done);
+        self.parts
+            .iter()
+            .flatten()
+            .chain(written)
+            .chain(states)
+            .collect()
     }
 
-    /// Device bytes the copies hold until [`Self::into_blocks`] has read them.
+    /// Device bytes the copies hold until [`Self::into_blocks`] has read them (none where
+    /// the device writes the planes into block memory).
     pub fn device_bytes(&self) -> u64 {
-        self.device_arrays().iter().map(|a| a.nbytes() as u64).sum()
+        let states = self.states.iter().flatten().flatten().flatten();
+        self.parts
+            .iter()
+            .flatten()
+            .chain(states)
+            .map(|a| a.nbytes() as u64)
+            .sum()
+    }
+
+    /// Whether the device writes the planes straight into page-locked block memory (no
+    /// read-back, no split on the host: docs/cache.md, "Publication into block memory").
+    pub fn written_to_block_memory(&self) -> bool {
+        self.written.is_some()
     }
 
     /// Waits for the device copies and turns them into host-byte blocks (one transfer per
-    /// layer part, split on the host).
+    /// layer part, split on the host), or waits for the planes written into block memory.
     pub fn into_blocks(self) -> Result<Vec<Block>, CacheError> {
+        if let Some(written) = self.written {
+            let states: Vec<&Array> = self.states.iter().flatten().flatten().flatten().collect();
+            if !states.is_empty() {
+                mlx::eval(&states)?;
+            }
+            let planes = written.into_planes()?;
+            return host::assemble_blocks(self.metas, planes, self.states);
+        }
         host::blocks_from_run(
             self.parts,
             self.format,

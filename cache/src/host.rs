@@ -316,7 +316,17 @@ fn read_run(
             .map(planes_of)
             .collect::<Result<_, CacheError>>()?
     };
-    let mut planes: Vec<Vec<Plane>> = (0..n).map(|_| Vec::new()).collect();
+    assemble_blocks(metas, per_layer, states)
+}
+
+/// The blocks of `metas` from their planes, given per layer as (block index, plane) in layer
+/// order, and the (evaluated) layer states a snapshot block carries after them.
+pub(crate) fn assemble_blocks(
+    metas: Vec<BlockMeta>,
+    per_layer: Vec<Vec<(usize, Plane)>>,
+    states: Vec<Option<Vec<LayerState>>>,
+) -> Result<Vec<Block>, CacheError> {
+    let mut planes: Vec<Vec<Plane>> = (0..metas.len()).map(|_| Vec::new()).collect();
     for layer in per_layer {
         for (b, plane) in layer {
             planes[b].push(plane);

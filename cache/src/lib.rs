@@ -23,6 +23,7 @@ mod chain;
 mod contiguous;
 mod error;
 mod export;
+mod export_to_block_memory;
 mod format;
 mod host;
 mod mask;

@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use store::{Block, BlockMeta};
 
+use crate::block_memory;
 use crate::export::{Export, WindowExport};
+use crate::export_to_block_memory::BlockMemoryRun;
 use crate::host;
 use crate::pool::{ladder_capacity, BlockPool, BlockShape};
 use crate::share::{LayerPrefix, ShareHandle};
@@ -1098,7 +1100,21 @@ impl PagedKvCache {
         let keeps: Vec<bool> = (from..full)
             .map(|p| plan.keeps(p * bs, (p + 1) * bs))
             .collect();
-        let parts = self.copy_run(from, full, keeps.contains(&true))?;
+        // Straight into block memory where it has room for the whole run (and no layer
+        // keeps a window, whose planes some blocks leave out); else device copies that the
+        // export thread reads back and splits.
+        let written = if keeps.iter().all(|&k| k)
+            && block_memory::allowed()
+            && crate::export_to_block_memory::publish_in_place()
+        {
+            self.write_run_to_block_memory(from, full)?
+        } else {
+            None
+        };
+        let parts = match written {
+            Some(_) => Vec::new(),
+            None => self.copy_run(from, full, keeps.contains(&true))?,
+        };
         let metas = (from..full)
             .map(|p| chain.meta(p, &tokens[p * bs..(p + 1) * bs]))
             .collect();
@@ -1122,7 +1138,11 @@ impl PagedKvCache {
         if !shared.is_empty() {
             mlx::eval(&shared)?;
         }
-        let copies: Vec<&Array> = parts.iter().flatten().collect();
+        let copies: Vec<&Array> = parts
+            .iter()
+            .flatten()
+            .chain(written.as_ref().map(BlockMemoryRun::done))
+            .collect();
         mlx::async_eval(&copies)?;
         if self.window.kept_from >= from {
             self.window.kept_from = from + keeps.iter().position(|&k| k).unwrap_or(n);
@@ -1136,6 +1156,7 @@ impl PagedKvCache {
             states,
             window: self.window_export(ends),
             replaces: false,
+            written,
         }))
     }
 
@@ -1199,6 +1220,36 @@ impl PagedKvCache {
     /// prefix or a fork's table splits the range) are copied by one node together
     /// ([`mlx::copy_runs::copy_token_runs`]): a publication costs the engine thread one
     /// node instead of one per layer part.
+    /// The planes of blocks `from..to` written by the device straight into block memory
+    /// (one node: [`BlockMemoryRun`]), where every layer holds them as runs of its pool's
+    /// blocks and block memory has room; `None` otherwise (nothing queued). Only for a
+    /// cache without window layers (every plane of every block is written).
+    fn write_run_to_block_memory(
+        &self,
+        from: usize,
+        to: usize,
+    ) -> Result<Option<BlockMemoryRun>, CacheError> {
+        if self.window.windows.iter().any(Option::is_some) {
+            return Ok(None);
+        }
+        let bs = self.config.block_size;
+        let (a, b) = (from * bs, to * bs);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let m = l.prefix_len();
+            let runs = l
+                .pool
+                .as_ref()
+                .filter(|_| a >= m)
+                .and_then(|pool| pool.token_runs(&l.table, a - m, b - m));
+            match runs {
+                Some(r) => layers.push(r),
+                None => return Ok(None),
+            }
+        }
+        BlockMemoryRun::write(&layers, self.config.format, to - from, bs)
+    }
+
     fn copy_run(
         &self,
         from: usize,
@@ -1284,6 +1335,7 @@ impl PagedKvCache {
             states: vec![None; to - from],
             window: self.window_export(ends),
             replaces: true,
+            written: None,
         }))
     }
 
