@@ -175,7 +175,7 @@ mod tests {
     #[test]
     fn a_run_written_into_block_memory_holds_each_blocks_tokens_of_every_part() {
         crate::block_memory::stand_in_for_tests();
-        let (layers, bs, n, heads, dim) = (3, 4, 5, 2, 64);
+        let (layers, bs, n, heads, dim) = (3usize, 4usize, 5usize, 2usize, 64usize);
         let total = n * bs + 1;
         let formats = [
             (KvFormat::Float, Dtype::F32),
