@@ -33,8 +33,8 @@
 # XARGS: more bench trace options for every arm, e.g. --prefill-chunk 2048; ARM+TAG: ARM with the
 # variables of ENV_TAG and the flags of ARGS_TAG, e.g. cache+t16 with ENV_t16="KVSTORE_TRANSFER_THREADS=16"); pw: the 8B decode
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
-# pr: restores from RAM in place against assembled (bench cache's block rows, the 32K
-# session's RAM arm each way beside mlx-lm); st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
+# pr: block memory's restores in place and publications written into it against the default
+# (bench cache's block rows, the 32K session's RAM arm each way beside mlx-lm); st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
 # decode with host work spun after each queued step, kvstore and mlx-lm (SPINS), and what a
@@ -282,26 +282,33 @@ case "$step" in
     fi
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
-  pr) # restores from RAM read in place (page-locked blocks, one gather node per layer part:
-      # KVSTORE_PINNED_BLOCKS_MIB=8192) against assembled (the default): bench cache's block
-      # rows (which check the staged restore's bytes against the batch restore's), then the
-      # 32K session's RAM arm each way beside mlx-lm's prompt cache, after x1 and x2
-      # (SmolLM2's shape, random weights); PINNED: the arms (default "8192 0")
+  pr) # block memory (KVSTORE_PINNED_BLOCKS_MIB=8192): restores from RAM read in place (one
+      # gather node per layer part) and publications written into it (one node), against the
+      # default: bench cache's block rows with publications written in place and copied (the
+      # rows check every published plane against the appended keys and values, and the staged
+      # restore's bytes against the batch restore's), then the 32K session's RAM arm each way,
+      # after x1 and x2 (SmolLM2's shape, random weights); PINNED: the arms (default
+      # "8192 8192c 0": block memory with publications written into it and mlx-lm beside it,
+      # the same with publications copied and split, none)
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
     py=$(command -v python3)
-    { KVSTORE_PINNED_BLOCKS_MIB=8192 timeout 150 "$BIN/kvstore" bench cache --only blocks 2>&1; } |
-      tee "$OUT/bench-cache-blocks.log" | tail -n 9
+    for pub in 1 0; do
+      { KVSTORE_PINNED_BLOCKS_MIB=8192 KVSTORE_PUBLISH_IN_PLACE=$pub timeout 150 "$BIN/kvstore" bench cache \
+          --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks-pub$pub.log" | tail -n 9
+    done
     d=$K/smollm2-rand
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
     [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
-    for pinned in ${PINNED:-8192 0}; do
-      arms=${ARMSR:-ram,mlx-lm}; [ "$pinned" = 0 ] && arms=ram
-      { KVSTORE_PINNED_BLOCKS_MIB=$pinned timeout ${LIMIT32:-240} "$BIN/kvstore" bench agent --model "$d" \
-          --python "$py" --mlx-lm-model "$d" --arms "$arms" --turns "${TURNS:-75}" --kv-budget 4GiB \
-          --out "$OUT/agent32k-pinned-$pinned" 2>&1; } > "$OUT/agent32k-pinned-$pinned.log"
-      echo "== KVSTORE_PINNED_BLOCKS_MIB=$pinned"; tail -n 5 "$OUT/agent32k-pinned-$pinned.log"
+    # an arm: MiB of block memory, "c" after it: publications copied and split as before
+    for arm in ${PINNED:-8192 8192c 0}; do
+      pinned=${arm%c}; pub=1; [ "$pinned" != "$arm" ] && pub=0
+      arms=${ARMSR:-ram,mlx-lm}; [ "$arm" != 8192 ] && arms=ram
+      { KVSTORE_PINNED_BLOCKS_MIB=$pinned KVSTORE_PUBLISH_IN_PLACE=$pub timeout ${LIMIT32:-240} "$BIN/kvstore" \
+          bench agent --model "$d" --python "$py" --mlx-lm-model "$d" --arms "$arms" --turns "${TURNS:-75}" \
+          --kv-budget 4GiB --out "$OUT/agent32k-pinned-$arm" 2>&1; } > "$OUT/agent32k-pinned-$arm.log"
+      echo "== KVSTORE_PINNED_BLOCKS_MIB=$pinned KVSTORE_PUBLISH_IN_PLACE=$pub"; tail -n 5 "$OUT/agent32k-pinned-$arm.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;

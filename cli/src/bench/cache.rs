@@ -109,6 +109,9 @@ struct BlockRow {
     /// Whether the staged restore read the blocks where they lie (page-locked block
     /// memory, one gather node per layer part) instead of assembling them.
     staged_in_place: bool,
+    /// Whether the publication was written by the device straight into block memory
+    /// (`cache::Export::written_to_block_memory`).
+    published_in_place: bool,
     /// Block bytes / (staging + install), GB/s; `None` where the run was not staged.
     staged_gb_s: Option<f64>,
     /// One device array of the same bytes read to the host, GB/s.
@@ -742,10 +745,14 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
         };
         let tokens: Vec<u32> = (0..(blocks * block_size) as u32).collect();
         let mut cache = PagedKvCache::new(layers, config)?;
+        // Each layer's keys and values as host bytes: what every published plane is checked
+        // against.
+        let mut appended = Vec::with_capacity(layers);
         for l in 0..layers {
             let k = random(&[1, HKV, tokens.len() as i32, D], 10 + l as u64)?;
             let v = random(&[1, HKV, tokens.len() as i32, D], 100 + l as u64)?;
             cache.update_and_fetch(l, &k, &v)?;
+            appended.push([k.to_bytes()?, v.to_bytes()?]);
         }
         for l in 0..layers {
             for a in cache.pool(l).into_iter().flat_map(|p| p.arrays()) {
@@ -755,17 +762,21 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
         let ns = NamespaceId([7; 32]);
         // Each publish runs on a fresh clone (nothing published yet, buffers shared).
         let mut published: Vec<Arc<store::Block>> = Vec::new();
+        let mut published_in_place = false;
         let publish = median(if quick { 2 } else { 3 }, || {
             // The last rep's blocks go first: their page-locked memory serves this one.
             published.clear();
-            published = cache
+            let Some(export) = cache
                 .clone()
-                .publish(&mut Chain::new(ns, block_size), &tokens)?
-                .into_iter()
-                .map(Arc::new)
-                .collect();
+                .export(&mut Chain::new(ns, block_size), &tokens)?
+            else {
+                anyhow::bail!("nothing to publish");
+            };
+            published_in_place = export.written_to_block_memory();
+            published = export.into_blocks()?.into_iter().map(Arc::new).collect();
             Ok(())
         })?;
+        check_published(&published, &appended, block_size)?;
         let restore = median(if quick { 2 } else { 5 }, || {
             let r = PagedKvCache::restore(layers, config, &published)?;
             let mut all = Vec::new();
@@ -857,12 +868,42 @@ fn block_rows_on(quick: bool, direct: bool) -> Result<Vec<BlockRow>> {
             stage_ms_per_block: stage,
             install_ms_per_block: install,
             staged_in_place: in_place,
+            published_in_place,
             staged_gb_s: stage
                 .zip(install)
                 .map(|(s, i)| block_bytes as f64 / ((s + i) * 1e-3) / 1e9),
         });
     }
     Ok(rows)
+}
+
+/// Fails unless every plane of `published` holds its block's tokens of the keys and values
+/// appended (`appended[layer]`: K then V, `[1, HKV, T, D]` f32 bytes).
+fn check_published(
+    published: &[Arc<store::Block>],
+    appended: &[[Vec<u8>; 2]],
+    bs: usize,
+) -> Result<()> {
+    let row = D as usize * 4;
+    let t = published.len() * bs;
+    for (b, block) in published.iter().enumerate() {
+        if block.planes.len() != appended.len() * 2 {
+            anyhow::bail!("block {b} has {} planes", block.planes.len());
+        }
+        for (plane, src) in block.planes.iter().zip(appended.iter().flatten()) {
+            let heads = (0..HKV as usize).map(|h| {
+                let at = (h * t + b * bs) * row;
+                &src[at..at + bs * row]
+            });
+            if !plane.data.chunks(bs * row).eq(heads) {
+                anyhow::bail!(
+                    "plane {} of block {b} is not its tokens' keys or values",
+                    plane.name
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A staged restore's column: its time, or why there is none.
@@ -952,7 +993,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     println!("\npublish / restore in bulk (f32 KV, 3 KV heads, d64)");
     println!(
-        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10} {:>12} {:>12} {:>10} {:>8}",
+        "{:>7} {:>7} {:>6} {:>7} {:>12} {:>14} {:>14} {:>10} {:>10} {:>7} {:>10} {:>10} {:>12} {:>12} {:>10} {:>8} {:>18}",
         "path",
         "layers",
         "block",
@@ -968,11 +1009,12 @@ pub fn run(args: Args) -> Result<()> {
         "staged: host",
         "install",
         "staged",
-        "in place"
+        "in place",
+        "published in place"
     );
     for r in &report.blocks {
         println!(
-            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>12} {:>12} {:>10} {:>8}",
+            "{:>7} {:>7} {:>6} {:>7} {:>12} {:>12.3}ms {:>12.3}ms {:>6.2}GB/s {:>6.2}GB/s {:>6.2} {:>6.2}GB/s {:>6.2}GB/s {:>12} {:>12} {:>10} {:>8} {:>18}",
             if r.direct { "direct" } else { "mlx" },
             r.layers,
             r.block_size,
@@ -989,7 +1031,8 @@ pub fn run(args: Args) -> Result<()> {
             staged_ms(r.install_ms_per_block),
             r.staged_gb_s
                 .map_or_else(|| "-".to_string(), |g| format!("{g:.2}GB/s")),
-            if r.staged_in_place { "yes" } else { "no" }
+            if r.staged_in_place { "yes" } else { "no" },
+            if r.published_in_place { "yes" } else { "no" }
         );
     }
     if !report.share.is_empty() {
