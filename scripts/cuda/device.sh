@@ -289,7 +289,7 @@ case "$step" in
       # restore's bytes against the batch restore's), then the 32K session's RAM arm each way,
       # after x1 and x2 (SmolLM2's shape, random weights); PINNED: the arms (default
       # "8192 8192c 0": block memory with publications written into it and mlx-lm beside it,
-      # the same with publications copied and split, none)
+      # the same with publications copied and split, none); SKIP32: bench cache only
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
@@ -298,6 +298,7 @@ case "$step" in
       { KVSTORE_PINNED_BLOCKS_MIB=8192 KVSTORE_PUBLISH_IN_PLACE=$pub timeout 150 "$BIN/kvstore" bench cache \
           --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks-pub$pub.log" | tail -n 9
     done
+    [ -n "${SKIP32:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
     d=$K/smollm2-rand
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
     [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
