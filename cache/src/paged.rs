@@ -1214,12 +1214,6 @@ impl PagedKvCache {
         }
     }
 
-    /// Device copies of every layer's parts of blocks `from..to` (`[1, H, n · bs, width]`
-    /// each, not yet computed); window layers' only when `windows` (else an empty list).
-    /// The layers whose blocks lie in one run of their pool (all of them, unless a shared
-    /// prefix or a fork's table splits the range) are copied by one node together
-    /// ([`mlx::copy_runs::copy_token_runs`]): a publication costs the engine thread one
-    /// node instead of one per layer part.
     /// The planes of blocks `from..to` written by the device straight into block memory
     /// (one node: [`BlockMemoryRun`]), where every layer holds them as runs of its pool's
     /// blocks and block memory has room; `None` otherwise (nothing queued). Only for a
@@ -1250,6 +1244,12 @@ impl PagedKvCache {
         BlockMemoryRun::write(&layers, self.config.format, to - from, bs)
     }
 
+    /// Device copies of every layer's parts of blocks `from..to` (`[1, H, n · bs, width]`
+    /// each, not yet computed); window layers' only when `windows` (else an empty list).
+    /// The layers whose blocks lie in one run of their pool (all of them, unless a shared
+    /// prefix or a fork's table splits the range) are copied by one node together
+    /// ([`mlx::copy_runs::copy_token_runs`]): a publication costs the engine thread one
+    /// node instead of one per layer part.
     fn copy_run(
         &self,
         from: usize,
