@@ -167,86 +167,109 @@ mod tests {
     use crate::{Chain, KvCache, KvFormat, PagedConfig, PagedKvCache};
     use mlx::{Array, Dtype};
 
-    /// A cache of each format, filled in two appends, published: every plane the node wrote
-    /// into block memory (ordinary memory standing in for it on the CPU) is that block's
-    /// tokens of the keys and values the test appended, in the cache's format, byte for byte
-    /// (the naive reference: a slice of the whole appended array). The partial last block is
-    /// not published.
+    /// A cache of `format` and `dtype` (3 layers, `windows` per layer), filled in two
+    /// appends, published: every plane is that block's tokens of the keys and values
+    /// appended, in the cache's format, byte for byte (the naive reference: a slice of the
+    /// whole appended array). The partial last block is not published. Returns whether the
+    /// run was written into block memory.
+    fn published_planes_are_the_appended_tokens(
+        format: KvFormat,
+        dtype: Dtype,
+        windows: &[Option<usize>],
+    ) -> bool {
+        let (layers, bs, n, heads, dim) = (3usize, 4usize, 5usize, 2usize, 64usize);
+        let total = n * bs + 1;
+        let config = PagedConfig {
+            block_size: bs,
+            format,
+            initial_blocks: 2,
+            max_blocks: 16,
+        };
+        let mut cache = PagedKvCache::new(layers, config)
+            .unwrap()
+            .with_windows(windows)
+            .unwrap();
+        let shape = [1, heads as i32, total as i32, dim as i32];
+        let kv: Vec<(Array, Array)> = (0..layers)
+            .map(|l| {
+                let draw = |seed| {
+                    let key = mlx::random::key(seed).unwrap();
+                    mlx::random::normal(&shape, Dtype::F32, &key).unwrap()
+                };
+                let (k, v) = (draw(l as u64 * 2), draw(l as u64 * 2 + 1));
+                (k.astype(dtype).unwrap(), v.astype(dtype).unwrap())
+            })
+            .collect();
+        let tokens = |a: &Array, lo: usize, hi: usize| {
+            a.slice(
+                &[0, 0, lo as i32, 0],
+                &[1, heads as i32, hi as i32, a.shape()[3]],
+            )
+            .unwrap()
+        };
+        for (lo, hi) in [(0, 11), (11, total)] {
+            for (l, (k, v)) in kv.iter().enumerate() {
+                cache
+                    .update_and_fetch(l, &tokens(k, lo, hi), &tokens(v, lo, hi))
+                    .unwrap();
+            }
+        }
+        let ids: Vec<u32> = (0..total as u32).collect();
+        let mut chain = Chain::new(store::NamespaceId([5; 32]), bs);
+        let export = cache.export(&mut chain, &ids).unwrap().unwrap();
+        let written = export.written_to_block_memory();
+        assert_eq!(export.device_bytes() == 0, written);
+        let blocks = export.into_blocks().unwrap();
+        assert_eq!(blocks.len(), n);
+        for (b, block) in blocks.iter().enumerate() {
+            let mut want = Vec::new();
+            for (l, (k, v)) in kv.iter().enumerate() {
+                let parts = [format.encode(k).unwrap(), format.encode(v).unwrap()].concat();
+                let names = crate::host::part_names(l, format);
+                for (name, part) in names.into_iter().zip(parts) {
+                    let bytes = tokens(&part, b * bs, (b + 1) * bs).to_bytes().unwrap();
+                    want.push((name, bytes));
+                }
+            }
+            assert_eq!(block.planes.len(), want.len());
+            for (plane, (name, bytes)) in block.planes.iter().zip(want) {
+                assert_eq!(plane.name, name);
+                assert!(
+                    plane.data[..] == bytes[..],
+                    "{name} of block {b}, {format:?} {dtype}"
+                );
+            }
+        }
+        written
+    }
+
+    /// With block memory (ordinary memory standing in for it on the CPU), the device writes
+    /// every plane of a run into it, for float, bf16 and KV8 caches.
     #[test]
     fn a_run_written_into_block_memory_holds_each_blocks_tokens_of_every_part() {
         crate::block_memory::stand_in_for_tests();
-        let (layers, bs, n, heads, dim) = (3usize, 4usize, 5usize, 2usize, 64usize);
-        let total = n * bs + 1;
-        let formats = [
+        let kv8 = KvFormat::Quantized {
+            bits: 8,
+            group_size: 64,
+        };
+        for (format, dtype) in [
             (KvFormat::Float, Dtype::F32),
             (KvFormat::Float, Dtype::BF16),
-            (
-                KvFormat::Quantized {
-                    bits: 8,
-                    group_size: 64,
-                },
-                Dtype::F32,
-            ),
-        ];
-        for (format, dtype) in formats {
-            let config = PagedConfig {
-                block_size: bs,
-                format,
-                initial_blocks: 2,
-                max_blocks: 16,
-            };
-            let mut cache = PagedKvCache::new(layers, config).unwrap();
-            let shape = [1, heads as i32, total as i32, dim as i32];
-            let kv: Vec<(Array, Array)> = (0..layers)
-                .map(|l| {
-                    let draw = |seed| {
-                        let key = mlx::random::key(seed).unwrap();
-                        mlx::random::normal(&shape, Dtype::F32, &key).unwrap()
-                    };
-                    let (k, v) = (draw(l as u64 * 2), draw(l as u64 * 2 + 1));
-                    (k.astype(dtype).unwrap(), v.astype(dtype).unwrap())
-                })
-                .collect();
-            let tokens = |a: &Array, lo: usize, hi: usize| {
-                a.slice(
-                    &[0, 0, lo as i32, 0],
-                    &[1, heads as i32, hi as i32, a.shape()[3]],
-                )
-                .unwrap()
-            };
-            for (lo, hi) in [(0, 11), (11, total)] {
-                for (l, (k, v)) in kv.iter().enumerate() {
-                    cache
-                        .update_and_fetch(l, &tokens(k, lo, hi), &tokens(v, lo, hi))
-                        .unwrap();
-                }
-            }
-            let ids: Vec<u32> = (0..total as u32).collect();
-            let mut chain = Chain::new(store::NamespaceId([5; 32]), bs);
-            let export = cache.export(&mut chain, &ids).unwrap().unwrap();
-            assert!(export.written_to_block_memory(), "{format:?} {dtype}");
-            assert_eq!(export.device_bytes(), 0);
-            let blocks = export.into_blocks().unwrap();
-            assert_eq!(blocks.len(), n);
-            for (b, block) in blocks.iter().enumerate() {
-                let mut want = Vec::new();
-                for (l, (k, v)) in kv.iter().enumerate() {
-                    let parts = [format.encode(k).unwrap(), format.encode(v).unwrap()].concat();
-                    let names = crate::host::part_names(l, format);
-                    for (name, part) in names.into_iter().zip(parts) {
-                        let bytes = tokens(&part, b * bs, (b + 1) * bs).to_bytes().unwrap();
-                        want.push((name, bytes));
-                    }
-                }
-                assert_eq!(block.planes.len(), want.len());
-                for (plane, (name, bytes)) in block.planes.iter().zip(want) {
-                    assert_eq!(plane.name, name);
-                    assert!(
-                        plane.data[..] == bytes[..],
-                        "{name} of block {b}, {format:?} {dtype}"
-                    );
-                }
-            }
+            (kv8, Dtype::F32),
+        ] {
+            let written = published_planes_are_the_appended_tokens(format, dtype, &[None; 3]);
+            assert!(written, "{format:?} {dtype}");
         }
+    }
+
+    /// A cache with a window layer publishes through the device copies even with block
+    /// memory on (some of its blocks leave that layer's planes out), with the same planes.
+    #[test]
+    fn a_cache_with_a_window_layer_publishes_through_the_copies() {
+        crate::block_memory::stand_in_for_tests();
+        let windows = [Some(64), None, None];
+        let written =
+            published_planes_are_the_appended_tokens(KvFormat::Float, Dtype::F32, &windows);
+        assert!(!written);
     }
 }
