@@ -2,7 +2,8 @@
 //! store reads from the SSD (CUDA): the host tiers then keep blocks where the device can
 //! read them, so that a restore from RAM or SSD is one gather node per layer part reading
 //! every block where it lies ([`mlx::host_upload::gather_rows`]), with no assembly on the
-//! host and nothing waited for on the engine thread.
+//! host and nothing waited for on the engine thread. A publication is written into it by
+//! the device in the same way (crate::export_to_block_memory).
 //!
 //! Memory comes in slabs of [`SLAB_BYTES`] up to a cap ([`allow_block_memory`]: an engine
 //! passes `KVSTORE_PINNED_BLOCKS_MIB`; 0, the default, keeps every plane in ordinary
@@ -290,6 +291,12 @@ impl PinnedChunk {
         }
         let addr = MEMORY.lock().ok()?.take(len, cap, new_slab)?;
         Some(Self { addr, len })
+    }
+
+    /// A chunk for a node's table of at least `len` bytes: a power of two, so that tables
+    /// reuse each other's chunks whatever their lengths.
+    pub(crate) fn take_table(len: usize) -> Option<Self> {
+        Self::take(len.max(1).next_power_of_two())
     }
 }
 

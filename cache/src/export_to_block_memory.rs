@@ -116,12 +116,10 @@ impl BlockMemoryRun {
         if runs.is_empty() {
             return Ok(None);
         }
-        // A power of two, so that tables reuse each other's chunks whatever their lengths.
-        let table_len = (runs.len() * HOST_RUN_TABLE_ENTRY).next_power_of_two();
-        let Some(mut table) = PinnedChunk::take(table_len) else {
+        let Some(mut table) = PinnedChunk::take_table(runs.len() * HOST_RUN_TABLE_ENTRY) else {
             return Ok(None);
         };
-        let table_at = table.as_mut().as_mut_ptr();
+        let (table_at, table_len) = (table.as_mut().as_mut_ptr(), table.as_ref().len());
         let owner = Arc::new(Lent {
             _planes: chunks,
             _table: table,

@@ -87,6 +87,16 @@ impl Layer {
         self.prefix.as_ref().map_or(0, |p| p.len)
     }
 
+    /// Its parts' token runs for the sequence's tokens `a..b`, when they lie in one run of
+    /// its pool past any shared prefix (what one node copies or writes out); `None` otherwise.
+    fn token_runs(&self, a: usize, b: usize) -> Option<Vec<mlx::copy_runs::TokenRun<'_>>> {
+        let m = self.prefix_len();
+        self.pool
+            .as_ref()
+            .filter(|_| a >= m)
+            .and_then(|pool| pool.token_runs(&self.table, a - m, b - m))
+    }
+
     /// The block shape of its shared prefix, if it has one.
     fn prefix_shape(&self) -> Option<BlockShape> {
         self.prefix.as_ref().map(|p| p.shape)
@@ -1228,19 +1238,14 @@ impl PagedKvCache {
         }
         let bs = self.config.block_size;
         let (a, b) = (from * bs, to * bs);
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for l in &self.layers {
-            let m = l.prefix_len();
-            let runs = l
-                .pool
-                .as_ref()
-                .filter(|_| a >= m)
-                .and_then(|pool| pool.token_runs(&l.table, a - m, b - m));
-            match runs {
-                Some(r) => layers.push(r),
-                None => return Ok(None),
-            }
-        }
+        let Some(layers) = self
+            .layers
+            .iter()
+            .map(|l| l.token_runs(a, b))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return Ok(None);
+        };
         BlockMemoryRun::write(&layers, self.config.format, to - from, bs)
     }
 
@@ -1266,15 +1271,11 @@ impl PagedKvCache {
                 layers.push(Ok(Vec::new()));
                 continue;
             }
-            let m = l.prefix_len();
-            match l.pool.as_ref().filter(|_| a >= m) {
-                Some(pool) => match pool.token_runs(&l.table, a - m, b - m) {
-                    Some(r) => {
-                        layers.push(Err(r.len()));
-                        runs.extend(r);
-                    }
-                    None => layers.push(Ok(copy_positions(l, a, b)?)),
-                },
+            match l.token_runs(a, b) {
+                Some(r) => {
+                    layers.push(Err(r.len()));
+                    runs.extend(r);
+                }
                 None => layers.push(Ok(copy_positions(l, a, b)?)),
             }
         }

@@ -245,12 +245,8 @@ impl Gathered {
             }
             ranges.push(first..table.len());
         }
-        // Tables come in powers of two, so their chunks are reused across runs of other
-        // lengths.
-        let len = std::mem::size_of_val(table.as_slice())
-            .max(1)
-            .next_power_of_two();
-        let Some(mut chunk) = PinnedChunk::take(len) else {
+        let Some(mut chunk) = PinnedChunk::take_table(std::mem::size_of_val(table.as_slice()))
+        else {
             return Ok(None);
         };
         for (dst, row) in chunk.as_mut().chunks_exact_mut(16).zip(&table) {
