@@ -104,24 +104,38 @@ void place_outputs(const mx::array& dest, std::vector<mx::array>& outputs, const
   }
 }
 
-// Places the outputs in the node's buffer (its last input), declares every array to `enc`
-// (the CPU's or CUDA's command encoder) and returns a run per non-empty output, its addresses
-// from `src_of` and `dst_of` (host or device pointers).
-template <typename Encoder, typename Src, typename Dst>
-std::vector<Run> declared_runs(Encoder& enc, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
-                               const std::vector<int64_t>& los, const std::vector<size_t>& offsets, Src src_of,
-                               Dst dst_of) {
+// The run of every non-empty output, with its input's index, its addresses from `src_of` and
+// `dst_of` (host or device pointers); the outputs are placed in the node's buffer (its last
+// input) first.
+template <typename Src, typename Dst>
+std::vector<std::pair<size_t, Run>> placed_runs(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs,
+                                                const std::vector<int64_t>& los, const std::vector<size_t>& offsets,
+                                                Src src_of, Dst dst_of) {
   place_outputs(inputs.back(), outputs, offsets);
-  enc.set_input_array(inputs.back());
-  std::vector<Run> runs;
+  std::vector<std::pair<size_t, Run>> runs;
   for (size_t i = 0; i < outputs.size(); ++i) {
-    enc.set_input_array(inputs[i]);
-    enc.set_output_array(outputs[i]);
     if (outputs[i].nbytes() > 0) {
-      runs.push_back(run_of(inputs[i], los[i], los[i] + outputs[i].shape(2), src_of(inputs[i]), dst_of(outputs[i])));
+      runs.emplace_back(i, run_of(inputs[i], los[i], los[i] + outputs[i].shape(2), src_of(inputs[i]),
+                                  dst_of(outputs[i])));
     }
   }
   return runs;
+}
+
+// Declares to `enc` the node's buffer and the inputs and outputs of `runs`. On CUDA it comes
+// before every kernel of the node: MLX's CUDA graph gives a kernel node the dependencies
+// declared since the node before it, so a kernel after the first with nothing declared
+// would be a root of the graph, free to run before its sources are written and before the
+// zeros of its buffer are (a publication's layers past the 16th came out as zeros or stale
+// bytes on the H100, session 48).
+template <typename Encoder>
+void declare_runs(Encoder& enc, const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
+                  const std::pair<size_t, Run>* runs, size_t n) {
+  enc.set_input_array(inputs.back());
+  for (size_t j = 0; j < n; ++j) {
+    enc.set_input_array(inputs[runs[j].first]);
+    enc.set_output_array(outputs[runs[j].first]);
+  }
 }
 
 void copy_run_host(const Run& r) {
@@ -242,16 +256,17 @@ void copy_runs_gpu(mx::Stream s, const std::vector<mx::array>& inputs, std::vect
                    const std::vector<int64_t>& los, const std::vector<size_t>& offsets) {
   auto& enc = cu::get_command_encoder(s);
   enc.device().make_current();
-  auto runs = declared_runs(
-      enc, inputs, outputs, los, offsets, [](const mx::array& a) { return mx::gpu_ptr<char>(a); },
+  auto runs = placed_runs(
+      inputs, outputs, los, offsets, [](const mx::array& a) { return mx::gpu_ptr<char>(a); },
       [](mx::array& a) { return mx::gpu_ptr<char>(a); });
   CUfunction kernel = runs.empty() ? nullptr : copy_runs_kernels()[0];
   for (size_t at = 0; at < runs.size(); at += kRuns) {
     const size_t n = std::min<size_t>(kRuns, runs.size() - at);
+    declare_runs(enc, inputs, outputs, runs.data() + at, n);
     Runs p{};
     unsigned long long most = 0;
     for (size_t j = 0; j < n; ++j) {
-      p.r[j] = runs[at + j];
+      p.r[j] = runs[at + j].second;
       const Run& r = p.r[j];
       most = std::max(most, (unsigned long long)r.a * r.h * r.t * (r.row / r.unit));
     }
@@ -315,11 +330,17 @@ class CopyTokenRuns : public mx::Primitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    auto runs = declared_runs(
-        encoder, inputs, outputs, los_, offsets_, [](const mx::array& a) { return a.data<char>(); },
+    auto runs = placed_runs(
+        inputs, outputs, los_, offsets_, [](const mx::array& a) { return a.data<char>(); },
         [](mx::array& a) { return a.data<char>(); });
+    // Every array is declared, the empty outputs too, so that each lives until the copy ran.
+    encoder.set_input_array(inputs.back());
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      encoder.set_input_array(inputs[i]);
+      encoder.set_output_array(outputs[i]);
+    }
     encoder.dispatch([runs = std::move(runs)]() {
-      for (const Run& r : runs) copy_run_host(r);
+      for (const auto& [_, r] : runs) copy_run_host(r);
     });
   }
 

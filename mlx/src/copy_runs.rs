@@ -227,6 +227,46 @@ mod tests {
         assert!(spans[2].0 - spans[0].0 < 1024, "one buffer: {spans:?}");
     }
 
+    /// More runs than one CUDA launch takes (32), every source computed in the same graph as
+    /// the node: each launch must wait for its own sources and for the zeros of the node's
+    /// buffer. On a GPU with MLX's CUDA graphs the launches after the first were once roots of
+    /// the graph and the later sources' runs came out wrong (session 48); on the CPU the
+    /// stream runs in order and this checks the runs' placement only.
+    #[test]
+    fn runs_past_one_launch_wait_for_sources_computed_in_the_same_graph() {
+        let n = 100;
+        let data: Vec<Vec<f32>> = (0..n).map(|i| counting(2 * 16 * 8 + i)).collect();
+        let sources: Vec<Array> = data
+            .iter()
+            .map(|d| {
+                Array::from_slice(&d[..2 * 16 * 8], &[1, 2, 16, 8])
+                    .unwrap()
+                    .add(&Array::scalar(1.0, Dtype::F32).unwrap())
+                    .unwrap()
+            })
+            .collect();
+        let runs: Vec<TokenRun<'_>> = sources
+            .iter()
+            .enumerate()
+            .map(|(i, s)| TokenRun {
+                source: s,
+                lo: i % 5,
+                hi: 16 - i % 3,
+            })
+            .collect();
+        let out = copy_token_runs(&runs).unwrap();
+        let all: Vec<&Array> = out.iter().collect();
+        crate::eval(&all).unwrap();
+        for (i, o) in out.iter().enumerate() {
+            let plus_one: Vec<f32> = data[i][..2 * 16 * 8].iter().map(|x| x + 1.0).collect();
+            assert_eq!(
+                o.to_vec::<f32>().unwrap(),
+                tokens(&plus_one, [1, 2, 16, 8], i % 5, 16 - i % 3),
+                "run {i}"
+            );
+        }
+    }
+
     #[test]
     fn a_strided_view_and_16_bit_elements_are_copied_by_their_strides() {
         let data = counting(2 * 12 * 6);
