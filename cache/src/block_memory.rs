@@ -6,10 +6,10 @@
 //! the device in the same way (crate::export_to_block_memory).
 //!
 //! Memory comes in slabs of [`SLAB_BYTES`] up to a cap ([`allow_block_memory`]: an engine
-//! passes `KVSTORE_PINNED_BLOCKS_MIB`; 0, the default, keeps every plane in ordinary
-//! memory), page-locked when the engine starts ([`prewarm_block_memory`]; else as they are
-//! needed), and never freed: unlocking (`cuMemFreeHost`)
-//! waits for the whole device. A slab is carved into chunks of a plane's (or a file's)
+//! on a GPU passes its RAM tier's budget plus its SSD write-behind queue's, or
+//! `KVSTORE_PINNED_BLOCKS_MIB`, where 0 keeps every plane in ordinary memory), page-locked
+//! when the engine starts ([`prewarm_block_memory`]; else as they are needed), and never
+//! freed: unlocking (`cuMemFreeHost`) waits for the whole device. A slab is carved into chunks of a plane's (or a file's)
 //! size; a chunk dropped with the last copy of its block goes back to a free list of its
 //! size. Past the cap, planes are ordinary memory and restore the ordinary way
 //! (docs/cache.md, "Restore from page-locked blocks").
@@ -87,14 +87,25 @@ pub(crate) fn stands_in() -> bool {
     false
 }
 
-/// The block memory `KVSTORE_PINNED_BLOCKS_MIB` asks for, in bytes: 0 (the default, or
-/// anything that is not a number) keeps every plane in ordinary memory. Off by default
-/// until the in-place restore has run on a GPU (docs/cache.md).
-pub fn requested_block_memory() -> usize {
+/// The block memory `KVSTORE_PINNED_BLOCKS_MIB` asks for, in bytes (0: none, every plane
+/// in ordinary memory), or `None` where it is unset or not a number: an engine on a GPU then
+/// sizes it as its host tiers ([`block_memory_for`]).
+pub fn requested_block_memory() -> Option<usize> {
     std::env::var("KVSTORE_PINNED_BLOCKS_MIB")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
-        .map_or(0, |mib| mib << 20)
+        .map(|mib| mib << 20)
+}
+
+/// The block memory of an engine whose RAM tier holds `ram_budget` bytes and whose
+/// write-behind queue to the SSD `ssd_queue` (0 without an SSD): `requested` where given,
+/// else both budgets, so that every block the host tiers keep in memory can be there (a cap
+/// below them would leave the oldest blocks in block memory and every new one outside it,
+/// restored the slower way).
+pub fn block_memory_for(requested: Option<usize>, ram_budget: u64, ssd_queue: u64) -> usize {
+    requested.unwrap_or_else(|| {
+        usize::try_from(ram_budget.saturating_add(ssd_queue)).unwrap_or(usize::MAX)
+    })
 }
 
 /// Lets publication and the store's file reads page-lock up to `bytes` for blocks (whole
@@ -348,6 +359,15 @@ mod tests {
 
     fn slab(n: usize) -> Option<Vec<u8>> {
         Some(vec![0u8; n])
+    }
+
+    #[test]
+    fn block_memory_is_sized_as_the_host_tiers_unless_asked_for() {
+        assert_eq!(block_memory_for(None, 4 << 30, 1 << 30), 5 << 30);
+        assert_eq!(block_memory_for(None, 1 << 30, 0), 1 << 30);
+        assert_eq!(block_memory_for(Some(0), 4 << 30, 1 << 30), 0);
+        assert_eq!(block_memory_for(Some(8 << 20), 4 << 30, 0), 8 << 20);
+        assert_eq!(block_memory_for(None, u64::MAX, 1), usize::MAX);
     }
 
     #[test]

@@ -39,7 +39,8 @@ mod state;
 mod transfer_pool;
 
 pub use block_memory::{
-    allow_block_memory, block_memory, prewarm_block_memory, requested_block_memory, BlockMemory,
+    allow_block_memory, block_memory, block_memory_for, prewarm_block_memory,
+    requested_block_memory, BlockMemory,
 };
 pub use chain::Chain;
 pub use contiguous::ContiguousKvCache;

@@ -1337,14 +1337,24 @@ impl KvTiers {
     /// (assembled, moved and made real on the device). Returns the prior it measured.
     /// With host tiers it first page-locks the staging pool's buffers
     /// ([`cache::prewarm_staging`]) and the calling thread's two transfer buffers
-    /// ([`cache::prewarm_scratch`]; CUDA only), and the block memory
-    /// `KVSTORE_PINNED_BLOCKS_MIB` asks for ([`cache::prewarm_block_memory`]), so that no
+    /// ([`cache::prewarm_scratch`]; CUDA only), and the block memory the host tiers' budgets
+    /// size (or `KVSTORE_PINNED_BLOCKS_MIB`; [`cache::prewarm_block_memory`]), so that no
     /// request pays a page-locking driver call, which can hold up the engine thread's
     /// launches while it runs.
     pub fn warm_restore(&self) -> Result<Option<Fit>> {
         if self.host_tiers {
             if mlx::direct_transfers() {
-                cache::allow_block_memory(cache::requested_block_memory());
+                let c = self.store.config();
+                let queue = if self.store.ssd().is_some() {
+                    c.queue_bytes
+                } else {
+                    0
+                };
+                cache::allow_block_memory(cache::block_memory_for(
+                    cache::requested_block_memory(),
+                    c.ram_budget,
+                    queue,
+                ));
             }
             let locked = cache::prewarm_staging()
                 + cache::prewarm_scratch(2)
