@@ -294,8 +294,12 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     py=$(command -v python3)
-    for pub in 1 0; do
-      { KVSTORE_PINNED_BLOCKS_MIB=8192 KVSTORE_PUBLISH_IN_PLACE=$pub timeout 150 "$BIN/kvstore" bench cache \
+    # pub1: publications written into block memory; pub0: copied (CopyTokenRuns, two kernels
+    # for 60 parts: the race session 48 found under CUDA graphs) and split into it; off: no
+    # block memory at all (the copies and the assembling restore)
+    for pub in 1 0 off; do
+      mib=8192; [ "$pub" = off ] && mib=0
+      { KVSTORE_PINNED_BLOCKS_MIB=$mib KVSTORE_PUBLISH_IN_PLACE=${pub/off/1} timeout 150 "$BIN/kvstore" bench cache \
           --only blocks 2>&1; } | tee "$OUT/bench-cache-blocks-pub$pub.log" | tail -n 9
     done
     [ -n "${SKIP32:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
