@@ -129,7 +129,21 @@ pub fn allow_block_memory(bytes: usize) {
 /// them for up to a second under the trace); returns the bytes page-locked.
 pub fn prewarm_block_memory() -> usize {
     let cap = CAP.load(Ordering::Relaxed);
-    MEMORY.lock().map_or(0, |mut m| m.reserve(cap, new_slab))
+    let Ok(mut m) = MEMORY.lock() else {
+        return 0;
+    };
+    let made = m.reserve(cap, new_slab);
+    if m.refused && m.page_locked() + SLAB_BYTES <= cap {
+        tracing::warn!(
+            page_locked = m.page_locked(),
+            asked = cap,
+            "the driver page-locked less block memory than the host tiers' budgets ask for \
+             (a locked-memory limit: `ulimit -l`, or too little free memory): blocks past it \
+             stay in ordinary memory and restore through the staging copies; lower \
+             --ram-budget, raise the limit, or set KVSTORE_PINNED_BLOCKS_MIB"
+        );
+    }
+    made
 }
 
 /// The store's buffers for block files: chunks of block memory while it has room.
@@ -183,6 +197,9 @@ struct Slabs<S> {
     /// Free chunks by their rounded size.
     free: Option<HashMap<usize, Vec<usize>>>,
     in_use: usize,
+    /// Whether a slab was refused (the driver's page-locking limit, or no memory): no
+    /// further slab is asked for, so that no later publication pays a failing driver call.
+    refused: bool,
 }
 
 impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
@@ -193,6 +210,7 @@ impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
             spare: Vec::new(),
             free: None,
             in_use: 0,
+            refused: false,
         }
     }
 
@@ -239,10 +257,13 @@ impl<S: std::ops::Deref<Target = [u8]>> Slabs<S> {
         cap: usize,
         alloc: impl FnOnce(usize) -> Option<S>,
     ) -> Option<(usize, usize)> {
-        if self.page_locked() + SLAB_BYTES > cap {
+        if self.refused || self.page_locked() + SLAB_BYTES > cap {
             return None;
         }
-        let slab = alloc(SLAB_BYTES)?;
+        let Some(slab) = alloc(SLAB_BYTES) else {
+            self.refused = true;
+            return None;
+        };
         let (addr, slab_len) = (slab.as_ptr() as usize, slab.len());
         let at = self.slabs.partition_point(|(a, _, _)| *a < addr);
         self.slabs.insert(at, (addr, slab_len, slab));
@@ -413,6 +434,20 @@ mod tests {
         let mut t: Slabs<Vec<u8>> = Slabs::new();
         assert_eq!(t.take(10, cap, |_| None), None);
         assert_eq!((t.page_locked(), t.in_use), (0, 0));
+        // ... and is not asked again: no later publication pays a failing driver call.
+        assert_eq!(t.take(10, cap, never), None);
+        assert_eq!(t.reserve(cap, never), 0);
+        // A reserve the driver cuts short keeps what it made, and asks no more after.
+        let mut u: Slabs<Vec<u8>> = Slabs::new();
+        let mut made = 0;
+        let once = |n| {
+            made += 1;
+            (made == 1).then(|| vec![0u8; n])
+        };
+        assert_eq!(u.reserve(cap, once), SLAB_BYTES);
+        assert!(u.refused);
+        assert!(u.take(big, cap, never).is_some(), "the slab made is carved");
+        assert_eq!(u.take(big, cap, never), None);
     }
 
     #[test]
