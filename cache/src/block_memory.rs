@@ -9,10 +9,10 @@
 //! on a GPU passes its RAM tier's budget plus its SSD write-behind queue's, or
 //! `KVSTORE_PINNED_BLOCKS_MIB`, where 0 keeps every plane in ordinary memory), page-locked
 //! when the engine starts ([`prewarm_block_memory`]; else as they are needed), and never
-//! freed: unlocking (`cuMemFreeHost`) waits for the whole device. A slab is carved into chunks of a plane's (or a file's)
-//! size; a chunk dropped with the last copy of its block goes back to a free list of its
-//! size. Past the cap, planes are ordinary memory and restore the ordinary way
-//! (docs/cache.md, "Restore from page-locked blocks").
+//! freed: unlocking (`cuMemFreeHost`) waits for the whole device. A slab is carved into
+//! chunks of a plane's (or a file's) size; a chunk dropped with the last copy of its block
+//! goes back to a free list of its size. Past the cap, planes are ordinary memory and
+//! restore the ordinary way (docs/cache.md, "Restore from page-locked blocks").
 
 use std::collections::HashMap;
 #[cfg(test)]

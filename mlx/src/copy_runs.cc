@@ -126,8 +126,8 @@ std::vector<std::pair<size_t, Run>> placed_runs(const std::vector<mx::array>& in
 // before every kernel of the node: MLX's CUDA graph gives a kernel node the dependencies
 // declared since the node before it, so a kernel after the first with nothing declared
 // would be a root of the graph, free to run before its sources are written and before the
-// zeros of its buffer are (a publication's layers past the 16th came out as zeros or stale
-// bytes on the H100, session 48).
+// zeros of its buffer are (a publication's layers past the 16th came out wrong on the H100,
+// session 48).
 template <typename Encoder>
 void declare_runs(Encoder& enc, const std::vector<mx::array>& inputs, const std::vector<mx::array>& outputs,
                   const std::pair<size_t, Run>* runs, size_t n) {
