@@ -714,11 +714,7 @@ fn block_rows(quick: bool) -> Result<Vec<BlockRow>> {
     // Published blocks in page-locked memory, as an engine's RAM tier keeps them on a GPU
     // (the staged restore reads them in place): 8 GiB of it, as session 48 measured (the
     // largest run publishes 1.5 GB a time); KVSTORE_PINNED_BLOCKS_MIB=0 measures the copies.
-    cache::allow_block_memory(cache::block_memory_for(
-        cache::requested_block_memory(),
-        8 << 30,
-        0,
-    ));
+    cache::allow_block_memory(cache::requested_block_memory().unwrap_or(8 << 30));
     let was = mlx::set_direct_transfers(true);
     let mut rows = block_rows_on(quick, true);
     mlx::set_direct_transfers(false);
