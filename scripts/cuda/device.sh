@@ -36,6 +36,8 @@
 # pr: block memory's restores in place and publications written into it against the default
 # (bench cache's block rows, the 32K session's RAM arm each way beside mlx-lm); st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
+# ns: the 8B decode's GPU timeline by Nsight Systems, kvstore and mlx-lm: where the GPU waits
+# inside a step (scripts/bench/gpu_gaps.py; after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
 # decode with host work spun after each queued step, kvstore and mlx-lm (SPINS), and what a
 # new attention or product shape costs MLX on the host (shape_cost_probe.py).
@@ -633,6 +635,32 @@ case "$step" in
     zstd -d -q -f -o "$K/cache-test" "$K/cache-test.zst" && chmod +x "$K/cache-test"
     (cd "$REPO" && KVSTORE_EXPECT_ROWS_KERNEL=1 timeout 200 "$K/cache-test" --test-threads 1 ${FILTER:-} 2>&1) \
       | grep -E "^test |test result|panicked|SKIPPED|off by|left|right" | tail -n 60
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  ns) # the 8B-shaped bf16 decode's GPU timeline under Nsight Systems (every kernel of a CUDA
+      # graph its own record, managed memory's GPU page faults), kvstore then mlx-lm, PROMPT
+      # tokens then TOKENS decoded; scripts/bench/gpu_gaps.py prints per arm the median step's
+      # GPU busy and idle time, the kernels either side of its gaps, its copies and host API
+      # calls. The traces stay in $K (too large to bring back); the reports come back.
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    nsys=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys 2>/dev/null | head -1)
+    [ -n "$nsys" ] || { echo "no nsys on this machine"; ls /opt/nvidia /usr/local 2>&1 | head; exit 1; }
+    make_llama8b
+    ns() { # ARM COMMAND...: COMMAND traced as $K/ns-ARM.sqlite
+      local arm=$1; shift
+      rm -f "$K/ns-$arm".*
+      timeout "${NS_LIMIT:-240}" "$nsys" profile --trace cuda --cuda-graph-trace node \
+        --cuda-um-gpu-page-faults true --sample none --cpuctxsw none -o "$K/ns-$arm" \
+        --export sqlite "$@" > "$OUT/ns-$arm.out" 2>&1
+      echo "== $arm rc=$?"; tail -n 4 "$OUT/ns-$arm.out"
+    }
+    ns kvstore "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized \
+      --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-64}
+    ns mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} stored
+    python3 scripts/bench/gpu_gaps.py kvstore="$K/ns-kvstore.sqlite" mlxlm="$K/ns-mlxlm.sqlite" \
+      --steps $(( ${TOKENS:-64} - 16 )) 2>&1 | tee "$OUT/ns-gaps.txt"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,

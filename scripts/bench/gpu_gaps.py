@@ -1,0 +1,195 @@
+"""Where a decode step's GPU time goes, from an Nsight Systems trace (`device.sh ns`).
+
+Usage: gpu_gaps.py ARM=RUN.sqlite [ARM=...] [--steps 48] [--head-us 200]
+
+Each file is `nsys export --type sqlite` of a run that prefilled a prompt and then decoded
+one row, traced with `--trace cuda --cuda-graph-trace node` (every kernel of a CUDA graph is
+its own record). A decode step ends with the LM head's product, the longest kernel of a
+step; the last --steps kernels longer than --head-us mark the last steps (the prefill's
+kernels come before them). Per arm it prints the median step: its wall time (one LM head's
+end to the next), the time some GPU work ran (kernels, copies and memsets merged), the time
+the GPU sat idle and in how many gaps, the largest gaps with the kernels on either side, the
+copies and memsets a step (and their directions), the CUDA API calls the host made between
+two LM heads (graph launches, synchronizations, allocations) with their host time, and the
+GPU page faults of managed memory where the trace has them. Reads the trace only: the
+question it answers is whether the GPU waits, and on what, not how long a kernel takes
+(kernel_steps.py has that, from Nsight Compute).
+"""
+
+import bisect
+import sqlite3
+import statistics
+import sys
+from collections import Counter, defaultdict
+
+COPY_KINDS = {1: "HtoD", 2: "DtoH", 8: "DtoD", 10: "PtoP"}
+
+
+def tables(db):
+    return {r[0] for r in db.execute("select name from sqlite_master where type='table'")}
+
+
+def strings(db):
+    return dict(db.execute("select id, value from StringIds"))
+
+
+def kernels(db, names):
+    """(start, end, name) of every kernel, in start order."""
+    rows = db.execute(
+        "select start, end, coalesce(shortName, demangledName) from CUPTI_ACTIVITY_KIND_KERNEL"
+        " order by start"
+    )
+    return [(s, e, names.get(n, str(n))) for s, e, n in rows]
+
+
+def activity(db, have, table, label):
+    """(start, end, label) of a table's records, if the trace has the table."""
+    if table not in have:
+        return []
+    cols = {r[1] for r in db.execute(f"pragma table_info({table})")}
+    if "copyKind" in cols:
+        rows = db.execute(f"select start, end, copyKind, bytes from {table}")
+        return [(s, e, f"{label} {COPY_KINDS.get(k, k)} {b}B") for s, e, k, b in rows]
+    return [(s, e, label) for s, e in db.execute(f"select start, end from {table}")]
+
+
+def api_calls(db, have, names):
+    """(start, end, name) of the CUDA runtime and driver calls the host made."""
+    out = []
+    for t in ("CUPTI_ACTIVITY_KIND_RUNTIME", "CUPTI_ACTIVITY_KIND_DRIVER"):
+        if t in have:
+            out += [(s, e, names.get(n, str(n))) for s, e, n in
+                    db.execute(f"select start, end, nameId from {t}")]
+    return sorted(out)
+
+
+def page_faults(db, have):
+    """Start times of GPU page faults of managed memory, if traced."""
+    for t in ("CUDA_UM_GPU_PAGE_FAULT_EVENTS", "CUPTI_ACTIVITY_KIND_UNIFIED_MEMORY_COUNTER"):
+        if t in have:
+            cols = {r[1] for r in db.execute(f"pragma table_info({t})")}
+            col = "start" if "start" in cols else next(iter(cols))
+            return sorted(r[0] for r in db.execute(f"select {col} from {t}"))
+    return None
+
+
+def merged_busy(intervals, lo, hi):
+    """Time within [lo, hi) covered by at least one interval, and the gaps between them."""
+    spans = sorted((max(s, lo), min(e, hi)) for s, e, _ in intervals if e > lo and s < hi)
+    busy, gaps, cur_s, cur_e = 0, [], None, None
+    for s, e in spans:
+        if cur_e is None:
+            cur_s, cur_e = s, e
+            if s > lo:
+                gaps.append((lo, s))
+        elif s > cur_e:
+            busy += cur_e - cur_s
+            gaps.append((cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+        if cur_e < hi:
+            gaps.append((cur_e, hi))
+    return busy, gaps
+
+
+def short(name, n=48):
+    return name if len(name) <= n else name[: n - 1] + "…"
+
+
+def arm_report(label, path, steps, head_us):
+    db = sqlite3.connect(path)
+    have = tables(db)
+    if "CUPTI_ACTIVITY_KIND_KERNEL" not in have:
+        print(f"== {label}: {path} has no kernel records (was it traced with --trace cuda?)")
+        return None
+    names = strings(db)
+    ks = kernels(db, names)
+    others = activity(db, have, "CUPTI_ACTIVITY_KIND_MEMCPY", "copy") + activity(
+        db, have, "CUPTI_ACTIVITY_KIND_MEMSET", "memset")
+    heads = [k for k in ks if (k[1] - k[0]) > head_us * 1000]
+    if len(heads) < 3:
+        print(f"== {label}: only {len(heads)} kernels over {head_us} µs: no decode steps found")
+        return None
+    heads = heads[-(steps + 1):]
+    api = api_calls(db, have, names)
+    faults = page_faults(db, have)
+    everything = [(s, e, n) for s, e, n in ks] + others
+    starts = [k[0] for k in ks]
+    walls, busies, gap_counts, idle = [], [], [], []
+    gap_sites = Counter()
+    copies, api_count, api_time = Counter(), Counter(), defaultdict(int)
+    fault_n = []
+    big_gaps = []
+    for a, b in zip(heads, heads[1:]):
+        lo, hi = a[1], b[1]
+        busy, gaps = merged_busy(everything, lo, hi)
+        walls.append(hi - lo)
+        busies.append(busy)
+        idle.append(hi - lo - busy)
+        gap_counts.append(sum(1 for g in gaps if g[1] - g[0] > 5000))
+        for gs, ge in gaps:
+            if ge - gs <= 5000:
+                continue
+            i = bisect.bisect_right(starts, gs) - 1
+            j = bisect.bisect_left(starts, ge)
+            before = ks[i] if i >= 0 else None
+            after = ks[j] if j < len(ks) else None
+            site = (short(before[2]) if before else "-", short(after[2]) if after else "-")
+            gap_sites[site] += ge - gs
+            big_gaps.append((ge - gs, site))
+        for s, e, n in others:
+            if lo <= s < hi:
+                copies[n.rsplit(" ", 1)[0]] += 1
+        for s, e, n in api:
+            if lo <= s < hi:
+                api_count[n] += 1
+                api_time[n] += e - s
+        if faults is not None:
+            fault_n.append(sum(1 for t in faults if lo <= t < hi))
+    n = len(walls)
+    med = statistics.median
+    print(f"== {label}: {n} decode steps ({path})")
+    print(f"   step wall median {med(walls) / 1e3:.0f} µs, mean {statistics.mean(walls) / 1e3:.0f};"
+          f" GPU busy median {med(busies) / 1e3:.0f} µs ({med(busies) / med(walls):.0%});"
+          f" idle median {med(idle) / 1e3:.0f} µs in {med(gap_counts):.0f} gaps over 5 µs")
+    print(f"   kernels a step: {sum(1 for k in ks if heads[0][1] < k[0] <= heads[-1][1]) / n:.0f}")
+    print("   where the GPU waited (idle µs a step, summed over gaps over 5 µs, by the kernels"
+          " on either side):")
+    for (before, after), t in gap_sites.most_common(8):
+        print(f"     {t / n / 1e3:8.1f}  after {before}  before {after}")
+    if copies:
+        print("   copies and memsets a step: " + ", ".join(
+            f"{k} {v / n:.1f}" for k, v in copies.most_common(6)))
+    print("   host API calls a step (count, host µs):")
+    for k, v in sorted(api_count.items(), key=lambda kv: -api_time[kv[0]])[:10]:
+        print(f"     {v / n:7.1f}  {api_time[k] / n / 1e3:8.1f}  {k}")
+    if faults is not None:
+        print(f"   GPU page faults of managed memory a step: median {med(fault_n)}")
+    else:
+        print("   (no page-fault records in this trace)")
+    return med(walls), med(busies)
+
+
+def main(argv):
+    steps, head_us, arms = 48, 200.0, []
+    it = iter(argv)
+    for a in it:
+        if a == "--steps":
+            steps = int(next(it))
+        elif a == "--head-us":
+            head_us = float(next(it))
+        elif "=" in a:
+            arms.append(a.split("=", 1))
+        else:
+            sys.exit(__doc__)
+    if not arms:
+        sys.exit(__doc__)
+    for label, path in arms:
+        arm_report(label, path, steps, head_us)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
