@@ -118,7 +118,7 @@ def arm_report(label, path, steps, head_us):
     faults = page_faults(db, have)
     everything = [(s, e, n) for s, e, n in ks] + others
     starts = [k[0] for k in ks]
-    walls, busies, gap_counts, idle = [], [], [], []
+    walls, busies, gap_counts, idle, ksums = [], [], [], [], []
     gap_sites = Counter()
     copies, api_count, api_time = Counter(), Counter(), defaultdict(int)
     fault_n = []
@@ -127,6 +127,9 @@ def arm_report(label, path, steps, head_us):
         lo, hi = a[1], b[1]
         busy, gaps = merged_busy(everything, lo, hi)
         walls.append(hi - lo)
+        ksums.append(sum(min(e, hi) - max(s, lo) for s, e, _ in ks[bisect.bisect_left(starts, lo - 10**7):
+                                                                   bisect.bisect_left(starts, hi)]
+                         if e > lo and s < hi))
         busies.append(busy)
         idle.append(hi - lo - busy)
         gap_counts.append(sum(1 for g in gaps if g[1] - g[0] > 5000))
@@ -155,6 +158,8 @@ def arm_report(label, path, steps, head_us):
     print(f"   step wall median {med(walls) / 1e3:.0f} µs, mean {statistics.mean(walls) / 1e3:.0f};"
           f" GPU busy median {med(busies) / 1e3:.0f} µs ({med(busies) / med(walls):.0%});"
           f" idle median {med(idle) / 1e3:.0f} µs in {med(gap_counts):.0f} gaps over 5 µs")
+    print(f"   kernel time a step, summed: median {med(ksums) / 1e3:.0f} µs (over the busy time:"
+          f" kernels that ran side by side)")
     print(f"   kernels a step: {sum(1 for k in ks if heads[0][1] < k[0] <= heads[-1][1]) / n:.0f}")
     print("   where the GPU waited (idle µs a step, summed over gaps over 5 µs, by the kernels"
           " on either side):")
