@@ -7,7 +7,7 @@ use mlx::fast::{self, AttentionMask, Rope, RopeAngles, RopeOffset};
 use mlx::{Array, Dtype, Quantized};
 use serde::Deserialize;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use crate::error::{EngineError, Result};
 use crate::pass_memory::{
@@ -101,13 +101,19 @@ impl FusedLinear {
         w.map(|w| w as usize)
     }
 
-    /// Stacks `parts` when their weights allow it (see the type's docs).
+    /// Stacks `parts` when their weights allow it (see the type's docs) and the process
+    /// stacks projections ([`stack_projections`]).
     pub(crate) fn new(parts: Vec<Linear>) -> Result<Self> {
+        Self::stacked_if(parts, stack_projections())
+    }
+
+    /// [`FusedLinear::new`] with stacking asked for (`stack`) or not.
+    fn stacked_if(parts: Vec<Linear>, stack: bool) -> Result<Self> {
         let Some(widths) = parts
             .iter()
             .map(Linear::out_features)
             .collect::<Option<Vec<i32>>>()
-            .filter(|_| parts.len() > 1 && stackable(&parts))
+            .filter(|_| stack && parts.len() > 1 && stackable(&parts))
         else {
             return Ok(FusedLinear {
                 parts: FusedParts::Separate(parts),
@@ -204,6 +210,15 @@ impl FusedLinear {
             }
         }
     }
+}
+
+/// Whether this process stacks the projections that share an input: yes unless
+/// `KVSTORE_STACK_PROJECTIONS=0` when the first model loads. The switch is for measuring:
+/// separate products are more kernels, which MLX's CUDA graphs may run side by side in a GPU
+/// decode step (docs/benchmarks.md, session 49, has the experiment).
+fn stack_projections() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KVSTORE_STACK_PROJECTIONS").map_or(true, |v| v != "0"))
 }
 
 /// Whether linear layers can be stacked into one: all dense of one dtype, or all quantized
@@ -1059,6 +1074,44 @@ mod tests {
         let [a, b] = fused.forward(&x).unwrap();
         assert_close(&host(&a), &alone[0], 1e-5);
         assert_close(&host(&b), &alone[1], 1e-5);
+    }
+
+    #[test]
+    fn layers_not_stacked_by_choice_give_the_stacked_outputs() {
+        let x = random(&[1, 4, 32], 5);
+        let weights: Vec<(Array, Array)> = [16, 8]
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| (random(&[w, 32], 50 + i as u64), random(&[w], 60 + i as u64)))
+            .collect();
+        let make = |stack| {
+            let parts = weights
+                .iter()
+                .map(|(w, b)| Linear::dense(w.clone(), Some(b.clone())))
+                .collect();
+            FusedLinear::stacked_if(parts, stack).unwrap()
+        };
+        let (stacked, separate) = (make(true), make(false));
+        assert!(matches!(stacked.parts, FusedParts::Stacked(..)));
+        assert!(matches!(separate.parts, FusedParts::Separate(..)));
+        assert_eq!(separate.out_width(), Some(24));
+        let [a, b] = stacked.forward(&x).unwrap();
+        let [c, d] = separate.forward(&x).unwrap();
+        let u = mlx::f32_matmul_unit_roundoff().unwrap();
+        assert_close(&host(&c), &host(&a), 1e-5 + 2.0 * u * 32f32.sqrt());
+        assert_close(&host(&d), &host(&b), 1e-5 + 2.0 * u * 32f32.sqrt());
+        // The gated product over two parts of one width, stacked or not.
+        let gate_up = |stack| {
+            let w = random(&[8, 32], 70);
+            let parts = vec![
+                Linear::dense(w.clone(), None),
+                Linear::dense(random(&[8, 32], 71), None),
+            ];
+            FusedLinear::stacked_if(parts, stack).unwrap()
+        };
+        let g1 = gate_up(true).gated(&x, mlx::fast::Gate::Silu).unwrap();
+        let g0 = gate_up(false).gated(&x, mlx::fast::Gate::Silu).unwrap();
+        assert_close(&host(&g0), &host(&g1), 1e-5 + 2.0 * u * 32f32.sqrt());
     }
 
     #[test]
