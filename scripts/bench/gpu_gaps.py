@@ -68,8 +68,8 @@ def page_faults(db, have):
     for t in ("CUDA_UM_GPU_PAGE_FAULT_EVENTS", "CUPTI_ACTIVITY_KIND_UNIFIED_MEMORY_COUNTER"):
         if t in have:
             cols = {r[1] for r in db.execute(f"pragma table_info({t})")}
-            col = "start" if "start" in cols else next(iter(cols))
-            return sorted(r[0] for r in db.execute(f"select {col} from {t}"))
+            if "start" in cols:
+                return sorted(r[0] for r in db.execute(f"select start from {t}"))
     return None
 
 
@@ -116,20 +116,19 @@ def arm_report(label, path, steps, head_us):
     heads = heads[-(steps + 1):]
     api = api_calls(db, have, names)
     faults = page_faults(db, have)
-    everything = [(s, e, n) for s, e, n in ks] + others
+    everything = ks + others
     starts = [k[0] for k in ks]
     walls, busies, gap_counts, idle, ksums = [], [], [], [], []
     gap_sites = Counter()
     copies, api_count, api_time = Counter(), Counter(), defaultdict(int)
     fault_n = []
-    big_gaps = []
     for a, b in zip(heads, heads[1:]):
         lo, hi = a[1], b[1]
         busy, gaps = merged_busy(everything, lo, hi)
         walls.append(hi - lo)
-        ksums.append(sum(min(e, hi) - max(s, lo) for s, e, _ in ks[bisect.bisect_left(starts, lo - 10**7):
-                                                                   bisect.bisect_left(starts, hi)]
-                         if e > lo and s < hi))
+        # every kernel from the LM head that opens the step on, clipped to the step
+        step_ks = ks[bisect.bisect_left(starts, a[0]):bisect.bisect_left(starts, hi)]
+        ksums.append(sum(min(e, hi) - max(s, lo) for s, e, _ in step_ks if e > lo))
         busies.append(busy)
         idle.append(hi - lo - busy)
         gap_counts.append(sum(1 for g in gaps if g[1] - g[0] > 5000))
@@ -142,7 +141,6 @@ def arm_report(label, path, steps, head_us):
             after = ks[j] if j < len(ks) else None
             site = (short(before[2]) if before else "-", short(after[2]) if after else "-")
             gap_sites[site] += ge - gs
-            big_gaps.append((ge - gs, site))
         for s, e, n in others:
             if lo <= s < hi:
                 copies[n.rsplit(" ", 1)[0]] += 1
