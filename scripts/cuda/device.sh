@@ -270,6 +270,7 @@ case "$step" in
       d=$K/smollm2-rand
       [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" .cuda/x1/tok
       [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+      [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
       { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
           --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
       tail -n 26 "$OUT/agent13.log"
@@ -824,6 +825,7 @@ PY
     py=$(command -v python3)
     d=$K/smollm2-rand
     [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
     for part in ${PARTS:-ssd agent prefill decode}; do
       echo "== $part $(( $(date +%s) - START ))s"
       case "$part" in
@@ -833,7 +835,7 @@ PY
         agentrep) # the 13-turn session with each arm run REPEAT times (default 3), each
                   # turn's median run reported (per-turn ratios out of the machine's noise)
           { timeout 420 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-              --arms cold,ram,ssd --repeat "${REPEAT:-3}" --out "$OUT/agent13rep" 2>&1; } > "$OUT/agent13rep.log"
+              --arms ${AGENT_ARMS:-cold,ram,ssd} --repeat "${REPEAT:-3}" --out "$OUT/agent13rep" 2>&1; } > "$OUT/agent13rep.log"
           tail -n 30 "$OUT/agent13rep.log" ;;
         cachedb) # bench cache's decode-step and bulk-restore rows (paged vs contiguous at
                  # 1K-32K, restore vs one transfer)
