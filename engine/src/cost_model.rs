@@ -619,6 +619,52 @@ mod tests {
     }
 
     #[test]
+    fn two_sizes_without_cached_tokens_fit_a_fixed_part_and_a_cost_per_token() {
+        // What the warm-up's two prefills leave in a fresh estimate: the prior's line.
+        let mut m = Measure::default();
+        m.record(256, 0, 0.016);
+        m.record(2048, 0, 0.040);
+        let f = m.fit(true).unwrap();
+        let per_token = 0.024 / 1792.0;
+        assert!(close(f.per_unit_s, per_token, 1e-9), "{f:?}");
+        assert!(close(f.fixed_s, 0.016 - 256.0 * per_token, 1e-9), "{f:?}");
+        assert_eq!(f.per_position_s, 0.0, "{f:?}");
+    }
+
+    #[test]
+    fn the_warm_up_samples_keep_the_cost_per_token_through_flat_early_requests() {
+        // The H100's 13-turn session: prefills of 520-917 tokens took 17-20 ms, their
+        // differences noise, not size. Fitted alone they read no cost per token, and no
+        // restore saves anything by that estimate.
+        let requests = [(520, 0, 0.0172), (592, 0, 0.0166), (917, 0, 0.0165)];
+        let mut alone = Measure::default();
+        for (n, c, t) in requests {
+            alone.record(n, c, t);
+        }
+        let f = alone.fit(true).unwrap();
+        assert_eq!(f.saved_between(0, 592), 0.0, "{f:?}");
+        // Beside the warm-up's two timings (256 and 2,048 tokens) the slope stays.
+        let mut m = Measure::default();
+        m.set_prior(fit(0.0126, 1.34e-5));
+        m.record(256, 0, 0.016);
+        m.record(2048, 0, 0.040);
+        for (n, c, t) in requests {
+            m.record(n, c, t);
+        }
+        let f = m.fit(true).unwrap();
+        // That session's RAM import of such a prefix took 0.25 ms: it must be worth it.
+        let saved = f.saved_between(0, 592);
+        assert!(
+            RESTORE_MARGIN * saved > 4.0 * 0.00025,
+            "a 592-token prefix saves more than its import: {saved} ({f:?})"
+        );
+        assert!(
+            f.saved_between(0, 1344) > 2.0 * saved,
+            "longer prefixes save more: {f:?}"
+        );
+    }
+
+    #[test]
     fn the_fit_recovers_fixed_and_per_unit_terms_from_exact_samples() {
         let mut m = Measure::default();
         for n in [1, 4, 16, 64, 130] {
