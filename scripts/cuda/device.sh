@@ -91,6 +91,11 @@ env_setup() {
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 }
 
+make_smollm2_rand() { # DIR: SmolLM2's shape with random f32 weights and its tokenizer
+  # (random_smollm2.py; the tokenizer files x1 carries, stashed in $K/tok), made once
+  [ -f "$1/config.json" ] || python3 scripts/cuda/random_smollm2.py "$1" "$K/tok" >/dev/null
+  [ -f "$1/tokenizer.json" ] || cp "$K"/tok/* "$1/"
+}
 make_llama8b() { # the 8B-shaped bf16 checkpoint (docs/cuda.md), made once in $K/llama8b
   local tok=$K/tok
   [ -d "$tok" ] || tok=.cuda/x1/tok
@@ -268,9 +273,7 @@ case "$step" in
     else
       # SmolLM2's shape with random f32 weights and its own tokenizer (no GGUF to carry).
       d=$K/smollm2-rand
-      [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" .cuda/x1/tok
-      [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
-      [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
+      make_smollm2_rand "$d"
       { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
           --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
       tail -n 26 "$OUT/agent13.log"
@@ -307,8 +310,7 @@ case "$step" in
     done
     [ -n "${SKIP32:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
     d=$K/smollm2-rand
-    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
-    [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
+    make_smollm2_rand "$d"
     # an arm: MiB of block memory, "c" after it: publications copied and split as before
     for arm in ${PINNED:-8192 8192c 0}; do
       pinned=${arm%c}; pub=1; [ "$pinned" != "$arm" ] && pub=0
@@ -327,8 +329,7 @@ case "$step" in
     py=$(command -v python3)
     { timeout 120 "$BIN/kvstore" bench cache --only ssd --dir "$K" 2>&1; } | tee "$OUT/bench-cache-ssd.log"
     d=$K/smollm2-rand
-    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" .cuda/x1/tok
-    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    make_smollm2_rand "$d"
     { timeout 200 "$BIN/kvstore" bench generate --model "$d" --python "$py" --prompt-lens ${LENS:-512,2048,8000} \
         --decode-tokens 128 2>&1; } | tee "$OUT/bench-generate-smollm2.log" | tail -n 12
     [ -n "${SKIP8B:-}" ] && { echo "step $step: $(( $(date +%s) - START ))s"; exit 0; }
@@ -344,7 +345,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
-    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    make_smollm2_rand "$d"
     { timeout 60 "$BIN/kvstore" bench generate --model "$d" --skip-mlx-lm --prompt-lens 2048,8000 \
         --decode-tokens 32 2>&1; } | tail -n 4
     { timeout 200 "$BIN/kvstore" bench serve --model "$d" --streams 8 --stream-tokens 256 \
@@ -433,7 +434,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
-    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    make_smollm2_rand "$d"
     [ -d "$K/peersite/mlx_lm" ] || install_wheels peersite < "$K/peer.tar"
     printf '#!/bin/sh\nPYTHONPATH=/opt/kvmlx:%s exec python3 "$@"\n' "$K/peersite" > "$K/peer-python"
     chmod +x "$K/peer-python"
@@ -469,6 +470,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
+    make_smollm2_rand "$d"
     MARGS=""
     if [ "${MODEL:-smollm2}" = llama8b ]; then # the 8B-shaped bf16 checkpoint (made once)
       make_llama8b
@@ -524,7 +526,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
-    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    make_smollm2_rand "$d"
     P="$(seq 1 ${CR_TOKENS:-1500} | tr '\n' ' ')"
     for v in 1 0; do
       rm -rf "$K/cr$v"
@@ -547,7 +549,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
-    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    make_smollm2_rand "$d"
     if [ ! -x "$K/aiperfsite/bin/aiperf" ]; then
       ls "$K"/aiperf.tar.part* >/dev/null 2>&1 || { echo "carry the .cuda/xaN parts first (st calls)"; exit 1; }
       cat "$K"/aiperf.tar.part* | install_wheels aiperfsite
@@ -587,6 +589,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
+    make_smollm2_rand "$d"
     MARGS=""
     if [ "${MODEL:-smollm2}" = llama8b ]; then make_llama8b; d=$K/llama8b; MARGS="--keep-quantized"; fi
     T=$K/mooncake-conversation-part1.jsonl
@@ -775,7 +778,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
-    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
+    make_smollm2_rand "$d"
     rm -rf "$K/gva" "$K/gvc"
     P="$(seq 1 ${GV_TOKENS:-1000} | tr '\n' ' ')"  # ~4,300 tokens: under the 256 MiB a staged run may hold
     gen() { KVSTORE_QUIET=1 timeout 120 "$BIN/kvstore" generate --model "$d" --prompt "$P" --json "$@"; }
@@ -824,8 +827,7 @@ PY
     env_setup
     py=$(command -v python3)
     d=$K/smollm2-rand
-    [ -f "$d/config.json" ] || python3 scripts/cuda/random_smollm2.py "$d" "$K/tok"
-    [ -f "$d/tokenizer.json" ] || cp "$K"/tok/* "$d/"
+    make_smollm2_rand "$d"
     for part in ${PARTS:-ssd agent prefill decode}; do
       echo "== $part $(( $(date +%s) - START ))s"
       case "$part" in
@@ -925,7 +927,7 @@ PY
     assemble_mlx >/dev/null || exit 1
     env_setup
     d=$K/smollm2-rand
-    [ -f "$d/tokenizer.json" ] || { echo "make $d in the x1 call (random_smollm2.py)"; exit 1; }
+    make_smollm2_rand "$d"
     { timeout 240 "$BIN/kvstore" bench grammar --model "$d" 2>&1; } | tail -n 14
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
