@@ -35,7 +35,11 @@ import sys
 
 
 def opener(path):
-    return gzip.open(path, "rt") if path.endswith(".gz") else open(path)
+    # By its first bytes, not its name: `bench trace --step-log X.jsonl.gz` writes plain
+    # JSON lines whatever the name (device.sh gzips the file afterwards).
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt") if gzipped else open(path)
 
 
 def prompt_tokens(step):
