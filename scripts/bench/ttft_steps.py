@@ -11,16 +11,16 @@ the pass. Prints the medians per place in a burst (requests with one trace times
 two arms of one slice can be read side by side. Reads nothing else; writes nothing.
 """
 
-import gzip
 import json
 import statistics
 import sys
 from bisect import bisect_left, bisect_right
 
+from step_costs import opener  # gzipped or not, by the file's first bytes
+
 
 def load_steps(path):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
+    with opener(path) as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -29,7 +29,8 @@ def place_name(k):
 
 
 def analyse(json_path, steps_path):
-    run = json.load(open(json_path))
+    with opener(json_path) as f:
+        run = json.load(f)
     by_engine = {}
     for s in load_steps(steps_path):
         by_engine.setdefault(s["engine"], []).append(s)
