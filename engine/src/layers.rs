@@ -213,9 +213,9 @@ impl FusedLinear {
 }
 
 /// Whether this process stacks the projections that share an input: yes unless
-/// `KVSTORE_STACK_PROJECTIONS=0` when the first model loads. The switch is for measuring:
-/// separate products are more kernels, which MLX's CUDA graphs may run side by side in a GPU
-/// decode step (docs/benchmarks.md, session 49, has the experiment).
+/// `KVSTORE_STACK_PROJECTIONS=0` when the first model loads. The switch is for measuring
+/// whether separate products, which MLX's CUDA graphs might run side by side, decode faster:
+/// on the H100 they did not (docs/engine.md, session 50).
 fn stack_projections() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("KVSTORE_STACK_PROJECTIONS").map_or(true, |v| v != "0"))
