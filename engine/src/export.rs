@@ -318,6 +318,13 @@ impl Exporter {
         }
     }
 
+    /// Whether an export in flight holds any of `keys` in `namespace` (a lookup of them
+    /// would wait for it: [`Self::wait_for`]). Never waits.
+    pub fn holds_any(&self, namespace: NamespaceId, keys: &[BlockKey]) -> bool {
+        let p = self.shared.lock();
+        keys.iter().any(|k| p.keys.contains_key(&(namespace, *k)))
+    }
+
     /// Waits until no export submitted before this call holds any of `keys` in
     /// `namespace` (each such export is in the store, or failed); returns at once when
     /// none does, whatever else is in flight.

@@ -40,6 +40,11 @@ impl LoadGate {
         self.lock().1
     }
 
+    /// Whether loads of `prompt` are held now (a held prefix starts it). Never waits.
+    pub(crate) fn holds(&self, prompt: &[u32]) -> bool {
+        self.on.load(Ordering::SeqCst) && self.lock().0.iter().any(|p| prompt.starts_with(p))
+    }
+
     /// Called by a load of `prompt` before it starts: waits while a held prefix starts it.
     pub(crate) fn pass(&self, prompt: &[u32]) {
         if !self.on.load(Ordering::SeqCst) {
@@ -67,7 +72,9 @@ mod tests {
     fn a_held_prefix_waits_until_released_and_others_pass() {
         let gate = Arc::new(LoadGate::default());
         gate.pass(&[1, 2, 3]);
+        assert!(!gate.holds(&[1, 2, 3]));
         gate.hold(vec![1, 2]);
+        assert!(gate.holds(&[1, 2, 3]) && !gate.holds(&[2, 1]) && !gate.holds(&[1]));
         // Another prompt passes at once.
         gate.pass(&[2, 1]);
         let g = gate.clone();
@@ -79,5 +86,6 @@ mod tests {
         gate.release();
         t.join().unwrap();
         assert_eq!(gate.waiting(), 0);
+        assert!(!gate.holds(&[1, 2, 3]));
     }
 }

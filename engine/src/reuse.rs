@@ -947,6 +947,39 @@ impl KvTiers {
         Ok(host)
     }
 
+    /// The host half of `prompt`'s restore where it is known without I/O to be empty: the
+    /// store holds none of the blocks after the device tier's match now (RAM, the SSD
+    /// index, the write-behind queue) and no export in flight brings the first of them,
+    /// there is no remote tier to ask, and no test holds the prompt's loads. Then the
+    /// request need not wait for an I/O worker to say so (admission took it a step later,
+    /// ~2 ms on a GPU under the trace: docs/benchmarks.md, session 51). `None` where only a
+    /// lookup by an I/O worker can tell. No MLX call; a lock of the device tier and of the
+    /// store's indexes, a few microseconds.
+    pub(crate) fn host_half_if_empty(
+        &self,
+        namespace: NamespaceId,
+        prompt: &[u32],
+    ) -> Result<Option<HostPrefix>> {
+        if self.store.has_remote() || self.load_gate.holds(prompt) {
+            return Ok(None);
+        }
+        let reusable = prompt.len().saturating_sub(1);
+        let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
+        let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
+        let next = &chain.keys()[first.min(chain.keys().len())..];
+        let next = &next[..next.len().min(1)];
+        if self.exporter.holds_any(namespace, next)
+            || self.store.lookup(namespace, next).blocks() > 0
+        {
+            return Ok(None);
+        }
+        Ok(Some(HostPrefix {
+            first,
+            done_at: Some(Instant::now()),
+            ..HostPrefix::new(chain)
+        }))
+    }
+
     /// The host half of restoring `host`'s blocks, done on the loading thread: checked and
     /// assembled in each layer part's device layout, for the cache admission will append
     /// them to (empty, or the device-tier hit the load started after, cut to its whole

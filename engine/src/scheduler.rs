@@ -382,6 +382,7 @@ struct Counters {
     kv_device_peak_bytes: AtomicU64,
     batch_arena_steps: AtomicU64,
     early_loads: AtomicU64,
+    loads_not_waited: AtomicU64,
     ttft_buckets: [AtomicU64; TTFT_BUCKETS.len()],
     ttft_count: AtomicU64,
     ttft_sum_us: AtomicU64,
@@ -434,6 +435,9 @@ pub struct EngineMetrics {
     /// Requests whose cached-prefix lookup and load the I/O workers started at submission
     /// (the queue was short), rather than once they neared the head of the queue.
     pub early_loads: u64,
+    /// Requests admitted while their I/O worker's lookup was still running, because the
+    /// store held nothing past the device tier's match (nothing it could have loaded).
+    pub loads_not_waited: u64,
     /// TTFT histogram: cumulative counts per bucket of [`TTFT_BUCKETS`].
     pub ttft_buckets: Vec<u64>,
     /// TTFT observations.
@@ -477,6 +481,9 @@ struct Pending {
     /// How long admission has waited for its load (an idle engine with nothing else ready
     /// does): billed to its restore, not its queue.
     load_waited: std::time::Duration,
+    /// Whether admission has asked, while its load ran, if the store could add anything
+    /// (once: see [`KvTiers::host_half_if_empty`]).
+    host_checked: bool,
 }
 
 /// The host half of a queued request's restore, loaded by the I/O workers.
@@ -532,6 +539,16 @@ struct IoJob {
 /// long queue must not pin them all).
 fn prefetch_depth(config: &EngineConfig) -> usize {
     2 * config.max_batch
+}
+
+/// [`KvTiers::host_half_if_empty`] for `request` (`None` on any error: the I/O worker's
+/// answer then decides).
+fn empty_host_half(prefix: &KvTiers, request: &Request) -> Option<HostPrefix> {
+    let ns = prefix.namespace_for(request.cache_salt.as_deref()).ok()?;
+    prefix
+        .host_half_if_empty(ns, &request.prompt)
+        .ok()
+        .flatten()
 }
 
 /// Hands `request`'s lookup and load to the I/O workers: [`Prefetch::Waiting`] for its
@@ -1012,6 +1029,7 @@ impl Engine {
             reserve,
             prefetch,
             load_waited: std::time::Duration::ZERO,
+            host_checked: false,
         };
         c.queue_depth.fetch_add(1, Ordering::Relaxed);
         let sent = self.send(Command::Submit(Box::new(pending)));
@@ -1085,6 +1103,7 @@ impl Engine {
             kv_device_peak_bytes: g(&c.kv_device_peak_bytes),
             batch_arena_steps: g(&c.batch_arena_steps),
             early_loads: g(&c.early_loads),
+            loads_not_waited: g(&c.loads_not_waited),
             ttft_buckets: c.ttft_buckets.iter().map(g).collect(),
             ttft_count: g(&c.ttft_count),
             ttft_sum_s: g(&c.ttft_sum_us) as f64 / 1e6,
@@ -1642,6 +1661,23 @@ impl Worker {
             // A request is always admitted into an empty engine, whatever its size.
             if !empty && self.reserved + held_bytes + p.reserve > self.config.kv_budget_bytes {
                 break;
+            }
+            if !p.host_checked && !p.prefetch.ready(false) {
+                // A load that can add nothing (the store holds nothing past the device
+                // tier's match) is not waited for: the request goes in this step, as
+                // without a cache, and its I/O worker's answer is dropped.
+                p.host_checked = true;
+                let empty = self
+                    .prefix
+                    .as_ref()
+                    .and_then(|pc| empty_host_half(pc, &p.request));
+                if let Some(h) = empty {
+                    p.prefetch = Prefetch::Ready(Some(h));
+                    self.shared
+                        .counters
+                        .loads_not_waited
+                        .fetch_add(1, Ordering::Relaxed);
+                }
             }
             if !p.prefetch.ready(false) {
                 self.admit_waited_load = true;

@@ -870,6 +870,11 @@ impl<F: FileSystem> Store<F> {
         }
     }
 
+    /// Whether a remote tier is configured: a lookup then asks it over the network.
+    pub fn has_remote(&self) -> bool {
+        self.shared.remote.is_some()
+    }
+
     /// The longest run of consecutive `keys` present (RAM, then SSD, then the remote tier),
     /// without reading payloads or changing recency. The keys after the local run are
     /// asked of the remote tier in one pipelined round trip (EXISTS); an unreachable remote

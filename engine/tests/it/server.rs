@@ -1489,6 +1489,23 @@ fn submit_held(engine: &Engine, prompt: Vec<u32>, tokens: usize) -> engine::Requ
     h
 }
 
+/// Waits for `h`'s answer while a load is held at the gate: on another thread, so that an
+/// engine holding `h` behind the held load fails the test (`what` happened) instead of
+/// hanging it; the held loads are released before the failure.
+fn wait_past_held(tiers: &KvTiers, h: engine::RequestHandle, what: &str) -> engine::Completion {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(h.wait());
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(done) => done.unwrap(),
+        Err(_) => {
+            tiers.release_loads();
+            panic!("{what}");
+        }
+    }
+}
+
 /// A request whose load ends while admission waits for it (within `load_grace`) joins the
 /// prefill step of the request admitted before it; with no grace it waits for that step.
 /// From the step log, not from timing: the held load is released while the engine waits
@@ -1553,19 +1570,11 @@ fn a_slow_load_holds_back_only_its_own_request() {
         .submit(Request::new(distinct_ids(24, 8), no_eos(3)))
         .unwrap();
     let quick_id = quick.id();
-    // Waited for on another thread, so that an engine that holds it behind the slow load
-    // fails the test instead of hanging it.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(quick.wait());
-    });
-    let done = match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(done) => done.unwrap(),
-        Err(_) => {
-            tiers.release_loads();
-            panic!("the quick request waited for the slow request's load");
-        }
-    };
+    let done = wait_past_held(
+        tiers,
+        quick,
+        "the quick request waited for the slow request's load",
+    );
     assert_eq!(done.completion_tokens, 3);
     // The slow request is still waiting for its load: it neither ran nor was dropped.
     assert_eq!(tiers.loads_waiting(), 1);
@@ -1586,6 +1595,77 @@ fn a_slow_load_holds_back_only_its_own_request() {
         "the held load was restored once released"
     );
     assert!(slow.reuse.prefetched);
+}
+
+/// Admission waits for a queued request's lookup only where the lookup can find something.
+/// With one I/O worker, held at the gate by another request's load, a request whose prefix
+/// the store lacks (nothing past the device tier's match) is admitted and answered while its
+/// own lookup is still queued behind the held one; a request whose prefix the store holds
+/// (the device tier emptied) waits for its lookup and then restores from RAM. From the
+/// engine's counters and step log, not from timing.
+#[test]
+fn admission_waits_only_for_lookups_that_can_find_something() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            io_workers: 1,
+            ..logged(4)
+        },
+    );
+    let tiers = engine.kv_tiers().expect("a prefix cache");
+    // In the store (RAM) and then off the device: only a lookup finds it.
+    let stored = distinct_ids(40, 23);
+    engine
+        .submit(Request::new(stored.clone(), no_eos(2)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.flush().unwrap();
+    tiers
+        .set_kv_budget(tiers.resident_stats().budget_bytes)
+        .unwrap();
+    assert_eq!(tiers.resident_stats().sequences, 0);
+    let before = engine.metrics().loads_not_waited;
+    // The one I/O worker is busy with a held load from here on.
+    let held = submit_held(&engine, distinct_ids(24, 21), 2);
+    let mut extended = stored.clone();
+    extended.extend(distinct_ids(8, 24));
+    let waits = engine.submit(Request::new(extended, no_eos(2))).unwrap();
+    let fresh = engine
+        .submit(Request::new(distinct_ids(24, 22), no_eos(3)))
+        .unwrap();
+    let (waits_id, fresh_id) = (waits.id(), fresh.id());
+    let done = wait_past_held(
+        tiers,
+        fresh,
+        "a request with nothing to load waited for its lookup",
+    );
+    // Read before the held load is released (an assertion failing while it is held would
+    // leave the engine's I/O worker waiting at the gate for ever).
+    let runs = |s: &engine::StepRecord, id: u64| {
+        s.prefilled.is_some_and(|p| p.0 == id) || s.riders.iter().any(|r| r.0 == id)
+    };
+    let log = engine.step_log();
+    let (not_waited, still_loading) = (engine.metrics().loads_not_waited, tiers.loads_waiting());
+    tiers.release_loads();
+    assert_eq!(done.completion_tokens, 3);
+    assert_eq!(done.cached_tokens, 0);
+    assert!(not_waited > before);
+    assert!(log.iter().any(|s| runs(s, fresh_id)));
+    // The request whose prefix is in the store had not run: its lookup was still queued.
+    assert!(!log.iter().any(|s| runs(s, waits_id)), "{log:?}");
+    assert_eq!(still_loading, 1);
+    let waited = waits.wait().unwrap();
+    assert_eq!(waited.completion_tokens, 2);
+    assert!(waited.reuse.prefetched);
+    // Its lookup found the stored blocks (restored, or left to the prefill by the cost
+    // model).
+    let r = &waited.reuse;
+    let found =
+        r.cached_ram_tokens + r.cached_ssd_tokens + r.ram_blocks_skipped + r.ssd_blocks_skipped;
+    assert!(found > 0, "{r:?}");
+    assert_eq!(held.wait().unwrap().completion_tokens, 2);
 }
 
 /// An idle engine prefills a prompt chunk after chunk; a request that arrives meanwhile
