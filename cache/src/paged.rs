@@ -944,9 +944,14 @@ impl PagedKvCache {
     /// copies the whole capacity of a longer sequence's arenas. Window layers and shared
     /// prefixes stay copy-on-write clones (a window bounds them; a prefix is read, never
     /// written).
-    pub fn fork(&self, tokens: usize) -> Result<PagedKvCache, CacheError> {
+    ///
+    /// `room`: the tokens the fork will hold (its prompt): its pools are made with room for
+    /// them, so the prefill after the fork does not grow them again (growing copies every
+    /// arena).
+    pub fn fork(&self, tokens: usize, room: usize) -> Result<PagedKvCache, CacheError> {
         let mut c = self.clone();
         c.trim(self.offset().saturating_sub(tokens))?;
+        c.config = c.config.with_room_for(room);
         let initial = c.config.initial_blocks;
         for (i, l) in c.layers.iter_mut().enumerate() {
             let windowed = c.window.windows.get(i).is_some_and(Option::is_some);
@@ -959,6 +964,28 @@ impl PagedKvCache {
             }
         }
         Ok(c)
+    }
+
+    /// Makes room for `tokens` tokens in all (its shared prefix included) before they are
+    /// appended: each layer's pool grows at once to the capacity that holds them (one copy
+    /// per part, where appending chunk by chunk would grow it ×1.5 at a time, copying at
+    /// each step), and layers without a pool yet get one that size. Window layers are left
+    /// alone (a window bounds them). A cache handed over from the device tier with the
+    /// capacity of an earlier, shorter prompt is what this is for.
+    pub fn reserve_room(&mut self, tokens: usize) -> Result<(), CacheError> {
+        self.check_not_lent()?;
+        self.config = self.config.with_room_for(tokens);
+        let bs = self.config.block_size;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            if self.window.windows.get(i).is_some_and(Option::is_some) {
+                continue;
+            }
+            let own = tokens.saturating_sub(l.prefix_len());
+            if let Some(pool) = l.pool.as_mut() {
+                pool.reserve(own.div_ceil(bs))?;
+            }
+        }
+        Ok(())
     }
 
     /// Drops the last `tokens` tokens of every layer and frees blocks no longer needed.
@@ -1981,6 +2008,57 @@ mod tests {
         assert_eq!(gk.to_vec::<f32>().unwrap(), mk.to_vec::<f32>().unwrap());
     }
 
+    /// Room made for a longer prompt grows the pool once, to a step of its growth ladder
+    /// that holds the prompt, keeps what it held, and the prompt's chunks then append
+    /// without growing it again; the keys equal those of a cache grown chunk by chunk.
+    #[test]
+    fn room_for_a_longer_prompt_grows_the_pool_once() {
+        let (mut roomy, mut grown) = (cache(40), cache(40));
+        let (before, _) = roomy.fetch(0).unwrap().unwrap();
+        let small = roomy.layers[0].pool.as_ref().unwrap().capacity();
+        roomy.reserve_room(600).unwrap();
+        let cap = roomy.layers[0].pool.as_ref().unwrap().capacity();
+        let max = roomy.config.max_blocks;
+        assert_eq!(cap, ladder_capacity(small, max, 16, 38));
+        assert_eq!(
+            cap,
+            ladder_capacity(2, max, 16, 38),
+            "a step of the same ladder"
+        );
+        let (after, _) = roomy.fetch(0).unwrap().unwrap();
+        assert_eq!(
+            before.to_vec::<f32>().unwrap(),
+            after.to_vec::<f32>().unwrap()
+        );
+        let key = mlx::random::key(11).unwrap();
+        for _ in 0..5 {
+            let k = mlx::random::normal(&[1, 2, 100, 32], Dtype::F32, &key).unwrap();
+            roomy.append(0, &k, &k).unwrap();
+            grown.append(0, &k, &k).unwrap();
+            assert_eq!(roomy.layers[0].pool.as_ref().unwrap().capacity(), cap);
+        }
+        assert!(grown.layers[0].pool.as_ref().unwrap().capacity() > small);
+        let (r, _) = roomy.fetch(0).unwrap().unwrap();
+        let (g, _) = grown.fetch(0).unwrap().unwrap();
+        assert_eq!(r.to_vec::<f32>().unwrap(), g.to_vec::<f32>().unwrap());
+        // Room already there: nothing changes.
+        roomy.reserve_room(100).unwrap();
+        assert_eq!(roomy.layers[0].pool.as_ref().unwrap().capacity(), cap);
+    }
+
+    /// A fork made for a longer prompt gets a pool with room for it at once.
+    #[test]
+    fn a_fork_has_room_for_the_prompt_it_was_made_for() {
+        let source = cache(600);
+        let fork = source.fork(40, 600).unwrap();
+        let pool = fork.layers[0].pool.as_ref().unwrap();
+        assert_eq!(
+            pool.capacity(),
+            ladder_capacity(2, source.config.max_blocks, 16, 38)
+        );
+        assert_eq!(fork.offset(), 40);
+    }
+
     /// A publication's copies of every layer are one node (`CopyTokenRuns`) and hold each
     /// layer's tokens of the blocks published, read from the layer's own keys and values.
     #[test]
@@ -2031,7 +2109,7 @@ mod tests {
         let (sk, sv) = source.fetch(0).unwrap().unwrap();
         let big = source.layers[0].pool.as_ref().unwrap().capacity();
         assert!(big >= 38, "600 tokens in blocks of 16: {big} blocks");
-        let mut fork = source.fork(40).unwrap();
+        let mut fork = source.fork(40, 40).unwrap();
         assert_eq!(fork.offset(), 40);
         let pool = fork.layers[0].pool.as_ref().unwrap();
         assert_eq!(

@@ -338,6 +338,27 @@ impl BlockPool {
             });
         }
         let new_capacity = next_capacity(self.capacity, self.shape.block_size).min(self.max_blocks);
+        self.grow_to(new_capacity)
+    }
+
+    /// Grows the arenas at once to the step of the growth ladder that holds `blocks`
+    /// blocks (at most `max_blocks`): one copy per part where growing block by block would
+    /// copy at every step the ladder climbs. Nothing where they hold them already.
+    pub fn reserve(&mut self, blocks: usize) -> Result<(), CacheError> {
+        let bs = self.shape.block_size;
+        let target = ladder_capacity(
+            self.capacity,
+            self.max_blocks,
+            bs,
+            blocks.min(self.max_blocks),
+        );
+        match target > self.capacity {
+            true => self.grow_to(target),
+            false => Ok(()),
+        }
+    }
+
+    fn grow_to(&mut self, new_capacity: usize) -> Result<(), CacheError> {
         let extra = arena_parts(self.shape, self.format, new_capacity - self.capacity)?;
         for (arena, more) in self.arenas.iter_mut().zip(extra) {
             *arena = mlx::ops::concatenate(&[arena, &more], 2)?;

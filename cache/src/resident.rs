@@ -344,7 +344,7 @@ impl ResidentPool {
                 shared: true,
             }));
         }
-        let cache = e.cache.fork(m)?;
+        let cache = e.cache.fork(m, prompt.len())?;
         self.stats.forks += 1;
         Ok(Some(ResidentHit {
             cache,

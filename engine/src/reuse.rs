@@ -1281,6 +1281,9 @@ impl KvTiers {
                 ends.push(device_tokens / bs * bs);
             }
         }
+        // A device hit handed over keeps the capacity of its earlier, shorter prompt: grown
+        // once here for this one, not chunk by chunk in the prefill's steps.
+        cache.reserve_room(crate::sequence::prompt_room(prompt.len()))?;
         cache.set_restorable_ends(&ends);
         report.restore_s += t.elapsed().as_secs_f64();
         let count = |tier: Tier| tiers.iter().filter(|t| **t == tier).count();
