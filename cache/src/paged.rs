@@ -945,13 +945,15 @@ impl PagedKvCache {
     /// prefixes stay copy-on-write clones (a window bounds them; a prefix is read, never
     /// written).
     ///
-    /// `room`: the tokens the fork will hold (its prompt): its pools are made with room for
-    /// them, so the prefill after the fork does not grow them again (growing copies every
-    /// arena).
-    pub fn fork(&self, tokens: usize, room: usize) -> Result<PagedKvCache, CacheError> {
+    /// `initial_blocks`: the fork's own [`PagedConfig::initial_blocks`], a step of the same
+    /// growth ladder: with room for the prompt it was forked for
+    /// ([`PagedConfig::with_room_for`] on the engine's configuration), its pools need not
+    /// grow during the prefill after it (growing copies every arena); this cache's own
+    /// value keeps the room of the prompt it was made for, which may be far longer.
+    pub fn fork(&self, tokens: usize, initial_blocks: usize) -> Result<PagedKvCache, CacheError> {
         let mut c = self.clone();
         c.trim(self.offset().saturating_sub(tokens))?;
-        c.config = c.config.with_room_for(room);
+        c.config.initial_blocks = initial_blocks;
         let initial = c.config.initial_blocks;
         for (i, l) in c.layers.iter_mut().enumerate() {
             let windowed = c.window.windows.get(i).is_some_and(Option::is_some);
@@ -2046,16 +2048,20 @@ mod tests {
         assert_eq!(roomy.layers[0].pool.as_ref().unwrap().capacity(), cap);
     }
 
-    /// A fork made for a longer prompt gets a pool with room for it at once.
+    /// A fork gets a pool with room for the prompt it was made for at once: more than its
+    /// blocks need, less than its longer source holds.
     #[test]
     fn a_fork_has_room_for_the_prompt_it_was_made_for() {
         let source = cache(600);
-        let fork = source.fork(40, 600).unwrap();
+        let roomy = source.config.with_room_for(300).initial_blocks;
+        let fork = source.fork(40, roomy).unwrap();
         let pool = fork.layers[0].pool.as_ref().unwrap();
         assert_eq!(
             pool.capacity(),
-            ladder_capacity(2, source.config.max_blocks, 16, 38)
+            ladder_capacity(2, source.config.max_blocks, 16, 19)
         );
+        assert!(pool.capacity() < source.layers[0].pool.as_ref().unwrap().capacity());
+        assert_eq!(fork.config.initial_blocks, pool.capacity());
         assert_eq!(fork.offset(), 40);
     }
 
@@ -2109,7 +2115,7 @@ mod tests {
         let (sk, sv) = source.fetch(0).unwrap().unwrap();
         let big = source.layers[0].pool.as_ref().unwrap().capacity();
         assert!(big >= 38, "600 tokens in blocks of 16: {big} blocks");
-        let mut fork = source.fork(40, 40).unwrap();
+        let mut fork = source.fork(40, 2).unwrap();
         assert_eq!(fork.offset(), 40);
         let pool = fork.layers[0].pool.as_ref().unwrap();
         assert_eq!(

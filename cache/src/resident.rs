@@ -39,7 +39,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use store::{BlockKey, NamespaceId, Pins};
 
-use crate::{CacheError, Chain, KvCache, PagedKvCache, ShareHandle};
+use crate::{CacheError, Chain, KvCache, PagedConfig, PagedKvCache, ShareHandle};
 
 /// A resident sequence.
 #[derive(Debug)]
@@ -131,6 +131,9 @@ pub struct ResidentPool {
     pins: Arc<Pins>,
     /// The fewest matched tokens a hit shares rather than forks.
     share_min_tokens: usize,
+    /// The engine's cache configuration, from which a fork gets the room of the prompt it
+    /// is made for; `None`: a fork keeps its source's.
+    fork_config: Option<PagedConfig>,
     /// Keep the sequences eviction takes (in `evicted`) instead of dropping them.
     keep_evicted: bool,
     evicted: Vec<EvictedSequence>,
@@ -174,6 +177,7 @@ impl ResidentPool {
             stats: ResidentStats::default(),
             pins: Arc::new(Pins::new()),
             share_min_tokens: DEFAULT_SHARE_MIN_TOKENS,
+            fork_config: None,
             keep_evicted: false,
             evicted: Vec::new(),
         }
@@ -209,6 +213,13 @@ impl ResidentPool {
     /// `usize::MAX` never shares.
     pub fn set_share_min_tokens(&mut self, tokens: usize) {
         self.share_min_tokens = tokens.max(1);
+    }
+
+    /// Sets the configuration new caches of the engine start from: a fork then gets pools
+    /// with room for the prompt it is made for (`config.with_room_for(prompt)`), so its
+    /// prefill does not grow them, nor do they keep the room of a longer source.
+    pub fn set_fork_config(&mut self, config: PagedConfig) {
+        self.fork_config = Some(config);
     }
 
     /// The fewest tokens a hit shares ([`Self::set_share_min_tokens`]).
@@ -344,7 +355,14 @@ impl ResidentPool {
                 shared: true,
             }));
         }
-        let cache = e.cache.fork(m, prompt.len())?;
+        // A pool with room for this prompt, a step of the ladder every cache of the engine
+        // climbs (the source's own room may be far larger or smaller).
+        let initial = self
+            .fork_config
+            .map_or(e.cache.config().initial_blocks, |c| {
+                c.with_room_for(prompt.len()).initial_blocks
+            });
+        let cache = e.cache.fork(m, initial)?;
         self.stats.forks += 1;
         Ok(Some(ResidentHit {
             cache,

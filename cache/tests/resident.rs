@@ -611,3 +611,33 @@ fn a_pool_that_keeps_evictions_hands_them_back_whole() {
     assert!(pool.take_evicted().is_empty(), "taken once");
     assert_eq!(pool.stats().sequences, 1);
 }
+
+/// With the engine's configuration set, a fork gets pools with room for the prompt it is
+/// made for: a short prompt branching from a long resident sequence holds neither the
+/// source's capacity nor a pool too small for its own prefill, and the long one's fork
+/// needs no growth to take its whole prompt.
+#[test]
+fn a_fork_has_room_for_its_own_prompt() {
+    let ns = NamespaceId([6; 32]);
+    let mut pool = ResidentPool::new(1 << 24);
+    pool.set_fork_config(config());
+    let long: Vec<u32> = (0..200).collect();
+    let mut cache = PagedKvCache::new(1, config().with_room_for(long.len())).unwrap();
+    append(&mut cache, &long, 0);
+    let source_capacity = cache.pool(0).unwrap().capacity();
+    pool.park(Chain::new(ns, BS), long.clone(), cache);
+    for extra in [10usize, 150] {
+        let mut prompt = long[..8].to_vec();
+        prompt.extend((0..extra as u32).map(|t| 1000 + t));
+        let chain = Chain::of(ns, BS, &prompt);
+        let hit = pool.take(&chain, &prompt, prompt.len() - 1).unwrap().unwrap();
+        assert_eq!((hit.tokens, hit.handed_over), (8, false));
+        let mut fork = hit.cache;
+        let capacity = fork.pool(0).unwrap().capacity();
+        assert_eq!(capacity, config().with_room_for(prompt.len()).initial_blocks);
+        assert!(capacity < source_capacity);
+        append(&mut fork, &prompt[8..], 8);
+        assert_eq!(fork.pool(0).unwrap().capacity(), capacity, "grown in the prefill");
+        assert_holds(&fork, &prompt);
+    }
+}

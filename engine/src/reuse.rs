@@ -342,16 +342,19 @@ pub struct PinnedTiers {
     pub store: store::PinnedBytes,
 }
 
-/// A device tier of `bytes` whose eviction spares `store`'s pins.
+/// A device tier of `bytes` whose eviction spares `store`'s pins, sharing hits of
+/// `share_min_tokens` tokens or more and forking the others with the room `paged` gives
+/// their prompts.
 fn pinned_pool(
     bytes: u64,
     store: &Store,
-    share_min_tokens: usize,
+    (share_min_tokens, paged): (usize, PagedConfig),
     exclusive: bool,
 ) -> ResidentPool {
     let mut pool = ResidentPool::new(bytes);
     pool.set_pins(store.pins().clone());
     pool.set_share_min_tokens(share_min_tokens);
+    pool.set_fork_config(paged);
     pool.set_keep_evicted(exclusive);
     pool
 }
@@ -632,7 +635,18 @@ impl KvTiers {
             true => usize::MAX,
             false => config.share_min_tokens,
         };
-        let resident = pinned_pool(config.kv_budget_bytes, &store, share_min_tokens, exclusive);
+        let paged = PagedConfig {
+            block_size: config.block_size,
+            format: config.kv_format,
+            initial_blocks: 16,
+            max_blocks: config.max_blocks,
+        };
+        let resident = pinned_pool(
+            config.kv_budget_bytes,
+            &store,
+            (share_min_tokens, paged),
+            exclusive,
+        );
         let store = Arc::new(store);
         let exporter = Exporter::start(store.clone())
             .map_err(|e| EngineError::io("kvstore-export thread", e))?;
@@ -651,12 +665,7 @@ impl KvTiers {
                 false => Vec::new(),
             },
             window_trimmed_bytes: std::sync::atomic::AtomicU64::new(0),
-            paged: PagedConfig {
-                block_size: config.block_size,
-                format: config.kv_format,
-                initial_blocks: 16,
-                max_blocks: config.max_blocks,
-            },
+            paged,
             resident: Mutex::new(resident),
             recent: Mutex::new(Vec::new()),
             costs: Arc::new(Mutex::new(costs)),
@@ -709,7 +718,7 @@ impl KvTiers {
         *resident = pinned_pool(
             bytes,
             &self.store,
-            resident.share_min_tokens(),
+            (resident.share_min_tokens(), self.paged),
             self.exclusive,
         );
         Ok(())
