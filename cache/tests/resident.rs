@@ -630,14 +630,24 @@ fn a_fork_has_room_for_its_own_prompt() {
         let mut prompt = long[..8].to_vec();
         prompt.extend((0..extra as u32).map(|t| 1000 + t));
         let chain = Chain::of(ns, BS, &prompt);
-        let hit = pool.take(&chain, &prompt, prompt.len() - 1).unwrap().unwrap();
+        let hit = pool
+            .take(&chain, &prompt, prompt.len() - 1)
+            .unwrap()
+            .unwrap();
         assert_eq!((hit.tokens, hit.handed_over), (8, false));
         let mut fork = hit.cache;
         let capacity = fork.pool(0).unwrap().capacity();
-        assert_eq!(capacity, config().with_room_for(prompt.len()).initial_blocks);
+        assert_eq!(
+            capacity,
+            config().with_room_for(prompt.len()).initial_blocks
+        );
         assert!(capacity < source_capacity);
         append(&mut fork, &prompt[8..], 8);
-        assert_eq!(fork.pool(0).unwrap().capacity(), capacity, "grown in the prefill");
+        assert_eq!(
+            fork.pool(0).unwrap().capacity(),
+            capacity,
+            "grown in the prefill"
+        );
         assert_holds(&fork, &prompt);
     }
 }
