@@ -20,6 +20,7 @@
 //! device, so a new process starts from them.
 
 use std::collections::HashMap;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -326,6 +327,9 @@ pub struct KvTiers {
     exclusive: bool,
     /// Test support: loads held until released ([`Self::hold_loads`]).
     load_gate: LoadGate,
+    /// Loads that stopped before reading because admission took their request without
+    /// them ([`Self::loads_abandoned`]).
+    loads_abandoned: std::sync::atomic::AtomicU64,
     /// Bounds the host bytes of restores staged ahead of admission.
     staging: StagingBudget,
 }
@@ -677,6 +681,7 @@ impl KvTiers {
             host_tiers,
             exclusive,
             load_gate: LoadGate::default(),
+            loads_abandoned: Default::default(),
         })
     }
 
@@ -692,6 +697,13 @@ impl KvTiers {
     #[doc(hidden)]
     pub fn release_loads(&self) {
         self.load_gate.release();
+    }
+
+    /// Loads by the I/O workers that stopped before reading anything because admission took
+    /// their request without them (the store could add nothing when it looked).
+    pub fn loads_abandoned(&self) -> u64 {
+        self.loads_abandoned
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// How many loads wait at [`Self::hold_loads`]'s gate now.
@@ -943,13 +955,23 @@ impl KvTiers {
     /// The host half of a restore, for an I/O worker: the prompt's chain keys, what the
     /// device tier holds of it now, and the store's blocks after that (lookup, SSD reads,
     /// remote fetches, verification; the cost model decides how far). No MLX call.
-    pub fn load_host(&self, namespace: NamespaceId, prompt: &[u32]) -> Result<HostPrefix> {
+    ///
+    /// `abandoned`: set when the request no longer waits for this load. It is checked after
+    /// the device-tier peek (admission sets it before the request takes its device hit)
+    /// and before each read, so an abandoned load reads nothing: a read counts as a use in
+    /// the store's tiers and would keep blocks that the request never took.
+    pub fn load_host(
+        &self,
+        namespace: NamespaceId,
+        prompt: &[u32],
+        abandoned: &AtomicBool,
+    ) -> Result<HostPrefix> {
         self.load_gate.pass(prompt);
         let t = Instant::now();
         let reusable = prompt.len().saturating_sub(1);
         let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
         let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
-        let mut host = self.load_host_from(chain, prompt, first)?;
+        let mut host = self.load_host_from(chain, prompt, first, Some(abandoned))?;
         host.lookup_s = t.elapsed().as_secs_f64() - host.load_s;
         host.staged = self.stage(&host, prompt.len());
         host.done_at = Some(Instant::now());
@@ -1030,7 +1052,21 @@ impl KvTiers {
     /// The store's blocks of `chain` from block `first` on (see [`Self::load_host`]). An
     /// SSD without a speed estimate is probed with a few blocks first, then the estimate
     /// decides about the rest.
-    fn load_host_from(&self, chain: Chain, prompt: &[u32], first: usize) -> Result<HostPrefix> {
+    fn load_host_from(
+        &self,
+        chain: Chain,
+        prompt: &[u32],
+        first: usize,
+        abandoned: Option<&AtomicBool>,
+    ) -> Result<HostPrefix> {
+        let gone = || {
+            use std::sync::atomic::Ordering::SeqCst;
+            let gone = abandoned.is_some_and(|a| a.load(SeqCst));
+            if gone {
+                self.loads_abandoned.fetch_add(1, SeqCst);
+            }
+            gone
+        };
         let bs = self.paged.block_size;
         let namespace = chain.namespace();
         let mut host = HostPrefix {
@@ -1038,7 +1074,7 @@ impl KvTiers {
             ..HostPrefix::new(chain)
         };
         let rest = &host.chain.keys()[first.min(host.chain.keys().len())..];
-        if rest.is_empty() {
+        if rest.is_empty() || gone() {
             return Ok(host);
         }
         let t = Instant::now();
@@ -1082,7 +1118,7 @@ impl KvTiers {
             host.ram_skipped = plan.ram_skipped;
             host.ssd_skipped = plan.ssd_skipped;
             host.remote_skipped = plan.remote_skipped;
-            if plan.usable == 0 {
+            if plan.usable == 0 || gone() {
                 break;
             }
             let start = first + done;
@@ -1200,7 +1236,7 @@ impl KvTiers {
                 h
             }
             _ => {
-                let h = self.load_host_from(chain, prompt, first)?;
+                let h = self.load_host_from(chain, prompt, first, None)?;
                 report.lookup_s += h.lookup_s;
                 report.restore_s += h.load_s;
                 h

@@ -492,8 +492,8 @@ enum Prefetch {
     None,
     /// Not asked for yet (the request is far from the head of the queue).
     NotYet,
-    /// Being loaded.
-    Waiting(mpsc::Receiver<Result<HostPrefix>>),
+    /// Being loaded; the flag abandons the load (admission took the request without it).
+    Waiting(mpsc::Receiver<Result<HostPrefix>>, Arc<AtomicBool>),
     /// Loaded (`None`: it failed; the engine loads again at admission, and reports why).
     Ready(Option<HostPrefix>),
 }
@@ -501,7 +501,7 @@ enum Prefetch {
 impl Prefetch {
     /// Whether the load is over; with `block`, waits for it.
     fn ready(&mut self, block: bool) -> bool {
-        let Prefetch::Waiting(rx) = self else {
+        let Prefetch::Waiting(rx, _) = self else {
             return true;
         };
         let got = if block {
@@ -532,6 +532,9 @@ struct IoJob {
     salt: Option<String>,
     prompt: Vec<u32>,
     reply: mpsc::SyncSender<Result<HostPrefix>>,
+    /// Set when admission took the request without this load: the worker then reads
+    /// nothing more (a read counts as a use in the store's tiers).
+    abandoned: Arc<AtomicBool>,
 }
 
 /// How many requests at the head of the queue have their cached prefix loaded ahead of
@@ -555,12 +558,16 @@ fn empty_host_half(prefix: &KvTiers, request: &Request) -> Option<HostPrefix> {
 /// answer, `None` when the thread is gone.
 fn send_load(io: &mpsc::Sender<IoJob>, request: &Request) -> Option<Prefetch> {
     let (reply, done) = mpsc::sync_channel(1);
+    let abandoned = Arc::new(AtomicBool::new(false));
     let job = IoJob {
         salt: request.cache_salt.clone(),
         prompt: request.prompt.clone(),
         reply,
+        abandoned: abandoned.clone(),
     };
-    io.send(job).ok().map(|()| Prefetch::Waiting(done))
+    io.send(job)
+        .ok()
+        .map(|()| Prefetch::Waiting(done, abandoned))
 }
 
 /// Counts what can let an idle engine admit a request whose load held it back: a load the
@@ -640,7 +647,7 @@ fn io_loop(prefix: Arc<KvTiers>, jobs: Arc<Mutex<mpsc::Receiver<IoJob>>>, done: 
         let job = next;
         let result = prefix
             .namespace_for(job.salt.as_deref())
-            .and_then(|ns| prefix.load_host(ns, &job.prompt));
+            .and_then(|ns| prefix.load_host(ns, &job.prompt, &job.abandoned));
         let _ = job.reply.send(result);
         drop(job);
     }
@@ -703,6 +710,13 @@ pub struct StepRecord {
     pub prefill_us: u64,
     /// Microseconds spent admitting requests (restoring their cached prefixes included).
     pub admit_us: u64,
+    /// Microseconds of the engine thread's own CPU time within `admit_us`; the rest of it
+    /// the thread waited (for a load within the grace, a lock, the device, a core).
+    pub admit_cpu_us: u64,
+    /// Microseconds of `admit_us` inside the admissions themselves: checking each prompt,
+    /// taking its device-tier hit (a hand-over, share or fork), restoring its host blocks
+    /// and making its cache; the rest went to passing over the queue and waiting for loads.
+    pub begin_us: u64,
     /// Microseconds spent publishing blocks to the prefix cache (taking device copies of
     /// new full blocks and handing them to the export thread, waiting when it is behind)
     /// and parking finished sequences on the device.
@@ -884,6 +898,7 @@ impl Engine {
             published_us: 0,
             charged_us: Vec::new(),
             admit_waited_load: false,
+            begin_time: Duration::ZERO,
             steps: 0,
         };
         let thread = std::thread::Builder::new()
@@ -1311,6 +1326,8 @@ struct Worker {
     charged_us: Vec<(u64, u64)>,
     /// Set when admission met a request whose prefix was still loading.
     admit_waited_load: bool,
+    /// Time inside [`Self::begin`] in this step so far, for its [`StepRecord::begin_us`].
+    begin_time: Duration,
     /// Engine steps run so far.
     steps: u64,
 }
@@ -1406,10 +1423,12 @@ impl Worker {
                 started_us: micros(top.saturating_duration_since(self.shared.started)),
                 ..StepRecord::default()
             };
-            let t = Instant::now();
+            let (t, cpu) = (Instant::now(), thread_cpu_time());
             self.admit();
             self.order_prefilling();
             record.admit_us = micros(t.elapsed());
+            record.admit_cpu_us = micros(thread_cpu_time().saturating_sub(cpu));
+            record.begin_us = micros(std::mem::take(&mut self.begin_time));
             record.admit_waited_load = std::mem::take(&mut self.admit_waited_load);
             // 3. Queue one batched decode step, fed with the previous step's picks while
             //    they are still on the device.
@@ -1597,7 +1616,7 @@ impl Worker {
         };
         let young = self.config.load_grace * 5;
         let waited_for = |p: &Pending| {
-            matches!(p.prefetch, Prefetch::Waiting(_))
+            matches!(p.prefetch, Prefetch::Waiting(..))
                 && (until.is_none() || p.submitted.elapsed() < young)
         };
         loop {
@@ -1672,6 +1691,11 @@ impl Worker {
                     .as_ref()
                     .and_then(|pc| empty_host_half(pc, &p.request));
                 if let Some(h) = empty {
+                    // Before this request takes its device-tier hit (a hand-over leaves the
+                    // tier, and a worker peeking after it would load those blocks again).
+                    if let Prefetch::Waiting(_, abandoned) = &p.prefetch {
+                        abandoned.store(true, Ordering::SeqCst);
+                    }
                     p.prefetch = Prefetch::Ready(Some(h));
                     self.shared
                         .counters
@@ -1698,7 +1722,10 @@ impl Worker {
             self.set_gauges();
             let (id, tx) = (p.id, p.tx.clone());
             let reserve = p.reserve;
-            match self.begin(p) {
+            let t = Instant::now();
+            let begun = self.begin(p);
+            self.begin_time += t.elapsed();
+            match begun {
                 Ok(mut r) => {
                     self.unreserve_shared(&mut r);
                     self.reserved += r.p.reserve;

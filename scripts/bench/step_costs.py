@@ -23,7 +23,8 @@ For each run (a `--json` report and the `--step-log` of the same run) it prints:
   (docs/benchmarks.md, session 43);
 - first in burst: for the requests first in their burst (the first of those sharing a
   trace timestamp, so they wait for no other prompt), the medians of their TTFT and of the
-  parts of the step that prefilled them.
+  parts of the step that prefilled them (admission's CPU time and the time inside the
+  admissions themselves from session 51's step logs on: 0 in older ones).
 
 Reads nothing else; writes nothing. docs/benchmarks.md, session 40, has its figures.
 """
@@ -135,7 +136,10 @@ def analyse(json_path, steps_path):
         print(
             f"first in burst: {len(firsts)} requests, TTFT {med(lambda r, s: r['ttft_s']):.3f} s;"
             f" their step {med(lambda r, s: s['step_us']) / 1e3:.1f} ms: publish"
-            f" {med(lambda r, s: s['publish_us']) / 1e3:.1f}, admit {med(lambda r, s: s['admit_us']) / 1e3:.1f},"
+            f" {med(lambda r, s: s['publish_us']) / 1e3:.1f}, admit {med(lambda r, s: s['admit_us']) / 1e3:.1f}"
+            # step logs before session 51 lack admission's CPU and its admissions' own time
+            f" (CPU {med(lambda r, s: s.get('admit_cpu_us', 0)) / 1e3:.1f},"
+            f" in the admissions {med(lambda r, s: s.get('begin_us', 0)) / 1e3:.1f}),"
             f" prefill part {med(lambda r, s: s['prefill_us']) / 1e3:.1f} ms;"
             f" {med(lambda r, s: prompt_tokens(s)):.0f} prompt tokens in it"
         )

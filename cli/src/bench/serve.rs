@@ -899,6 +899,8 @@ mod tests {
                 emit_us: us[1],
                 prefill_us: us[2],
                 admit_us: us[0] / 10,
+                admit_cpu_us: us[0] / 20,
+                begin_us: us[0] / 40,
                 publish_us: us[1] / 10,
                 admit_waited_load: us[2] == 0,
                 step_us: us.iter().sum(),

@@ -1340,10 +1340,18 @@ fn the_step_log_times_admission_and_publication() {
             .expect("a step prefilled the prompt");
         if with_cache {
             assert!(first.admit_us > 0, "{first:?}");
+            // The request was admitted in that step: its admission itself took time.
+            assert!(first.begin_us > 0, "{first:?}");
         }
         assert!(
             log.iter().all(|s| s.admit_us + s.publish_us <= s.step_us),
             "parts longer than their steps: {log:?}"
+        );
+        // Admission's own parts lie within it (CPU time to the microsecond's rounding).
+        assert!(
+            log.iter()
+                .all(|s| s.begin_us <= s.admit_us && s.admit_cpu_us <= s.admit_us + 1),
+            "admission's parts longer than admission: {log:?}"
         );
         // Without a cache no request has a load to wait for. With one, the lone request's
         // lookup may still be running on the I/O worker when the idle engine first looks
@@ -1666,6 +1674,52 @@ fn admission_waits_only_for_lookups_that_can_find_something() {
         r.cached_ram_tokens + r.cached_ssd_tokens + r.ram_blocks_skipped + r.ssd_blocks_skipped;
     assert!(found > 0, "{r:?}");
     assert_eq!(held.wait().unwrap().completion_tokens, 2);
+}
+
+/// A lookup that admission did not wait for reads nothing when it finally runs. With one
+/// I/O worker held by another request's load, a request extending a stored prompt takes
+/// that prompt from the device tier (a hand-over) and decodes; its lookup, queued behind
+/// the held one, then finds the device tier without the prefix, yet stops before reading
+/// the store's copy of it (reads count as uses of blocks nobody took).
+#[test]
+fn an_abandoned_lookup_reads_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = open_engine(
+        dir.path(),
+        EngineConfig {
+            io_workers: 1,
+            ..logged(4)
+        },
+    );
+    let tiers = engine.kv_tiers().expect("a prefix cache");
+    let stored = distinct_ids(40, 31);
+    engine
+        .submit(Request::new(stored.clone(), no_eos(2)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.flush().unwrap();
+    let held = submit_held(&engine, distinct_ids(24, 32), 2);
+    let mut longer = stored.clone();
+    longer.extend(distinct_ids(8, 33));
+    let mut row = engine
+        .submit(Request::new(longer, no_eos(100_000)))
+        .unwrap();
+    wait_first_token(&mut row);
+    let ram_hits = tiers.stats().ram_hits;
+    tiers.release_loads();
+    let t = Instant::now();
+    while tiers.loads_abandoned() == 0 && t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let (abandoned, hits_after) = (tiers.loads_abandoned(), tiers.stats().ram_hits);
+    row.cancel();
+    assert_eq!(held.wait().unwrap().completion_tokens, 2);
+    assert_eq!(
+        abandoned, 1,
+        "the lookup the request was admitted without ran on"
+    );
+    assert_eq!(hits_after, ram_hits, "an abandoned lookup read the store");
 }
 
 /// An idle engine prefills a prompt chunk after chunk; a request that arrives meanwhile
