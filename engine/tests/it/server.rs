@@ -1605,6 +1605,25 @@ fn a_slow_load_holds_back_only_its_own_request() {
     assert!(slow.reuse.prefetched);
 }
 
+/// An engine on the store at `dir` with one I/O worker (a held load then holds every lookup
+/// behind it) that has answered `prompt` (2 tokens) and flushed it to the store.
+fn one_worker_engine_with(dir: &std::path::Path, prompt: Vec<u32>) -> (Arc<Engine>, Vec<u32>) {
+    let engine = open_engine(
+        dir,
+        EngineConfig {
+            io_workers: 1,
+            ..logged(4)
+        },
+    );
+    engine
+        .submit(Request::new(prompt.clone(), no_eos(2)))
+        .unwrap()
+        .wait()
+        .unwrap();
+    engine.flush().unwrap();
+    (engine, prompt)
+}
+
 /// Admission waits for a queued request's lookup only where the lookup can find something.
 /// With one I/O worker, held at the gate by another request's load, a request whose prefix
 /// the store lacks (nothing past the device tier's match) is admitted and answered while its
@@ -1614,22 +1633,9 @@ fn a_slow_load_holds_back_only_its_own_request() {
 #[test]
 fn admission_waits_only_for_lookups_that_can_find_something() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(
-        dir.path(),
-        EngineConfig {
-            io_workers: 1,
-            ..logged(4)
-        },
-    );
+    let (engine, stored) = one_worker_engine_with(dir.path(), distinct_ids(40, 23));
     let tiers = engine.kv_tiers().expect("a prefix cache");
     // In the store (RAM) and then off the device: only a lookup finds it.
-    let stored = distinct_ids(40, 23);
-    engine
-        .submit(Request::new(stored.clone(), no_eos(2)))
-        .unwrap()
-        .wait()
-        .unwrap();
-    engine.flush().unwrap();
     tiers
         .set_kv_budget(tiers.resident_stats().budget_bytes)
         .unwrap();
@@ -1684,21 +1690,8 @@ fn admission_waits_only_for_lookups_that_can_find_something() {
 #[test]
 fn an_abandoned_lookup_reads_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = open_engine(
-        dir.path(),
-        EngineConfig {
-            io_workers: 1,
-            ..logged(4)
-        },
-    );
+    let (engine, stored) = one_worker_engine_with(dir.path(), distinct_ids(40, 31));
     let tiers = engine.kv_tiers().expect("a prefix cache");
-    let stored = distinct_ids(40, 31);
-    engine
-        .submit(Request::new(stored.clone(), no_eos(2)))
-        .unwrap()
-        .wait()
-        .unwrap();
-    engine.flush().unwrap();
     let held = submit_held(&engine, distinct_ids(24, 32), 2);
     let mut longer = stored.clone();
     longer.extend(distinct_ids(8, 33));
