@@ -627,6 +627,9 @@ case "$step" in
           $XA --json "$OUT/$n.json" --step-log "$OUT/$n.steps.jsonl" > "$OUT/$n.log" 2>&1
       kill $G; gzip -f "$OUT/$n.steps.jsonl"
       echo "GPU memory used, max MiB: $(cut -d, -f2 "$OUT/$n.gpumem.csv" | sort -n | tail -1)"
+      # a call brings back a limited number of files: three arms' logs, JSON and step logs
+      # fill it, so the samples go once their maximum is printed (session 51 lost a step log)
+      rm -f "$OUT/$n.gpumem.csv"
       grep -E "^hit share|^steps|requests in|^graph census|^TTFT|^store over|^decode attention" "$OUT/$n.log"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
