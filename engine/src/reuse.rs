@@ -968,14 +968,21 @@ impl KvTiers {
     ) -> Result<HostPrefix> {
         self.load_gate.pass(prompt);
         let t = Instant::now();
-        let reusable = prompt.len().saturating_sub(1);
-        let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
-        let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
+        let (chain, first) = self.device_match(namespace, prompt)?;
         let mut host = self.load_host_from(chain, prompt, first, Some(abandoned))?;
         host.lookup_s = t.elapsed().as_secs_f64() - host.load_s;
         host.staged = self.stage(&host, prompt.len());
         host.done_at = Some(Instant::now());
         Ok(host)
+    }
+
+    /// `prompt`'s chain keys (of all but its last token, the most a restore reuses) and the
+    /// whole blocks of it the device tier holds now, without taking them.
+    fn device_match(&self, namespace: NamespaceId, prompt: &[u32]) -> Result<(Chain, usize)> {
+        let reusable = prompt.len().saturating_sub(1);
+        let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
+        let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
+        Ok((chain, first))
     }
 
     /// The host half of `prompt`'s restore where it is known without I/O to be empty: the
@@ -994,9 +1001,7 @@ impl KvTiers {
         if self.store.has_remote() || self.load_gate.holds(prompt) {
             return Ok(None);
         }
-        let reusable = prompt.len().saturating_sub(1);
-        let chain = Chain::of(namespace, self.paged.block_size, &prompt[..reusable]);
-        let first = self.resident()?.peek(&chain, prompt, reusable) / self.paged.block_size;
+        let (chain, first) = self.device_match(namespace, prompt)?;
         let next = &chain.keys()[first.min(chain.keys().len())..];
         let next = &next[..next.len().min(1)];
         if self.exporter.holds_any(namespace, next)
@@ -1089,6 +1094,10 @@ impl KvTiers {
         // its fixed cost from its per-block one; then the estimate decides about the rest.
         let mut probe_end = None;
         for _ in 0..3 {
+            // Before planning: an abandoned load neither reads nor queues an SSD probe.
+            if gone() {
+                break;
+            }
             let tiers = &hit.tiers[done..];
             let probe_rest = probe_end.take();
             let (mut plan, had_ssd_estimate, measure_ssd) = if let Some(end) = probe_rest {
@@ -1118,7 +1127,7 @@ impl KvTiers {
             host.ram_skipped = plan.ram_skipped;
             host.ssd_skipped = plan.ssd_skipped;
             host.remote_skipped = plan.remote_skipped;
-            if plan.usable == 0 || gone() {
+            if plan.usable == 0 {
                 break;
             }
             let start = first + done;
