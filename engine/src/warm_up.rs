@@ -25,12 +25,12 @@ use crate::reuse::KvTiers;
 const GPU_LENGTHS: (usize, usize) = (256, 2048);
 const CPU_LENGTHS: (usize, usize) = (8, 64);
 
-/// Times a prefill of two lengths on a fresh cache of `tiers` (each twice; the second run
-/// counts, as the first pays kernels' first use) and sets the prefill estimate's prior from
-/// them where it knows nothing yet. Both timings are also kept as the estimate's first
-/// samples, so the requests' own samples are fitted beside them: a few requests of similar
-/// lengths, whose times differ by noise more than by their sizes, would otherwise fit a
-/// cost per token of zero and undo the prior. Returns the prior measured, or `None` when the
+/// Times a prefill of two lengths on a fresh cache of `tiers` (each three times; the faster
+/// of the last two counts, as the first pays kernels' first use) and sets the prefill
+/// estimate's prior from them where it knows nothing yet. The prior's values at both lengths are also kept as the
+/// estimate's first samples, so the requests' own samples are fitted beside them: a few
+/// requests of similar lengths, whose times differ by noise more than by their sizes,
+/// would otherwise fit a cost per token of zero and undo the prior. Returns the prior measured, or `None` when the
 /// estimate already knew something (a saved cost file) and nothing was run.
 pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>> {
     if !tiers.prefill_is_unknown() {
@@ -56,7 +56,9 @@ pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>
     };
     time(short)?;
     time(long)?;
-    let (t_short, t_long) = (time(short)?, time(long)?);
+    // The faster of two timed runs of each: one run interrupted on a busy machine could
+    // make the long prefill look no slower than the short one (no cost per token).
+    let (t_short, t_long) = (time(short)?.min(time(short)?), time(long)?.min(time(long)?));
     let per_token = ((t_long - t_short) / (long - short) as f64).max(0.0);
     let prior = Fit {
         fixed_s: (t_short - per_token * short as f64).max(0.0),
@@ -64,8 +66,11 @@ pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>
         per_position_s: 0.0,
     };
     tiers.set_prefill_prior(prior);
-    tiers.record_prefill(short, 0, t_short);
-    tiers.record_prefill(long, 0, t_long);
+    // The prior's own points, not the raw timings: where noise made those inconsistent
+    // (the long prefill no slower, or a line through them below zero at no tokens), the
+    // prior is clamped, and raw samples would fit another line than the prior.
+    tiers.record_prefill(short, 0, prior.seconds(short, 0));
+    tiers.record_prefill(long, 0, prior.seconds(long, 0));
     Ok(Some(prior))
 }
 
