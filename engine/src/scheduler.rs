@@ -1621,6 +1621,15 @@ impl Worker {
         };
         loop {
             let seen = done.count();
+            // A command's wake-up is counted after the command is queued, so every command
+            // `seen` counts is in the channel now: taken here, before the wait, or the wait
+            // past `seen` would sleep through a submission that came after the engine last
+            // looked (an idle engine then missed it until some load ended).
+            self.take_submissions();
+            if self.draining == Some(true) {
+                return;
+            }
+            self.prefetch();
             let admitted = self.admit_ready();
             let running = self.active.len() + self.prefilling.len();
             match until {
@@ -1647,12 +1656,6 @@ impl Worker {
             if !woke {
                 return;
             }
-            // Requests submitted meanwhile (their loads may be what woke it) join the queue.
-            self.take_submissions();
-            if self.draining == Some(true) {
-                return;
-            }
-            self.prefetch();
         }
     }
 
