@@ -1,10 +1,12 @@
-"""Where a decode step's GPU time goes, from an Nsight Systems trace (`device.sh ns`).
+"""Where a decode step's GPU time goes, from an Nsight Systems trace (`device.sh ns`) or a
+CUPTI trace (`device.sh ct`, scripts/cuda/cupti_trace.c).
 
-Usage: gpu_gaps.py ARM=RUN.sqlite [ARM=...] [--steps 48] [--head-us 200]
+Usage: gpu_gaps.py ARM=RUN.sqlite|RUN.txt[.gz] [ARM=...] [--steps 48] [--head-us 200]
 
 Each file is `nsys export --type sqlite` of a run that prefilled a prompt and then decoded
 one row, traced with `--trace cuda --cuda-graph-trace node` (every kernel of a CUDA graph is
-its own record). A decode step ends with the LM head's product, the longest kernel of a
+its own record), or the text lines cupti_trace.c writes (the same records, and each
+kernel's CUDA graph: gaps are then also split by whether they fall between two graphs). A decode step ends with the LM head's product, the longest kernel of a
 step; the last --steps kernels longer than --head-us mark the last steps (the prefill's
 kernels come before them). Per arm it prints the median step: its wall time (one LM head's
 end to the next), the time some GPU work ran (kernels, copies and memsets merged), the time
@@ -17,6 +19,7 @@ question it answers is whether the GPU waits, and on what, not how long a kernel
 """
 
 import bisect
+import gzip
 import sqlite3
 import statistics
 import sys
@@ -99,27 +102,63 @@ def short(name, n=48):
     return name if len(name) <= n else name[: n - 1] + "…"
 
 
-def arm_report(label, path, steps, head_us):
+def load_sqlite(path):
+    """Kernels, copies and memsets, API calls, page faults and (None) graph ids of an nsys
+    export."""
     db = sqlite3.connect(path)
     have = tables(db)
     if "CUPTI_ACTIVITY_KIND_KERNEL" not in have:
-        print(f"== {label}: {path} has no kernel records (was it traced with --trace cuda?)")
         return None
     names = strings(db)
-    ks = kernels(db, names)
     others = activity(db, have, "CUPTI_ACTIVITY_KIND_MEMCPY", "copy") + activity(
         db, have, "CUPTI_ACTIVITY_KIND_MEMSET", "memset")
+    return kernels(db, names), others, api_calls(db, have, names), page_faults(db, have), None
+
+
+def load_cupti_text(path):
+    """The same from cupti_trace.c's lines, with each kernel's CUDA graph id (0: none)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    ks, others, api, call_names = [], [], [], {}
+    with opener(path, "rt", errors="replace") as f:
+        for line in f:
+            p = line.split()
+            if not p or p[0] == "#":
+                continue
+            if p[0] == "K":
+                ks.append((int(p[1]), int(p[2]), " ".join(p[7:]), int(p[3])))
+            elif p[0] == "A":
+                api.append((int(p[1]), int(p[2]), (p[3], p[4])))
+            elif p[0] == "N":
+                call_names[(p[1], p[2])] = p[3] if len(p) > 3 else "?"
+            elif p[0] == "C":
+                kind = COPY_KINDS.get(int(p[3]), p[3])
+                others.append((int(p[1]), int(p[2]), f"copy {kind} {p[4]}B"))
+            elif p[0] == "M":
+                others.append((int(p[1]), int(p[2]), "memset"))
+    if not ks:
+        return None
+    ks.sort()
+    api = sorted((s, e, call_names.get(k, f"{k[0]}{k[1]}")) for s, e, k in api)
+    return [k[:3] for k in ks], others, api, None, [k[3] for k in ks]
+
+
+def arm_report(label, path, steps, head_us):
+    loaded = load_sqlite(path) if path.endswith(".sqlite") else load_cupti_text(path)
+    if loaded is None:
+        print(f"== {label}: {path} has no kernel records")
+        return None
+    ks, others, api, faults, graphs = loaded
     heads = [k for k in ks if (k[1] - k[0]) > head_us * 1000]
     if len(heads) < 3:
         print(f"== {label}: only {len(heads)} kernels over {head_us} µs: no decode steps found")
         return None
     heads = heads[-(steps + 1):]
-    api = api_calls(db, have, names)
-    faults = page_faults(db, have)
     everything = ks + others
     starts = [k[0] for k in ks]
     walls, busies, gap_counts, idle, ksums = [], [], [], [], []
     gap_sites = Counter()
+    # idle a step between two kernels of one CUDA graph / of two graphs; graph changes a step
+    within_graph, between_graphs, graph_changes = [], [], []
     copies, api_count, api_time = Counter(), Counter(), defaultdict(int)
     fault_n = []
     for a, b in zip(heads, heads[1:]):
@@ -132,6 +171,19 @@ def arm_report(label, path, steps, head_us):
         busies.append(busy)
         idle.append(hi - lo - busy)
         gap_counts.append(sum(1 for g in gaps if g[1] - g[0] > 5000))
+        if graphs is not None:
+            i0, i1 = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
+            graph_changes.append(sum(1 for i in range(i0 + 1, i1) if graphs[i] != graphs[i - 1]))
+            w = b2 = 0
+            for gs, ge in gaps:
+                i = bisect.bisect_right(starts, gs) - 1
+                j = bisect.bisect_left(starts, ge)
+                if 0 <= i and j < len(ks) and graphs[i] == graphs[j] and graphs[i] != 0:
+                    w += ge - gs
+                else:
+                    b2 += ge - gs
+            within_graph.append(w)
+            between_graphs.append(b2)
         for gs, ge in gaps:
             if ge - gs <= 5000:
                 continue
@@ -159,6 +211,10 @@ def arm_report(label, path, steps, head_us):
     print(f"   kernel time a step, summed: median {med(ksums) / 1e3:.0f} µs (over the busy time:"
           f" kernels that ran side by side)")
     print(f"   kernels a step: {sum(1 for k in ks if heads[0][1] < k[0] <= heads[-1][1]) / n:.0f}")
+    if graphs is not None:
+        print(f"   CUDA graphs a step (kernel runs of one graph): median {med(graph_changes) + 1:.0f};"
+              f" idle inside a graph median {med(within_graph) / 1e3:.0f} µs, between graphs"
+              f" {med(between_graphs) / 1e3:.0f} µs")
     print("   where the GPU waited (idle µs a step, summed over gaps over 5 µs, by the kernels"
           " on either side):")
     for (before, after), t in gap_sites.most_common(8):

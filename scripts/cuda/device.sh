@@ -35,6 +35,8 @@
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # pr: block memory's restores in place and publications written into it against the default
 # (bench cache's block rows, the 32K session's RAM arm each way beside mlx-lm); st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
+# ct: the 8B decode's GPU timeline through CUPTI (cupti_trace.c), kvstore (CT_VARIANTS) and
+# mlx-lm (after x1, x2, xm, xc);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
 # ns: the 8B decode's GPU timeline by Nsight Systems, kvstore and mlx-lm: where the GPU waits
 # inside a step (scripts/bench/gpu_gaps.py; after x1, x2, xm);
@@ -668,6 +670,42 @@ case "$step" in
     ns mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} stored
     python3 scripts/bench/gpu_gaps.py kvstore="$K/ns-kvstore.sqlite" mlxlm="$K/ns-mlxlm.sqlite" \
       --steps $(( ${TOKENS:-64} - 16 )) 2>&1 | tee "$OUT/ns-gaps.txt"
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  ct) # the 8B-shaped bf16 decode's GPU timeline through CUPTI (the H100s have no Nsight
+      # Systems): scripts/cuda/cupti_trace.c, injected with CUDA_INJECTION64_PATH, records
+      # every kernel (with its CUDA graph), copy, memset and CUDA API call; kvstore under each
+      # entry of CT_VARIANTS (";"-separated variable settings, "default" for none), then
+      # mlx-lm; PROMPT tokens, TOKENS decoded. gpu_gaps.py prints each arm's median step:
+      # busy and idle GPU time, idle inside / between CUDA graphs, the kernels either side of
+      # the gaps, host API calls. Traces come back gzipped. After x1, x2, xm and xc
+      # (cupti_pack.sh: the library and libcupti).
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    make_llama8b
+    mkdir -p "$K/cupti" && cp .cuda/xc/* "$K/cupti/" 2>/dev/null
+    [ -f "$K/cupti/libcupti_trace.so" ] || { echo "no .cuda/xc (scripts/cuda/cupti_pack.sh)"; exit 1; }
+    ct() { # ARM COMMAND...: COMMAND traced into $OUT/ct-ARM.txt.gz
+      local arm=$1; shift
+      CUDA_INJECTION64_PATH="$K/cupti/libcupti_trace.so" CUPTI_TRACE_OUT="$K/ct-$arm.txt" \
+        timeout "${CT_LIMIT:-200}" "$@" > "$OUT/ct-$arm.out" 2>&1
+      echo "== $arm rc=$? lines=$(wc -l < "$K/ct-$arm.txt" 2>/dev/null)"
+      grep -E "cupti_trace|^ +[0-9]+ |^\{" "$OUT/ct-$arm.out" | tail -n 4
+      gzip -c "$K/ct-$arm.txt" > "$OUT/ct-$arm.txt.gz"
+    }
+    arms=()
+    IFS=';' read -ra sets <<< "${CT_VARIANTS:-default}"
+    for v in "${sets[@]}"; do
+      [ "$v" = default ] && v=""
+      tag=kvstore-$(settings_tag "$v")
+      ct "$tag" env $v "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized \
+        --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-64}
+      arms+=("$tag=$K/ct-$tag.txt")
+    done
+    ct mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} stored
+    python3 scripts/bench/gpu_gaps.py "${arms[@]}" mlxlm="$K/ct-mlxlm.txt" \
+      --steps $(( ${TOKENS:-64} - 16 )) 2>&1 | tee "$OUT/ct-gaps.txt"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
