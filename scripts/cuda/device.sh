@@ -705,7 +705,7 @@ case "$step" in
     done
     ct mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} stored
     python3 scripts/bench/gpu_gaps.py "${arms[@]}" mlxlm="$K/ct-mlxlm.txt" \
-      --steps $(( ${TOKENS:-64} - 16 )) 2>&1 | tee "$OUT/ct-gaps.txt"
+      --steps $(( ${TOKENS:-64} - 16 )) --head-us ${HEAD_US:-150} 2>&1 | tee "$OUT/ct-gaps.txt"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
