@@ -225,6 +225,11 @@ def arm_report(label, path, steps, head_us):
     print("   host API calls a step (count, host µs):")
     for k, v in sorted(api_count.items(), key=lambda kv: -api_time[kv[0]])[:10]:
         print(f"     {v / n:7.1f}  {api_time[k] / n / 1e3:8.1f}  {k}")
+    # runtime calls only: each also shows up as the driver call it makes
+    graph_calls = {w: sum(v for k, v in api_count.items() if k.startswith("cuda") and w in k.lower())
+                   for w in ("graphlaunch", "graphexecupdate", "graphinstantiate")}
+    print("   CUDA graph launches / exec updates / instantiations a step: "
+          + " / ".join(f"{graph_calls[w] / n:.1f}" for w in graph_calls))
     if faults is not None:
         print(f"   GPU page faults of managed memory a step: median {med(fault_n)}")
     else:
