@@ -703,8 +703,12 @@ case "$step" in
         --skip-mlx-lm --prompt-lens ${PROMPT:-512} --decode-tokens ${TOKENS:-64}
       arms+=("$tag=$K/ct-$tag.txt")
     done
-    ct mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} stored
-    python3 scripts/bench/gpu_gaps.py "${arms[@]}" mlxlm="$K/ct-mlxlm.txt" \
+    # CT_PEER=0: kvstore's arms alone
+    if [ "${CT_PEER:-1}" != 0 ]; then
+      ct mlxlm python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${PROMPT:-512} ${TOKENS:-64} stored
+      arms+=("mlxlm=$K/ct-mlxlm.txt")
+    fi
+    python3 scripts/bench/gpu_gaps.py "${arms[@]}" \
       --steps $(( ${TOKENS:-64} - 16 )) --head-us ${HEAD_US:-150} 2>&1 | tee "$OUT/ct-gaps.txt"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
