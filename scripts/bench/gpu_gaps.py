@@ -5,8 +5,9 @@ Usage: gpu_gaps.py ARM=RUN.sqlite|RUN.txt[.gz] [ARM=...] [--steps 48] [--head-us
 
 Each file is `nsys export --type sqlite` of a run that prefilled a prompt and then decoded
 one row, traced with `--trace cuda --cuda-graph-trace node` (every kernel of a CUDA graph is
-its own record), or the text lines cupti_trace.c writes (the same records, and each
-kernel's CUDA graph: gaps are then also split by whether they fall between two graphs). A decode step ends with the LM head's product, the longest kernel of a
+its own record), or the text lines cupti_trace.c writes (the same records, and the graph
+launch each kernel ran in: gaps are then also split by whether they fall inside one launch
+or between two). A decode step ends with the LM head's product, the longest kernel of a
 step; the last --steps kernels longer than --head-us mark the last steps (the prefill's
 kernels come before them). Per arm it prints the median step: its wall time (one LM head's
 end to the next), the time some GPU work ran (kernels, copies and memsets merged), the time
@@ -116,7 +117,10 @@ def load_sqlite(path):
 
 
 def load_cupti_text(path):
-    """The same from cupti_trace.c's lines, with each kernel's CUDA graph id (0: none)."""
+    """The same from cupti_trace.c's lines, with each kernel's CUDA graph launch: the
+    correlation id of the launch call (0: not in a graph). Not the graph id, which MLX's
+    reuse of one instantiated graph for layers of the same topology repeats from launch to
+    launch."""
     opener = gzip.open if path.endswith(".gz") else open
     ks, others, api, call_names = [], [], [], {}
     with opener(path, "rt", errors="replace") as f:
@@ -125,7 +129,8 @@ def load_cupti_text(path):
             if not p or p[0] == "#":
                 continue
             if p[0] == "K":
-                ks.append((int(p[1]), int(p[2]), " ".join(p[7:]), int(p[3])))
+                launch = int(p[6]) if int(p[3]) != 0 else 0
+                ks.append((int(p[1]), int(p[2]), " ".join(p[7:]), launch))
             elif p[0] == "A":
                 api.append((int(p[1]), int(p[2]), (p[3], p[4])))
             elif p[0] == "N":
@@ -147,7 +152,7 @@ def arm_report(label, path, steps, head_us):
     if loaded is None:
         print(f"== {label}: {path} has no kernel records")
         return None
-    ks, others, api, faults, graphs = loaded
+    ks, others, api, faults, launches = loaded
     heads = [k for k in ks if (k[1] - k[0]) > head_us * 1000]
     if len(heads) < 3:
         print(f"== {label}: only {len(heads)} kernels over {head_us} µs: no decode steps found")
@@ -157,7 +162,7 @@ def arm_report(label, path, steps, head_us):
     starts = [k[0] for k in ks]
     walls, busies, gap_counts, idle, ksums = [], [], [], [], []
     gap_sites = Counter()
-    # idle a step between two kernels of one CUDA graph / of two graphs; graph changes a step
+    # idle a step inside one CUDA graph launch / between two; launches a step
     within_graph, between_graphs, graph_changes = [], [], []
     copies, api_count, api_time = Counter(), Counter(), defaultdict(int)
     fault_n = []
@@ -171,28 +176,27 @@ def arm_report(label, path, steps, head_us):
         busies.append(busy)
         idle.append(hi - lo - busy)
         gap_counts.append(sum(1 for g in gaps if g[1] - g[0] > 5000))
-        if graphs is not None:
+        if launches is not None:
             i0, i1 = bisect.bisect_left(starts, lo), bisect.bisect_left(starts, hi)
-            graph_changes.append(sum(1 for i in range(i0 + 1, i1) if graphs[i] != graphs[i - 1]))
-            w = b2 = 0
-            for gs, ge in gaps:
-                i = bisect.bisect_right(starts, gs) - 1
-                j = bisect.bisect_left(starts, ge)
-                if 0 <= i and j < len(ks) and graphs[i] == graphs[j] and graphs[i] != 0:
+            graph_changes.append(
+                sum(1 for i in range(i0 + 1, i1) if launches[i] != launches[i - 1]))
+        w = b2 = 0
+        for gs, ge in gaps:
+            i = bisect.bisect_right(starts, gs) - 1
+            j = bisect.bisect_left(starts, ge)
+            if launches is not None:
+                if 0 <= i and j < len(ks) and launches[i] == launches[j] != 0:
                     w += ge - gs
                 else:
                     b2 += ge - gs
-            within_graph.append(w)
-            between_graphs.append(b2)
-        for gs, ge in gaps:
             if ge - gs <= 5000:
                 continue
-            i = bisect.bisect_right(starts, gs) - 1
-            j = bisect.bisect_left(starts, ge)
             before = ks[i] if i >= 0 else None
             after = ks[j] if j < len(ks) else None
             site = (short(before[2]) if before else "-", short(after[2]) if after else "-")
             gap_sites[site] += ge - gs
+        within_graph.append(w)
+        between_graphs.append(b2)
         for s, e, n in others:
             if lo <= s < hi:
                 copies[n.rsplit(" ", 1)[0]] += 1
@@ -211,9 +215,9 @@ def arm_report(label, path, steps, head_us):
     print(f"   kernel time a step, summed: median {med(ksums) / 1e3:.0f} µs (over the busy time:"
           f" kernels that ran side by side)")
     print(f"   kernels a step: {sum(1 for k in ks if heads[0][1] < k[0] <= heads[-1][1]) / n:.0f}")
-    if graphs is not None:
-        print(f"   CUDA graphs a step (kernel runs of one graph): median {med(graph_changes) + 1:.0f};"
-              f" idle inside a graph median {med(within_graph) / 1e3:.0f} µs, between graphs"
+    if launches is not None:
+        print(f"   CUDA graph launches a step (runs of kernels): median {med(graph_changes) + 1:.0f};"
+              f" idle inside a launch median {med(within_graph) / 1e3:.0f} µs, between launches"
               f" {med(between_graphs) / 1e3:.0f} µs")
     print("   where the GPU waited (idle µs a step, summed over gaps over 5 µs, by the kernels"
           " on either side):")

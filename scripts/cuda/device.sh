@@ -677,7 +677,7 @@ case "$step" in
       # every kernel (with its CUDA graph), copy, memset and CUDA API call; kvstore under each
       # entry of CT_VARIANTS (";"-separated variable settings, "default" for none), then
       # mlx-lm; PROMPT tokens, TOKENS decoded. gpu_gaps.py prints each arm's median step:
-      # busy and idle GPU time, idle inside / between CUDA graphs, the kernels either side of
+      # busy and idle GPU time, idle inside / between CUDA graph launches, the kernels either side of
       # the gaps, host API calls. Traces come back gzipped. After x1, x2, xm and xc
       # (cupti_pack.sh: the library and libcupti).
     stash >/dev/null
