@@ -20,7 +20,7 @@
 //! device, so a new process starts from them.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -308,14 +308,14 @@ pub struct KvTiers {
     /// has none, and then nothing is window-trimmed.
     windows: Vec<Option<usize>>,
     /// Window-layer bytes left out of published blocks so far.
-    window_trimmed_bytes: std::sync::atomic::AtomicU64,
+    window_trimmed_bytes: AtomicU64,
     paged: PagedConfig,
     resident: Mutex<ResidentPool>,
     /// Token ids of the sequences published most recently (for `diverged_at`), newest first.
     recent: Mutex<Vec<(NamespaceId, Vec<u32>)>>,
     costs: Arc<Mutex<Costs>>,
     /// Whether a background measurement of the SSD ([`probe_ssd`]) is queued or running.
-    ssd_probe_queued: Arc<std::sync::atomic::AtomicBool>,
+    ssd_probe_queued: Arc<AtomicBool>,
     device: String,
     costs_saved: Mutex<Option<Instant>>,
     restore_always: bool,
@@ -329,7 +329,7 @@ pub struct KvTiers {
     load_gate: LoadGate,
     /// Loads that stopped before reading because admission took their request without
     /// them ([`Self::loads_abandoned`]).
-    loads_abandoned: std::sync::atomic::AtomicU64,
+    loads_abandoned: AtomicU64,
     /// Bounds the host bytes of restores staged ahead of admission.
     staging: StagingBudget,
 }
@@ -668,7 +668,7 @@ impl KvTiers {
                 true => attention_windows(model),
                 false => Vec::new(),
             },
-            window_trimmed_bytes: std::sync::atomic::AtomicU64::new(0),
+            window_trimmed_bytes: AtomicU64::new(0),
             paged,
             resident: Mutex::new(resident),
             recent: Mutex::new(Vec::new()),
@@ -702,8 +702,7 @@ impl KvTiers {
     /// Loads by the I/O workers that stopped before reading anything because admission took
     /// their request without them (the store could add nothing when it looked).
     pub fn loads_abandoned(&self) -> u64 {
-        self.loads_abandoned
-            .load(std::sync::atomic::Ordering::SeqCst)
+        self.loads_abandoned.load(Ordering::SeqCst)
     }
 
     /// How many loads wait at [`Self::hold_loads`]'s gate now.
@@ -1065,10 +1064,9 @@ impl KvTiers {
         abandoned: Option<&AtomicBool>,
     ) -> Result<HostPrefix> {
         let gone = || {
-            use std::sync::atomic::Ordering::SeqCst;
-            let gone = abandoned.is_some_and(|a| a.load(SeqCst));
+            let gone = abandoned.is_some_and(|a| a.load(Ordering::SeqCst));
             if gone {
-                self.loads_abandoned.fetch_add(1, SeqCst);
+                self.loads_abandoned.fetch_add(1, Ordering::SeqCst);
             }
             gone
         };
@@ -1181,7 +1179,6 @@ impl KvTiers {
         prompt: &[u32],
         at: usize,
     ) {
-        use std::sync::atomic::Ordering;
         let Some(s) = tiers.iter().position(|t| *t == Tier::Ssd) else {
             return;
         };
@@ -1410,10 +1407,8 @@ impl KvTiers {
                 trimmed += t;
             }
         }
-        self.window_trimmed_bytes.fetch_add(
-            (trimmed * per_block) as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.window_trimmed_bytes
+            .fetch_add((trimmed * per_block) as u64, Ordering::Relaxed);
         Ok(n)
     }
 
@@ -1581,8 +1576,7 @@ impl KvTiers {
     /// Window-layer bytes that blocks published so far left out (window-trimmed blocks and
     /// trimmed copies of blocks a sequence moved past).
     pub fn window_trimmed_bytes(&self) -> u64 {
-        self.window_trimmed_bytes
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.window_trimmed_bytes.load(Ordering::Relaxed)
     }
 
     /// Publishes what `cache` holds (as [`Self::publish`]) and keeps it resident on the

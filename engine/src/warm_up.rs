@@ -27,11 +27,12 @@ const CPU_LENGTHS: (usize, usize) = (8, 64);
 
 /// Times a prefill of two lengths on a fresh cache of `tiers` (each three times; the faster
 /// of the last two counts, as the first pays kernels' first use) and sets the prefill
-/// estimate's prior from them where it knows nothing yet. The prior's values at both lengths are also kept as the
-/// estimate's first samples, so the requests' own samples are fitted beside them: a few
-/// requests of similar lengths, whose times differ by noise more than by their sizes,
-/// would otherwise fit a cost per token of zero and undo the prior. Returns the prior measured, or `None` when the
-/// estimate already knew something (a saved cost file) and nothing was run.
+/// estimate's prior from them where it knows nothing yet. The prior's values at both
+/// lengths are also kept as the estimate's first samples, so the requests' own samples are
+/// fitted beside them: a few requests of similar lengths, whose times differ by noise more
+/// than by their sizes, would otherwise fit a cost per token of zero and undo the prior.
+/// Returns the prior measured, or `None` when the estimate already knew something (a saved
+/// cost file) and nothing was run.
 pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>> {
     if !tiers.prefill_is_unknown() {
         return Ok(None);
