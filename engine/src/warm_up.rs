@@ -24,15 +24,19 @@ use crate::reuse::KvTiers;
 /// no cost per token at all and the estimate priced every restore as saving nothing.
 const GPU_LENGTHS: (usize, usize) = (256, 2048);
 const CPU_LENGTHS: (usize, usize) = (8, 64);
+/// Rounds of two timed runs per length the warm-up takes at most, while the long prefill
+/// times no slower than the short one.
+const MAX_TIMING_ROUNDS: usize = 4;
 
-/// Times a prefill of two lengths on a fresh cache of `tiers` (each three times; the faster
-/// of the last two counts, as the first pays kernels' first use) and sets the prefill
-/// estimate's prior from them where it knows nothing yet. The prior's values at both
-/// lengths are also kept as the estimate's first samples, so the requests' own samples are
-/// fitted beside them: a few requests of similar lengths, whose times differ by noise more
-/// than by their sizes, would otherwise fit a cost per token of zero and undo the prior.
-/// Returns the prior measured, or `None` when the estimate already knew something (a saved
-/// cost file) and nothing was run.
+/// Times a prefill of two lengths on a fresh cache of `tiers` (each three times, more where
+/// noise made the long one look no slower; the first run pays kernels' first use and is
+/// not counted, the fastest of the others is) and sets the prefill estimate's prior from
+/// them where it knows nothing yet. The prior's values at both lengths are also kept as
+/// the estimate's first samples, so the requests' own samples are fitted beside them: a
+/// few requests of similar lengths, whose times differ by noise more than by their sizes,
+/// would otherwise fit a cost per token of zero and undo the prior. Returns the prior
+/// measured, or `None` when the estimate already knew something (a saved cost file) and
+/// nothing was run.
 pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>> {
     if !tiers.prefill_is_unknown() {
         return Ok(None);
@@ -57,9 +61,19 @@ pub(crate) fn warm_prefill(model: &Model, tiers: &KvTiers) -> Result<Option<Fit>
     };
     time(short)?;
     time(long)?;
-    // The faster of two timed runs of each: one run interrupted on a busy machine could
-    // make the long prefill look no slower than the short one (no cost per token).
-    let (t_short, t_long) = (time(short)?.min(time(short)?), time(long)?.min(time(long)?));
+    // The fastest timed run of each: one run interrupted on a busy machine could make the
+    // long prefill look no slower than the short one, a cost per token of zero, which
+    // prices every restore as saving nothing. A longer prefill is never really cheaper, so
+    // while it looks so, both are timed again (a few rounds at most; a machine that stays
+    // that noisy keeps the flat prior, clamped below).
+    let (mut t_short, mut t_long) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..MAX_TIMING_ROUNDS {
+        t_short = t_short.min(time(short)?).min(time(short)?);
+        t_long = t_long.min(time(long)?).min(time(long)?);
+        if t_long > t_short {
+            break;
+        }
+    }
     let per_token = ((t_long - t_short) / (long - short) as f64).max(0.0);
     let prior = Fit {
         fixed_s: (t_short - per_token * short as f64).max(0.0),
