@@ -192,6 +192,11 @@ impl Measure {
         self.prior = Some(prior);
     }
 
+    /// The samples held, oldest first: (units, seconds) of each.
+    pub(crate) fn sizes_and_seconds(&self) -> Vec<(usize, f64)> {
+        self.samples.iter().map(|s| (s.0 as usize, s.2)).collect()
+    }
+
     /// Samples held.
     pub(crate) fn len(&self) -> usize {
         self.samples.len()

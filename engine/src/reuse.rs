@@ -872,6 +872,15 @@ impl KvTiers {
         self.costs.lock().map(|c| c.samples()).unwrap_or_default()
     }
 
+    /// The SSD measure's recent samples, oldest first: blocks read and seconds taken by
+    /// each load (a request's restore or a background probe's), as the SSD's fit saw them.
+    pub fn ssd_samples(&self) -> Vec<(usize, f64)> {
+        self.costs
+            .lock()
+            .map(|c| c.ssd.sizes_and_seconds())
+            .unwrap_or_default()
+    }
+
     /// The device name the cost model is saved under in costs.json (MLX's default device
     /// and backend).
     pub fn cost_device(&self) -> &str {

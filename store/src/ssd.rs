@@ -851,6 +851,7 @@ impl<F: FileSystem> SsdTier<F> {
             Counters::inc(&self.counters.ssd_misses);
             return ReadOutcome::Miss;
         }
+        let started = std::time::Instant::now();
         let file = match self.fs.open_read(&path) {
             Ok(f) => f,
             Err(e) => {
@@ -891,6 +892,10 @@ impl<F: FileSystem> SsdTier<F> {
         }) {
             Ok(block) => {
                 Counters::inc(&self.counters.ssd_hits);
+                Counters::add(
+                    &self.counters.ssd_read_us,
+                    started.elapsed().as_micros() as u64,
+                );
                 {
                     let mut st = lock(&self.state);
                     let capacity = st.capacity(self.budget(), format::ASSUMED_FS_BLOCK);

@@ -24,6 +24,7 @@ pub(crate) struct Counters {
     pub group_commits: AtomicU64,
     pub write_busy_us: AtomicU64,
     pub write_sync_us: AtomicU64,
+    pub ssd_read_us: AtomicU64,
     pub orphans_swept: AtomicU64,
     pub remote_hits: AtomicU64,
     pub remote_misses: AtomicU64,
@@ -109,6 +110,11 @@ pub struct StoreStats {
     /// Of that time, microseconds spent in the group commits' fsyncs (block files and
     /// their directories): the disk's flushes against encoding, writing and indexing.
     pub write_sync_us: u64,
+    /// Microseconds spent opening, reading and verifying the block files that were SSD hits,
+    /// summed over the reading threads (÷ `ssd_hits`: a file's mean read): against a load's
+    /// wall time, what of it the disk and the checksums took.
+    #[serde(default)]
+    pub ssd_read_us: u64,
     /// Orphaned temporary files removed at open.
     pub orphans_swept: u64,
     /// Whether a remote tier is configured.
@@ -162,6 +168,7 @@ impl StoreStats {
             group_commits: g(&c.group_commits),
             write_busy_us: g(&c.write_busy_us),
             write_sync_us: g(&c.write_sync_us),
+            ssd_read_us: g(&c.ssd_read_us),
             orphans_swept: g(&c.orphans_swept),
             remote_hits: g(&c.remote_hits),
             remote_misses: g(&c.remote_misses),

@@ -112,6 +112,16 @@ struct TurnResult {
     ssd_bytes_written: u64,
     /// SSD arms: bytes of block files on SSD after the turn.
     ssd_stored_bytes: u64,
+    /// SSD arms: block files read in the turn (the request's restore and any background
+    /// probe of the SSD), and the seconds the reading threads spent opening, reading and
+    /// verifying them: what of the loads' wall time ([`Self::ssd_samples`]) the disk and
+    /// the checksums took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ssd_reads: Option<(u64, f64)>,
+    /// SSD arms: the cost model's SSD samples after the turn, oldest first, each (blocks,
+    /// seconds of the load).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    ssd_samples: Vec<(usize, f64)>,
     /// In-process arms: the token ids generated.
     generated: Vec<u32>,
     /// Arms with a cache: the cost model's estimates after the turn.
@@ -214,6 +224,8 @@ fn from_report((generated, r): &Turn, written: u64) -> TurnResult {
         prefill_s: r.prefill_s,
         ssd_bytes_written: written,
         ssd_stored_bytes: 0,
+        ssd_reads: None,
+        ssd_samples: Vec::new(),
         estimates: None,
         ttft_runs_s: Vec::new(),
     }
@@ -366,7 +378,10 @@ impl Ctx<'_> {
                     let pc = pc.context("the engine kept the tiers")?;
                     pc.flush()?;
                     let mut t = from_report(&rep, pc.stats().bytes_written);
-                    t.ssd_stored_bytes = pc.stats().ssd_bytes;
+                    let stats = pc.stats();
+                    t.ssd_stored_bytes = stats.ssd_bytes;
+                    t.ssd_reads = Some((stats.ssd_hits, stats.ssd_read_us as f64 / 1e6));
+                    t.ssd_samples = pc.ssd_samples();
                     t.estimates = Some(TurnEstimates::of(&pc));
                     out.push(t);
                 }
