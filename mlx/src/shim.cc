@@ -910,7 +910,13 @@ rust::Vec<rust::String> pending_primitives(const ArrayList& arrays) {
 }
 
 std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
-  auto [arrays, meta] = mx::load_safetensors(std::string(path), mx::Device(mx::Device::cpu));
+  // Read on the default device's stream, as MLX's own loader chooses on CUDA: there the
+  // tensors land in device memory. Read on the CPU stream they would live in CUDA managed
+  // memory, and a kernel touching part of a tensor the device never read whole (a decode
+  // step's embedding row) waits for a page migration each time (docs/benchmarks.md,
+  // session 53: ~0.3 ms an 8B decode step). Without CUDA (the CPU, Metal's unified
+  // memory) MLX reads on the CPU stream either way.
+  auto [arrays, meta] = mx::load_safetensors(std::string(path), mx::default_device());
   auto out = from_pairs(std::move(arrays));
   for (auto& [k, v] : meta) {
     out->meta_keys.push_back(k);
