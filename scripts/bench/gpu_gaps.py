@@ -8,8 +8,8 @@ one row, traced with `--trace cuda --cuda-graph-trace node` (every kernel of a C
 its own record), or the text lines cupti_trace.c writes (the same records, and the graph
 launch each kernel ran in: gaps are then also split by whether they fall inside one launch
 or between two). A decode step ends with the LM head's product, the longest kernel of a
-step; the last --steps kernels longer than --head-us mark the last steps (the prefill's
-kernels come before them). Per arm it prints the median step: its wall time (one LM head's
+step; the last --steps kernels longer than --head-us of one name (the longest of those) mark
+the last steps (the prefill's kernels come before them). Per arm it prints the median step: its wall time (one LM head's
 end to the next), the time some GPU work ran (kernels, copies and memsets merged), the time
 the GPU sat idle and in how many gaps, the largest gaps with the kernels on either side, the
 copies and memsets a step (and their directions), the CUDA API calls the host made between
@@ -156,6 +156,17 @@ def arm_report(label, path, steps, head_us):
     heads = [k for k in ks if (k[1] - k[0]) > head_us * 1000]
     if len(heads) < 3:
         print(f"== {label}: only {len(heads)} kernels over {head_us} µs: no decode steps found")
+        return None
+    # Only the LM head marks a step: of the kernels over --head-us in the decode's part, the
+    # one with the longest median (another long kernel once a step, such as an embedding
+    # gather waiting on managed memory, would otherwise split each step in two).
+    by_name = defaultdict(list)
+    for k in heads[-(steps + 1):]:
+        by_name[k[2]].append(k[1] - k[0])
+    head_name = max(by_name, key=lambda n: (statistics.median(by_name[n]), len(by_name[n])))
+    heads = [k for k in heads if k[2] == head_name]
+    if len(heads) < 3:
+        print(f"== {label}: only {len(heads)} LM heads ({short(head_name)}): no decode steps found")
         return None
     heads = heads[-(steps + 1):]
     everything = ks + others

@@ -780,8 +780,11 @@ case "$step" in
       env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-64} > "$OUT/gs-kvstore-$tag.log" 2>&1
       grep -E "^ +[0-9]+ " "$OUT/gs-kvstore-$tag.log" | tail -n 6
-      # mlx-lm again only where the setting reaches it (not for KVSTORE_ variables alone)
-      if [ -z "$v" ] || echo "$v" | tr ' ' '\n' | grep -qv '^KVSTORE_'; then
+      # mlx-lm again only where the setting reaches it (not for KVSTORE_ variables alone);
+      # GS_PEER_ONCE=1: for the first entry only
+      if { [ -z "$v" ] || echo "$v" | tr ' ' '\n' | grep -qv '^KVSTORE_'; } \
+        && { [ "${GS_PEER_ONCE:-0}" != 1 ] || [ -z "${peer_ran:-}" ]; }; then
+        peer_ran=1
         env $v timeout 150 python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" ${LENS8B:-512,2048} ${TOK8B:-64} stored \
           > "$OUT/gs-mlxlm-$tag.log" 2>&1
         grep '^{' "$OUT/gs-mlxlm-$tag.log"
