@@ -930,6 +930,14 @@ std::unique_ptr<Loaded> load_safetensors(rust::Str path) {
 
 std::unique_ptr<Loaded> load_gguf(rust::Str path) {
   auto [arrays, meta] = mx::load_gguf(std::string(path), mx::Device(mx::Device::cpu));
+#ifdef KVSTORE_CUDA
+  // MLX builds GGUF tensors on the host, in CUDA managed memory: copied (lazily, each when
+  // it is first evaluated) into device memory, as load_safetensors reads them, so that no
+  // kernel waits on a page migration (a decode step's embedding row).
+  if (mx::default_device() == mx::Device(mx::Device::gpu)) {
+    for (auto& [name, a] : arrays) a = mx::copy(a, mx::default_device());
+  }
+#endif
   auto out = from_pairs(std::move(arrays));
   for (auto& [k, v] : meta) {
     out->meta_keys.push_back(k);
