@@ -35,6 +35,7 @@
 # under each step wait and mlx-lm, then bench serve's interleave part under chunk budgets;
 # pr: block memory's restores in place and publications written into it against the default
 # (bench cache's block rows, the 32K session's RAM arm each way beside mlx-lm); st: stash a carried part only; ai: AIPerf beside bench trace --url (aiperf_pack.sh's parts);
+# gg: kvstore generate's greedy tokens on the GPU for each of MODELS (after x1, x2, xm);
 # ct: the 8B decode's GPU timeline through CUPTI (cupti_trace.c), kvstore (CT_VARIANTS) and
 # mlx-lm (after x1, x2, xm, xc);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
@@ -537,6 +538,20 @@ case "$step" in
     done
     python3 scripts/cuda/compare_stores.py "$K/cr1" "$K/cr0" | tee "$OUT/cr-compare.json"
     python3 -c "import json; r=json.load(open('$OUT/cr-compare.json')); print('MATCH' if r['compared'] > 0 and r['differing_tensors'] == 0 and r['a_blocks'] == r['b_blocks'] else 'MISMATCH')"
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  gg) # kvstore generate on the GPU for each of MODELS (space-separated paths; greedy, 8
+      # tokens of --raw PROMPT_TEXT), its token ids: a model's output on the GPU against its
+      # run on the CPU (after x1, x2 and xm)
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    for m in ${MODELS:?MODELS}; do
+      timeout 120 "$BIN/kvstore" generate --model "$m" --raw --prompt "${PROMPT_TEXT:-hello world}" \
+        --max-tokens 8 --json > "$OUT/gg.json" 2> "$OUT/gg.err"
+      echo "== $m rc=$? tokens $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens"])' "$OUT/gg.json" 2>&1 | tail -n 1)"
+      tail -n 3 "$OUT/gg.err"
+    done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   st) # stash only: a call that carries one more part (e.g. .cuda/xaN from aiperf_pack.sh)
