@@ -309,9 +309,19 @@ fn write_through_persists_without_eviction_and_flush_is_durable() {
         std::fs::create_dir_all(dir2.path().join(rel).parent().unwrap()).unwrap();
         std::fs::copy(&f, dir2.path().join(rel)).unwrap();
     }
-    let s: Store = Store::open(StoreConfig::default().root(dir2.path())).unwrap();
+    // One reader: the files are read on the loading thread, one after another.
+    let s: Store = Store::open(StoreConfig::default().root(dir2.path()).ssd_readers(1)).unwrap();
+    let t = std::time::Instant::now();
     let loaded = s.load_prefix(ns, &keys(&blocks), &toks);
+    let wall_us = t.elapsed().as_micros() as u64;
     assert_eq!(loaded.blocks.len(), 5);
+    // Every block came from the SSD, and reading the files was a part of the load's time.
+    let st = s.stats();
+    assert_eq!(st.ssd_hits, 5, "{st:?}");
+    assert!(
+        st.ssd_read_us > 0 && st.ssd_read_us <= wall_us,
+        "{st:?}, load {wall_us} µs"
+    );
 }
 
 /// A namespace whose blocks may leave out their "window" layer (`l1.*`): whole blocks
