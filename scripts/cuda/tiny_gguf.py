@@ -8,6 +8,7 @@ Usage: python tiny_gguf.py OUT.gguf   (with mlx and mlx-lm, e.g. .venv-peer)
 """
 
 import json
+import os
 import sys
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ def main(out):
     plain = out + ".plain.gguf"
     convert_to_gguf(SRC, weights, config, plain)
     arrays, meta = mx.load(plain, return_metadata=True)
+    os.remove(plain)
     tok = json.load(open(f"{SRC}/tokenizer.json"))["model"]
     vocab = sorted(tok["vocab"].items(), key=lambda kv: kv[1])
     meta["tokenizer.ggml.model"] = "gpt2"
