@@ -10,9 +10,9 @@ launch each kernel ran in: gaps are then also split by whether they fall inside 
 or between two). A decode step ends with the LM head's product, the longest kernel of a
 step; the last --steps kernels longer than --head-us of one name (the longest of those)
 mark the last steps (the prefill's kernels come before them). Per arm it prints the median
-step: its wall time (one LM head's end to the next), the time some GPU work ran (kernels, copies and memsets merged), the time
-the GPU sat idle and in how many gaps, the largest gaps with the kernels on either side, the
-copies and memsets a step (and their directions), the CUDA API calls the host made between
+step: its wall time (one LM head's end to the next), the time some GPU work ran (kernels,
+copies and memsets merged), the time the GPU sat idle and in how many gaps, the largest
+gaps with the kernels on either side, the copies and memsets a step (and their directions), the CUDA API calls the host made between
 two LM heads (graph launches, synchronizations, allocations) with their host time, and the
 GPU page faults of managed memory where the trace has them. Reads the trace only: the
 question it answers is whether the GPU waits, and on what, not how long a kernel takes
