@@ -546,11 +546,13 @@ case "$step" in
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
     env_setup
+    n=0
     for m in ${MODELS:?MODELS}; do
+      n=$((n + 1))  # each model's output kept apart: gg-N.json, gg-N.err
       timeout 120 "$BIN/kvstore" generate --model "$m" --raw --prompt "${PROMPT_TEXT:-hello world}" \
-        --max-tokens 8 --json > "$OUT/gg.json" 2> "$OUT/gg.err"
-      echo "== $m rc=$? tokens $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens"])' "$OUT/gg.json" 2>&1 | tail -n 1)"
-      tail -n 3 "$OUT/gg.err"
+        --max-tokens 8 --json > "$OUT/gg-$n.json" 2> "$OUT/gg-$n.err"
+      echo "== $m rc=$? tokens $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["tokens"])' "$OUT/gg-$n.json" 2>&1 | tail -n 1)"
+      tail -n 3 "$OUT/gg-$n.err"
     done
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
@@ -692,8 +694,8 @@ case "$step" in
       # every kernel (with its CUDA graph), copy, memset and CUDA API call; kvstore under each
       # entry of CT_VARIANTS (";"-separated variable settings, "default" for none), then
       # mlx-lm; PROMPT tokens, TOKENS decoded. gpu_gaps.py prints each arm's median step:
-      # busy and idle GPU time, idle inside / between CUDA graph launches, the kernels either side of
-      # the gaps, host API calls. Traces come back gzipped. After x1, x2, xm and xc
+      # busy and idle GPU time, idle inside / between CUDA graph launches, the kernels
+      # either side of the gaps, host API calls. Traces come back gzipped. After x1, x2, xm and xc
       # (cupti_pack.sh: the library and libcupti).
     stash >/dev/null
     assemble_mlx >/dev/null || exit 1
@@ -788,9 +790,12 @@ case "$step" in
     env_setup
     make_llama8b
     IFS=';' read -ra sets <<< "${GRAPHS:-default}"
+    round=0
     for v in "${sets[@]}"; do
       [ "$v" = default ] && v=""
-      tag=$(settings_tag "$v")
+      # an entry given twice (alternations) keeps each run's log: the round in the name
+      round=$((round + 1))
+      tag=$round-$(settings_tag "$v")
       echo "== ${v:-default}"
       env $v timeout 150 "$BIN/kvstore" bench generate --model "$K/llama8b" --keep-quantized --skip-mlx-lm \
         --prompt-lens ${LENS8B:-512,2048} --decode-tokens ${TOK8B:-64} > "$OUT/gs-kvstore-$tag.log" 2>&1
