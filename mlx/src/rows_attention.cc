@@ -148,9 +148,33 @@ RowSpans row_spans(const std::vector<RowMeta>& rows, const std::vector<mx::array
 }
 
 // The keys each split of the partial kernel takes and how many splits the longest row needs:
-// splits of 64 keys and more, doubled until at most 2,048 blocks of work.
+// splits of 16 keys (one pass of a block's four warps, four keys each) and more, doubled
+// until at most 2,048 blocks of work. Short splits keep the GPU's SMs busy in a decode step of
+// one row: at 512 keys and 8 kv heads, 64-key splits gave 64 blocks for 132 SMs, each warp
+// walking 16 keys one load after the other.
+//
+// Two variables take the kernel back to what it was before session 54, for measuring both in
+// one run: KVSTORE_DECODE_MIN_SPLIT=64 (the shortest split) and KVSTORE_DECODE_KEYS_PER_LOAD=1
+// (keys a warp loads at once; 1 walks the keys exactly as the old loop did).
+int env_int(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == 0) return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end != 0 || n < lo || n > hi) {
+    throw std::invalid_argument(std::string(name) + "=" + v + " is not a whole number from " +
+                                std::to_string(lo) + " to " + std::to_string(hi));
+  }
+  return int(n);
+}
+
+int min_split() {
+  static const int n = env_int("KVSTORE_DECODE_MIN_SPLIT", 16, 1, 4096);
+  return n;
+}
+
 std::pair<int, int> split_of(int b, int hkv, int64_t longest) {
-  int chunk = 64;
+  int chunk = min_split();
   auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
   while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
   return {chunk, int((longest + chunk - 1) / chunk)};
@@ -204,7 +228,10 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   } else {
     throw std::invalid_argument("the batched decode attention takes f32, bf16 or f16");
   }
-  std::string src = "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
+  // 0: the source's default (4 keys, 2 at head dimension 256)
+  static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 8);
+  std::string src = (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
+                    "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
                     store + "\n#define D " + std::to_string(d) + "\n#define NREP " +
                     std::to_string(nrep) + "\n" + kSource;
   auto fns = nvrtc::compile(src, "kvstore_rows_attention.cu", {"rows_partial", "rows_combine"},

@@ -7,14 +7,21 @@
 // attends the NREP query heads of kv head h over keys s·chunk .. (s+1)·chunk of the row's
 // whole sequence: its shared prefix (`plen` keys), its own keys (`len`) and the new key,
 // taken from the step's input rather than the arena (no block reads what another writes).
-// Each warp keeps an online softmax over every 4th key; the warps' states are merged and
-// written as (acc[D], max, sum) per query head and split.
+// Each warp takes KPW consecutive keys at a time: it issues all their loads before the first
+// dot product, so a warp waits for memory once per KPW keys instead of once per key (a
+// decode step is latency-bound: a split holds few keys). Each warp keeps an online softmax
+// over its keys; the warps' states are merged and written as (acc[D], max, sum) per query
+// head and split.
 //
 // `rows_combine`: grid (q heads, rows), D threads: merges a row's splits into its output.
 R"KVSRC(
 #define WARPS 4
 #define ROWS 32
 #define NEG_INF (-__int_as_float(0x7f800000))
+// keys a warp loads at once: 4, or 2 where a key row is long (registers); the host may set it
+#ifndef KPW
+#define KPW (D > 128 ? 2 : 4)
+#endif
 
 struct RowKv {
   unsigned long long k, v, pk, pv;
@@ -89,39 +96,64 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
     m[g] = NEG_INF;
     l[g] = 0.f;
   }
-  for (int t = t0 + warp; t < t1; t += WARPS) {
-    const T* kp;
-    const T* vp;
-    if (t < row.plen) {
-      kp = (const T*)row.pk + h * row.pkhs + (long long)t * D;
-      vp = (const T*)row.pv + h * row.pvhs + (long long)t * D;
-    } else if (t < row.plen + row.len) {
-      const long long u = t - row.plen;
-      kp = (const T*)row.k + h * row.khs + u * D;
-      vp = (const T*)row.v + h * row.vhs + u * D;
-    } else {
-      kp = knew;
-      vp = vnew;
-    }
-    float kk[E], vv[E];
+  for (int tb = t0 + warp * KPW; tb < t1; tb += WARPS * KPW) {
+    float kk[KPW][E], vv[KPW][E];
+    bool ok[KPW];
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      kk[i] = LOAD(kp + lane + 32 * i);
-      vv[i] = LOAD(vp + lane + 32 * i);
+    for (int u = 0; u < KPW; ++u) {
+      const int t = tb + u;
+      ok[u] = t < t1;
+      const T* kp;
+      const T* vp;
+      if (t < row.plen) {
+        kp = (const T*)row.pk + h * row.pkhs + (long long)t * D;
+        vp = (const T*)row.pv + h * row.pvhs + (long long)t * D;
+      } else if (t < row.plen + row.len) {
+        const long long w = t - row.plen;
+        kp = (const T*)row.k + h * row.khs + w * D;
+        vp = (const T*)row.v + h * row.vhs + w * D;
+      } else {
+        kp = knew;
+        vp = vnew;
+      }
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        kk[u][i] = ok[u] ? LOAD(kp + lane + 32 * i) : 0.f;
+        vv[u][i] = ok[u] ? LOAD(vp + lane + 32 * i) : 0.f;
+      }
     }
 #pragma unroll
     for (int g = 0; g < NREP; ++g) {
-      float dot = 0.f;
+      float dot[KPW];
 #pragma unroll
-      for (int i = 0; i < E; ++i) dot += qv[g][i] * kk[i];
+      for (int u = 0; u < KPW; ++u) {
+        dot[u] = 0.f;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      const float mn = fmaxf(m[g], dot);
+        for (int i = 0; i < E; ++i) dot[u] += qv[g][i] * kk[u][i];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < KPW; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+      }
+      // key tb is always in range, so the new maximum is finite and m[g] = -inf scales by 0
+      float mn = m[g];
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) {
+        if (ok[u]) mn = fmaxf(mn, dot[u]);
+      }
       const float c = __expf(m[g] - mn);
-      const float p = __expf(dot - mn);
-      l[g] = l[g] * c + p;
+      l[g] *= c;
 #pragma unroll
-      for (int i = 0; i < E; ++i) acc[g][i] = acc[g][i] * c + p * vv[i];
+      for (int i = 0; i < E; ++i) acc[g][i] *= c;
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) {
+        if (!ok[u]) continue;
+        const float p = __expf(dot[u] - mn);
+        l[g] += p;
+#pragma unroll
+        for (int i = 0; i < E; ++i) acc[g][i] += p * vv[u][i];
+      }
       m[g] = mn;
     }
   }
@@ -165,8 +197,10 @@ extern "C" __global__ void rows_combine(const float* __restrict__ part, T* __res
   const int hqi = blockIdx.x, r = row0 + blockIdx.y, e = threadIdx.x;
   const float* p = part + (long long)(r * hq + hqi) * splits * (D + 2);
   float mx = NEG_INF;
+#pragma unroll 8
   for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[s * (D + 2) + D]);
   float a = 0.f, sum = 0.f;
+#pragma unroll 8
   for (int s = 0; s < splits; ++s) {
     const float ms = p[s * (D + 2) + D];
     if (ms == NEG_INF) continue;
