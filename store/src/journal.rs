@@ -123,6 +123,53 @@ pub(crate) struct Journal<W: WritableFile> {
     pub records: u64,
 }
 
+/// A compacted journal written to its temp file and made durable, not yet in place
+/// ([`Journal::write_compacted`]): the slow half of a compaction, which needs no lock.
+pub(crate) struct Compacted<W: WritableFile> {
+    tmp: PathBuf,
+    path: PathBuf,
+    out: BufWriter<W>,
+    records: u64,
+}
+
+impl<W: WritableFile> Compacted<W> {
+    /// Removes the temp file: the compaction is given up.
+    pub fn discard<F: FileSystem<Writer = W>>(self, fs: &F) {
+        let _ = fs.remove_file(&self.tmp);
+    }
+
+    /// Appends `later` (records appended to the old journal since the snapshot, buffered),
+    /// renames the file into place and opens it for appending. The rename is not yet
+    /// durable: the caller syncs the directory ([`Journal::sync_parent`]), and may do so
+    /// after releasing its lock (the old journal or the new one is there after a crash,
+    /// both valid). On failure the temp file is removed and the old journal stays.
+    pub fn install<F: FileSystem<Writer = W>>(
+        mut self,
+        fs: &F,
+        later: &[Record],
+    ) -> io::Result<Journal<W>> {
+        let put = (|| {
+            for r in later {
+                self.out.write_all(&r.encode())?;
+            }
+            self.out.flush()?;
+            fs.rename(&self.tmp, &self.path)?;
+            fs.open_append(&self.path)
+        })();
+        match put {
+            Ok(f) => Ok(Journal {
+                path: self.path,
+                out: BufWriter::new(f),
+                records: self.records + later.len() as u64,
+            }),
+            Err(e) => {
+                let _ = fs.remove_file(&self.tmp);
+                Err(e)
+            }
+        }
+    }
+}
+
 impl<W: WritableFile> Journal<W> {
     /// Atomically replaces the journal at `path` with `records` (temp file in `tmp_dir`,
     /// fsync, rename, fsync root) and opens it for appending.
@@ -132,12 +179,27 @@ impl<W: WritableFile> Journal<W> {
         tmp_dir: &Path,
         records: &[Record],
     ) -> io::Result<Journal<W>> {
+        let j = Self::write_compacted(fs, path, tmp_dir, records)?.install(fs, &[])?;
+        j.sync_parent(fs)?;
+        Ok(j)
+    }
+
+    /// Writes `records` to a temp file in `tmp_dir` and fsyncs it: the first half of
+    /// [`rewrite`](Self::rewrite), touching nothing the current journal at `path` uses, so
+    /// the SSD tier runs it without its lock while appends go on (docs/store-format.md,
+    /// "Access journal"). A failure removes the temp file.
+    pub fn write_compacted<F: FileSystem<Writer = W>>(
+        fs: &F,
+        path: &Path,
+        tmp_dir: &Path,
+        records: &[Record],
+    ) -> io::Result<Compacted<W>> {
         let tmp = tmp_dir.join(format!(
             "journal.{}.{}",
             std::process::id(),
             format::TMP_EXT
         ));
-        {
+        let written = (|| {
             let mut w = BufWriter::new(fs.create_truncate(&tmp)?);
             w.write_all(&header())?;
             for r in records {
@@ -145,17 +207,28 @@ impl<W: WritableFile> Journal<W> {
             }
             w.flush()?;
             w.get_mut().sync_all()?;
+            Ok(w)
+        })();
+        match written {
+            Ok(out) => Ok(Compacted {
+                tmp,
+                path: path.to_owned(),
+                out,
+                records: records.len() as u64,
+            }),
+            Err(e) => {
+                let _ = fs.remove_file(&tmp);
+                Err(e)
+            }
         }
-        fs.rename(&tmp, path)?;
-        if let Some(parent) = path.parent() {
-            fs.sync_dir(parent)?;
+    }
+
+    /// Makes a rename of the journal durable: fsyncs the directory it is in.
+    pub fn sync_parent<F: FileSystem<Writer = W>>(&self, fs: &F) -> io::Result<()> {
+        match self.path.parent() {
+            Some(parent) => fs.sync_dir(parent),
+            None => Ok(()),
         }
-        let f = fs.open_append(path)?;
-        Ok(Journal {
-            path: path.to_owned(),
-            out: BufWriter::new(f),
-            records: records.len() as u64,
-        })
     }
 
     /// Appends one record (buffered).

@@ -150,6 +150,9 @@ struct State<W: WritableFile> {
     recency: BTreeSet<(u64, u64, Id)>,
     used: u64,
     journal: Option<Journal<W>>,
+    /// While a compaction writes its file without this lock: the records appended since its
+    /// snapshot, for the new journal ([`SsdTier::compact_journal`]).
+    compacting: Option<Vec<Record>>,
     next_tie: u64,
     /// The eviction policy's counts and use clock.
     policy: PolicyState<Id>,
@@ -165,6 +168,7 @@ impl<W: WritableFile> State<W> {
             recency: BTreeSet::new(),
             used: 0,
             journal: None,
+            compacting: None,
             next_tie: 1,
             policy: PolicyState::new(policy),
             ranked: BTreeSet::new(),
@@ -971,7 +975,7 @@ impl<F: FileSystem> SsdTier<F> {
             e.seq = seq;
             e.last_ms = last_ms;
         });
-        self.journal_append(
+        let due = self.journal_append(
             &mut st,
             Record {
                 ns,
@@ -980,6 +984,10 @@ impl<F: FileSystem> SsdTier<F> {
                 unix_ms: last_ms,
             },
         );
+        drop(st);
+        if due {
+            self.compact_journal();
+        }
     }
 
     /// Counts a use of a stored block that was not read (it was published again) and marks
@@ -1007,30 +1015,84 @@ impl<F: FileSystem> SsdTier<F> {
         }
     }
 
-    fn journal_append(&self, st: &mut State<F::Writer>, r: Record) {
+    /// Appends a record to the access journal (and to a running compaction's list).
+    /// Returns whether the journal has grown past four records per block: the caller then
+    /// runs [`compact_journal`](Self::compact_journal) once it has released the lock.
+    #[must_use = "a due compaction runs after the lock is released"]
+    fn journal_append(&self, st: &mut State<F::Writer>, r: Record) -> bool {
         let Some(j) = st.journal.as_mut() else {
-            return;
+            return false;
         };
         if let Err(e) = j.append(&r) {
             tracing::warn!(path = %crate::escape_path(j.path()), error = %e, "access journal append failed");
         }
-        if j.records > 4 * st.index.len() as u64 + 1024 {
-            let records: Vec<Record> = st
-                .by_recency()
+        let records = j.records;
+        match st.compacting.as_mut() {
+            Some(later) => {
+                later.push(r);
+                false
+            }
+            None => records > 4 * st.index.len() as u64 + 1024,
+        }
+    }
+
+    /// Rewrites the access journal as one record per block, in recency order. Only the
+    /// snapshot and the swap take the tier's lock: the temp file's write and fsync and the
+    /// directory's fsync run without it, so lookups and reads never wait for a disk flush
+    /// here (on the H100, session 53, one probe load waited ~136 ms outside its file reads).
+    /// Records appended meanwhile go to the old journal and, at the swap, to the new one.
+    /// A failure leaves the old journal in place (the next due append tries again).
+    fn compact_journal(&self) {
+        let records: Vec<Record> = {
+            let mut st = lock(&self.state);
+            if st.journal.is_none() || st.compacting.is_some() {
+                return;
+            }
+            st.compacting = Some(Vec::new());
+            st.by_recency()
                 .map(|((ns, key), e)| Record {
                     ns,
                     key,
                     seq: e.seq,
                     unix_ms: e.last_ms,
                 })
-                .collect();
-            let path = self.root.join(format::JOURNAL_FILE);
-            match Journal::rewrite(&self.fs, &path, &self.root.join(format::TMP_DIR), &records) {
-                Ok(j) => st.journal = Some(j),
-                Err(e) => {
-                    tracing::warn!(path = %crate::escape_path(&path), error = %e, "journal compaction failed")
+                .collect()
+        };
+        let path = self.root.join(format::JOURNAL_FILE);
+        let tmp_dir = self.root.join(format::TMP_DIR);
+        let written = Journal::write_compacted(&self.fs, &path, &tmp_dir, &records);
+        let installed = {
+            let mut st = lock(&self.state);
+            let later = st.compacting.take().unwrap_or_default();
+            let installed = written.and_then(|c| {
+                // No journal any more (the file system filled up meanwhile): stay without.
+                if st.journal.is_none() {
+                    c.discard(&self.fs);
+                    return Err(io::Error::other(
+                        "the access journal was given up meanwhile",
+                    ));
                 }
+                c.install(&self.fs, &later)
+            });
+            match installed {
+                Ok(j) => {
+                    st.journal = Some(j);
+                    Ok(())
+                }
+                Err(e) => Err(e),
             }
+        };
+        let synced = installed.and_then(|()| {
+            let st = lock(&self.state);
+            let parent = st
+                .journal
+                .as_ref()
+                .and_then(|j| j.path().parent().map(Path::to_owned));
+            drop(st);
+            parent.map_or(Ok(()), |p| self.fs.sync_dir(&p))
+        });
+        if let Err(e) = synced {
+            tracing::warn!(path = %crate::escape_path(&path), error = %e, "journal compaction failed");
         }
     }
 
@@ -1587,6 +1649,7 @@ impl<F: FileSystem> SsdTier<F> {
         }
         // 5. index and journal, in order.
         let mut recheck = false;
+        let mut compact = false;
         let mut last_written = None;
         for (i, r) in renamed {
             if let Some((_, err)) = bad_dirs.iter_mut().find(|(d, _)| *d == r.shard_dir) {
@@ -1615,7 +1678,7 @@ impl<F: FileSystem> SsdTier<F> {
                     st.used -= old.phys;
                 }
                 st.used += phys;
-                self.journal_append(
+                compact |= self.journal_append(
                     &mut st,
                     Record {
                         ns: r.id.0,
@@ -1642,6 +1705,9 @@ impl<F: FileSystem> SsdTier<F> {
             if let Err(e) = self.evict_until(self.budget(), last_written, None) {
                 tracing::warn!(error = %e, "evicting after a group commit failed");
             }
+        }
+        if compact {
+            self.compact_journal();
         }
         out
     }

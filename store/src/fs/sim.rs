@@ -120,23 +120,25 @@ struct State {
 #[derive(Debug, Clone)]
 pub struct SimFs {
     state: Arc<Mutex<State>>,
-    removals: Arc<RemovalGate>,
+    removals: Arc<CallGate>,
+    syncs: Arc<CallGate>,
 }
 
-/// Holds `remove_file` calls back while a test asks (see [`SimFs::hold_removals`]).
+/// Holds calls of one kind back while a test asks (see [`SimFs::hold_removals`],
+/// [`SimFs::hold_syncs`]).
 #[derive(Debug, Default)]
-struct RemovalGate {
-    /// Whether removals are held, and how many calls wait.
+struct CallGate {
+    /// Whether calls are held, and how many wait.
     state: Mutex<(bool, usize)>,
     released: Condvar,
 }
 
-impl RemovalGate {
+impl CallGate {
     fn lock(&self) -> MutexGuard<'_, (bool, usize)> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits while removals are held.
+    /// Waits while calls are held.
     fn pass(&self) {
         let mut st = self.lock();
         st.1 += 1;
@@ -332,6 +334,7 @@ impl SimFs {
                 capacity: None,
             })),
             removals: Arc::default(),
+            syncs: Arc::default(),
         }
     }
 
@@ -351,6 +354,24 @@ impl SimFs {
     /// How many `remove_file` calls are waiting now.
     pub fn removals_waiting(&self) -> usize {
         self.removals.lock().1
+    }
+
+    /// From now on every fsync (a file's `sync_all` / `sync_data`, `sync_dir`) waits, before
+    /// doing anything, until [`release_syncs`](Self::release_syncs): a test can then look at
+    /// what other threads do while a slow disk flush is in progress.
+    pub fn hold_syncs(&self) {
+        self.syncs.lock().0 = true;
+    }
+
+    /// Lets held and later fsyncs run.
+    pub fn release_syncs(&self) {
+        self.syncs.lock().0 = false;
+        self.syncs.released.notify_all();
+    }
+
+    /// How many fsyncs are waiting now.
+    pub fn syncs_waiting(&self) -> usize {
+        self.syncs.lock().1
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -558,6 +579,7 @@ impl Write for SimWriter {
 
 impl SimWriter {
     fn sync(&mut self) -> io::Result<()> {
+        self.fs.syncs.pass();
         let mut st = self.fs.state();
         let fault = st.call(Op::SyncFile);
         let n = st
@@ -756,6 +778,7 @@ impl FileSystem for SimFs {
     }
 
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.syncs.pass();
         let mut st = self.state();
         st.fail_call(Op::SyncDir)?;
         if !st.dir_exists(path) {

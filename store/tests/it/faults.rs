@@ -818,3 +818,78 @@ fn lookups_do_not_wait_for_an_evictions_file_removals() {
         "the victim's file is gone once the put returned"
     );
 }
+
+/// A lookup or a read never waits for the access journal's compaction: its temp file's
+/// fsync and the directory's run without the tier's lock (on the H100 one probe load waited
+/// ~136 ms outside its file reads, docs/benchmarks.md, session 53). Here every fsync is held
+/// while a compaction is under way, another thread asks, reads and touches, and the records
+/// it appended meanwhile are in the compacted journal the next open reads.
+#[test]
+fn lookups_and_reads_do_not_wait_for_the_journals_compaction() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let fs = SimFs::new();
+    let blocks = pool(3);
+    let tier = std::sync::Arc::new(open(&fs, 10 * BLOCK_PHYS));
+    for b in &blocks {
+        assert!(matches!(tier.put(b), Ok(WriteOutcome::Written { .. })));
+    }
+    let [k0, k1, k2] = [key(&blocks[0]), key(&blocks[1]), key(&blocks[2])];
+    fs.hold_syncs();
+    // Touches of block 0 until one of them starts a compaction (the journal passes four
+    // records per block) and waits in its fsync.
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let toucher = {
+        let (tier, stop) = (tier.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                tier.touch(k0.0, k0.1);
+                n += 1;
+                assert!(n < 100_000, "no compaction after {n} touches of 3 blocks");
+            }
+        })
+    };
+    let t0 = Instant::now();
+    while fs.syncs_waiting() == 0 {
+        assert!(
+            t0.elapsed().as_secs() < 30,
+            "the touches started no compaction"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let asked = {
+        let tier = tier.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let present = tier.contains(k1.0, k1.1);
+            let read = matches!(tier.get(k2.0, k2.1), ReadOutcome::Hit(_));
+            tier.touch(k1.0, k1.1);
+            let _ = tx.send((present, read));
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+    };
+    fs.release_syncs();
+    assert_eq!(
+        asked.expect("a lookup, read or touch waited for the journal compaction's fsync"),
+        (true, true)
+    );
+    toucher.join().unwrap();
+    let journal = fs.files()[&root().join(store::format::JOURNAL_FILE)].len();
+    assert!(
+        journal < store::format::JOURNAL_HEADER_LEN + 100 * store::format::JOURNAL_RECORD_LEN,
+        "the journal was compacted ({journal} bytes)"
+    );
+    drop(tier);
+    let reopened = open(&fs, 10 * BLOCK_PHYS);
+    let order: Vec<Key> = reopened
+        .entries()
+        .iter()
+        .map(|e| (e.namespace, e.key))
+        .collect();
+    assert_eq!(
+        order,
+        vec![k0, k2, k1],
+        "the read of block 2 and the touch of block 1 during the compaction are the newest uses"
+    );
+}
