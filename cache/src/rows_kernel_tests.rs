@@ -269,7 +269,7 @@ fn kernel_or_skip(test: &str) -> bool {
 /// rounding and leave exactly the same KV: rows of mixed lengths crossing block boundaries
 /// and growing their arenas, more rows than one GPU launch takes (32), a row with a shared
 /// prefix, f32 at head dimension 64 (3 q heads per kv head) and bf16 (f32 on the CPU) at
-/// 128 (4).
+/// 128 (4) and 256 (4, one kv head).
 #[test]
 fn one_node_decode_steps_match_row_by_row() {
     if !kernel_or_skip("one_node_decode_steps_match_row_by_row") {
@@ -294,6 +294,16 @@ fn one_node_decode_steps_match_row_by_row() {
         head_dim: 128,
         lens: (0..37).map(|i| 1 + (i * 53) % 700).collect(),
         prefix: false,
+    });
+    // Gemma 3's head dimension: the GPU kernel loads two keys per warp at a time there
+    // (four below 256), so splits end inside a warp's pair.
+    run(&Case {
+        dtype: wide_dtype(),
+        kv_heads: 1,
+        q_heads: 4,
+        head_dim: 256,
+        lens: vec![1, 6, 7, 8, 9, 33, 130],
+        prefix: true,
     });
 }
 
