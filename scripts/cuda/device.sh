@@ -13,8 +13,8 @@
 # client carried in x4), g / h (the 32K agent session: kvstore's arms / mlx-lm's arm, each
 # its own process); pb / pc: the device-tier measurements (docs/benchmarks.md, "Device
 # tier"): pb bench cache + the 8B-shaped bf16 32K prefix + 64 tokens; pc the 13-turn
-# session, then the 32K session (device arm, then mlx-lm, each its own process, GPU memory
-# sampled); both after x1 and x2 only, on SmolLM2's shape with random weights; pd: bench
+# session (RUNS13=N: N times, ARMS13 its arms), then the 32K session (device arm, then mlx-lm,
+# each its own process, GPU memory sampled; SKIP32=1: none); both after x1 and x2 only, on SmolLM2's shape with random weights; pd: bench
 # cache's SSD read-ahead rows and bench generate (SmolLM2's shape, the 8B-shaped bf16) with
 # the device sampler, after x1 and x2; pe: bench serve and the SmolLM2-shape prefill, after
 # an x1 call that made $K/smollm2-rand and x2; pf: bench serve beside mlx_lm.server (peer
@@ -277,9 +277,20 @@ case "$step" in
       # SmolLM2's shape with random f32 weights and its own tokenizer (no GGUF to carry).
       d=$K/smollm2-rand
       make_smollm2_rand "$d"
-      { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-          --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
-      tail -n 26 "$OUT/agent13.log"
+      # RUNS13=N: the 13-turn session N times (agent13-1, -2, ...; ARMS13 its arms); SKIP32=1:
+      # no 32K session after it
+      if [ -n "${RUNS13:-}" ]; then
+        for i in $(seq 1 "$RUNS13"); do
+          { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+              --arms ${ARMS13:-cold,device,ram,ssd,mlx-lm} --out "$OUT/agent13-$i" 2>&1; } > "$OUT/agent13-$i.log"
+          tail -n 12 "$OUT/agent13-$i.log"
+        done
+      else
+        { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
+            --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
+        tail -n 26 "$OUT/agent13.log"
+      fi
+      if [ -n "${SKIP32:-}" ]; then echo "step $step: $(( $(date +%s) - START ))s"; exit 0; fi
       s=$(mem device)
       { timeout ${LIMIT32:-300} "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
           --arms ${ARMS32:-device} --turns "${TURNS:-75}" --kv-budget 4GiB --out "$OUT/agent32k-device" 2>&1; } > "$OUT/agent32k-device.log"
