@@ -344,6 +344,13 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
                               dim3(1, 1, 1), 0, args);
     }
     enc.set_input_array(part);
+    // The scratch is every node's of this thread. MLX's graph orders a node after the last
+    // node that wrote a buffer it names, never after one that only read it: declared as
+    // written here too, the next partial kernel to write the scratch (another row group, or
+    // another node: rows a batch sends row by row are independent nodes) waits until this
+    // merge has read it. Without it the next node's partials overwrote these before the
+    // merge read them (`device.sh rk`, session 54: 17 of 37 rows wrong at step 0).
+    if (scratched) enc.set_output_array(part);
     enc.set_output_array(out);
     {
       const void* pp = mx::gpu_ptr<void>(part);
