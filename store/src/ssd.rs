@@ -1039,7 +1039,7 @@ impl<F: FileSystem> SsdTier<F> {
     /// Rewrites the access journal as one record per block, in recency order. Only the
     /// snapshot and the swap take the tier's lock: the temp file's write and fsync and the
     /// directory's fsync run without it, so lookups and reads never wait for a disk flush
-    /// here (on the H100, session 53, one probe load waited ~136 ms outside its file reads).
+    /// here.
     /// Records appended meanwhile go to the old journal and, at the swap, to the new one.
     /// A failure leaves the old journal in place (the next due append tries again).
     fn compact_journal(&self) {

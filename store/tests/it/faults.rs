@@ -820,8 +820,7 @@ fn lookups_do_not_wait_for_an_evictions_file_removals() {
 }
 
 /// A lookup or a read never waits for the access journal's compaction: its temp file's
-/// fsync and the directory's run without the tier's lock (on the H100 one probe load waited
-/// ~136 ms outside its file reads, docs/benchmarks.md, session 53). Here every fsync is held
+/// fsync and the directory's run without the tier's lock. Here every fsync is held
 /// while a compaction is under way, another thread asks, reads and touches, and the records
 /// it appended meanwhile are in the compacted journal the next open reads.
 #[test]
