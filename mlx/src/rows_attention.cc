@@ -22,6 +22,8 @@
 #include "kvstore-mlx/src/ffi.rs.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -36,6 +38,8 @@
 #ifdef KVSTORE_CUDA
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -151,11 +155,15 @@ RowSpans row_spans(const std::vector<RowMeta>& rows, const std::vector<mx::array
 // splits of 16 keys (one pass of a block's four warps, four keys each) and more, doubled
 // until at most 2,048 blocks of work. Short splits keep the GPU's SMs busy in a decode step of
 // one row: at 512 keys and 8 kv heads, 64-key splits gave 64 blocks for 132 SMs, each warp
-// walking 16 keys one load after the other.
+// walking 16 keys one load after the other. At long contexts they lengthen the merge, whose
+// threads walk every split of their head in turn (256 a head at 8,192 keys): the 8B's step
+// there was no shorter than with 64-key splits (docs/benchmarks.md, session 54).
 //
-// Two variables take the kernel back to what it was before session 54, for measuring both in
-// one run: KVSTORE_DECODE_MIN_SPLIT=64 (the shortest split) and KVSTORE_DECODE_KEYS_PER_LOAD=1
-// (keys a warp loads at once; 1 walks the keys exactly as the old loop did).
+// Variables for measuring against the kernel before session 54 in one run:
+// KVSTORE_DECODE_MIN_SPLIT=64 (the shortest split), KVSTORE_DECODE_KEYS_PER_LOAD=1 (keys a
+// warp loads at once; 1 walks the keys in the old loop's order) and
+// KVSTORE_DECODE_VECTOR_LOADS=0 (element by element; a lane now holds adjacent elements,
+// where it held every 32nd before).
 int env_int(const char* name, int fallback, int lo, int hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -239,6 +247,39 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   Kernels k{fns[0], fns[1]};
   cache.emplace(key, k);
   return k;
+}
+
+// Whether the partial kernel may read rows with vector loads: each lane's D / 32 elements
+// are 4, 8, 16 or 32 bytes and every row it reads starts at a multiple of that (every base
+// address and every stride in elements a multiple of D / 32). `KVSTORE_DECODE_VECTOR_LOADS=0`
+// reads element by element, for measuring both.
+bool vector_loads(int d, size_t esize, std::initializer_list<const void*> bases,
+                  const Strides& st, const Table& tab, int n) {
+  static const bool on = env_int("KVSTORE_DECODE_VECTOR_LOADS", 1, 0, 1) == 1;
+  const long long e = d / 32;
+  const size_t bytes = size_t(e) * esize;
+  if (!on || (bytes != 4 && bytes != 8 && bytes != 16 && bytes != 32)) return false;
+  auto aligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+  auto whole = [&](long long stride) { return stride % e == 0; };
+  for (const void* p : bases) {
+    if (!aligned(p)) return false;
+  }
+  for (long long x : {st.qb, st.qh, st.kb, st.kh, st.vb, st.vh}) {
+    if (!whole(x)) return false;
+  }
+  for (int i = 0; i < n; ++i) {
+    const RowKv& r = tab.r[i];
+    if (!aligned(reinterpret_cast<const void*>(r.k)) || !aligned(reinterpret_cast<const void*>(r.v)) ||
+        !whole(r.khs) || !whole(r.vhs)) {
+      return false;
+    }
+    if (r.plen > 0 && (!aligned(reinterpret_cast<const void*>(r.pk)) ||
+                       !aligned(reinterpret_cast<const void*>(r.pv)) || !whole(r.pkhs) ||
+                       !whole(r.pvhs))) {
+      return false;
+    }
+  }
+  return true;
 }
 
 // The GPU evaluation: two kernels per 32 rows, the arenas written in place.
@@ -338,8 +379,9 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
       const void* vp = mx::gpu_ptr<void>(vn);
       void* pp = mx::gpu_ptr<void>(part);
       int r0 = row0, sp = splits, ch = chunk, h = hkv;
+      int vec = vector_loads(d, esize, {qp, kp, vp}, st, tab, n) ? 1 : 0;
       float sc = scale;
-      void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h};
+      void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h, &vec};
       enc.add_kernel_node_raw(kern.partial, dim3(splits, hkv, n), dim3(kWarps * 32, 1, 1),
                               dim3(1, 1, 1), 0, args);
     }

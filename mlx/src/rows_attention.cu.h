@@ -9,9 +9,11 @@
 // taken from the step's input rather than the arena (no block reads what another writes).
 // Each warp takes KPW consecutive keys at a time: it issues all their loads before the first
 // dot product, so a warp waits for memory once per KPW keys instead of once per key (a
-// decode step is latency-bound: a split holds few keys). Each warp keeps an online softmax
-// over its keys; the warps' states are merged and written as (acc[D], max, sum) per query
-// head and split.
+// decode step is latency-bound: a split holds few keys). Lane j holds elements j·E .. j·E +
+// E - 1 of a row (E = D / 32), read with one or two vector loads of 4-32 bytes where the host
+// found every row aligned for it (`vec`), so a warp reads a key row in one or two loads.
+// Each warp keeps an online softmax over its keys; the warps' states are merged and written
+// as (acc[D], max, sum) per query head and split.
 //
 // `rows_combine`: grid (q heads, rows), D threads: merges a row's splits into its output.
 R"KVSRC(
@@ -60,12 +62,49 @@ __device__ __forceinline__ void f16_store(unsigned short* p, float f) {
 __device__ __forceinline__ float f32_load(const float* p) { return *p; }
 __device__ __forceinline__ void f32_store(float* p, float f) { *p = f; }
 
+// Elements of a row each lane holds.
+constexpr int E = D / 32;
+struct alignas(16) Bytes16 {
+  unsigned a, b, c, d;
+};
+struct alignas(8) Bytes8 {
+  unsigned a, b;
+};
+
+// Lane `lane`'s E elements of the row at `p` as floats: elements lane·E .. lane·E + E - 1,
+// in one or two vector loads where `vec` (the host checked every row's alignment), else one
+// element at a time.
+__device__ __forceinline__ void load_row(const T* p, int lane, int vec, float (&x)[E]) {
+  const T* at = p + lane * E;
+  constexpr int BYTES = E * (int)sizeof(T);
+  if (vec) {
+    alignas(16) T tmp[E];
+    if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+      for (int j = 0; j < BYTES / 16; ++j) {
+        reinterpret_cast<Bytes16*>(tmp)[j] = reinterpret_cast<const Bytes16*>(at)[j];
+      }
+    } else if constexpr (BYTES == 8) {
+      *reinterpret_cast<Bytes8*>(tmp) = *reinterpret_cast<const Bytes8*>(at);
+    } else if constexpr (BYTES == 4) {
+      *reinterpret_cast<unsigned*>(tmp) = *reinterpret_cast<const unsigned*>(at);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) tmp[i] = at[i];
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) x[i] = LOAD(&tmp[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) x[i] = LOAD(at + i);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
     const T* __restrict__ q, const T* __restrict__ kn, const T* __restrict__ vn,
     float* __restrict__ part, const __grid_constant__ Table tab,
     const __grid_constant__ Strides st, int row0, int splits, int chunk, float scale,
-    int hkv) {
-  constexpr int E = D / 32;
+    int hkv, int vec) {
   const int s = blockIdx.x, h = blockIdx.y, rl = blockIdx.z, r = row0 + rl;
   const RowKv& row = tab.r[rl];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -87,10 +126,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
   float qv[NREP][E], acc[NREP][E], m[NREP], l[NREP];
 #pragma unroll
   for (int g = 0; g < NREP; ++g) {
-    const T* qp = q + r * st.qb + (h * NREP + g) * st.qh;
+    load_row(q + r * st.qb + (h * NREP + g) * st.qh, lane, vec, qv[g]);
 #pragma unroll
     for (int i = 0; i < E; ++i) {
-      qv[g][i] = LOAD(qp + lane + 32 * i) * scale;
+      qv[g][i] *= scale;
       acc[g][i] = 0.f;
     }
     m[g] = NEG_INF;
@@ -116,10 +155,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
         kp = knew;
         vp = vnew;
       }
+      if (ok[u]) {
+        load_row(kp, lane, vec, kk[u]);
+        load_row(vp, lane, vec, vv[u]);
+      } else {
 #pragma unroll
-      for (int i = 0; i < E; ++i) {
-        kk[u][i] = ok[u] ? LOAD(kp + lane + 32 * i) : 0.f;
-        vv[u][i] = ok[u] ? LOAD(vp + lane + 32 * i) : 0.f;
+        for (int i = 0; i < E; ++i) kk[u][i] = vv[u][i] = 0.f;
       }
     }
 #pragma unroll
@@ -162,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
 #pragma unroll
   for (int g = 0; g < NREP; ++g) {
 #pragma unroll
-    for (int i = 0; i < E; ++i) sm[warp][g][lane + 32 * i] = acc[g][i];
+    for (int i = 0; i < E; ++i) sm[warp][g][lane * E + i] = acc[g][i];
     if (lane == 0) {
       sm[warp][g][D] = m[g];
       sm[warp][g][D + 1] = l[g];
