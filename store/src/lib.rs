@@ -93,7 +93,7 @@ pub use queued_bytes::QUEUE_RESUME_SHARE;
 pub use ram::{Evicted, RamTier};
 pub use remote::RemoteConfig;
 pub use ssd::{PutJob, ReadOutcome, SsdEntry, SsdOptions, SsdTier, WriteOutcome};
-pub use stats::StoreStats;
+pub use stats::{LoadPhases, StoreStats};
 pub use store::{
     redact, BlockProblem, LoadedPrefix, PrefixHit, StopReason, Store, StoreConfig, Tier,
     WritePolicy, WritesPaused,

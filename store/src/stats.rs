@@ -25,6 +25,13 @@ pub(crate) struct Counters {
     pub write_busy_us: AtomicU64,
     pub write_sync_us: AtomicU64,
     pub ssd_read_us: AtomicU64,
+    pub load_plan_us: AtomicU64,
+    pub load_start_us: AtomicU64,
+    pub load_wait_us: AtomicU64,
+    pub load_promote_us: AtomicU64,
+    pub load_join_us: AtomicU64,
+    pub load_touch_us: AtomicU64,
+    pub load_us: AtomicU64,
     pub orphans_swept: AtomicU64,
     pub remote_hits: AtomicU64,
     pub remote_misses: AtomicU64,
@@ -52,6 +59,29 @@ impl Counters {
     pub fn get(c: &AtomicU64) -> u64 {
         c.load(Ordering::Relaxed)
     }
+}
+
+/// Microseconds of `load_prefix` calls by phase, summed over loads, on the loading thread's
+/// clock. The phases run one after the other, so they sum to at most `loads_us`; the rest
+/// is the walk's checks of each block (namespace, key, tokens, layout) and the calls'
+/// bookkeeping.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadPhases {
+    /// Planning the SSD reads: the index lookups of every key (RAM, pending writes, SSD).
+    pub plan_us: u64,
+    /// Starting the reader threads.
+    pub start_us: u64,
+    /// Waiting for blocks not in RAM: for a reader's result, a read on the loading thread,
+    /// or the remote tier.
+    pub wait_us: u64,
+    /// Promoting SSD and remote hits into RAM (and queueing what that evicts).
+    pub promote_us: u64,
+    /// Waiting for the reader threads to end after the walk.
+    pub join_us: u64,
+    /// Marking the loaded chain as used ([`Store::touch_chain`](crate::Store::touch_chain)).
+    pub touch_us: u64,
+    /// The loads' whole wall time.
+    pub loads_us: u64,
 }
 
 /// A snapshot of the store's sizes and counters.
@@ -115,6 +145,10 @@ pub struct StoreStats {
     /// wall time, what of it the disk and the checksums took.
     #[serde(default)]
     pub ssd_read_us: u64,
+    /// Where `load_prefix`'s wall time went, summed over loads ([`LoadPhases`]): against
+    /// `ssd_read_us`, what a load spent outside its file reads.
+    #[serde(default)]
+    pub load_phases: LoadPhases,
     /// Orphaned temporary files removed at open.
     pub orphans_swept: u64,
     /// Whether a remote tier is configured.
@@ -169,6 +203,15 @@ impl StoreStats {
             write_busy_us: g(&c.write_busy_us),
             write_sync_us: g(&c.write_sync_us),
             ssd_read_us: g(&c.ssd_read_us),
+            load_phases: LoadPhases {
+                plan_us: g(&c.load_plan_us),
+                start_us: g(&c.load_start_us),
+                wait_us: g(&c.load_wait_us),
+                promote_us: g(&c.load_promote_us),
+                join_us: g(&c.load_join_us),
+                touch_us: g(&c.load_touch_us),
+                loads_us: g(&c.load_us),
+            },
             orphans_swept: g(&c.orphans_swept),
             remote_hits: g(&c.remote_hits),
             remote_misses: g(&c.remote_misses),

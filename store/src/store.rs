@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -951,11 +951,19 @@ impl<F: FileSystem> Store<F> {
             out.stopped = (!keys.is_empty()).then_some(StopReason::UnknownNamespace);
             return out;
         };
+        let c = &self.shared.counters;
+        let since = |t: Instant, counter: &AtomicU64| {
+            Counters::add(counter, t.elapsed().as_micros() as u64);
+            Instant::now()
+        };
+        let started = Instant::now();
         // The SSD files this load will read, in order: every key up to the first that no
         // local tier holds, less those in RAM. Readers fetch and verify them in parallel.
         let plan = ReadPlan::new(self.ssd_read_plan(ns, keys), self.shared.config.ssd_readers);
+        let mut t = since(started, &c.load_plan_us);
         std::thread::scope(|scope| {
             let mut ahead = ReadAhead::start(scope, self.shared.ssd.as_ref(), ns, keys, &plan);
+            since(t, &c.load_start_us);
             let mut walk = Walk {
                 keys,
                 tokens_per_block,
@@ -964,8 +972,12 @@ impl<F: FileSystem> Store<F> {
                 each: &mut each,
             };
             self.load_in_order(ns, &desc, &mut walk);
+            t = Instant::now();
         });
+        t = since(t, &c.load_join_us);
         self.touch_chain(ns, &keys[..out.blocks.len()]);
+        since(t, &c.load_touch_us);
+        since(started, &c.load_us);
         out
     }
 
@@ -1047,11 +1059,13 @@ impl<F: FileSystem> Store<F> {
                 continue;
             }
             Counters::inc(&c.ram_misses);
+            let waited = Instant::now();
             let local = match (ahead.take(index), &self.shared.ssd) {
                 (Some(outcome), _) => outcome,
                 (None, Some(ssd)) => ssd.read(ns, key, false),
                 (None, None) => ReadOutcome::Miss,
             };
+            Counters::add(&c.load_wait_us, waited.elapsed().as_micros() as u64);
             let (block, tier) = match local {
                 ReadOutcome::Hit(b) => (b, Tier::Ssd),
                 ReadOutcome::Miss => {
@@ -1101,9 +1115,11 @@ impl<F: FileSystem> Store<F> {
             let position = block.meta.position;
             let p = Arc::new(block);
             first_position.get_or_insert(position);
+            let promoted = Instant::now();
             let evicted = lock(&self.shared.ram).insert(p.clone());
             Counters::inc(&c.promotions);
             self.spill(evicted);
+            Counters::add(&c.load_promote_us, promoted.elapsed().as_micros() as u64);
             each(index, &p, tier);
             out.blocks.push((p, tier));
         }

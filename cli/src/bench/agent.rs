@@ -118,6 +118,10 @@ struct TurnResult {
     /// the checksums took.
     #[serde(skip_serializing_if = "Option::is_none")]
     ssd_reads: Option<(u64, f64)>,
+    /// SSD arms: the store's loads of the turn by phase, microseconds summed over loads
+    /// (store's `LoadPhases`): where a load's time outside its file reads went.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ssd_load_phases: Option<store::LoadPhases>,
     /// SSD arms: the cost model's SSD samples after the turn, oldest first, each (blocks,
     /// seconds of the load).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -225,6 +229,7 @@ fn from_report((generated, r): &Turn, written: u64) -> TurnResult {
         ssd_bytes_written: written,
         ssd_stored_bytes: 0,
         ssd_reads: None,
+        ssd_load_phases: None,
         ssd_samples: Vec::new(),
         estimates: None,
         ttft_runs_s: Vec::new(),
@@ -381,6 +386,7 @@ impl Ctx<'_> {
                     let stats = pc.stats();
                     t.ssd_stored_bytes = stats.ssd_bytes;
                     t.ssd_reads = Some((stats.ssd_hits, stats.ssd_read_us as f64 / 1e6));
+                    t.ssd_load_phases = Some(stats.load_phases);
                     t.ssd_samples = pc.ssd_samples();
                     t.estimates = Some(TurnEstimates::of(&pc));
                     out.push(t);

@@ -322,6 +322,15 @@ fn write_through_persists_without_eviction_and_flush_is_durable() {
         st.ssd_read_us > 0 && st.ssd_read_us <= wall_us,
         "{st:?}, load {wall_us} µs"
     );
+    // The load's phases follow one another within its wall time; with one reader every
+    // file is read while the walk waits for it.
+    let p = st.load_phases;
+    let phases = p.plan_us + p.start_us + p.wait_us + p.promote_us + p.join_us + p.touch_us;
+    assert!(
+        phases <= p.loads_us && p.loads_us <= wall_us,
+        "{p:?}, load {wall_us} µs"
+    );
+    assert!(p.wait_us >= st.ssd_read_us, "{p:?}, {st:?}");
 }
 
 /// A namespace whose blocks may leave out their "window" layer (`l1.*`): whole blocks
