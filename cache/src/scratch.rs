@@ -172,18 +172,20 @@ mod tests {
 
     #[test]
     fn prewarming_page_locks_the_kept_size_once_and_nothing_on_the_cpu() {
-        let small = with_scratch_pair(64, |a, b| (a.as_ptr() as usize, b.as_ptr() as usize));
-        let made = prewarm_scratch(2);
+        // Each test runs on a thread of its own: its buffers start unmade.
         let at = |len| with_scratch_pair(len, |a, b| (a.as_ptr() as usize, b.as_ptr() as usize));
         if mlx::direct_transfers() {
-            // Both buffers now hold the kept size: a request of any kept size reuses them,
-            // and prewarming again makes nothing.
-            assert!(made > 0);
+            // Prewarming page-locks both buffers at the kept size; a request of any kept size
+            // then reuses them, and prewarming again makes nothing. (Before session 54 the
+            // test used the buffers first, which on a GPU already made them at the kept
+            // size, so the prewarm it checked made nothing and the test failed there.)
+            assert_eq!(prewarm_scratch(2), 2 * KEEP_BYTES);
             assert_eq!(at(KEEP_BYTES), at(64));
             assert_eq!(prewarm_scratch(2), 0);
         } else {
             // No page-locked memory: nothing is made and the buffers stay as they were.
-            assert_eq!(made, 0);
+            let small = at(64);
+            assert_eq!(prewarm_scratch(2), 0);
             assert_eq!(at(64), small);
         }
     }
