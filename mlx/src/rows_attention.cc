@@ -38,8 +38,6 @@
 #ifdef KVSTORE_CUDA
 
 #include <algorithm>
-#include <cstdint>
-#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -151,19 +149,7 @@ RowSpans row_spans(const std::vector<RowMeta>& rows, const std::vector<mx::array
   return s;
 }
 
-// The keys each split of the partial kernel takes and how many splits the longest row needs:
-// splits of 16 keys (one pass of a block's four warps, four keys each) and more, doubled
-// until at most 2,048 blocks of work. Short splits keep the GPU's SMs busy in a decode step of
-// one row: at 512 keys and 8 kv heads, 64-key splits gave 64 blocks for 132 SMs, each warp
-// walking 16 keys one load after the other. At long contexts they lengthen the merge, whose
-// threads walk every split of their head in turn (256 a head at 8,192 keys): the 8B's step
-// there was no shorter than with 64-key splits (docs/benchmarks.md, session 54).
-//
-// Variables for measuring against the kernel before session 54 in one run:
-// KVSTORE_DECODE_MIN_SPLIT=64 (the shortest split), KVSTORE_DECODE_KEYS_PER_LOAD=1 (keys a
-// warp loads at once; 1 walks the keys in the old loop's order) and
-// KVSTORE_DECODE_VECTOR_LOADS=0 (element by element; a lane now holds adjacent elements,
-// where it held every 32nd before).
+// A whole number from the environment variable `name` in lo..hi, `fallback` where unset.
 int env_int(const char* name, int fallback, int lo, int hi) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == 0) return fallback;
@@ -181,6 +167,19 @@ int min_split() {
   return n;
 }
 
+// The keys each split of the partial kernel takes and how many splits the longest row needs:
+// splits of 16 keys (one pass of a block's four warps, four keys each) and more, doubled
+// until at most 2,048 blocks of work. Short splits keep the GPU's SMs busy in a decode step of
+// one row: at 512 keys and 8 kv heads, 64-key splits gave 64 blocks for 132 SMs, each warp
+// walking 16 keys one load after the other. At long contexts they lengthen the merge, whose
+// threads walk every split of their head in turn (256 a head at 8,192 keys): the 8B's step
+// there was no shorter than with 64-key splits (docs/benchmarks.md, session 54).
+//
+// Variables for measuring against the kernel before session 54 in one run:
+// KVSTORE_DECODE_MIN_SPLIT=64 (the shortest split), KVSTORE_DECODE_KEYS_PER_LOAD=1 (keys a
+// warp loads at once; 1 walks the keys in the old loop's order) and
+// KVSTORE_DECODE_VECTOR_LOADS=0 (element by element; a lane now holds adjacent elements,
+// where it held every 32nd before).
 std::pair<int, int> split_of(int b, int hkv, int64_t longest) {
   int chunk = min_split();
   auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
