@@ -857,22 +857,24 @@ fn lookups_and_reads_do_not_wait_for_the_journals_compaction() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
     stop.store(true, Ordering::SeqCst);
-    let asked = {
+    let (asker, asked) = {
         let tier = tier.clone();
         let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
+        let asker = std::thread::spawn(move || {
             let present = tier.contains(k1.0, k1.1);
             let read = matches!(tier.get(k2.0, k2.1), ReadOutcome::Hit(_));
             tier.touch(k1.0, k1.1);
             let _ = tx.send((present, read));
         });
-        rx.recv_timeout(std::time::Duration::from_secs(10))
+        (asker, rx.recv_timeout(std::time::Duration::from_secs(10)))
     };
     fs.release_syncs();
     assert_eq!(
         asked.expect("a lookup, read or touch waited for the journal compaction's fsync"),
         (true, true)
     );
+    // Both threads gone with their handles on the tier before it is opened again.
+    asker.join().unwrap();
     toucher.join().unwrap();
     let journal = fs.files()[&root().join(store::format::JOURNAL_FILE)].len();
     assert!(
