@@ -279,17 +279,12 @@ case "$step" in
       make_smollm2_rand "$d"
       # RUNS13=N: the 13-turn session N times (agent13-1, -2, ...; ARMS13 its arms); SKIP32=1:
       # no 32K session after it
-      if [ -n "${RUNS13:-}" ]; then
-        for i in $(seq 1 "$RUNS13"); do
-          { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-              --arms ${ARMS13:-cold,device,ram,ssd,mlx-lm} --out "$OUT/agent13-$i" 2>&1; } > "$OUT/agent13-$i.log"
-          tail -n 12 "$OUT/agent13-$i.log"
-        done
-      else
+      for i in $(seq 1 "${RUNS13:-1}"); do
+        tag=agent13; [ -n "${RUNS13:-}" ] && tag=agent13-$i
         { timeout 150 "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \
-            --arms cold,device,ram,ssd,mlx-lm --out "$OUT/agent13" 2>&1; } > "$OUT/agent13.log"
-        tail -n 26 "$OUT/agent13.log"
-      fi
+            --arms ${ARMS13:-cold,device,ram,ssd,mlx-lm} --out "$OUT/$tag" 2>&1; } > "$OUT/$tag.log"
+        tail -n 26 "$OUT/$tag.log"
+      done
       if [ -n "${SKIP32:-}" ]; then echo "step $step: $(( $(date +%s) - START ))s"; exit 0; fi
       s=$(mem device)
       { timeout ${LIMIT32:-300} "$BIN/kvstore" bench agent --model "$d" --python "$py" --mlx-lm-model "$d" \

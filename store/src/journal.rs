@@ -140,8 +140,8 @@ impl<W: WritableFile> Compacted<W> {
 
     /// Appends `later` (records appended to the old journal since the snapshot, buffered),
     /// renames the file into place and opens it for appending. The rename is not yet
-    /// durable: the caller syncs the directory ([`Journal::sync_parent`]), and may do so
-    /// after releasing its lock (the old journal or the new one is there after a crash,
+    /// durable: the caller syncs the journal's directory, and may do so after releasing its
+    /// lock (the old journal or the new one is there after a crash,
     /// both valid). On failure the temp file is removed and the old journal stays.
     pub fn install<F: FileSystem<Writer = W>>(
         mut self,

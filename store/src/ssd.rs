@@ -1074,23 +1074,10 @@ impl<F: FileSystem> SsdTier<F> {
                 }
                 c.install(&self.fs, &later)
             });
-            match installed {
-                Ok(j) => {
-                    st.journal = Some(j);
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            }
+            installed.map(|j| st.journal = Some(j))
         };
-        let synced = installed.and_then(|()| {
-            let st = lock(&self.state);
-            let parent = st
-                .journal
-                .as_ref()
-                .and_then(|j| j.path().parent().map(Path::to_owned));
-            drop(st);
-            parent.map_or(Ok(()), |p| self.fs.sync_dir(&p))
-        });
+        // The journal lives in the tier's root: its rename is durable once that is synced.
+        let synced = installed.and_then(|()| self.fs.sync_dir(&self.root));
         if let Err(e) = synced {
             tracing::warn!(path = %crate::escape_path(&path), error = %e, "journal compaction failed");
         }

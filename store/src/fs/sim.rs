@@ -138,6 +138,19 @@ impl CallGate {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Holds (`true`) or lets through (`false`) this gate's calls from now on.
+    fn set_held(&self, held: bool) {
+        self.lock().0 = held;
+        if !held {
+            self.released.notify_all();
+        }
+    }
+
+    /// How many calls wait now.
+    fn waiting(&self) -> usize {
+        self.lock().1
+    }
+
     /// Waits while calls are held.
     fn pass(&self) {
         let mut st = self.lock();
@@ -342,36 +355,34 @@ impl SimFs {
     /// [`release_removals`](Self::release_removals): a test can then look at what other
     /// threads do while a removal is in progress.
     pub fn hold_removals(&self) {
-        self.removals.lock().0 = true;
+        self.removals.set_held(true);
     }
 
     /// Lets held and later `remove_file` calls run.
     pub fn release_removals(&self) {
-        self.removals.lock().0 = false;
-        self.removals.released.notify_all();
+        self.removals.set_held(false);
     }
 
     /// How many `remove_file` calls are waiting now.
     pub fn removals_waiting(&self) -> usize {
-        self.removals.lock().1
+        self.removals.waiting()
     }
 
     /// From now on every fsync (a file's `sync_all` / `sync_data`, `sync_dir`) waits, before
     /// doing anything, until [`release_syncs`](Self::release_syncs): a test can then look at
     /// what other threads do while a slow disk flush is in progress.
     pub fn hold_syncs(&self) {
-        self.syncs.lock().0 = true;
+        self.syncs.set_held(true);
     }
 
     /// Lets held and later fsyncs run.
     pub fn release_syncs(&self) {
-        self.syncs.lock().0 = false;
-        self.syncs.released.notify_all();
+        self.syncs.set_held(false);
     }
 
     /// How many fsyncs are waiting now.
     pub fn syncs_waiting(&self) -> usize {
-        self.syncs.lock().1
+        self.syncs.waiting()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
