@@ -71,8 +71,8 @@ pub struct LoadPhases {
     pub plan_us: u64,
     /// Starting the reader threads.
     pub start_us: u64,
-    /// Waiting for blocks not in RAM: for a reader's result, a read on the loading thread,
-    /// or the remote tier.
+    /// Waiting for SSD blocks: for a reader's result, or a read on the loading thread (the
+    /// remote tier's round trips are `remote_fetch_us`).
     pub wait_us: u64,
     /// Promoting SSD and remote hits into RAM (and queueing what that evicts).
     pub promote_us: u64,
