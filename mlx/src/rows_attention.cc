@@ -175,15 +175,18 @@ int min_split() {
 // threads walk every split of their head in turn (256 a head at 8,192 keys): the 8B's step
 // there was no shorter than with 64-key splits (docs/benchmarks.md, session 54).
 //
+// KVSTORE_DECODE_MAX_BLOCKS sets the 2,048 (fewer blocks: longer splits, a shorter merge).
+//
 // Variables for measuring against the kernel before session 54 in one run:
 // KVSTORE_DECODE_MIN_SPLIT=64 (the shortest split), KVSTORE_DECODE_KEYS_PER_LOAD=1 (keys a
 // warp loads at once; 1 walks the keys in the old loop's order) and
 // KVSTORE_DECODE_VECTOR_LOADS=0 (element by element; a lane now holds adjacent elements,
 // where it held every 32nd before).
 std::pair<int, int> split_of(int b, int hkv, int64_t longest) {
+  static const int max_blocks = env_int("KVSTORE_DECODE_MAX_BLOCKS", 2048, 1, 1 << 20);
   int chunk = min_split();
   auto blocks = [&](int c) { return int64_t(b) * hkv * ((longest + c - 1) / c); };
-  while (chunk < 4096 && blocks(chunk) > 2048) chunk *= 2;
+  while (chunk < 4096 && blocks(chunk) > max_blocks) chunk *= 2;
   return {chunk, int((longest + chunk - 1) / chunk)};
 }
 
@@ -217,6 +220,20 @@ struct Kernels {
 };
 
 // The kernels for (dtype, D, NREP) on the current device, compiled once per process.
+// The merge kernel's split groups at head dimension `d` (its block is d × groups threads):
+// 8 up to 64, 4 up to 128, 2 beyond, as the source's default; KVSTORE_DECODE_MERGE_GROUPS=1
+// merges a head's splits in one walk, as before session 55.
+int merge_groups(int d) {
+  static const int set = env_int("KVSTORE_DECODE_MERGE_GROUPS", 0, 0, 32);
+  const int g = set > 0 ? set : (d > 128 ? 2 : (d > 64 ? 4 : 8));
+  if (d * g > 1024) {
+    throw std::invalid_argument("KVSTORE_DECODE_MERGE_GROUPS=" + std::to_string(g) +
+                                " makes more than 1,024 threads a block at head dimension " +
+                                std::to_string(d));
+  }
+  return g;
+}
+
 Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int>, Kernels> cache;
@@ -238,6 +255,7 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   // 0: the source's default (4 keys, 2 at head dimension 256)
   static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 8);
   std::string src = (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
+                    "#define MG " + std::to_string(merge_groups(d)) + "\n" +
                     "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
                     store + "\n#define D " + std::to_string(d) + "\n#define NREP " +
                     std::to_string(nrep) + "\n" + kSource;
@@ -398,8 +416,8 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
       void* op = mx::gpu_ptr<void>(out);
       int r0 = row0, sp = splits, h = hq;
       void* args[] = {&pp, &op, &r0, &sp, &h};
-      enc.add_kernel_node_raw(kern.combine, dim3(hq, n, 1), dim3(d, 1, 1), dim3(1, 1, 1), 0,
-                              args);
+      enc.add_kernel_node_raw(kern.combine, dim3(hq, n, 1), dim3(d, merge_groups(d), 1),
+                              dim3(1, 1, 1), 0, args);
     }
   }
 }

@@ -15,7 +15,11 @@
 // Each warp keeps an online softmax over its keys; the warps' states are merged and written
 // as (acc[D], max, sum) per query head and split.
 //
-// `rows_combine`: grid (q heads, rows), D threads: merges a row's splits into its output.
+// `rows_combine`: grid (q heads, rows), D × MG threads: merges a row's splits into its
+// output. Thread (e, g) merges element e of splits g, g + MG, g + 2·MG, ... (two passes: their
+// largest max, then the rescaled sums), and the MG groups' states are merged through shared
+// memory. One group walked all of a head's splits in turn before session 55: 256 a head at
+// 8,192 keys, two dependent walks of L2 loads per layer.
 R"KVSRC(
 #define WARPS 4
 #define ROWS 32
@@ -23,6 +27,10 @@ R"KVSRC(
 // keys a warp loads at once: 4, or 2 where a key row is long (registers); the host may set it
 #ifndef KPW
 #define KPW (D > 128 ? 2 : 4)
+#endif
+// split groups of the merge: D × MG threads a block, 256-512; the host may set it (1: serial)
+#ifndef MG
+#define MG (D > 128 ? 2 : (D > 64 ? 4 : 8))
 #endif
 
 struct RowKv {
@@ -235,20 +243,41 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
 
 extern "C" __global__ void rows_combine(const float* __restrict__ part, T* __restrict__ out,
                                         int row0, int splits, int hq) {
-  const int hqi = blockIdx.x, r = row0 + blockIdx.y, e = threadIdx.x;
+  const int hqi = blockIdx.x, r = row0 + blockIdx.y, e = threadIdx.x, g = threadIdx.y;
   const float* p = part + (long long)(r * hq + hqi) * splits * (D + 2);
   float mx = NEG_INF;
 #pragma unroll 8
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, p[s * (D + 2) + D]);
+  for (int s = g; s < splits; s += MG) mx = fmaxf(mx, p[s * (D + 2) + D]);
   float a = 0.f, sum = 0.f;
 #pragma unroll 8
-  for (int s = 0; s < splits; ++s) {
+  for (int s = g; s < splits; s += MG) {
     const float ms = p[s * (D + 2) + D];
     if (ms == NEG_INF) continue;
     const float c = __expf(ms - mx);
     a += p[s * (D + 2) + e] * c;
     sum += p[s * (D + 2) + D + 1] * c;
   }
+#if MG > 1
+  // The groups' states, merged by group 0: a group whose splits were all empty (or that had
+  // none, where splits < MG) has max -inf and adds nothing.
+  __shared__ float ga[MG][D];
+  __shared__ float gm[MG], gsum[MG];
+  ga[g][e] = a;
+  if (e == 0) gm[g] = mx, gsum[g] = sum;
+  __syncthreads();
+  if (g != 0) return;
+  mx = NEG_INF;
+#pragma unroll
+  for (int i = 0; i < MG; ++i) mx = fmaxf(mx, gm[i]);
+  a = 0.f, sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < MG; ++i) {
+    if (gm[i] == NEG_INF) continue;
+    const float c = __expf(gm[i] - mx);
+    a += ga[i][e] * c;
+    sum += gsum[i] * c;
+  }
+#endif
   STORE(out + (long long)(r * hq + hqi) * D + e, a / sum);
 }
 )KVSRC"
