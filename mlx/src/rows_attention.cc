@@ -254,7 +254,13 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   }
   // 0: the source's default (4 keys, 2 at head dimension 256)
   static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 8);
+  // 0: no floor on the partial kernel's blocks per SM (the compiler picks its registers)
+  static const int minb = env_int("KVSTORE_DECODE_MIN_BLOCKS_PER_SM", 0, 0, 16);
+  // 1: a pass's dot products summed across the warp together (the source's XSUM)
+  static const int xsum = env_int("KVSTORE_DECODE_SUMS_TOGETHER", 0, 0, 1);
   std::string src = (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
+                    (minb > 0 ? "#define MINB " + std::to_string(minb) + "\n" : std::string()) +
+                    "#define XSUM " + std::to_string(xsum) + "\n" +
                     "#define MG " + std::to_string(merge_groups(d)) + "\n" +
                     "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
                     store + "\n#define D " + std::to_string(d) + "\n#define NREP " +

@@ -28,6 +28,27 @@ R"KVSRC(
 #ifndef KPW
 #define KPW (D > 128 ? 2 : 4)
 #endif
+// blocks of the partial kernel an SM should hold at once (caps its registers; 1: no cap)
+#ifndef MINB
+#define MINB 1
+#endif
+#if MINB > 1
+#define BOUNDS __launch_bounds__(WARPS * 32, MINB)
+#else
+#define BOUNDS __launch_bounds__(WARPS * 32)
+#endif
+// 1: the NREP × KPW dot products of a pass are summed across the warp together (a
+// reduce-scatter, then a broadcast: NREP·KPW - 1 + log2(32 / (NREP·KPW)) + NREP·KPW
+// shuffles) instead of each by its own butterfly (5 · NREP · KPW); only where NREP · KPW is
+// a power of two up to 32
+#ifndef XSUM
+#define XSUM 0
+#endif
+#define NDOT (NREP * KPW)
+#if XSUM && ((NDOT & (NDOT - 1)) != 0 || NDOT > 32)
+#undef XSUM
+#define XSUM 0
+#endif
 // split groups of the merge: D × MG threads a block, 256-512; the host may set it (1: serial)
 #ifndef MG
 #define MG (D > 128 ? 2 : (D > 64 ? 4 : 8))
@@ -108,7 +129,7 @@ __device__ __forceinline__ void load_row(const T* p, int lane, int vec, float (&
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
+extern "C" __global__ void BOUNDS rows_partial(
     const T* __restrict__ q, const T* __restrict__ kn, const T* __restrict__ vn,
     float* __restrict__ part, const __grid_constant__ Table tab,
     const __grid_constant__ Strides st, int row0, int splits, int chunk, float scale,
@@ -171,9 +192,48 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
         for (int i = 0; i < E; ++i) kk[u][i] = vv[u][i] = 0.f;
       }
     }
+#if XSUM
+    // Every lane's part of every dot product of the pass, summed across the warp together:
+    // each step halves the values a lane keeps (the upper half where its lane bit is set)
+    // and adds its partner's; after log2(NDOT) steps lane j holds value j >> (5 - log2(NDOT))
+    // summed over its group, the remaining steps sum that one value over the whole warp, and
+    // each value is then read from the first lane that holds it.
+    float all[NDOT];
+#pragma unroll
+    for (int g = 0; g < NREP; ++g) {
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) {
+        float d = 0.f;
+#pragma unroll
+        for (int i = 0; i < E; ++i) d += qv[g][i] * kk[u][i];
+        all[g * KPW + u] = d;
+      }
+    }
+    constexpr int LOGN = NDOT >= 32 ? 5 : NDOT >= 16 ? 4 : NDOT >= 8 ? 3 : NDOT >= 4 ? 2 : NDOT >= 2 ? 1 : 0;
+#pragma unroll
+    for (int k = 0, n = NDOT; k < LOGN; ++k, n >>= 1) {
+      const int o = 16 >> k;
+      const bool upper = lane & o;
+#pragma unroll
+      for (int j = 0; j < n / 2; ++j) {
+        const float send = upper ? all[j] : all[j + n / 2];
+        const float keep = upper ? all[j + n / 2] : all[j];
+        all[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+    }
+#pragma unroll
+    for (int o = 16 >> LOGN; o > 0; o >>= 1) all[0] += __shfl_xor_sync(0xffffffffu, all[0], o);
+    const float mine = all[0];
+#pragma unroll
+    for (int j = 0; j < NDOT; ++j) all[j] = __shfl_sync(0xffffffffu, mine, j << (5 - LOGN));
+#endif
 #pragma unroll
     for (int g = 0; g < NREP; ++g) {
       float dot[KPW];
+#if XSUM
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) dot[u] = all[g * KPW + u];
+#else
 #pragma unroll
       for (int u = 0; u < KPW; ++u) {
         dot[u] = 0.f;
@@ -185,6 +245,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) rows_partial(
 #pragma unroll
         for (int u = 0; u < KPW; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
       }
+#endif
       // key tb is always in range, so the new maximum is finite and m[g] = -inf scales by 0
       float mn = m[g];
 #pragma unroll

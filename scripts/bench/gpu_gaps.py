@@ -2,6 +2,7 @@
 CUPTI trace (`device.sh ct`, scripts/cuda/cupti_trace.c).
 
 Usage: gpu_gaps.py ARM=RUN.sqlite|RUN.txt[.gz] [ARM=...] [--steps 48] [--head-us 200]
+       [--kernels 6]
 
 Each file is `nsys export --type sqlite` of a run that prefilled a prompt and then decoded
 one row, traced with `--trace cuda --cuda-graph-trace node` (every kernel of a CUDA graph is
@@ -10,7 +11,8 @@ launch each kernel ran in: gaps are then also split by whether they fall inside 
 or between two). A decode step ends with the LM head's product, the longest kernel of a
 step; the last --steps kernels longer than --head-us of one name (the longest of those)
 mark the last steps (the prefill's kernels come before them). Per arm it prints the median
-step: its wall time (one LM head's end to the next), the time some GPU work ran (kernels,
+step: its wall time (one LM head's end to the next), the --kernels kernels with the most
+time a step (each kernel name's median), the time some GPU work ran (kernels,
 copies and memsets merged), the time the GPU sat idle and in how many gaps, the largest
 gaps with the kernels on either side, the copies and memsets a step (and their directions), the CUDA API calls the host made between
 two LM heads (graph launches, synchronizations, allocations) with their host time, and the
@@ -147,7 +149,7 @@ def load_cupti_text(path):
     return [k[:3] for k in ks], others, api, None, [k[3] for k in ks]
 
 
-def arm_report(label, path, steps, head_us):
+def arm_report(label, path, steps, head_us, kernels_shown=6):
     loaded = load_sqlite(path) if path.endswith(".sqlite") else load_cupti_text(path)
     if loaded is None:
         print(f"== {label}: {path} has no kernel records")
@@ -171,7 +173,7 @@ def arm_report(label, path, steps, head_us):
     heads = heads[-(steps + 1):]
     everything = ks + others
     starts = [k[0] for k in ks]
-    walls, busies, gap_counts, idle, ksums = [], [], [], [], []
+    walls, busies, gap_counts, idle, ksums, by_kernel = [], [], [], [], [], []
     gap_sites = Counter()
     # idle a step inside one CUDA graph launch / between two; launches a step
     within_graph, between_graphs, graph_changes = [], [], []
@@ -184,6 +186,11 @@ def arm_report(label, path, steps, head_us):
         # every kernel from the LM head that opens the step on, clipped to the step
         step_ks = ks[bisect.bisect_left(starts, a[0]):bisect.bisect_left(starts, hi)]
         ksums.append(sum(min(e, hi) - max(s, lo) for s, e, _ in step_ks if e > lo))
+        per_name = defaultdict(int)
+        for s, e, name in step_ks:
+            if e > lo:
+                per_name[name] += min(e, hi) - max(s, lo)
+        by_kernel.append(per_name)
         busies.append(busy)
         idle.append(hi - lo - busy)
         gap_counts.append(sum(1 for g in gaps if g[1] - g[0] > 5000))
@@ -225,6 +232,11 @@ def arm_report(label, path, steps, head_us):
           f" idle median {med(idle) / 1e3:.0f} µs in {med(gap_counts):.0f} gaps over 5 µs")
     print(f"   kernel time a step, summed: median {med(ksums) / 1e3:.0f} µs (over the busy time:"
           f" kernels that ran side by side)")
+    names = set().union(*by_kernel)
+    per_kernel = {k: med([d.get(k, 0) for d in by_kernel]) for k in names}
+    print("   kernel time a step by kernel (median µs, the largest):")
+    for k in sorted(per_kernel, key=lambda k: -per_kernel[k])[:kernels_shown]:
+        print(f"     {per_kernel[k] / 1e3:8.1f}  {short(k)}")
     print(f"   kernels a step: {sum(1 for k in ks if heads[0][1] < k[0] <= heads[-1][1]) / n:.0f}")
     if launches is not None:
         print(f"   CUDA graph launches a step (runs of kernels): median {med(graph_changes) + 1:.0f};"
@@ -253,13 +265,15 @@ def arm_report(label, path, steps, head_us):
 
 
 def main(argv):
-    steps, head_us, arms = 48, 200.0, []
+    steps, head_us, kernels_shown, arms = 48, 200.0, 6, []
     it = iter(argv)
     for a in it:
         if a == "--steps":
             steps = int(next(it))
         elif a == "--head-us":
             head_us = float(next(it))
+        elif a == "--kernels":
+            kernels_shown = int(next(it))
         elif "=" in a:
             arms.append(a.split("=", 1))
         else:
@@ -267,7 +281,7 @@ def main(argv):
     if not arms:
         sys.exit(__doc__)
     for label, path in arms:
-        arm_report(label, path, steps, head_us)
+        arm_report(label, path, steps, head_us, kernels_shown)
 
 
 if __name__ == "__main__":

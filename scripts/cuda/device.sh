@@ -715,7 +715,9 @@ case "$step" in
         timeout "${CT_LIMIT:-200}" "$@" > "$OUT/ct-$arm.out" 2>&1
       echo "== $arm rc=$? lines=$(wc -l < "$K/ct-$arm.txt" 2>/dev/null)"
       grep -E "cupti_trace|^ +[0-9]+ |^\{" "$OUT/ct-$arm.out" | tail -n 4
-      gzip -c "$K/ct-$arm.txt" > "$OUT/ct-$arm.txt.gz"
+      # CT_TRACES=0: the traces and outputs stay here (a call brings back few files: an A/B
+      # of many variants reads its kernels from ct-gaps.txt)
+      if [ "${CT_TRACES:-1}" = 0 ]; then mv "$OUT/ct-$arm.out" "$K/"; else gzip -c "$K/ct-$arm.txt" > "$OUT/ct-$arm.txt.gz"; fi
     }
     arms=()
     IFS=';' read -ra sets <<< "${CT_VARIANTS:-default}"
@@ -732,7 +734,7 @@ case "$step" in
       arms+=("mlxlm=$K/ct-mlxlm.txt")
     fi
     python3 scripts/bench/gpu_gaps.py "${arms[@]}" \
-      --steps $(( ${TOKENS:-64} - 16 )) --head-us ${HEAD_US:-150} 2>&1 | tee "$OUT/ct-gaps.txt"
+      --steps $(( ${TOKENS:-64} - 16 )) --head-us ${HEAD_US:-150} --kernels ${CT_KERNELS:-6} 2>&1 | tee "$OUT/ct-gaps.txt"
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,

@@ -8,7 +8,7 @@ machine without a GPU.
 
 NVRTC needs no GPU: the `nvidia-cuda-nvrtc` wheel (PyPI, the version libmlx's CUDA build
 loads at run time) is downloaded once into .cuda/nvrtc. The source is wrapped the way
-mlx/src/rows_attention.cc wraps it (`MG`, `T`, `LOAD`, `STORE`, `D`, `NREP` defined in front) and
+mlx/src/rows_attention.cc wraps it (`T`, `LOAD`, `STORE`, `D`, `NREP` and the optional `MG`, `XSUM`, `MINB`, `KPW` defined in front) and
 compiled for the H200 (compute_90) with the options the shim uses. Exits non-zero on the
 first variant that does not compile, printing NVRTC's log. A kernel edit that passes here
 still has to pass `device.sh rk` on the GPU (numerics are not checked here).
@@ -87,8 +87,8 @@ def merge_groups(d):
     return 2 if d > 128 else (4 if d > 64 else 8)
 
 
-def compile_variant(lib, body, t, load, store, d, nrep, mg):
-    full = (f"#define MG {mg}\n#define T {t}\n#define LOAD {load}\n#define STORE {store}\n"
+def compile_variant(lib, body, t, load, store, d, nrep, extra):
+    full = (f"{extra}#define T {t}\n#define LOAD {load}\n#define STORE {store}\n"
             f"#define D {d}\n#define NREP {nrep}\n" + body)
     return compile_source(lib, full)
 
@@ -101,11 +101,13 @@ def main():
     for t, load, store in DTYPES:
         for d in HEAD_DIMS:
             for nrep in REPS:
-                # the merge's split groups: the shim's default for D, and 1 (serial)
-                for mg in sorted({merge_groups(d), 1}):
-                    ok, log = compile_variant(lib, body, t, load, store, d, nrep, mg)
+                # the shim's defaults for D, then the serial merge (MG 1) with the dot
+                # products summed together (XSUM 1) and a floor of 6 blocks an SM
+                for extra in (f"#define MG {merge_groups(d)}\n",
+                              "#define MG 1\n#define XSUM 1\n#define MINB 6\n"):
+                    ok, log = compile_variant(lib, body, t, load, store, d, nrep, extra)
                     if not ok:
-                        print(f"FAILED: T={t} LOAD={load} D={d} NREP={nrep} MG={mg}\n{log}")
+                        print(f"FAILED: T={t} LOAD={load} D={d} NREP={nrep} {extra!r}\n{log}")
                         return 1
                     count += 1
     print(f"rows_attention.cu.h: {count} variants compile with NVRTC {VERSION} (compute_90)")
