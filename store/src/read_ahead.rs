@@ -1,4 +1,4 @@
-//! Parallel SSD reads for one prefix load: a few scoped threads read and verify the block
+//! Parallel SSD reads for prefix loads: the store's reader threads read and verify the block
 //! files a load will need, in chain order, while the loading thread checks and promotes the
 //! blocks that have arrived.
 //!
@@ -8,97 +8,168 @@
 //! over cores. Verification stays per block and complete ([`SsdTier::read`]); the loading
 //! thread still checks chain, tokens and layout in order and stops at the first failure,
 //! after which the readers stop taking new files.
+//!
+//! Why the threads live as long as the store ([`SsdReaders`]): until session 55 each load
+//! started its own scoped threads, and on the GPU machine starting two of them took 95-132
+//! ms (`StoreStats::load_phases.start_us`, the 13-turn session's SSD probe: 132 of a 139 ms
+//! load of two blocks whose reads took ~3 ms), where the CPU VM takes microseconds. A load
+//! now only queues its reads.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc::{channel, Receiver};
-use std::thread::Scope;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use crate::fs::FileSystem;
 use crate::key::{BlockKey, NamespaceId};
 use crate::ssd::{ReadOutcome, SsdTier};
 
-/// Default reader threads of one load: enough to keep an NVMe drive busy and the checksums
-/// on several cores, few enough that a short chain does not pay for idle threads.
+/// Default reader threads of a store: enough to keep an NVMe drive busy and the checksums
+/// on several cores.
 pub(crate) const SSD_READERS: usize = 8;
 
-/// The SSD reads of one load and the readers' shared state.
-pub(crate) struct ReadPlan {
-    /// Indices into the load's keys, ascending.
-    indices: Vec<usize>,
-    readers: usize,
-    /// Next position in `indices` a reader takes.
+/// The SSD reads of one load, shared by the readers that work on it.
+struct ReadJob<F: FileSystem> {
+    ssd: Arc<SsdTier<F>>,
+    ns: NamespaceId,
+    /// (index into the load's keys, key), ascending by index.
+    reads: Vec<(usize, BlockKey)>,
+    /// Next position in `reads` a reader takes.
     next: AtomicUsize,
     /// Set when the load is over: readers take no further file.
-    stop: AtomicBool,
+    stop: Arc<AtomicBool>,
+    /// Where each read's outcome goes. The job is the only owner of the sender, so once
+    /// every reader has let go of the job the loading thread's receiver reports it.
+    tx: Sender<(usize, ReadOutcome)>,
 }
 
-impl ReadPlan {
-    /// Reads of `keys[i]` for each `i` in `indices` (ascending) on up to `readers` threads.
-    pub(crate) fn new(indices: Vec<usize>, readers: usize) -> Self {
-        ReadPlan {
-            indices,
-            readers,
-            next: AtomicUsize::new(0),
-            stop: AtomicBool::new(false),
+impl<F: FileSystem> ReadJob<F> {
+    /// Reads files of the job until none is left or the load has stopped.
+    fn work(&self) {
+        loop {
+            if self.stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let Some(&(index, key)) = self.reads.get(self.next.fetch_add(1, Ordering::Relaxed))
+            else {
+                return;
+            };
+            let outcome = self.ssd.read(self.ns, key, false);
+            if self.tx.send((index, outcome)).is_err() {
+                return;
+            }
         }
     }
 }
 
-/// Reads of the planned keys, started in chain order, arriving out of order.
-pub(crate) struct ReadAhead<'scope> {
-    rx: Option<Receiver<(usize, ReadOutcome)>>,
-    arrived: HashMap<usize, ReadOutcome>,
-    planned: HashSet<usize>,
-    stop: &'scope AtomicBool,
+/// The store's SSD reader threads, started when the store opens and shared by every load:
+/// a load hands its job to as many of them as it has files (up to all), and each takes the
+/// job's next file until none is left.
+pub(crate) struct SsdReaders<F: FileSystem> {
+    tx: Option<Sender<Arc<ReadJob<F>>>>,
+    threads: Vec<JoinHandle<()>>,
 }
 
-impl<'scope> ReadAhead<'scope> {
-    /// Starts `plan`'s reads of `keys` on threads of `scope`. With fewer than two planned
-    /// reads or one reader no thread is started and [`take`](Self::take) reads nothing
-    /// ahead; so does `ssd: None`.
-    pub(crate) fn start<'env, F: FileSystem>(
-        scope: &'scope Scope<'scope, 'env>,
-        ssd: Option<&'scope SsdTier<F>>,
+impl<F: FileSystem> SsdReaders<F> {
+    /// `count` reader threads; none for fewer than two (loads then read on their own thread).
+    pub(crate) fn start(count: usize) -> std::io::Result<Self> {
+        let mut readers = SsdReaders {
+            tx: None,
+            threads: Vec::new(),
+        };
+        if count < 2 {
+            return Ok(readers);
+        }
+        let (tx, rx) = channel::<Arc<ReadJob<F>>>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..count {
+            let rx = rx.clone();
+            let thread = std::thread::Builder::new()
+                .name(format!("kvstore-ssd-read-{i}"))
+                .spawn(move || loop {
+                    // The lock is held only while waiting for the next job, not while reading.
+                    let job = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
+                        Ok(job) => job,
+                        Err(_) => return,
+                    };
+                    job.work();
+                })?;
+            readers.threads.push(thread);
+        }
+        readers.tx = Some(tx);
+        Ok(readers)
+    }
+
+    /// Starts the reads of `keys[i]` for each `i` in `indices` (ascending) on up to every
+    /// reader. With fewer than two reads, no readers, or no SSD tier nothing is read ahead
+    /// and [`ReadAhead::take`] leaves each read to the caller.
+    pub(crate) fn start_load(
+        &self,
+        ssd: Option<&Arc<SsdTier<F>>>,
         ns: NamespaceId,
-        keys: &'scope [BlockKey],
-        plan: &'scope ReadPlan,
-    ) -> Self {
+        keys: &[BlockKey],
+        indices: &[usize],
+    ) -> ReadAhead {
+        let stop = Arc::new(AtomicBool::new(false));
         let idle = ReadAhead {
             rx: None,
             arrived: HashMap::new(),
             planned: HashSet::new(),
-            stop: &plan.stop,
+            stop: stop.clone(),
         };
-        let Some(ssd) = ssd else {
+        let (Some(ssd), Some(pool)) = (ssd, &self.tx) else {
             return idle;
         };
-        if plan.indices.len() < 2 || plan.readers < 2 {
+        if indices.len() < 2 {
             return idle;
         }
         let (tx, rx) = channel();
-        for _ in 0..plan.readers.min(plan.indices.len()) {
-            let tx = tx.clone();
-            scope.spawn(move || loop {
-                if plan.stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                let Some(&index) = plan.indices.get(plan.next.fetch_add(1, Ordering::Relaxed))
-                else {
-                    return;
-                };
-                let outcome = ssd.read(ns, keys[index], false);
-                if tx.send((index, outcome)).is_err() {
-                    return;
-                }
-            });
+        let job = Arc::new(ReadJob {
+            ssd: ssd.clone(),
+            ns,
+            reads: indices.iter().map(|&i| (i, keys[i])).collect(),
+            next: AtomicUsize::new(0),
+            stop,
+            tx,
+        });
+        for _ in 0..self.threads.len().min(indices.len()) {
+            if pool.send(job.clone()).is_err() {
+                break;
+            }
         }
+        // Only the readers hold the job now: when the last lets go, `take` sees the end.
+        drop(job);
         let mut ahead = idle;
         ahead.rx = Some(rx);
-        ahead.planned = plan.indices.iter().copied().collect();
+        ahead.planned = indices.iter().copied().collect();
         ahead
     }
 
+    /// Ends the threads once the jobs queued have been worked off.
+    pub(crate) fn shutdown(&mut self) {
+        self.tx = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<F: FileSystem> Drop for SsdReaders<F> {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Reads of one load's planned keys, started in chain order, arriving out of order.
+pub(crate) struct ReadAhead {
+    rx: Option<Receiver<(usize, ReadOutcome)>>,
+    arrived: HashMap<usize, ReadOutcome>,
+    planned: HashSet<usize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl ReadAhead {
     /// The read of `keys[index]` if it was planned (waiting for it to arrive), `None` if it
     /// was not: the caller reads it itself.
     pub(crate) fn take(&mut self, index: usize) -> Option<ReadOutcome> {
@@ -114,14 +185,14 @@ impl<'scope> ReadAhead<'scope> {
                 Ok((i, outcome)) => {
                     self.arrived.insert(i, outcome);
                 }
-                // Every reader gone without it: read it on the caller's thread.
+                // Every reader done with the job without it: read it on the caller's thread.
                 Err(_) => return None,
             }
         }
     }
 }
 
-impl Drop for ReadAhead<'_> {
+impl Drop for ReadAhead {
     /// Readers finish the file in hand and take no other.
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);

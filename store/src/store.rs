@@ -22,7 +22,7 @@ use crate::namespace::NamespaceDescription;
 use crate::pins::{PinnedBytes, Pins};
 use crate::queued_bytes::QueuedBytes;
 use crate::ram::{Evicted, RamTier};
-use crate::read_ahead::{ReadAhead, ReadPlan};
+use crate::read_ahead::{ReadAhead, SsdReaders};
 use crate::remote::{RemoteConfig, RemoteTier};
 use crate::ssd::{is_storage_full, PutJob, ReadOutcome, SsdOptions, SsdTier};
 use crate::stats::{Counters, StoreStats};
@@ -61,8 +61,8 @@ pub struct StoreConfig {
     pub read_only: bool,
     /// A remote tier (Redis) behind RAM and SSD; `None` keeps the store local.
     pub remote: Option<RemoteConfig>,
-    /// Threads that read and verify SSD block files ahead of a prefix load; 1 reads them
-    /// one at a time on the loading thread.
+    /// The store's threads that read and verify SSD block files ahead of prefix loads,
+    /// shared by all loads; 1 reads them one at a time on the loading thread.
     pub ssd_readers: usize,
     /// Which block the RAM and SSD tiers give up when full, and whether a new block may
     /// take its place.
@@ -130,8 +130,9 @@ impl StoreConfig {
         self
     }
 
-    /// Threads reading SSD block files ahead of a prefix load (at least 1; 1 reads on the
-    /// loading thread, one file at a time, as a rotating disk prefers). Default: 8.
+    /// Threads reading SSD block files ahead of prefix loads, started with the store and
+    /// shared by its loads (at least 1; 1 reads on the loading thread, one file at a time, as
+    /// a rotating disk prefers). Default: 8.
     pub fn ssd_readers(mut self, threads: usize) -> Self {
         self.ssd_readers = threads.max(1);
         self
@@ -249,10 +250,10 @@ pub enum StopReason {
 }
 
 /// What [`Store::load_in_order`] walks over and where it puts the blocks.
-struct Walk<'a, 'scope, T> {
+struct Walk<'a, T> {
     keys: &'a [BlockKey],
     tokens_per_block: &'a [T],
-    ahead: &'a mut ReadAhead<'scope>,
+    ahead: &'a mut ReadAhead,
     out: &'a mut LoadedPrefix,
     each: &'a mut dyn FnMut(usize, &Arc<Block>, Tier),
 }
@@ -318,7 +319,7 @@ struct Failures {
 struct Shared<F: FileSystem> {
     config: StoreConfig,
     ram: Mutex<RamTier>,
-    ssd: Option<SsdTier<F>>,
+    ssd: Option<Arc<SsdTier<F>>>,
     remote: Option<RemoteTier>,
     /// Keys no tier evicts before their pin expires.
     pins: Arc<Pins>,
@@ -357,6 +358,8 @@ pub struct WritesPaused<'a> {
 /// [`Store::open_in`] on a `SimFs`).
 pub struct Store<F: FileSystem = RealFs> {
     shared: Arc<Shared<F>>,
+    /// Threads reading SSD files ahead of prefix loads.
+    readers: SsdReaders<F>,
     tx: Option<SyncSender<Job>>,
     worker: Option<JoinHandle<()>>,
     remote_tx: Option<SyncSender<RemoteJob>>,
@@ -441,7 +444,7 @@ impl<F: FileSystem> Store<F> {
                 ram
             }),
             pins,
-            ssd,
+            ssd: ssd.map(Arc::new),
             remote,
             namespaces: RwLock::new(namespaces),
             pending: Mutex::new(HashMap::new()),
@@ -477,8 +480,16 @@ impl<F: FileSystem> Store<F> {
             }
             None => (None, None),
         };
+        // Readers only where there is a disk to read.
+        let readers = SsdReaders::start(if shared.ssd.is_some() {
+            shared.config.ssd_readers
+        } else {
+            0
+        })
+        .map_err(OpenError::Worker)?;
         Ok(Store {
             shared,
+            readers,
             tx,
             worker,
             remote_tx,
@@ -493,7 +504,7 @@ impl<F: FileSystem> Store<F> {
 
     /// The SSD tier, if configured.
     pub fn ssd(&self) -> Option<&SsdTier<F>> {
-        self.shared.ssd.as_ref()
+        self.shared.ssd.as_deref()
     }
 
     /// Pins `keys` of `ns` for `ttl` in every tier ([`Pins::pin`]), the remote tier
@@ -525,7 +536,7 @@ impl<F: FileSystem> Store<F> {
         PinnedBytes {
             keys: self.shared.pins.len(),
             ram_bytes: lock(&self.shared.ram).pinned_bytes(),
-            ssd_bytes: self.shared.ssd.as_ref().map_or(0, SsdTier::pinned_bytes),
+            ssd_bytes: self.shared.ssd.as_deref().map_or(0, SsdTier::pinned_bytes),
         }
     }
 
@@ -959,22 +970,24 @@ impl<F: FileSystem> Store<F> {
         let started = Instant::now();
         // The SSD files this load will read, in order: every key up to the first that no
         // local tier holds, less those in RAM. Readers fetch and verify them in parallel.
-        let plan = ReadPlan::new(self.ssd_read_plan(ns, keys), self.shared.config.ssd_readers);
-        let mut t = since(started, &c.load_plan_us);
-        std::thread::scope(|scope| {
-            let mut ahead = ReadAhead::start(scope, self.shared.ssd.as_ref(), ns, keys, &plan);
-            since(t, &c.load_start_us);
-            let mut walk = Walk {
-                keys,
-                tokens_per_block,
-                ahead: &mut ahead,
-                out: &mut out,
-                each: &mut each,
-            };
-            self.load_in_order(ns, &desc, &mut walk);
-            t = Instant::now();
-        });
-        t = since(t, &c.load_join_us);
+        let plan = self.ssd_read_plan(ns, keys);
+        let t = since(started, &c.load_plan_us);
+        let mut ahead = self
+            .readers
+            .start_load(self.shared.ssd.as_ref(), ns, keys, &plan);
+        since(t, &c.load_start_us);
+        let mut walk = Walk {
+            keys,
+            tokens_per_block,
+            ahead: &mut ahead,
+            out: &mut out,
+            each: &mut each,
+        };
+        self.load_in_order(ns, &desc, &mut walk);
+        let t = Instant::now();
+        // Readers finish the file in hand and take no other.
+        drop(ahead);
+        let t = since(t, &c.load_join_us);
         self.touch_chain(ns, &keys[..out.blocks.len()]);
         since(t, &c.load_touch_us);
         since(started, &c.load_us);
@@ -1008,7 +1021,7 @@ impl<F: FileSystem> Store<F> {
         &self,
         ns: NamespaceId,
         desc: &NamespaceDescription,
-        walk: &mut Walk<'_, '_, T>,
+        walk: &mut Walk<'_, T>,
     ) {
         let Walk {
             keys,
@@ -1249,6 +1262,7 @@ impl<F: FileSystem> Store<F> {
     }
 
     fn shutdown(&mut self) {
+        self.readers.shutdown();
         self.remote_tx = None;
         if let Some(w) = self.remote_worker.take() {
             let _ = w.join();

@@ -424,3 +424,52 @@ fn a_namespace_whose_trimmed_planes_are_not_a_subsequence_is_refused() {
         .push(store::PlaneSpec::new("l9.k", store::Dtype::F32, vec![1]));
     assert!(s.register_namespace(&d).is_err());
 }
+
+/// The store's SSD readers are shared by its loads: loads from several threads at once, on
+/// three readers, each get their whole chain from the SSD, block for block the bytes that
+/// were written, and a store dropped right after its loads ends its readers.
+#[test]
+fn concurrent_loads_share_the_stores_readers() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = common::desc("readers", 2);
+    let chains: Vec<_> = (0..4).map(|seed| common::chain(&d, 24, 40 + seed)).collect();
+    {
+        let s: Store = Store::open(
+            StoreConfig::default()
+                .root(dir.path())
+                .write_policy(WritePolicy::WriteThrough),
+        )
+        .unwrap();
+        s.register_namespace(&d).unwrap();
+        for (blocks, _) in &chains {
+            for b in blocks {
+                s.insert(Arc::new(b.clone())).unwrap();
+            }
+        }
+        s.flush().unwrap();
+    }
+    // A fresh process's store: the RAM tier is empty, every block is on the SSD.
+    let s: Store = Store::open(StoreConfig::default().root(dir.path()).ssd_readers(3)).unwrap();
+    let ns = d.id();
+    std::thread::scope(|scope| {
+        for (blocks, toks) in &chains {
+            let s = &s;
+            scope.spawn(move || {
+                for _ in 0..3 {
+                    let loaded = s.load_prefix(ns, &keys(blocks), toks);
+                    assert_eq!(loaded.stopped, None);
+                    assert_eq!(loaded.blocks.len(), blocks.len());
+                    for ((got, _), want) in loaded.blocks.iter().zip(blocks) {
+                        assert_eq!(got.meta.key, want.meta.key);
+                        assert_eq!(got.planes, want.planes);
+                    }
+                }
+            });
+        }
+    });
+    let st = s.stats();
+    // Each chain's first load read all of it from the SSD (the later ones may find blocks
+    // promoted into RAM).
+    assert!(st.ssd_hits >= 4 * 24, "{st:?}");
+    drop(s);
+}
