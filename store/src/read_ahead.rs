@@ -45,29 +45,35 @@ struct ReadJob<F: FileSystem> {
 }
 
 impl<F: FileSystem> ReadJob<F> {
-    /// Reads files of the job until none is left or the load has stopped.
-    fn work(&self) {
-        loop {
-            if self.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            let Some(&(index, key)) = self.reads.get(self.next.fetch_add(1, Ordering::Relaxed))
-            else {
-                return;
-            };
-            let outcome = self.ssd.read(self.ns, key, false);
-            if self.tx.send((index, outcome)).is_err() {
-                return;
-            }
+    /// Reads the job's next file; whether the job may have more to read.
+    fn read_one(&self) -> bool {
+        if self.stop.load(Ordering::Relaxed) {
+            return false;
         }
+        let Some(&(index, key)) = self.reads.get(self.next.fetch_add(1, Ordering::Relaxed)) else {
+            return false;
+        };
+        let outcome = self.ssd.read(self.ns, key, false);
+        self.tx.send((index, outcome)).is_ok()
+            && self.next.load(Ordering::Relaxed) < self.reads.len()
     }
 }
 
+/// What the reader threads take from their queue.
+enum ReaderMessage<F: FileSystem> {
+    /// A file of this load to read; the reader queues the job again while it has more.
+    Read(Arc<ReadJob<F>>),
+    /// The store is closing: the thread ends.
+    Quit,
+}
+
 /// The store's SSD reader threads, started when the store opens and shared by every load:
-/// a load hands its job to as many of them as it has files (up to all), and each takes the
-/// job's next file until none is left.
+/// a load queues its job once for each reader it may use (as many as it has files, up to
+/// all), and a reader that takes it reads one file and queues it again behind the other
+/// loads' jobs while it has more. So loads at once share the readers file by file: a short
+/// load is not held behind a long one's thousand files.
 pub(crate) struct SsdReaders<F: FileSystem> {
-    tx: Option<Sender<Arc<ReadJob<F>>>>,
+    tx: Option<Sender<ReaderMessage<F>>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -81,23 +87,32 @@ impl<F: FileSystem> SsdReaders<F> {
         if count < 2 {
             return Ok(readers);
         }
-        let (tx, rx) = channel::<Arc<ReadJob<F>>>();
+        let (tx, rx) = channel::<ReaderMessage<F>>();
         let rx = Arc::new(Mutex::new(rx));
+        readers.tx = Some(tx.clone());
         for i in 0..count {
             let rx = rx.clone();
-            let thread = std::thread::Builder::new()
+            let again = tx.clone();
+            let spawned = std::thread::Builder::new()
                 .name(format!("kvstore-ssd-read-{i}"))
                 .spawn(move || loop {
-                    // The lock is held only while waiting for the next job, not while reading.
-                    let job = match rx.lock().unwrap_or_else(|e| e.into_inner()).recv() {
-                        Ok(job) => job,
-                        Err(_) => return,
+                    // The lock is held only while waiting for a message, not while reading.
+                    let message = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                    let Ok(ReaderMessage::Read(job)) = message else {
+                        return;
                     };
-                    job.work();
-                })?;
-            readers.threads.push(thread);
+                    if job.read_one() && again.send(ReaderMessage::Read(job)).is_err() {
+                        return;
+                    }
+                });
+            match spawned {
+                Ok(thread) => readers.threads.push(thread),
+                Err(e) => {
+                    readers.shutdown();
+                    return Err(e);
+                }
+            }
         }
-        readers.tx = Some(tx);
         Ok(readers)
     }
 
@@ -134,7 +149,7 @@ impl<F: FileSystem> SsdReaders<F> {
             tx,
         });
         for _ in 0..self.threads.len().min(indices.len()) {
-            if pool.send(job.clone()).is_err() {
+            if pool.send(ReaderMessage::Read(job.clone())).is_err() {
                 break;
             }
         }
@@ -146,9 +161,14 @@ impl<F: FileSystem> SsdReaders<F> {
         ahead
     }
 
-    /// Ends the threads once the jobs queued have been worked off.
+    /// Ends the threads (each finishes the file in hand). Called when the store closes, so
+    /// no load is waiting: jobs still queued are dropped with the queue.
     pub(crate) fn shutdown(&mut self) {
-        self.tx = None;
+        if let Some(tx) = self.tx.take() {
+            for _ in 0..self.threads.len() {
+                let _ = tx.send(ReaderMessage::Quit);
+            }
+        }
         for t in self.threads.drain(..) {
             let _ = t.join();
         }

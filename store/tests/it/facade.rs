@@ -432,7 +432,9 @@ fn a_namespace_whose_trimmed_planes_are_not_a_subsequence_is_refused() {
 fn concurrent_loads_share_the_stores_readers() {
     let dir = tempfile::tempdir().unwrap();
     let d = common::desc("readers", 2);
-    let chains: Vec<_> = (0..4).map(|seed| common::chain(&d, 24, 40 + seed)).collect();
+    let chains: Vec<_> = (0..4)
+        .map(|seed| common::chain(&d, 24, 40 + seed))
+        .collect();
     {
         let s: Store = Store::open(
             StoreConfig::default()
