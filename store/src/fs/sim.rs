@@ -114,6 +114,8 @@ struct State {
     locks: Vec<PathBuf>,
     /// Most live bytes all files together may hold (ENOSPC beyond).
     capacity: Option<u64>,
+    /// Paths `open_read` opened, in order, once a test asked ([`SimFs::record_opens`]).
+    opened: Option<Vec<PathBuf>>,
 }
 
 /// An in-memory file system with power loss and injected faults. Clones share the files.
@@ -122,10 +124,11 @@ pub struct SimFs {
     state: Arc<Mutex<State>>,
     removals: Arc<CallGate>,
     syncs: Arc<CallGate>,
+    opens: Arc<CallGate>,
 }
 
 /// Holds calls of one kind back while a test asks (see [`SimFs::hold_removals`],
-/// [`SimFs::hold_syncs`]).
+/// [`SimFs::hold_syncs`], [`SimFs::hold_opens`]).
 #[derive(Debug, Default)]
 struct CallGate {
     /// Whether calls are held, and how many wait.
@@ -345,9 +348,11 @@ impl SimFs {
                 off: false,
                 locks: Vec::new(),
                 capacity: None,
+                opened: None,
             })),
             removals: Arc::default(),
             syncs: Arc::default(),
+            opens: Arc::default(),
         }
     }
 
@@ -383,6 +388,32 @@ impl SimFs {
     /// How many fsyncs are waiting now.
     pub fn syncs_waiting(&self) -> usize {
         self.syncs.waiting()
+    }
+
+    /// From now on every `open_read` (the SSD tier's block reads) waits, before doing
+    /// anything, until [`release_opens`](Self::release_opens).
+    pub fn hold_opens(&self) {
+        self.opens.set_held(true);
+    }
+
+    /// Lets held and later `open_read` calls run.
+    pub fn release_opens(&self) {
+        self.opens.set_held(false);
+    }
+
+    /// How many `open_read` calls are waiting now.
+    pub fn opens_waiting(&self) -> usize {
+        self.opens.waiting()
+    }
+
+    /// From now on the paths `open_read` opens are recorded, in order ([`opened`](Self::opened)).
+    pub fn record_opens(&self) {
+        self.state().opened.get_or_insert_with(Vec::new);
+    }
+
+    /// The paths `open_read` opened since [`record_opens`](Self::record_opens), in order.
+    pub fn opened(&self) -> Vec<PathBuf> {
+        self.state().opened.clone().unwrap_or_default()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -720,9 +751,13 @@ impl FileSystem for SimFs {
     }
 
     fn open_read(&self, path: &Path) -> io::Result<SimReader> {
+        self.opens.pass();
         let mut st = self.state();
         st.fail_call(Op::Open)?;
         let ino = st.file(path)?;
+        if let Some(opened) = &mut st.opened {
+            opened.push(path.to_owned());
+        }
         Ok(SimReader {
             fs: self.clone(),
             ino,

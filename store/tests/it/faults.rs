@@ -894,3 +894,83 @@ fn lookups_and_reads_do_not_wait_for_the_journals_compaction() {
         "the read of block 2 and the touch of block 1 during the compaction are the newest uses"
     );
 }
+
+/// Loads at once share the store's SSD readers file by file: a short load that arrives
+/// while a long one holds both readers gets its files read next, not after the long load's
+/// 30 (each reader reads one file of a load, then queues that load behind the others).
+#[test]
+fn a_short_load_is_not_held_behind_a_long_one() {
+    use std::sync::Arc;
+    use store::{Store, StoreConfig, WritePolicy};
+    let fs = SimFs::new();
+    let d = common::desc("fair", 2);
+    let (long, long_toks) = common::chain(&d, 30, 61);
+    let (short, short_toks) = common::chain(&d, 3, 62);
+    let config = StoreConfig::default()
+        .root(root())
+        .ssd_budget(1 << 30)
+        .ssd_readers(2);
+    {
+        let s = Store::open_in(
+            fs.clone(),
+            config.clone().write_policy(WritePolicy::WriteThrough),
+        )
+        .unwrap();
+        s.register_namespace(&d).unwrap();
+        for b in long.iter().chain(&short) {
+            s.insert(Arc::new(b.clone())).unwrap();
+        }
+        s.flush().unwrap();
+    }
+    // A fresh store on the same disk: every block is on the SSD only.
+    let s = Store::open_in(fs.clone(), config).unwrap();
+    let ns = d.id();
+    let ssd = s.ssd().unwrap();
+    let paths = |blocks: &[Block]| -> BTreeSet<PathBuf> {
+        blocks
+            .iter()
+            .map(|b| ssd.block_path(ns, b.meta.key))
+            .collect()
+    };
+    let (long_paths, short_paths) = (paths(&long), paths(&short));
+    let keys = |blocks: &[Block]| blocks.iter().map(|b| b.meta.key).collect::<Vec<_>>();
+    let (long_keys, short_keys) = (keys(&long), keys(&short));
+    fs.record_opens();
+    fs.hold_opens();
+    let wait_for = |what: &str, done: &dyn Fn() -> bool| {
+        let t0 = Instant::now();
+        while !done() {
+            assert!(t0.elapsed().as_secs() < 30, "timed out waiting for {what}");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    };
+    std::thread::scope(|scope| {
+        let long_load = scope.spawn(|| s.load_prefix(ns, &long_keys, &long_toks));
+        // Both readers inside the long load's first files.
+        wait_for("both readers to open a file", &|| fs.opens_waiting() == 2);
+        // The short load has queued its reads once its walk misses RAM for its first block.
+        let misses = s.stats().ram_misses;
+        let short_load = scope.spawn(|| s.load_prefix(ns, &short_keys, &short_toks));
+        wait_for("the short load to queue its reads", &|| {
+            s.stats().ram_misses > misses
+        });
+        fs.release_opens();
+        assert_eq!(short_load.join().unwrap().blocks.len(), 3);
+        assert_eq!(long_load.join().unwrap().blocks.len(), 30);
+    });
+    let opened = fs.opened();
+    let last_short = opened
+        .iter()
+        .rposition(|p| short_paths.contains(p))
+        .expect("the short load's files were read");
+    let long_before = opened[..last_short]
+        .iter()
+        .filter(|p| long_paths.contains(*p))
+        .count();
+    // The two files in hand, then the readers alternate between the loads: a reader in
+    // turn for each of the short load's three files, two or three of the long one's.
+    assert!(
+        long_before <= 6,
+        "{long_before} of the long load's files were opened before the short load's last"
+    );
+}
