@@ -258,9 +258,12 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   static const int minb = env_int("KVSTORE_DECODE_MIN_BLOCKS_PER_SM", 0, 0, 16);
   // 1: a pass's dot products summed across the warp together (the source's XSUM)
   static const int xsum = env_int("KVSTORE_DECODE_SUMS_TOGETHER", 0, 0, 1);
+  // 1: each warp loads its next pass while it computes with this one (the source's PREF)
+  static const int pref = env_int("KVSTORE_DECODE_PREFETCH", 0, 0, 1);
   std::string src = (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
                     (minb > 0 ? "#define MINB " + std::to_string(minb) + "\n" : std::string()) +
-                    "#define XSUM " + std::to_string(xsum) + "\n" +
+                    "#define XSUM " + std::to_string(xsum) + "\n#define PREF " +
+                    std::to_string(pref) + "\n" +
                     "#define MG " + std::to_string(merge_groups(d)) + "\n" +
                     "#define T " + type + "\n#define LOAD " + load + "\n#define STORE " +
                     store + "\n#define D " + std::to_string(d) + "\n#define NREP " +

@@ -13,7 +13,10 @@
 // E - 1 of a row (E = D / 32), read with one or two vector loads of 4-32 bytes where the host
 // found every row aligned for it (`vec`), so a warp reads a key row in one or two loads.
 // Each warp keeps an online softmax over its keys; the warps' states are merged and written
-// as (acc[D], max, sum) per query head and split.
+// as (acc[D], max, sum) per query head and split. Variants for measuring, off by default
+// (rows_attention.cc sets them from KVSTORE_DECODE_ variables): XSUM (a pass's dot products
+// summed across the warp together), MINB (blocks an SM must hold: caps the registers), PREF
+// (the next pass loaded before this one is used).
 //
 // `rows_combine`: grid (q heads, rows), D × MG threads: merges a row's splits into its
 // output. Thread (e, g) merges element e of splits g, g + MG, g + 2·MG, ... (two passes: their
@@ -45,6 +48,10 @@ R"KVSRC(
 #define XSUM 0
 #endif
 #define NDOT (NREP * KPW)
+// 1: each warp loads its next pass's keys and values before it computes with this one's
+#ifndef PREF
+#define PREF 0
+#endif
 #if XSUM && ((NDOT & (NDOT - 1)) != 0 || NDOT > 32)
 #undef XSUM
 #define XSUM 0
@@ -129,6 +136,122 @@ __device__ __forceinline__ void load_row(const T* p, int lane, int vec, float (&
   }
 }
 
+// Loads a warp's pass of KPW keys and values starting at key `tb` of the row's whole
+// sequence (its shared prefix, its own keys, then the step's new key); keys at `t1` and
+// beyond are zeros, marked not `ok`.
+__device__ __forceinline__ void load_pass(const RowKv& row, int h, const T* knew, const T* vnew,
+                                          int tb, int t1, int lane, int vec,
+                                          float (&kk)[KPW][E], float (&vv)[KPW][E],
+                                          bool (&ok)[KPW]) {
+#pragma unroll
+  for (int u = 0; u < KPW; ++u) {
+    const int t = tb + u;
+    ok[u] = t < t1;
+    const T* kp;
+    const T* vp;
+    if (t < row.plen) {
+      kp = (const T*)row.pk + h * row.pkhs + (long long)t * D;
+      vp = (const T*)row.pv + h * row.pvhs + (long long)t * D;
+    } else if (t < row.plen + row.len) {
+      const long long w = t - row.plen;
+      kp = (const T*)row.k + h * row.khs + w * D;
+      vp = (const T*)row.v + h * row.vhs + w * D;
+    } else {
+      kp = knew;
+      vp = vnew;
+    }
+    if (ok[u]) {
+      load_row(kp, lane, vec, kk[u]);
+      load_row(vp, lane, vec, vv[u]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) kk[u][i] = vv[u][i] = 0.f;
+    }
+  }
+}
+
+// Attends the NREP query heads over a pass of keys: the dot products summed across the
+// warp, then each head's online softmax and accumulator updated.
+__device__ __forceinline__ void attend_pass(const float (&kk)[KPW][E], const float (&vv)[KPW][E],
+                                            const bool (&ok)[KPW], const float (&qv)[NREP][E],
+                                            float (&acc)[NREP][E], float (&m)[NREP],
+                                            float (&l)[NREP], int lane) {
+#if XSUM
+  // Every lane's part of every dot product of the pass, summed across the warp together:
+  // each step halves the values a lane keeps (the upper half where its lane bit is set)
+  // and adds its partner's; after log2(NDOT) steps lane j holds value j >> (5 - log2(NDOT))
+  // summed over its group, the remaining steps sum that one value over the whole warp, and
+  // each value is then read from the first lane that holds it.
+  float all[NDOT];
+#pragma unroll
+  for (int g = 0; g < NREP; ++g) {
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) d += qv[g][i] * kk[u][i];
+      all[g * KPW + u] = d;
+    }
+  }
+  constexpr int LOGN = NDOT >= 32 ? 5 : NDOT >= 16 ? 4 : NDOT >= 8 ? 3 : NDOT >= 4 ? 2 : NDOT >= 2 ? 1 : 0;
+#pragma unroll
+  for (int k = 0, n = NDOT; k < LOGN; ++k, n >>= 1) {
+    const int o = 16 >> k;
+    const bool upper = lane & o;
+#pragma unroll
+    for (int j = 0; j < n / 2; ++j) {
+      const float send = upper ? all[j] : all[j + n / 2];
+      const float keep = upper ? all[j + n / 2] : all[j];
+      all[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+  }
+#pragma unroll
+  for (int o = 16 >> LOGN; o > 0; o >>= 1) all[0] += __shfl_xor_sync(0xffffffffu, all[0], o);
+  const float mine = all[0];
+#pragma unroll
+  for (int j = 0; j < NDOT; ++j) all[j] = __shfl_sync(0xffffffffu, mine, j << (5 - LOGN));
+#endif
+#pragma unroll
+  for (int g = 0; g < NREP; ++g) {
+    float dot[KPW];
+#if XSUM
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) dot[u] = all[g * KPW + u];
+#else
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      dot[u] = 0.f;
+#pragma unroll
+      for (int i = 0; i < E; ++i) dot[u] += qv[g][i] * kk[u][i];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int u = 0; u < KPW; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+    }
+#endif
+    // key tb is always in range, so the new maximum is finite and m[g] = -inf scales by 0
+    float mn = m[g];
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      if (ok[u]) mn = fmaxf(mn, dot[u]);
+    }
+    const float c = __expf(m[g] - mn);
+    l[g] *= c;
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[g][i] *= c;
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      if (!ok[u]) continue;
+      const float p = __expf(dot[u] - mn);
+      l[g] += p;
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[g][i] += p * vv[u][i];
+    }
+    m[g] = mn;
+  }
+}
+
 extern "C" __global__ void BOUNDS rows_partial(
     const T* __restrict__ q, const T* __restrict__ kn, const T* __restrict__ vn,
     float* __restrict__ part, const __grid_constant__ Table tab,
@@ -164,109 +287,33 @@ extern "C" __global__ void BOUNDS rows_partial(
     m[g] = NEG_INF;
     l[g] = 0.f;
   }
+#if PREF
+  // The next pass's keys and values are loaded before this pass's are used, so each warp
+  // keeps two passes of loads in flight.
+  float kk[KPW][E], vv[KPW][E];
+  bool ok[KPW];
+  int tb = t0 + warp * KPW;
+  if (tb < t1) load_pass(row, h, knew, vnew, tb, t1, lane, vec, kk, vv, ok);
+  for (; tb < t1; tb += WARPS * KPW) {
+    float kc[KPW][E], vc[KPW][E];
+    bool oc[KPW];
+#pragma unroll
+    for (int u = 0; u < KPW; ++u) {
+      oc[u] = ok[u];
+#pragma unroll
+      for (int i = 0; i < E; ++i) kc[u][i] = kk[u][i], vc[u][i] = vv[u][i];
+    }
+    if (tb + WARPS * KPW < t1) load_pass(row, h, knew, vnew, tb + WARPS * KPW, t1, lane, vec, kk, vv, ok);
+    attend_pass(kc, vc, oc, qv, acc, m, l, lane);
+  }
+#else
   for (int tb = t0 + warp * KPW; tb < t1; tb += WARPS * KPW) {
     float kk[KPW][E], vv[KPW][E];
     bool ok[KPW];
-#pragma unroll
-    for (int u = 0; u < KPW; ++u) {
-      const int t = tb + u;
-      ok[u] = t < t1;
-      const T* kp;
-      const T* vp;
-      if (t < row.plen) {
-        kp = (const T*)row.pk + h * row.pkhs + (long long)t * D;
-        vp = (const T*)row.pv + h * row.pvhs + (long long)t * D;
-      } else if (t < row.plen + row.len) {
-        const long long w = t - row.plen;
-        kp = (const T*)row.k + h * row.khs + w * D;
-        vp = (const T*)row.v + h * row.vhs + w * D;
-      } else {
-        kp = knew;
-        vp = vnew;
-      }
-      if (ok[u]) {
-        load_row(kp, lane, vec, kk[u]);
-        load_row(vp, lane, vec, vv[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < E; ++i) kk[u][i] = vv[u][i] = 0.f;
-      }
-    }
-#if XSUM
-    // Every lane's part of every dot product of the pass, summed across the warp together:
-    // each step halves the values a lane keeps (the upper half where its lane bit is set)
-    // and adds its partner's; after log2(NDOT) steps lane j holds value j >> (5 - log2(NDOT))
-    // summed over its group, the remaining steps sum that one value over the whole warp, and
-    // each value is then read from the first lane that holds it.
-    float all[NDOT];
-#pragma unroll
-    for (int g = 0; g < NREP; ++g) {
-#pragma unroll
-      for (int u = 0; u < KPW; ++u) {
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < E; ++i) d += qv[g][i] * kk[u][i];
-        all[g * KPW + u] = d;
-      }
-    }
-    constexpr int LOGN = NDOT >= 32 ? 5 : NDOT >= 16 ? 4 : NDOT >= 8 ? 3 : NDOT >= 4 ? 2 : NDOT >= 2 ? 1 : 0;
-#pragma unroll
-    for (int k = 0, n = NDOT; k < LOGN; ++k, n >>= 1) {
-      const int o = 16 >> k;
-      const bool upper = lane & o;
-#pragma unroll
-      for (int j = 0; j < n / 2; ++j) {
-        const float send = upper ? all[j] : all[j + n / 2];
-        const float keep = upper ? all[j + n / 2] : all[j];
-        all[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-      }
-    }
-#pragma unroll
-    for (int o = 16 >> LOGN; o > 0; o >>= 1) all[0] += __shfl_xor_sync(0xffffffffu, all[0], o);
-    const float mine = all[0];
-#pragma unroll
-    for (int j = 0; j < NDOT; ++j) all[j] = __shfl_sync(0xffffffffu, mine, j << (5 - LOGN));
-#endif
-#pragma unroll
-    for (int g = 0; g < NREP; ++g) {
-      float dot[KPW];
-#if XSUM
-#pragma unroll
-      for (int u = 0; u < KPW; ++u) dot[u] = all[g * KPW + u];
-#else
-#pragma unroll
-      for (int u = 0; u < KPW; ++u) {
-        dot[u] = 0.f;
-#pragma unroll
-        for (int i = 0; i < E; ++i) dot[u] += qv[g][i] * kk[u][i];
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-        for (int u = 0; u < KPW; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
-      }
-#endif
-      // key tb is always in range, so the new maximum is finite and m[g] = -inf scales by 0
-      float mn = m[g];
-#pragma unroll
-      for (int u = 0; u < KPW; ++u) {
-        if (ok[u]) mn = fmaxf(mn, dot[u]);
-      }
-      const float c = __expf(m[g] - mn);
-      l[g] *= c;
-#pragma unroll
-      for (int i = 0; i < E; ++i) acc[g][i] *= c;
-#pragma unroll
-      for (int u = 0; u < KPW; ++u) {
-        if (!ok[u]) continue;
-        const float p = __expf(dot[u] - mn);
-        l[g] += p;
-#pragma unroll
-        for (int i = 0; i < E; ++i) acc[g][i] += p * vv[u][i];
-      }
-      m[g] = mn;
-    }
+    load_pass(row, h, knew, vnew, tb, t1, lane, vec, kk, vv, ok);
+    attend_pass(kk, vv, ok, qv, acc, m, l, lane);
   }
+#endif
 
   __shared__ float sm[WARPS][NREP][D + 2];
 #pragma unroll
