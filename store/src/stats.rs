@@ -77,7 +77,8 @@ pub struct LoadPhases {
     pub wait_us: u64,
     /// Promoting SSD and remote hits into RAM (and queueing what that evicts).
     pub promote_us: u64,
-    /// Waiting for the reader threads to end after the walk.
+    /// Ending the read-ahead after the walk (telling the readers to take no further file of
+    /// the load; before session 55, joining the load's own reader threads).
     pub join_us: u64,
     /// Marking the loaded chain as used ([`Store::touch_chain`](crate::Store::touch_chain)).
     pub touch_us: u64,
