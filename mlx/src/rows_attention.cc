@@ -219,10 +219,9 @@ struct Kernels {
   CUfunction combine;
 };
 
-// The kernels for (dtype, D, NREP) on the current device, compiled once per process.
-// The merge kernel's split groups at head dimension `d` (its block is d × groups threads):
-// 8 up to 64, 4 up to 128, 2 beyond, as the source's default; KVSTORE_DECODE_MERGE_GROUPS=1
-// merges a head's splits in one walk, as before session 55.
+// The merge kernel's split groups at head dimension `d` (its block is d × groups threads,
+// 256-512): 8 up to 64, 4 up to 128, 2 beyond; the source takes them as `MG`.
+// KVSTORE_DECODE_MERGE_GROUPS=1 merges a head's splits in one walk, as before session 55.
 int merge_groups(int d) {
   static const int set = env_int("KVSTORE_DECODE_MERGE_GROUPS", 0, 0, 32);
   const int g = set > 0 ? set : (d > 128 ? 2 : (d > 64 ? 4 : 8));
@@ -234,6 +233,7 @@ int merge_groups(int d) {
   return g;
 }
 
+// The kernels for (dtype, D, NREP) on the current device, compiled once per process.
 Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int>, Kernels> cache;

@@ -56,9 +56,10 @@ R"KVSRC(
 #undef XSUM
 #define XSUM 0
 #endif
-// split groups of the merge: D × MG threads a block, 256-512; the host may set it (1: serial)
+// split groups of the merge (D × MG threads a block): set by the host, rows_attention.cc's
+// merge_groups, the one place that chooses them
 #ifndef MG
-#define MG (D > 128 ? 2 : (D > 64 ? 4 : 8))
+#error "MG (the merge's split groups) is defined by the host"
 #endif
 
 struct RowKv {

@@ -83,7 +83,8 @@ def compile_source(lib, full, name=b"rows_attention.cu"):
 
 
 def merge_groups(d):
-    """The merge kernel's default split groups at head dimension d, as rows_attention.cc's."""
+    """The merge kernel's split groups at head dimension d: rows_attention.cc's
+    merge_groups, which the source requires as MG (it has no default of its own)."""
     return 2 if d > 128 else (4 if d > 64 else 8)
 
 
