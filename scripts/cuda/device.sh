@@ -39,6 +39,8 @@
 # ct: the 8B decode's GPU timeline through CUPTI (cupti_trace.c), kvstore (CT_VARIANTS) and
 # mlx-lm (after x1, x2, xm, xc);
 # nk: every kernel of the 8B decode timed by Nsight Compute, kvstore and mlx-lm (after x1, x2, xm);
+# nq: Nsight Compute's sections (occupancy, warp states, memory) for kvstore's decode
+# attention kernels and mlx-lm's cuDNN attention at PROMPT tokens (after x1, x2, xm);
 # ns: the 8B decode's GPU timeline by Nsight Systems, kvstore and mlx-lm: where the GPU waits
 # inside a step (scripts/bench/gpu_gaps.py; after x1, x2, xm);
 # gs: the 8B decode beside mlx-lm under settings of MLX's CUDA graphs (GRAPHS); hd: the 8B
@@ -735,6 +737,34 @@ case "$step" in
     fi
     python3 scripts/bench/gpu_gaps.py "${arms[@]}" \
       --steps $(( ${TOKENS:-64} - 16 )) --head-us ${HEAD_US:-150} --kernels ${CT_KERNELS:-6} 2>&1 | tee "$OUT/ct-gaps.txt"
+    echo "step $step: $(( $(date +%s) - START ))s"
+    ;;
+  nq) # why the decode attention takes the time it does: Nsight Compute's sections (speed of
+      # light, occupancy, launch, warp states, memory, scheduler) for NQ_COUNT launches of
+      # kvstore's rows_partial and rows_combine (NCU_ENV: kernel variables) and of mlx-lm's
+      # cuDNN flash attention, the 8B-shaped bf16 decode at PROMPT tokens; after x1, x2, xm.
+      # Each launch is replayed once per section pass (clocks locked to base by ncu's default,
+      # so its durations are not a step's: compare the sections, not the times).
+    stash >/dev/null
+    assemble_mlx >/dev/null || exit 1
+    env_setup
+    make_llama8b
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+    sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats"
+    nq() { # ARM KERNEL-REGEX SKIP COMMAND...: the sections as $OUT/nq-ARM.txt
+      local arm=$1 re=$2 skip=$3; shift 3
+      # shellcheck disable=SC2086
+      timeout "${NQ_LIMIT:-240}" "$ncu" --kernel-name "regex:$re" --launch-skip "$skip" \
+        --launch-count "${NQ_COUNT:-4}" $sections "$@" > "$OUT/nq-$arm.txt" 2>&1
+      echo "== $arm rc=$?"; grep -E "^  [a-z_]|Duration|Achieved Occupancy|Registers Per|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Eligible Warps|No Eligible" "$OUT/nq-$arm.txt" | head -n 40
+    }
+    # launches skipped: both programs' warm-up and mlx-lm's prefill chunks (kvstore's decode
+    # kernels run only in decode steps: 64 launches a step)
+    nq kvstore "rows_partial|rows_combine" "${NQ_SKIP:-384}" env ${NCU_ENV:-} "$BIN/kvstore" bench generate --model "$K/llama8b" \
+      --keep-quantized --skip-mlx-lm --prompt-lens ${PROMPT:-8192} --decode-tokens ${TOKENS:-16}
+    nq mlxlm "sdpa|flash" "${NQ_SKIP_PEER:-320}" python3 scripts/goldens/bench_mlx_lm.py "$K/llama8b" \
+      ${PROMPT:-8192} ${TOKENS:-16} stored
     echo "step $step: $(( $(date +%s) - START ))s"
     ;;
   nk) # every kernel of the 8B-shaped bf16 decode timed by Nsight Compute (gpu__time_duration,
