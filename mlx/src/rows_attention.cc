@@ -253,14 +253,19 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
     throw std::invalid_argument("the batched decode attention takes f32, bf16 or f16");
   }
   // 0: the source's default (4 keys, 2 at head dimension 256)
-  static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 8);
+  static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 16);
   // 0: no floor on the partial kernel's blocks per SM (the compiler picks its registers)
   static const int minb = env_int("KVSTORE_DECODE_MIN_BLOCKS_PER_SM", 0, 0, 16);
   // 1: a pass's dot products summed across the warp together (the source's XSUM)
   static const int xsum = env_int("KVSTORE_DECODE_SUMS_TOGETHER", 0, 0, 1);
   // 1: each warp loads its next pass while it computes with this one (the source's PREF)
   static const int pref = env_int("KVSTORE_DECODE_PREFETCH", 0, 0, 1);
-  std::string src = (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
+  // 1: 16-bit keys and values stay the words read until used (the source's PACK), where a
+  // lane holds an even number of elements (head dimension a multiple of 64)
+  static const int packed = env_int("KVSTORE_DECODE_PACKED", 0, 0, 1);
+  const bool pack = packed == 1 && dtype != mx::float32 && d % 64 == 0;
+  std::string src = (pack ? std::string("#define PACK 1\n") : std::string()) +
+                    (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
                     (minb > 0 ? "#define MINB " + std::to_string(minb) + "\n" : std::string()) +
                     "#define XSUM " + std::to_string(xsum) + "\n#define PREF " +
                     std::to_string(pref) + "\n" +

@@ -16,7 +16,9 @@
 // as (acc[D], max, sum) per query head and split. Variants for measuring, off by default
 // (rows_attention.cc sets them from KVSTORE_DECODE_ variables): XSUM (a pass's dot products
 // summed across the warp together), MINB (blocks an SM must hold: caps the registers), PREF
-// (the next pass loaded before this one is used).
+// (the next pass loaded before this one is used), PACK (16-bit keys and values kept as the
+// words read until used, so that a pass of 8 keys fits fewer registers: 128 against 146 at
+// head dimension 128 and 4 query heads a kv head; at 4 keys both take 96).
 //
 // `rows_combine`: grid (q heads, rows), D × MG threads: merges a row's splits into its
 // output. Thread (e, g) merges element e of splits g, g + MG, g + 2·MG, ... (two passes: their
@@ -51,6 +53,12 @@ R"KVSRC(
 // 1: each warp loads its next pass's keys and values before it computes with this one's
 #ifndef PREF
 #define PREF 0
+#endif
+// 1: a warp keeps its pass's keys and values as the 16-bit words it read until it uses them
+// (half the registers of floats while they are in flight); the host sets it only for 16-bit
+// rows of a multiple of 64 elements
+#ifndef PACK
+#define PACK 0
 #endif
 #if XSUM && ((NDOT & (NDOT - 1)) != 0 || NDOT > 32)
 #undef XSUM
@@ -98,6 +106,17 @@ __device__ __forceinline__ void f16_store(unsigned short* p, float f) {
 }
 __device__ __forceinline__ float f32_load(const float* p) { return *p; }
 __device__ __forceinline__ void f32_store(float* p, float f) { *p = f; }
+// A 16-bit element's value from its bits, named after its pointer load (LOAD##_val).
+__device__ __forceinline__ float bf16_load_val(unsigned short h) {
+  return __uint_as_float(((unsigned)h) << 16);
+}
+__device__ __forceinline__ float f16_load_val(unsigned short h) {
+  float f;
+  asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+  return f;
+}
+#define VAL_OF_(load) load##_val
+#define VAL_OF(load) VAL_OF_(load)
 
 // Elements of a row each lane holds.
 constexpr int E = D / 32;
@@ -137,17 +156,82 @@ __device__ __forceinline__ void load_row(const T* p, int lane, int vec, float (&
   }
 }
 
+#if PACK
+// Words of a lane's part of a row: two 16-bit elements each.
+constexpr int W = E / 2;
+static_assert(sizeof(T) == 2 && E % 2 == 0, "PACK takes 16-bit rows of a multiple of 64 elements");
+
+// Lane `lane`'s E elements of the row at `p` as the W words that hold them, in one or two
+// vector loads where `vec`, else two elements at a time.
+__device__ __forceinline__ void load_words(const T* p, int lane, int vec, unsigned (&w)[W]) {
+  const T* at = p + lane * E;
+  if (vec) {
+    if constexpr (W % 4 == 0) {
+#pragma unroll
+      for (int j = 0; j < W / 4; ++j) {
+        const Bytes16 b = reinterpret_cast<const Bytes16*>(at)[j];
+        w[4 * j] = b.a, w[4 * j + 1] = b.b, w[4 * j + 2] = b.c, w[4 * j + 3] = b.d;
+      }
+    } else if constexpr (W == 2) {
+      const Bytes8 b = *reinterpret_cast<const Bytes8*>(at);
+      w[0] = b.a, w[1] = b.b;
+    } else {
+#pragma unroll
+      for (int j = 0; j < W; ++j) w[j] = reinterpret_cast<const unsigned*>(at)[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) w[j] = (unsigned)at[2 * j] | ((unsigned)at[2 * j + 1] << 16);
+  }
+}
+
+// Element i of a row part held as words.
+__device__ __forceinline__ float word_half(const unsigned (&w)[W], int i) {
+  return VAL_OF(LOAD)((unsigned short)(i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu));
+}
+
+// A warp's pass: KPW keys and values as the words read, and which keys are in range.
+struct Pass {
+  unsigned k[KPW][W], v[KPW][W];
+  bool ok[KPW];
+  __device__ __forceinline__ float key(int u, int i) const { return word_half(k[u], i); }
+  __device__ __forceinline__ float val(int u, int i) const { return word_half(v[u], i); }
+  __device__ __forceinline__ void read(int u, const T* kp, const T* vp, int lane, int vec) {
+    load_words(kp, lane, vec, k[u]);
+    load_words(vp, lane, vec, v[u]);
+  }
+  __device__ __forceinline__ void clear(int u) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) k[u][j] = v[u][j] = 0u;
+  }
+};
+#else
+// A warp's pass: KPW keys and values as floats, and which keys are in range.
+struct Pass {
+  float k[KPW][E], v[KPW][E];
+  bool ok[KPW];
+  __device__ __forceinline__ float key(int u, int i) const { return k[u][i]; }
+  __device__ __forceinline__ float val(int u, int i) const { return v[u][i]; }
+  __device__ __forceinline__ void read(int u, const T* kp, const T* vp, int lane, int vec) {
+    load_row(kp, lane, vec, k[u]);
+    load_row(vp, lane, vec, v[u]);
+  }
+  __device__ __forceinline__ void clear(int u) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) k[u][i] = v[u][i] = 0.f;
+  }
+};
+#endif
+
 // Loads a warp's pass of KPW keys and values starting at key `tb` of the row's whole
 // sequence (its shared prefix, its own keys, then the step's new key); keys at `t1` and
 // beyond are zeros, marked not `ok`.
 __device__ __forceinline__ void load_pass(const RowKv& row, int h, const T* knew, const T* vnew,
-                                          int tb, int t1, int lane, int vec,
-                                          float (&kk)[KPW][E], float (&vv)[KPW][E],
-                                          bool (&ok)[KPW]) {
+                                          int tb, int t1, int lane, int vec, Pass& ps) {
 #pragma unroll
   for (int u = 0; u < KPW; ++u) {
     const int t = tb + u;
-    ok[u] = t < t1;
+    ps.ok[u] = t < t1;
     const T* kp;
     const T* vp;
     if (t < row.plen) {
@@ -161,20 +245,17 @@ __device__ __forceinline__ void load_pass(const RowKv& row, int h, const T* knew
       kp = knew;
       vp = vnew;
     }
-    if (ok[u]) {
-      load_row(kp, lane, vec, kk[u]);
-      load_row(vp, lane, vec, vv[u]);
+    if (ps.ok[u]) {
+      ps.read(u, kp, vp, lane, vec);
     } else {
-#pragma unroll
-      for (int i = 0; i < E; ++i) kk[u][i] = vv[u][i] = 0.f;
+      ps.clear(u);
     }
   }
 }
 
 // Attends the NREP query heads over a pass of keys: the dot products summed across the
 // warp, then each head's online softmax and accumulator updated.
-__device__ __forceinline__ void attend_pass(const float (&kk)[KPW][E], const float (&vv)[KPW][E],
-                                            const bool (&ok)[KPW], const float (&qv)[NREP][E],
+__device__ __forceinline__ void attend_pass(const Pass& ps, const float (&qv)[NREP][E],
                                             float (&acc)[NREP][E], float (&m)[NREP],
                                             float (&l)[NREP], int lane) {
 #if XSUM
@@ -190,7 +271,7 @@ __device__ __forceinline__ void attend_pass(const float (&kk)[KPW][E], const flo
     for (int u = 0; u < KPW; ++u) {
       float d = 0.f;
 #pragma unroll
-      for (int i = 0; i < E; ++i) d += qv[g][i] * kk[u][i];
+      for (int i = 0; i < E; ++i) d += qv[g][i] * ps.key(u, i);
       all[g * KPW + u] = d;
     }
   }
@@ -223,7 +304,7 @@ __device__ __forceinline__ void attend_pass(const float (&kk)[KPW][E], const flo
     for (int u = 0; u < KPW; ++u) {
       dot[u] = 0.f;
 #pragma unroll
-      for (int i = 0; i < E; ++i) dot[u] += qv[g][i] * kk[u][i];
+      for (int i = 0; i < E; ++i) dot[u] += qv[g][i] * ps.key(u, i);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -235,7 +316,7 @@ __device__ __forceinline__ void attend_pass(const float (&kk)[KPW][E], const flo
     float mn = m[g];
 #pragma unroll
     for (int u = 0; u < KPW; ++u) {
-      if (ok[u]) mn = fmaxf(mn, dot[u]);
+      if (ps.ok[u]) mn = fmaxf(mn, dot[u]);
     }
     const float c = __expf(m[g] - mn);
     l[g] *= c;
@@ -243,11 +324,11 @@ __device__ __forceinline__ void attend_pass(const float (&kk)[KPW][E], const flo
     for (int i = 0; i < E; ++i) acc[g][i] *= c;
 #pragma unroll
     for (int u = 0; u < KPW; ++u) {
-      if (!ok[u]) continue;
+      if (!ps.ok[u]) continue;
       const float p = __expf(dot[u] - mn);
       l[g] += p;
 #pragma unroll
-      for (int i = 0; i < E; ++i) acc[g][i] += p * vv[u][i];
+      for (int i = 0; i < E; ++i) acc[g][i] += p * ps.val(u, i);
     }
     m[g] = mn;
   }
@@ -291,28 +372,19 @@ extern "C" __global__ void BOUNDS rows_partial(
 #if PREF
   // The next pass's keys and values are loaded before this pass's are used, so each warp
   // keeps two passes of loads in flight.
-  float kk[KPW][E], vv[KPW][E];
-  bool ok[KPW];
+  Pass next;
   int tb = t0 + warp * KPW;
-  if (tb < t1) load_pass(row, h, knew, vnew, tb, t1, lane, vec, kk, vv, ok);
+  if (tb < t1) load_pass(row, h, knew, vnew, tb, t1, lane, vec, next);
   for (; tb < t1; tb += WARPS * KPW) {
-    float kc[KPW][E], vc[KPW][E];
-    bool oc[KPW];
-#pragma unroll
-    for (int u = 0; u < KPW; ++u) {
-      oc[u] = ok[u];
-#pragma unroll
-      for (int i = 0; i < E; ++i) kc[u][i] = kk[u][i], vc[u][i] = vv[u][i];
-    }
-    if (tb + WARPS * KPW < t1) load_pass(row, h, knew, vnew, tb + WARPS * KPW, t1, lane, vec, kk, vv, ok);
-    attend_pass(kc, vc, oc, qv, acc, m, l, lane);
+    const Pass cur = next;
+    if (tb + WARPS * KPW < t1) load_pass(row, h, knew, vnew, tb + WARPS * KPW, t1, lane, vec, next);
+    attend_pass(cur, qv, acc, m, l, lane);
   }
 #else
   for (int tb = t0 + warp * KPW; tb < t1; tb += WARPS * KPW) {
-    float kk[KPW][E], vv[KPW][E];
-    bool ok[KPW];
-    load_pass(row, h, knew, vnew, tb, t1, lane, vec, kk, vv, ok);
-    attend_pass(kk, vv, ok, qv, acc, m, l, lane);
+    Pass ps;
+    load_pass(row, h, knew, vnew, tb, t1, lane, vec, ps);
+    attend_pass(ps, qv, acc, m, l, lane);
   }
 #endif
 
