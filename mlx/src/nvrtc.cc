@@ -4,6 +4,8 @@
 #ifdef KVSTORE_CUDA
 #include <dlfcn.h>
 
+#include <algorithm>
+
 #include <stdexcept>
 
 namespace kvmlx::nvrtc {
@@ -41,6 +43,20 @@ bool unified_addressing() {
       lookup("cuDeviceGetAttribute", "a kvstore kernel"));
   int unified = 0;
   return attr(&unified, CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING, current_device()) == 0 && unified;
+}
+
+int resident_blocks(CUfunction f, int threads) {
+  const char* what = "the batched decode attention";
+  auto occupancy = reinterpret_cast<CUresult (*)(int*, CUfunction, int, size_t)>(
+      lookup("cuOccupancyMaxActiveBlocksPerMultiprocessor", what));
+  auto attr = reinterpret_cast<CUresult (*)(int*, CUdevice_attribute, CUdevice)>(
+      lookup("cuDeviceGetAttribute", what));
+  int per_sm = 0, sms = 0;
+  if (occupancy(&per_sm, f, threads, 0) != 0 ||
+      attr(&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, current_device()) != 0) {
+    throw std::runtime_error("the driver could not say how many blocks of a kernel fit the GPU");
+  }
+  return std::max(1, per_sm) * std::max(1, sms);
 }
 
 std::vector<CUfunction> compile(const std::string& source, const char* file,

@@ -23,6 +23,10 @@ CUdevice current_device();
 // (unified addressing: every 64-bit Linux GPU MLX's CUDA backend runs on).
 bool unified_addressing();
 
+// Blocks of `threads` threads of kernel `f` the current device runs at once: its SMs times
+// the blocks an SM holds (the driver's occupancy calculator, no dynamic shared memory).
+int resident_blocks(CUfunction f, int threads);
+
 // `source` compiled for the current device's architecture and loaded, its kernels `names`
 // in that order. Compiles every time it is called: callers keep what it returns.
 std::vector<CUfunction> compile(const std::string& source, const char* file,

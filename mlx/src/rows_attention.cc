@@ -133,6 +133,7 @@ void rows_attend_cpu(const std::vector<mx::array>& in, const std::vector<RowMeta
 struct RowSpans {
   int64_t longest = 1;
   size_t end = 3;
+  std::vector<int64_t> totals;  // each row's whole sequence: prefix, own keys, the new one
 };
 
 RowSpans row_spans(const std::vector<RowMeta>& rows, const std::vector<mx::array>& inputs) {
@@ -145,6 +146,7 @@ RowSpans row_spans(const std::vector<RowMeta>& rows, const std::vector<mx::array
       s.end += 2;
     }
     s.longest = std::max<int64_t>(s.longest, plen + row.len + 1);
+    s.totals.push_back(plen + row.len + 1);
   }
   return s;
 }
@@ -217,7 +219,54 @@ struct Strides {
 struct Kernels {
   CUfunction partial;
   CUfunction combine;
+  int resident;  // blocks of the partial kernel the device holds at once
 };
+
+// KVSTORE_DECODE_BALANCED=1 (read once): the partial kernel's blocks take equal runs of all
+// rows' keys, one wave of them (the source's BAL), instead of fixed splits of each row.
+bool balanced() {
+  static const bool on = env_int("KVSTORE_DECODE_BALANCED", 0, 0, 1) == 1;
+  return on;
+}
+
+// Keys a warp loads at once (the source's KPW): KVSTORE_DECODE_KEYS_PER_LOAD, else 4, or 2
+// at head dimension above 128.
+int keys_per_load(int d) {
+  static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 16);
+  return kpw > 0 ? kpw : (d > 128 ? 2 : 4);
+}
+
+// How a launch of balanced blocks cuts its rows' keys: runs of `per` keys (whole passes of
+// the block's warps), `blocks` of them.
+struct Runs {
+  int64_t per;
+  int blocks;
+};
+
+// The runs of a row group whose sequences are `totals` (kv heads `hkv` each): as many keys a
+// block as make one wave of `resident` blocks, in whole passes of `pass` keys.
+Runs runs_of(const int64_t* totals, int n, int hkv, int resident, int pass) {
+  int64_t all = 0;
+  for (int i = 0; i < n; ++i) all += int64_t(hkv) * totals[i];
+  int64_t per = (all + resident - 1) / resident;
+  per = std::max<int64_t>(pass, (per + pass - 1) / pass * pass);
+  return {per, int((all + per - 1) / per)};
+}
+
+// The most splits any (row, head) of the group gets from runs of `per` keys: the runs its
+// keys span.
+int runs_splits(const int64_t* totals, int n, int hkv, int64_t per) {
+  int64_t off = 0;
+  int most = 1;
+  for (int i = 0; i < n; ++i) {
+    for (int h = 0; h < hkv; ++h) {
+      const int64_t hs = off + int64_t(h) * totals[i];
+      most = std::max<int>(most, int((hs + totals[i] - 1) / per - hs / per + 1));
+    }
+    off += int64_t(hkv) * totals[i];
+  }
+  return most;
+}
 
 // The merge kernel's split groups at head dimension `d` (its block is d × groups threads,
 // 256-512): 8 up to 64, 4 up to 128, 2 beyond; the source takes them as `MG`.
@@ -252,7 +301,7 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   } else {
     throw std::invalid_argument("the batched decode attention takes f32, bf16 or f16");
   }
-  // 0: the source's default (4 keys, 2 at head dimension 256)
+  // 0: the source's default (4 keys, 2 at head dimension 256); keys_per_load reads it too
   static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 16);
   // 0: no floor on the partial kernel's blocks per SM (the compiler picks its registers)
   static const int minb = env_int("KVSTORE_DECODE_MIN_BLOCKS_PER_SM", 0, 0, 16);
@@ -265,6 +314,7 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   static const int packed = env_int("KVSTORE_DECODE_PACKED", 0, 0, 1);
   const bool pack = packed == 1 && dtype != mx::float32 && d % 64 == 0;
   std::string src = (pack ? std::string("#define PACK 1\n") : std::string()) +
+                    (balanced() ? std::string("#define BAL 1\n") : std::string()) +
                     (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
                     (minb > 0 ? "#define MINB " + std::to_string(minb) + "\n" : std::string()) +
                     "#define XSUM " + std::to_string(xsum) + "\n#define PREF " +
@@ -275,7 +325,7 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
                     std::to_string(nrep) + "\n" + kSource;
   auto fns = nvrtc::compile(src, "kvstore_rows_attention.cu", {"rows_partial", "rows_combine"},
                             "the batched decode attention");
-  Kernels k{fns[0], fns[1]};
+  Kernels k{fns[0], fns[1], nvrtc::resident_blocks(fns[0], kWarps * 32)};
   cache.emplace(key, k);
   return k;
 }
@@ -313,6 +363,28 @@ bool vector_loads(int d, size_t esize, std::initializer_list<const void*> bases,
   return true;
 }
 
+// The splits a (row, head) may take in a node: fixed splits (split_of) or, with balanced
+// blocks, the most that any row group's runs give.
+int node_splits(int b, int hkv, const RowSpans& spans, int resident, int d) {
+  if (!balanced()) return split_of(b, hkv, spans.longest).second;
+  int most = 1;
+  for (int row0 = 0; row0 < b; row0 += kRows) {
+    const int n = std::min(kRows, b - row0);
+    const Runs runs = runs_of(spans.totals.data() + row0, n, hkv, resident, kWarps * keys_per_load(d));
+    most = std::max(most, runs_splits(spans.totals.data() + row0, n, hkv, runs.per));
+  }
+  return most;
+}
+
+int scratch_splits(mx::Stream s, const std::vector<RowMeta>& rows,
+                   const std::vector<mx::array>& inputs, mx::Dtype dtype, int b, int hkv, int d,
+                   int nrep) {
+  const RowSpans spans = row_spans(rows, inputs);
+  if (!balanced()) return split_of(b, hkv, spans.longest).second;
+  cu::get_command_encoder(s).device().make_current();
+  return node_splits(b, hkv, spans, kernels(dtype, d, nrep).resident, d);
+}
+
 // The GPU evaluation: two kernels per 32 rows, the arenas written in place.
 void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::array& out,
                      float scale, const std::vector<RowMeta>& rows) {
@@ -325,7 +397,8 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
 
   // Each row's whole sequence (prefix, own keys, the new one) and the split size.
   const RowSpans spans = row_spans(rows, inputs);
-  const auto [chunk, splits] = split_of(b, hkv, spans.longest);
+  const int chunk = balanced() ? 0 : split_of(b, hkv, spans.longest).first;
+  const int splits = node_splits(b, hkv, spans, kern.resident, d);
 
   // No buffer from allocator::malloc, which on CUDA is managed memory (and moving a recycled
   // device buffer there synchronizes the device: docs/benchmarks.md, session 44). The output
@@ -369,6 +442,7 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
   for (int row0 = 0; row0 < b; row0 += kRows) {
     const int n = std::min(kRows, b - row0);
     Table tab{};
+    int group_per = 0;  // the balanced runs' keys (the merge needs them too)
     enc.set_input_array(q);
     enc.set_input_array(kn);
     enc.set_input_array(vn);
@@ -409,12 +483,18 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
       const void* kp = mx::gpu_ptr<void>(kn);
       const void* vp = mx::gpu_ptr<void>(vn);
       void* pp = mx::gpu_ptr<void>(part);
-      int r0 = row0, sp = splits, ch = chunk, h = hkv;
+      int r0 = row0, sp = splits, ch = chunk, h = hkv, nr = n, per = 0;
       int vec = vector_loads(d, esize, {qp, kp, vp}, st, tab, n) ? 1 : 0;
       float sc = scale;
-      void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h, &vec};
-      enc.add_kernel_node_raw(kern.partial, dim3(splits, hkv, n), dim3(kWarps * 32, 1, 1),
-                              dim3(1, 1, 1), 0, args);
+      dim3 grid(splits, hkv, n);
+      if (balanced()) {
+        const Runs runs = runs_of(spans.totals.data() + row0, n, hkv, kern.resident, kWarps * keys_per_load(d));
+        per = int(runs.per);
+        grid = dim3(runs.blocks, 1, 1);
+      }
+      group_per = per;
+      void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h, &vec, &per, &nr};
+      enc.add_kernel_node_raw(kern.partial, grid, dim3(kWarps * 32, 1, 1), dim3(1, 1, 1), 0, args);
     }
     enc.set_input_array(part);
     // The scratch is every node's of this thread. MLX's graph orders a node after the last
@@ -428,15 +508,21 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
     {
       const void* pp = mx::gpu_ptr<void>(part);
       void* op = mx::gpu_ptr<void>(out);
-      int r0 = row0, sp = splits, h = hq;
-      void* args[] = {&pp, &op, &r0, &sp, &h};
+      int r0 = row0, sp = splits, h = hq, per = group_per, kvh = hkv;
+      void* plain[] = {&pp, &op, &r0, &sp, &h};
+      void* with_runs[] = {&pp, &op, &r0, &sp, &h, &tab, &per, &kvh};
       enc.add_kernel_node_raw(kern.combine, dim3(hq, n, 1), dim3(d, merge_groups(d), 1),
-                              dim3(1, 1, 1), 0, args);
+                              dim3(1, 1, 1), 0, balanced() ? with_runs : plain);
     }
   }
 }
 
 #else  // KVSTORE_CUDA
+
+int scratch_splits(mx::Stream, const std::vector<RowMeta>& rows,
+                   const std::vector<mx::array>& inputs, mx::Dtype, int b, int hkv, int, int) {
+  return split_of(b, hkv, row_spans(rows, inputs).longest).second;
+}
 
 void rows_attend_gpu(mx::Stream, const std::vector<mx::array>&, mx::array&, float,
                      const std::vector<RowMeta>&) {
@@ -560,7 +646,8 @@ std::unique_ptr<Array> rows_decode_attention(const Array& q, const Array& k, con
   }();
   if (device != mx::Device::cpu && scratch_on) {
     // The partials' scratch (see rows_attend_gpu), sized as the kernel will split the rows.
-    const int splits = split_of(b, ka.shape(1), row_spans(rows, inputs).longest).second;
+    const int splits = scratch_splits(stream, rows, inputs, qa.dtype(), b, ka.shape(1), d,
+                                      qa.shape(1) / ka.shape(1));
     inputs.push_back(partial_scratch(size_t(b) * qa.shape(1) * splits * (d + 2), stream));
   }
   return std::make_unique<Array>(Array{mx::array(

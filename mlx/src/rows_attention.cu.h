@@ -33,9 +33,19 @@ R"KVSRC(
 #ifndef KPW
 #define KPW (D > 128 ? 2 : 4)
 #endif
-// blocks of the partial kernel an SM should hold at once (caps its registers; 1: no cap)
+// 1: the partial kernel's blocks take equal runs of all rows' keys (see rows_partial)
+#ifndef BAL
+#define BAL 0
+#endif
+// blocks of the partial kernel an SM should hold at once (caps its registers; 1: no cap);
+// 5 where the blocks are balanced, whose loop over runs would take 125 registers (4 blocks
+// an SM) where 96 make do without spilling
 #ifndef MINB
+#if BAL
+#define MINB 5
+#else
 #define MINB 1
+#endif
 #endif
 #if MINB > 1
 #define BOUNDS __launch_bounds__(WARPS * 32, MINB)
@@ -334,18 +344,24 @@ __device__ __forceinline__ void attend_pass(const Pass& ps, const float (&qv)[NR
   }
 }
 
-extern "C" __global__ void BOUNDS rows_partial(
+// The sequence length of table row `row`: its shared prefix, its own keys and the new one.
+__device__ __forceinline__ int total_of(const RowKv& row) { return row.plen + row.len + 1; }
+
+// Attends the NREP query heads of kv head h of table row rl (batch row row0 + rl) over keys
+// t0 .. t1 of the row's whole sequence and writes their state as split s of each query head.
+// The split that starts the row's keys (t0 = 0) first writes the step's new key and value
+// into the row's arena. Every thread of the block calls it with the same arguments.
+__device__ __forceinline__ void attend_split(
     const T* __restrict__ q, const T* __restrict__ kn, const T* __restrict__ vn,
-    float* __restrict__ part, const __grid_constant__ Table tab,
-    const __grid_constant__ Strides st, int row0, int splits, int chunk, float scale,
-    int hkv, int vec) {
-  const int s = blockIdx.x, h = blockIdx.y, rl = blockIdx.z, r = row0 + rl;
+    float* __restrict__ part, const Table& tab, const Strides& st, int row0, int rl, int h,
+    int t0, int t1, int s, int splits, float scale, int hkv, int vec) {
+  const int r = row0 + rl;
   const RowKv& row = tab.r[rl];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int hq = hkv * NREP;
   const T* knew = kn + r * st.kb + h * st.kh;
   const T* vnew = vn + r * st.vb + h * st.vh;
-  if (s == 0) {
+  if (t0 == 0) {
     T* kd = (T*)row.k + h * row.khs + (long long)row.len * D;
     T* vd = (T*)row.v + h * row.vhs + (long long)row.len * D;
     for (int e = threadIdx.x; e < D; e += blockDim.x) {
@@ -353,9 +369,6 @@ extern "C" __global__ void BOUNDS rows_partial(
       vd[e] = vnew[e];
     }
   }
-  const int total = row.plen + row.len + 1;
-  const int t0 = s * chunk;
-  const int t1 = min(t0 + chunk, total);
 
   float qv[NREP][E], acc[NREP][E], m[NREP], l[NREP];
 #pragma unroll
@@ -420,18 +433,82 @@ extern "C" __global__ void BOUNDS rows_partial(
       out[D + 1] = sum;
     }
   }
+  // the next split this block attends reuses the shared memory
+  __syncthreads();
 }
 
+// Grid (splits, kv heads, rows): block (s, h, r) attends keys s·chunk .. (s+1)·chunk of kv
+// head h of row r. With BAL (the host's KVSTORE_DECODE_BALANCED=1), grid (blocks): the
+// launch's rows × kv heads × keys, laid end to end (row by row, head by head), are cut into
+// runs of `per` keys, block b taking run b, so that every block has the same work and the
+// host sizes `per` for one wave of the blocks that fit the GPU at once; a run that crosses
+// from one (row, head) to the next is attended as a split of each, split b - ⌊start / per⌋
+// of the (row, head) whose keys start at `start`.
+extern "C" __global__ void BOUNDS rows_partial(
+    const T* __restrict__ q, const T* __restrict__ kn, const T* __restrict__ vn,
+    float* __restrict__ part, const __grid_constant__ Table tab,
+    const __grid_constant__ Strides st, int row0, int splits, int chunk, float scale,
+    int hkv, int vec, int per, int nrows) {
+#if BAL
+  long long all = 0;
+  for (int i = 0; i < nrows; ++i) all += (long long)hkv * total_of(tab.r[i]);
+  long long f0 = (long long)blockIdx.x * per;
+  const long long f1 = min(f0 + per, all);
+  // the row where the run starts, and where that row's keys start
+  int rl = 0;
+  long long off = 0;
+  while (rl < nrows && off + (long long)hkv * total_of(tab.r[rl]) <= f0) {
+    off += (long long)hkv * total_of(tab.r[rl]);
+    ++rl;
+  }
+  while (f0 < f1) {
+    const int tot = total_of(tab.r[rl]);
+    const int h = int((f0 - off) / tot);
+    const long long hs = off + (long long)h * tot;
+    const long long he = hs + tot;
+    const int s = int(blockIdx.x - hs / per);
+    attend_split(q, kn, vn, part, tab, st, row0, rl, h, int(f0 - hs), int(min(f1, he) - hs), s,
+                 splits, scale, hkv, vec);
+    f0 = min(f1, he);
+    if (f0 == off + (long long)hkv * tot) {
+      off = f0;
+      ++rl;
+    }
+  }
+#else
+  const int s = blockIdx.x, rl = blockIdx.z;
+  const int t0 = s * chunk;
+  const int t1 = min(t0 + chunk, total_of(tab.r[rl]));
+  attend_split(q, kn, vn, part, tab, st, row0, rl, blockIdx.y, t0, t1, s, splits, scale, hkv, vec);
+#endif
+}
+
+// With BAL the table, `per` and the kv heads come too: a (row, head) has the splits of the
+// runs its keys span, fewer than `splits` (the partials' stride).
 extern "C" __global__ void rows_combine(const float* __restrict__ part, T* __restrict__ out,
-                                        int row0, int splits, int hq) {
+                                        int row0, int splits, int hq
+#if BAL
+                                        , const __grid_constant__ Table tab, int per, int hkv
+#endif
+) {
   const int hqi = blockIdx.x, r = row0 + blockIdx.y, e = threadIdx.x, g = threadIdx.y;
   const float* p = part + (long long)(r * hq + hqi) * splits * (D + 2);
+  int n = splits;
+#if BAL
+  {
+    long long off = 0;
+    for (int i = 0; i < (int)blockIdx.y; ++i) off += (long long)hkv * total_of(tab.r[i]);
+    const int tot = total_of(tab.r[blockIdx.y]);
+    const long long hs = off + (long long)(hqi / NREP) * tot;
+    n = int((hs + tot - 1) / per - hs / per + 1);
+  }
+#endif
   float mx = NEG_INF;
 #pragma unroll 8
-  for (int s = g; s < splits; s += MG) mx = fmaxf(mx, p[s * (D + 2) + D]);
+  for (int s = g; s < n; s += MG) mx = fmaxf(mx, p[s * (D + 2) + D]);
   float a = 0.f, sum = 0.f;
 #pragma unroll 8
-  for (int s = g; s < splits; s += MG) {
+  for (int s = g; s < n; s += MG) {
     const float ms = p[s * (D + 2) + D];
     if (ms == NEG_INF) continue;
     const float c = __expf(ms - mx);

@@ -8,7 +8,7 @@ machine without a GPU.
 
 NVRTC needs no GPU: the `nvidia-cuda-nvrtc` wheel (PyPI, the version libmlx's CUDA build
 loads at run time) is downloaded once into .cuda/nvrtc. The source is wrapped the way
-mlx/src/rows_attention.cc wraps it (`T`, `LOAD`, `STORE`, `D`, `NREP` and the optional `MG`, `XSUM`, `MINB`, `PREF`, `KPW`, `PACK` defined in front) and
+mlx/src/rows_attention.cc wraps it (`T`, `LOAD`, `STORE`, `D`, `NREP` and the optional `MG`, `XSUM`, `MINB`, `PREF`, `KPW`, `PACK`, `BAL` defined in front) and
 compiled for the H200 (compute_90) with the options the shim uses. Exits non-zero on the
 first variant that does not compile, printing NVRTC's log. A kernel edit that passes here
 still has to pass `device.sh rk` on the GPU (numerics are not checked here).
@@ -104,9 +104,10 @@ def main():
             for nrep in REPS:
                 # the shim's defaults for D, then the serial merge (MG 1) with the dot
                 # products summed together (XSUM 1), a floor of 6 blocks an SM and the next
-                # pass loaded ahead (PREF 1)
+                # pass loaded ahead (PREF 1), then balanced runs of keys (BAL 1)
                 extras = [f"#define MG {merge_groups(d)}\n",
-                          "#define MG 1\n#define XSUM 1\n#define MINB 6\n#define PREF 1\n"]
+                          "#define MG 1\n#define XSUM 1\n#define MINB 6\n#define PREF 1\n",
+                          f"#define BAL 1\n#define MG {merge_groups(d)}\n"]
                 # 16-bit words kept until used (PACK, where the shim sets it: 16-bit rows of
                 # a multiple of 64 elements), with 4, 8 and 16 keys a pass and the next loaded ahead
                 if t == "unsigned short" and d % 64 == 0:
