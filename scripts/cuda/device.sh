@@ -69,6 +69,13 @@ settings_tag() { # a GRAPHS entry as a file-name part: `=` and spaces as `_` (th
   echo "${1:-default}" | tr -c 'A-Za-z0-9\n' '_' | cut -c1-60
 }
 
+ncu_path() { # Nsight Compute's ncu, or a message and failure where the machine has none
+  local p
+  p=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  [ -n "$p" ] || { echo "no ncu on this machine" >&2; return 1; }
+  echo "$p"
+}
+
 split_arm() { # ARM+TAG: sets base (ARM), tag (TAG or empty), EV (ENV_TAG's value), XA (ARGS_TAG's)
   base=${1%%+*}; tag=""; EV=""; XA=""
   if [ "$base" != "$1" ]; then
@@ -749,8 +756,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     make_llama8b
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+    ncu=$(ncu_path) || exit 1
     sections="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats"
     nq() { # ARM KERNEL-REGEX SKIP COMMAND...: the sections as $OUT/nq-ARM.txt
       local arm=$1 re=$2 skip=$3; shift 3
@@ -777,8 +783,7 @@ case "$step" in
     assemble_mlx >/dev/null || exit 1
     env_setup
     make_llama8b
-    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-    [ -n "$ncu" ] || { echo "no ncu on this machine"; exit 1; }
+    ncu=$(ncu_path) || exit 1
     nk() { # ARM COMMAND...: the kernels of COMMAND as $OUT/nk-ARM.csv.gz
       local arm=$1; shift
       timeout "${NK_LIMIT:-270}" "$ncu" --clock-control none --cache-control none \
