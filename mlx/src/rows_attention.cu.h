@@ -433,8 +433,10 @@ __device__ __forceinline__ void attend_split(
       out[D + 1] = sum;
     }
   }
+#if BAL
   // the next split this block attends reuses the shared memory
   __syncthreads();
+#endif
 }
 
 // Grid (splits, kv heads, rows): block (s, h, r) attends keys s·chunk .. (s+1)·chunk of kv
