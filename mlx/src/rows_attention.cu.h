@@ -7,7 +7,8 @@
 // attends the NREP query heads of kv head h over keys s·chunk .. (s+1)·chunk of the row's
 // whole sequence: its shared prefix (`plen` keys), its own keys (`len`) and the new key,
 // taken from the step's input rather than the arena (no block reads what another writes).
-// Each warp takes KPW consecutive keys at a time: it issues all their loads before the first
+// With BAL the grid is one wave of blocks, each taking an equal run of all rows' keys (see
+// the kernel). Each warp takes KPW consecutive keys at a time: it issues all their loads before the first
 // dot product, so a warp waits for memory once per KPW keys instead of once per key (a
 // decode step is latency-bound: a split holds few keys). Lane j holds elements j·E .. j·E +
 // E - 1 of a row (E = D / 32), read with one or two vector loads of 4-32 bytes where the host
