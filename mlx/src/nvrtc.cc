@@ -5,7 +5,6 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-
 #include <stdexcept>
 
 namespace kvmlx::nvrtc {

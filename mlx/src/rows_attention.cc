@@ -229,8 +229,8 @@ bool balanced() {
   return on;
 }
 
-// Keys a warp loads at once (the source's KPW): KVSTORE_DECODE_KEYS_PER_LOAD, else 4, or 2
-// at head dimension above 128.
+// Keys a warp loads at once (the source's KPW, which it takes from here alone):
+// KVSTORE_DECODE_KEYS_PER_LOAD, else 4, or 2 at head dimension above 128 (registers).
 int keys_per_load(int d) {
   static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 16);
   return kpw > 0 ? kpw : (d > 128 ? 2 : 4);
@@ -301,8 +301,6 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   } else {
     throw std::invalid_argument("the batched decode attention takes f32, bf16 or f16");
   }
-  // 0: the source's default (4 keys, 2 at head dimension 256); keys_per_load reads it too
-  static const int kpw = env_int("KVSTORE_DECODE_KEYS_PER_LOAD", 0, 0, 16);
   // 0: no floor on the partial kernel's blocks per SM (the compiler picks its registers)
   static const int minb = env_int("KVSTORE_DECODE_MIN_BLOCKS_PER_SM", 0, 0, 16);
   // 1: a pass's dot products summed across the warp together (the source's XSUM)
@@ -315,7 +313,7 @@ Kernels kernels(mx::Dtype dtype, int d, int nrep) {
   const bool pack = packed == 1 && dtype != mx::float32 && d % 64 == 0;
   std::string src = (pack ? std::string("#define PACK 1\n") : std::string()) +
                     (balanced() ? std::string("#define BAL 1\n") : std::string()) +
-                    (kpw > 0 ? "#define KPW " + std::to_string(kpw) + "\n" : std::string()) +
+                    "#define KPW " + std::to_string(keys_per_load(d)) + "\n" +
                     (minb > 0 ? "#define MINB " + std::to_string(minb) + "\n" : std::string()) +
                     "#define XSUM " + std::to_string(xsum) + "\n#define PREF " +
                     std::to_string(pref) + "\n" +
@@ -363,17 +361,28 @@ bool vector_loads(int d, size_t esize, std::initializer_list<const void*> bases,
   return true;
 }
 
-// The splits a (row, head) may take in a node: fixed splits (split_of) or, with balanced
-// blocks, the most that any row group's runs give.
-int node_splits(int b, int hkv, const RowSpans& spans, int resident, int d) {
-  if (!balanced()) return split_of(b, hkv, spans.longest).second;
-  int most = 1;
+// How a node's partial kernels cut its rows' keys: fixed splits of `chunk` keys, or with
+// balanced blocks each row group's runs; `splits` is the most a (row, head) gets either way
+// (the partials' stride).
+struct NodePlan {
+  int chunk = 0;
+  int splits = 1;
+  std::vector<Runs> groups;  // balanced only: one a group of kRows rows
+};
+
+NodePlan node_plan(int b, int hkv, const RowSpans& spans, int resident, int d) {
+  NodePlan plan;
+  if (!balanced()) {
+    std::tie(plan.chunk, plan.splits) = split_of(b, hkv, spans.longest);
+    return plan;
+  }
   for (int row0 = 0; row0 < b; row0 += kRows) {
     const int n = std::min(kRows, b - row0);
     const Runs runs = runs_of(spans.totals.data() + row0, n, hkv, resident, kWarps * keys_per_load(d));
-    most = std::max(most, runs_splits(spans.totals.data() + row0, n, hkv, runs.per));
+    plan.splits = std::max(plan.splits, runs_splits(spans.totals.data() + row0, n, hkv, runs.per));
+    plan.groups.push_back(runs);
   }
-  return most;
+  return plan;
 }
 
 int scratch_splits(mx::Stream s, const std::vector<RowMeta>& rows,
@@ -382,7 +391,7 @@ int scratch_splits(mx::Stream s, const std::vector<RowMeta>& rows,
   const RowSpans spans = row_spans(rows, inputs);
   if (!balanced()) return split_of(b, hkv, spans.longest).second;
   cu::get_command_encoder(s).device().make_current();
-  return node_splits(b, hkv, spans, kernels(dtype, d, nrep).resident, d);
+  return node_plan(b, hkv, spans, kernels(dtype, d, nrep).resident, d).splits;
 }
 
 // The GPU evaluation: two kernels per 32 rows, the arenas written in place.
@@ -397,8 +406,8 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
 
   // Each row's whole sequence (prefix, own keys, the new one) and the split size.
   const RowSpans spans = row_spans(rows, inputs);
-  const int chunk = balanced() ? 0 : split_of(b, hkv, spans.longest).first;
-  const int splits = node_splits(b, hkv, spans, kern.resident, d);
+  const NodePlan plan = node_plan(b, hkv, spans, kern.resident, d);
+  const int splits = plan.splits;
 
   // No buffer from allocator::malloc, which on CUDA is managed memory (and moving a recycled
   // device buffer there synchronizes the device: docs/benchmarks.md, session 44). The output
@@ -442,7 +451,6 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
   for (int row0 = 0; row0 < b; row0 += kRows) {
     const int n = std::min(kRows, b - row0);
     Table tab{};
-    int group_per = 0;  // the balanced runs' keys (the merge needs them too)
     enc.set_input_array(q);
     enc.set_input_array(kn);
     enc.set_input_array(vn);
@@ -483,16 +491,15 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
       const void* kp = mx::gpu_ptr<void>(kn);
       const void* vp = mx::gpu_ptr<void>(vn);
       void* pp = mx::gpu_ptr<void>(part);
-      int r0 = row0, sp = splits, ch = chunk, h = hkv, nr = n, per = 0;
+      int r0 = row0, sp = splits, ch = plan.chunk, h = hkv, nr = n, per = 0;
       int vec = vector_loads(d, esize, {qp, kp, vp}, st, tab, n) ? 1 : 0;
       float sc = scale;
       dim3 grid(splits, hkv, n);
       if (balanced()) {
-        const Runs runs = runs_of(spans.totals.data() + row0, n, hkv, kern.resident, kWarps * keys_per_load(d));
+        const Runs& runs = plan.groups[row0 / kRows];
         per = int(runs.per);
         grid = dim3(runs.blocks, 1, 1);
       }
-      group_per = per;
       void* args[] = {&qp, &kp, &vp, &pp, &tab, &st, &r0, &sp, &ch, &sc, &h, &vec, &per, &nr};
       enc.add_kernel_node_raw(kern.partial, grid, dim3(kWarps * 32, 1, 1), dim3(1, 1, 1), 0, args);
     }
@@ -508,7 +515,8 @@ void rows_attend_gpu(mx::Stream s, const std::vector<mx::array>& inputs, mx::arr
     {
       const void* pp = mx::gpu_ptr<void>(part);
       void* op = mx::gpu_ptr<void>(out);
-      int r0 = row0, sp = splits, h = hq, per = group_per, kvh = hkv;
+      int r0 = row0, sp = splits, h = hq, kvh = hkv;
+      int per = balanced() ? int(plan.groups[row0 / kRows].per) : 0;
       void* plain[] = {&pp, &op, &r0, &sp, &h};
       void* with_runs[] = {&pp, &op, &r0, &sp, &h, &tab, &per, &kvh};
       enc.add_kernel_node_raw(kern.combine, dim3(hq, n, 1), dim3(d, merge_groups(d), 1),

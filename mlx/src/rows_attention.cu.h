@@ -30,9 +30,9 @@ R"KVSRC(
 #define WARPS 4
 #define ROWS 32
 #define NEG_INF (-__int_as_float(0x7f800000))
-// keys a warp loads at once: 4, or 2 where a key row is long (registers); the host may set it
+// keys a warp loads at once: set by the host, rows_attention.cc's keys_per_load
 #ifndef KPW
-#define KPW (D > 128 ? 2 : 4)
+#error "KPW (keys a warp loads at once) is defined by the host"
 #endif
 // 1: the partial kernel's blocks take equal runs of all rows' keys (see rows_partial)
 #ifndef BAL

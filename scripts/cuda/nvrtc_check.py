@@ -8,7 +8,7 @@ machine without a GPU.
 
 NVRTC needs no GPU: the `nvidia-cuda-nvrtc` wheel (PyPI, the version libmlx's CUDA build
 loads at run time) is downloaded once into .cuda/nvrtc. The source is wrapped the way
-mlx/src/rows_attention.cc wraps it (`T`, `LOAD`, `STORE`, `D`, `NREP` and the optional `MG`, `XSUM`, `MINB`, `PREF`, `KPW`, `PACK`, `BAL` defined in front) and
+mlx/src/rows_attention.cc wraps it (`T`, `LOAD`, `STORE`, `D`, `NREP`, `MG`, `KPW` and the optional `XSUM`, `MINB`, `PREF`, `PACK`, `BAL` defined in front) and
 compiled for the H200 (compute_90) with the options the shim uses. Exits non-zero on the
 first variant that does not compile, printing NVRTC's log. A kernel edit that passes here
 still has to pass `device.sh rk` on the GPU (numerics are not checked here).
@@ -88,7 +88,15 @@ def merge_groups(d):
     return 2 if d > 128 else (4 if d > 64 else 8)
 
 
+def keys_per_load(d):
+    """Keys a warp loads at once at head dimension d: rows_attention.cc's keys_per_load
+    (without its variable), which the source requires as KPW."""
+    return 2 if d > 128 else 4
+
+
 def compile_variant(lib, body, t, load, store, d, nrep, extra):
+    if "#define KPW" not in extra:
+        extra += f"#define KPW {keys_per_load(d)}\n"
     full = (f"{extra}#define T {t}\n#define LOAD {load}\n#define STORE {store}\n"
             f"#define D {d}\n#define NREP {nrep}\n" + body)
     return compile_source(lib, full)
